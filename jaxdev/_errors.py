@@ -1,0 +1,83 @@
+"""Exception types and message helpers shared by every jaxdev module.
+
+Each error subclasses the built-in type a user would already catch
+(``LookupError``, ``ValueError``, ``TypeError``, ``RuntimeError``) and the
+common base :class:`JaxdevError`. Messages follow JAX's rule: state the rule,
+the value that broke it, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+
+
+class JaxdevError(Exception):
+    """Base class of every error raised by jaxdev."""
+
+
+class DeviceNotFoundError(JaxdevError, LookupError):
+    """A requested device or platform does not exist on this host."""
+
+
+class DeviceSpecError(JaxdevError, ValueError):
+    """A device spec (string, int, object) is malformed."""
+
+
+class LeafTypeError(JaxdevError, TypeError):
+    """A pytree leaf has a type jaxdev cannot place (str, object, ...)."""
+
+
+class LeafValueError(JaxdevError, ValueError):
+    """A pytree leaf holds a value that cannot be placed without loss."""
+
+
+class DeletedArrayError(JaxdevError, ValueError):
+    """A pytree leaf was deleted or donated and can no longer be read."""
+
+
+class PlacementError(JaxdevError, ValueError):
+    """A placement request is inconsistent (mixed devices, Device in jit, ...)."""
+
+
+class ShardingError(JaxdevError, ValueError):
+    """A batch or tree cannot be sharded, replicated or gathered as asked."""
+
+
+class BackendStartedError(JaxdevError, RuntimeError):
+    """JAX's backend already started, so a start-up setting can't change."""
+
+
+class DistributedError(JaxdevError, RuntimeError):
+    """A multi-process run failed a check or lost a peer."""
+
+
+class PlacementAssertionError(JaxdevError, AssertionError):
+    """A placement assertion failed; the message lists every failing leaf."""
+
+
+def format_devices(devices: Iterable[jax.Device] | None = None) -> str:
+    """Return a short, readable list of devices, e.g. ``'cpu:0, cpu:1'``."""
+    if devices is None:
+        devices = jax.devices()
+    devices = list(devices)
+    names = [f"{d.platform}:{d.id}" for d in devices[:16]]
+    if len(devices) > 16:
+        names.append(f"... ({len(devices)} in all)")
+    return ", ".join(names) if names else "none"
+
+
+def available_devices() -> str:
+    """Return the sentence ending every device error: what exists here."""
+    return f"Available devices: [{format_devices()}]."
+
+
+def keystr(path) -> str:
+    """Return a key path as a string; the root leaf is shown as ``<root>``."""
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def join_failures(header: str, failures: list[str]) -> str:
+    """Join a header and one indented line per failing leaf."""
+    return header + "\n" + "\n".join(f"  {line}" for line in failures)
