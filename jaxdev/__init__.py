@@ -17,8 +17,32 @@ from ._errors import PlacementError as PlacementError
 from ._errors import ShardingError as ShardingError
 
 # --- devices ---
+from ._devices import DeviceSpec as DeviceSpec
+from ._devices import backend_started as backend_started
+from ._devices import cpu as cpu
+from ._devices import describe as describe
+from ._devices import device as device
+from ._devices import device_list as device_list
+from ._devices import gpu as gpu
+from ._devices import num_gpus as num_gpus
+from ._devices import try_all_gpus as try_all_gpus
+from ._devices import try_gpu as try_gpu
+from ._devices import use_fake_cpu_devices as use_fake_cpu_devices
 
 # --- placement ---
+from ._placement import LeafPlacement as LeafPlacement
+from ._placement import PlacementReport as PlacementReport
+from ._placement import Target as Target
+from ._placement import as_sharding as as_sharding
+from ._placement import common_device as common_device
+from ._placement import copy_to as copy_to
+from ._placement import device_of as device_of
+from ._placement import devices_of as devices_of
+from ._placement import diff_reports as diff_reports
+from ._placement import format_report as format_report
+from ._placement import placement as placement
+from ._placement import to_device as to_device
+from ._placement import to_host as to_host
 
 # --- parallel ---
 

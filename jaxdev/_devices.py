@@ -1,0 +1,415 @@
+"""What devices exist here: d2l's ``cpu()``/``gpu()``/``try_gpu()``, specs, fake CPUs.
+
+Device indexes count this process's *local* devices of one platform, as
+``jax.local_devices(backend=...)`` orders them. On a single host that is every
+device.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from typing import Any, Union
+
+import jax
+
+from ._errors import (
+    BackendStartedError,
+    DeviceNotFoundError,
+    DeviceSpecError,
+    available_devices,
+    format_devices,
+)
+
+DeviceSpec = Union[jax.Device, int, str]
+"""A ``jax.Device``, a local device index, or a string ``platform[:index]``."""
+
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_SPEC_RE = re.compile(r"^\s*(?P<platform>[A-Za-z]+)\s*(?::\s*(?P<index>[+-]?\d+)\s*)?$")
+
+
+def _platform_devices(platform: str) -> list[jax.Device]:
+    """Local devices of ``platform`` (``[]`` when JAX has no such backend)."""
+    try:
+        return list(jax.local_devices(backend=platform))
+    except RuntimeError:  # JAX: "Unknown backend" / backend failed to start.
+        return []
+
+
+def _check_index(i: Any, arg: str) -> int:
+    """Return ``i`` as a non-negative int or raise naming ``arg``."""
+    if isinstance(i, bool):
+        raise DeviceSpecError(f"`{arg}` must be a device index (int), got the bool {i!r}.")
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise DeviceSpecError(
+            f"`{arg}` must be a device index (int), got {type(i).__name__} {i!r}."
+        ) from None
+    if i < 0:
+        raise DeviceSpecError(
+            f"`{arg}` must be >= 0, got {i}. Negative indexes are refused because "
+            "`jax.devices()[-1]` would silently pick the last device. "
+            + available_devices()
+        )
+    return i
+
+
+def _pick(platform: str, i: Any, arg: str = "i") -> jax.Device:
+    """Return local device ``i`` of ``platform`` or raise with what exists."""
+    i = _check_index(i, arg)
+    devices = _platform_devices(platform)
+    if not devices:
+        hint = (
+            " For a GPU install `jax[cuda12]` (pip install -e '.[cuda12]'), or use "
+            "`try_gpu()` to fall back to the CPU."
+            if platform == "gpu"
+            else ""
+        )
+        raise DeviceNotFoundError(
+            f"No {platform} device: JAX started the platforms "
+            f"[{', '.join(_started_platforms())}].{hint} {available_devices()}"
+        )
+    if i >= len(devices):
+        raise DeviceNotFoundError(
+            f"`{arg}`={i} is out of range: this process has {len(devices)} {platform} "
+            f"device(s) [{format_devices(devices)}], valid indexes 0..{len(devices) - 1}. "
+            + available_devices()
+        )
+    return devices[i]
+
+
+def _started_platforms() -> list[str]:
+    return sorted({d.platform for d in jax.local_devices()})
+
+
+def cpu(i: int = 0) -> jax.Device:
+    """Return local CPU device ``i`` (d2l's ``cpu()``).
+
+    Args:
+      i: index among this process's CPU devices.
+
+    Returns:
+      The ``jax.Device``.
+
+    Raises:
+      DeviceSpecError: ``i`` is negative or not an int.
+      DeviceNotFoundError: ``i`` is past the last CPU device.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.cpu().platform
+      'cpu'
+    """
+    return _pick("cpu", i)
+
+
+def gpu(i: int = 0) -> jax.Device:
+    """Return local GPU ``i``, strictly (d2l's ``gpu(i)``).
+
+    Args:
+      i: index among this process's GPUs.
+
+    Returns:
+      The ``jax.Device``.
+
+    Raises:
+      DeviceSpecError: ``i`` is negative or not an int.
+      DeviceNotFoundError: no GPU backend, or ``i`` past the last GPU; the
+        message lists the devices that exist.
+
+    Example:
+      >>> import jaxdev
+      >>> try:
+      ...     d = jaxdev.gpu(0)
+      ... except jaxdev.DeviceNotFoundError:
+      ...     d = jaxdev.cpu()
+    """
+    return _pick("gpu", i)
+
+
+def num_gpus() -> int:
+    """Return the number of local GPUs; 0 when there is no GPU backend. Never raises.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.num_gpus() >= 0
+      True
+    """
+    return len(_platform_devices("gpu"))
+
+
+def try_gpu(i: int = 0) -> jax.Device:
+    """Return ``gpu(i)`` if it exists, otherwise ``cpu()`` (d2l's ``try_gpu``).
+
+    Args:
+      i: GPU index; must be >= 0 even when falling back.
+
+    Raises:
+      DeviceSpecError: ``i`` is negative or not an int.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.try_gpu(10).platform in ("cpu", "gpu")
+      True
+    """
+    i = _check_index(i, "i")
+    return gpu(i) if i < num_gpus() else cpu()
+
+
+def try_all_gpus() -> list[jax.Device]:
+    """Return every local GPU, or ``[cpu()]`` if there is none (d2l's promise).
+
+    Example:
+      >>> import jaxdev
+      >>> len(jaxdev.try_all_gpus()) >= 1
+      True
+    """
+    return _platform_devices("gpu") or [cpu()]
+
+
+def device(spec: DeviceSpec) -> jax.Device:
+    """Return the device a spec names.
+
+    The grammar is ``platform[:index]``: ``'cpu'``, ``'cpu:3'``, ``'gpu:1'``,
+    ``'cuda:1'`` and ``'rocm:0'`` (aliases of ``gpu``), ``'tpu:0'``; the index
+    defaults to 0. An int is an index into the default backend's local devices.
+
+    Args:
+      spec: a ``jax.Device``, an int, or a spec string.
+
+    Returns:
+      The ``jax.Device``.
+
+    Raises:
+      DeviceSpecError: malformed spec, unknown platform, negative index.
+      DeviceNotFoundError: the platform is absent or the index too large.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.device("cpu:0") == jaxdev.cpu(0)
+      True
+    """
+    if isinstance(spec, jax.Device):
+        return spec
+    if isinstance(spec, str):
+        return _parse(spec)
+    if isinstance(spec, bool) or not hasattr(spec, "__index__"):
+        raise DeviceSpecError(
+            f"`spec` must be a jax.Device, an int or a string like 'gpu:1', "
+            f"got {type(spec).__name__} {spec!r}."
+        )
+    i = _check_index(spec, "spec")
+    devices = jax.local_devices()
+    if i >= len(devices):
+        raise DeviceNotFoundError(
+            f"`spec`={i} is out of range: this process has {len(devices)} device(s), "
+            f"valid indexes 0..{len(devices) - 1}. " + available_devices()
+        )
+    return devices[i]
+
+
+def _parse(spec: str) -> jax.Device:
+    match = _SPEC_RE.match(spec)
+    if match is None:
+        raise DeviceSpecError(
+            f"`spec`={spec!r} is not a device spec: expected 'platform[:index]' such as "
+            f"'cpu', 'cpu:3', 'gpu:1', 'cuda:1', 'tpu:0'. " + available_devices()
+        )
+    name = match["platform"].lower()
+    if name not in _PLATFORMS:
+        raise DeviceSpecError(
+            f"`spec`={spec!r} names the unknown platform {name!r}: expected one of "
+            f"{sorted(_PLATFORMS)}. " + available_devices()
+        )
+    index = int(match["index"]) if match["index"] is not None else 0
+    return _pick(_PLATFORMS[name], index, arg="spec")
+
+
+def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> list[jax.Device]:
+    """Return a list of distinct local devices.
+
+    Args:
+      devices: ``None`` for every local device of the default backend, an int
+        ``n`` for the first ``n`` of them, a platform name (``'cpu'``,
+        ``'gpu'``) for all its local devices, or a list of device specs.
+
+    Returns:
+      A list of ``jax.Device`` without repeats.
+
+    Raises:
+      DeviceSpecError: a device appears twice, or ``n < 1``.
+      DeviceNotFoundError: more devices asked than exist.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.device_list(1) == [jaxdev.device(0)]
+      True
+    """
+    if devices is None:
+        return list(jax.local_devices())
+    if isinstance(devices, str) and ":" not in devices:
+        name = devices.strip().lower()
+        if name in _PLATFORMS:
+            found = _platform_devices(_PLATFORMS[name])
+            if not found:
+                _pick(_PLATFORMS[name], 0, arg="devices")  # raises the standard error
+            return found
+    if isinstance(devices, (str, jax.Device)):
+        return [device(devices)]
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return _first_n(devices)
+    out = [device(d) for d in devices]
+    _check_distinct(out)
+    return out
+
+
+def _first_n(n: int) -> list[jax.Device]:
+    local = jax.local_devices()
+    if n < 1:
+        raise DeviceSpecError(f"`devices`={n}: need at least 1 device.")
+    if n > len(local):
+        raise DeviceNotFoundError(
+            f"`devices`={n} asks for more devices than exist: this process has "
+            f"{len(local)}. For fake CPU devices call `jaxdev.use_fake_cpu_devices({n})` "
+            f"before JAX starts, or set XLA_FLAGS=--xla_force_host_platform_device_count={n}. "
+            + available_devices()
+        )
+    return list(local[:n])
+
+
+def _check_distinct(devices: list[jax.Device]) -> None:
+    seen: set[jax.Device] = set()
+    for d in devices:
+        if d in seen:
+            raise DeviceSpecError(
+                f"`devices` lists {d.platform}:{d.id} twice: "
+                f"[{format_devices(devices)}]. Each device may appear once."
+            )
+        seen.add(d)
+
+
+def backend_started() -> bool:
+    """Return whether JAX's backends are already initialised.
+
+    Start-up settings (platforms, CPU device count) only apply before that.
+
+    Example:
+      >>> import jaxdev
+      >>> isinstance(jaxdev.backend_started(), bool)
+      True
+    """
+    from jax._src import xla_bridge  # no public API tells this without starting it
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def use_fake_cpu_devices(n: int) -> None:
+    """Ask JAX for ``n`` CPU devices, for testing multi-device code on one CPU.
+
+    Call it before anything touches a device (``jax.devices()``, creating an
+    array). It sets ``jax_num_cpu_devices`` and exports
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=n`` so subprocesses
+    inherit it. If the backend already started with exactly ``n`` CPU devices
+    it does nothing.
+
+    Args:
+      n: number of CPU devices, >= 1.
+
+    Raises:
+      DeviceSpecError: ``n`` is not a positive int.
+      BackendStartedError: the backend started with another count.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.use_fake_cpu_devices(8)  # first line of a script  # doctest: +SKIP
+    """
+    n = _check_index(n, "n")
+    if n < 1:
+        raise DeviceSpecError(f"`n` must be >= 1, got {n}.")
+    if backend_started():
+        have = len(_platform_devices("cpu"))
+        if have == n:
+            return
+        raise BackendStartedError(
+            f"`use_fake_cpu_devices({n})` came too late: JAX's backend already started "
+            f"with {have} CPU device(s). Call it before anything touches a device (first "
+            f"thing in the script), or set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+            "before Python starts. " + available_devices()
+        )
+    jax.config.update("jax_num_cpu_devices", n)
+    os.environ["XLA_FLAGS"] = _with_device_count_flag(os.environ.get("XLA_FLAGS", ""), n)
+
+
+def _with_device_count_flag(flags: str, n: int) -> str:
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
+
+
+def describe() -> dict[str, Any]:
+    """Return what JAX started here, as plain data (for ``jaxdev info``).
+
+    Returns:
+      A dict with ``jax_version``, ``default_backend``, ``platforms``,
+      ``process_index``/``process_count``, ``local_device_count``/
+      ``device_count``, ``devices`` (id, platform, kind, process index,
+      memory stats or ``None`` where the backend gives none, as on CPU),
+      ``requested`` (``JAX_PLATFORMS``, ``XLA_FLAGS``, ``jax_num_cpu_devices``)
+      and ``warnings`` (e.g. a GPU was requested but JAX runs on CPU).
+
+    Example:
+      >>> import jaxdev
+      >>> info = jaxdev.describe()
+      >>> info["device_count"] >= 1
+      True
+    """
+    local = jax.local_devices()
+    requested = {
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
+        "jax_platforms": jax.config.jax_platforms,
+        "jax_num_cpu_devices": jax.config.jax_num_cpu_devices,
+    }
+    info = {
+        "jax_version": jax.__version__,
+        "default_backend": jax.default_backend(),
+        "platforms": _started_platforms(),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_device_count": len(local),
+        "device_count": jax.device_count(),
+        "devices": [_describe_device(d) for d in jax.devices()],
+        "requested": requested,
+    }
+    info["warnings"] = _warnings(info)
+    return info
+
+
+def _describe_device(d: jax.Device) -> dict[str, Any]:
+    try:
+        stats = d.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    return {
+        "id": d.id,
+        "platform": d.platform,
+        "kind": d.device_kind,
+        "process_index": d.process_index,
+        "memory": dict(stats) if stats else None,
+    }
+
+
+def _warnings(info: dict[str, Any]) -> list[str]:
+    wanted = " ".join(str(info["requested"][k] or "") for k in ("JAX_PLATFORMS", "jax_platforms"))
+    out = []
+    if any(p in wanted.lower() for p in ("cuda", "gpu", "rocm")) and "gpu" not in info["platforms"]:
+        out.append(
+            f"A GPU was requested ({wanted.strip()!r}) but JAX runs on "
+            f"{info['platforms']}: install jax[cuda12] and check the driver."
+        )
+    count = info["requested"]["jax_num_cpu_devices"]
+    have_cpu = sum(d["platform"] == "cpu" for d in info["devices"])
+    if count and count > 0 and "cpu" in info["platforms"] and have_cpu != count:
+        out.append(f"{count} fake CPU devices were requested but JAX started {have_cpu}.")
+    return out

@@ -1,0 +1,556 @@
+"""Move, copy and fetch pytrees; report where every leaf lives.
+
+Leaf policy (every public function here): ``jax.Array``, numpy arrays and
+scalars, and Python ``bool``/``int``/``float``/``complex`` are placed;
+``None`` is an empty subtree and passes through; anything else raises
+:class:`LeafTypeError` naming its key path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Union
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+
+from ._devices import DeviceSpec, device
+from ._errors import (
+    DeletedArrayError,
+    LeafTypeError,
+    LeafValueError,
+    PlacementError,
+    ShardingError,
+    available_devices,
+    format_devices,
+    join_failures,
+    keystr,
+)
+
+Target = Union[DeviceSpec, Sharding]
+"""Where to place: a ``jax.Device``, a spec (``'gpu:1'``, ``3``) or a ``Sharding``."""
+
+_PY_SCALARS = (bool, int, float, complex)
+_INT32 = np.iinfo(np.int32)
+_UINT32 = np.iinfo(np.uint32)
+
+
+# ---------------------------------------------------------------- leaf checks
+
+
+def as_sharding(target: Target) -> Sharding:
+    """Return ``target`` as a ``jax.sharding.Sharding``.
+
+    Args:
+      target: a ``Sharding`` (returned as is), or a device spec.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.as_sharding("cpu:0").device_set == {jaxdev.cpu(0)}
+      True
+    """
+    if isinstance(target, Sharding):
+        return target
+    return SingleDeviceSharding(device(target))
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    return jax.tree_util.tree_flatten(tree)
+
+
+def _path_of(tree: Any, index: int) -> str:
+    """Key path of leaf ``index`` (computed only when an error needs it)."""
+    return keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
+
+
+def _is_tracer(leaf: Any) -> bool:
+    return isinstance(leaf, jax.core.Tracer)
+
+
+def _host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
+    """Why a host leaf can't be placed without loss, or None if it can."""
+    if isinstance(leaf, _PY_SCALARS):
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and not _x64():
+            if not _INT32.min <= leaf <= _INT32.max:
+                return LeafValueError, (
+                    f"the Python int {leaf} does not fit int32 and x64 is disabled, so JAX "
+                    "would silently truncate it; enable `jax_enable_x64` or pass a float"
+                )
+        return None
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        kind = leaf.dtype.kind
+        if kind in "OUSVMm":
+            return LeafTypeError, (
+                f"a numpy value of dtype {leaf.dtype} cannot live on a device; "
+                "expected a numeric or bool dtype"
+            )
+        if leaf.dtype.itemsize == 8 and kind in "iu" and not _x64() and leaf.size:
+            bounds = _INT32 if kind == "i" else _UINT32
+            lo, hi = leaf.min(), leaf.max()
+            if lo < bounds.min or hi > bounds.max:
+                return LeafValueError, (
+                    f"{leaf.dtype} values in [{lo}, {hi}] do not fit "
+                    f"{'int32' if kind == 'i' else 'uint32'} and x64 is disabled, so JAX "
+                    "would silently truncate them; enable `jax_enable_x64` or cast first"
+                )
+        return None
+    return LeafTypeError, (
+        f"a {type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected "
+        "a jax.Array, numpy array or Python number (None passes through)"
+    )
+
+
+def _x64() -> bool:
+    return bool(jax.config.jax_enable_x64)
+
+
+def _raise_leaf(tree: Any, index: int, arg: str, exc: type[Exception], why: str) -> None:
+    raise exc(f"`{arg}` leaf {_path_of(tree, index)}: {why}. {available_devices()}")
+
+
+def _check_live(tree: Any, leaves: Sequence[Any], arg: str) -> None:
+    """Raise DeletedArrayError naming every deleted or donated leaf."""
+    dead = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and _deleted(x)]
+    if dead:
+        paths = [_path_of(tree, i) for i in dead]
+        raise DeletedArrayError(
+            f"`{arg}` has {len(dead)} deleted or donated leaf/leaves: {', '.join(paths)}. "
+            "Their buffers were freed (`x.delete()` or passed to a jit with "
+            "`donate_argnums`); use the arrays the donating call returned."
+        )
+
+
+def _deleted(x: jax.Array) -> bool:
+    try:
+        return x.is_deleted()
+    except Exception:  # tracers and exotic arrays have no buffers to delete
+        return False
+
+
+def _check_host_leaves(tree: Any, leaves: Sequence[Any], arg: str) -> None:
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.Array):
+            problem = _host_problem(leaf)
+            if problem is not None:
+                _raise_leaf(tree, i, arg, *problem)
+
+
+def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Sharding, arg: str):
+    """Raise ShardingError naming leaves whose shape ``s`` cannot split."""
+    if isinstance(s, SingleDeviceSharding):
+        return
+    for i in idx:
+        shape = np.shape(leaves[i])
+        try:
+            s.shard_shape(shape)
+        except Exception as err:  # JAX raises ValueError / IndexError / AssertionError
+            raise ShardingError(
+                f"`{arg}` leaf {_path_of(tree, i)} with shape {shape} cannot be placed on "
+                f"{_describe_sharding(s)}: {err}. Pad the leaf or choose a spec that "
+                f"divides its shape. {available_devices()}"
+            ) from None
+
+
+def _is_placed(leaf: Any, s: Sharding) -> bool:
+    if not isinstance(leaf, jax.Array) or not leaf.committed:
+        return False
+    have = leaf.sharding
+    if have == s:
+        return True
+    if type(have) is type(s) and not isinstance(s, NamedSharding):
+        return False
+    try:
+        return have.is_equivalent_to(s, leaf.ndim)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- move / copy
+
+
+def to_device(tree: Any, target: Target) -> Any:
+    """Place every leaf of ``tree`` on ``target``; already placed leaves stay as they are.
+
+    d2l's ``as_in_ctx`` and torch's ``.to``: a committed leaf already on
+    ``target`` comes back as the *same object* (raw ``jax.device_put`` returns
+    a new one), the leaves that must move go in one batched
+    ``jax.device_put``, and if nothing moves ``tree`` itself is returned.
+    Uncommitted arrays (made without a device) are committed to ``target``.
+
+    Inside ``jax.jit``, a ``Sharding`` target becomes
+    ``jax.lax.with_sharding_constraint``; a single device target raises,
+    because JAX silently ignores ``device_put`` to a device inside ``jit``.
+
+    Args:
+      tree: any pytree (Flax params, optax state, a batch).
+      target: a ``jax.Device``, a spec such as ``'gpu:1'``, or a ``Sharding``.
+
+    Returns:
+      A pytree with the structure of ``tree`` whose leaves live on ``target``.
+
+    Raises:
+      LeafTypeError: a leaf is not an array or number (its key path named).
+      LeafValueError: an int leaf would be truncated (x64 disabled).
+      DeletedArrayError: a leaf was deleted or donated.
+      ShardingError: a leaf's shape does not divide over ``target``.
+      PlacementError: a device target inside ``jit``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> params = jaxdev.to_device({"w": jnp.ones((2, 2))}, "cpu:0")
+      >>> jaxdev.to_device(params, "cpu:0") is params
+      True
+    """
+    sharding = as_sharding(target)
+    leaves, treedef = _flatten(tree)
+    if any(_is_tracer(x) for x in leaves):
+        return _constrain(tree, leaves, treedef, target, sharding)
+    _check_live(tree, leaves, "tree")
+    moving = [i for i, leaf in enumerate(leaves) if not _is_placed(leaf, sharding)]
+    if not moving:
+        return tree
+    _check_host_leaves(tree, leaves, "tree")
+    _check_fits(tree, leaves, moving, sharding, "tree")
+    moved = jax.device_put([leaves[i] for i in moving], sharding)
+    out = list(leaves)
+    for i, new in zip(moving, moved):
+        out[i] = new
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _constrain(tree: Any, leaves: list[Any], treedef: Any, target: Target, s: Sharding):
+    if not isinstance(target, Sharding):
+        raise PlacementError(
+            f"`to_device(tree, {target!r})` inside a jax.jit trace: JAX ignores placing on "
+            "a single device inside jit, so this would silently do nothing. Place the inputs "
+            "before calling the jitted function, or pass a Sharding (e.g. "
+            "NamedSharding(mesh, P())) to constrain the layout inside jit."
+        )
+    _check_fits(tree, leaves, range(len(leaves)), s, "tree")
+    return jax.tree_util.tree_unflatten(treedef, jax.lax.with_sharding_constraint(leaves, s))
+
+
+def copy_to(tree: Any, target: Target) -> Any:
+    """Copy every leaf of ``tree`` to ``target`` into new buffers (d2l's ``copyto``).
+
+    Unlike :func:`to_device`, nothing is reused: the result never shares a
+    buffer with the input, even when a leaf already lives on ``target``.
+    One batched ``jax.device_put`` does the copies.
+
+    Args:
+      tree: any pytree.
+      target: a ``jax.Device``, a spec, or a ``Sharding``.
+
+    Returns:
+      A new pytree of committed arrays on ``target``.
+
+    Raises:
+      Same as :func:`to_device`; inside ``jit`` it raises ``PlacementError``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> x = jaxdev.to_device(jnp.arange(3), "cpu:0")
+      >>> y = jaxdev.copy_to(x, "cpu:0")
+      >>> y is x, y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+      (False, False)
+    """
+    sharding = as_sharding(target)
+    leaves, treedef = _flatten(tree)
+    if any(_is_tracer(x) for x in leaves):
+        raise PlacementError(
+            "`copy_to` inside a jax.jit trace: buffers do not exist while tracing. "
+            "Copy before or after the jitted call."
+        )
+    _check_live(tree, leaves, "tree")
+    _check_host_leaves(tree, leaves, "tree")
+    _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
+    copied = jax.device_put(leaves, sharding, may_alias=False)
+    return jax.tree_util.tree_unflatten(treedef, copied)
+
+
+def to_host(tree: Any) -> Any:
+    """Fetch every leaf of ``tree`` to host numpy with one ``jax.device_get``.
+
+    Args:
+      tree: any pytree; host leaves pass through unchanged.
+
+    Returns:
+      The same structure with ``numpy.ndarray`` leaves (numbers stay numbers).
+
+    Raises:
+      DeletedArrayError: a leaf was deleted or donated.
+      LeafTypeError: a leaf is not an array or number.
+      PlacementError: called inside ``jit`` on traced values.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> jaxdev.to_host({"x": jnp.arange(3)})["x"].tolist()
+      [0, 1, 2]
+    """
+    leaves, _ = _flatten(tree)
+    if any(_is_tracer(x) for x in leaves):
+        raise PlacementError(
+            "`to_host` inside a jax.jit trace: values are not computed yet. Return them "
+            "from the jitted function and fetch afterwards (or use jax.debug.callback)."
+        )
+    _check_live(tree, leaves, "tree")
+    _check_host_leaves(tree, leaves, "tree")
+    return jax.device_get(tree)
+
+
+# ---------------------------------------------------------------- where is it
+
+
+def device_of(x: Any) -> jax.Device | None:
+    """Return the one device holding array ``x``; ``None`` for host values.
+
+    Args:
+      x: a ``jax.Array``, numpy array or Python number.
+
+    Raises:
+      PlacementError: ``x`` spans several devices (use :func:`devices_of`).
+      DeletedArrayError: ``x`` was deleted or donated.
+      LeafTypeError: ``x`` is not an array or number.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> jaxdev.device_of(jaxdev.to_device(jnp.ones(2), "cpu:0")) == jaxdev.cpu(0)
+      True
+    """
+    found = devices_of(x)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise PlacementError(
+            f"`x` spans {len(found)} devices [{format_devices(sorted(found, key=_dev_key))}] "
+            f"(sharding {_describe_sharding(x.sharding)}); use `devices_of(x)` for all of them."
+        )
+    return next(iter(found))
+
+
+def devices_of(tree: Any) -> set[jax.Device]:
+    """Return the set of devices holding any leaf of ``tree`` (host leaves add none).
+
+    Raises:
+      DeletedArrayError: a leaf was deleted or donated.
+      LeafTypeError: a leaf is not an array or number.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> jaxdev.devices_of({"a": jaxdev.to_device(jnp.ones(2), "cpu:0"), "b": 1.0})
+      {CpuDevice(id=0)}
+    """
+    leaves, _ = _flatten(tree)
+    _check_live(tree, leaves, "tree")
+    _check_host_leaves(tree, leaves, "tree")
+    out: set[jax.Device] = set()
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and not _is_tracer(leaf):
+            out |= leaf.sharding.device_set
+    return out
+
+
+def common_device(tree: Any) -> jax.Device | None:
+    """Return the one device every committed leaf of ``tree`` lives on.
+
+    Call it before combining leaves in one computation: JAX refuses arrays
+    committed to different devices with a message that names positional
+    arguments, not leaves. Uncommitted and host leaves follow the others.
+
+    Returns:
+      The device, or ``None`` when no leaf is committed.
+
+    Raises:
+      PlacementError: leaves are committed to different devices or span
+        several; every leaf is listed with its devices.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> t = jaxdev.to_device({"a": jnp.ones(2), "b": jnp.zeros(2)}, "cpu:0")
+      >>> jaxdev.common_device(t) == jaxdev.cpu(0)
+      True
+    """
+    leaves, _ = _flatten(tree)
+    _check_live(tree, leaves, "tree")
+    _check_host_leaves(tree, leaves, "tree")
+    committed = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
+    sets = {frozenset(x.sharding.device_set) for _, x in committed}
+    if not sets:
+        return None
+    if len(sets) == 1 and len(next(iter(sets))) == 1:
+        return next(iter(next(iter(sets))))
+    lines = [
+        f"{_path_of(tree, i)}: {format_devices(sorted(x.sharding.device_set, key=_dev_key))}"
+        for i, x in committed
+    ]
+    raise PlacementError(
+        join_failures(
+            "`tree` has leaves committed to different devices, so they cannot be combined "
+            "in one computation without a copy. Move them first with "
+            "`jaxdev.to_device(tree, device)`. Leaves and their devices:",
+            lines,
+        )
+    )
+
+
+def _dev_key(d: jax.Device) -> tuple[str, int]:
+    return (d.platform, d.id)
+
+
+# ---------------------------------------------------------------- report
+
+
+class LeafPlacement(NamedTuple):
+    """Where one leaf lives (one row of :class:`PlacementReport`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    devices: tuple[str, ...]
+    sharding: str
+    memory_kind: str | None
+    committed: bool | None
+    bytes_per_device: int
+    deleted: bool = False
+
+
+class PlacementReport(NamedTuple):
+    """Per-leaf placement of a pytree, with per-device byte totals.
+
+    ``str(report)`` is a table; ``report.diff(other)`` lists the leaves whose
+    placement differs between two trees.
+    """
+
+    leaves: tuple[LeafPlacement, ...]
+    bytes_by_device: dict[str, int]
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+    def diff(self, other: PlacementReport) -> list[str]:
+        """Return one line per leaf placed differently in ``other`` ([] when equal)."""
+        return diff_reports(self, other)
+
+
+def _describe_sharding(s: Sharding) -> str:
+    if isinstance(s, SingleDeviceSharding):
+        d = next(iter(s.device_set))
+        return f"{d.platform}:{d.id}"
+    if isinstance(s, NamedSharding):
+        axes = ",".join(f"{k}={v}" for k, v in s.mesh.shape.items())
+        return f"mesh({axes}) {s.spec}"
+    return type(s).__name__
+
+
+def _leaf_row(path: str, leaf: Any) -> LeafPlacement:
+    if isinstance(leaf, jax.Array):
+        shape, dtype = tuple(leaf.shape), str(leaf.dtype)
+        if _deleted(leaf):
+            return LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True)
+        s = leaf.sharding
+        devs = tuple(f"{d.platform}:{d.id}" for d in sorted(s.device_set, key=_dev_key))
+        nbytes = int(np.prod(s.shard_shape(leaf.shape), dtype=np.int64)) * leaf.dtype.itemsize
+        return LeafPlacement(
+            path, shape, dtype, devs, _describe_sharding(s), s.memory_kind, leaf.committed, nbytes
+        )
+    problem = _host_problem(leaf)
+    if problem is not None and problem[0] is LeafTypeError:
+        raise LeafTypeError(f"`tree` leaf {path}: {problem[1]}.")
+    arr = np.asarray(leaf)
+    return LeafPlacement(path, arr.shape, str(arr.dtype), (), "host", None, None, arr.nbytes)
+
+
+def placement(tree: Any) -> PlacementReport:
+    """Report where every leaf of ``tree`` lives.
+
+    Each row has the key path, shape, dtype, devices, sharding (device, or
+    mesh and spec), memory kind, committed, and bytes held on each of its
+    devices. Deleted or donated leaves are shown as such, not raised.
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      A :class:`PlacementReport`; ``print`` it for a table.
+
+    Raises:
+      LeafTypeError: a leaf is not an array or number.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> r = jaxdev.placement({"w": jaxdev.to_device(jnp.ones((2, 3)), "cpu:0")})
+      >>> r.leaves[0].path, r.leaves[0].devices, r.bytes_by_device
+      ("['w']", ('cpu:0',), {'cpu:0': 24})
+    """
+    rows = []
+    totals: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        row = _leaf_row(keystr(path), leaf)
+        rows.append(row)
+        if isinstance(leaf, jax.Array) and not row.deleted:
+            for shard in leaf.addressable_shards:
+                d = shard.device
+                key = f"{d.platform}:{d.id}"
+                totals[key] = totals.get(key, 0) + row.bytes_per_device
+    return PlacementReport(tuple(rows), dict(sorted(totals.items())))
+
+
+def format_report(report: PlacementReport) -> str:
+    """Return a placement report as a fixed-width text table."""
+    head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
+    body = [
+        (
+            r.path,
+            "x".join(map(str, r.shape)) or "()",
+            r.dtype,
+            r.sharding if len(r.devices) <= 1 else f"{r.sharding} on {len(r.devices)} devices",
+            r.memory_kind or "-",
+            "-" if r.committed is None else ("yes" if r.committed else "no"),
+            _human(r.bytes_per_device),
+        )
+        for r in report.leaves
+    ]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in body]
+    total = sum(report.bytes_by_device.values())
+    per = ", ".join(f"{k}: {_human(v)}" for k, v in report.bytes_by_device.items())
+    lines.append(f"{len(report.leaves)} leaves, {_human(total)} on devices ({per or 'none'})")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def diff_reports(a: PlacementReport, b: PlacementReport) -> list[str]:
+    """Return one line per leaf whose placement differs between ``a`` and ``b``.
+
+    Compares devices, sharding, memory kind and committed-ness; leaves present
+    in only one tree are listed too.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> a = jaxdev.placement({"w": jaxdev.to_device(jnp.ones(2), "cpu:0")})
+      >>> a.diff(a)
+      []
+    """
+    rows_a = {r.path: r for r in a.leaves}
+    rows_b = {r.path: r for r in b.leaves}
+    out = []
+    for path in list(rows_a) + [p for p in rows_b if p not in rows_a]:
+        ra, rb = rows_a.get(path), rows_b.get(path)
+        if ra is None or rb is None:
+            out.append(f"{path}: only in {'first' if rb is None else 'second'} tree")
+            continue
+        for field in ("sharding", "devices", "memory_kind", "committed", "deleted"):
+            va, vb = getattr(ra, field), getattr(rb, field)
+            if va != vb:
+                out.append(f"{path}: {field} {va!r} != {vb!r}")
+    return out
