@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import os
 import re
-from typing import Any, Union
+from typing import Any
 
 import jax
 
@@ -22,7 +22,7 @@ from ._errors import (
     format_devices,
 )
 
-DeviceSpec = Union[jax.Device, int, str]
+DeviceSpec = jax.Device | int | str
 """A ``jax.Device``, a local device index, or a string ``platform[:index]``."""
 
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}

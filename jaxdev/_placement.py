@@ -9,7 +9,7 @@ scalars, and Python ``bool``/``int``/``float``/``complex`` are placed;
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ from ._errors import (
     keystr,
 )
 
-Target = Union[DeviceSpec, Sharding]
+Target = DeviceSpec | Sharding
 """Where to place: a ``jax.Device``, a spec (``'gpu:1'``, ``3``) or a ``Sharding``."""
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -80,7 +80,7 @@ def _host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
         return None
     if isinstance(leaf, (np.ndarray, np.generic)):
         kind = leaf.dtype.kind
-        if kind in "OUSVMm":
+        if kind in "OUSMm" or (kind == "V" and not _is_ml_dtype(leaf.dtype)):
             return LeafTypeError, (
                 f"a numpy value of dtype {leaf.dtype} cannot live on a device; "
                 "expected a numeric or bool dtype"
@@ -99,6 +99,11 @@ def _host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
         f"a {type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected "
         "a jax.Array, numpy array or Python number (None passes through)"
     )
+
+
+def _is_ml_dtype(dtype: np.dtype) -> bool:
+    """bfloat16, float8_*, int4: numpy kind 'V' but real JAX dtypes."""
+    return dtype.names is None and dtype.type.__module__.startswith("ml_dtypes")
 
 
 def _x64() -> bool:
@@ -177,6 +182,11 @@ def to_device(tree: Any, target: Target) -> Any:
     a new one), the leaves that must move go in one batched
     ``jax.device_put``, and if nothing moves ``tree`` itself is returned.
     Uncommitted arrays (made without a device) are committed to ``target``.
+
+    Like ``jax.device_put``, placing a numpy array on a CPU device may alias
+    its buffer (JAX does so for aligned arrays even with ``may_alias=False``),
+    so writing into that numpy array later changes the jax.Array. Use
+    :func:`copy_to` when the host buffer will be reused.
 
     Inside ``jax.jit``, a ``Sharding`` target becomes
     ``jax.lax.with_sharding_constraint``; a single device target raises,
@@ -265,6 +275,9 @@ def copy_to(tree: Any, target: Target) -> Any:
     _check_live(tree, leaves, "tree")
     _check_host_leaves(tree, leaves, "tree")
     _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
+    # On CPU, JAX aliases aligned numpy buffers even with may_alias=False
+    # (measured on jax 0.10.2), so host leaves are copied first.
+    leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
     copied = jax.device_put(leaves, sharding, may_alias=False)
     return jax.tree_util.tree_unflatten(treedef, copied)
 

@@ -1,0 +1,206 @@
+"""Devices: d2l's cpu/gpu/try_gpu, spec strings, fake CPU devices, describe()."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import N_DEVICES, run_python
+
+import jaxdev
+from jaxdev import DeviceNotFoundError, DeviceSpecError
+
+
+def test_cpu_indexes_local_cpu_devices(devices):
+    assert jaxdev.cpu() == devices[0]
+    assert jaxdev.cpu(3) == devices[3]
+    assert jaxdev.cpu(np.int64(2)) == devices[2]
+
+
+def test_negative_index_refused_where_jax_returns_last_device(devices):
+    assert jax.devices()[-1] == devices[-1]  # what JAX silently does
+    with pytest.raises(DeviceSpecError, match=r"`i` must be >= 0, got -1.*Available devices"):
+        jaxdev.cpu(-1)
+    with pytest.raises(DeviceSpecError, match="got -2"):
+        jaxdev.try_gpu(-2)
+
+
+def test_index_past_end_names_count_and_devices():
+    with pytest.raises(DeviceNotFoundError) as err:
+        jaxdev.cpu(N_DEVICES)
+    msg = str(err.value)
+    assert f"has {N_DEVICES} cpu device(s)" in msg
+    assert "valid indexes 0..7" in msg and "cpu:7" in msg
+    assert isinstance(err.value, LookupError)
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None, True])
+def test_index_of_wrong_type(bad):
+    with pytest.raises(DeviceSpecError, match="`i` must be a device index"):
+        jaxdev.cpu(bad)
+
+
+def test_gpu_strict_on_cpu_host():
+    with pytest.raises(DeviceNotFoundError) as err:
+        jaxdev.gpu()
+    msg = str(err.value)
+    assert "No gpu device" in msg and "[cpu]" in msg and "try_gpu" in msg and "cpu:0" in msg
+
+
+def test_d2l_fallbacks_on_cpu_host():
+    assert jaxdev.num_gpus() == 0
+    assert jaxdev.try_gpu() == jaxdev.cpu()
+    assert jaxdev.try_gpu(10) == jaxdev.cpu()
+    assert jaxdev.try_all_gpus() == [jaxdev.cpu()]
+
+
+@pytest.mark.parametrize(
+    "spec, index",
+    [("cpu", 0), ("cpu:3", 3), ("CPU:5", 5), (" cpu : 1 ", 1), (4, 4), (np.int32(6), 6)],
+)
+def test_device_specs(devices, spec, index):
+    assert jaxdev.device(spec) == devices[index]
+
+
+def test_device_passes_device_objects_through(devices):
+    assert jaxdev.device(devices[2]) is devices[2]
+
+
+@pytest.mark.parametrize("spec", ["gpu:1", "cuda:1", "rocm", "tpu:0"])
+def test_absent_platform_specs(spec):
+    with pytest.raises(DeviceNotFoundError, match="Available devices: \\[cpu:0"):
+        jaxdev.device(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "not a device spec"),
+        ("cpu:", "not a device spec"),
+        ("cpu:1:2", "not a device spec"),
+        ("gpu1", "expected 'platform\\[:index\\]'"),
+        ("metal:0", "unknown platform 'metal'"),
+        ("cpu:-1", "must be >= 0"),
+        ("cpu:x", "not a device spec"),
+    ],
+)
+def test_malformed_specs(spec, match):
+    with pytest.raises(DeviceSpecError, match=match):
+        jaxdev.device(spec)
+
+
+@pytest.mark.parametrize("spec", [1.5, None, [0], object()])
+def test_spec_of_wrong_type(spec):
+    with pytest.raises(DeviceSpecError, match="`spec` must be a jax.Device, an int or a string"):
+        jaxdev.device(spec)
+
+
+def test_int_spec_out_of_range():
+    with pytest.raises(DeviceNotFoundError, match="`spec`=8 is out of range"):
+        jaxdev.device(8)
+
+
+def test_device_list(devices):
+    assert jaxdev.device_list() == devices
+    assert jaxdev.device_list(3) == devices[:3]
+    assert jaxdev.device_list("cpu") == devices
+    assert jaxdev.device_list(["cpu:1", 0]) == [devices[1], devices[0]]
+    with pytest.raises(DeviceSpecError, match="lists cpu:1 twice"):
+        jaxdev.device_list(["cpu:1", 1])
+    with pytest.raises(DeviceNotFoundError, match="use_fake_cpu_devices\\(9\\)"):
+        jaxdev.device_list(9)
+    with pytest.raises(DeviceSpecError, match="at least 1"):
+        jaxdev.device_list(0)
+    with pytest.raises(DeviceNotFoundError):
+        jaxdev.device_list("gpu")
+
+
+def test_use_fake_cpu_devices_after_start(devices):
+    jaxdev.use_fake_cpu_devices(N_DEVICES)  # same count: no-op
+    with pytest.raises(jaxdev.BackendStartedError, match="already started with 8 CPU device"):
+        jaxdev.use_fake_cpu_devices(4)
+
+
+def test_describe_is_plain_data(devices):
+    info = jaxdev.describe()
+    json.dumps(info)  # plain data only
+    assert info["device_count"] == info["local_device_count"] == N_DEVICES
+    assert info["platforms"] == ["cpu"] and info["process_count"] == 1
+    assert [d["id"] for d in info["devices"]] == list(range(N_DEVICES))
+    assert all(d["memory"] is None for d in info["devices"])  # CPU has no memory stats
+    assert info["warnings"] == []
+
+
+def test_use_fake_cpu_devices_before_start_in_subprocess():
+    proc = run_python(
+        """
+        import os, jaxdev
+        jaxdev.use_fake_cpu_devices(3)
+        import jax
+        print(len(jax.devices()), os.environ["XLA_FLAGS"])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3", "--xla_force_host_platform_device_count=3"]
+
+
+def test_xla_flags_two_devices_in_subprocess():
+    proc = run_python(
+        """
+        import jax.numpy as jnp, jaxdev
+        print(len(jaxdev.device_list()), jaxdev.cpu(1))
+        x = jaxdev.to_device(jnp.ones(3), "cpu:1")
+        print(jaxdev.device_of(x))
+        try:
+            jaxdev.cpu(2)
+        except jaxdev.DeviceNotFoundError as e:
+            print("refused", "has 2 cpu" in str(e))
+        """,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["2 cpu:1", "cpu:1", "refused True"]
+
+
+def test_single_cpu_d2l_case_in_subprocess():
+    proc = run_python(
+        """
+        import jax.numpy as jnp, jaxdev
+        print(jaxdev.num_gpus(), jaxdev.try_gpu(), jaxdev.try_all_gpus())
+        x = jnp.ones((2, 3))
+        y = jaxdev.to_device(x, jaxdev.try_gpu())
+        print(jaxdev.device_of(y), jaxdev.to_device(y, "cpu") is y)
+        info = jaxdev.describe()
+        print(info["device_count"], info["warnings"])
+        """,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "0 cpu:0 [CpuDevice(id=0)]",
+        "cpu:0 True",
+        "1 []",
+    ]
+
+
+def test_describe_warns_when_gpu_requested_but_cpu_started():
+    proc = run_python(
+        """
+        import jax, jaxdev
+        jax.config.update("jax_platforms", "cpu")
+        import os; os.environ["JAX_PLATFORMS"] = "cuda,cpu"
+        print(jaxdev.describe()["warnings"])
+        """,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "A GPU was requested" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_present_when_lent():
+    assert jaxdev.num_gpus() >= 1
+    assert jaxdev.gpu(0).platform == "gpu"
+    assert jaxdev.device("cuda:0") == jaxdev.gpu(0)
+    assert jaxdev.describe()["devices"][0]["memory"] is not None

@@ -1,0 +1,320 @@
+"""Placement: to_device / copy_to / to_host / placement report, and their bad inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.core import FrozenDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdev
+from jaxdev import (
+    DeletedArrayError,
+    LeafTypeError,
+    LeafValueError,
+    PlacementError,
+    ShardingError,
+)
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.uint8, np.bool_]
+
+
+def _mlp_params():
+    return {
+        "Dense_0": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)},
+        "Dense_1": {"kernel": jnp.ones((8, 2)), "bias": jnp.zeros(2)},
+    }
+
+
+# ---------------------------------------------------------------- to_device
+
+
+def test_already_placed_leaves_and_tree_come_back_as_same_objects(devices):
+    params = jaxdev.to_device(_mlp_params(), devices[1])
+    again = jaxdev.to_device(params, "cpu:1")
+    assert again is params
+    # Raw JAX returns new objects even when nothing moves.
+    assert jax.device_put(params["Dense_0"]["bias"], devices[1]) is not params["Dense_0"]["bias"]
+
+
+def test_only_leaves_that_must_move_are_transferred(devices):
+    tree = {"a": jaxdev.to_device(jnp.ones(3), devices[2]), "b": jnp.ones(3), "c": np.ones(2)}
+    out = jaxdev.to_device(tree, devices[2])
+    assert out is not tree
+    assert out["a"] is tree["a"]
+    assert jaxdev.device_of(out["b"]) == devices[2] and out["b"].committed
+    assert jaxdev.device_of(out["c"]) == devices[2]
+
+
+def test_uncommitted_arrays_get_committed(devices):
+    x = jnp.ones(3)
+    assert not x.committed
+    y = jaxdev.to_device(x, devices[0])
+    assert y.committed and jaxdev.to_device(y, devices[0]) is y
+
+
+def test_moves_between_devices_and_to_shardings(devices):
+    x = jaxdev.to_device(jnp.arange(16.0).reshape(8, 2), "cpu:3")
+    y = jaxdev.to_device(x, "cpu:5")
+    assert jaxdev.device_of(y) == devices[5]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    s = NamedSharding(mesh, P("data"))
+    z = jaxdev.to_device({"x": y}, s)
+    assert z["x"].sharding == s
+    assert jaxdev.to_device(z, s) is z
+    np.testing.assert_array_equal(np.asarray(z["x"]), np.arange(16.0).reshape(8, 2))
+
+
+def test_none_passes_through_and_numbers_are_placed(devices):
+    tree = {"a": None, "b": 1.5, "c": 3, "d": True, "e": [None, np.float32(2)]}
+    out = jaxdev.to_device(tree, "cpu:1")
+    assert out["a"] is None and out["e"][0] is None
+    assert jaxdev.devices_of(out) == {devices[1]}
+    assert out["c"].dtype == jnp.int32 and out["d"].dtype == jnp.bool_
+
+
+@pytest.mark.parametrize(
+    "leaf, kind",
+    [
+        ("hello", "builtins.str is not an array"),
+        (object(), "builtins.object is not an array"),
+        (np.array([object()]), "dtype object cannot live on a device"),
+        (np.array(["a", "b"]), "dtype <U1 cannot live on a device"),
+    ],
+)
+def test_non_array_leaves_name_their_path(leaf, kind):
+    tree = {"params": {"ok": jnp.ones(2), "bad": leaf}}
+    for fn in (lambda t: jaxdev.to_device(t, "cpu:0"), lambda t: jaxdev.copy_to(t, "cpu:0")):
+        with pytest.raises(LeafTypeError) as err:
+            fn(tree)
+        msg = str(err.value)
+        assert "`tree` leaf ['params']['bad']" in msg and kind in msg and "Available devices" in msg
+
+
+def test_int_values_that_do_not_fit_int32_are_refused():
+    assert int(jnp.asarray(np.int64(2**40 + 5))) == 5  # JAX truncates silently
+    with pytest.raises(LeafValueError, match=r"\['big'\]: the Python int 1099511627781"):
+        jaxdev.to_device({"big": 2**40 + 5}, "cpu:0")
+    with pytest.raises(LeafValueError, match=r"\['arr'\]: int64 values in \[0, 1099511627781\]"):
+        jaxdev.to_device({"arr": np.array([0, 2**40 + 5])}, "cpu:0")
+    with pytest.raises(LeafValueError, match="uint32"):
+        jaxdev.to_device(np.array([2**33], np.uint64), "cpu:0")
+    # In-range int64 values are fine.
+    out = jaxdev.to_device({"arr": np.array([-(2**31), 2**31 - 1])}, "cpu:0")
+    assert out["arr"].tolist() == [-(2**31), 2**31 - 1]
+
+
+def test_deleted_and_donated_leaves_are_named(devices):
+    x = jaxdev.to_device(jnp.ones(3), devices[0])
+    x.delete()
+    with pytest.raises(DeletedArrayError, match=r"deleted or donated leaf/leaves: \['w'\]"):
+        jaxdev.to_device({"w": x}, devices[0])
+    y = jaxdev.to_device(jnp.ones(3), devices[0])
+    jax.jit(lambda a: a + 1, donate_argnums=0)(y)
+    for fn in (
+        lambda t: jaxdev.copy_to(t, "cpu:0"),
+        jaxdev.to_host,
+        jaxdev.devices_of,
+    ):
+        with pytest.raises(DeletedArrayError, match=r"\['opt'\]\[0\]"):
+            fn({"opt": [y]})
+    # The report shows it instead of raising.
+    assert jaxdev.placement({"w": x}).leaves[0].sharding == "deleted"
+
+
+def test_sharding_that_does_not_divide_names_leaf(devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    s = NamedSharding(mesh, P("data"))
+    with pytest.raises(ShardingError) as err:
+        jaxdev.to_device({"x": np.ones((8, 2)), "y": np.ones((5, 2))}, s)
+    assert "leaf ['y'] with shape (5, 2)" in str(err.value)
+    with pytest.raises(ShardingError, match=r"leaf \['s'\] with shape \(\)"):
+        jaxdev.to_device({"s": np.float32(1.0)}, s)
+
+
+def test_inside_jit_device_target_raises_and_sharding_constrains(devices):
+    @jax.jit
+    def bad(x):
+        return jaxdev.to_device(x, devices[1]) * 2
+
+    with pytest.raises(PlacementError, match="ignores placing on a single device inside jit"):
+        bad(jnp.ones(8))
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    s = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def good(x):
+        return jaxdev.to_device(x * 2, s)
+
+    out = good(jnp.ones(8))
+    assert out.sharding.is_equivalent_to(s, 1)
+    for fn in (lambda x: jaxdev.copy_to(x, s), jaxdev.to_host):
+        with pytest.raises(PlacementError, match="inside a jax.jit trace"):
+            jax.jit(fn)(jnp.ones(8))
+
+
+# ---------------------------------------------------------------- copy_to / to_host
+
+
+def test_copy_to_always_makes_new_buffers(devices):
+    x = jaxdev.to_device(jnp.arange(4.0), devices[0])
+    y = jaxdev.copy_to(x, devices[0])
+    assert y is not x and y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    host = np.arange(4, dtype=np.float32)
+    z = jaxdev.copy_to(host, devices[0])
+    assert z.unsafe_buffer_pointer() != host.ctypes.data
+
+
+def test_to_host_is_one_device_get(monkeypatch, devices):
+    calls = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda t: calls.append(1) or real(t))
+    out = jaxdev.to_host(jaxdev.to_device(_mlp_params(), devices[0]))
+    assert len(calls) == 1
+    assert isinstance(out["Dense_0"]["kernel"], np.ndarray)
+
+
+# ---------------------------------------------------------------- where is it
+
+
+def test_device_of_and_common_device(devices):
+    assert jaxdev.device_of(np.ones(2)) is None
+    a = jaxdev.to_device(jnp.ones(2), devices[0])
+    b = jaxdev.to_device(jnp.ones(2), devices[1])
+    assert jaxdev.common_device({"a": a, "h": np.ones(2), "u": jnp.ones(2)}) == devices[0]
+    assert jaxdev.common_device({"u": jnp.ones(2)}) is None
+    with pytest.raises(PlacementError) as err:
+        jaxdev.common_device({"a": a, "b": b})
+    assert "['a']: cpu:0" in str(err.value) and "['b']: cpu:1" in str(err.value)
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    sharded = jaxdev.to_device(jnp.ones(8), NamedSharding(mesh, P("data")))
+    with pytest.raises(PlacementError, match="spans 8 devices"):
+        jaxdev.device_of(sharded)
+    assert jaxdev.devices_of({"s": sharded, "a": a}) == set(devices)
+
+
+def test_placement_report(devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    tree = {
+        "w": jaxdev.to_device(jnp.ones((4, 8), jnp.float32), devices[0]),
+        "b": jaxdev.to_device(jnp.ones((16,), jnp.bfloat16), NamedSharding(mesh, P("data"))),
+        "r": jaxdev.to_device(jnp.ones((2,), jnp.int8), NamedSharding(mesh, P())),
+        "h": np.ones(3, np.float32),
+        "u": jnp.ones(1),
+    }
+    report = jaxdev.placement(tree)
+    rows = {r.path: r for r in report.leaves}
+    assert rows["['w']"].devices == ("cpu:0",) and rows["['w']"].bytes_per_device == 128
+    assert rows["['b']"].bytes_per_device == 4 and len(rows["['b']"].devices) == 8
+    assert rows["['b']"].sharding == "mesh(data=8) P('data',)"
+    assert rows["['r']"].bytes_per_device == 2 and rows["['r']"].memory_kind == "device"
+    assert rows["['h']"].sharding == "host" and rows["['h']"].committed is None
+    assert rows["['u']"].committed is False and rows["['w']"].committed is True
+    assert report.bytes_by_device["cpu:0"] == 128 + 4 + 2 + 4
+    assert report.bytes_by_device["cpu:7"] == 4 + 2
+    text = str(report)
+    assert "['b']" in text and "bytes/device" in text and "5 leaves" in text
+    moved = dict(tree, w=jaxdev.to_device(tree["w"], devices[1]))
+    assert report.diff(jaxdev.placement(moved)) == [
+        "['w']: sharding 'cpu:0' != 'cpu:1'",
+        "['w']: devices ('cpu:0',) != ('cpu:1',)",
+    ]
+    assert report.diff(report) == []
+    assert jaxdev.placement({"x": np.ones(1)}).diff(jaxdev.placement({})) == [
+        "['x']: only in first tree"
+    ]
+
+
+# ---------------------------------------------------------------- model pytrees
+
+
+def test_flax_linen_nnx_and_optax_trees(devices):
+    frozen = FrozenDict({"params": _mlp_params()})
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    opt = optax.adam(1e-3).init(_mlp_params())
+    for tree in (frozen, state, opt):
+        placed = jaxdev.to_device(tree, devices[3])
+        assert type(placed) is type(tree)
+        assert jaxdev.devices_of(placed) == {devices[3]}
+        assert jaxdev.to_device(placed, devices[3]) is placed
+        assert len(jaxdev.placement(placed).leaves) == len(jax.tree.leaves(tree))
+
+
+# ---------------------------------------------------------------- properties
+
+
+def _arrays(dtype):
+    """Arrays of ``dtype`` built from raw bytes: NaN payloads, -0.0, inf included."""
+    itemsize = np.dtype(dtype).itemsize
+    shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+
+    def build(shape_and_bytes):
+        shape, raw = shape_and_bytes
+        n = int(np.prod(shape, dtype=np.int64))
+        buf = (raw * (n * itemsize // max(len(raw), 1) + 1))[: n * itemsize]
+        if dtype is np.bool_:
+            return np.frombuffer(buf, np.uint8).astype(bool).reshape(shape)
+        return np.frombuffer(buf, dtype).reshape(shape).copy()
+
+    return st.tuples(shapes, st.binary(min_size=1, max_size=64)).map(build)
+
+
+def _trees(dtype):
+    leaf = _arrays(dtype)
+    return st.one_of(
+        st.dictionaries(st.sampled_from("abc"), leaf, max_size=3),
+        st.lists(leaf, max_size=3),
+        st.tuples(leaf, leaf),
+        st.dictionaries(st.sampled_from("xy"), leaf, max_size=2).map(FrozenDict),
+        st.dictionaries(st.sampled_from("pq"), leaf, min_size=1, max_size=2).map(nnx.State),
+    )
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.dtype, x.shape, x.tobytes()
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), index=st.integers(0, 7))
+def test_round_trip_is_bit_exact(data, dtype, index):
+    tree = data.draw(_trees(dtype))
+    target = jaxdev.cpu(index)
+    placed = jaxdev.to_device(tree, target)
+    back = jaxdev.to_host(placed)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    assert [_bits(a) for a in jax.tree.leaves(back)] == [_bits(a) for a in jax.tree.leaves(tree)]
+    # Twice: the same objects.
+    again = jaxdev.to_device(placed, target)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed)))
+    # copy_to never shares a buffer with its input.
+    copied = jaxdev.copy_to(placed, target)
+    for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(placed)):
+        if a.size:
+            assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+        assert _bits(a) == _bits(b)
+
+
+def test_special_float_values_round_trip_exactly():
+    payload_nan = np.array([0x7FC00001, 0xFFC12345, 0x80000000], np.uint32).view(np.float32)
+    tree = {"f32": payload_nan, "neg0": np.array([-0.0, np.inf, -np.inf], np.float16)}
+    back = jaxdev.to_host(jaxdev.to_device(tree, "cpu:2"))
+    for k in tree:
+        assert back[k].tobytes() == tree[k].tobytes()
+
+
+def test_copy_to_is_safe_from_later_writes_to_a_reused_host_buffer(devices):
+    host = np.arange(100_000, dtype=np.float32)  # large enough for JAX to alias on CPU
+    copied = jaxdev.copy_to(host, devices[0])
+    host[0] = 7.0
+    assert float(copied[0]) == 0.0
