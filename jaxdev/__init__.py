@@ -47,18 +47,6 @@ from ._placement import to_host as to_host
 # --- parallel ---
 
 # --- metrics ---
-from ._metrics import Accuracy as Accuracy
-from ._metrics import Collection as Collection
-from ._metrics import DeviceLog as DeviceLog
-from ._metrics import Last as Last
-from ._metrics import Max as Max
-from ._metrics import Mean as Mean
-from ._metrics import Metric as Metric
-from ._metrics import MetricError as MetricError
-from ._metrics import Min as Min
-from ._metrics import NonFinite as NonFinite
-from ._metrics import Sum as Sum
-from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---
 
@@ -71,17 +59,7 @@ from ._asserts import assert_same_placement as assert_same_placement
 from ._asserts import assert_sharded as assert_sharded
 
 # --- guards ---
-from ._guards import GuardArgumentError as GuardArgumentError
-from ._guards import GuardError as GuardError
-from ._guards import TransferCounter as TransferCounter
-from ._guards import TransferEvent as TransferEvent
-from ._guards import count_transfers as count_transfers
-from ._guards import no_host_sync as no_host_sync
 
 # --- distributed ---
-from . import _distributed as distributed  # jaxdev.distributed.initialize() / shutdown()
-from ._launch import launch as launch
-from ._multihost import assert_same_across_processes as assert_same_across_processes
-from ._multihost import make_global_batch as make_global_batch
 
 __version__ = "0.1.0"
