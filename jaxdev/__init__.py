@@ -45,6 +45,23 @@ from ._placement import to_device as to_device
 from ._placement import to_host as to_host
 
 # --- parallel ---
+from ._parallel import DEFAULT_AXIS as DEFAULT_AXIS
+from ._parallel import Padded as Padded
+from ._parallel import Prefetcher as Prefetcher
+from ._parallel import batch_sharding as batch_sharding
+from ._parallel import data_mesh as data_mesh
+from ._parallel import data_parallel as data_parallel
+from ._parallel import gather as gather
+from ._parallel import prefetch_to_device as prefetch_to_device
+from ._parallel import replicate as replicate
+from ._parallel import replicated_sharding as replicated_sharding
+from ._parallel import shard_batch as shard_batch
+from ._parallel import shard_for_pmap as shard_for_pmap
+from ._parallel import stack_for_pmap as stack_for_pmap
+from ._parallel import unpad as unpad
+from ._parallel import unreplicate as unreplicate
+from ._parallel import unshard_from_pmap as unshard_from_pmap
+from ._parallel import unstack_from_pmap as unstack_from_pmap
 
 # --- metrics ---
 
