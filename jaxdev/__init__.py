@@ -64,6 +64,18 @@ from ._parallel import unshard_from_pmap as unshard_from_pmap
 from ._parallel import unstack_from_pmap as unstack_from_pmap
 
 # --- metrics ---
+from ._metrics import Accuracy as Accuracy
+from ._metrics import Collection as Collection
+from ._metrics import DeviceLog as DeviceLog
+from ._metrics import Last as Last
+from ._metrics import Max as Max
+from ._metrics import Mean as Mean
+from ._metrics import Metric as Metric
+from ._metrics import MetricError as MetricError
+from ._metrics import Min as Min
+from ._metrics import NonFinite as NonFinite
+from ._metrics import Sum as Sum
+from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---
 

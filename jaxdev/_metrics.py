@@ -1,0 +1,891 @@
+"""On-device metric accumulators and an on-device log (CLU-style pytrees).
+
+A metric is a small pytree of device arrays with four operations:
+``empty()`` (the identity), ``from_value(value, mask=None)`` (one batch),
+``merge(other)`` (pure, runs on device, inside ``jit``) and ``compute()``
+(the value, still on device). Nothing here moves data to the host except
+:func:`fetch_metrics` / ``.fetch()``, which make exactly one ``jax.device_get`` of the
+raw accumulators and finish the arithmetic with numpy on the host.
+
+Masks: ``mask`` is a boolean validity mask over the leading (row) axes of
+``value`` (shape ``value.shape[:mask.ndim]``); rows where it is ``False``
+never count, whatever they hold (padding may be NaN).
+
+dtypes: values accumulate in float32; counts are int32, exact up to
+2**31 - 1 rows (or non-finite elements, or log records) per accumulator,
+after which they wrap. Across devices, ``reduce(axis_name)`` combines
+accumulators inside ``jax.pmap`` / ``shard_map`` with ``psum`` / ``pmin`` /
+``pmax``; under a sharded ``jax.jit`` the batch is one global array and no
+reduction is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._errors import JaxdevError
+
+__all__ = [
+    "Accuracy",
+    "Collection",
+    "DeviceLog",
+    "Last",
+    "Max",
+    "Mean",
+    "Metric",
+    "MetricError",
+    "Min",
+    "NonFinite",
+    "Sum",
+    "fetch_metrics",
+]
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+class MetricError(JaxdevError, ValueError):
+    """A metric got a value, mask or partner of the wrong shape, dtype or kind."""
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _as_array(value: Any, name: str, owner: str) -> jax.Array:
+    """Return ``value`` as a jax array, or raise naming the argument."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise MetricError(
+            f"`{owner}` expects `{name}` to be an array or number, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    try:
+        return jnp.asarray(value)
+    except TypeError as err:
+        raise MetricError(
+            f"`{owner}` expects `{name}` to be an array or number, got "
+            f"{type(value).__name__}: {err}"
+        ) from None
+
+
+def _valid(value: jax.Array, mask: Any, owner: str) -> jax.Array | None:
+    """Return the mask broadcast to ``value.shape`` (bool), or ``None``."""
+    if mask is None:
+        return None
+    mask = _as_array(mask, "mask", owner)
+    if mask.dtype != jnp.bool_:
+        raise MetricError(
+            f"`{owner}` expects `mask` to be boolean (True = valid row), got "
+            f"dtype {mask.dtype}. Pass `mask.astype(bool)` if 0/1 is meant."
+        )
+    if mask.ndim == 0 or mask.shape != value.shape[: mask.ndim]:
+        raise MetricError(
+            f"`{owner}` expects `mask` to cover the leading axes of `value`: "
+            f"`value` has shape {value.shape}, `mask` has shape {mask.shape}. "
+            "A per-row mask has shape (batch,)."
+        )
+    return jnp.reshape(mask, mask.shape + (1,) * (value.ndim - mask.ndim))
+
+
+def _masked_fill(value: jax.Array, valid: jax.Array | None, fill: float) -> jax.Array:
+    """Return float32 ``value`` with invalid rows replaced by ``fill``."""
+    value = value.astype(_F32)
+    return value if valid is None else jnp.where(valid, value, fill)
+
+
+def _count(value: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Return how many elements of ``value`` are valid, as an int32 scalar."""
+    if valid is None:
+        return jnp.asarray(value.size, _I32)
+    return jnp.sum(jnp.broadcast_to(valid, value.shape), dtype=_I32)
+
+
+def _check_partner(self: Metric, other: Any) -> None:
+    """Raise unless ``other`` is the same metric class as ``self``."""
+    if type(other) is not type(self):
+        raise MetricError(
+            f"`{type(self).__name__}.merge` expects `other` to be a "
+            f"{type(self).__name__}, got {type(other).__name__}."
+        )
+
+
+def _host_value(x: Any) -> Any:
+    """Return a 0-d numpy value as a Python number; other arrays unchanged."""
+    return x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
+
+
+# ----------------------------------------------------------------- metrics
+
+
+class Metric:
+    """Base class: a mergeable accumulator held as a pytree of device arrays.
+
+    Subclasses are frozen dataclasses registered as pytrees, so they pass in
+    and out of ``jax.jit``, ``jax.pmap`` and ``lax.scan`` unchanged.
+    """
+
+    @classmethod
+    def empty(cls) -> Metric:
+        """Return the identity accumulator (merging it changes nothing)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Metric:
+        """Return the accumulator of one batch ``value`` (rows under ``mask``)."""
+        raise NotImplementedError
+
+    def merge(self, other: Metric) -> Metric:
+        """Return the accumulator of both ``self`` and ``other`` (pure, on device)."""
+        raise NotImplementedError
+
+    def reduce(self, axis_name: Any) -> Metric:
+        """Return the accumulator combined over the named axis ``axis_name``.
+
+        Use inside ``jax.pmap`` or ``shard_map``; every device gets the result.
+        """
+        raise NotImplementedError
+
+    def _compute(self, xp: Any) -> Any:
+        raise NotImplementedError
+
+    def compute(self) -> jax.Array:
+        """Return the metric's value as a device array (no host transfer)."""
+        return self._compute(jnp)
+
+    def fetch(self) -> Any:
+        """Return the value on the host with one ``jax.device_get``."""
+        return fetch_metrics(self)
+
+
+def _metric(cls: type) -> type:
+    """Make ``cls`` a frozen dataclass registered as a pytree."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_metric
+class Mean(Metric):
+    """Mean of every valid element seen: ``total / count``.
+
+    Attributes:
+      total: float32 sum of the valid elements.
+      count: int32 number of valid elements (exact up to 2**31 - 1).
+
+    The mean of nothing (``count == 0``) is NaN, never a division error.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Mean
+      >>> m = Mean.from_value(jnp.array([1.0, 2.0, 9.0]),
+      ...                     mask=jnp.array([True, True, False]))
+      >>> m.merge(Mean.from_value(jnp.array([3.0]))).fetch()
+      2.0
+      >>> Mean.empty().fetch()
+      nan
+    """
+
+    total: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls) -> Mean:
+        """Return a mean with no elements (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
+        """Return the mean accumulator of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape; every element counts once.
+          mask: optional boolean array over the leading axes of ``value``.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value = _as_array(value, "value", f"{cls.__name__}.from_value")
+        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        return cls(
+            total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid)
+        )
+
+    def merge(self, other: Mean) -> Mean:
+        """Return the mean of both accumulators' elements."""
+        _check_partner(self, other)
+        return type(self)(total=self.total + other.total, count=self.count + other.count)
+
+    def reduce(self, axis_name: Any) -> Mean:
+        """Return the mean over every device on ``axis_name`` (``psum``)."""
+        return type(self)(
+            total=lax.psum(self.total, axis_name), count=lax.psum(self.count, axis_name)
+        )
+
+    def _compute(self, xp: Any) -> Any:
+        mean = self.total / xp.maximum(self.count, 1)
+        return xp.where(self.count > 0, mean, xp.nan).astype(xp.float32)
+
+
+@_metric
+class Accuracy(Mean):
+    """Fraction of valid rows that are correct (a :class:`Mean` of 0/1).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Accuracy
+      >>> logits = jnp.array([[2.0, 1.0], [0.0, 3.0], [5.0, 0.0]])
+      >>> labels = jnp.array([0, 0, 1])
+      >>> Accuracy.from_logits(logits, labels).fetch()
+      0.3333333432674408
+      >>> Accuracy.from_value(jnp.array([True, False]), mask=jnp.array([True, False])).fetch()
+      1.0
+    """
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Accuracy:
+        """Return the accuracy of a correctness vector (bool or 0/1 per row).
+
+        Args:
+          value: correctness per row, boolean or numbers in [0, 1].
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        return super().from_value(value, mask)
+
+    @classmethod
+    def from_logits(
+        cls, logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike, mask: Any = None
+    ) -> Accuracy:
+        """Return the accuracy of ``argmax(logits, -1) == labels``.
+
+        Args:
+          logits: array of shape ``(..., num_classes)``.
+          labels: integer class indices of shape ``logits.shape[:-1]``.
+          mask: optional boolean validity mask over the leading axes of ``labels``.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: shapes do not match or ``labels`` is not integer.
+        """
+        owner = f"{cls.__name__}.from_logits"
+        logits = _as_array(logits, "logits", owner)
+        labels = _as_array(labels, "labels", owner)
+        if logits.ndim == 0 or labels.shape != logits.shape[:-1]:
+            raise MetricError(
+                f"`{owner}` expects `labels` of shape logits.shape[:-1]: `logits` "
+                f"has shape {logits.shape}, `labels` has shape {labels.shape}."
+            )
+        if not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise MetricError(
+                f"`{owner}` expects integer class indices in `labels`, got dtype "
+                f"{labels.dtype}. For one-hot labels pass `labels.argmax(-1)`."
+            )
+        return cls.from_value(jnp.argmax(logits, axis=-1) == labels, mask)
+
+
+@_metric
+class Sum(Metric):
+    """Sum of every valid element seen (float32).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Sum
+      >>> Sum.from_value(jnp.array([1, 2, 3]), mask=jnp.array([True, False, True])).fetch()
+      4.0
+    """
+
+    total: jax.Array
+
+    @classmethod
+    def empty(cls) -> Sum:
+        """Return a zero sum."""
+        return cls(total=jnp.zeros((), _F32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Sum:
+        """Return the sum of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value = _as_array(value, "value", f"{cls.__name__}.from_value")
+        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)))
+
+    def merge(self, other: Sum) -> Sum:
+        """Return the sum of both accumulators."""
+        _check_partner(self, other)
+        return type(self)(total=self.total + other.total)
+
+    def reduce(self, axis_name: Any) -> Sum:
+        """Return the sum over every device on ``axis_name`` (``psum``)."""
+        return type(self)(total=lax.psum(self.total, axis_name))
+
+    def _compute(self, xp: Any) -> Any:
+        return self.total
+
+
+@_metric
+class Min(Metric):
+    """Smallest valid element seen (float32); ``+inf`` when nothing was seen.
+
+    NaN in a valid row propagates (the minimum is then NaN).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Min
+      >>> Min.from_value(jnp.array([4.0, -1.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
+      2.0
+    """
+
+    value: jax.Array
+
+    @classmethod
+    def empty(cls) -> Min:
+        """Return the identity (``+inf``)."""
+        return cls(value=jnp.full((), jnp.inf, _F32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Min:
+        """Return the minimum of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value = _as_array(value, "value", f"{cls.__name__}.from_value")
+        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        return cls(value=jnp.min(_masked_fill(value, valid, jnp.inf), initial=jnp.inf))
+
+    def merge(self, other: Min) -> Min:
+        """Return the smaller of both minima."""
+        _check_partner(self, other)
+        return type(self)(value=jnp.minimum(self.value, other.value))
+
+    def reduce(self, axis_name: Any) -> Min:
+        """Return the minimum over every device on ``axis_name`` (``pmin``)."""
+        return type(self)(value=lax.pmin(self.value, axis_name))
+
+    def _compute(self, xp: Any) -> Any:
+        return self.value
+
+
+@_metric
+class Max(Metric):
+    """Largest valid element seen (float32); ``-inf`` when nothing was seen.
+
+    NaN in a valid row propagates (the maximum is then NaN).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Max
+      >>> Max.from_value(jnp.array([4.0, 7.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
+      4.0
+    """
+
+    value: jax.Array
+
+    @classmethod
+    def empty(cls) -> Max:
+        """Return the identity (``-inf``)."""
+        return cls(value=jnp.full((), -jnp.inf, _F32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Max:
+        """Return the maximum of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value = _as_array(value, "value", f"{cls.__name__}.from_value")
+        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        return cls(value=jnp.max(_masked_fill(value, valid, -jnp.inf), initial=-jnp.inf))
+
+    def merge(self, other: Max) -> Max:
+        """Return the larger of both maxima."""
+        _check_partner(self, other)
+        return type(self)(value=jnp.maximum(self.value, other.value))
+
+    def reduce(self, axis_name: Any) -> Max:
+        """Return the maximum over every device on ``axis_name`` (``pmax``)."""
+        return type(self)(value=lax.pmax(self.value, axis_name))
+
+    def _compute(self, xp: Any) -> Any:
+        return self.value
+
+
+@_metric
+class Last(Metric):
+    """The most recently merged value (e.g. the learning rate); NaN if none.
+
+    ``a.merge(b)`` keeps ``b``'s value when ``b`` saw anything, else ``a``'s:
+    associative, not commutative. With a mask, ``from_value`` keeps the last
+    valid row. ``reduce`` keeps the value of the highest-indexed device that
+    saw anything.
+
+    Attributes:
+      value: float32 array of the recorded shape.
+      count: int32 number of batches that contributed.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Last
+      >>> Last.from_value(0.1).merge(Last.from_value(0.05)).fetch()
+      0.05000000074505806
+      >>> Last.from_value(jnp.array([1.0, 2.0, 3.0]), mask=jnp.array([True, True, False])).fetch()
+      2.0
+    """
+
+    value: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...] = ()) -> Last:
+        """Return a ``Last`` that saw nothing, holding values of ``shape``."""
+        return cls(value=jnp.zeros(shape, _F32), count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Last:
+        """Return ``value`` itself, or with ``mask`` its last valid row.
+
+        Args:
+          value: array (or number); without a mask it is kept whole.
+          mask: optional 1-D boolean mask over the first axis of ``value``.
+
+        Returns:
+          The accumulator holding one value (count 0 if no row was valid).
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        owner = f"{cls.__name__}.from_value"
+        value = _as_array(value, "value", owner)
+        if mask is None:
+            return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
+        mask = _as_array(mask, "mask", owner)
+        if mask.ndim != 1:
+            raise MetricError(
+                f"`{owner}` expects a 1-D row `mask`, got shape {mask.shape}."
+            )
+        _valid(value, mask, owner)
+        last = mask.shape[0] - 1 - jnp.argmax(mask[::-1])
+        return cls(value=value[last].astype(_F32), count=jnp.any(mask).astype(_I32))
+
+    def merge(self, other: Last) -> Last:
+        """Return ``other`` if it saw anything, else ``self`` (counts add)."""
+        _check_partner(self, other)
+        value = jnp.where(other.count > 0, other.value, self.value)
+        return type(self)(value=value, count=self.count + other.count)
+
+    def reduce(self, axis_name: Any) -> Last:
+        """Return the value of the last device on ``axis_name`` that saw one."""
+        rank = jnp.where(self.count > 0, lax.axis_index(axis_name), -1)
+        mine = (rank == lax.pmax(rank, axis_name)) & (self.count > 0)
+        value = lax.psum(jnp.where(mine, self.value, 0.0), axis_name)
+        return type(self)(value=value, count=lax.psum(self.count, axis_name))
+
+    def _compute(self, xp: Any) -> Any:
+        return xp.where(self.count > 0, self.value, xp.nan).astype(xp.float32)
+
+
+@_metric
+class NonFinite(Metric):
+    """Number of NaN, +Inf and -Inf elements in valid rows (int32, on device).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import NonFinite
+      >>> x = jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf])
+      >>> NonFinite.from_value(x).fetch()
+      3
+      >>> NonFinite.from_value(x, mask=jnp.array([True, False, True, False])).fetch()
+      1
+    """
+
+    count: jax.Array
+
+    @classmethod
+    def empty(cls) -> NonFinite:
+        """Return a zero count."""
+        return cls(count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
+        """Return the number of non-finite valid elements of ``value``.
+
+        Args:
+          value: array (or number) of any shape; integers are always finite.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value = _as_array(value, "value", f"{cls.__name__}.from_value")
+        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        bad = ~jnp.isfinite(value)
+        bad = bad if valid is None else bad & valid
+        return cls(count=jnp.sum(bad, dtype=_I32))
+
+    def merge(self, other: NonFinite) -> NonFinite:
+        """Return the sum of both counts."""
+        _check_partner(self, other)
+        return type(self)(count=self.count + other.count)
+
+    def reduce(self, axis_name: Any) -> NonFinite:
+        """Return the count over every device on ``axis_name`` (``psum``)."""
+        return type(self)(count=lax.psum(self.count, axis_name))
+
+    def _compute(self, xp: Any) -> Any:
+        return self.count
+
+
+# -------------------------------------------------------------- collection
+
+
+class Collection(Mapping):
+    """An immutable, mergeable dict of named metrics (itself a pytree).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxdev import Collection, Mean, NonFinite
+      >>> spec = {"loss": Mean, "bad": NonFinite}
+      >>> @jax.jit
+      ... def step(metrics, loss, mask):
+      ...     batch = Collection.from_values(spec, {"loss": loss, "bad": loss}, mask)
+      ...     return metrics.merge(batch)
+      >>> m = Collection.empty(spec)
+      >>> m = step(m, jnp.array([1.0, 3.0]), jnp.array([True, True]))
+      >>> m = step(m, jnp.array([5.0, jnp.nan]), jnp.array([True, False]))
+      >>> m.fetch()
+      {'bad': 0, 'loss': 3.0}
+    """
+
+    def __init__(self, metrics: Mapping[str, Metric]):
+        """Wrap ``metrics``, a mapping from names to :class:`Metric` objects.
+
+        Raises:
+          MetricError: a value is not a ``Metric`` or a key is not a string.
+        """
+        bad = [
+            f"{k!r}: {type(v).__name__}"
+            for k, v in metrics.items()
+            if not isinstance(k, str) or not isinstance(v, Metric)
+        ]
+        if bad:
+            raise MetricError(
+                "`Collection` expects `metrics` to map str names to Metric objects "
+                f"(Mean, Sum, ...); got {', '.join(bad)}."
+            )
+        self._metrics = dict(sorted(metrics.items()))
+
+    @classmethod
+    def empty(cls, spec: Mapping[str, type[Metric]]) -> Collection:
+        """Return empty metrics of the classes named in ``spec``."""
+        return cls({name: _metric_class(name, kind).empty() for name, kind in spec.items()})
+
+    @classmethod
+    def from_values(
+        cls,
+        spec: Mapping[str, type[Metric]],
+        values: Mapping[str, jax.typing.ArrayLike],
+        mask: Any = None,
+    ) -> Collection:
+        """Return ``spec[k].from_value(values[k], mask)`` for every name ``k``.
+
+        Args:
+          spec: metric class per name, e.g. ``{"loss": Mean}``.
+          values: one value per name in ``spec`` (same keys).
+          mask: optional boolean validity mask shared by every value.
+
+        Returns:
+          The collection of this batch.
+
+        Raises:
+          MetricError: the keys of ``values`` differ from ``spec``'s.
+        """
+        _check_keys("Collection.from_values", "values", set(spec), set(values))
+        return cls(
+            {k: _metric_class(k, kind).from_value(values[k], mask) for k, kind in spec.items()}
+        )
+
+    def merge(self, other: Collection) -> Collection:
+        """Return every metric merged with the same-named one in ``other``.
+
+        Raises:
+          MetricError: ``other`` is not a Collection with the same names.
+        """
+        if not isinstance(other, Collection):
+            raise MetricError(
+                f"`Collection.merge` expects `other` to be a Collection, got "
+                f"{type(other).__name__}."
+            )
+        _check_keys("Collection.merge", "other", set(self), set(other))
+        return Collection({k: m.merge(other[k]) for k, m in self.items()})
+
+    def reduce(self, axis_name: Any) -> Collection:
+        """Return every metric reduced over the named axis (inside pmap/shard_map)."""
+        return Collection({k: m.reduce(axis_name) for k, m in self.items()})
+
+    def compute(self) -> dict[str, jax.Array]:
+        """Return ``{name: value}`` as device arrays (no host transfer)."""
+        return {k: m.compute() for k, m in self.items()}
+
+    def fetch(self) -> dict[str, Any]:
+        """Return ``{name: value}`` on the host with one ``jax.device_get``."""
+        return fetch_metrics(self)
+
+    def __getitem__(self, name: str) -> Metric:
+        return self._metrics[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._metrics)
+
+    def __len__(self) -> int:
+        return len(self._metrics)
+
+    def __repr__(self) -> str:
+        return f"Collection({self._metrics!r})"
+
+
+def _metric_class(name: str, kind: Any) -> type[Metric]:
+    """Return ``kind`` if it is a Metric subclass, else raise naming ``name``."""
+    if not (isinstance(kind, type) and issubclass(kind, Metric)):
+        raise MetricError(
+            f"`spec[{name!r}]` must be a Metric class such as Mean, got {kind!r}."
+        )
+    return kind
+
+
+def _check_keys(owner: str, arg: str, expected: set, got: set) -> None:
+    """Raise naming the missing and extra keys when ``got != expected``."""
+    if got != expected:
+        raise MetricError(
+            f"`{owner}` expects `{arg}` to have the names {sorted(expected)}; "
+            f"missing {sorted(expected - got)}, unexpected {sorted(got - expected)}."
+        )
+
+
+def _flatten_collection(c: Collection):
+    keys = tuple(c._metrics)
+    return [(jax.tree_util.DictKey(k), c._metrics[k]) for k in keys], keys
+
+
+def _unflatten_collection(keys: tuple[str, ...], children) -> Collection:
+    out = object.__new__(Collection)
+    out._metrics = dict(zip(keys, children, strict=True))
+    return out
+
+
+jax.tree_util.register_pytree_with_keys(
+    Collection,
+    _flatten_collection,
+    _unflatten_collection,
+    flatten_func=lambda c: (list(c._metrics.values()), tuple(c._metrics)),
+)
+
+
+# ------------------------------------------------------------------ fetch
+
+
+def fetch_metrics(tree: Any) -> Any:
+    """Return the host value of every metric in ``tree`` with ONE device_get.
+
+    ``tree`` may be a :class:`Metric`, a :class:`Collection`, or any pytree
+    holding them (other leaves are fetched as they are). The raw
+    accumulators travel in a single ``jax.device_get``; the final arithmetic
+    (e.g. ``total / count``) runs in numpy on the host, so no extra device
+    work is dispatched. Scalars come back as Python numbers, a Collection as
+    a plain dict.
+
+    Args:
+      tree: metrics (or a pytree of them) living on any devices.
+
+    Returns:
+      The same structure with every metric replaced by its value.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import Max, Mean, fetch_metrics
+      >>> fetch_metrics({"loss": Mean.from_value(jnp.array([1.0, 2.0])), "top": Max.from_value(3)})
+      {'loss': 1.5, 'top': 3.0}
+    """
+    return _compute_host(jax.device_get(tree))
+
+
+def _compute_host(tree: Any) -> Any:
+    """Finish ``compute`` with numpy on a tree already on the host."""
+
+    def one(node: Any) -> Any:
+        if isinstance(node, Collection):
+            return {k: one(m) for k, m in node.items()}
+        if isinstance(node, Metric):
+            return _host_value(np.asarray(node._compute(np)))
+        return _host_value(node)
+
+    return jax.tree_util.tree_map(
+        one, tree, is_leaf=lambda x: isinstance(x, (Metric, Collection))
+    )
+
+
+# ---------------------------------------------------------------- the log
+
+
+@_metric
+class DeviceLog:
+    """A preallocated ring buffer on device recording one value per step.
+
+    ``record`` runs inside ``jit`` / ``lax.scan`` (``dynamic_update_slice`` at
+    a device-scalar index), so a training loop logs every step without a
+    host transfer; ``fetch`` moves everything once (d2l's "keep the log on
+    the device" exercise).
+
+    Wrap-around: the buffer keeps the LAST ``capacity`` records. Once more
+    than ``capacity`` values are recorded the oldest are overwritten;
+    ``fetch`` returns the survivors oldest-first and, with
+    ``with_steps=True``, their step numbers (records ``count - n ..
+    count - 1``), so a gap is visible. ``count`` is int32 (2**31 - 1 records).
+
+    Attributes:
+      buffer: ``(capacity, *shape)`` device array.
+      count: int32 number of values recorded so far.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxdev import DeviceLog
+      >>> def body(log, x):
+      ...     return log.record(jnp.linalg.norm(x)), None
+      >>> xs = jnp.ones((5, 2, 2))
+      >>> log, _ = jax.jit(lambda l, xs: jax.lax.scan(body, l, xs))(DeviceLog.create(8), xs)
+      >>> log.fetch().tolist()
+      [2.0, 2.0, 2.0, 2.0, 2.0]
+      >>> small = DeviceLog.create(3)
+      >>> for v in range(5):
+      ...     small = small.record(v)
+      >>> small.fetch(with_steps=True)
+      (array([2, 3, 4]), array([2., 3., 4.], dtype=float32))
+    """
+
+    buffer: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def create(
+        cls, capacity: int, shape: tuple[int, ...] = (), dtype: Any = jnp.float32
+    ) -> DeviceLog:
+        """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``.
+
+        Args:
+          capacity: number of records kept (a positive int).
+          shape: shape of one record; ``()`` for a scalar per step.
+          dtype: dtype the records are stored in.
+
+        Returns:
+          An empty log (zero-filled buffer, ``count == 0``).
+
+        Raises:
+          MetricError: ``capacity`` is not a positive int or ``shape`` is bad.
+        """
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise MetricError(
+                f"`DeviceLog.create` expects `capacity` to be a positive int, got "
+                f"{type(capacity).__name__} {capacity!r}."
+            )
+        if capacity <= 0:
+            raise MetricError(
+                f"`DeviceLog.create` expects `capacity` to be a positive int, got {capacity}."
+            )
+        try:
+            shape = tuple(int(d) for d in shape)
+        except TypeError:
+            raise MetricError(
+                f"`DeviceLog.create` expects `shape` to be a tuple of ints, got {shape!r}."
+            ) from None
+        buffer = jnp.zeros((int(capacity), *shape), dtype)
+        return cls(buffer=buffer, count=jnp.zeros((), _I32))
+
+    @property
+    def capacity(self) -> int:
+        """Number of records the buffer keeps."""
+        return self.buffer.shape[0]
+
+    def record(self, value: jax.typing.ArrayLike) -> DeviceLog:
+        """Return the log with ``value`` recorded (jit-safe, no host transfer).
+
+        Args:
+          value: array of the log's record shape (cast to the log's dtype).
+
+        Returns:
+          The new log; the oldest record is overwritten when full.
+
+        Raises:
+          MetricError: ``value`` has another shape than the log's records.
+        """
+        value = _as_array(value, "value", "DeviceLog.record")
+        if value.shape != self.buffer.shape[1:]:
+            raise MetricError(
+                f"`DeviceLog.record` expects `value` of shape {self.buffer.shape[1:]} "
+                f"(the shape given to `DeviceLog.create`), got {value.shape}."
+            )
+        slot = self.count % self.capacity
+        row = value.astype(self.buffer.dtype)[None]
+        buffer = lax.dynamic_update_slice_in_dim(self.buffer, row, slot, axis=0)
+        return DeviceLog(buffer=buffer, count=self.count + 1)
+
+    def values(self) -> jax.Array:
+        """Return the buffer rotated oldest-first, on device (unfilled slots last)."""
+        start = jnp.where(self.count > self.capacity, self.count % self.capacity, 0)
+        return jnp.roll(self.buffer, -start, axis=0)
+
+    def fetch(self, with_steps: bool = False) -> Any:
+        """Return the recorded values oldest-first with one ``jax.device_get``.
+
+        Args:
+          with_steps: also return the step number of every kept record.
+
+        Returns:
+          A numpy array of ``min(count, capacity)`` records, or
+          ``(steps, values)`` when ``with_steps`` is true.
+        """
+        buffer, count = jax.device_get((self.buffer, self.count))
+        count = int(count)
+        kept = min(count, self.capacity)
+        start = count % self.capacity if count > self.capacity else 0
+        values = np.roll(buffer, -start, axis=0)[:kept]
+        return (np.arange(count - kept, count), values) if with_steps else values
