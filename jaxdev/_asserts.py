@@ -137,8 +137,12 @@ def _expected_str(s: Sharding, kind: str | None = None) -> str:
 # ---------------------------------------------------------------- the engine
 
 
-def _scan(leaves: list[Any], fast: Callable[[Sharding], bool], check: _Check,
-          committed: bool | None = None) -> list[tuple[int, str]]:
+def _scan(
+    leaves: list[Any],
+    fast: Callable[[Sharding], bool],
+    check: _Check,
+    committed: bool | None = None,
+) -> list[tuple[int, str]]:
     """Return ``(index, why)`` for every failing leaf.
 
     ``fast(sharding)`` is a per-sharding verdict cached by identity (leaves
@@ -174,8 +178,9 @@ def _live_array_problem(x: Any, expected: str) -> str | None:
     return f"found {_where(x)}, expected {expected}"
 
 
-def _fail(name: str, tree: Any, arg: str, n: int, bad: list[tuple[int, str]],
-          rule: str, fix: str) -> None:
+def _fail(
+    name: str, tree: Any, arg: str, n: int, bad: list[tuple[int, str]], rule: str, fix: str
+) -> None:
     """Raise PlacementAssertionError listing every failing leaf with its path."""
     if not bad:
         return
@@ -551,7 +556,8 @@ def assert_sharded(
 
         def check(x: Any) -> str | None:
             return _live_array_problem(x, expected) or (
-                None if _equivalent(x.sharding, want, x.ndim)
+                None
+                if _equivalent(x.sharding, want, x.ndim)
                 else f"found {_where(x)}, expected {expected}"
             )
 
@@ -566,8 +572,7 @@ def _named(mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> NamedSha
         s = NamedSharding(mesh, spec)
     except Exception as err:  # JAX: ValueError naming the unknown axis
         raise PlacementError(
-            f"`sharding_or_spec`={spec} does not fit `mesh` with axes "
-            f"{dict(mesh.shape)}: {err}"
+            f"`sharding_or_spec`={spec} does not fit `mesh` with axes {dict(mesh.shape)}: {err}"
         ) from None
     return _target_sharding(s, memory_kind)
 
@@ -675,17 +680,22 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
     if ta == tb:
         verdicts: dict[tuple[int, int], bool] = {}
         bad = [
-            (i, why) for i, (x, y) in enumerate(zip(la, lb))
+            (i, why)
+            for i, (x, y) in enumerate(zip(la, lb))
             if (why := _pair_problem(x, y, verdicts)) is not None
         ]
         _fail("assert_same_placement", a, "a` and `b", len(la), bad, "are placed differently", fix)
         return
     pa = {keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(a)[0]}
     pb = {keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(b)[0]}
-    lines = [f"{p}: only in `{'a' if p in pa else 'b'}`" for p in [*pa, *pb]
-             if (p in pa) != (p in pb)]
-    lines += [f"{p}: {why}" for p, x in pa.items()
-              if p in pb and (why := _pair_problem(x, pb[p], {})) is not None]
+    lines = [
+        f"{p}: only in `{'a' if p in pa else 'b'}`" for p in [*pa, *pb] if (p in pa) != (p in pb)
+    ]
+    lines += [
+        f"{p}: {why}"
+        for p, x in pa.items()
+        if p in pb and (why := _pair_problem(x, pb[p], {})) is not None
+    ]
     if lines:
         header = (
             f"`assert_same_placement` failed: {len(lines)} leaves of `a` ({len(pa)} leaves) "

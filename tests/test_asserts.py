@@ -138,14 +138,16 @@ def test_on_device_checks_committed_when_asked_unlike_chex(devices):
 
 
 def test_on_host_passes_for_numpy_numbers_and_host_memory(devices):
-    jaxdev.assert_on_host({
-        "f": np.ones(2, np.float32),
-        "bf16": np.ones(2, jnp.bfloat16),
-        "i": 3,
-        "s": np.float32(1.0),
-        "none": None,
-        "pinned": pinned(jnp.ones(2), devices[0]),
-    })
+    jaxdev.assert_on_host(
+        {
+            "f": np.ones(2, np.float32),
+            "bf16": np.ones(2, jnp.bfloat16),
+            "i": 3,
+            "s": np.float32(1.0),
+            "none": None,
+            "pinned": pinned(jnp.ones(2), devices[0]),
+        }
+    )
     jaxdev.assert_on_host(jaxdev.to_host({"x": on(jnp.ones(2), devices[3])}))
 
 
@@ -180,7 +182,8 @@ def test_replicated_rejects_stacked_pmap_layout_and_sharded(mesh):
     stack = stacked(mesh)
     chex.assert_tree_is_sharded({"s": stack}, devices=list(mesh.devices.flat))
     chex.assert_tree_is_sharded(
-        {"r": jax.device_put(jnp.ones(3), NamedSharding(mesh, P()))}, devices=list(mesh.devices.flat)
+        {"r": jax.device_put(jnp.ones(3), NamedSharding(mesh, P()))},
+        devices=list(mesh.devices.flat),
     )  # chex: replicated and stacked both pass as "sharded"; it has no replicated check
     tree = {
         "stacked": stack,
@@ -202,7 +205,10 @@ def test_replicated_rejects_pmap_output(devices):
 
 def test_replicated_checks_the_device_set(mesh, devices):
     half = Mesh(np.array(devices[:4]), ("data",))
-    tree = {"a": jax.device_put(jnp.ones(2), NamedSharding(half, P())), "b": on(jnp.ones(2), devices[0])}
+    tree = {
+        "a": jax.device_put(jnp.ones(2), NamedSharding(half, P())),
+        "b": on(jnp.ones(2), devices[0]),
+    }
     jaxdev.assert_replicated({"a": tree["a"]}, half)
     msg = message(jaxdev.assert_replicated, tree, mesh)
     assert "not replicated on [cpu:0, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7]" in msg
@@ -221,7 +227,9 @@ def test_replicated_check_values_finds_drifted_replicas(mesh):
 
 
 def test_replicated_check_values_is_bitwise(mesh):
-    msg = message(jaxdev.assert_replicated, {"z": drifted(mesh, (2,), value=-0.0)}, check_values=True)
+    msg = message(
+        jaxdev.assert_replicated, {"z": drifted(mesh, (2,), value=-0.0)}, check_values=True
+    )
     assert "['z']: replicas differ: cpu:2" in msg  # -0.0 == 0.0 by value, not by bits
     nan = {"n": drifted(mesh, tuple(range(8)), value=np.nan)}
     jaxdev.assert_replicated(nan, check_values=True)  # NaN != NaN by value, equal by bits
@@ -237,7 +245,9 @@ def test_replicated_check_values_also_lists_layout_failures(mesh, devices):
 
 
 def test_sharded_passes_for_spec_with_and_without_mesh_and_for_sharding(mesh):
-    tree = jax.device_put({"x": jnp.ones((8, 3)), "y": jnp.ones(16)}, NamedSharding(mesh, P("data")))
+    tree = jax.device_put(
+        {"x": jnp.ones((8, 3)), "y": jnp.ones(16)}, NamedSharding(mesh, P("data"))
+    )
     jaxdev.assert_sharded(tree, P("data"))
     jaxdev.assert_sharded(tree, P("data"), mesh)
     jaxdev.assert_sharded(tree, NamedSharding(mesh, P("data")))
@@ -421,9 +431,17 @@ def test_chex_disable_asserts_switches_them_off():
 def _tree_2000(devices, mesh):
     leaves = jax.device_put([np.ones(4, np.float32) for _ in range(2000)], devices[0])
     rep = jax.device_put([np.ones(4, np.float32) for _ in range(2000)], NamedSharding(mesh, P()))
-    shd = jax.device_put([np.ones(8, np.float32) for _ in range(2000)], NamedSharding(mesh, P("data")))
-    as_tree = lambda xs: {f"layer_{i // 2}": {"w" if i % 2 else "b": x} for i, x in enumerate(xs)}  # noqa: E731
-    return as_tree(leaves), as_tree(rep), as_tree(shd), as_tree(jax.device_get(leaves))
+    shd = jax.device_put(
+        [np.ones(8, np.float32) for _ in range(2000)], NamedSharding(mesh, P("data"))
+    )
+    trees = [_layers(xs) for xs in (leaves, rep, shd, jax.device_get(leaves))]
+    assert all(len(jax.tree_util.tree_leaves(t)) == 2000 for t in trees)
+    return trees
+
+
+def _layers(xs):
+    """1000 layers of {"w", "b"}: a Flax-params-shaped tree of ``len(xs)`` leaves."""
+    return {f"layer_{i}": {"w": xs[2 * i], "b": xs[2 * i + 1]} for i in range(len(xs) // 2)}
 
 
 def _median_ms(fn, reps=7):
