@@ -88,6 +88,12 @@ from ._asserts import assert_same_placement as assert_same_placement
 from ._asserts import assert_sharded as assert_sharded
 
 # --- guards ---
+from ._guards import GuardArgumentError as GuardArgumentError
+from ._guards import GuardError as GuardError
+from ._guards import TransferCounter as TransferCounter
+from ._guards import TransferEvent as TransferEvent
+from ._guards import count_transfers as count_transfers
+from ._guards import no_host_sync as no_host_sync
 
 # --- distributed ---
 
