@@ -213,9 +213,7 @@ class Mean(Metric):
         """
         value = _as_array(value, "value", f"{cls.__name__}.from_value")
         valid = _valid(value, mask, f"{cls.__name__}.from_value")
-        return cls(
-            total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid)
-        )
+        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid))
 
     def merge(self, other: Mean) -> Mean:
         """Return the mean of both accumulators' elements."""
@@ -498,9 +496,7 @@ class Last(Metric):
             return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
         mask = _as_array(mask, "mask", owner)
         if mask.ndim != 1:
-            raise MetricError(
-                f"`{owner}` expects a 1-D row `mask`, got shape {mask.shape}."
-            )
+            raise MetricError(f"`{owner}` expects a 1-D row `mask`, got shape {mask.shape}.")
         _valid(value, mask, owner)
         last = mask.shape[0] - 1 - jnp.argmax(mask[::-1])
         return cls(value=value[last].astype(_F32), count=jnp.any(mask).astype(_I32))
@@ -687,9 +683,7 @@ class Collection(Mapping):
 def _metric_class(name: str, kind: Any) -> type[Metric]:
     """Return ``kind`` if it is a Metric subclass, else raise naming ``name``."""
     if not (isinstance(kind, type) and issubclass(kind, Metric)):
-        raise MetricError(
-            f"`spec[{name!r}]` must be a Metric class such as Mean, got {kind!r}."
-        )
+        raise MetricError(f"`spec[{name!r}]` must be a Metric class such as Mean, got {kind!r}.")
     return kind
 
 
@@ -759,9 +753,7 @@ def _compute_host(tree: Any) -> Any:
             return _host_value(np.asarray(node._compute(np)))
         return _host_value(node)
 
-    return jax.tree_util.tree_map(
-        one, tree, is_leaf=lambda x: isinstance(x, (Metric, Collection))
-    )
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
 
 
 # ---------------------------------------------------------------- the log
