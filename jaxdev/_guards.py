@@ -249,7 +249,9 @@ _ARRAY_METHODS = {
 _NUMPY_FUNCTIONS = ("asarray", "array", "asanyarray", "ascontiguousarray")
 
 
+@functools.cache
 def _array_type() -> type:
+    """The concrete class of device arrays (imported lazily, once)."""
     from jax._src.array import ArrayImpl
 
     return ArrayImpl
