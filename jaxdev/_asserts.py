@@ -145,20 +145,22 @@ def _scan(
 ) -> list[tuple[int, str]]:
     """Return ``(index, why)`` for every failing leaf.
 
-    ``fast(sharding)`` is a per-sharding verdict cached by identity (leaves
-    placed together share a sharding object); ``True`` passes the leaf
-    without further work. Otherwise ``check(leaf)`` returns the reason it
-    fails, or ``None`` when a finer, per-leaf test passes it.
+    ``fast(sharding)`` is a per-sharding verdict; ``True`` passes the leaf
+    without further work. A sharding equal to the last one that passed
+    passes too, which skips ``fast`` for the usual tree whose leaves share
+    one placement. Otherwise ``check(leaf)`` returns the reason it fails, or
+    ``None`` when a finer, per-leaf test (``is_equivalent_to`` for its rank)
+    passes it.
     """
     bad = []
-    verdicts: dict[int, bool] = {}
+    ok_s = None  # the last sharding that passed
     for i, x in enumerate(leaves):
         if type(x) in _ARRAY_TYPES and not x.is_deleted():
             s = x.sharding
-            ok = verdicts.get(id(s))
-            if ok is None:
-                ok = verdicts[id(s)] = fast(s)
-            if ok and (committed is None or x.committed == committed):
+            passed = s is ok_s or (ok_s is not None and s == ok_s)
+            if not passed and fast(s):
+                passed, ok_s = True, s
+            if passed and (committed is None or x.committed == committed):
                 continue
         why = check(x)
         if why is None and committed is not None and _is_concrete(x) and x.committed != committed:
@@ -678,11 +680,10 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
     lb, tb = jax.tree_util.tree_flatten(b)
     fix = "Fix: `b = jaxdev.to_device(b, a_sharding)` (or move `a`) so both live together."
     if ta == tb:
-        verdicts: dict[tuple[int, int], bool] = {}
         bad = [
             (i, why)
             for i, (x, y) in enumerate(zip(la, lb))
-            if (why := _pair_problem(x, y, verdicts)) is not None
+            if not _same_fast(x, y) and (why := _pair_problem(x, y)) is not None
         ]
         _fail("assert_same_placement", a, "a` and `b", len(la), bad, "are placed differently", fix)
         return
@@ -694,7 +695,7 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
     lines += [
         f"{p}: {why}"
         for p, x in pa.items()
-        if p in pb and (why := _pair_problem(x, pb[p], {})) is not None
+        if p in pb and (why := _pair_problem(x, pb[p])) is not None
     ]
     if lines:
         header = (
@@ -704,20 +705,23 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
         raise PlacementAssertionError(_message(header, lines, fix))
 
 
-def _pair_problem(x: Any, y: Any, verdicts: dict[tuple[int, int], bool]) -> str | None:
-    """Why leaves ``x`` and ``y`` are placed differently, or None."""
+def _same_fast(x: Any, y: Any) -> bool:
+    """Whether two live arrays of known types share one placement (cheap test)."""
     if type(x) in _ARRAY_TYPES and type(y) in _ARRAY_TYPES:
-        if not (x.is_deleted() or y.is_deleted()) and x.committed == y.committed:
+        if x.is_deleted() or y.is_deleted() or x.committed != y.committed:
+            return False
+        sx, sy = x.sharding, y.sharding
+        return sx is sy or sx == sy
+    return False
+
+
+def _pair_problem(x: Any, y: Any) -> str | None:
+    """Why leaves ``x`` and ``y`` are placed differently, or None."""
+    if _is_concrete(x) and _is_concrete(y):
+        if not (_deleted(x) or _deleted(y)) and x.committed == y.committed:
             sx, sy = x.sharding, y.sharding
-            key = (id(sx), id(sy))
-            ok = verdicts.get(key)
-            if ok is None:
-                ok = verdicts[key] = sx is sy or sx == sy
-            if ok or (x.ndim == y.ndim and _equivalent(sx, sy, x.ndim)):
+            if x.ndim == y.ndim and _equivalent(sx, sy, x.ndim):
                 return None
     elif _is_host_value(x) and _is_host_value(y):
         return None
-    elif _is_concrete(x) and _is_concrete(y):  # a new array type: classify slowly
-        _ARRAY_TYPES.update((type(x), type(y)))
-        return _pair_problem(x, y, verdicts)
     return f"`a` {_where(x)}, `b` {_where(y)}"
