@@ -1,0 +1,424 @@
+"""Local multi-process launcher: ``jaxdev launch -n N --devices-per-process M -- cmd``.
+
+Starts ``N`` copies of a command on 127.0.0.1, each with ``M`` fake CPU
+devices and gloo CPU collectives, and passes the coordinator address and the
+process id through the ``JAXDEV_*`` environment so that
+``jaxdev.distributed.initialize()`` needs no arguments. Every output line is
+prefixed with ``[p<id>]``. When one process fails, or the run passes its
+timeout, the others are ended by their own process ids (SIGTERM, then SIGKILL
+after a grace period; JAX's preemption handler catches SIGTERM, so the kill
+is often needed) and a summary names the failed process.
+
+Environment of process ``i``: ``JAXDEV_COORDINATOR=127.0.0.1:<port>``,
+``JAXDEV_NUM_PROCESSES=N``, ``JAXDEV_PROCESS_ID=i``, ``JAXDEV_LOCAL_DEVICES=M``,
+``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=M``,
+``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``, ``PYTHONUNBUFFERED=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, NamedTuple
+
+DEFAULT_GRACE_S = 3.0
+_TAIL_LINES = 40
+_FATAL = re.compile(
+    r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
+_HINTS = {
+    "ALREADY_EXISTS": "two processes registered with the same process id (duplicate id)",
+    "RegisterTask": "a peer never registered with the coordinator in time",
+    "stopped sending heartbeats": "a peer died or froze (missed heartbeats)",
+}
+
+
+class Outcome(NamedTuple):
+    """How one launched process ended.
+
+    Attributes:
+        process_id: The ``[p<id>]`` of the process.
+        returncode: Exit code; negative ``-sig`` when killed by a signal.
+        ended_by_launcher: Whether the launcher terminated or killed it.
+        reason: Last error-looking output line, or ``''``.
+    """
+
+    process_id: int
+    returncode: int
+    ended_by_launcher: bool
+    reason: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now.
+
+    Returns:
+        A port number chosen by the OS.
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    process_id: int,
+    num_processes: int,
+    devices_per_process: int,
+    port: int,
+    base: Mapping[str, str],
+) -> dict[str, str]:
+    """Return the environment of process ``process_id``.
+
+    Args:
+        process_id: Id of the process, ``0 <= process_id < num_processes``.
+        num_processes: Number of processes.
+        devices_per_process: Fake CPU devices per process.
+        port: Coordinator port on 127.0.0.1.
+        base: Environment to start from (user overrides already applied).
+
+    Returns:
+        ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
+
+    Example:
+        >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
+        '1'
+    """
+    env = dict(base)
+    env.update({
+        "JAXDEV_COORDINATOR": f"127.0.0.1:{port}",
+        "JAXDEV_NUM_PROCESSES": str(num_processes),
+        "JAXDEV_PROCESS_ID": str(process_id),
+        "JAXDEV_LOCAL_DEVICES": str(devices_per_process),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def describe_returncode(rc: int) -> str:
+    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a return code.
+
+    Example:
+        >>> describe_returncode(-9)
+        'signal SIGKILL'
+    """
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
+    """Return the last error-looking output of a process, with a hint.
+
+    Args:
+        lines: The last output lines of one process.
+        max_lines: Most lines kept: the error line and its indented details.
+
+    Returns:
+        The error line (and the detail lines right after it), plus a hint for
+        JAX runtime aborts; ``''`` when no line looks like an error.
+
+    Example:
+        >>> failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"])
+        "ValueError: bad\n  ['x']: shape (4,)"
+    """
+    for i in range(len(lines) - 1, -1, -1):
+        match = _FATAL.search(lines[i])
+        if match and not lines[i].lstrip().startswith("@"):
+            details = list(itertools.takewhile(_is_detail, lines[i + 1:]))
+            text = "\n".join([match.group(0).strip()[:600], *details][:max_lines])
+            hints = [h for key, h in _HINTS.items() if key in "\n".join(lines)]
+            return text + (f" [likely: {hints[0]}]" if hints else "")
+    return ""
+
+
+def _is_detail(line: str) -> bool:
+    """Whether a line continues an error message (indented list, ``Fix:``)."""
+    return line.startswith("  ") and not line.lstrip().startswith(("File ", "@")) \
+        or line.startswith("Fix:")
+
+
+def exit_code(outcome: Outcome | None) -> int:
+    """Map the first failure to the launcher's exit code (shell convention).
+
+    Example:
+        >>> exit_code(Outcome(1, -9, False, ""))
+        137
+    """
+    if outcome is None:
+        return 124  # whole-run timeout
+    return 128 - outcome.returncode if outcome.returncode < 0 else outcome.returncode
+
+
+class _Proc:
+    """One child process, its pump thread and its output tail."""
+
+    def __init__(self, process_id: int, cmd: Sequence[str], env: Mapping[str, str],
+                 out: IO[str], lock: threading.Lock):
+        self.id = process_id
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.popen = subprocess.Popen(
+            list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
+        )
+        self.ended_by_launcher = False
+        self.thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
+        self.thread.start()
+
+    def _pump(self, out: IO[str], lock: threading.Lock) -> None:
+        for line in self.popen.stdout:  # type: ignore[union-attr]
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            with lock:
+                out.write(f"[p{self.id}] {line}\n")
+                out.flush()
+
+    def outcome(self) -> Outcome:
+        self.thread.join(timeout=2.0)
+        rc = self.popen.returncode
+        return Outcome(self.id, rc, self.ended_by_launcher, failure_reason(list(self.tail)))
+
+
+def _end(procs: Sequence[_Proc], grace_s: float) -> None:
+    """Terminate live processes by pid, then kill those still alive after ``grace_s``."""
+    live = [p for p in procs if p.popen.poll() is None]
+    for p in live:
+        p.ended_by_launcher = True
+        p.popen.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def _first_failure(procs: Sequence[_Proc]) -> _Proc | None:
+    """Return a process that exited non-zero, or ``None``."""
+    for p in procs:
+        rc = p.popen.poll()
+        if rc is not None and rc != 0:
+            return p
+    return None
+
+
+def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None | bool:
+    """Wait until all succeed (``True``), one fails (it), or time runs out (``None``)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        failed = _first_failure(procs)
+        if failed is not None:
+            return failed
+        if all(p.popen.poll() == 0 for p in procs):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def summarize(first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None,
+              elapsed_s: float) -> str:
+    """Return the launcher's failure summary (several lines).
+
+    Args:
+        first: The process that failed first, or ``None`` after a timeout.
+        outcomes: How every process ended.
+        timeout_s: The whole-run timeout.
+        elapsed_s: Seconds since the launch.
+
+    Returns:
+        Text naming the failed process, its exit code or signal and reason,
+        and how each other process was ended.
+
+    Example:
+        >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
+        jaxdev launch: process 1 failed (signal SIGKILL) after 2.0 s.
+          p1: signal SIGKILL
+    """
+    if first is None:
+        still = [o.process_id for o in outcomes if o.ended_by_launcher]
+        head = (f"jaxdev launch: timed out after {timeout_s:g} s (`--timeout`); process(es) "
+                f"{', '.join(map(str, still)) or 'none'} still running were ended.")
+    else:
+        reason = f": {first.reason}" if first.reason else ""
+        head = (f"jaxdev launch: process {first.process_id} failed "
+                f"({describe_returncode(first.returncode)}) after {elapsed_s:.1f} s{reason}")
+        head = head if reason else head + "."
+    lines = [head]
+    for o in outcomes:
+        how = "ended by launcher, " if o.ended_by_launcher else ""
+        other = o.reason and (first is None or o.reason != first.reason)
+        why = f" - {o.reason.splitlines()[0]}" if other else ""
+        lines.append(f"  p{o.process_id}: {how}{describe_returncode(o.returncode)}{why}")
+    return "\n".join(lines)
+
+
+def _check_launch_args(cmd: Sequence[str], num_processes: int, devices_per_process: int,
+                       port: int | None, timeout_s: float | None) -> None:
+    """Raise ValueError naming the first bad launch argument."""
+    if not cmd:
+        raise ValueError("`cmd` is empty; give the command after `--`, e.g. "
+                         "`-- python script.py`.")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
+            or num_processes < 1:
+        raise ValueError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
+    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) \
+            or devices_per_process < 1:
+        raise ValueError(
+            f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"`port` must be in 1..65535, got {port!r}.")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
+
+
+def launch(
+    cmd: Sequence[str],
+    num_processes: int,
+    devices_per_process: int,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    out: IO[str] | None = None,
+) -> int:
+    """Run ``cmd`` as ``num_processes`` local JAX processes; return an exit code.
+
+    Args:
+        cmd: Command to run in every process, e.g. ``["python", "train.py"]``.
+        num_processes: Number of processes (ids 0..N-1).
+        devices_per_process: Fake CPU devices per process.
+        port: Coordinator port on 127.0.0.1; ``None`` picks a free one.
+        timeout_s: Limit for the whole run; ``None`` means no limit.
+        env: Extra environment for every process (over ``os.environ``).
+        grace_s: Seconds between SIGTERM and SIGKILL when ending processes.
+        out: Where prefixed output and the summary go (default stdout/stderr).
+
+    Returns:
+        0 when every process exits 0; else the failed process's exit code
+        (``128 + signal`` when killed by a signal), or 124 after a timeout.
+
+    Raises:
+        ValueError: If an argument is invalid (the CLI turns it into exit 2).
+        OSError: If the command cannot be started (already started processes
+            are ended first).
+
+    Example:
+        >>> launch([sys.executable, "-c", "print('hi')"], 2, 1)  # doctest: +SKIP
+        [p0] hi
+        [p1] hi
+        0
+    """
+    _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
+    port = free_port() if port is None else port
+    base = {**os.environ, **(env or {})}
+    lock, stream = threading.Lock(), out or sys.stdout
+    start = time.monotonic()
+    procs: list[_Proc] = []
+    try:
+        for i in range(num_processes):
+            procs.append(_Proc(i, cmd, process_env(i, num_processes, devices_per_process,
+                                                   port, base), stream, lock))
+        result = _supervise(procs, timeout_s)
+    except BaseException:
+        _end(procs, grace_s)
+        raise
+    _end(procs, grace_s)
+    if result is True:
+        return 0
+    outcomes = [p.outcome() for p in procs]
+    first = None if result is None else outcomes[result.id]  # type: ignore[union-attr]
+    summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
+    with lock:
+        print(summary, file=out or sys.stderr, flush=True)
+    return exit_code(first)
+
+
+class _UsageError(Exception):
+    """A command-line usage error (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="jaxdev launch", description="Run a command as N local JAX processes "
+                "with M fake CPU devices each, e.g. "
+                "`jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.")
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int, default=1)
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help="seconds between SIGTERM and SIGKILL when ending processes")
+    return p
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split at the first ``--`` into launcher options and the command."""
+    argv = list(argv)
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            return argv, []
+        raise _UsageError("missing `--` before the command, e.g. "
+                          "`jaxdev launch -n 2 -- python script.py`")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: ``jaxdev launch -n N [--devices-per-process M] ... -- cmd``.
+
+    Args:
+        argv: Arguments after ``launch`` (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code of :func:`launch`; 2 on a usage error (one-line reason
+        on stderr); 0 for ``--help``.
+
+    Example:
+        >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
+        0
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts, cmd = _split_argv(argv)
+        args = _parser().parse_args(opts)
+        return launch(cmd, args.num_processes, args.devices_per_process, args.port,
+                      args.timeout, grace_s=args.grace)
+    except (_UsageError, ValueError) as e:
+        print(f"jaxdev launch: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the command could not be started
+        print(f"jaxdev launch: error: cannot start {' '.join(cmd)!r}: {e}", file=sys.stderr)
+        return 127
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Cross-process checks for multi-process JAX: global batches, same values.
+
+JAX's multi-controller runtime trusts every process to bring matching data.
+When local batch sizes differ, ``jax.make_array_from_process_local_data``
+silently builds a wrong global array (JAX 0.10.2: 4 vs 6 local rows gave a
+global mean of 0.75 on one process and 0.5 on the other; the true mean was
+0.6). The functions here first exchange a small description of each process's
+data and raise a :class:`~jaxdev.DistributedError` naming the leaves and the
+processes that differ.
+
+The exchange goes through the coordinator's key-value store (the client that
+``jax.distributed.initialize`` starts), so every wait has a deadline and a
+process that never arrives (hung in its data loader, dead) is named. A
+collective such as ``multihost_utils.process_allgather`` would instead block
+forever in that case. Without a coordinator client (``process_count() > 1``
+through another runtime) a digest is gathered with ``process_allgather``.
+
+With one process every check is skipped: nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from ._errors import DistributedError, ShardingError, join_failures, keystr
+
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "JAXDEV_SYNC_TIMEOUT"
+_KEY_PREFIX = "jaxdev/exchange"
+_ROUNDS: dict[str, itertools.count] = {}
+
+
+def default_timeout_s() -> float:
+    """Return the cross-process wait limit: ``$JAXDEV_SYNC_TIMEOUT`` or 300 s.
+
+    Returns:
+        Seconds a cross-process check waits for the slowest process.
+
+    Raises:
+        DistributedError: If ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
+
+    Example:
+        >>> default_timeout_s() > 0
+        True
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise DistributedError(
+            f"`{TIMEOUT_ENV}` must be a positive number of seconds, got {raw!r}. "
+            f"Fix: set it to e.g. 60, or unset it for the default {DEFAULT_TIMEOUT_S:g}."
+        )
+    return value
+
+
+def _client():
+    """Return the coordinator client of ``jax.distributed``, or ``None``."""
+    from jax._src import distributed  # the client is not re-exported publicly
+
+    return distributed.global_state.client
+
+
+def _next_round(tag: str) -> int:
+    """Return this process's call number for ``tag`` (same order everywhere)."""
+    return next(_ROUNDS.setdefault(tag, itertools.count()))
+
+
+def _kv_exchange(client, tag: str, payload: str, timeout_s: float) -> list[str]:
+    """Publish ``payload`` and read every process's one, with a deadline."""
+    me, n, rnd = jax.process_index(), jax.process_count(), _next_round(tag)
+    key = f"{_KEY_PREFIX}/{tag}/{rnd}/"
+    client.key_value_set(f"{key}{me}", payload)
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for p in range(n):
+        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            out.append(client.blocking_key_value_get(f"{key}{p}", remaining_ms))
+        except Exception:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED
+            _raise_missing(client, key, tag, n, timeout_s)
+    if rnd > 0:  # everyone published round `rnd`, so all have read `rnd - 1`
+        client.key_value_delete(f"{_KEY_PREFIX}/{tag}/{rnd - 1}/{me}")
+    return out
+
+
+def _raise_missing(client, key: str, tag: str, n: int, timeout_s: float):
+    """Raise a DistributedError naming the processes that never published."""
+    missing = _missing(client, key, n)
+    names = ", ".join(str(p) for p in missing) or "?"
+    raise DistributedError(
+        f"`{tag}`: process {jax.process_index()} waited {timeout_s:g} s for every process to "
+        f"reach this check, but process(es) {names} of {n} never arrived. They are hung "
+        "(e.g. in the data loader), dead, or calling a different sequence of checks. "
+        f"Fix: find what process {names} is doing; raise `timeout_s` (or `{TIMEOUT_ENV}`) "
+        "if it is merely slow."
+    ) from None
+
+
+def _missing(client, key: str, n: int) -> list[int]:
+    """Return the processes whose key under ``key`` is not set."""
+    missing = []
+    for p in range(n):
+        try:
+            client.key_value_try_get(f"{key}{p}")
+        except Exception:  # noqa: BLE001 - NOT_FOUND
+            missing.append(p)
+    return missing
+
+
+def _digest_exchange(payload: str) -> list[str]:
+    """Gather a fixed-size digest of ``payload`` with ``process_allgather``."""
+    digest = np.frombuffer(hashlib.sha256(payload.encode()).digest(), np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(digest))
+    return [row.tobytes().hex()[:16] for row in gathered]
+
+
+def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str]:
+    """Return every process's ``payload`` string, indexed by process id.
+
+    Every process must call ``exchange`` with the same ``tag`` in the same
+    order. Single-process it returns ``[payload]`` without any communication.
+
+    Args:
+        tag: Name of the check; appears in error messages.
+        payload: This process's string (e.g. JSON of shapes or checksums).
+        timeout_s: Seconds to wait for the slowest process; ``None`` uses
+            :func:`default_timeout_s`.
+
+    Returns:
+        One string per process. Without a coordinator client, each entry is a
+        digest of that process's payload instead of the payload itself.
+
+    Raises:
+        DistributedError: If a process does not publish within ``timeout_s``;
+            the message names it.
+
+    Example:
+        >>> exchange("demo", "hello")  # one process
+        ['hello']
+    """
+    if jax.process_count() == 1:
+        return [payload]
+    timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+    client = _client()
+    if client is None:
+        return _digest_exchange(payload)
+    return _kv_exchange(client, tag, payload, timeout_s)
+
+
+def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
+    """Group process ids by the value each one holds.
+
+    Args:
+        values: One value per process (hashable).
+
+    Returns:
+        ``{value: [process ids]}`` in order of first appearance.
+
+    Example:
+        >>> group_processes(["a", "b", "a"])
+        {'a': [0, 2], 'b': [1]}
+    """
+    groups: dict[Any, list[int]] = {}
+    for p, v in enumerate(values):
+        groups.setdefault(v, []).append(p)
+    return groups
+
+
+def describe_groups(groups: dict[Any, list[int]], show: Callable[[Any], str] = str) -> str:
+    """Render ``{value: [ids]}`` as ``'process 0, 2: a; process 1: b'``.
+
+    Args:
+        groups: Output of :func:`group_processes`.
+        show: How to print a value.
+
+    Returns:
+        One line, one entry per distinct value.
+
+    Example:
+        >>> describe_groups({"a": [0, 2], "b": [1]})
+        'process 0, 2: a; process 1: b'
+    """
+    parts = [f"process {', '.join(map(str, ids))}: {show(v)}" for v, ids in groups.items()]
+    return "; ".join(parts)
+
+
+def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
+    """Return one line per leaf whose value differs between processes.
+
+    Args:
+        tables: One ``{leaf path: value}`` dict per process. A leaf missing on
+            some process counts as the value ``'<missing>'``.
+
+    Returns:
+        ``"<path>: process 0: v; process 1: w"`` lines, sorted by path; empty
+        when every process agrees.
+
+    Example:
+        >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
+        ["['x']: process 0: (4,); process 1: (6,)"]
+    """
+    paths = sorted(set().union(*tables))
+    lines = []
+    for path in paths:
+        values = [t.get(path, "<missing>") for t in tables]
+        if len(set(values)) > 1:
+            lines.append(f"{path}: {describe_groups(group_processes(values))}")
+    return lines
+
+
+def _gathered_tables(tag: str, table: dict[str, str], timeout_s: float | None):
+    """Exchange ``table`` and return one table per process (digests as fallback)."""
+    payloads = exchange(tag, json.dumps(table, sort_keys=True), timeout_s)
+    if _client() is None and jax.process_count() > 1:
+        return [{"<tree>": p} for p in payloads]
+    return [json.loads(p) for p in payloads]
+
+
+def _shape_table(leaves_with_path) -> dict[str, str]:
+    """Return ``{path: 'shape dtype'}`` for the leaves of a local batch."""
+    table = {}
+    for path, leaf in leaves_with_path:
+        shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
+        dtype = np.result_type(leaf) if dtype is None else np.dtype(dtype)
+        table[keystr(path)] = f"{tuple(shape)} {dtype}"
+    return table
+
+
+def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) -> None:
+    """Check every process brings the same local shape and dtype per leaf.
+
+    Args:
+        local_batch: This process's pytree of arrays.
+        timeout_s: Seconds to wait for the slowest process (``None``: default).
+
+    Raises:
+        DistributedError: If shapes, dtypes or tree structure differ (naming
+            each leaf and the processes), or a process never arrives.
+
+    Example:
+        >>> check_same_local_shapes({"x": np.zeros((4, 3))})  # one process
+    """
+    if jax.process_count() == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
+    tables = _gathered_tables("make_global_batch", _shape_table(leaves), timeout_s)
+    failures = compare_leaf_tables(tables)
+    if failures:
+        raise DistributedError(join_failures(
+            "`make_global_batch`: every process must bring the same local shape and dtype "
+            "for every leaf (JAX would silently build a wrong global array). "
+            f"{len(failures)} leaf/leaves differ:", failures,
+        ) + "\nFix: give every process the same local batch size and dtypes (drop or pad "
+            "the remainder, e.g. pad and carry a validity mask).")
+
+
+def _as_sharding(sharding: Sharding | Mesh, axis: str) -> Sharding:
+    """Return ``sharding`` itself, or ``NamedSharding(mesh, P(axis))`` for a mesh."""
+    if isinstance(sharding, Mesh):
+        if axis not in sharding.axis_names:
+            raise ShardingError(
+                f"`axis`={axis!r} is not an axis of the mesh (axes: {sharding.axis_names}). "
+                "Fix: pass one of the mesh's axis names."
+            )
+        return NamedSharding(sharding, PartitionSpec(axis))
+    if isinstance(sharding, Sharding):
+        return sharding
+    raise ShardingError(
+        f"`sharding` must be a jax.sharding.Sharding or Mesh, got {type(sharding).__name__}. "
+        "Fix: pass e.g. `jax.sharding.Mesh(np.array(jax.devices()), ('data',))`."
+    )
+
+
+def _check_batch_leaves(local_batch: Any) -> None:
+    """Raise ShardingError for leaves without a batch axis (scalars)."""
+    leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
+    bad = [f"{keystr(p)}: shape {np.shape(x)}" for p, x in leaves if np.ndim(x) == 0]
+    if bad:
+        raise ShardingError(join_failures(
+            "`local_batch`: every leaf needs a leading batch axis; these are scalars:", bad,
+        ) + "\nFix: stack per-example values into arrays of shape (batch, ...).")
+
+
+def make_global_batch(
+    local_batch: Any,
+    sharding: Sharding | Mesh,
+    axis: str = "data",
+    *,
+    timeout_s: float | None = None,
+) -> Any:
+    """Build global arrays from each process's local batch, after checking shapes.
+
+    Every process calls this with its own slice of the global batch. First
+    every process's local shapes and dtypes are compared (skipped with one
+    process), then ``jax.make_array_from_process_local_data`` assembles the
+    global arrays: the global leading size is the sum of the local ones.
+
+    Args:
+        local_batch: Pytree of host (numpy) or local arrays; every leaf has a
+            leading batch axis.
+        sharding: Target sharding of every leaf, or a ``Mesh`` (then the
+            leading axis is split over mesh axis ``axis``).
+        axis: Mesh axis for the batch when ``sharding`` is a ``Mesh``.
+        timeout_s: Seconds to wait for the slowest process in the shape check
+            (``None``: ``$JAXDEV_SYNC_TIMEOUT`` or 300).
+
+    Returns:
+        The pytree of global ``jax.Array`` s.
+
+    Raises:
+        DistributedError: If processes bring different local shapes or dtypes
+            (naming each leaf and the processes), or one never arrives.
+        ShardingError: If a leaf is a scalar, ``axis`` is not a mesh axis, or
+            ``sharding`` is neither a Sharding nor a Mesh.
+
+    Example:
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+        >>> x = np.arange(2.0 * len(jax.devices()))
+        >>> make_global_batch({"x": x}, mesh)["x"].shape == x.shape  # one process
+        True
+    """
+    target = _as_sharding(sharding, axis)
+    _check_batch_leaves(local_batch)
+    check_same_local_shapes(local_batch, timeout_s)
+    return jax.make_array_from_process_local_data(target, local_batch)
+
+
+def _host_value(leaf: Any) -> np.ndarray | None:
+    """Return the bytes-bearing host copy of a leaf, or None for sharded globals."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            return None  # one logical value spread over processes: nothing to compare
+        leaf = leaf.addressable_data(0)
+    return np.asarray(jax.device_get(leaf))
+
+
+def leaf_checksum(leaf: Any) -> str:
+    """Return ``'shape dtype sha256[:16]'`` of a leaf's value.
+
+    A global array sharded across processes has one logical value, so only
+    its shape and dtype are described (marked ``global``).
+
+    Args:
+        leaf: An array or Python number.
+
+    Returns:
+        A short string equal across processes iff the values are equal.
+
+    Example:
+        >>> leaf_checksum(np.zeros(3, np.float32))[:16]
+        '(3,) float32 b61'
+    """
+    value = _host_value(leaf)
+    if value is None:
+        return f"{tuple(leaf.shape)} {leaf.dtype} global"
+    value = np.ascontiguousarray(value)
+    digest = hashlib.sha256(value.tobytes()).hexdigest()[:16]
+    return f"{value.shape} {value.dtype} {digest}"
+
+
+def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -> None:
+    """Check every process holds the same values (params, step counters, ...).
+
+    Each process hashes every leaf and the checksums are compared, so only a
+    few bytes per leaf cross the network. Replicated global arrays are
+    compared through their local copy; arrays sharded across processes are
+    compared by shape and dtype only. With one process this returns at once.
+
+    Args:
+        tree: Pytree of arrays or numbers, the same structure everywhere.
+        timeout_s: Seconds to wait for the slowest process (``None``: default).
+
+    Raises:
+        DistributedError: Listing every leaf that differs with the processes
+            holding each distinct value, or naming a process that never
+            arrived.
+
+    Example:
+        >>> assert_same_across_processes({"step": np.int32(3)})  # one process
+    """
+    if jax.process_count() == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    table = {keystr(p): leaf_checksum(x) for p, x in leaves}
+    failures = compare_leaf_tables(_gathered_tables("assert_same_across_processes", table,
+                                                    timeout_s))
+    if failures:
+        raise DistributedError(join_failures(
+            "`assert_same_across_processes`: every process must hold the same values; "
+            f"{len(failures)} leaf/leaves differ (shape dtype sha256):", failures,
+        ) + "\nFix: replicate from one source (e.g. broadcast process 0's values) and make "
+            "every update deterministic and identical on all processes.")
