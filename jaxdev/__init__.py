@@ -96,5 +96,9 @@ from ._guards import count_transfers as count_transfers
 from ._guards import no_host_sync as no_host_sync
 
 # --- distributed ---
+from . import _distributed as distributed  # noqa: F401 - jaxdev.distributed.initialize()
+from ._launch import launch as launch
+from ._multihost import assert_same_across_processes as assert_same_across_processes
+from ._multihost import make_global_batch as make_global_batch
 
 __version__ = "0.1.0"
