@@ -78,6 +78,16 @@ from ._metrics import Sum as Sum
 from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---
+from ._train import Pmap as Pmap
+from ._train import Sharded as Sharded
+from ._train import Single as Single
+from ._train import TrainState as TrainState
+from ._train import TrainStep as TrainStep
+from ._train import make_eval_step as make_eval_step
+from ._train import make_train_step as make_train_step
+from ._train import pmap as pmap
+from ._train import sharded as sharded
+from ._train import single as single
 
 # --- asserts ---
 from ._asserts import assert_committed as assert_committed

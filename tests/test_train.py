@@ -1,0 +1,236 @@
+"""Training: the same numbers on one device, pmap and sharded jit; metrics stay on device.
+
+Tolerance: parameters and metrics agree to ``atol=1e-5, rtol=1e-5`` (float32
+sums reassociated across 8 devices); the single-device step equals a
+hand-written optax loop to the same tolerance.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdev
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+STEPS, BATCH, FEATURES, CLASSES = 20, 32, 12, 5
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(CLASSES)(nn.relu(nn.Dense(16)(x)))
+
+
+MODEL = MLP()
+
+
+def loss_fn(params, batch):
+    logits = MODEL.apply({"params": params}, batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses, {"accuracy": (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)}
+
+
+def _data(steps=STEPS, batch=BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps, batch, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=(steps, batch)).astype(np.int32)
+    return x, y
+
+
+def _params():
+    return MODEL.init(jax.random.key(0), jnp.zeros((1, FEATURES)))["params"]
+
+
+TX = optax.adam(1e-2)
+
+
+def _reference(x, y):
+    """Hand-written optax loop on one device: params and mean loss per step."""
+    params, opt = _params(), TX.init(_params())
+
+    @jax.jit
+    def step(params, opt, xb, yb):
+        def obj(p):
+            losses, _ = loss_fn(p, {"x": xb, "y": yb})
+            return losses.mean()
+
+        loss, g = jax.value_and_grad(obj)(params)
+        updates, opt = TX.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    losses = []
+    for xb, yb in zip(x, y):
+        params, opt, loss = step(params, opt, xb, yb)
+        losses.append(float(loss))
+    return params, losses
+
+
+def _train(strategy, x, y, k=1):
+    step = jaxdev.make_train_step(loss_fn, TX, strategy, has_aux=True, steps_per_call=k)
+    state = step.init_state(_params(), TX)
+    metrics = None
+    for i in range(0, len(x), k):
+        xb, yb = (x[i], y[i]) if k == 1 else (x[i : i + k], y[i : i + k])
+        state, metrics = step(state, step.put_batch({"x": xb, "y": yb}), metrics)
+    return state, metrics.fetch()
+
+
+STRATEGIES = {
+    "single": lambda: jaxdev.single("cpu:0"),
+    "pmap": lambda: jaxdev.pmap(),
+    "sharded": lambda: jaxdev.sharded(),
+    "shard_map": lambda: jaxdev.sharded(use_shard_map=True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(*_data())
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_matches_hand_written_optax_loop(reference, name, k):
+    ref_params, ref_losses = reference
+    state, metrics = _train(STRATEGIES[name](), *_data(), k=k)
+    assert int(state.step) == STEPS
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
+        state.params,
+        ref_params,
+    )
+    np.testing.assert_allclose(metrics["loss"], np.mean(ref_losses), **TOL)
+    assert 0.0 <= metrics["accuracy"] <= 1.0
+    if name != "single":  # truly replicated, not stacked
+        leaf = jax.tree.leaves(state.params)[0]
+        assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("name", ["pmap", "sharded", "shard_map"])
+def test_uneven_batch_is_padded_and_counted_exactly(name):
+    x, y = _data(steps=1, batch=29, seed=3)  # 29 rows on 8 devices
+    exact, _ = _train(STRATEGIES["single"](), x, y)
+    step = jaxdev.make_train_step(loss_fn, TX, STRATEGIES[name](), has_aux=True)
+    batch = step.put_batch({"x": x[0], "y": y[0]})
+    assert isinstance(batch, jaxdev.Padded) and batch.size == 29
+    state, metrics = step(step.init_state(_params(), TX), batch)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
+        state.params,
+        exact.params,
+    )
+    losses, aux = loss_fn(_params(), {"x": x[0], "y": y[0]})
+    fetched = metrics.fetch()
+    np.testing.assert_allclose(fetched["loss"], float(losses.mean()), **TOL)
+    np.testing.assert_allclose(fetched["accuracy"], float(aux["accuracy"].mean()), **TOL)
+
+
+def test_eval_step_matches_direct_computation():
+    x, y = _data(steps=1, batch=21, seed=5)
+    params = _params()
+    losses, aux = loss_fn(params, {"x": x[0], "y": y[0]})
+    for name in ("single", "pmap", "sharded"):
+        ev = jaxdev.make_eval_step(loss_fn, STRATEGIES[name](), has_aux=True)
+        metrics = ev(ev.init_state(params), ev.put_batch({"x": x[0], "y": y[0]}))
+        out = metrics.fetch()
+        np.testing.assert_allclose(out["loss"], float(losses.mean()), **TOL)
+        np.testing.assert_allclose(out["accuracy"], float(aux["accuracy"].mean()), **TOL)
+
+
+def test_fifty_steps_make_no_host_sync_and_compile_once_per_signature():
+    x, y = _data(steps=50)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.sharded(), has_aux=True)
+    state = step.init_state(_params(), TX)
+    batches = [step.put_batch({"x": xb, "y": yb}) for xb, yb in zip(x, y)]
+    metrics = None
+    with jaxdev.count_transfers() as counter:
+        for i, batch in enumerate(batches):
+            state, metrics = step(state, batch, metrics)
+            if i == 1:  # step 1 has no running metrics, step 2 has: one compile each
+                assert counter.compiles == 2
+    assert counter.device_to_host == 0 and counter.host_to_device == 0
+    assert counter.compiles == 2, counter.summary()
+    assert int(state.step) == 50
+    assert np.isfinite(metrics.fetch()["loss"])
+
+
+def test_state_is_donated_by_default():
+    x, y = _data(steps=1)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True)
+    state = step.init_state(_params(), TX)
+    new, _ = step(state, step.put_batch({"x": x[0], "y": y[0]}))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+    kept = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True, donate=False)
+    state = kept.init_state(_params(), TX)
+    kept(state, kept.put_batch({"x": x[0], "y": y[0]}))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+
+
+def test_init_state_copies_so_donation_never_deletes_the_callers_params():
+    x, y = _data(steps=1)
+    params = _params()
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True)
+    state = step.init_state(params, TX)
+    step(state, step.put_batch({"x": x[0], "y": y[0]}))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+
+
+def test_flax_nnx_model_and_rng():
+    model = nnx.Sequential(
+        nnx.Linear(FEATURES, 16, rngs=nnx.Rngs(0)),
+        nnx.Dropout(0.1, rngs=nnx.Rngs(1)),
+        nnx.Linear(16, CLASSES, rngs=nnx.Rngs(2)),
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def nnx_loss(params, batch, rng):
+        m = nnx.merge(graphdef, params, rest)
+        m.eval() if rng is None else m.train()
+        logits = m.layers[2](nnx.relu(m.layers[0](batch["x"])))
+        logits = logits + 0.0 * jax.random.normal(rng, logits.shape)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    x, y = _data(steps=3)
+    tx = optax.sgd(0.1)
+    results = []
+    for name in ("single", "sharded"):
+        step = jaxdev.make_train_step(nnx_loss, tx, STRATEGIES[name]())
+        state = step.init_state(params, tx, rng=jax.random.key(7))
+        for xb, yb in zip(x, y):
+            state, metrics = step(state, step.put_batch({"x": xb, "y": yb}))
+        assert isinstance(state.params, nnx.State)
+        results.append((state.params, metrics.fetch()["loss"]))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL),
+        results[0][0],
+        results[1][0],
+    )
+    np.testing.assert_allclose(results[0][1], results[1][1], **TOL)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="`strategy` must be 'single', 'pmap', 'sharded'"):
+        jaxdev.make_train_step(loss_fn, TX, "dataparallel")
+    with pytest.raises(ValueError, match="`steps_per_call` must be >= 1, got 0"):
+        jaxdev.make_train_step(loss_fn, TX, steps_per_call=0)
+    with pytest.raises(TypeError, match="`steps_per_call` must be an int"):
+        jaxdev.make_train_step(loss_fn, TX, steps_per_call=2.0)
+
+    def mean_loss(params, batch):
+        return loss_fn(params, batch)[0].mean()
+
+    step = jaxdev.make_train_step(mean_loss, TX, jaxdev.single())
+    x, y = _data(steps=1)
+    with pytest.raises(jaxdev.ShardingError, match=r"one loss per example, shape \(32,\)"):
+        step(step.init_state(_params(), TX), step.put_batch({"x": x[0], "y": y[0]}))
+    k_step = jaxdev.make_train_step(loss_fn, TX, jaxdev.sharded(), has_aux=True, steps_per_call=4)
+    with pytest.raises(jaxdev.ShardingError, match=r"shape \(K=4, B, ...\)"):
+        k_step.put_batch({"x": x[0], "y": y[0]})
+    with pytest.raises(jaxdev.ShardingError, match="`axis`='model' is not an axis"):
+        jaxdev.sharded(jaxdev.data_mesh(), axis="model")
