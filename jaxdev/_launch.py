@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-DEFAULT_GRACE_S = 3.0
+DEFAULT_GRACE_S = 2.0
 _TAIL_LINES = 40
 _FATAL = re.compile(
     r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
@@ -184,12 +184,13 @@ class _Proc:
         self.thread.start()
 
     def _pump(self, out: IO[str], lock: threading.Lock) -> None:
-        for line in self.popen.stdout:  # type: ignore[union-attr]
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            with lock:
-                out.write(f"[p{self.id}] {line}\n")
-                out.flush()
+        with self.popen.stdout:  # type: ignore[union-attr]
+            for line in self.popen.stdout:  # type: ignore[union-attr]
+                line = line.rstrip("\n")
+                self.tail.append(line)
+                with lock:
+                    out.write(f"[p{self.id}] {line}\n")
+                    out.flush()
 
     def outcome(self) -> Outcome:
         self.thread.join(timeout=2.0)
@@ -344,9 +345,9 @@ def launch(
         _end(procs, grace_s)
         raise
     _end(procs, grace_s)
+    outcomes = [p.outcome() for p in procs]  # also drains every output pump
     if result is True:
         return 0
-    outcomes = [p.outcome() for p in procs]
     first = None if result is None else outcomes[result.id]  # type: ignore[union-attr]
     summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
     with lock:

@@ -1,0 +1,108 @@
+"""The multi-process fault matrix, shared by tests/test_multihost.py and
+benchmarks/multihost_faults.py.
+
+Each scenario runs ``tests/mp_scripts/worker.py`` as 2 processes x 4 fake CPU
+devices under ``python -m jaxdev._launch`` (or, for ``no_coordinator``, one
+lone process 1) with short timeouts, and records exit code, seconds, and the
+launcher's summary.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "worker.py")
+
+INIT_TIMEOUT_S = 10
+HEARTBEAT_TIMEOUT_S = 10
+SYNC_TIMEOUT_S = 10
+RUN_TIMEOUT_S = 40  # launcher's whole-run backstop
+
+
+class Scenario(NamedTuple):
+    name: str
+    expected: str
+    must_contain: tuple[str, ...]  # every one appears in the output (case-insensitive)
+    limit_s: float  # the configured timeout the failure is bounded by
+
+
+SCENARIOS = [
+    Scenario("happy", "exit 0, mean 3.5 / 7.0 on both processes, drift caught",
+             ("[p0] OK", "[p1] OK", "mean 3.5", "process 0: (5,) float32"), RUN_TIMEOUT_S),
+    Scenario("no_coordinator", "process 1 alone: DistributedError, coordinator unreachable",
+             ("process 1 could not reach the coordinator",), INIT_TIMEOUT_S),
+    Scenario("never_starts", "process 0 gives up after the init timeout, with a diagnostic",
+             ("process 0 failed (exit code 1)", "gave up after 10 s", "peer never started"),
+             INIT_TIMEOUT_S),
+    Scenario("sigkill", "process 1 SIGKILLed mid-step; others ended",
+             ("process 1 failed (signal SIGKILL)",), HEARTBEAT_TIMEOUT_S),
+    Scenario("loader_hang", "process 1 hangs in the loader; process 0 names it",
+             ("`make_global_batch`", "process(es) 1 of 2 never arrived"), SYNC_TIMEOUT_S),
+    Scenario("batch_shapes", "DistributedError naming leaves and processes",
+             ("['x']: process 0: (4,) float32; process 1: (6,) float32",), SYNC_TIMEOUT_S),
+    Scenario("device_counts", "DistributedError: process 0: 4, process 1: 2",
+             ("same number of local devices", "process 0: 4, process 1: 2"), INIT_TIMEOUT_S),
+    Scenario("duplicate_id", "two processes claim id 0: port taken or init diagnostic",
+             ("duplicate",), INIT_TIMEOUT_S),
+]
+
+
+class Result(NamedTuple):
+    scenario: Scenario
+    returncode: int
+    seconds: float
+    output: str
+
+    def missing(self) -> list[str]:
+        """Expected fragments absent from the output."""
+        low = self.output.lower()
+        return [m for m in self.scenario.must_contain if m.lower() not in low]
+
+    def summary(self) -> str:
+        """The launcher's summary (or the lone process's error), one line."""
+        lines = self.output.splitlines()
+        for key in ("jaxdev launch:", "DistributedError:"):
+            hits = [ln for ln in lines if key in ln]
+            if hits:
+                return hits[0].strip()
+        return lines[-1].strip() if lines else ""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(JAXDEV_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
+               JAXDEV_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
+               JAXDEV_SYNC_TIMEOUT=str(SYNC_TIMEOUT_S))
+    return env
+
+
+def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one scenario."""
+    env = _env()
+    if scenario.name == "no_coordinator":
+        env.update(JAXDEV_COORDINATOR=f"127.0.0.1:{port}", JAXDEV_NUM_PROCESSES="2",
+                   JAXDEV_PROCESS_ID="1", JAXDEV_LOCAL_DEVICES="4", JAX_PLATFORMS="cpu")
+        return [sys.executable, WORKER, "happy"], env
+    launcher = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch",
+                "-n", "2", "--devices-per-process", "4", "--port", str(port),
+                "--timeout", str(RUN_TIMEOUT_S), "--"]
+    return launcher + [sys.executable, WORKER, scenario.name], env
+
+
+def run(scenario: Scenario) -> Result:
+    """Run one scenario; the subprocess timeout is only a backstop."""
+    from jaxdev._launch import free_port
+
+    cmd, env = command(scenario, free_port())
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S + 30, cwd=REPO)
+    seconds = time.monotonic() - start
+    return Result(scenario, proc.returncode, seconds, proc.stdout + proc.stderr)

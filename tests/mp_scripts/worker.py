@@ -1,0 +1,92 @@
+"""A multi-process worker for tests/test_multihost.py and benchmarks/multihost_faults.py.
+
+Run under ``jaxdev launch -n 2 --devices-per-process 4 -- python worker.py SCENARIO``.
+Scenarios: ``happy`` and the faults ``never_starts``, ``sigkill``, ``loader_hang``,
+``batch_shapes``, ``device_counts``, ``duplicate_id``. Timeouts come from the
+``JAXDEV_*_TIMEOUT`` environment the test sets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import jaxdev
+
+ROWS = 4  # local rows per process
+
+
+def init_kwargs(scenario: str, pid: int) -> dict:
+    """Arguments that inject the start-up faults."""
+    if scenario == "device_counts" and pid == 1:
+        return {"local_device_count": 2}
+    if scenario == "duplicate_id" and pid == 1:
+        return {"process_id": 0}
+    return {}
+
+
+def load_batch(scenario: str, pid: int) -> dict:
+    """The data loader: process p holds rows [4p, 4p + 4) of arange(8)."""
+    if scenario == "loader_hang" and pid == 1:
+        time.sleep(3600)
+    rows = 6 if scenario == "batch_shapes" and pid == 1 else ROWS
+    x = np.arange(rows, dtype=np.float32) + ROWS * pid
+    return {"x": x, "y": np.ones((rows, 2), np.int32)}
+
+
+def make_step(pid: int, scenario: str):
+    """A jitted global step: mean of x over every device of every process."""
+    import jax
+
+    def die_mid_step(x):
+        if scenario == "sigkill" and pid == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @jax.jit
+    def step(batch, k):
+        jax.debug.callback(die_mid_step, batch["x"], partitioned=True)  # runs per shard
+        return batch["x"].mean() * k, batch["y"].sum()
+
+    return step
+
+
+def main(scenario: str) -> int:
+    pid = int(os.environ["JAXDEV_PROCESS_ID"])
+    if scenario == "never_starts" and pid == 1:
+        time.sleep(3600)  # never reaches initialize
+    jaxdev.distributed.initialize(**init_kwargs(scenario, pid))
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    step = make_step(pid, "")
+    for k in (1.0, 2.0):
+        batch = jaxdev.make_global_batch(load_batch(scenario, pid), mesh)
+        if k == 2.0:
+            step = make_step(pid, scenario)
+        mean, total = step(batch, k)
+        mean, total = float(mean), int(total)
+        print(f"step {k:g}: global shape {batch['x'].shape} mean {mean} y-sum {total}")
+        if (mean, total) != (3.5 * k, 16):
+            print(f"WRONG RESULT: mean {mean} (expected {3.5 * k}), y-sum {total} (expected 16)")
+            return 3
+    params = {"w": np.linspace(0, 1, 5, dtype=np.float32), "step": np.int32(2)}
+    jaxdev.assert_same_across_processes(params)
+    print("assert_same_across_processes: equal params pass")
+    drifted = {"w": params["w"] + pid, "step": params["step"]}
+    try:
+        jaxdev.assert_same_across_processes(drifted)
+    except jaxdev.DistributedError as e:
+        print(f"assert_same_across_processes caught drift: {e}")
+    else:
+        print("assert_same_across_processes MISSED a difference")
+        return 4
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,305 @@
+"""Multi-process: distributed initialize, checked global batches, the launcher.
+
+Pure helpers and the launcher's process handling are tested in-process; the
+multi-host scenarios start REAL processes on 127.0.0.1 (2 processes x 4 fake
+CPU devices, see ``tests/mp_scripts``) with 10 s timeouts, and each must end
+within its configured timeout + 10 s, non-zero, with a message naming what
+failed and which process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jaxdev
+from jaxdev import _distributed, _launch, _multihost
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_scripts"))
+import matrix  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+SCENARIOS = {s.name: s for s in matrix.SCENARIOS}
+
+
+# --- configuration and pure checks -------------------------------------------------
+
+
+def test_resolve_config_reads_launcher_env_and_arguments_win():
+    env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234", "JAXDEV_NUM_PROCESSES": "2",
+           "JAXDEV_PROCESS_ID": "1", "JAXDEV_LOCAL_DEVICES": "4", "JAXDEV_INIT_TIMEOUT": "7"}
+    cfg = _distributed.resolve_config(env=env)
+    assert cfg == _distributed.DistributedConfig("127.0.0.1:1234", 2, 1, 4, 7, 30)
+    cfg = _distributed.resolve_config(process_id=0, local_device_count=2, env=env)
+    assert (cfg.process_id, cfg.local_device_count) == (0, 2)
+
+
+def test_resolve_config_leaves_unknowns_to_cluster_auto_detection():
+    cfg = _distributed.resolve_config(env={})
+    assert cfg[:4] == (None, None, None, None)
+    assert (cfg.init_timeout_s, cfg.heartbeat_timeout_s) == (60, 30)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "match"),
+    [
+        ({}, {"JAXDEV_PROCESS_ID": "one"}, "`JAXDEV_PROCESS_ID` must be an integer >= 0"),
+        ({}, {"JAXDEV_NUM_PROCESSES": "0"}, "`JAXDEV_NUM_PROCESSES` must be an integer >= 1"),
+        ({"num_processes": 2, "process_id": 2}, {}, r"`process_id` must be in \[0, 2\)"),
+        ({"process_id": -1}, {}, "`process_id` must be an int >= 0"),
+        ({"timeout_s": 0}, {}, "`timeout_s` must be an int >= 1"),
+    ],
+)
+def test_resolve_config_rejects_bad_values(kwargs, env, match):
+    with pytest.raises(jaxdev.DistributedError, match=match):
+        _distributed.resolve_config(env=env, **kwargs)
+
+
+def test_split_address_requires_host_and_port():
+    assert _distributed.split_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(jaxdev.DistributedError, match="`coordinator_address` must look like"):
+        _distributed.split_address("localhost")
+
+
+def test_check_local_device_counts_names_every_process():
+    _distributed.check_local_device_counts([0] * 4 + [1] * 4, 2)
+    with pytest.raises(jaxdev.DistributedError, match="process 0: 4, process 1: 2, process 2: 0"):
+        _distributed.check_local_device_counts([0] * 4 + [1] * 2, 3)
+
+
+def test_initialize_refuses_after_the_backend_started():
+    jax.devices()  # conftest's 8 CPU devices: the backend is up
+    with pytest.raises(jaxdev.DistributedError, match="must run before anything starts"):
+        jaxdev.distributed.initialize("127.0.0.1:1", 2, 1)
+    assert not jaxdev.distributed.is_initialized()
+
+
+@pytest.mark.timeout(20)
+def test_wait_for_coordinator_gives_up_in_bounded_time():
+    address = f"127.0.0.1:{_launch.free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(jaxdev.DistributedError, match=r"process 1 could not reach .* within 1 s"):
+        _distributed.wait_for_coordinator(address, 1.0, process_id=1)
+    assert time.monotonic() - start < 3.0
+
+
+def test_wait_for_coordinator_connects_to_a_listener():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert _distributed.wait_for_coordinator(address, 5.0) < 5.0
+
+
+def test_check_port_free_reports_a_duplicate_process_zero():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(jaxdev.DistributedError, match="duplicate `process_id` 0"):
+            _distributed.check_port_free(address)
+
+
+def test_compare_leaf_tables_names_leaves_and_processes():
+    tables = [{"['x']": "(4,)", "['y']": "(4,)"}, {"['x']": "(6,)", "['y']": "(4,)"},
+              {"['x']": "(4,)"}]
+    assert _multihost.compare_leaf_tables(tables) == [
+        "['x']: process 0, 2: (4,); process 1: (6,)",
+        "['y']: process 0, 1: (4,); process 2: <missing>",
+    ]
+    assert _multihost.compare_leaf_tables([{"a": "1"}, {"a": "1"}]) == []
+
+
+def test_leaf_checksum_changes_with_value_not_with_placement(devices):
+    x = np.arange(6, dtype=np.float32)
+    assert _multihost.leaf_checksum(x) == _multihost.leaf_checksum(jax.device_put(x, devices[3]))
+    assert _multihost.leaf_checksum(x) != _multihost.leaf_checksum(x + 1)
+    assert _multihost.leaf_checksum(x) != _multihost.leaf_checksum(x.astype(np.float64))
+
+
+# --- single process: cheap, no communication ----------------------------------------
+
+
+def test_make_global_batch_single_process_places_on_the_mesh(devices):
+    mesh = Mesh(np.array(devices), ("data",))
+    batch = {"x": np.arange(16.0).reshape(16, 1), "y": np.arange(16)}
+    out = jaxdev.make_global_batch(batch, mesh)
+    assert out["x"].sharding == NamedSharding(mesh, PartitionSpec("data"))
+    np.testing.assert_array_equal(np.asarray(out["y"]), batch["y"])
+    assert out["x"].addressable_shards[3].data.shape == (2, 1)
+
+
+def test_make_global_batch_accepts_a_sharding(devices):
+    sharding = NamedSharding(Mesh(np.array(devices), ("batch",)), PartitionSpec("batch"))
+    out = jaxdev.make_global_batch(np.ones((8, 3), np.float32), sharding)
+    assert out.sharding == sharding and float(out.sum()) == 24.0
+
+
+def test_make_global_batch_rejects_scalars_bad_axis_and_bad_sharding(devices):
+    mesh = Mesh(np.array(devices), ("data",))
+    with pytest.raises(jaxdev.ShardingError, match=r"\['n'\]: shape \(\)"):
+        jaxdev.make_global_batch({"x": np.zeros(8), "n": np.float32(3)}, mesh)
+    with pytest.raises(jaxdev.ShardingError, match="`axis`='batch' is not an axis"):
+        jaxdev.make_global_batch(np.zeros(8), mesh, axis="batch")
+    with pytest.raises(jaxdev.ShardingError, match="`sharding` must be"):
+        jaxdev.make_global_batch(np.zeros(8), devices[0])
+
+
+def test_single_process_checks_skip_the_exchange(monkeypatch):
+    def no_client():
+        raise AssertionError("a single process must not talk to a coordinator")
+
+    monkeypatch.setattr(_multihost, "_client", no_client)
+    assert _multihost.exchange("t", "payload") == ["payload"]
+    _multihost.check_same_local_shapes({"x": np.zeros(3)})
+    jaxdev.assert_same_across_processes({"w": np.zeros(3), "step": 1})
+
+
+def test_default_timeout_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", "12.5")
+    assert _multihost.default_timeout_s() == 12.5
+    monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", "soon")
+    with pytest.raises(jaxdev.DistributedError, match="`JAXDEV_SYNC_TIMEOUT` must be"):
+        _multihost.default_timeout_s()
+
+
+# --- launcher (plain Python children, no JAX) ---------------------------------------
+
+PY = sys.executable
+
+
+@pytest.mark.timeout(30)
+def test_launch_prefixes_output_and_sets_the_environment():
+    out = io.StringIO()
+    code = ("import os; print(os.environ['JAXDEV_PROCESS_ID'], os.environ['JAXDEV_NUM_PROCESSES'],"
+            " os.environ['JAX_NUM_CPU_DEVICES'], os.environ['JAXDEV_COORDINATOR'])")
+    assert jaxdev.launch([PY, "-c", code], 2, 3, port=4567, out=out) == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == ["[p0] 0 2 3 127.0.0.1:4567", "[p1] 1 2 3 127.0.0.1:4567"]
+
+
+@pytest.mark.timeout(30)
+def test_launch_ends_the_others_by_pid_when_one_fails():
+    out = io.StringIO()
+    code = ("import os, sys, time\n"
+            "if os.environ['JAXDEV_PROCESS_ID'] == '1':\n"
+            "    time.sleep(1.0)\n"
+            "    sys.exit('ValueError: bad data in shard 1')\n"
+            "print('pid', os.getpid(), flush=True); time.sleep(60)")
+    start = time.monotonic()
+    rc = jaxdev.launch([PY, "-c", code], 2, 1, out=out, grace_s=1.0)
+    text = out.getvalue()
+    assert rc == 1 and time.monotonic() - start < 15
+    assert "process 1 failed (exit code 1)" in text
+    assert "ValueError: bad data in shard 1" in text
+    assert "p0: ended by launcher, signal SIGTERM" in text
+    pid = int(next(ln for ln in text.splitlines() if ln.startswith("[p0] pid")).split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # really gone
+
+
+@pytest.mark.timeout(30)
+def test_launch_kills_processes_that_ignore_sigterm_after_the_timeout():
+    out = io.StringIO()
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True); time.sleep(60)")
+    start = time.monotonic()
+    rc = jaxdev.launch([PY, "-c", code], 2, 1, timeout_s=2.0, out=out, grace_s=1.0)
+    assert rc == 124 and time.monotonic() - start < 10
+    text = out.getvalue()
+    assert "timed out after 2 s (`--timeout`); process(es) 0, 1 still running" in text
+    assert "p1: ended by launcher, signal SIGKILL" in text
+
+
+def test_launch_reports_signals_with_shell_exit_codes():
+    out = io.StringIO()
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert jaxdev.launch([PY, "-c", code], 1, 1, out=out) == 137
+    assert "process 0 failed (signal SIGKILL)" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "2", "python", "x.py"], "missing `--` before the command"),
+        (["-n", "0", "--", "python"], "`num_processes` must be an int >= 1"),
+        (["-n", "2", "--devices-per-process", "0", "--", "python"], "`devices_per_process`"),
+        (["-n", "2", "--"], "`cmd` is empty"),
+        (["--devices-per-process", "2", "--", "python"], "required: -n/--num-processes"),
+        (["-n", "2", "--timeout", "-1", "--", "python"], "`timeout_s` must be > 0"),
+        (["-n", "two", "--", "python"], "invalid int value: 'two'"),
+    ],
+)
+def test_main_usage_errors_exit_2_with_one_line(argv, message, capsys):
+    assert _launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdev launch: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_main_cannot_start_command_exits_127(capsys):
+    assert _launch.main(["-n", "1", "--", "/nonexistent/python"]) == 127
+    assert "cannot start" in capsys.readouterr().err
+
+
+def test_failure_reason_keeps_details_and_adds_hints():
+    tail = ["step 1", "jaxdev._errors.DistributedError: shapes differ:",
+            "  ['x']: process 0: (4,); process 1: (6,)", "Fix: same batch size", "[Gloo] x"]
+    assert _launch.failure_reason(tail) == (
+        "DistributedError: shapes differ:\n  ['x']: process 0: (4,); process 1: (6,)\n"
+        "Fix: same batch size")
+    abort = ["F1122 client.h:80] ... absl::Status: ALREADY_EXISTS: Aborted connect attempt",
+             "    @     0x7f  xla::CoordinationServiceAgent::Connect()"]
+    assert _launch.failure_reason(abort).endswith("[likely: two processes registered with the "
+                                                  "same process id (duplicate id)]")
+
+
+# --- real processes: 2 x 4 fake CPU devices on 127.0.0.1 ----------------------------
+
+
+def _run(name: str) -> matrix.Result:
+    result = matrix.run(SCENARIOS[name])
+    print(result.output)  # shown by pytest on failure
+    return result
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_global_batch_and_same_values():
+    result = _run("happy")
+    assert result.returncode == 0, result.output
+    assert result.missing() == []
+    for p in (0, 1):  # the same right answer on both processes, both steps
+        assert f"[p{p}] step 1: global shape (8,) mean 3.5 y-sum 16" in result.output
+        assert f"[p{p}] step 2: global shape (8,) mean 7.0 y-sum 16" in result.output
+    assert "1 leaf/leaves differ" in result.output  # only ['w'] drifted, not ['step']
+    assert "['w']: process 0: (5,) float32" in result.output
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "name",
+    ["no_coordinator", "never_starts", "sigkill", "loader_hang", "batch_shapes",
+     "device_counts", "duplicate_id"],
+)
+def test_fault_ends_bounded_non_zero_and_names_the_process(name):
+    scenario = SCENARIOS[name]
+    result = _run(name)
+    assert result.returncode != 0, result.output
+    assert result.seconds < scenario.limit_s + 10, f"took {result.seconds:.1f} s"
+    assert result.missing() == [], result.output
+    assert "WRONG RESULT" not in result.output  # never a wrong result...
+    assert "step 2:" not in result.output  # ...nor a step finished without every process
+
+
+@pytest.mark.timeout(60)
+def test_python_dash_m_launch_usage_error_exits_2():
+    proc = subprocess.run([PY, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch", "-n", "2"],
+                          capture_output=True, text=True, timeout=50, cwd=matrix.REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("jaxdev launch: error: missing `--`")
