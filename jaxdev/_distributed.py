@@ -236,7 +236,11 @@ def check_port_free(address: str) -> None:
             already started as process 0 (a duplicate ``process_id``).
 
     Example:
-        >>> check_port_free("127.0.0.1:0")  # port 0: always free
+        >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
+        >>> check_port_free(f"127.0.0.1:{server.getsockname()[1]}")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        jaxdev._errors.DistributedError: process 0 cannot listen on coordinator port ...
+        >>> server.close()
     """
     _, port = split_address(address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -385,6 +389,14 @@ def _connect(cfg: DistributedConfig, deadline: float, shutdown_timeout_s: int) -
     """Call ``jax.distributed.initialize`` under the watchdog ending at ``deadline``."""
     watchdog = _start_watchdog(cfg, deadline - time.monotonic())
     try:
+        _jax_initialize(cfg, shutdown_timeout_s)
+    finally:
+        watchdog.cancel()
+
+
+def _jax_initialize(cfg: DistributedConfig, shutdown_timeout_s: int) -> None:
+    """``jax.distributed.initialize``; its "not defined" errors say what to set."""
+    try:
         jax.distributed.initialize(
             cfg.coordinator_address,
             cfg.num_processes,
@@ -393,8 +405,16 @@ def _connect(cfg: DistributedConfig, deadline: float, shutdown_timeout_s: int) -
             heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
             shutdown_timeout_seconds=shutdown_timeout_s,
         )
-    finally:
-        watchdog.cancel()
+    except ValueError as e:
+        if "defined" not in str(e):
+            raise
+        raise DistributedError(
+            f"`initialize` could not tell the job layout: {e} (found coordinator="
+            f"{cfg.coordinator_address!r}, num_processes={cfg.num_processes!r}, process_id="
+            f"{cfg.process_id!r}; no cluster was auto-detected). Fix: run under `jaxdev launch "
+            f"-n N -- python ...`, set `{ENV_COORDINATOR}`, `{ENV_NUM_PROCESSES}` and "
+            f"`{ENV_PROCESS_ID}`, or pass the arguments."
+        ) from None
 
 
 def initialize(

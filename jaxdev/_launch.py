@@ -137,8 +137,9 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
         JAX runtime aborts; ``''`` when no line looks like an error.
 
     Example:
-        >>> failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"])
-        "ValueError: bad\n  ['x']: shape (4,)"
+        >>> print(failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"]))
+        ValueError: bad
+          ['x']: shape (4,)
     """
     for i in range(len(lines) - 1, -1, -1):
         match = _FATAL.search(lines[i])
