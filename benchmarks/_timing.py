@@ -1,0 +1,49 @@
+"""Side-by-side timing: warm-up, interleaved repetitions, medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+class Timings(dict):
+    """Per-name lists of seconds, one entry per repetition, taken interleaved."""
+
+    def median(self, name: str) -> float:
+        """Median seconds of ``name``."""
+        return statistics.median(self[name])
+
+    def ratio(self, a: str, b: str) -> float:
+        """Median over repetitions of ``time(a) / time(b)``.
+
+        Each repetition's pair ran moments apart, so load from other
+        processes cancels out better than in a ratio of medians.
+        """
+        return statistics.median(x / y for x, y in zip(self[a], self[b]))
+
+
+def time_side_by_side(
+    fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 2
+) -> Timings:
+    """Time zero-argument callables side by side.
+
+    Every callable runs ``warmup`` times first (compilation, caches). Then the
+    repetitions interleave the callables, rotating which goes first, so slow
+    drifts of the machine hit all of them alike. Each timing waits for the
+    result with ``jax.block_until_ready``.
+    """
+    import jax
+
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            jax.block_until_ready(fns[name]())
+    samples = Timings({name: [] for name in names})
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            samples[name].append(time.perf_counter() - start)
+    return samples
