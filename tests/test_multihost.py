@@ -284,8 +284,8 @@ def test_two_processes_global_batch_and_same_values():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "name",
-    ["no_coordinator", "never_starts", "sigkill", "loader_hang", "batch_shapes",
-     "device_counts", "duplicate_id"],
+    ["no_coordinator", "never_starts", "sigkill", "sigkill_unsupervised", "loader_hang",
+     "batch_shapes", "device_counts", "duplicate_id"],
 )
 def test_fault_ends_bounded_non_zero_and_names_the_process(name):
     scenario = SCENARIOS[name]

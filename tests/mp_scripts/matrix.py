@@ -42,6 +42,8 @@ SCENARIOS = [
              INIT_TIMEOUT_S),
     Scenario("sigkill", "process 1 SIGKILLed mid-step; others ended",
              ("process 1 failed (signal SIGKILL)",), HEARTBEAT_TIMEOUT_S),
+    Scenario("sigkill_unsupervised", "same, no launcher: JAX's heartbeat ends process 0",
+             ("stopped sending heartbeats", "process 0: signal SIGABRT"), HEARTBEAT_TIMEOUT_S),
     Scenario("loader_hang", "process 1 hangs in the loader; process 0 names it",
              ("`make_global_batch`", "process(es) 1 of 2 never arrived"), SYNC_TIMEOUT_S),
     Scenario("batch_shapes", "DistributedError naming leaves and processes",
@@ -71,6 +73,9 @@ class Result(NamedTuple):
             hits = [ln for ln in lines if key in ln]
             if hits:
                 return hits[0].strip()
+        for i, line in enumerate(lines):  # a JAX runtime abort: status and task list
+            if "absl::Status:" in line:
+                return f"{line[line.index('absl::Status:'):]} {lines[i + 1]}".strip()
         return lines[-1].strip() if lines else ""
 
 
@@ -96,10 +101,34 @@ def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
     return launcher + [sys.executable, WORKER, scenario.name], env
 
 
+def _run_unsupervised(port: int) -> tuple[int, str]:
+    """Start both processes of ``sigkill`` directly (no launcher); return p0's outcome."""
+    from jaxdev._launch import describe_returncode, process_env
+
+    procs = [subprocess.Popen([sys.executable, WORKER, "sigkill"], cwd=REPO, text=True,
+                              env=process_env(i, 2, 4, port, _env()),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:  # each ended by its own pid
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = "\n".join(f"process {i}: {describe_returncode(p.returncode)}"
+                       for i, p in enumerate(procs))
+    return procs[0].returncode, "".join(outputs) + codes
+
+
 def run(scenario: Scenario) -> Result:
     """Run one scenario; the subprocess timeout is only a backstop."""
     from jaxdev._launch import free_port
 
+    if scenario.name == "sigkill_unsupervised":
+        start = time.monotonic()
+        rc, output = _run_unsupervised(free_port())
+        return Result(scenario, rc, time.monotonic() - start, output)
     cmd, env = command(scenario, free_port())
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
