@@ -219,7 +219,7 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None 
         time.sleep(0.2)
     raise DistributedError(
         f"process {process_id} could not reach the coordinator at `{address}` within "
-        f"{timeout_s:g} s (last attempt: {last}). Process 0 never started, died, or listens "
+        f"{timeout_s:.3g} s (last attempt: {last}). Process 0 never started, died, or listens "
         "elsewhere. Fix: start process 0 first with the same `coordinator_address`, check "
         "host/port/firewall, or raise `timeout_s`."
     )
