@@ -318,3 +318,21 @@ def test_copy_to_is_safe_from_later_writes_to_a_reused_host_buffer(devices):
     copied = jaxdev.copy_to(host, devices[0])
     host[0] = 7.0
     assert float(copied[0]) == 0.0
+
+
+def test_copy_to_a_mesh_never_aliases_the_source_so_donation_is_safe(devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    src = jaxdev.to_device(jnp.arange(16.0), devices[0])
+    rep = jaxdev.copy_to(src, NamedSharding(mesh, P()))
+    pointers = {s.data.unsafe_buffer_pointer() for s in rep.addressable_shards}
+    assert src.unsafe_buffer_pointer() not in pointers
+    jax.jit(lambda a: a + 1, donate_argnums=0)(rep)
+    assert not src.is_deleted() and float(src.sum()) == 120.0
+
+
+def test_importing_jaxdev_starts_no_backend():
+    from conftest import run_python
+
+    proc = run_python("import jaxdev; print(jaxdev.backend_started())")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
