@@ -1,0 +1,62 @@
+"""Every script in examples/ runs as ``python examples/NAME.py`` and says it finished.
+
+Each runs in a fresh process with a clean JAX environment (no inherited
+``JAX_*``/``XLA_*`` variables), so each script's own fake-device set-up is
+what gets tested.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "*.py")))
+
+# The line each example prints last when every check inside it passed.
+KEY_LINES = {
+    "device_basics.py": "device basics: ok",
+    "flax_linen_placement.py": "flax linen placement: ok",
+    "flax_nnx.py": "flax nnx: ok",
+    "pmap_data_parallel.py": "pmap data parallel: ok",
+    "sharded_data_parallel.py": "sharded data parallel: ok",
+    "metrics_on_device.py": "metrics on device: ok",
+    "multihost_train.py": "processes=1 devices=8",
+}
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without JAX/XLA settings, with the repo importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_script(path: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, path],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_every_example_has_a_key_line():
+    names = {os.path.basename(p) for p in EXAMPLES}
+    assert set(KEY_LINES) <= names, f"missing examples: {set(KEY_LINES) - names}"
+    assert names <= set(KEY_LINES), f"add a key line for: {names - set(KEY_LINES)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
+def test_example_runs(path):
+    proc = run_script(path)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, f"{os.path.basename(path)} exited {proc.returncode}:\n{tail}"
+    assert KEY_LINES[os.path.basename(path)] in proc.stdout, tail
