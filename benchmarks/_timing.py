@@ -41,7 +41,7 @@ def time_side_by_side(
             jax.block_until_ready(fns[name]())
     samples = Timings({name: [] for name in names})
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             start = time.perf_counter()
             jax.block_until_ready(fns[name]())

@@ -15,8 +15,12 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests", "mp_scripts"))
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "mp_scripts"
+    ),
+)
 
 import matrix  # noqa: E402
 
@@ -26,8 +30,10 @@ def row(result: matrix.Result) -> str:
     s = result.scenario
     ok = "ok" if not result.missing() else f"MISSING {result.missing()}"
     message = result.summary().replace("|", "\\|")[:220]
-    return (f"| {s.name} | {s.expected} | {result.returncode} | {result.seconds:.1f} "
-            f"(limit {s.limit_s:g}+10) | {message} ({ok}) |")
+    return (
+        f"| {s.name} | {s.expected} | {result.returncode} | {result.seconds:.1f} "
+        f"(limit {s.limit_s:g}+10) | {message} ({ok}) |"
+    )
 
 
 def main(argv: list[str]) -> int:

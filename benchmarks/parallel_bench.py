@@ -59,10 +59,26 @@ def bench_replicate(mesh, repeats: int) -> list[dict]:
     t = time_side_by_side(fns, repeats)
     what = f"replicate {len(jax.tree_util.tree_leaves(tree))} leaves, {n_params / 1e6:.2f}M params"
     return [
-        row(what, "jaxdev.replicate", "jax.device_put(tree, NamedSharding(mesh, P()))",
-            t, "jaxdev.replicate", "jax.device_put(P())", "<= 1.10x", lambda r: r <= 1.10),
-        row(what, "jaxdev.replicate", flax_name, t, "jaxdev.replicate", flax_name,
-            ">= 2x faster", lambda r: r <= 0.5),
+        row(
+            what,
+            "jaxdev.replicate",
+            "jax.device_put(tree, NamedSharding(mesh, P()))",
+            t,
+            "jaxdev.replicate",
+            "jax.device_put(P())",
+            "<= 1.10x",
+            lambda r: r <= 1.10,
+        ),
+        row(
+            what,
+            "jaxdev.replicate",
+            flax_name,
+            t,
+            "jaxdev.replicate",
+            flax_name,
+            ">= 2x faster",
+            lambda r: r <= 0.5,
+        ),
     ]
 
 
@@ -81,9 +97,16 @@ def bench_shard_batch(mesh, repeats: int) -> list[dict]:
         repeats,
     )
     return [
-        row("shard_batch 1024x784 f32 + labels", "jaxdev.shard_batch",
+        row(
+            "shard_batch 1024x784 f32 + labels",
+            "jaxdev.shard_batch",
             "jax.device_put(batch, NamedSharding(mesh, P('data')))",
-            t, "jaxdev.shard_batch", "jax.device_put", "<= 1.10x", lambda r: r <= 1.10),
+            t,
+            "jaxdev.shard_batch",
+            "jax.device_put",
+            "<= 1.10x",
+            lambda r: r <= 1.10,
+        ),
     ]
 
 
@@ -118,9 +141,16 @@ def bench_prefetch(mesh, repeats: int, steps: int = 16) -> list[dict]:
 
     t = time_side_by_side({"prefetch": prefetched, "plain": plain}, max(3, repeats // 4))
     return [
-        row(f"loop of {steps} steps, loader with host work", "jaxdev.prefetch_to_device(size=2)",
-            "jax.device_put in the loop", t, "prefetch", "plain", "report (CPU: ~1x)",
-            lambda r: None),
+        row(
+            f"loop of {steps} steps, loader with host work",
+            "jaxdev.prefetch_to_device(size=2)",
+            "jax.device_put in the loop",
+            t,
+            "prefetch",
+            "plain",
+            "report (CPU: ~1x)",
+            lambda r: None,
+        ),
     ]
 
 
@@ -160,14 +190,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = bench_replicate(mesh, args.repeats)
     rows += bench_shard_batch(mesh, args.repeats)
     rows += bench_prefetch(mesh, args.repeats)
-    print(f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} devices, "
-          f"{os.cpu_count()} host cores; ratio = median over interleaved repetitions of "
-          "jaxdev time / baseline time")
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} {jax.default_backend()} devices, "
+        f"{os.cpu_count()} host cores; ratio = median over interleaved repetitions of "
+        "jaxdev time / baseline time"
+    )
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "devices": len(jax.devices()), "rows": rows}, f,
-                      indent=2)
+            json.dump(
+                {"jax": jax.__version__, "devices": len(jax.devices()), "rows": rows}, f, indent=2
+            )
     return rows
 
 

@@ -3,6 +3,8 @@
 This module only re-exports; every name lives in a small private module.
 """
 
+# ruff: noqa: I001 - imports are grouped by module, in the order the README lists them
+
 # --- errors ---
 from ._errors import BackendStartedError as BackendStartedError
 from ._errors import DeletedArrayError as DeletedArrayError

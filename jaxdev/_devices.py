@@ -50,8 +50,7 @@ def _check_index(i: Any, arg: str) -> int:
     if i < 0:
         raise DeviceSpecError(
             f"`{arg}` must be >= 0, got {i}. Negative indexes are refused because "
-            "`jax.devices()[-1]` would silently pick the last device. "
-            + available_devices()
+            "`jax.devices()[-1]` would silently pick the last device. " + available_devices()
         )
     return i
 

@@ -134,10 +134,12 @@ def resolve_config(
         _pick(_check_int("process_id", process_id, 0), _env_int(env, ENV_PROCESS_ID, 0)),
         _check_int("local_device_count", local_device_count, 1)
         or _env_int(env, ENV_LOCAL_DEVICES, 1),
-        _check_int("timeout_s", timeout_s, 1) or _env_int(env, ENV_INIT_TIMEOUT, 1)
+        _check_int("timeout_s", timeout_s, 1)
+        or _env_int(env, ENV_INIT_TIMEOUT, 1)
         or DEFAULT_INIT_TIMEOUT_S,
         _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1)
-        or _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1) or DEFAULT_HEARTBEAT_TIMEOUT_S,
+        or _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
+        or DEFAULT_HEARTBEAT_TIMEOUT_S,
     )
     _check_ids(cfg)
     return cfg
@@ -329,9 +331,13 @@ def _fail_fast_hook(previous):
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
         if jax.process_count() > 1 and not issubclass(exc_type, KeyboardInterrupt):
-            print(f"jaxdev fail-fast: process {jax.process_index()} failed with "
-                  f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
-                  "barrier for peers that may never arrive.", file=sys.stderr, flush=True)
+            print(
+                f"jaxdev fail-fast: process {jax.process_index()} failed with "
+                f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
+                "barrier for peers that may never arrive.",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
             os._exit(1)
 
@@ -381,8 +387,7 @@ def _preflight(cfg: DistributedConfig, deadline: float) -> None:
     if cfg.process_id == 0:
         check_port_free(cfg.coordinator_address)
     else:
-        wait_for_coordinator(cfg.coordinator_address, deadline - time.monotonic(),
-                             cfg.process_id)
+        wait_for_coordinator(cfg.coordinator_address, deadline - time.monotonic(), cfg.process_id)
 
 
 def _connect(cfg: DistributedConfig, deadline: float, shutdown_timeout_s: int) -> None:
@@ -473,11 +478,19 @@ def initialize(
         DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
     """
     if is_initialized():
-        raise DistributedError("`initialize` was already called in this process. Fix: call it "
-                               "once; use `jaxdev.distributed.is_initialized()` to check.")
+        raise DistributedError(
+            "`initialize` was already called in this process. Fix: call it "
+            "once; use `jaxdev.distributed.is_initialized()` to check."
+        )
     _check_backend_not_started()
-    cfg = resolve_config(coordinator_address, num_processes, process_id, local_device_count,
-                         timeout_s, heartbeat_timeout_s)
+    cfg = resolve_config(
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_device_count,
+        timeout_s,
+        heartbeat_timeout_s,
+    )
     _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
     _preflight(cfg, deadline)

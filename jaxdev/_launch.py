@@ -33,8 +33,7 @@ from typing import IO, NamedTuple
 
 DEFAULT_GRACE_S = 2.0
 _TAIL_LINES = 40
-_FATAL = re.compile(
-    r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
+_FATAL = re.compile(r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
 _HINTS = {
     "ALREADY_EXISTS": "two processes registered with the same process id (duplicate id)",
     "RegisterTask": "a peer never registered with the coordinator in time",
@@ -97,16 +96,18 @@ def process_env(
         '1'
     """
     env = dict(base)
-    env.update({
-        "JAXDEV_COORDINATOR": f"127.0.0.1:{port}",
-        "JAXDEV_NUM_PROCESSES": str(num_processes),
-        "JAXDEV_PROCESS_ID": str(process_id),
-        "JAXDEV_LOCAL_DEVICES": str(devices_per_process),
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": str(devices_per_process),
-        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "JAXDEV_COORDINATOR": f"127.0.0.1:{port}",
+            "JAXDEV_NUM_PROCESSES": str(num_processes),
+            "JAXDEV_PROCESS_ID": str(process_id),
+            "JAXDEV_LOCAL_DEVICES": str(devices_per_process),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -144,7 +145,7 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
     for i in range(len(lines) - 1, -1, -1):
         match = _FATAL.search(lines[i])
         if match and not lines[i].lstrip().startswith("@"):
-            details = list(itertools.takewhile(_is_detail, lines[i + 1:]))
+            details = list(itertools.takewhile(_is_detail, lines[i + 1 :]))
             text = "\n".join([match.group(0).strip()[:600], *details][:max_lines])
             hints = [h for key, h in _HINTS.items() if key in "\n".join(lines)]
             return text + (f" [likely: {hints[0]}]" if hints else "")
@@ -153,8 +154,11 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
 
 def _is_detail(line: str) -> bool:
     """Whether a line continues an error message (indented list, ``Fix:``)."""
-    return line.startswith("  ") and not line.lstrip().startswith(("File ", "@")) \
+    return (
+        line.startswith("  ")
+        and not line.lstrip().startswith(("File ", "@"))
         or line.startswith("Fix:")
+    )
 
 
 def exit_code(outcome: Outcome | None) -> int:
@@ -172,13 +176,25 @@ def exit_code(outcome: Outcome | None) -> int:
 class _Proc:
     """One child process, its pump thread and its output tail."""
 
-    def __init__(self, process_id: int, cmd: Sequence[str], env: Mapping[str, str],
-                 out: IO[str], lock: threading.Lock):
+    def __init__(
+        self,
+        process_id: int,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        out: IO[str],
+        lock: threading.Lock,
+    ):
         self.id = process_id
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.popen = subprocess.Popen(
-            list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
+            list(cmd),
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
         )
         self.ended_by_launcher = False
         self.thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
@@ -237,8 +253,9 @@ def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None 
         time.sleep(0.05)
 
 
-def summarize(first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None,
-              elapsed_s: float) -> str:
+def summarize(
+    first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None, elapsed_s: float
+) -> str:
     """Return the launcher's failure summary (several lines).
 
     Args:
@@ -258,12 +275,16 @@ def summarize(first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: flo
     """
     if first is None:
         still = [o.process_id for o in outcomes if o.ended_by_launcher]
-        head = (f"jaxdev launch: timed out after {timeout_s:g} s (`--timeout`); process(es) "
-                f"{', '.join(map(str, still)) or 'none'} still running were ended.")
+        head = (
+            f"jaxdev launch: timed out after {timeout_s:g} s (`--timeout`); process(es) "
+            f"{', '.join(map(str, still)) or 'none'} still running were ended."
+        )
     else:
         reason = f": {first.reason}" if first.reason else ""
-        head = (f"jaxdev launch: process {first.process_id} failed "
-                f"({describe_returncode(first.returncode)}) after {elapsed_s:.1f} s{reason}")
+        head = (
+            f"jaxdev launch: process {first.process_id} failed "
+            f"({describe_returncode(first.returncode)}) after {elapsed_s:.1f} s{reason}"
+        )
         head = head if reason else head + "."
     lines = [head]
     for o in outcomes:
@@ -274,19 +295,24 @@ def summarize(first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: flo
     return "\n".join(lines)
 
 
-def _check_launch_args(cmd: Sequence[str], num_processes: int, devices_per_process: int,
-                       port: int | None, timeout_s: float | None) -> None:
+def _check_launch_args(
+    cmd: Sequence[str],
+    num_processes: int,
+    devices_per_process: int,
+    port: int | None,
+    timeout_s: float | None,
+) -> None:
     """Raise ValueError naming the first bad launch argument."""
     if not cmd:
-        raise ValueError("`cmd` is empty; give the command after `--`, e.g. "
-                         "`-- python script.py`.")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
-            or num_processes < 1:
+        raise ValueError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
-    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) \
-            or devices_per_process < 1:
-        raise ValueError(
-            f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
+    if (
+        isinstance(devices_per_process, bool)
+        or not isinstance(devices_per_process, int)
+        or devices_per_process < 1
+    ):
+        raise ValueError(f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"`port` must be in 1..65535, got {port!r}.")
     if timeout_s is not None and not timeout_s > 0:
@@ -339,8 +365,15 @@ def launch(
     procs: list[_Proc] = []
     try:
         for i in range(num_processes):
-            procs.append(_Proc(i, cmd, process_env(i, num_processes, devices_per_process,
-                                                   port, base), stream, lock))
+            procs.append(
+                _Proc(
+                    i,
+                    cmd,
+                    process_env(i, num_processes, devices_per_process, port, base),
+                    stream,
+                    lock,
+                )
+            )
         result = _supervise(procs, timeout_s)
     except BaseException:
         _end(procs, grace_s)
@@ -366,15 +399,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="jaxdev launch", description="Run a command as N local JAX processes "
-                "with M fake CPU devices each, e.g. "
-                "`jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.")
+    p = _Parser(
+        prog="jaxdev launch",
+        description="Run a command as N local JAX processes "
+        "with M fake CPU devices each, e.g. "
+        "`jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.",
+    )
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=1)
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                   help="seconds between SIGTERM and SIGKILL when ending processes")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="seconds between SIGTERM and SIGKILL when ending processes",
+    )
     return p
 
 
@@ -384,10 +424,11 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         if any(a in ("-h", "--help") for a in argv):
             return argv, []
-        raise _UsageError("missing `--` before the command, e.g. "
-                          "`jaxdev launch -n 2 -- python script.py`")
+        raise _UsageError(
+            "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
+        )
     i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -408,8 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         opts, cmd = _split_argv(argv)
         args = _parser().parse_args(opts)
-        return launch(cmd, args.num_processes, args.devices_per_process, args.port,
-                      args.timeout, grace_s=args.grace)
+        return launch(
+            cmd,
+            args.num_processes,
+            args.devices_per_process,
+            args.port,
+            args.timeout,
+            grace_s=args.grace,
+        )
     except (_UsageError, ValueError) as e:
         print(f"jaxdev launch: error: {e}", file=sys.stderr)
         return 2

@@ -262,12 +262,16 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
     tables = _gathered_tables("make_global_batch", _shape_table(leaves), timeout_s)
     failures = compare_leaf_tables(tables)
     if failures:
-        raise DistributedError(join_failures(
-            "`make_global_batch`: every process must bring the same local shape and dtype "
-            "for every leaf (JAX would silently build a wrong global array). "
-            f"{len(failures)} leaf/leaves differ:", failures,
-        ) + "\nFix: give every process the same local batch size and dtypes (drop or pad "
-            "the remainder, e.g. pad and carry a validity mask).")
+        raise DistributedError(
+            join_failures(
+                "`make_global_batch`: every process must bring the same local shape and dtype "
+                "for every leaf (JAX would silently build a wrong global array). "
+                f"{len(failures)} leaf/leaves differ:",
+                failures,
+            )
+            + "\nFix: give every process the same local batch size and dtypes (drop or pad "
+            "the remainder, e.g. pad and carry a validity mask)."
+        )
 
 
 def _as_sharding(sharding: Sharding | Mesh, axis: str) -> Sharding:
@@ -292,9 +296,13 @@ def _check_batch_leaves(local_batch: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
     bad = [f"{keystr(p)}: shape {np.shape(x)}" for p, x in leaves if np.ndim(x) == 0]
     if bad:
-        raise ShardingError(join_failures(
-            "`local_batch`: every leaf needs a leading batch axis; these are scalars:", bad,
-        ) + "\nFix: stack per-example values into arrays of shape (batch, ...).")
+        raise ShardingError(
+            join_failures(
+                "`local_batch`: every leaf needs a leading batch axis; these are scalars:",
+                bad,
+            )
+            + "\nFix: stack per-example values into arrays of shape (batch, ...)."
+        )
 
 
 def make_global_batch(
@@ -400,11 +408,16 @@ def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -
         return
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     table = {keystr(p): leaf_checksum(x) for p, x in leaves}
-    failures = compare_leaf_tables(_gathered_tables("assert_same_across_processes", table,
-                                                    timeout_s))
+    failures = compare_leaf_tables(
+        _gathered_tables("assert_same_across_processes", table, timeout_s)
+    )
     if failures:
-        raise DistributedError(join_failures(
-            "`assert_same_across_processes`: every process must hold the same values; "
-            f"{len(failures)} leaf/leaves differ (shape dtype sha256):", failures,
-        ) + "\nFix: replicate from one source (e.g. broadcast process 0's values) and make "
-            "every update deterministic and identical on all processes.")
+        raise DistributedError(
+            join_failures(
+                "`assert_same_across_processes`: every process must hold the same values; "
+                f"{len(failures)} leaf/leaves differ (shape dtype sha256):",
+                failures,
+            )
+            + "\nFix: replicate from one source (e.g. broadcast process 0's values) and make "
+            "every update deterministic and identical on all processes."
+        )

@@ -314,9 +314,7 @@ def unreplicate(tree: Any, check: bool = False) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     _check_concrete(leaves, "unreplicate")
     _check_live(tree, leaves, "tree")
-    sharded = [
-        i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _one_copy(x)
-    ]
+    sharded = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _one_copy(x)]
     if sharded:
         _raise_not_replicated(tree, leaves, sharded)
     if check:
@@ -415,9 +413,8 @@ def _drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | None:
     bad = [j for j, k in enumerate(keys) if k != ref]
     good = [labels[j] for j, k in enumerate(keys) if k == ref]
     diff = _max_abs_diff(ref_value, [values[j] for j in bad])
-    return (
-        f"{', '.join(labels[j] for j in bad)} differ from {', '.join(good)}"
-        + (f" (max |difference| {diff:g})" if diff is not None else "")
+    return f"{', '.join(labels[j] for j in bad)} differ from {', '.join(good)}" + (
+        f" (max |difference| {diff:g})" if diff is not None else ""
     )
 
 
@@ -951,8 +948,7 @@ def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int 
         paths = _paths(tree)
         raise ShardingError(
             join_failures(
-                "`tree` leaves need two leading axes (devices, rows per device) to merge. "
-                "Leaves:",
+                "`tree` leaves need two leading axes (devices, rows per device) to merge. Leaves:",
                 [f"{paths[i]}: shape {tuple(np.shape(leaves[i]))}" for i in bad],
             )
         )
@@ -983,7 +979,9 @@ class Prefetcher(Iterator[Any]):
         self._stop = threading.Event()
         self._done = False
         self.thread = threading.Thread(
-            target=self._produce, args=(iter(iterator), place), name="jaxdev-prefetch",
+            target=self._produce,
+            args=(iter(iterator), place),
+            name="jaxdev-prefetch",
             daemon=True,
         )
         self.thread.start()

@@ -41,9 +41,7 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 12
     The child gets a clean JAX environment (no inherited device count) plus
     ``env``; it is killed after ``timeout`` seconds.
     """
-    child_env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))
-    }
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
     child_env.update(env or {})
     return subprocess.run(

@@ -36,8 +36,13 @@ SCENARIOS = {s.name: s for s in matrix.SCENARIOS}
 
 
 def test_resolve_config_reads_launcher_env_and_arguments_win():
-    env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234", "JAXDEV_NUM_PROCESSES": "2",
-           "JAXDEV_PROCESS_ID": "1", "JAXDEV_LOCAL_DEVICES": "4", "JAXDEV_INIT_TIMEOUT": "7"}
+    env = {
+        "JAXDEV_COORDINATOR": "127.0.0.1:1234",
+        "JAXDEV_NUM_PROCESSES": "2",
+        "JAXDEV_PROCESS_ID": "1",
+        "JAXDEV_LOCAL_DEVICES": "4",
+        "JAXDEV_INIT_TIMEOUT": "7",
+    }
     cfg = _distributed.resolve_config(env=env)
     assert cfg == _distributed.DistributedConfig("127.0.0.1:1234", 2, 1, 4, 7, 30)
     cfg = _distributed.resolve_config(process_id=0, local_device_count=2, env=env)
@@ -107,8 +112,11 @@ def test_check_port_free_reports_a_duplicate_process_zero():
 
 
 def test_compare_leaf_tables_names_leaves_and_processes():
-    tables = [{"['x']": "(4,)", "['y']": "(4,)"}, {"['x']": "(6,)", "['y']": "(4,)"},
-              {"['x']": "(4,)"}]
+    tables = [
+        {"['x']": "(4,)", "['y']": "(4,)"},
+        {"['x']": "(6,)", "['y']": "(4,)"},
+        {"['x']": "(4,)"},
+    ]
     assert _multihost.compare_leaf_tables(tables) == [
         "['x']: process 0, 2: (4,); process 1: (6,)",
         "['y']: process 0, 1: (4,); process 2: <missing>",
@@ -177,8 +185,10 @@ PY = sys.executable
 @pytest.mark.timeout(30)
 def test_launch_prefixes_output_and_sets_the_environment():
     out = io.StringIO()
-    code = ("import os; print(os.environ['JAXDEV_PROCESS_ID'], os.environ['JAXDEV_NUM_PROCESSES'],"
-            " os.environ['JAX_NUM_CPU_DEVICES'], os.environ['JAXDEV_COORDINATOR'])")
+    code = (
+        "import os; print(os.environ['JAXDEV_PROCESS_ID'], os.environ['JAXDEV_NUM_PROCESSES'],"
+        " os.environ['JAX_NUM_CPU_DEVICES'], os.environ['JAXDEV_COORDINATOR'])"
+    )
     assert jaxdev.launch([PY, "-c", code], 2, 3, port=4567, out=out) == 0
     lines = sorted(out.getvalue().splitlines())
     assert lines == ["[p0] 0 2 3 127.0.0.1:4567", "[p1] 1 2 3 127.0.0.1:4567"]
@@ -187,11 +197,13 @@ def test_launch_prefixes_output_and_sets_the_environment():
 @pytest.mark.timeout(30)
 def test_launch_ends_the_others_by_pid_when_one_fails():
     out = io.StringIO()
-    code = ("import os, sys, time\n"
-            "if os.environ['JAXDEV_PROCESS_ID'] == '1':\n"
-            "    time.sleep(1.0)\n"
-            "    sys.exit('ValueError: bad data in shard 1')\n"
-            "print('pid', os.getpid(), flush=True); time.sleep(60)")
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['JAXDEV_PROCESS_ID'] == '1':\n"
+        "    time.sleep(1.0)\n"
+        "    sys.exit('ValueError: bad data in shard 1')\n"
+        "print('pid', os.getpid(), flush=True); time.sleep(60)"
+    )
     start = time.monotonic()
     rc = jaxdev.launch([PY, "-c", code], 2, 1, out=out, grace_s=1.0)
     text = out.getvalue()
@@ -207,8 +219,10 @@ def test_launch_ends_the_others_by_pid_when_one_fails():
 @pytest.mark.timeout(30)
 def test_launch_kills_processes_that_ignore_sigterm_after_the_timeout():
     out = io.StringIO()
-    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('ready', flush=True); time.sleep(60)")
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True); time.sleep(60)"
+    )
     start = time.monotonic()
     rc = jaxdev.launch([PY, "-c", code], 2, 1, timeout_s=2.0, out=out, grace_s=1.0)
     assert rc == 124 and time.monotonic() - start < 10
@@ -249,15 +263,24 @@ def test_main_cannot_start_command_exits_127(capsys):
 
 
 def test_failure_reason_keeps_details_and_adds_hints():
-    tail = ["step 1", "jaxdev._errors.DistributedError: shapes differ:",
-            "  ['x']: process 0: (4,); process 1: (6,)", "Fix: same batch size", "[Gloo] x"]
+    tail = [
+        "step 1",
+        "jaxdev._errors.DistributedError: shapes differ:",
+        "  ['x']: process 0: (4,); process 1: (6,)",
+        "Fix: same batch size",
+        "[Gloo] x",
+    ]
     assert _launch.failure_reason(tail) == (
         "DistributedError: shapes differ:\n  ['x']: process 0: (4,); process 1: (6,)\n"
-        "Fix: same batch size")
-    abort = ["F1122 client.h:80] ... absl::Status: ALREADY_EXISTS: Aborted connect attempt",
-             "    @     0x7f  xla::CoordinationServiceAgent::Connect()"]
-    assert _launch.failure_reason(abort).endswith("[likely: two processes registered with the "
-                                                  "same process id (duplicate id)]")
+        "Fix: same batch size"
+    )
+    abort = [
+        "F1122 client.h:80] ... absl::Status: ALREADY_EXISTS: Aborted connect attempt",
+        "    @     0x7f  xla::CoordinationServiceAgent::Connect()",
+    ]
+    assert _launch.failure_reason(abort).endswith(
+        "[likely: two processes registered with the same process id (duplicate id)]"
+    )
 
 
 # --- real processes: 2 x 4 fake CPU devices on 127.0.0.1 ----------------------------
@@ -284,8 +307,16 @@ def test_two_processes_global_batch_and_same_values():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "name",
-    ["no_coordinator", "never_starts", "sigkill", "sigkill_unsupervised", "loader_hang",
-     "batch_shapes", "device_counts", "duplicate_id"],
+    [
+        "no_coordinator",
+        "never_starts",
+        "sigkill",
+        "sigkill_unsupervised",
+        "loader_hang",
+        "batch_shapes",
+        "device_counts",
+        "duplicate_id",
+    ],
 )
 def test_fault_ends_bounded_non_zero_and_names_the_process(name):
     scenario = SCENARIOS[name]
@@ -299,7 +330,12 @@ def test_fault_ends_bounded_non_zero_and_names_the_process(name):
 
 @pytest.mark.timeout(60)
 def test_python_dash_m_launch_usage_error_exits_2():
-    proc = subprocess.run([PY, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch", "-n", "2"],
-                          capture_output=True, text=True, timeout=50, cwd=matrix.REPO)
+    proc = subprocess.run(
+        [PY, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch", "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=matrix.REPO,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("jaxdev launch: error: missing `--`")

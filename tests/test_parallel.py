@@ -354,7 +354,10 @@ def test_stack_layout_row_per_device(devices):
     stacked = jaxdev.stack_for_pmap(np.arange(3.0), devices[:4])
     assert stacked.shape == (4, 3)
     assert sorted((s.device.id, s.index[0].start) for s in stacked.addressable_shards) == [
-        (0, 0), (1, 1), (2, 2), (3, 3)
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 3),
     ]
 
 

@@ -33,25 +33,60 @@ class Scenario(NamedTuple):
 
 
 SCENARIOS = [
-    Scenario("happy", "exit 0, mean 3.5 / 7.0 on both processes, drift caught",
-             ("[p0] OK", "[p1] OK", "mean 3.5", "process 0: (5,) float32"), RUN_TIMEOUT_S),
-    Scenario("no_coordinator", "process 1 alone: DistributedError, coordinator unreachable",
-             ("process 1 could not reach the coordinator",), INIT_TIMEOUT_S),
-    Scenario("never_starts", "process 0 gives up after the init timeout, with a diagnostic",
-             ("process 0 failed (exit code 1)", "gave up after 10 s", "peer never started"),
-             INIT_TIMEOUT_S),
-    Scenario("sigkill", "process 1 SIGKILLed mid-step; others ended",
-             ("process 1 failed (signal SIGKILL)",), HEARTBEAT_TIMEOUT_S),
-    Scenario("sigkill_unsupervised", "same, no launcher: JAX's heartbeat ends process 0",
-             ("stopped sending heartbeats", "process 0: signal SIGABRT"), HEARTBEAT_TIMEOUT_S),
-    Scenario("loader_hang", "process 1 hangs in the loader; process 0 names it",
-             ("`make_global_batch`", "process(es) 1 of 2 never arrived"), SYNC_TIMEOUT_S),
-    Scenario("batch_shapes", "DistributedError naming leaves and processes",
-             ("['x']: process 0: (4,) float32; process 1: (6,) float32",), SYNC_TIMEOUT_S),
-    Scenario("device_counts", "DistributedError: process 0: 4, process 1: 2",
-             ("same number of local devices", "process 0: 4, process 1: 2"), INIT_TIMEOUT_S),
-    Scenario("duplicate_id", "two processes claim id 0: port taken or init diagnostic",
-             ("duplicate",), INIT_TIMEOUT_S),
+    Scenario(
+        "happy",
+        "exit 0, mean 3.5 / 7.0 on both processes, drift caught",
+        ("[p0] OK", "[p1] OK", "mean 3.5", "process 0: (5,) float32"),
+        RUN_TIMEOUT_S,
+    ),
+    Scenario(
+        "no_coordinator",
+        "process 1 alone: DistributedError, coordinator unreachable",
+        ("process 1 could not reach the coordinator",),
+        INIT_TIMEOUT_S,
+    ),
+    Scenario(
+        "never_starts",
+        "process 0 gives up after the init timeout, with a diagnostic",
+        ("process 0 failed (exit code 1)", "gave up after 10 s", "peer never started"),
+        INIT_TIMEOUT_S,
+    ),
+    Scenario(
+        "sigkill",
+        "process 1 SIGKILLed mid-step; others ended",
+        ("process 1 failed (signal SIGKILL)",),
+        HEARTBEAT_TIMEOUT_S,
+    ),
+    Scenario(
+        "sigkill_unsupervised",
+        "same, no launcher: JAX's heartbeat ends process 0",
+        ("stopped sending heartbeats", "process 0: signal SIGABRT"),
+        HEARTBEAT_TIMEOUT_S,
+    ),
+    Scenario(
+        "loader_hang",
+        "process 1 hangs in the loader; process 0 names it",
+        ("`make_global_batch`", "process(es) 1 of 2 never arrived"),
+        SYNC_TIMEOUT_S,
+    ),
+    Scenario(
+        "batch_shapes",
+        "DistributedError naming leaves and processes",
+        ("['x']: process 0: (4,) float32; process 1: (6,) float32",),
+        SYNC_TIMEOUT_S,
+    ),
+    Scenario(
+        "device_counts",
+        "DistributedError: process 0: 4, process 1: 2",
+        ("same number of local devices", "process 0: 4, process 1: 2"),
+        INIT_TIMEOUT_S,
+    ),
+    Scenario(
+        "duplicate_id",
+        "two processes claim id 0: port taken or init diagnostic",
+        ("duplicate",),
+        INIT_TIMEOUT_S,
+    ),
 ]
 
 
@@ -75,16 +110,18 @@ class Result(NamedTuple):
                 return hits[0].strip()
         for i, line in enumerate(lines):  # a JAX runtime abort: status and task list
             if "absl::Status:" in line:
-                return f"{line[line.index('absl::Status:'):]} {lines[i + 1]}".strip()
+                return f"{line[line.index('absl::Status:') :]} {lines[i + 1]}".strip()
         return lines[-1].strip() if lines else ""
 
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(JAXDEV_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
-               JAXDEV_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
-               JAXDEV_SYNC_TIMEOUT=str(SYNC_TIMEOUT_S))
+    env.update(
+        JAXDEV_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
+        JAXDEV_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
+        JAXDEV_SYNC_TIMEOUT=str(SYNC_TIMEOUT_S),
+    )
     return env
 
 
@@ -92,12 +129,30 @@ def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one scenario."""
     env = _env()
     if scenario.name == "no_coordinator":
-        env.update(JAXDEV_COORDINATOR=f"127.0.0.1:{port}", JAXDEV_NUM_PROCESSES="2",
-                   JAXDEV_PROCESS_ID="1", JAXDEV_LOCAL_DEVICES="4", JAX_PLATFORMS="cpu")
+        env.update(
+            JAXDEV_COORDINATOR=f"127.0.0.1:{port}",
+            JAXDEV_NUM_PROCESSES="2",
+            JAXDEV_PROCESS_ID="1",
+            JAXDEV_LOCAL_DEVICES="4",
+            JAX_PLATFORMS="cpu",
+        )
         return [sys.executable, WORKER, "happy"], env
-    launcher = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch",
-                "-n", "2", "--devices-per-process", "4", "--port", str(port),
-                "--timeout", str(RUN_TIMEOUT_S), "--"]
+    launcher = [
+        sys.executable,
+        "-W",
+        "ignore::RuntimeWarning",
+        "-m",
+        "jaxdev._launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--port",
+        str(port),
+        "--timeout",
+        str(RUN_TIMEOUT_S),
+        "--",
+    ]
     return launcher + [sys.executable, WORKER, scenario.name], env
 
 
@@ -105,10 +160,17 @@ def _run_unsupervised(port: int) -> tuple[int, str]:
     """Start both processes of ``sigkill`` directly (no launcher); return p0's outcome."""
     from jaxdev._launch import describe_returncode, process_env
 
-    procs = [subprocess.Popen([sys.executable, WORKER, "sigkill"], cwd=REPO, text=True,
-                              env=process_env(i, 2, 4, port, _env()),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "sigkill"],
+            cwd=REPO,
+            text=True,
+            env=process_env(i, 2, 4, port, _env()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
     finally:
@@ -116,8 +178,9 @@ def _run_unsupervised(port: int) -> tuple[int, str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    codes = "\n".join(f"process {i}: {describe_returncode(p.returncode)}"
-                       for i, p in enumerate(procs))
+    codes = "\n".join(
+        f"process {i}: {describe_returncode(p.returncode)}" for i, p in enumerate(procs)
+    )
     return procs[0].returncode, "".join(outputs) + codes
 
 
@@ -131,7 +194,8 @@ def run(scenario: Scenario) -> Result:
         return Result(scenario, rc, time.monotonic() - start, output)
     cmd, env = command(scenario, free_port())
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S + 30, cwd=REPO)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 30, cwd=REPO
+    )
     seconds = time.monotonic() - start
     return Result(scenario, proc.returncode, seconds, proc.stdout + proc.stderr)
