@@ -206,6 +206,11 @@ def info_data() -> dict[str, Any]:
     data = jaxdev.describe()
     data["accelerator_expected"] = {"expected": accel, "why": why}
     data["plugins"] = installed_plugins()
+    if accel and data["platforms"] == ["cpu"] and not data["warnings"]:
+        data["warnings"].append(
+            f"An accelerator was expected ({why}) but JAX started only the CPU: check the "
+            "driver (nvidia-smi) and that the plugin matches your jax version."
+        )
     return data
 
 

@@ -37,6 +37,24 @@ def _platform_devices(platform: str) -> list[jax.Device]:
         return []
 
 
+def _local_devices() -> list[jax.Device]:
+    """``jax.local_devices()``, or a clear error when JAX can't start its backend.
+
+    JAX 0.10.2 raises a bare ``AssertionError`` when ``JAX_PLATFORMS`` names a
+    platform that fails to start (e.g. ``cuda`` without a GPU or plugin).
+    """
+    try:
+        return list(jax.local_devices())
+    except (AssertionError, RuntimeError) as e:
+        wanted = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "(auto)"
+        raise DeviceNotFoundError(
+            f"JAX could not start the platforms requested by JAX_PLATFORMS={wanted!r}"
+            f"{': ' + ' '.join(str(e).split())[:300] if str(e) else ''}. For a GPU install "
+            "jax[cuda12] (pip install -e '.[cuda12]') and check the driver; to fall back to "
+            "the CPU set JAX_PLATFORMS='cuda,cpu' or JAX_PLATFORMS=cpu."
+        ) from None
+
+
 def _check_index(i: Any, arg: str) -> int:
     """Return ``i`` as a non-negative int or raise naming ``arg``."""
     if isinstance(i, bool):
@@ -80,7 +98,7 @@ def _pick(platform: str, i: Any, arg: str = "i") -> jax.Device:
 
 
 def _started_platforms() -> list[str]:
-    return sorted({d.platform for d in jax.local_devices()})
+    return sorted({d.platform for d in _local_devices()})
 
 
 def cpu(i: int = 0) -> jax.Device:
@@ -200,7 +218,7 @@ def device(spec: DeviceSpec) -> jax.Device:
             f"got {type(spec).__name__} {spec!r}."
         )
     i = _check_index(spec, "spec")
-    devices = jax.local_devices()
+    devices = _local_devices()
     if i >= len(devices):
         raise DeviceNotFoundError(
             f"`spec`={i} is out of range: this process has {len(devices)} device(s), "
@@ -247,7 +265,7 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
       True
     """
     if devices is None:
-        return list(jax.local_devices())
+        return _local_devices()
     if isinstance(devices, str) and ":" not in devices:
         name = devices.strip().lower()
         if name in _PLATFORMS:
@@ -265,7 +283,7 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
 
 
 def _first_n(n: int) -> list[jax.Device]:
-    local = jax.local_devices()
+    local = _local_devices()
     if n < 1:
         raise DeviceSpecError(f"`devices`={n}: need at least 1 device.")
     if n > len(local):
@@ -363,7 +381,7 @@ def describe() -> dict[str, Any]:
       >>> info["device_count"] >= 1
       True
     """
-    local = jax.local_devices()
+    local = _local_devices()
     requested = {
         "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
@@ -400,7 +418,7 @@ def _describe_device(d: jax.Device) -> dict[str, Any]:
 
 
 def _warnings(info: dict[str, Any]) -> list[str]:
-    wanted = " ".join(str(info["requested"][k] or "") for k in ("JAX_PLATFORMS", "jax_platforms"))
+    wanted = info["requested"]["JAX_PLATFORMS"] or info["requested"]["jax_platforms"] or ""
     out = []
     if any(p in wanted.lower() for p in ("cuda", "gpu", "rocm")) and "gpu" not in info["platforms"]:
         out.append(

@@ -60,7 +60,10 @@ class PlacementAssertionError(JaxdevError, AssertionError):
 def format_devices(devices: Iterable[jax.Device] | None = None) -> str:
     """Return a short, readable list of devices, e.g. ``'cpu:0, cpu:1'``."""
     if devices is None:
-        devices = jax.devices()
+        try:
+            devices = jax.devices()
+        except (AssertionError, RuntimeError):  # the backend failed to start
+            return "none: JAX could not start a backend"
     devices = list(devices)
     names = [f"{d.platform}:{d.id}" for d in devices[:16]]
     if len(devices) > 16:

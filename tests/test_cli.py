@@ -69,7 +69,10 @@ def test_info_table_and_gpu_fallback_warning():
         # "cuda,cpu" on a host without CUDA: JAX falls back to the CPU and info warns.
         warned = jaxdev_cli("info", JAX_PLATFORMS="cuda,cpu")
         assert warned.returncode == 0, warned.stderr
-        assert "warning: A GPU was requested" in warned.stdout
+        assert "warning: A GPU was requested ('cuda,cpu')" in warned.stdout
+        # "cuda" alone: JAX can't start any backend; a usage error, not a traceback.
+        failed = jaxdev_cli("info", JAX_PLATFORMS="cuda")
+        assert_usage_error(failed, "JAX_PLATFORMS='cuda'", "jax[cuda12]")
 
 
 # ---------------------------------------------------------------- demo

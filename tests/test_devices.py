@@ -195,7 +195,28 @@ def test_describe_warns_when_gpu_requested_but_cpu_started():
         """,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "A GPU was requested" in proc.stdout
+    assert "A GPU was requested ('cuda,cpu')" in proc.stdout  # named once, not twice
+
+
+def test_platform_that_cannot_start_is_a_clear_lookup_error():
+    # JAX 0.10.2 raises a bare AssertionError from its backend start for this.
+    proc = run_python(
+        """
+        import jaxdev
+        for fn in (jaxdev.cpu, jaxdev.describe, lambda: jaxdev.device_list(2)):
+            try:
+                fn()
+            except LookupError as e:
+                print(type(e).__name__, "|", e)
+        """,
+        env={"JAX_PLATFORMS": "rocm"},  # no ROCm here, nor on the lent CUDA machines
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3, proc.stdout + proc.stderr
+    for line in lines:
+        assert line.startswith("DeviceNotFoundError | ")
+        assert "JAX_PLATFORMS='rocm'" in line and "JAX_PLATFORMS=cpu" in line
 
 
 @pytest.mark.gpu
