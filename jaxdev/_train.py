@@ -287,10 +287,13 @@ class TrainStep:
         self._fn = fn
         self._eval = eval_only
         self._bounded = _cpu_collectives(strategy)
+        self._target = _state_target(strategy)
         self._inflight: collections.deque = collections.deque()
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None):
         inner, mask = _batch_and_mask(batch)
+        if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
+            metrics = to_device(metrics, self._target)  # or each placement compiles anew
         out = self._fn(state, inner, mask, metrics)
         if self._eval:
             self._bound_inflight(out)

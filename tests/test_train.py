@@ -160,6 +160,23 @@ def test_fifty_steps_make_no_host_sync_and_compile_once_per_signature():
     assert np.isfinite(metrics.fetch()["loss"])
 
 
+@pytest.mark.parametrize("strategy", ["single", "sharded"])
+def test_a_fresh_host_collection_reuses_the_compiled_step(strategy):
+    x, y = _data(steps=3)
+    strat = jaxdev.single() if strategy == "single" else jaxdev.sharded()
+    step = jaxdev.make_train_step(loss_fn, TX, strat, has_aux=True)
+    state = step.init_state(_params(), TX)
+    batches = [step.put_batch({"x": xb, "y": yb}) for xb, yb in zip(x, y)]
+    state, metrics = step(state, batches[0])
+    state, metrics = step(state, batches[1], metrics)  # compiles the running-metrics version
+    fresh = jax.tree.map(jnp.zeros_like, jaxdev.to_host(metrics))  # a host-built collection
+    with jaxdev.count_transfers() as counter:
+        state, again = step(state, batches[2], fresh)
+    assert counter.compiles == 0, counter.summary()
+    out = again.fetch()  # zeros merged with one step: that step's metrics
+    assert set(out) == {"loss", "accuracy"} and np.isfinite(out["loss"])
+
+
 def test_state_is_donated_by_default():
     x, y = _data(steps=1)
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True)
