@@ -119,12 +119,7 @@ def single_device_loops(x, y) -> dict[str, Loop]:
     stepk = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev), steps_per_call=K)
     stacked = [stepk.put_batch({"x": x[i : i + K], "y": y[i : i + K]}) for i in range(0, len(x), K)]
 
-    def run_k(state):
-        metrics = None
-        for b in stacked:
-            state, metrics = stepk(state, b, metrics)
-        metrics.fetch()
-        return state, state.params
+    run_k = _k_loop(stepk, stacked)
 
     return {
         "hand jit, no metrics": Loop(jaxdev.copy_to((params, TX.init(params)), dev), run_hand),
@@ -133,6 +128,31 @@ def single_device_loops(x, y) -> dict[str, Loop]:
         ),
         "jaxdev step, metrics on device": Loop(step.init_state(params, TX), run_jaxdev),
         f"jaxdev step, steps_per_call={K}": Loop(stepk.init_state(params, TX), run_k),
+    }
+
+
+def _k_loop(step, batches):
+    def run(state):
+        metrics = None
+        for b in batches:
+            state, metrics = step(state, b, metrics)
+        metrics.fetch()
+        return state, state.params
+
+    return run
+
+
+def k_steps_loops(x, y) -> dict[str, Loop]:
+    """1 step per dispatch vs K per dispatch, on a batch small enough to be dispatch-bound."""
+    dev = jaxdev.cpu(0)
+    params = init_params()
+    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev))
+    stepk = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev), steps_per_call=K)
+    batches = [step.put_batch({"x": a, "y": b}) for a, b in zip(x, y)]
+    stacked = [stepk.put_batch({"x": x[i : i + K], "y": y[i : i + K]}) for i in range(0, len(x), K)]
+    return {
+        "1 step per dispatch": Loop(step.init_state(params, TX), _k_loop(step, batches)),
+        f"steps_per_call={K}": Loop(stepk.init_state(params, TX), _k_loop(stepk, stacked)),
     }
 
 
@@ -214,6 +234,15 @@ def d2l_exercise_3(steps: int = 1000) -> dict[str, Loop]:
         c = a @ b
         return c, log.record(jnp.linalg.norm(c))
 
+    @jax.jit
+    def matmul_only(a, b):
+        return a @ b
+
+    def no_log(_):
+        for _ in range(steps):
+            c = matmul_only(a, b)
+        return None, c.block_until_ready()
+
     def host_log(_):
         norms = []
         for _ in range(steps):
@@ -242,6 +271,7 @@ def d2l_exercise_3(steps: int = 1000) -> dict[str, Loop]:
         "ex3: float(norm) per step": Loop(None, host_log),
         "ex3: DeviceLog, 1 transfer": Loop(None, device_log),
         "ex3: DeviceLog in lax.scan": Loop(None, device_scan),
+        "ex3: no log at all (floor)": Loop(None, no_log),
     }
 
 
@@ -296,6 +326,14 @@ def main(argv=None) -> int:
         )
     )
 
+    xs, ys = host_batches(STEPS, 8, seed=2)
+    loops = k_steps_loops(xs, ys)
+    t = time_side_by_side(loops, args.repeats, warmup=1)
+    what = f"same MLP, batch 8 (dispatch-bound), {STEPS} steps, 1 CPU device"
+    names = list(loops)
+    rows.append(_row(what, names[1], t, names[1]))
+    rows.append(_row(what, names[0], t, names[1], ">= 1.3 (K steps faster)", lambda r: r >= 1.3))
+
     xg, yg = host_batches(STEPS // 2, 256, seed=1)
     loops = data_parallel_loops(xg, yg)
     t = time_side_by_side(loops, args.repeats, warmup=1)
@@ -310,6 +348,8 @@ def main(argv=None) -> int:
     names = list(loops)
     rows.append(_row(what, names[0], t, names[1], ">= 1.7 (device log faster)", lambda r: r >= 1.7))
     rows.append(_row(what, names[0], t, names[2], "report"))
+    rows.append(_row(what, names[0], t, names[3], "report: the most any per-step log can gain"))
+    rows.append(_row(what, names[1], t, names[3], "report: DeviceLog vs no log"))
 
     print("| what | variant | median ms | vs | ratio | target | met |")
     print("|---|---|---|---|---|---|---|")
