@@ -162,7 +162,6 @@ def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Shardin
 
 
 @functools.cache
-@functools.cache
 def _array_type() -> type:
     """jaxlib's concrete array class, found once without touching a device.
 
@@ -184,18 +183,35 @@ def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
     buffers) falls through to the careful path.
     """
     array_type = _array_type()
+    want = _sharding_key(s)
     ok = None
     for x in leaves:
         if type(x) is not array_type or not x.committed:
             return False
         have = x.sharding
         if have is not ok:
-            if have != s:
+            if _sharding_key(have) != want:
                 return False
             ok = have
         if x.is_deleted():
             return False
     return True
+
+
+def _sharding_key(s: Sharding) -> Any:
+    """A value equal exactly when the shardings are equal, cheap for single devices.
+
+    JAX's ``SingleDeviceSharding.__eq__``/``__hash__`` run in Python (~1 us);
+    every array put on its own gets its own sharding object, so a 2000-leaf
+    tree pays that 2000 times. Its ``(device, memory kind)`` pair is the same
+    test at a fraction of the cost. Other shardings are their own key.
+    """
+    if type(s) is SingleDeviceSharding:
+        try:
+            return s._device, s._memory_kind
+        except AttributeError:  # pragma: no cover - a newer JAX renamed them
+            pass
+    return s
 
 
 def _is_placed(leaf: Any, s: Sharding) -> bool:
@@ -546,10 +562,12 @@ def _dev_name(d: jax.Device) -> str:
 class _Kind:
     """What every leaf with one (sharding, shape, dtype) shares in the report."""
 
-    __slots__ = ("shape", "dtype", "info", "nbytes", "count")
+    __slots__ = ("row_head", "info", "nbytes", "count")
 
     def __init__(self, shape: tuple[int, ...], dtype: str, info: _ShardingInfo, nbytes: int):
-        self.shape, self.dtype, self.info, self.nbytes, self.count = shape, dtype, info, nbytes, 0
+        # The row fields after the path: shape, dtype, devices, sharding, memory kind.
+        self.row_head = (shape, dtype, info.devices, info.description, info.memory_kind)
+        self.info, self.nbytes, self.count = info, nbytes, 0
 
 
 class _ReportBuilder:
@@ -560,7 +578,7 @@ class _ReportBuilder:
 
     def __init__(self) -> None:
         self.rows: list[LeafPlacement] = []
-        self._kinds: dict[tuple[Sharding, tuple[int, ...], Any], _Kind] = {}
+        self._kinds: dict[tuple[Any, tuple[int, ...], Any], _Kind] = {}
         self._infos: dict[Sharding, _ShardingInfo] = {}
         self._extra: dict[str, int] = {}  # totals of leaves outside the fast path
 
@@ -572,8 +590,8 @@ class _ReportBuilder:
                 out[name] = out.get(name, 0) + kind.nbytes * kind.count
         return out
 
-    def _kind(self, key: tuple[Sharding, tuple[int, ...], Any]) -> _Kind:
-        s, shape, dtype = key
+    def _kind(self, key: tuple[Any, tuple[int, ...], Any], s: Sharding) -> _Kind:
+        _, shape, dtype = key
         info = self._infos.get(s)
         if info is None:
             info = self._infos[s] = _sharding_info(s)
@@ -581,35 +599,35 @@ class _ReportBuilder:
         kind = self._kinds[key] = _Kind(shape, str(dtype), info, nbytes)
         return kind
 
-    def add(self, path: str, leaf: Any) -> None:
-        if type(leaf) is not _array_type():
-            self._add_unusual(path, leaf)
-            return
-        if leaf.is_deleted():
-            shape, dtype = leaf.shape, str(leaf.dtype)
-            self.rows.append(LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True))
-            return
-        key = (leaf.sharding, leaf.shape, leaf.dtype)
-        kind = self._kinds.get(key)
-        if kind is None:
-            kind = self._kind(key)
-        kind.count += 1
-        info = kind.info
-        self.rows.append(
-            LeafPlacement(
-                path,
-                kind.shape,
-                kind.dtype,
-                info.devices,
-                info.description,
-                info.memory_kind,
-                leaf.committed,
-                kind.nbytes,
-            )
-        )
+    def add_all(self, flat: Sequence[tuple[Any, Any]]) -> None:
+        """Add ``(key path, leaf)`` pairs; the common array case is inlined (hot loop)."""
+        array_type, kinds, append, join = _array_type(), self._kinds, self.rows.append, "".join
+        new_row, row_type = tuple.__new__, LeafPlacement  # skips the NamedTuple's __new__
+        names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
+        for path, leaf in flat:
+            parts = []
+            for k in path:
+                name = names.get(k)
+                if name is None:
+                    name = names[k] = str(k)
+                parts.append(name)
+            path = join(parts) or "<root>"  # == jax.tree_util.keystr, faster
+            if type(leaf) is not array_type or leaf.is_deleted():
+                self._add_unusual(path, leaf)
+                continue
+            s = leaf.sharding
+            key = (_sharding_key(s), leaf.shape, leaf.dtype)
+            kind = kinds.get(key)
+            if kind is None:
+                kind = self._kind(key, s)
+            kind.count += 1
+            append(new_row(row_type, (path, *kind.row_head, leaf.committed, kind.nbytes, False)))
 
     def _add_unusual(self, path: str, leaf: Any) -> None:
-        if not isinstance(leaf, jax.Array):
+        if type(leaf) is _array_type():  # deleted
+            shape, dtype = leaf.shape, str(leaf.dtype)
+            self.rows.append(LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True))
+        elif not isinstance(leaf, jax.Array):
             self.rows.append(_host_row(path, leaf))
         elif _is_tracer(leaf):
             shape, dtype = tuple(leaf.shape), str(leaf.dtype)
@@ -672,9 +690,7 @@ def placement(tree: Any) -> PlacementReport:
       ("['w']", ('cpu:0',), {'cpu:0': 24})
     """
     builder = _ReportBuilder()
-    add, join = builder.add, "".join
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        add(join(map(str, path)) or "<root>", leaf)  # == jax.tree_util.keystr, faster
+    builder.add_all(jax.tree_util.tree_flatten_with_path(tree)[0])
     totals = dict(sorted(builder.totals.items(), key=lambda kv: _name_key(kv[0])))
     return PlacementReport(tuple(builder.rows), totals)
 
