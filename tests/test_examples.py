@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -60,3 +61,20 @@ def test_example_runs(path):
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"{os.path.basename(path)} exited {proc.returncode}:\n{tail}"
     assert KEY_LINES[os.path.basename(path)] in proc.stdout, tail
+
+
+@pytest.mark.slow
+def test_readme_tour_runs_as_written(tmp_path):
+    """The README's 30-second tour is the first ```python block; it must run as printed."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        tour = re.findall(r"```python\n(.*?)```", f.read(), re.S)[0]
+    script = tmp_path / "tour.py"
+    script.write_text(tour)
+    proc = run_script(str(script))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith(" cpu:3")  # "0 cpu:0 cpu:3" without a GPU
+    # 13 rows padded to a multiple of the device count (16 on 8 fake CPUs), 13 counted.
+    assert any(re.fullmatch(r"\(\d+,\) 13 13", line) for line in lines), lines
+    assert any(line.startswith("22 {'loss': ") for line in lines)
+    assert "  ['w']: found cpu:0, expected cpu:1" in lines
