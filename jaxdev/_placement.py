@@ -701,7 +701,17 @@ def _name_key(name: str) -> tuple[str, int]:
 
 
 def format_report(report: PlacementReport) -> str:
-    """Return a placement report as a fixed-width text table."""
+    """Return a placement report as a fixed-width text table (what ``print(report)`` shows).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> tree = {"w": jaxdev.to_device(jnp.ones((2, 3)), "cpu:0")}
+      >>> print(jaxdev.format_report(jaxdev.placement(tree)))
+      path   shape  dtype    placement  memory  committed  bytes/device
+      -----  -----  -------  ---------  ------  ---------  ------------
+      ['w']  2x3    float32  cpu:0      device  yes        24 B
+      1 leaves, 24 B on devices (cpu:0: 24 B)
+    """
     head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
     body = [
         (
