@@ -258,6 +258,12 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     replicated on ``mesh`` come back as the same objects, and an already
     replicated tree comes back as itself (a no-op).
 
+    Like ``jax.device_put``, a leaf already on one device of ``mesh`` lends
+    its buffer to that device's replica (no copy there). Donating the result
+    (``jit(..., donate_argnums=...)``) then deletes the source leaf too; use
+    :func:`jaxdev.copy_to` with :func:`replicated_sharding` when you will
+    donate and still need the source (``TrainStep.init_state`` does).
+
     Args:
       tree: any pytree (Flax params, optax state).
       mesh: the mesh; default :func:`data_mesh`.

@@ -551,3 +551,16 @@ def test_prefetch_break_then_close(mesh):
             break
     it.close()
     assert not it.thread.is_alive()
+
+
+def test_copy_to_replicated_survives_donation_of_the_copy():
+    # replicate() may lend the source's buffer to one replica (as device_put does);
+    # copy_to is the documented way to donate a replica and keep the source.
+    mesh = jaxdev.data_mesh()
+    x = jaxdev.to_device(jnp.arange(1024.0), "cpu:0")
+    r = jaxdev.copy_to(x, jaxdev.replicated_sharding(mesh))
+    double = jax.jit(lambda a: a * 2, donate_argnums=0, out_shardings=r.sharding)
+    y = double(r)
+    assert r.is_deleted() and not x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(x), np.arange(1024.0))
+    np.testing.assert_array_equal(np.asarray(y), 2 * np.arange(1024.0))
