@@ -94,7 +94,8 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Dense(N_CLASSES)(nn.relu(nn.Dense(self.hidden)(x)))
+        x = nn.relu(nn.Dense(self.hidden)(x))  # Dense_0: the hidden layer
+        return nn.Dense(N_CLASSES)(x)  # Dense_1: the output layer
 
 
 # ---------------------------------------------------------------- data
