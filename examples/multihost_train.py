@@ -1,7 +1,9 @@
 """Data-parallel training across processes with JAX's multi-controller runtime.
 
 Two local processes with 4 fake CPU devices each (the same script runs
-unchanged on a real cluster, where the cluster sets the coordinator)::
+unchanged on a cluster: as a Slurm or Open MPI job of several tasks JAX finds
+the coordinator itself; elsewhere export ``JAXDEV_COORDINATOR``,
+``JAXDEV_NUM_PROCESSES`` and ``JAXDEV_PROCESS_ID`` on each host)::
 
     jaxdev launch -n 2 --devices-per-process 4 -- python examples/multihost_train.py
 
@@ -21,7 +23,15 @@ import os
 
 import jaxdev
 
-MULTI = "JAXDEV_COORDINATOR" in os.environ
+# Multi-process under `jaxdev launch` (or JAXDEV_* set by hand), or as a task of
+# a Slurm / Open MPI job of more than one task: initialize() then lets JAX's
+# cluster detection fill in the coordinator and the process id.
+_JOB_SIZE = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+MULTI = "JAXDEV_COORDINATOR" in os.environ or any(
+    os.environ.get(v, "1").isdigit() and int(os.environ[v]) > 1
+    for v in _JOB_SIZE
+    if v in os.environ
+)
 if MULTI:
     jaxdev.distributed.initialize()
 elif not os.environ.get("JAX_PLATFORMS", "").replace("cpu", "").strip(","):
