@@ -67,6 +67,20 @@ def _path_of(tree: Any, index: int) -> str:
     return keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
 
 
+def _is_jax_array(x: Any) -> bool:
+    """``isinstance(x, jax.Array)`` without the ABC check for the common leaf types.
+
+    ``jax.Array``'s ``isinstance`` costs ~0.5 us; placement checks run it for
+    every leaf several times.
+    """
+    t = type(x)
+    if t is _array_type():
+        return True
+    if t is np.ndarray or t in _PY_SCALARS:
+        return False
+    return isinstance(x, jax.Array)
+
+
 def _is_tracer(leaf: Any) -> bool:
     return isinstance(leaf, jax.core.Tracer)
 
@@ -120,7 +134,7 @@ def _raise_leaf(tree: Any, index: int, arg: str, exc: type[Exception], why: str)
 
 def _check_live(tree: Any, leaves: Sequence[Any], arg: str) -> None:
     """Raise DeletedArrayError naming every deleted or donated leaf."""
-    dead = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and _deleted(x)]
+    dead = [i for i, x in enumerate(leaves) if _is_jax_array(x) and _deleted(x)]
     if dead:
         paths = [_path_of(tree, i) for i in dead]
         raise DeletedArrayError(
@@ -139,7 +153,7 @@ def _deleted(x: jax.Array) -> bool:
 
 def _check_host_leaves(tree: Any, leaves: Sequence[Any], arg: str) -> None:
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, jax.Array):
+        if not _is_jax_array(leaf):
             problem = _host_problem(leaf)
             if problem is not None:
                 _raise_leaf(tree, i, arg, *problem)
@@ -215,7 +229,7 @@ def _sharding_key(s: Sharding) -> Any:
 
 
 def _is_placed(leaf: Any, s: Sharding) -> bool:
-    if not isinstance(leaf, jax.Array) or not leaf.committed:
+    if not _is_jax_array(leaf) or not leaf.committed:
         return False
     have = leaf.sharding
     if have == s:
@@ -239,6 +253,8 @@ def to_device(tree: Any, target: Target) -> Any:
     a new one), the leaves that must move go in one batched
     ``jax.device_put``, and if nothing moves ``tree`` itself is returned.
     Uncommitted arrays (made without a device) are committed to ``target``.
+    Host dtypes follow JAX's rules (with x64 off, ``float64`` becomes
+    ``float32``), except that integers which would be truncated are refused.
 
     Like ``jax.device_put``, placing a numpy array on a CPU device may alias
     its buffer (JAX does so for aligned arrays even with ``may_alias=False``),
@@ -273,17 +289,64 @@ def to_device(tree: Any, target: Target) -> Any:
     leaves, treedef = _flatten(tree)
     if _all_placed(leaves, sharding):
         return tree
-    if any(_is_tracer(x) for x in leaves):
+    moving = _plan_moves(tree, leaves, sharding)
+    if moving is None:  # inside a trace
         return _constrain(tree, leaves, treedef, target, sharding)
-    _check_live(tree, leaves, "tree")
-    moving = [i for i, leaf in enumerate(leaves) if not _is_placed(leaf, sharding)]
-    _check_host_leaves(tree, leaves, "tree")
     _check_fits(tree, leaves, moving, sharding, "tree")
-    moved = jax.device_put([leaves[i] for i in moving], sharding)
+    # A device rather than its SingleDeviceSharding: JAX's put is ~5% faster so.
+    put_to = sharding if isinstance(target, Sharding) else next(iter(sharding.device_set))
+    moved = jax.device_put([leaves[i] for i in moving], put_to)
     out = list(leaves)
     for i, new in zip(moving, moved):
         out[i] = new
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_PLAIN_KINDS = frozenset("fcb")  # float, complex, bool numpy dtypes: nothing to check
+
+
+def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | None:
+    """One pass over the leaves: the indexes that must move to ``s``.
+
+    Returns None when a leaf is a tracer (the caller constrains instead).
+    Raises like ``_check_live`` then ``_check_host_leaves`` would: every
+    deleted leaf named first, else the first host leaf that can't be placed.
+    The common leaf types (jaxlib arrays, float numpy arrays) skip the
+    generic checks, which cost ~1 us a leaf.
+    """
+    array_type, want = _array_type(), _sharding_key(s)
+    moving: list[int] = []
+    dead: list[int] = []
+    problem: tuple[int, tuple[type[Exception], str]] | None = None
+    for i, x in enumerate(leaves):
+        t = type(x)
+        if t is array_type:
+            if x.is_deleted():
+                dead.append(i)
+            elif not (x.committed and _sharding_key(x.sharding) == want) and not _is_placed(x, s):
+                moving.append(i)
+            continue
+        if t is np.ndarray and x.dtype.kind in _PLAIN_KINDS:
+            moving.append(i)
+            continue
+        if _is_tracer(x):
+            return None
+        if isinstance(x, jax.Array):
+            if _deleted(x):
+                dead.append(i)
+            elif not _is_placed(x, s):
+                moving.append(i)
+            continue
+        if problem is None:
+            found = _host_problem(x)
+            if found is not None:
+                problem = (i, found)
+        moving.append(i)
+    if dead:
+        _check_live(tree, leaves, "tree")
+    if problem is not None:
+        _raise_leaf(tree, problem[0], "tree", *problem[1])
+    return moving
 
 
 def _constrain(tree: Any, leaves: list[Any], treedef: Any, target: Target, s: Sharding):
