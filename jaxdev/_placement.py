@@ -387,18 +387,17 @@ def copy_to(tree: Any, target: Target) -> Any:
     """
     sharding = as_sharding(target)
     leaves, treedef = _flatten(tree)
-    if any(_is_tracer(x) for x in leaves):
+    if _plan_moves(tree, leaves, sharding) is None:  # validates every leaf in one pass
         raise PlacementError(
             "`copy_to` inside a jax.jit trace: buffers do not exist while tracing. "
             "Copy before or after the jitted call."
         )
-    _check_live(tree, leaves, "tree")
-    _check_host_leaves(tree, leaves, "tree")
     _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
     # On CPU, JAX aliases aligned numpy buffers even with may_alias=False
     # (measured on jax 0.10.2), so host leaves are copied first.
     leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
-    copied = jax.device_put(leaves, sharding, may_alias=False)
+    put_to = sharding if isinstance(target, Sharding) else next(iter(sharding.device_set))
+    copied = jax.device_put(leaves, put_to, may_alias=False)
     return jax.tree_util.tree_unflatten(treedef, _unalias(leaves, copied))
 
 
@@ -410,7 +409,7 @@ def _unalias(sources: Sequence[Any], outs: list[Any]) -> list[Any]:
     donating that copy would then delete the source.
     """
     for i, (src, out) in enumerate(zip(sources, outs)):
-        if not isinstance(src, jax.Array) or len(out.sharding.device_set) == 1:
+        if not _is_jax_array(src) or len(out.sharding.device_set) == 1:
             continue
         mine = {_pointer(sh.data) for sh in src.addressable_shards}
         shards = [sh.data for sh in out.addressable_shards]
