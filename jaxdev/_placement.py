@@ -397,7 +397,9 @@ def copy_to(tree: Any, target: Target) -> Any:
     # (measured on jax 0.10.2), so host leaves are copied first.
     leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
     put_to = sharding if isinstance(target, Sharding) else next(iter(sharding.device_set))
-    copied = jax.device_put(leaves, put_to, may_alias=False)
+    # The fresh numpy copies may be aliased; device arrays must be copied.
+    may_alias = [None if isinstance(x, np.ndarray) else False for x in leaves]
+    copied = jax.device_put(leaves, put_to, may_alias=may_alias)
     return jax.tree_util.tree_unflatten(treedef, _unalias(leaves, copied))
 
 
