@@ -663,19 +663,11 @@ class _ReportBuilder:
         kind = self._kinds[key] = _Kind(shape, str(dtype), info, nbytes)
         return kind
 
-    def add_all(self, flat: Sequence[tuple[Any, Any]]) -> None:
-        """Add ``(key path, leaf)`` pairs; the common array case is inlined (hot loop)."""
-        array_type, kinds, append, join = _array_type(), self._kinds, self.rows.append, "".join
+    def add_all(self, paths: Sequence[str], leaves: Sequence[Any]) -> None:
+        """Add leaves with their key-path strings; the common array case is inlined (hot loop)."""
+        array_type, kinds, append = _array_type(), self._kinds, self.rows.append
         new_row, row_type = tuple.__new__, LeafPlacement  # skips the NamedTuple's __new__
-        names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
-        for path, leaf in flat:
-            parts = []
-            for k in path:
-                name = names.get(k)
-                if name is None:
-                    name = names[k] = str(k)
-                parts.append(name)
-            path = join(parts) or "<root>"  # == jax.tree_util.keystr, faster
+        for path, leaf in zip(paths, leaves):
             if type(leaf) is not array_type or leaf.is_deleted():
                 self._add_unusual(path, leaf)
                 continue
@@ -753,10 +745,46 @@ def placement(tree: Any) -> PlacementReport:
       >>> r.leaves[0].path, r.leaves[0].devices, r.bytes_by_device
       ("['w']", ('cpu:0',), {'cpu:0': 24})
     """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     builder = _ReportBuilder()
-    builder.add_all(jax.tree_util.tree_flatten_with_path(tree)[0])
+    builder.add_all(_key_strings(tree, treedef), leaves)
     totals = dict(sorted(builder.totals.items(), key=lambda kv: _name_key(kv[0])))
     return PlacementReport(tuple(builder.rows), totals)
+
+
+_KEY_STRINGS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' key paths
+_KEY_STRINGS_MAX = 64
+
+
+def _key_strings(tree: Any, treedef: Any) -> tuple[str, ...]:
+    """Key-path strings of ``tree``'s leaves (``jax.tree_util.keystr``), cached per treedef.
+
+    Key paths are a function of the structure alone, and a tree is usually
+    reported many times (every epoch, every step of a debug loop): the cache
+    saves ``tree_flatten_with_path`` and 2000 string joins on a 2000-leaf tree.
+    """
+    try:
+        cached = _KEY_STRINGS.get(treedef)
+    except TypeError:  # a custom node with unhashable aux data
+        cached, treedef = None, None
+    if cached is not None:
+        return cached
+    names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for k in path:
+            name = names.get(k)
+            if name is None:
+                name = names[k] = str(k)
+            parts.append(name)
+        paths.append("".join(parts) or "<root>")
+    out = tuple(paths)
+    if treedef is not None:
+        if len(_KEY_STRINGS) >= _KEY_STRINGS_MAX:
+            _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)))
+        _KEY_STRINGS[treedef] = out
+    return out
 
 
 def _name_key(name: str) -> tuple[str, int]:

@@ -336,3 +336,14 @@ def test_importing_jaxdev_starts_no_backend():
     proc = run_python("import jaxdev; print(jaxdev.backend_started())")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_report_paths_follow_the_structure_across_calls():
+    # Key-path strings are cached per treedef: equal structures share them,
+    # any change of keys or nesting gives a new, correct set.
+    a = {"w": jnp.ones(2), "b": {"c": jnp.ones(3)}}
+    b = {"w": jnp.zeros(2), "b": {"d": jnp.ones(3)}}
+    paths = [[r.path for r in jaxdev.placement(t).leaves] for t in (a, a, b, [a, b])]
+    assert paths[0] == paths[1] == ["['b']['c']", "['w']"]
+    assert paths[2] == ["['b']['d']", "['w']"]
+    assert paths[3] == ["[0]['b']['c']", "[0]['w']", "[1]['b']['d']", "[1]['w']"]
