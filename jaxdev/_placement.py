@@ -782,7 +782,10 @@ def _key_strings(tree: Any, treedef: Any) -> tuple[str, ...]:
     out = tuple(paths)
     if treedef is not None:
         if len(_KEY_STRINGS) >= _KEY_STRINGS_MAX:
-            _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)))
+            try:  # drop the oldest; another thread may be doing the same
+                _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)), None)
+            except (RuntimeError, StopIteration):
+                pass
         _KEY_STRINGS[treedef] = out
     return out
 
