@@ -293,13 +293,19 @@ def to_device(tree: Any, target: Target) -> Any:
     if moving is None:  # inside a trace
         return _constrain(tree, leaves, treedef, target, sharding)
     _check_fits(tree, leaves, moving, sharding, "tree")
-    # A device rather than its SingleDeviceSharding: JAX's put is ~5% faster so.
-    put_to = sharding if isinstance(target, Sharding) else next(iter(sharding.device_set))
-    moved = jax.device_put([leaves[i] for i in moving], put_to)
+    moved = jax.device_put([leaves[i] for i in moving], _put_target(target, sharding))
     out = list(leaves)
     for i, new in zip(moving, moved):
         out[i] = new
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _put_target(target: Target, s: Sharding) -> Sharding | jax.Device:
+    """What to hand ``jax.device_put``: the device itself when ``target`` named one.
+
+    JAX's put is ~5% faster given a device than its ``SingleDeviceSharding``.
+    """
+    return s if isinstance(target, Sharding) else next(iter(s.device_set))
 
 
 _PLAIN_KINDS = frozenset("fcb")  # float, complex, bool numpy dtypes: nothing to check
@@ -396,10 +402,9 @@ def copy_to(tree: Any, target: Target) -> Any:
     # On CPU, JAX aliases aligned numpy buffers even with may_alias=False
     # (measured on jax 0.10.2), so host leaves are copied first.
     leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
-    put_to = sharding if isinstance(target, Sharding) else next(iter(sharding.device_set))
     # The fresh numpy copies may be aliased; device arrays must be copied.
     may_alias = [None if isinstance(x, np.ndarray) else False for x in leaves]
-    copied = jax.device_put(leaves, put_to, may_alias=may_alias)
+    copied = jax.device_put(leaves, _put_target(target, sharding), may_alias=may_alias)
     return jax.tree_util.tree_unflatten(treedef, _unalias(leaves, copied))
 
 
