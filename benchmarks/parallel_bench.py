@@ -134,7 +134,7 @@ def bench_prefetch(mesh, repeats: int, steps: int = 16) -> list[dict]:
 
     def prefetched():
         v = w
-        with jaxdev.prefetch_to_device(loader(), 2, mesh) as it:
+        with jaxdev.prefetch_to_device(loader(), 2, jaxdev.batch_sharding(mesh)) as it:
             for x in it:
                 v = step(v, x)
         return v

@@ -107,7 +107,7 @@ def single_device_loops(x, y) -> dict[str, Loop]:
             losses.append(float(loss))  # the host sync per step d2l warns about
         return (p, o), p
 
-    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev))
+    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.Strategy.single(dev))
 
     def run_jaxdev(state):
         metrics = None
@@ -116,7 +116,9 @@ def single_device_loops(x, y) -> dict[str, Loop]:
         metrics.fetch()  # one device_get per loop, like a log every 200 steps
         return state, state.params
 
-    stepk = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev), steps_per_call=K)
+    stepk = jaxdev.make_train_step(
+        per_example_loss, TX, jaxdev.Strategy.single(dev), steps_per_call=K
+    )
     stacked = [stepk.put_batch({"x": x[i : i + K], "y": y[i : i + K]}) for i in range(0, len(x), K)]
 
     run_k = _k_loop(stepk, stacked)
@@ -146,8 +148,10 @@ def k_steps_loops(x, y) -> dict[str, Loop]:
     """1 step per dispatch vs K per dispatch, on a batch small enough to be dispatch-bound."""
     dev = jaxdev.cpu(0)
     params = init_params()
-    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev))
-    stepk = jaxdev.make_train_step(per_example_loss, TX, jaxdev.single(dev), steps_per_call=K)
+    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.Strategy.single(dev))
+    stepk = jaxdev.make_train_step(
+        per_example_loss, TX, jaxdev.Strategy.single(dev), steps_per_call=K
+    )
     batches = [step.put_batch({"x": a, "y": b}) for a, b in zip(x, y)]
     stacked = [stepk.put_batch({"x": x[i : i + K], "y": y[i : i + K]}) for i in range(0, len(x), K)]
     return {
@@ -209,12 +213,12 @@ def data_parallel_loops(x, y) -> dict[str, Loop]:
         f"hand jax.pmap ({n} dev)": Loop(
             (stacked_params, jax.pmap(TX.init)(stacked_params)), run_pmap
         ),
-        f"jaxdev pmap ({n} dev)": jaxdev_loop(jaxdev.pmap(), stacked_batches),
+        f"jaxdev pmap ({n} dev)": jaxdev_loop(jaxdev.Strategy.pmap(), stacked_batches),
         f"hand jit+NamedSharding ({n} dev)": Loop(
             jaxdev.copy_to((params, TX.init(params)), rep),
             run_jit,  # fresh buffers to donate
         ),
-        f"jaxdev sharded ({n} dev)": jaxdev_loop(jaxdev.sharded(mesh), sharded_batches),
+        f"jaxdev sharded ({n} dev)": jaxdev_loop(jaxdev.Strategy.sharded(mesh), sharded_batches),
     }
 
 

@@ -41,7 +41,7 @@ def main() -> None:
     jaxdev.assert_replicated(replicated, mesh, check_values=True)
     batch = np.random.default_rng(0).normal(size=(4 * mesh.size, 8, 8, 1)).astype(np.float32)
     x = jaxdev.shard_batch(batch, mesh)
-    jaxdev.assert_sharded(x, jax.sharding.PartitionSpec("data"), mesh)
+    jaxdev.assert_sharded(x, jax.sharding.PartitionSpec("data"), mesh=mesh)
     logits = jax.jit(model.apply)({"params": replicated}, x)
     print("logits", logits.shape, "placed as", jaxdev.placement(logits).leaves[0].sharding)
 

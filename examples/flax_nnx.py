@@ -42,7 +42,7 @@ def main() -> None:
         return losses, {"accuracy": (logits.argmax(-1) == batch["y"]).astype(np.float32)}
 
     tx = optax.adam(3e-2)
-    step = jaxdev.make_train_step(loss_fn, tx, jaxdev.sharded(), has_aux=True)
+    step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded(), has_aux=True)
     state = step.init_state(params, tx)
     jaxdev.assert_replicated(state.params)
     data = make_data()

@@ -50,7 +50,7 @@ def by_hand(params, data, steps):
 
 def with_jaxdev(params, data, steps):
     """The same with jaxdev's pmap strategy: params truly replicated, any batch size."""
-    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.pmap())
+    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.Strategy.pmap())
     state = step.init_state(params, TX)
     batch = step.put_batch(data)
     metrics = None
@@ -72,7 +72,7 @@ def main() -> None:
 
     # An uneven batch is padded and masked, never dropped: 16n + 3 rows.
     uneven = make_data(16 * n + 3, seed=1)
-    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.pmap())
+    step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.Strategy.pmap())
     batch = step.put_batch(uneven)
     print(f"uneven batch: {batch.size} rows padded to {batch.mask.size}, mask {batch.mask.shape}")
     print("pmap data parallel: ok")

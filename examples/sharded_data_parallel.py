@@ -61,7 +61,7 @@ def main() -> None:
     data = make_data(64 * mesh.size)
     p, opt = jaxdev.replicate((params, TX.init(params)), mesh)
     batch = jaxdev.shard_batch(data, mesh)
-    jaxdev.assert_sharded(batch, P("data"), mesh)
+    jaxdev.assert_sharded(batch, P("data"), mesh=mesh)
     for _ in range(100):
         # Waiting each step: on a host with few cores, XLA's CPU all-reduce between fake
         # devices can deadlock when many such steps are queued (JAX 0.10.2, 2 cores).
@@ -71,7 +71,9 @@ def main() -> None:
 
     # 3. jaxdev's step, 10 steps per dispatch (lax.scan), metrics kept on device.
     k = 10
-    train = jaxdev.make_train_step(per_example_loss, TX, jaxdev.sharded(mesh), steps_per_call=k)
+    train = jaxdev.make_train_step(
+        per_example_loss, TX, jaxdev.Strategy.sharded(mesh), steps_per_call=k
+    )
     state = train.init_state(params, TX)
     stacked = train.put_batch({key: np.stack([v] * k) for key, v in data.items()})  # (K, B, ...)
     for _ in range(100 // k):

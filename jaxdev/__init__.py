@@ -1,6 +1,7 @@
 """jaxdev: pure-JAX, functional device placement.
 
 This module only re-exports; every name lives in a small private module.
+``jaxdev.distributed`` is the multi-process surface.
 """
 
 # ruff: noqa: I001 - imports are grouped by module, in the order the README lists them
@@ -11,12 +12,16 @@ from ._errors import DeletedArrayError as DeletedArrayError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import DeviceSpecError as DeviceSpecError
 from ._errors import DistributedError as DistributedError
+from ._errors import GuardArgumentError as GuardArgumentError
+from ._errors import GuardError as GuardError
 from ._errors import JaxdevError as JaxdevError
 from ._errors import LeafTypeError as LeafTypeError
 from ._errors import LeafValueError as LeafValueError
+from ._errors import MetricError as MetricError
 from ._errors import PlacementAssertionError as PlacementAssertionError
 from ._errors import PlacementError as PlacementError
 from ._errors import ShardingError as ShardingError
+from ._errors import UsageError as UsageError
 
 # --- devices ---
 from ._devices import DeviceSpec as DeviceSpec
@@ -31,39 +36,38 @@ from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
 from ._devices import use_fake_cpu_devices as use_fake_cpu_devices
 
+# --- meshes ---
+from ._mesh import DEFAULT_AXIS as DEFAULT_AXIS
+from ._mesh import batch_sharding as batch_sharding
+from ._mesh import data_mesh as data_mesh
+from ._mesh import replicated_sharding as replicated_sharding
+
 # --- placement ---
-from ._placement import LeafPlacement as LeafPlacement
-from ._placement import PlacementReport as PlacementReport
 from ._placement import Target as Target
 from ._placement import as_sharding as as_sharding
 from ._placement import common_device as common_device
 from ._placement import copy_to as copy_to
 from ._placement import device_of as device_of
 from ._placement import devices_of as devices_of
-from ._placement import diff_reports as diff_reports
-from ._placement import format_report as format_report
-from ._placement import placement as placement
 from ._placement import to_device as to_device
 from ._placement import to_host as to_host
+from ._report import LeafPlacement as LeafPlacement
+from ._report import PlacementReport as PlacementReport
+from ._report import placement as placement
 
 # --- parallel ---
-from ._parallel import DEFAULT_AXIS as DEFAULT_AXIS
-from ._parallel import Padded as Padded
-from ._parallel import Prefetcher as Prefetcher
-from ._parallel import batch_sharding as batch_sharding
-from ._parallel import data_mesh as data_mesh
-from ._parallel import data_parallel as data_parallel
-from ._parallel import gather as gather
-from ._parallel import prefetch_to_device as prefetch_to_device
-from ._parallel import replicate as replicate
-from ._parallel import replicated_sharding as replicated_sharding
-from ._parallel import shard_batch as shard_batch
-from ._parallel import shard_for_pmap as shard_for_pmap
-from ._parallel import stack_for_pmap as stack_for_pmap
-from ._parallel import unpad as unpad
-from ._parallel import unreplicate as unreplicate
-from ._parallel import unshard_from_pmap as unshard_from_pmap
-from ._parallel import unstack_from_pmap as unstack_from_pmap
+from ._replication import replicate as replicate
+from ._replication import unreplicate as unreplicate
+from ._batches import Padded as Padded
+from ._batches import shard_batch as shard_batch
+from ._batches import unpad as unpad
+from ._pmap_layout import shard_for_pmap as shard_for_pmap
+from ._pmap_layout import stack_for_pmap as stack_for_pmap
+from ._pmap_layout import unshard_from_pmap as unshard_from_pmap
+from ._pmap_layout import unstack_from_pmap as unstack_from_pmap
+from ._prefetch import Prefetcher as Prefetcher
+from ._prefetch import prefetch_to_device as prefetch_to_device
+from ._data_parallel import data_parallel as data_parallel
 
 # --- metrics ---
 from ._metrics import Accuracy as Accuracy
@@ -73,23 +77,17 @@ from ._metrics import Last as Last
 from ._metrics import Max as Max
 from ._metrics import Mean as Mean
 from ._metrics import Metric as Metric
-from ._metrics import MetricError as MetricError
 from ._metrics import Min as Min
 from ._metrics import NonFinite as NonFinite
 from ._metrics import Sum as Sum
 from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---
-from ._train import Pmap as Pmap
-from ._train import Sharded as Sharded
-from ._train import Single as Single
+from ._train import Strategy as Strategy
 from ._train import TrainState as TrainState
 from ._train import TrainStep as TrainStep
 from ._train import make_eval_step as make_eval_step
 from ._train import make_train_step as make_train_step
-from ._train import pmap as pmap
-from ._train import sharded as sharded
-from ._train import single as single
 
 # --- asserts ---
 from ._asserts import assert_committed as assert_committed
@@ -100,17 +98,13 @@ from ._asserts import assert_same_placement as assert_same_placement
 from ._asserts import assert_sharded as assert_sharded
 
 # --- guards ---
-from ._guards import GuardArgumentError as GuardArgumentError
-from ._guards import GuardError as GuardError
 from ._guards import TransferCounter as TransferCounter
 from ._guards import TransferEvent as TransferEvent
 from ._guards import count_transfers as count_transfers
 from ._guards import no_host_sync as no_host_sync
 
-# --- distributed ---
-from . import _distributed as distributed  # noqa: F401 - jaxdev.distributed.initialize()
+# --- multi-process ---
+from . import distributed as distributed
 from ._launch import launch as launch
-from ._multihost import assert_same_across_processes as assert_same_across_processes
-from ._multihost import make_global_batch as make_global_batch
 
 __version__ = "0.1.0"

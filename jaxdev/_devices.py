@@ -19,6 +19,7 @@ from ._errors import (
     DeviceNotFoundError,
     DeviceSpecError,
     available_devices,
+    device_name,
     format_devices,
 )
 
@@ -256,7 +257,7 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
       A list of ``jax.Device`` without repeats.
 
     Raises:
-      DeviceSpecError: a device appears twice, or ``n < 1``.
+      DeviceSpecError: a device appears twice, the list is empty, or ``n < 1``.
       DeviceNotFoundError: more devices asked than exist.
 
     Example:
@@ -278,6 +279,11 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
     if isinstance(devices, int) and not isinstance(devices, bool):
         return _first_n(devices)
     out = [device(d) for d in devices]
+    if not out:
+        raise DeviceSpecError(
+            "`devices` is empty: a mesh, a strategy or a replication needs at least one "
+            f"device. Pass None for every local device. {available_devices()}"
+        )
     _check_distinct(out)
     return out
 
@@ -301,7 +307,7 @@ def _check_distinct(devices: list[jax.Device]) -> None:
     for d in devices:
         if d in seen:
             raise DeviceSpecError(
-                f"`devices` lists {d.platform}:{d.id} twice: "
+                f"`devices` lists {device_name(d)} twice: "
                 f"[{format_devices(devices)}]. Each device may appear once."
             )
         seen.add(d)

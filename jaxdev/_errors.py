@@ -1,9 +1,10 @@
 """Exception types and message helpers shared by every jaxdev module.
 
-Each error subclasses the built-in type a user would already catch
-(``LookupError``, ``ValueError``, ``TypeError``, ``RuntimeError``) and the
-common base :class:`JaxdevError`. Messages follow JAX's rule: state the rule,
-the value that broke it, and the fix.
+Every exception type of jaxdev lives here. Each error subclasses the
+built-in type a user would already catch (``LookupError``, ``ValueError``,
+``TypeError``, ``RuntimeError``, ``AssertionError``) and the common base
+:class:`JaxdevError`. Messages follow JAX's rule: state the rule, the value
+that broke it, and the fix.
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ class PlacementAssertionError(JaxdevError, AssertionError):
     """A placement assertion failed; the message lists every failing leaf."""
 
 
+class MetricError(JaxdevError, ValueError):
+    """A metric got a value, mask or partner of the wrong shape, dtype or kind."""
+
+
+class GuardError(JaxdevError, AssertionError):
+    """A guarded block made more host syncs, transfers or compiles than allowed."""
+
+
+class GuardArgumentError(JaxdevError, ValueError):
+    """A guard was given an invalid budget."""
+
+
+class UsageError(JaxdevError, ValueError):
+    """An argument of a function or command is invalid (the CLI exits with code 2)."""
+
+
 def format_devices(devices: Iterable[jax.Device] | None = None) -> str:
     """Return a short, readable list of devices, e.g. ``'cpu:0, cpu:1'``."""
     if devices is None:
@@ -65,20 +82,20 @@ def format_devices(devices: Iterable[jax.Device] | None = None) -> str:
         except (AssertionError, RuntimeError):  # the backend failed to start
             return "none: JAX could not start a backend"
     devices = list(devices)
-    names = [f"{d.platform}:{d.id}" for d in devices[:16]]
+    names = [device_name(d) for d in devices[:16]]
     if len(devices) > 16:
         names.append(f"... ({len(devices)} in all)")
     return ", ".join(names) if names else "none"
 
 
+def device_name(d: jax.Device) -> str:
+    """Return the short name of a device, ``'platform:id'`` (``'cpu:3'``, ``'gpu:0'``)."""
+    return f"{d.platform}:{d.id}"
+
+
 def available_devices() -> str:
     """Return the sentence ending every device error: what exists here."""
     return f"Available devices: [{format_devices()}]."
-
-
-def keystr(path) -> str:
-    """Return a key path as a string; the root leaf is shown as ``<root>``."""
-    return jax.tree_util.keystr(tuple(path)) or "<root>"
 
 
 def join_failures(header: str, failures: list[str]) -> str:

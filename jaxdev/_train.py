@@ -5,10 +5,10 @@ callable ``step(state, batch, metrics=None) -> (state, metrics)``. The three
 strategies run the same per-example arithmetic and give the same parameters
 and metrics on the same data (to float32 reassociation):
 
-* :func:`single` — ``jax.jit`` on one device (d2l: "the params live on the GPU");
-* :func:`pmap` — ``jax.pmap`` over local devices; gradients and metrics are
+* ``Strategy.single`` — ``jax.jit`` on one device (d2l: "the params live on the GPU");
+* ``Strategy.pmap`` — ``jax.pmap`` over local devices; gradients and metrics are
   summed over the device axis, parameters stay truly replicated (``P()``);
-* :func:`sharded` — ``jax.jit`` with ``NamedSharding``: parameters replicated,
+* ``Strategy.sharded`` — ``jax.jit`` with ``NamedSharding``: parameters replicated,
   batch split over the mesh's data axis; optionally via ``jax.shard_map``.
 
 The objective is the mean per-example loss over the *valid* rows of the whole
@@ -19,6 +19,7 @@ last batch gives exactly the numbers of the unpadded data.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,11 +31,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._devices import DeviceSpec, device, device_list
-from ._errors import ShardingError, available_devices
+from ._batches import Padded, shard_batch
+from ._devices import DeviceSpec, device_list
+from ._devices import device as resolve_device
+from ._errors import MetricError, ShardingError, UsageError, available_devices
+from ._mesh import DEFAULT_AXIS, batch_axis, check_mesh, mesh_of, replicated_sharding
 from ._metrics import Collection, Mean, Metric
-from ._parallel import Padded, data_mesh, shard_batch, shard_for_pmap
 from ._placement import copy_to, to_device
+from ._pmap_layout import shard_for_pmap
 
 LossFn = Callable[..., Any]
 """``loss_fn(params, batch[, rng]) -> per_example_loss`` or ``(per_example_loss, aux)``."""
@@ -76,93 +80,108 @@ class TrainState(NamedTuple):
 # ---------------------------------------------------------------- strategies
 
 
-class Single(NamedTuple):
-    """Run on one device with ``jax.jit``."""
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Where and how a step runs. Make one with a constructor, not ``Strategy(...)``:
 
-    device: jax.Device
+    * :meth:`Strategy.single` — ``jax.jit`` on one device;
+    * :meth:`Strategy.pmap` — ``jax.pmap`` over local devices;
+    * :meth:`Strategy.sharded` — ``jax.jit`` with ``NamedSharding`` on a mesh
+      (optionally through ``jax.shard_map``).
 
+    Attributes:
+      kind: ``'single'``, ``'pmap'`` or ``'sharded'``.
+      devices: the devices the step runs on, in order.
+      mesh: the mesh of the state and batch (one device's worth for
+        ``single``, the pmap devices along ``axis`` for ``pmap``).
+      axis: the mesh axis the batch is split over (``DEFAULT_AXIS``).
+      shard_map: whether the sharded step runs under ``jax.shard_map``.
+    """
 
-class Pmap(NamedTuple):
-    """Run on several local devices with ``jax.pmap``."""
-
+    kind: str
     devices: tuple[jax.Device, ...]
-    axis_name: str = "batch"
-
-
-class Sharded(NamedTuple):
-    """Run with ``jax.jit`` + ``NamedSharding`` (or ``jax.shard_map``) on a mesh."""
-
     mesh: Mesh
-    axis: str = "data"
-    use_shard_map: bool = False
+    axis: str = DEFAULT_AXIS
+    shard_map: bool = False
+
+    @classmethod
+    def single(cls, device: DeviceSpec | None = None) -> Strategy:
+        """Run on one device with ``jax.jit`` (default: the first local device).
+
+        Args:
+          device: a ``jax.Device`` or spec; an int is a device index.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.single("cpu:0").devices == (jaxdev.cpu(0),)
+          True
+        """
+        dev = resolve_device(0 if device is None else device)
+        return cls("single", (dev,), mesh_of((dev,), DEFAULT_AXIS))
+
+    @classmethod
+    def pmap(cls, devices: Any = None, axis: str = DEFAULT_AXIS) -> Strategy:
+        """Run on several local devices with ``jax.pmap``; gradients summed over ``axis``.
+
+        Args:
+          devices: ``None`` for every local device, an int ``n`` for the
+            first ``n``, a platform name, or a list of devices / specs.
+          axis: the pmap axis name (what ``lax.pmean`` and BatchNorm's
+            ``axis_name`` refer to).
+
+        Example:
+          >>> import jaxdev
+          >>> len(jaxdev.Strategy.pmap(2).devices)
+          2
+        """
+        devs = tuple(device_list(devices))
+        _check_axis_name(axis)
+        return cls("pmap", devs, mesh_of(devs, axis), axis)
+
+    @classmethod
+    def sharded(
+        cls, mesh: Mesh | None = None, axis: str | None = None, *, shard_map: bool = False
+    ) -> Strategy:
+        """Run with ``jax.jit`` + ``NamedSharding``: params replicated, batch split over ``axis``.
+
+        Args:
+          mesh: the mesh; default :func:`jaxdev.data_mesh`.
+          axis: the mesh axis the batch is split over; default the mesh's
+            only axis, or ``'data'``.
+          shard_map: run the per-device step under ``jax.shard_map`` with
+            explicit collectives instead of letting the compiler partition it.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.sharded(jaxdev.data_mesh(1)).axis
+          'data'
+        """
+        mesh = check_mesh(mesh)
+        axis = batch_axis(mesh, axis)
+        if not isinstance(axis, str):
+            raise UsageError(f"`axis` must be one mesh axis name for a strategy, got {axis!r}.")
+        return cls("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map))
+
+    @property
+    def n_devices(self) -> int:
+        """How many ways the batch is split."""
+        return 1 if self.kind == "single" else self.mesh.shape[self.axis]
 
 
-Strategy = Single | Pmap | Sharded
-
-
-def single(dev: DeviceSpec | None = None) -> Single:
-    """Return the one-device strategy (default: the first local device).
-
-    Example:
-      >>> import jaxdev
-      >>> jaxdev.single("cpu:0").device == jaxdev.cpu(0)
-      True
-    """
-    return Single(device(0 if dev is None else dev))
-
-
-def pmap(devices: Any = None, axis_name: str = "batch") -> Pmap:
-    """Return the ``jax.pmap`` strategy over ``devices`` (default: all local ones).
-
-    Example:
-      >>> import jaxdev
-      >>> len(jaxdev.pmap(1).devices)
-      1
-    """
-    return Pmap(tuple(device_list(devices)), axis_name)
-
-
-def sharded(mesh: Mesh | None = None, axis: str = "data", use_shard_map: bool = False) -> Sharded:
-    """Return the sharded-jit strategy on ``mesh`` (default: ``data_mesh()``).
-
-    Args:
-      mesh: a mesh with a data axis named ``axis``.
-      axis: the mesh axis the batch is split over.
-      use_shard_map: run the per-device step under ``jax.shard_map`` with
-        explicit ``psum`` instead of letting the compiler partition it.
-
-    Example:
-      >>> import jaxdev
-      >>> jaxdev.sharded(jaxdev.data_mesh(1)).axis
-      'data'
-    """
-    mesh = data_mesh(axis=axis) if mesh is None else mesh
-    if axis not in mesh.axis_names:
-        raise ShardingError(
-            f"`axis`={axis!r} is not an axis of `mesh` (axes {mesh.axis_names}); "
-            "pass the name of the mesh's data axis."
-        )
-    return Sharded(mesh, axis, use_shard_map)
+def _check_axis_name(axis: Any) -> None:
+    if not isinstance(axis, str) or not axis:
+        raise UsageError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
 
 
 def _as_strategy(strategy: Any) -> Strategy:
-    if isinstance(strategy, (Single, Pmap, Sharded)):
+    if strategy is None:
+        return Strategy.single()
+    if isinstance(strategy, Strategy):
         return strategy
-    factories = {"single": single, "pmap": pmap, "sharded": sharded}
-    if isinstance(strategy, str) and strategy in factories:
-        return factories[strategy]()
-    raise ValueError(
-        f"`strategy` must be 'single', 'pmap', 'sharded' or made by jaxdev.single/pmap/"
-        f"sharded, got {strategy!r}."
+    raise UsageError(
+        "`strategy` must be made by jaxdev.Strategy.single(...), Strategy.pmap(...) or "
+        f"Strategy.sharded(...) (or None for one device), got {strategy!r}."
     )
-
-
-def _n_devices(strategy: Strategy) -> int:
-    if isinstance(strategy, Single):
-        return 1
-    if isinstance(strategy, Pmap):
-        return len(strategy.devices)
-    return strategy.mesh.shape[strategy.axis]
 
 
 # ---------------------------------------------------------------- the math
@@ -200,7 +219,7 @@ def _per_example(loss_fn, has_aux, params, batch, rng):
 def _metrics_of(losses: jax.Array, aux: Any, mask: jax.Array) -> Collection:
     """Loss mean plus aux: per-example arrays become masked Means; Metrics stay."""
     if not isinstance(aux, dict):
-        raise TypeError(
+        raise MetricError(
             f"`loss_fn`'s aux must be a dict of per-example arrays or Metric objects, "
             f"got {type(aux).__name__}."
         )
@@ -269,7 +288,13 @@ def _run_k(body, k, state, batch, mask, acc):
 
 
 class TrainStep:
-    """A compiled, pure ``step(state, batch, metrics=None) -> (state, metrics)``.
+    """A compiled step: ``step(state, batch, metrics=None) -> (state, metrics)``.
+
+    Calling it is functional: the new state and metrics are returned, the
+    inputs are not mutated (they are donated by default, so do not reuse
+    them). The object itself is not a pure function, though: on several CPU
+    devices it keeps a short queue of in-flight results and waits on the
+    oldest to bound XLA's dispatch depth (see ``_bound_inflight``).
 
     ``metrics`` is an optional running :class:`Collection`; when given, this
     call's metrics are merged into it inside the compiled step (no extra
@@ -342,36 +367,24 @@ _MAX_INFLIGHT = 8
 
 def _cpu_collectives(strategy: Strategy) -> bool:
     """Whether steps run collectives across several CPU devices."""
-    if isinstance(strategy, Single):
-        return False
-    devices = strategy.devices if isinstance(strategy, Pmap) else strategy.mesh.devices.flat
-    devices = list(devices)
+    devices = strategy.devices
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
 def _state_target(strategy: Strategy):
-    if isinstance(strategy, Single):
-        return strategy.device
-    if isinstance(strategy, Pmap):
-        return NamedSharding(_pmap_mesh(strategy), P())
-    return NamedSharding(strategy.mesh, P())
-
-
-def _pmap_mesh(strategy: Pmap) -> Mesh:
-    return data_mesh(list(strategy.devices), axis=strategy.axis_name)
+    if strategy.kind == "single":
+        return strategy.devices[0]
+    return replicated_sharding(strategy.mesh)
 
 
 def _put_batch(strategy: Strategy, batch: Any, k: int) -> Any:
-    if isinstance(strategy, Single):
-        return to_device(batch, strategy.device)
-    if isinstance(strategy, Sharded):
-        mesh, axis = strategy.mesh, strategy.axis
-    else:
-        mesh, axis = _pmap_mesh(strategy), strategy.axis_name
+    if strategy.kind == "single":
+        return to_device(batch, strategy.devices[0])
+    mesh, axis = strategy.mesh, strategy.axis
     if k > 1:
-        return _put_steps(batch, mesh, axis, k, isinstance(strategy, Pmap))
+        return _put_steps(batch, mesh, axis, k, strategy.kind == "pmap")
     pad = _rows(batch) % mesh.shape[axis] != 0
-    if isinstance(strategy, Pmap):
+    if strategy.kind == "pmap":
         return shard_for_pmap(batch, list(strategy.devices), pad=pad)
     return shard_batch(batch, mesh, pad=pad, axis=axis)
 
@@ -421,13 +434,13 @@ def _compile(strategy: Strategy, body: Callable, k: int, donate: bool, eval_only
             return state, metrics, state.step + 0  # an undonated token to wait on
 
     donate_argnums = () if eval_only or not donate else (0, 3)
-    if isinstance(strategy, Single):
+    if strategy.kind == "single":
         return jax.jit(functools.partial(run, axis_name=None), donate_argnums=donate_argnums)
-    if isinstance(strategy, Pmap):
+    if strategy.kind == "pmap":
         out_axes = None if eval_only else (None, None, None)
         return jax.pmap(
-            functools.partial(run, axis_name=strategy.axis_name),
-            axis_name=strategy.axis_name,
+            functools.partial(run, axis_name=strategy.axis),
+            axis_name=strategy.axis,
             devices=list(strategy.devices),
             in_axes=(None, 0, 0, None),
             out_axes=out_axes,
@@ -436,13 +449,13 @@ def _compile(strategy: Strategy, body: Callable, k: int, donate: bool, eval_only
     return _compile_sharded(strategy, run, k, donate_argnums, eval_only)
 
 
-def _compile_sharded(strategy: Sharded, run, k, donate_argnums, eval_only):
+def _compile_sharded(strategy: Strategy, run, k, donate_argnums, eval_only):
     mesh, axis = strategy.mesh, strategy.axis
     rep = NamedSharding(mesh, P())
     spec = P(axis) if k == 1 else P(None, axis)
     data = NamedSharding(mesh, spec)
     out = rep if eval_only else (rep, rep, rep)
-    if strategy.use_shard_map:
+    if strategy.shard_map:
         inner = jax.shard_map(
             functools.partial(run, axis_name=axis),
             mesh=mesh,
@@ -461,16 +474,16 @@ def _compile_sharded(strategy: Sharded, run, k, donate_argnums, eval_only):
 
 def _check_k(steps_per_call: Any) -> int:
     if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
-        raise TypeError(f"`steps_per_call` must be an int >= 1, got {steps_per_call!r}.")
+        raise UsageError(f"`steps_per_call` must be an int >= 1, got {steps_per_call!r}.")
     if steps_per_call < 1:
-        raise ValueError(f"`steps_per_call` must be >= 1, got {steps_per_call}.")
+        raise UsageError(f"`steps_per_call` must be >= 1, got {steps_per_call}.")
     return steps_per_call
 
 
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
-    strategy: Any = "single",
+    strategy: Strategy | None = None,
     *,
     has_aux: bool = False,
     steps_per_call: int = 1,
@@ -485,8 +498,9 @@ def make_train_step(
         objects, merged as they are). If the state holds an ``rng``, it is
         called as ``loss_fn(params, batch, rng)``.
       tx: any optax ``GradientTransformation``.
-      strategy: ``single(device)``, ``pmap(devices)``, ``sharded(mesh)`` or
-        one of the strings ``'single'``, ``'pmap'``, ``'sharded'``.
+      strategy: a :class:`Strategy` (``Strategy.single(device)``,
+        ``Strategy.pmap(devices)``, ``Strategy.sharded(mesh)``); ``None`` is
+        ``Strategy.single()``.
       has_aux: whether ``loss_fn`` returns ``(losses, aux)``.
       steps_per_call: run K steps per dispatch with ``lax.scan`` over a batch
         whose leaves have a leading axis of K.
@@ -496,13 +510,13 @@ def make_train_step(
       A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
 
     Raises:
-      ValueError: unknown strategy or ``steps_per_call < 1``.
+      UsageError: ``strategy`` is not a :class:`Strategy`, or ``steps_per_call < 1``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
       >>> def loss_fn(params, batch):
       ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
-      >>> step = jaxdev.make_train_step(loss_fn, optax.sgd(0.1), jaxdev.single())
+      >>> step = jaxdev.make_train_step(loss_fn, optax.sgd(0.1), jaxdev.Strategy.single())
       >>> state = step.init_state({"w": jnp.zeros(2)}, optax.sgd(0.1))
       >>> batch = step.put_batch({"x": np.eye(2, dtype=np.float32), "y": np.ones(2, np.float32)})
       >>> state, metrics = step(state, batch)
@@ -520,7 +534,7 @@ def _train_body(loss_fn, tx, has_aux, axis_name, state, batch, mask):
     return _step_body(loss_fn, tx, has_aux, axis_name, state, batch, mask)
 
 
-def make_eval_step(loss_fn: LossFn, strategy: Any = "single", *, has_aux: bool = False):
+def make_eval_step(loss_fn: LossFn, strategy: Strategy | None = None, *, has_aux: bool = False):
     """Return a compiled ``eval(params_or_state, batch, metrics=None) -> metrics``.
 
     Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no

@@ -225,3 +225,19 @@ def test_gpu_present_when_lent():
     assert jaxdev.gpu(0).platform == "gpu"
     assert jaxdev.device("cuda:0") == jaxdev.gpu(0)
     assert jaxdev.describe()["devices"][0]["memory"] is not None
+
+
+def test_empty_device_lists_and_duplicate_meshes_are_refused_where_given(devices):
+    with pytest.raises(DeviceSpecError, match="`devices` is empty"):
+        jaxdev.device_list([])
+    with pytest.raises(DeviceSpecError, match="`devices` is empty"):
+        jaxdev.data_mesh([])
+    twice = jax.sharding.Mesh(np.array([devices[0], devices[0]]), ("data",))
+    for call in (
+        lambda: jaxdev.shard_batch(np.ones((2, 1)), twice),
+        lambda: jaxdev.replicate({"w": np.ones(2)}, twice),
+        lambda: jaxdev.to_device({"w": np.ones(2)}, twice),
+        lambda: jaxdev.Strategy.sharded(twice),
+    ):
+        with pytest.raises(jaxdev.ShardingError, match="`mesh` lists cpu:0 more than once"):
+            call()

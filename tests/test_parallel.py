@@ -1,4 +1,4 @@
-"""Tests of jaxdev._parallel on 8 fake CPU devices."""
+"""Tests of meshes, replication, batches, pmap layout, prefetch, data_parallel (8 fake CPUs)."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_unreplicate_detects_drift(mesh, devices):
     with pytest.raises(ShardingError, match="drifted") as err:
         jaxdev.unreplicate(tree, check=True)
     msg = str(err.value)
-    assert "['layer']['w']: cpu:5 differ from cpu:0, cpu:1, cpu:2, cpu:3, cpu:4, cpu:6" in msg
+    assert "['layer']['w']: cpu:5 differ bitwise from cpu:0, cpu:1, cpu:2, cpu:3, cpu:4, cpu:6" in msg
     assert "max |difference| 0.25" in msg
     assert "['ok']" not in msg
     # Without `check`, no fetch happens and the first replica comes back.
@@ -177,7 +177,7 @@ def test_drift_detection_is_bitwise(mesh, devices):
         jax.device_put(np.array([0.0 if i else -0.0], np.float32), d) for i, d in enumerate(devices)
     ]
     signed_zero = jax.make_array_from_single_device_arrays((1,), NamedSharding(mesh, P()), arrays)
-    with pytest.raises(ShardingError, match=r"<root>: cpu:0 differ from cpu:1"):
+    with pytest.raises(ShardingError, match=r"<root>: cpu:0 differ bitwise from cpu:1"):
         jaxdev.unreplicate(signed_zero, check=True)
 
 
@@ -237,7 +237,7 @@ def test_pad_unpad_every_size(mesh, rows):
     assert np.asarray(out.mask)[:rows].all()
     assert out.batch["x"].shape == (padded_rows, 3)
     assert_bit_equal(jaxdev.unpad(out.batch, out), batch)
-    assert_bit_equal(jaxdev.gather(out.batch, out), batch)
+    assert_bit_equal(jaxdev.to_host(jaxdev.unpad(out.batch, out)), batch)
     assert_bit_equal(jaxdev.unpad(out.batch, out.mask), batch)
     assert_bit_equal(jaxdev.unpad(out.batch, rows), batch)
 
@@ -364,10 +364,10 @@ def test_stack_layout_row_per_device(devices):
 def test_unstack_detects_drift(devices):
     stacked = jaxdev.stack_for_pmap({"w": np.zeros(2, np.float32)})
     bumped = jax.pmap(lambda w: w + jax.lax.axis_index("i").astype(w.dtype) * (w == 0), "i")
-    with pytest.raises(ShardingError, match=r"\['w'\]: cpu:1, cpu:2.*differ from cpu:0"):
+    with pytest.raises(ShardingError, match=r"\['w'\]: cpu:1, cpu:2.*differ bitwise from cpu:0"):
         jaxdev.unstack_from_pmap({"w": bumped(stacked["w"])}, check=True)
     host = {"w": np.array([[1, 1], [1, 1], [2, 1]])}
-    with pytest.raises(ShardingError, match="row 2 differ from row 0, row 1"):
+    with pytest.raises(ShardingError, match="row 2 differ bitwise from row 0, row 1"):
         jaxdev.unstack_from_pmap(host, check=True)
 
 
@@ -465,7 +465,7 @@ def _batches(n, rows=8):
 
 def test_prefetch_order_and_sharding(mesh):
     want = NamedSharding(mesh, P("data"))
-    with jaxdev.prefetch_to_device(_batches(7), 2, mesh) as it:
+    with jaxdev.prefetch_to_device(_batches(7), 2, jaxdev.batch_sharding(mesh)) as it:
         got = list(it)
     assert [int(b["i"][0]) for b in got] == list(range(7))  # nothing dropped, in order
     assert all(leaf.sharding == want for b in got for leaf in jax.tree_util.tree_leaves(b))
@@ -481,9 +481,11 @@ def test_prefetch_any_sharding(mesh, devices):
 
 
 def test_prefetch_pad(mesh):
-    got = list(jaxdev.prefetch_to_device(_batches(2, rows=5), 2, mesh, pad=True))
+    got = list(
+        jaxdev.prefetch_to_device(_batches(2, rows=5), 2, jaxdev.batch_sharding(mesh), pad=True)
+    )
     assert all(isinstance(b, jaxdev.Padded) and b.size == 5 for b in got)
-    with pytest.raises(ShardingError, match="`pad=True` needs a Mesh"):
+    with pytest.raises(ShardingError, match="`pad=True` needs a `target` that splits"):
         jaxdev.prefetch_to_device(_batches(2), 2, "cpu:0", pad=True)
     with pytest.raises(ShardingError, match="`size` must be an int >= 1"):
         jaxdev.prefetch_to_device(_batches(2), 0)
@@ -495,7 +497,7 @@ def _failing_source():
 
 
 def test_prefetch_reraises_source_exception(mesh):
-    it = jaxdev.prefetch_to_device(_failing_source(), 2, mesh)
+    it = jaxdev.prefetch_to_device(_failing_source(), 2, jaxdev.batch_sharding(mesh))
     assert int(next(it)["i"][0]) == 0
     assert int(next(it)["i"][0]) == 1
     with pytest.raises(KeyError, match="corrupt record 17") as err:
@@ -509,7 +511,7 @@ def test_prefetch_reraises_source_exception(mesh):
 
 def test_prefetch_reraises_placement_error(mesh):
     bad = iter([{"x": np.ones((8, 2))}, {"x": np.ones((5, 2))}])
-    it = jaxdev.prefetch_to_device(bad, 2, mesh)
+    it = jaxdev.prefetch_to_device(bad, 2, jaxdev.batch_sharding(mesh))
     next(it)
     with pytest.raises(ShardingError, match=r"\['x'\] has 5 rows"):
         next(it)
@@ -531,7 +533,7 @@ def test_prefetch_close_stops_thread_and_bounds_queue(mesh):
             pulled.append(1)
             yield b
 
-    with jaxdev.prefetch_to_device(counting(), 3, mesh) as it:
+    with jaxdev.prefetch_to_device(counting(), 3, jaxdev.batch_sharding(mesh)) as it:
         assert int(next(it)["x"][0]) == 0
         time.sleep(0.3)
         # 1 consumed + 3 queued + at most 1 being placed / waiting to be queued.
@@ -544,7 +546,7 @@ def test_prefetch_close_stops_thread_and_bounds_queue(mesh):
 
 
 def test_prefetch_break_then_close(mesh):
-    it = jaxdev.prefetch_to_device(_endless(), 2, mesh)
+    it = jaxdev.prefetch_to_device(_endless(), 2, jaxdev.batch_sharding(mesh))
     for i, batch in enumerate(it):
         assert int(batch["x"][0]) == i
         if i == 3:

@@ -347,3 +347,43 @@ def test_report_paths_follow_the_structure_across_calls():
     assert paths[0] == paths[1] == ["['b']['c']", "['w']"]
     assert paths[2] == ["['b']['d']", "['w']"]
     assert paths[3] == ["[0]['b']['c']", "[0]['w']", "[1]['b']['d']", "[1]['w']"]
+
+
+# ---------------------------------------------------------------- issue 9 / 11 additions
+
+
+@pytest.mark.parametrize(
+    "leaf", [np.array([1.0, 1e300]), 1e300, np.float64(-3e39), np.array([[np.inf, 4e38]])]
+)
+def test_finite_floats_that_overflow_float32_are_refused(leaf):
+    # JAX turns them into inf with only numpy's warning.
+    with pytest.raises(LeafValueError, match=r"`tree` leaf \['x'\]: the finite value .*overflows"):
+        jaxdev.to_device({"x": leaf}, "cpu:0")
+    with pytest.raises(LeafValueError, match="overflows float32"):
+        jaxdev.copy_to({"x": leaf}, "cpu:0")
+
+
+def test_float64_that_fits_and_inf_nan_are_placed():
+    out = jaxdev.to_device({"x": np.array([1.5, np.inf, -np.inf, np.nan, 3e38])}, "cpu:0")
+    got = np.asarray(out["x"])
+    assert got.dtype == np.float32 and np.isinf(got[1:3]).all() and np.isnan(got[3])
+
+
+def test_where_is_it_refuses_tracers_instead_of_saying_host():
+    @jax.jit
+    def f(x):
+        with pytest.raises(PlacementError, match="`devices_of` inside a jax.jit trace"):
+            jaxdev.devices_of({"x": x})
+        with pytest.raises(PlacementError, match="inside a jax.jit trace"):
+            jaxdev.device_of(x)
+        return x
+
+    f(jnp.ones(2))
+
+
+def test_a_mesh_target_means_replicated(devices):
+    mesh = jaxdev.data_mesh()
+    out = jaxdev.to_device({"w": np.ones(3, np.float32)}, mesh)
+    assert out["w"].sharding.is_fully_replicated and len(out["w"].sharding.device_set) == 8
+    assert jaxdev.to_device(out, mesh) is out
+    assert jaxdev.as_sharding(mesh) == jaxdev.replicated_sharding(mesh)

@@ -82,10 +82,10 @@ def _train(strategy, x, y, k=1):
 
 
 STRATEGIES = {
-    "single": lambda: jaxdev.single("cpu:0"),
-    "pmap": lambda: jaxdev.pmap(),
-    "sharded": lambda: jaxdev.sharded(),
-    "shard_map": lambda: jaxdev.sharded(use_shard_map=True),
+    "single": lambda: jaxdev.Strategy.single("cpu:0"),
+    "pmap": lambda: jaxdev.Strategy.pmap(),
+    "sharded": lambda: jaxdev.Strategy.sharded(),
+    "shard_map": lambda: jaxdev.Strategy.sharded(shard_map=True),
 }
 
 
@@ -145,7 +145,7 @@ def test_eval_step_matches_direct_computation():
 
 def test_fifty_steps_make_no_host_sync_and_compile_once_per_signature():
     x, y = _data(steps=50)
-    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.sharded(), has_aux=True)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(), has_aux=True)
     state = step.init_state(_params(), TX)
     batches = [step.put_batch({"x": xb, "y": yb}) for xb, yb in zip(x, y)]
     metrics = None
@@ -163,7 +163,7 @@ def test_fifty_steps_make_no_host_sync_and_compile_once_per_signature():
 @pytest.mark.parametrize("strategy", ["single", "sharded"])
 def test_a_fresh_host_collection_reuses_the_compiled_step(strategy):
     x, y = _data(steps=3)
-    strat = jaxdev.single() if strategy == "single" else jaxdev.sharded()
+    strat = jaxdev.Strategy.single() if strategy == "single" else jaxdev.Strategy.sharded()
     step = jaxdev.make_train_step(loss_fn, TX, strat, has_aux=True)
     state = step.init_state(_params(), TX)
     batches = [step.put_batch({"x": xb, "y": yb}) for xb, yb in zip(x, y)]
@@ -179,11 +179,11 @@ def test_a_fresh_host_collection_reuses_the_compiled_step(strategy):
 
 def test_state_is_donated_by_default():
     x, y = _data(steps=1)
-    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single(), has_aux=True)
     state = step.init_state(_params(), TX)
     new, _ = step(state, step.put_batch({"x": x[0], "y": y[0]}))
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
-    kept = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True, donate=False)
+    kept = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single(), has_aux=True, donate=False)
     state = kept.init_state(_params(), TX)
     kept(state, kept.put_batch({"x": x[0], "y": y[0]}))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
@@ -192,7 +192,7 @@ def test_state_is_donated_by_default():
 def test_init_state_copies_so_donation_never_deletes_the_callers_params():
     x, y = _data(steps=1)
     params = _params()
-    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.single(), has_aux=True)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single(), has_aux=True)
     state = step.init_state(params, TX)
     step(state, step.put_batch({"x": x[0], "y": y[0]}))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
@@ -232,22 +232,24 @@ def test_flax_nnx_model_and_rng():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="`strategy` must be 'single', 'pmap', 'sharded'"):
-        jaxdev.make_train_step(loss_fn, TX, "dataparallel")
-    with pytest.raises(ValueError, match="`steps_per_call` must be >= 1, got 0"):
+    with pytest.raises(jaxdev.UsageError, match=r"`strategy` must be made by jaxdev.Strategy"):
+        jaxdev.make_train_step(loss_fn, TX, "pmap")
+    with pytest.raises(jaxdev.UsageError, match="`steps_per_call` must be >= 1, got 0"):
         jaxdev.make_train_step(loss_fn, TX, steps_per_call=0)
-    with pytest.raises(TypeError, match="`steps_per_call` must be an int"):
+    with pytest.raises(jaxdev.UsageError, match="`steps_per_call` must be an int"):
         jaxdev.make_train_step(loss_fn, TX, steps_per_call=2.0)
 
     def mean_loss(params, batch):
         return loss_fn(params, batch)[0].mean()
 
-    step = jaxdev.make_train_step(mean_loss, TX, jaxdev.single())
+    step = jaxdev.make_train_step(mean_loss, TX, jaxdev.Strategy.single())
     x, y = _data(steps=1)
     with pytest.raises(jaxdev.ShardingError, match=r"one loss per example, shape \(32,\)"):
         step(step.init_state(_params(), TX), step.put_batch({"x": x[0], "y": y[0]}))
-    k_step = jaxdev.make_train_step(loss_fn, TX, jaxdev.sharded(), has_aux=True, steps_per_call=4)
+    k_step = jaxdev.make_train_step(
+        loss_fn, TX, jaxdev.Strategy.sharded(), has_aux=True, steps_per_call=4
+    )
     with pytest.raises(jaxdev.ShardingError, match=r"shape \(K=4, B, ...\)"):
         k_step.put_batch({"x": x[0], "y": y[0]})
     with pytest.raises(jaxdev.ShardingError, match="`axis`='model' is not an axis"):
-        jaxdev.sharded(jaxdev.data_mesh(), axis="model")
+        jaxdev.Strategy.sharded(jaxdev.data_mesh(), axis="model")

@@ -1,0 +1,321 @@
+"""Batches split over a mesh: padding with a validity mask, never a dropped row.
+
+:func:`shard_batch` places the leading axis of every leaf across a mesh
+(with several processes, each brings its local rows and the global batch is
+assembled after checking that every process brought the same shapes); with
+``pad=True`` it pads to a multiple and returns a :class:`Padded` with the
+mask. :func:`unpad` gives back exactly the real rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ._errors import ShardingError, format_devices, join_failures
+from ._leaves import (
+    check_concrete,
+    check_host_leaves,
+    check_live,
+    is_placed,
+    is_tracer,
+    key_strings,
+)
+from ._mesh import AxisName, batch_layout, check_mesh
+from ._placement import to_device
+
+
+class Padded(NamedTuple):
+    """A batch padded to a multiple of the device count, with its validity mask.
+
+    Attributes:
+      batch: the placed batch; every leaf has ``mask.shape[0]`` rows (for the
+        pmap layout, leading shape ``mask.shape``).
+      mask: boolean ``jax.Array``, ``True`` for real rows, laid out like the
+        batch's leading axis (or axes).
+      size: the number of real rows this process brought (the rows before
+        padding).
+    """
+
+    batch: Any
+    mask: jax.Array
+    size: int
+
+
+def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
+    """Return the common leading size of ``leaves``; raise naming offending leaves."""
+    shapes = [np.shape(x) for x in leaves]
+    if not leaves:
+        raise ShardingError(f"`{arg}` has no array leaves: there is nothing to shard.")
+    scalars = [i for i, s in enumerate(shapes) if not s]
+    if scalars:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                f"`{arg}` has scalar leaves where a leading batch axis is needed (every leaf "
+                "is split along its first axis). Give them a batch axis (e.g. `x[None]` "
+                "repeated per row), or pass them separately, replicated with "
+                "`jaxdev.replicate`. Leaves:",
+                [f"{paths[i]}: shape ()" for i in scalars],
+            )
+        )
+    rows = shapes[0][0]
+    if any(s[0] != rows for s in shapes):
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                f"`{arg}` leaves have different leading (batch) sizes; every leaf must have "
+                "the same number of rows so row i of each belongs together. Leaves and "
+                "their leading sizes:",
+                [f"{paths[i]}: {s[0]} (shape {tuple(s)})" for i, s in enumerate(shapes)],
+            )
+        )
+    if rows == 0:
+        raise ShardingError(
+            f"`{arg}` is empty: leaf {key_strings(tree)[0]} has 0 rows (shape {tuple(shapes[0])}). "
+            "An empty batch cannot be split or padded (there is no row to pad with); skip "
+            "the step, or check the data loader's last batch."
+        )
+    return rows
+
+
+def pad_rows(x: Any, extra: int) -> Any:
+    """Append ``extra`` copies of the last row (device arrays stay on device)."""
+    if extra == 0:
+        return x
+    if isinstance(x, jax.Array):
+        return jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+    x = np.asarray(x)
+    return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
+
+
+def _row_multiple(sharding: NamedSharding, n: int) -> int:
+    """Rows this process's batch must be a multiple of (the batch shards it holds)."""
+    if jax.process_count() == 1:
+        return n
+    index_map = sharding.addressable_devices_indices_map((n,))
+    return len({idx[0].start for idx in index_map.values()})
+
+
+def _to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> Any:
+    """Build global arrays from this process's batch: the one place that does it.
+
+    In a single process this is :func:`jaxdev.to_device`. With several
+    processes each one brings its local rows, and
+    ``jaxdev._multihost.global_batch`` checks that the processes agree on the
+    local shapes before building the global arrays.
+    """
+    if jax.process_count() > 1:
+        from ._multihost import global_batch
+
+        return global_batch(tree, sharding, timeout_s)
+    return to_device(tree, sharding)
+
+
+def _put_checked(leaves: list[Any], treedef: Any, sharding: NamedSharding) -> Any:
+    """Place leaves already checked (live, placeable, divisible) in one ``device_put``.
+
+    :func:`jaxdev.to_device` without its checks, which :func:`shard_batch`
+    has done: the per-call overhead matters for small batches. Returns None
+    when every leaf is already placed.
+    """
+    moving = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
+    if not moving:
+        return None
+    out = list(leaves)
+    for i, new in zip(moving, jax.device_put([leaves[i] for i in moving], sharding)):
+        out[i] = new
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedSharding, what: str):
+    lo, hi = (rows // multiple) * multiple, -(-rows // multiple) * multiple
+    sizes = f"{hi}" if lo == 0 else f"{lo} or {hi}"
+    return ShardingError(
+        f"`batch` leaf {key_strings(tree)[0]} has {rows} rows, which do not split evenly over "
+        f"{multiple} {what} [{format_devices(_ordered(sharding))}] "
+        f"({rows} % {multiple} = {rows % multiple}). Pass `pad=True` to pad to {hi} rows "
+        f"and get a validity mask, or use a batch size that is a multiple of {multiple} "
+        f"(e.g. {sizes})."
+    )
+
+
+def _ordered(sharding: NamedSharding) -> list[jax.Device]:
+    return list(sharding.mesh.devices.flat)
+
+
+def shard_batch(
+    batch: Any,
+    mesh: Mesh | None = None,
+    *,
+    pad: bool = False,
+    axis: AxisName | None = None,
+    timeout_s: float | None = None,
+) -> Any:
+    """Split the leading axis of every leaf of ``batch`` across ``mesh``.
+
+    Row ``i`` of every leaf goes to the same device, with the sharding
+    ``NamedSharding(mesh, P(axis))``. Nothing is ever dropped: a row count
+    that does not divide evenly raises unless ``pad=True``. Already placed
+    leaves are not copied again (built on :func:`jaxdev.to_device`).
+
+    With ``pad=True`` the batch is padded to the next multiple of the device
+    count by repeating its last row (padded rows stay numerically sensible
+    inputs: no zero rows to divide by), and the result is always a
+    :class:`Padded` ``(batch, mask, size)`` whose boolean ``mask`` of shape
+    ``(rows_padded,)`` is sharded like the batch; ``mask`` is all ``True``
+    when no padding was needed. The return type depends only on ``pad``.
+    Weight per-row losses and metrics by ``mask``; :func:`unpad` removes the
+    padding from per-row outputs.
+
+    With several processes, ``batch`` is this process's local part, and the
+    global batch concatenates the processes' parts in process order. Every
+    process must bring the same local shapes and dtypes: they are compared
+    first (a few bytes through the coordinator, with a deadline), because
+    JAX would silently build a wrong global array from mismatched parts.
+
+    Args:
+      batch: a pytree of arrays (numpy or jax) sharing their leading size.
+      mesh: the mesh; default :func:`data_mesh`.
+      pad: pad to a multiple of the device count and return a :class:`Padded`.
+      axis: the mesh axis (or axes) to split over; default the mesh's only
+        axis, or ``'data'``.
+      timeout_s: with several processes, how long to wait for the slowest
+        one in the shape check (default ``$JAXDEV_SYNC_TIMEOUT`` or 300 s).
+
+    Returns:
+      The placed batch (same structure), or a :class:`Padded` when ``pad``.
+
+    Raises:
+      ShardingError: the row count does not divide (without ``pad``), the
+        batch is empty, leaves have different leading sizes, or a leaf is a
+        scalar; each names the leaf path and the sizes.
+      DistributedError: processes brought different local shapes or dtypes
+        (each leaf and process named), or one never arrived.
+      LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
+
+    Example:
+      >>> import numpy as np, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> out = jaxdev.shard_batch({"x": np.ones((10, 3)), "y": np.arange(10)}, mesh, pad=True)
+      >>> out.size, int(out.mask.sum()), out.batch["x"].shape[0] % mesh.size
+      (10, 10, 0)
+      >>> jaxdev.unpad(out.batch, out)["y"].tolist() == list(range(10))
+      True
+    """
+    sharding, n = batch_layout(check_mesh(mesh), axis)
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    check_live(batch, leaves, "batch")
+    check_host_leaves(batch, leaves, "batch")
+    rows = batch_rows(batch, leaves, "batch")
+    multiple = _row_multiple(sharding, n)
+    extra = -rows % multiple
+    if not pad:
+        if extra:
+            raise indivisible_error(batch, rows, multiple, sharding, "devices")
+        if jax.process_count() > 1 or any(is_tracer(x) for x in leaves):
+            return _to_global(batch, sharding, timeout_s)
+        placed = _put_checked(leaves, treedef, sharding)
+        return batch if placed is None else placed
+    padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
+    mask = np.arange(rows + extra) < rows
+    placed, mask = _to_global((padded, mask), sharding, timeout_s)
+    return Padded(placed, mask, rows)
+
+
+def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | None]:
+    """Return ``(size, indices, expected_rows)`` from a Padded, mask or int.
+
+    ``indices`` is None when the real rows are a prefix of length ``size``.
+    """
+    if isinstance(padding, Padded):
+        if jax.process_count() == 1:
+            return padding.size, None, int(padding.mask.size)
+        padding = padding.mask
+    if isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
+        if padding < 0:
+            raise ShardingError(f"`padding` as a row count must be >= 0, got {padding}.")
+        return int(padding), None, None
+    mask = np.asarray(jax.device_get(padding)).reshape(-1)
+    if mask.dtype != np.bool_:
+        raise ShardingError(
+            f"`padding` must be a Padded, a boolean mask or a row count (int), got an array of "
+            f"dtype {mask.dtype}. Use the `mask` that `shard_batch(..., pad=True)` returned."
+        )
+    count = int(mask.sum())
+    if mask[:count].all():
+        return count, None, mask.size
+    return count, np.flatnonzero(mask), mask.size
+
+
+def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | None, lead: int):
+    bad = []
+    for i, x in enumerate(leaves):
+        shape = np.shape(x)
+        have = math.prod(shape[:lead]) if len(shape) >= lead else None
+        if have is None or (have != expected if expected is not None else have < size):
+            bad.append(i)
+    if bad:
+        paths = key_strings(tree)
+        want = f"{expected}" if expected is not None else f"at least {size}"
+        raise ShardingError(
+            join_failures(
+                f"`tree` leaves must have {want} leading rows to remove the padding (outputs of "
+                "a function applied per row keep the batch as their leading axis; a reduction "
+                "over the batch would have mixed in the padded rows). Leaves:",
+                [f"{paths[i]}: shape {tuple(np.shape(leaves[i]))}" for i in bad],
+            )
+        )
+
+
+def _take_rows(x: Any, size: int, indices: np.ndarray | None) -> Any:
+    if indices is not None:
+        return jnp.take(x, indices, axis=0) if isinstance(x, jax.Array) else np.asarray(x)[indices]
+    if np.shape(x)[0] == size:
+        return x
+    return x[:size]
+
+
+def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
+    """Remove the padded rows from every leaf of ``tree``, on device.
+
+    ``tree`` holds per-row values with the padded batch as leading axis (the
+    padded batch itself, or the outputs of a function applied row by row).
+    The real rows come back in their original order; ``jax.Array`` leaves stay
+    ``jax.Array`` (sliced where they live; the result's sharding is JAX's
+    choice, since the real row count need not divide), host leaves stay on
+    the host. ``jaxdev.to_host(jaxdev.unpad(tree, padding))`` fetches the real
+    rows to host numpy.
+
+    Args:
+      tree: a pytree whose leaves all have the padded leading size.
+      padding: the :class:`Padded` from :func:`shard_batch`, its boolean
+        ``mask``, or the number of real rows (an int: keep the first rows).
+
+    Returns:
+      The tree with exactly the real rows.
+
+    Raises:
+      ShardingError: a leaf's leading size does not match the padding, or
+        ``padding`` is not a Padded, bool mask or int.
+      PlacementError: called on traced values inside ``jit``.
+
+    Example:
+      >>> import numpy as np, jaxdev
+      >>> p = jaxdev.shard_batch(np.arange(5.0), jaxdev.data_mesh(), pad=True)
+      >>> jaxdev.unpad(p.batch, p).tolist()
+      [0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    size, indices, expected = _padding_rows(padding)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    check_concrete(leaves, "unpad")
+    check_live(tree, leaves, "tree")
+    _check_rows(tree, leaves, size, expected, 1)
+    out = [_take_rows(x, size, indices) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,376 @@
+"""The bottom floor: what a leaf is, where it lives, and how to name it.
+
+Every other module asks these questions of pytree leaves; they are answered
+once, here. Nothing in this module imports another jaxdev module except
+:mod:`jaxdev._errors`.
+
+* leaf kinds: :func:`is_jax_array` (with an exact-type fast path),
+  :func:`is_tracer`, :func:`is_concrete`, :func:`deleted`,
+  :func:`is_host_value`, :func:`host_problem` (the dtype rules);
+* key paths: :func:`keystr`, :func:`path_of`, :func:`key_strings` (cached per
+  treedef);
+* checks that raise naming the leaf: :func:`check_live`,
+  :func:`check_host_leaves`, :func:`check_concrete`;
+* shardings: :func:`sharding_key`, :func:`is_placed`, :func:`describe_sharding`;
+* replicas: :func:`replica_drift`, the one bitwise drift check.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+
+from ._errors import (
+    DeletedArrayError,
+    LeafTypeError,
+    LeafValueError,
+    PlacementError,
+    available_devices,
+    device_name,
+)
+
+PY_SCALARS = (bool, int, float, complex)
+
+_INT32 = np.iinfo(np.int32)
+_UINT32 = np.iinfo(np.uint32)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+# ---------------------------------------------------------------- leaf kinds
+
+
+@functools.cache
+def array_type() -> type:
+    """jaxlib's concrete array class, found once without touching a device.
+
+    Only exact-type fast paths use it; other ``jax.Array`` types take the
+    general route, so a moved private name costs speed, not correctness.
+    """
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover - a newer JAX moved it
+        return type(jax.numpy.zeros(()))
+    return ArrayImpl
+
+
+def is_jax_array(x: Any) -> bool:
+    """``isinstance(x, jax.Array)`` (tracers included), fast for the common leaf types.
+
+    ``jax.Array``'s ``isinstance`` costs ~0.5 us; placement checks ask it for
+    every leaf.
+    """
+    t = type(x)
+    if t is array_type():
+        return True
+    if t is np.ndarray or t in PY_SCALARS:
+        return False
+    return isinstance(x, jax.Array)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a tracer (inside ``jit``/``grad``/``vmap``)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` with buffers (not a tracer)."""
+    return type(x) is array_type() or (is_jax_array(x) and not is_tracer(x))
+
+
+def deleted(x: jax.Array) -> bool:
+    """Whether array ``x`` was deleted or donated (tracers never are)."""
+    try:
+        return x.is_deleted()
+    except Exception:  # tracers and exotic arrays have no buffers to delete
+        return False
+
+
+def is_ml_dtype(dtype: np.dtype) -> bool:
+    """bfloat16, float8_*, int4: numpy kind 'V' but real JAX dtypes."""
+    return (
+        dtype.kind == "V" and dtype.names is None and dtype.type.__module__.startswith("ml_dtypes")
+    )
+
+
+def is_host_value(x: Any) -> bool:
+    """Whether ``x`` is a numeric numpy value or a Python number (lives on the host)."""
+    if isinstance(x, PY_SCALARS):
+        return True
+    if isinstance(x, (np.ndarray, np.generic)):
+        return x.dtype.kind in "biufc" or is_ml_dtype(x.dtype)
+    return False
+
+
+def x64() -> bool:
+    """Whether ``jax_enable_x64`` is on."""
+    return bool(jax.config.jax_enable_x64)
+
+
+def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
+    """Why a host leaf can't be placed without loss, or None if it can.
+
+    The dtype rules: strings, objects and object arrays are refused; with x64
+    off, integers that do not fit 32 bits and finite floats that overflow
+    float32 are refused (JAX would truncate them, or turn them into ``inf``).
+    """
+    if isinstance(leaf, PY_SCALARS):
+        return _python_scalar_problem(leaf)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        kind = leaf.dtype.kind
+        if kind in "OUSMm" or (kind == "V" and not is_ml_dtype(leaf.dtype)):
+            return LeafTypeError, (
+                f"a numpy value of dtype {leaf.dtype} cannot live on a device; "
+                "expected a numeric or bool dtype"
+            )
+        if leaf.dtype.itemsize == 8 and not x64() and leaf.size:
+            if kind in "iu":
+                return _int64_problem(leaf, kind)
+            if kind == "f":
+                return _float64_problem(leaf)
+        return None
+    return LeafTypeError, (
+        f"a {type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected "
+        "a jax.Array, numpy array or Python number (None passes through)"
+    )
+
+
+def _python_scalar_problem(leaf: Any) -> tuple[type[Exception], str] | None:
+    if isinstance(leaf, int) and not isinstance(leaf, bool) and not x64():
+        if not _INT32.min <= leaf <= _INT32.max:
+            return LeafValueError, (
+                f"the Python int {leaf} does not fit int32 and x64 is disabled (JAX "
+                "refuses it, and truncates the same value silently once it is a numpy "
+                "int64); enable `jax_enable_x64` or pass a float"
+            )
+    if isinstance(leaf, float) and not x64() and abs(leaf) > _FLOAT32_MAX and np.isfinite(leaf):
+        return LeafValueError, _overflow_why(leaf, leaf)
+    return None
+
+
+def _int64_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | None:
+    bounds = _INT32 if kind == "i" else _UINT32
+    lo, hi = leaf.min(), leaf.max()
+    if lo < bounds.min or hi > bounds.max:
+        return LeafValueError, (
+            f"{leaf.dtype} values in [{lo}, {hi}] do not fit "
+            f"{'int32' if kind == 'i' else 'uint32'} and x64 is disabled, so JAX "
+            "would silently truncate them; enable `jax_enable_x64` or cast first"
+        )
+    return None
+
+
+def _float64_problem(leaf: np.ndarray) -> tuple[type[Exception], str] | None:
+    finite = np.abs(leaf[np.isfinite(leaf)]) if leaf.ndim else np.abs(leaf[()])
+    big = np.max(finite, initial=0.0)
+    if big > _FLOAT32_MAX:
+        return LeafValueError, _overflow_why(big, leaf.dtype)
+    return None
+
+
+def _overflow_why(value: Any, what: Any) -> str:
+    return (
+        f"the finite value {value:g} ({what}) overflows float32 (max {_FLOAT32_MAX:g}) and "
+        "x64 is disabled, so JAX would silently turn it into inf; enable `jax_enable_x64`, "
+        "rescale, or cast to float32 yourself if inf is what you want"
+    )
+
+
+def asserts_disabled() -> bool:
+    """Whether ``chex.disable_asserts()`` switched assertions off (jaxdev's too)."""
+    import chex
+
+    return bool(getattr(chex._src.asserts_internal, "DISABLE_ASSERTIONS", False))
+
+
+# ---------------------------------------------------------------- key paths
+
+
+def keystr(path: Any) -> str:
+    """Return a key path as a string; the root leaf is shown as ``<root>``."""
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def path_of(tree: Any, index: int) -> str:
+    """Key path of leaf ``index`` of ``tree``."""
+    return key_strings(tree)[index]
+
+
+def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
+    """Key-path strings of ``tree``'s leaves (``jax.tree_util.keystr``), cached per treedef.
+
+    Key paths are a function of the structure alone, and a tree is usually
+    checked or reported many times (every epoch, every step of a debug
+    loop): the cache saves ``tree_flatten_with_path`` and the string joins.
+    """
+    if treedef is None:
+        treedef = jax.tree_util.tree_structure(tree)
+    try:
+        cached = _KEY_STRINGS.get(treedef)
+    except TypeError:  # a custom node with unhashable aux data
+        cached, treedef = None, None
+    if cached is not None:
+        return cached
+    out = _build_key_strings(tree)
+    if treedef is not None:
+        if len(_KEY_STRINGS) >= _KEY_STRINGS_MAX:
+            try:  # drop the oldest; another thread may be doing the same
+                _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)), None)
+            except (RuntimeError, StopIteration):
+                pass
+        _KEY_STRINGS[treedef] = out
+    return out
+
+
+_KEY_STRINGS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' key paths
+_KEY_STRINGS_MAX = 64
+
+
+def _build_key_strings(tree: Any) -> tuple[str, ...]:
+    names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for k in path:
+            name = names.get(k)
+            if name is None:
+                name = names[k] = str(k)
+            parts.append(name)
+        paths.append("".join(parts) or "<root>")
+    return tuple(paths)
+
+
+# ---------------------------------------------------------------- checks that raise
+
+
+def raise_leaf(tree: Any, index: int, arg: str, exc: type[Exception], why: str) -> None:
+    """Raise ``exc`` naming argument ``arg``, the leaf's key path and why."""
+    raise exc(f"`{arg}` leaf {path_of(tree, index)}: {why}. {available_devices()}")
+
+
+def check_live(tree: Any, leaves: Sequence[Any], arg: str) -> None:
+    """Raise DeletedArrayError naming every deleted or donated leaf of ``tree``."""
+    dead = [i for i, x in enumerate(leaves) if is_jax_array(x) and deleted(x)]
+    if dead:
+        paths = [path_of(tree, i) for i in dead]
+        raise DeletedArrayError(
+            f"`{arg}` has {len(dead)} deleted or donated leaf/leaves: {', '.join(paths)}. "
+            "Their buffers were freed (`x.delete()` or passed to a jit with "
+            "`donate_argnums`); use the arrays the donating call returned."
+        )
+
+
+def check_host_leaves(tree: Any, leaves: Sequence[Any], arg: str) -> None:
+    """Raise naming the first host leaf that cannot be placed without loss."""
+    for i, leaf in enumerate(leaves):
+        if not is_jax_array(leaf):
+            problem = host_problem(leaf)
+            if problem is not None:
+                raise_leaf(tree, i, arg, *problem)
+
+
+def check_concrete(leaves: Sequence[Any], name: str) -> None:
+    """Raise PlacementError when ``name`` is called on traced values inside ``jit``."""
+    if any(is_tracer(x) for x in leaves):
+        raise PlacementError(
+            f"`{name}` inside a jax.jit trace: buffers, replicas and shards exist only on "
+            "concrete arrays. Call it outside the jitted function (return the values "
+            "from it first)."
+        )
+
+
+# ---------------------------------------------------------------- shardings
+
+
+def sharding_key(s: Sharding) -> Any:
+    """A value equal exactly when the shardings are equal, cheap for single devices.
+
+    JAX's ``SingleDeviceSharding.__eq__``/``__hash__`` run in Python (~1 us);
+    every array put on its own gets its own sharding object, so a 2000-leaf
+    tree pays that 2000 times. Its ``(device, memory kind)`` pair is the same
+    test at a fraction of the cost. Other shardings are their own key.
+    """
+    if type(s) is SingleDeviceSharding:
+        try:
+            return s._device, s._memory_kind
+        except AttributeError:  # pragma: no cover - a newer JAX renamed them
+            pass
+    return s
+
+
+def is_placed(leaf: Any, s: Sharding) -> bool:
+    """Whether ``leaf`` is a committed array already laid out as ``s``."""
+    if not is_jax_array(leaf) or not leaf.committed:
+        return False
+    have = leaf.sharding
+    if have == s:
+        return True
+    if type(have) is type(s) and not isinstance(s, NamedSharding):
+        return False
+    try:
+        return have.is_equivalent_to(s, leaf.ndim)
+    except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
+        return False
+
+
+def describe_sharding(s: Sharding) -> str:
+    """``'cpu:0'`` for one device, ``'mesh(data=8) P('data',)'`` for a named sharding."""
+    if isinstance(s, SingleDeviceSharding):
+        return device_name(next(iter(s.device_set)))
+    if isinstance(s, NamedSharding):
+        axes = ",".join(f"{k}={v}" for k, v in s.mesh.shape.items())
+        return f"mesh({axes}) {s.spec}"
+    return type(s).__name__
+
+
+def device_key(d: jax.Device) -> tuple[str, int]:
+    """Sort key of a device: ``(platform, id)``."""
+    return (d.platform, d.id)
+
+
+# ---------------------------------------------------------------- replicas
+
+
+def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | None:
+    """Which copies differ bitwise from the majority, or None when all agree.
+
+    The one drift check behind ``unreplicate(check=True)``,
+    ``unstack_from_pmap(check=True)`` and ``assert_replicated(check_values=True)``.
+    Copies compare by their bytes (NaN payloads and ``-0.0`` included); the
+    reference is the value most copies hold (the first on a tie).
+    """
+    keys = [np.ascontiguousarray(v).tobytes() for v in values]
+    if len(set(keys)) == 1:
+        return None
+    counts: dict[bytes, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    ref = max(counts, key=counts.get)  # dicts keep order: the first wins a tie
+    ref_value = np.asarray(values[keys.index(ref)])
+    bad = [j for j, k in enumerate(keys) if k != ref]
+    good = [labels[j] for j, k in enumerate(keys) if k == ref]
+    first = np.asarray(values[bad[0]])
+    n_el = int(np.sum(np.any(_element_bytes(first) != _element_bytes(ref_value), axis=1)))
+    diff = _max_abs_diff(ref_value, [np.asarray(values[j]) for j in bad])
+    return (
+        f"{', '.join(labels[j] for j in bad)} differ bitwise from {', '.join(good)} "
+        f"({n_el} of {first.size} elements differ on {labels[bad[0]]}"
+        + (f", max |difference| {diff:g})" if diff is not None else ")")
+    )
+
+
+def _element_bytes(a: np.ndarray) -> np.ndarray:
+    """Each element's raw bytes as one row, for an element-wise bitwise compare."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(max(a.size, 1), -1)
+
+
+def _max_abs_diff(ref: np.ndarray, others: Sequence[np.ndarray]) -> float | None:
+    if ref.dtype.kind not in "fiuc":
+        return None
+    wide = np.complex128 if ref.dtype.kind == "c" else np.float64
+    ref64 = np.asarray(ref, dtype=wide)
+    return max(float(np.max(np.abs(np.asarray(o, wide) - ref64), initial=0)) for o in others)

@@ -1,0 +1,259 @@
+"""The stacked layout ``jax.pmap`` expects: a leading device axis.
+
+For users of ``jax.pmap`` (flax's ``jax_utils``, in jaxdev's words):
+:func:`stack_for_pmap` / :func:`unstack_from_pmap` put a tree on a new
+leading device axis and back; :func:`shard_for_pmap` reshapes a batch
+``(B, ...) -> (n, B // n, ...)`` (with padding and a mask if asked) and
+:func:`unshard_from_pmap` merges it back. For ``jit`` code use
+:func:`jaxdev.replicate` and :func:`jaxdev.shard_batch` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._batches import Padded, batch_rows, indivisible_error, pad_rows, unpad
+from ._devices import device_list
+from ._errors import ShardingError, device_name, join_failures
+from ._leaves import check_concrete, check_host_leaves, check_live, key_strings, replica_drift
+from ._mesh import DEFAULT_AXIS, mesh_of, named_sharding
+from ._placement import to_device
+
+
+def _pmap_mesh(devices: Any) -> tuple[list[jax.Device], Mesh]:
+    devs = device_list(devices)
+    return devs, mesh_of(tuple(devs), DEFAULT_AXIS)
+
+
+@functools.lru_cache(maxsize=64)
+def _broadcaster(n: int, stacked: NamedSharding) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    def stack(xs: list[jax.Array]) -> list[jax.Array]:
+        return [jnp.broadcast_to(x, (n, *x.shape)) for x in xs]
+
+    return jax.jit(stack, out_shardings=stacked)
+
+
+def stack_for_pmap(tree: Any, devices: Any = None) -> Any:
+    """Copy every leaf onto a new leading device axis, the layout ``jax.pmap`` expects.
+
+    What flax's ``jax_utils.replicate`` does: leaf ``x`` becomes an array of
+    shape ``(n, *x.shape)`` whose row ``i`` lives on device ``i``. Only for
+    ``jax.pmap`` code; for ``jit`` use :func:`replicate` (one logical copy,
+    no extra axis). The copies are made by one replicating
+    ``jax.device_put`` and one jitted broadcast that stays on each device.
+
+    Args:
+      tree: any pytree.
+      devices: the devices, in pmap order; default every local device (the
+        order ``jax.pmap`` uses).
+
+    Returns:
+      The stacked tree.
+
+    Raises:
+      LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
+      DeviceSpecError: a device is listed twice.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxdev
+      >>> s = jaxdev.stack_for_pmap({"w": jnp.ones(3)})
+      >>> s["w"].shape == (jax.local_device_count(), 3)
+      True
+    """
+    devs, mesh = _pmap_mesh(devices)
+    replicated = to_device(tree, named_sharding(mesh, P()))
+    leaves, treedef = jax.tree_util.tree_flatten(replicated)
+    if not leaves:
+        return tree
+    stacked = _broadcaster(len(devs), named_sharding(mesh, P(DEFAULT_AXIS)))(leaves)
+    return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
+    """Return row 0 of every leaf of a stacked (pmap layout) tree: flax's ``unreplicate``.
+
+    ``jax.Array`` leaves come back as the single-device array on the device
+    that holds row 0; host leaves as numpy row 0.
+
+    Args:
+      tree: a tree made by :func:`stack_for_pmap` or returned by ``jax.pmap``.
+      check: also verify that all rows are bitwise identical (drift
+        detection: e.g. parameters after a pmapped step that forgot
+        ``lax.pmean``); fetches the whole tree to host once.
+
+    Returns:
+      The tree without its leading device axis.
+
+    Raises:
+      ShardingError: a leaf is a scalar (no device axis), or (with ``check``)
+        rows differ; the leaf path and the devices (or rows) are named.
+      DeletedArrayError: a leaf was deleted or donated.
+      PlacementError: called on traced values inside ``jit``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> s = jaxdev.stack_for_pmap({"w": jnp.arange(3)})
+      >>> jaxdev.unstack_from_pmap(s, check=True)["w"].tolist()
+      [0, 1, 2]
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    check_concrete(leaves, "unstack_from_pmap")
+    check_live(tree, leaves, "tree")
+    check_host_leaves(tree, leaves, "tree")
+    scalars = [i for i, x in enumerate(leaves) if np.ndim(x) == 0]
+    if scalars:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                "`tree` has scalar leaves, so there is no leading device axis to unstack "
+                "(was it replicated with `jaxdev.replicate` rather than stacked? then use "
+                "`jaxdev.unreplicate`). Leaves:",
+                [f"{paths[i]}: shape ()" for i in scalars],
+            )
+        )
+    if check:
+        _check_rows_equal(tree, leaves)
+    out = [_row0(x) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _row0(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)[0]
+    shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return shard.data[0]
+
+
+def _row_labels(x: Any) -> list[str]:
+    n = np.shape(x)[0]
+    labels = [f"row {i}" for i in range(n)]
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        for d, idx in x.sharding.devices_indices_map(x.shape).items():
+            lo, hi, _ = idx[0].indices(n)
+            for r in range(lo, hi):
+                labels[r] = f"{device_name(d)} (row {r})" if hi - lo > 1 else device_name(d)
+    return labels
+
+
+def _check_rows_equal(tree: Any, leaves: Sequence[Any]) -> None:
+    hosts = jax.device_get(list(leaves))
+    failures = []
+    for i, (x, h) in enumerate(zip(leaves, hosts)):
+        h = np.asarray(h)
+        line = replica_drift(_row_labels(x), list(h))
+        if line:
+            failures.append((i, line))
+    if failures:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                "`tree` has per-device copies that drifted apart: every row of a stacked "
+                "leaf should be bitwise identical, but these differ from the majority "
+                "(a pmapped update without `lax.pmean`?). Leaves:",
+                [f"{paths[i]}: {line}" for i, line in failures],
+            )
+        )
+
+
+def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
+    """Reshape every leaf ``(B, ...) -> (n, B // n, ...)`` and place row ``i`` on device ``i``.
+
+    The layout ``jax.pmap`` expects for a batch (flax's ``shard`` plus the
+    transfer). The row count is checked here, naming the leaf, before
+    ``jax.pmap`` would fail with a message about its internal axes.
+
+    Args:
+      batch: a pytree of arrays sharing their leading size ``B``.
+      devices: the devices, in pmap order; default every local device.
+      pad: pad ``B`` to a multiple of ``n`` (repeating the last row) and
+        return a :class:`Padded` whose mask has shape ``(n, B_padded // n)``.
+
+    Returns:
+      The placed batch, or a :class:`Padded` when ``pad``.
+
+    Raises:
+      ShardingError: as :func:`shard_batch` (size not divisible without
+        ``pad``, empty batch, mixed leading sizes, scalar leaves).
+      DeviceSpecError, DeviceNotFoundError: bad ``devices``.
+
+    Example:
+      >>> import jax, numpy as np, jaxdev
+      >>> n = jax.local_device_count()
+      >>> x = jaxdev.shard_for_pmap(np.zeros((2 * n, 3)))
+      >>> x.shape == (n, 2, 3)
+      True
+    """
+    devs, mesh = _pmap_mesh(devices)
+    n = len(devs)
+    stacked = named_sharding(mesh, P(DEFAULT_AXIS))
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    check_concrete(leaves, "shard_for_pmap")
+    check_live(batch, leaves, "batch")
+    check_host_leaves(batch, leaves, "batch")
+    rows = batch_rows(batch, leaves, "batch")
+    extra = -rows % n
+    if extra and not pad:
+        raise indivisible_error(batch, rows, n, stacked, "pmap devices")
+    per = (rows + extra) // n
+    out = [_split_leading(pad_rows(x, extra), n, per) for x in leaves]
+    if not pad:
+        return to_device(jax.tree_util.tree_unflatten(treedef, out), stacked)
+    mask = (np.arange(rows + extra) < rows).reshape(n, per)
+    placed, mask = to_device((jax.tree_util.tree_unflatten(treedef, out), mask), stacked)
+    return Padded(placed, mask, rows)
+
+
+def _split_leading(x: Any, n: int, per: int) -> Any:
+    shape = (n, per, *np.shape(x)[1:])
+    if isinstance(x, jax.Array):
+        return x.reshape(shape)
+    return np.asarray(x).reshape(shape)
+
+
+def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int | None = None):
+    """Merge the two leading axes ``(n, m, ...) -> (n * m, ...)`` and drop padding.
+
+    The inverse of :func:`shard_for_pmap` for per-row outputs of a pmapped
+    function; leaves stay ``jax.Array`` (see :func:`unpad`).
+
+    Args:
+      tree: a pytree whose leaves have at least two leading axes.
+      padding: as :func:`unpad` (a :class:`Padded` from :func:`shard_for_pmap`
+        or its mask, or a row count); ``None`` keeps every row.
+
+    Returns:
+      The tree with one leading batch axis and exactly the real rows.
+
+    Raises:
+      ShardingError: a leaf has fewer than two axes or the wrong row count.
+
+    Example:
+      >>> import jax, numpy as np, jaxdev
+      >>> n = jax.local_device_count()
+      >>> p = jaxdev.shard_for_pmap(np.arange(2 * n + 1), pad=True)
+      >>> jaxdev.unshard_from_pmap(p.batch, p).tolist() == list(range(2 * n + 1))
+      True
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    check_concrete(leaves, "unshard_from_pmap")
+    check_live(tree, leaves, "tree")
+    bad = [i for i, x in enumerate(leaves) if np.ndim(x) < 2]
+    if bad:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                "`tree` leaves need two leading axes (devices, rows per device) to merge. Leaves:",
+                [f"{paths[i]}: shape {tuple(np.shape(leaves[i]))}" for i in bad],
+            )
+        )
+    flat = [x.reshape((-1, *np.shape(x)[2:])) for x in leaves]
+    merged = jax.tree_util.tree_unflatten(treedef, flat)
+    return merged if padding is None else unpad(merged, padding)

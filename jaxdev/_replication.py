@@ -1,0 +1,161 @@
+"""True replication: a full copy of every leaf on every device of a mesh.
+
+:func:`replicate` gives ``NamedSharding(mesh, P())`` (one logical array,
+``is_fully_replicated``), not flax's stacked copy with a leading device
+axis; :func:`unreplicate` returns one copy and, with ``check=True``,
+verifies that every replica is bitwise identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from ._errors import ShardingError, device_name, join_failures
+from ._leaves import check_concrete, check_live, key_strings, replica_drift
+from ._mesh import check_mesh, replicated_sharding
+from ._placement import to_device
+
+
+def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
+    """Replicate every leaf of ``tree`` on every device of ``mesh`` (true replication).
+
+    Each leaf becomes one logical array with ``NamedSharding(mesh, P())``
+    (``is_fully_replicated`` is true), not flax's stacked copy with a new
+    leading axis. Built on :func:`jaxdev.to_device`: leaves already
+    replicated on ``mesh`` come back as the same objects, and an already
+    replicated tree comes back as itself (a no-op).
+
+    Like ``jax.device_put``, a leaf already on one device of ``mesh`` lends
+    its buffer to that device's replica (no copy there). Donating the result
+    (``jit(..., donate_argnums=...)``) then deletes the source leaf too; use
+    :func:`jaxdev.copy_to` with :func:`replicated_sharding` when you will
+    donate and still need the source (``TrainStep.init_state`` does).
+
+    Args:
+      tree: any pytree (Flax params, optax state).
+      mesh: the mesh; default :func:`data_mesh`.
+
+    Returns:
+      The tree with replicated leaves.
+
+    Raises:
+      LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
+      ShardingError: ``mesh`` is not a ``Mesh``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> params = jaxdev.replicate({"w": jnp.ones((2, 3))}, mesh)
+      >>> params["w"].is_fully_replicated, jaxdev.replicate(params, mesh) is params
+      (True, True)
+    """
+    return to_device(tree, replicated_sharding(check_mesh(mesh)))
+
+
+def unreplicate(tree: Any, check: bool = False) -> Any:
+    """Return one copy of every replicated leaf of ``tree``.
+
+    A fully replicated array becomes the single-device ``jax.Array`` held by
+    its first addressable device (the buffer is shared, nothing is copied):
+    it prints, converts with ``numpy.asarray`` and serialises like any array;
+    ``jaxdev.to_host`` makes it numpy. Single-device arrays and host values
+    (numpy, Python numbers) are already one copy and pass through.
+
+    Args:
+      tree: a pytree, typically made by :func:`replicate`.
+      check: also verify that every replica holds bitwise identical values
+        (drift detection; one batched device-to-host copy of all replicas).
+        With several processes, only this process's replicas are compared.
+
+    Returns:
+      The tree with one copy per leaf.
+
+    Raises:
+      ShardingError: a leaf is sharded rather than replicated, or (with
+        ``check``) replicas differ; each failing leaf is listed with its key
+        path and the devices that drifted.
+      DeletedArrayError: a leaf was deleted or donated.
+      PlacementError: called on traced values inside ``jit``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> params = jaxdev.replicate({"w": jnp.arange(3.0)}, jaxdev.data_mesh())
+      >>> one = jaxdev.unreplicate(params, check=True)
+      >>> len(one["w"].devices()), one["w"].tolist()
+      (1, [0.0, 1.0, 2.0])
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    check_concrete(leaves, "unreplicate")
+    check_live(tree, leaves, "tree")
+    sharded = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _one_copy(x)]
+    if sharded:
+        _raise_not_replicated(tree, leaves, sharded)
+    if check:
+        _check_replicas(tree, leaves)
+    out = [_first_replica(x) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _one_copy(x: jax.Array) -> bool:
+    return x.sharding.is_fully_replicated
+
+
+def _spans(x: jax.Array) -> bool:
+    return len(x.sharding.device_set) > 1
+
+
+def _first_replica(x: Any) -> Any:
+    if isinstance(x, jax.Array) and _spans(x):
+        return x.addressable_shards[0].data
+    return x
+
+
+def _raise_not_replicated(tree: Any, leaves: Sequence[Any], idx: Sequence[int]) -> None:
+    paths = key_strings(tree)
+    lines = []
+    for i in idx:
+        x = leaves[i]
+        hint = ""
+        if x.ndim and x.shape[0] == len(x.sharding.device_set):
+            hint = " (a stacked pmap copy? use `jaxdev.unstack_from_pmap`)"
+        lines.append(f"{paths[i]}: shape {tuple(x.shape)}, sharding {_spec_of(x)}{hint}")
+    raise ShardingError(
+        join_failures(
+            "`tree` has leaves that are sharded, not replicated, so no single device holds "
+            "a full copy. Fetch them with `jaxdev.to_host`, or replicate "
+            "them first with `jaxdev.replicate`. Leaves:",
+            lines,
+        )
+    )
+
+
+def _spec_of(x: jax.Array) -> str:
+    s = x.sharding
+    return f"{s.spec}" if isinstance(s, NamedSharding) else type(s).__name__
+
+
+def _check_replicas(tree: Any, leaves: Sequence[Any]) -> None:
+    multi = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and _spans(x)]
+    shards = [leaves[i].addressable_shards for i in multi]
+    hosts = jax.device_get([[s.data for s in ss] for ss in shards])
+    failures = []
+    for i, ss, values in zip(multi, shards, hosts):
+        labels = [device_name(s.device) for s in ss]
+        line = replica_drift(labels, values)
+        if line:
+            failures.append((i, line))
+    if failures:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                "`tree` has replicas that drifted apart: every device should hold bitwise "
+                "identical values, but these differ from the majority. Something updated the "
+                "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "
+                "an in-place host write); re-replicate from a trusted copy. Leaves:",
+                [f"{paths[i]}: {line}" for i, line in failures],
+            )
+        )

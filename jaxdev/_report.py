@@ -1,0 +1,280 @@
+"""The placement report: where every leaf of a pytree lives, as a table.
+
+:func:`placement` returns a :class:`PlacementReport`: per leaf its key path,
+shape, dtype, devices or mesh and spec, memory kind, committed-ness and bytes
+per device, with per-device totals. ``print(report)`` shows a table and
+``report.diff(other)`` compares two trees.
+
+Reports are built for speed (a 2000-leaf tree in a few ms): one cache entry
+per (sharding, shape, dtype), key-path strings cached per treedef.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from ._errors import LeafTypeError, device_name
+from ._leaves import (
+    array_type,
+    deleted,
+    describe_sharding,
+    device_key,
+    host_problem,
+    is_tracer,
+    key_strings,
+    sharding_key,
+)
+
+
+class LeafPlacement(NamedTuple):
+    """Where one leaf lives (one row of :class:`PlacementReport`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    devices: tuple[str, ...]
+    sharding: str
+    memory_kind: str | None
+    committed: bool | None
+    bytes_per_device: int
+    deleted: bool = False
+
+
+class PlacementReport(NamedTuple):
+    """Per-leaf placement of a pytree, with per-device byte totals.
+
+    ``str(report)`` is a table; ``report.diff(other)`` lists the leaves whose
+    placement differs between two trees.
+    """
+
+    leaves: tuple[LeafPlacement, ...]
+    bytes_by_device: dict[str, int]
+
+    def __str__(self) -> str:
+        """The report as a fixed-width text table.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxdev
+          >>> print(jaxdev.placement({"w": jaxdev.to_device(jnp.ones((2, 3)), "cpu:0")}))
+          path   shape  dtype    placement  memory  committed  bytes/device
+          -----  -----  -------  ---------  ------  ---------  ------------
+          ['w']  2x3    float32  cpu:0      device  yes        24 B
+          1 leaves, 24 B on devices (cpu:0: 24 B)
+        """
+        return _format(self)
+
+    def diff(self, other: PlacementReport) -> list[str]:
+        """Return one line per leaf whose placement differs in ``other`` ([] when equal).
+
+        Compares devices, sharding, memory kind, committed-ness and deletion;
+        leaves present in only one tree are listed too.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxdev
+          >>> a = jaxdev.placement({"w": jaxdev.to_device(jnp.ones(2), "cpu:0")})
+          >>> b = jaxdev.placement({"w": jaxdev.to_device(jnp.ones(2), "cpu:1")})
+          >>> a.diff(a), a.diff(b)
+          ([], ["['w']: sharding 'cpu:0' != 'cpu:1'", "['w']: devices ('cpu:0',) != ('cpu:1',)"])
+        """
+        return _diff(self, other)
+
+
+class _ShardingInfo(NamedTuple):
+    description: str
+    devices: tuple[str, ...]
+    memory_kind: str | None
+    local: tuple[str, ...]  # this process's devices, for the per-device totals
+
+
+def _sharding_info(s: Sharding) -> _ShardingInfo:
+    names = tuple(device_name(d) for d in sorted(s.device_set, key=device_key))
+    local = tuple(device_name(d) for d in sorted(s.addressable_devices, key=device_key))
+    return _ShardingInfo(describe_sharding(s), names, s.memory_kind, local)
+
+
+class _Kind:
+    """What every leaf with one (sharding, shape, dtype) shares in the report."""
+
+    __slots__ = ("row_head", "info", "nbytes", "count")
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, info: _ShardingInfo, nbytes: int):
+        # The row fields after the path: shape, dtype, devices, sharding, memory kind.
+        self.row_head = (shape, dtype, info.devices, info.description, info.memory_kind)
+        self.info, self.nbytes, self.count = info, nbytes, 0
+
+
+class _ReportBuilder:
+    """Builds rows with one cache per (sharding, shape, dtype) (2000 leaves < 10 ms).
+
+    Per-device totals are summed per kind at the end, not per leaf.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[LeafPlacement] = []
+        self._kinds: dict[tuple[Any, tuple[int, ...], Any], _Kind] = {}
+        self._infos: dict[Sharding, _ShardingInfo] = {}
+        self._extra: dict[str, int] = {}  # totals of leaves outside the fast path
+
+    @property
+    def totals(self) -> dict[str, int]:
+        out = dict(self._extra)
+        for kind in self._kinds.values():
+            for name in kind.info.local:
+                out[name] = out.get(name, 0) + kind.nbytes * kind.count
+        return out
+
+    def _kind(self, key: tuple[Any, tuple[int, ...], Any], s: Sharding) -> _Kind:
+        _, shape, dtype = key
+        info = self._infos.get(s)
+        if info is None:
+            info = self._infos[s] = _sharding_info(s)
+        nbytes = math.prod(s.shard_shape(shape)) * dtype.itemsize
+        kind = self._kinds[key] = _Kind(shape, str(dtype), info, nbytes)
+        return kind
+
+    def add_all(self, paths: Sequence[str], leaves: Sequence[Any]) -> None:
+        """Add leaves with their key-path strings; the common array case is inlined (hot loop)."""
+        impl, kinds, append = array_type(), self._kinds, self.rows.append
+        new_row, row_type = tuple.__new__, LeafPlacement  # skips the NamedTuple's __new__
+        for path, leaf in zip(paths, leaves):
+            if type(leaf) is not impl or leaf.is_deleted():
+                self._add_unusual(path, leaf)
+                continue
+            s = leaf.sharding
+            key = (sharding_key(s), leaf.shape, leaf.dtype)
+            kind = kinds.get(key)
+            if kind is None:
+                kind = self._kind(key, s)
+            kind.count += 1
+            append(new_row(row_type, (path, *kind.row_head, leaf.committed, kind.nbytes, False)))
+
+    def _add_unusual(self, path: str, leaf: Any) -> None:
+        if type(leaf) is array_type():  # deleted
+            shape, dtype = leaf.shape, str(leaf.dtype)
+            self.rows.append(LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True))
+        elif not isinstance(leaf, jax.Array):
+            self.rows.append(_host_row(path, leaf))
+        elif is_tracer(leaf):
+            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
+            self.rows.append(LeafPlacement(path, shape, dtype, (), "traced", None, None, 0))
+        else:  # another jax.Array implementation: take the general route
+            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
+            if deleted(leaf):
+                self.rows.append(
+                    LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True)
+                )
+                return
+            info = _sharding_info(leaf.sharding)
+            nbytes = math.prod(leaf.sharding.shard_shape(shape)) * leaf.dtype.itemsize
+            self.rows.append(
+                LeafPlacement(
+                    path,
+                    shape,
+                    dtype,
+                    info.devices,
+                    info.description,
+                    info.memory_kind,
+                    leaf.committed,
+                    nbytes,
+                )
+            )
+            for name in info.local:
+                self._extra[name] = self._extra.get(name, 0) + nbytes
+
+
+def _host_row(path: str, leaf: Any) -> LeafPlacement:
+    problem = host_problem(leaf)
+    if problem is not None and problem[0] is LeafTypeError:
+        raise LeafTypeError(f"`tree` leaf {path}: {problem[1]}.")
+    arr = np.asarray(leaf)
+    return LeafPlacement(path, arr.shape, str(arr.dtype), (), "host", None, None, arr.nbytes)
+
+
+def placement(tree: Any) -> PlacementReport:
+    """Report where every leaf of ``tree`` lives.
+
+    Each row has the key path, shape, dtype, devices, sharding (device, or
+    mesh and spec), memory kind, committed, and bytes held on each of its
+    devices. Deleted or donated leaves are shown as such, not raised; traced
+    leaves (inside ``jit``) are shown as ``traced``. Byte totals count this
+    process's devices.
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      A :class:`PlacementReport`; ``print`` it for a table.
+
+    Raises:
+      LeafTypeError: a leaf is not an array or number.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> r = jaxdev.placement({"w": jaxdev.to_device(jnp.ones((2, 3)), "cpu:0")})
+      >>> r.leaves[0].path, r.leaves[0].devices, r.bytes_by_device
+      ("['w']", ('cpu:0',), {'cpu:0': 24})
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    builder = _ReportBuilder()
+    builder.add_all(key_strings(tree, treedef), leaves)
+    totals = dict(sorted(builder.totals.items(), key=lambda kv: _name_key(kv[0])))
+    return PlacementReport(tuple(builder.rows), totals)
+
+
+def _name_key(name: str) -> tuple[str, int]:
+    platform, _, index = name.partition(":")
+    return platform, int(index)
+
+
+def _format(report: PlacementReport) -> str:
+    head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
+    body = [
+        (
+            r.path,
+            "x".join(map(str, r.shape)) or "()",
+            r.dtype,
+            r.sharding if len(r.devices) <= 1 else f"{r.sharding} on {len(r.devices)} devices",
+            r.memory_kind or "-",
+            "-" if r.committed is None else ("yes" if r.committed else "no"),
+            _human(r.bytes_per_device),
+        )
+        for r in report.leaves
+    ]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in body]
+    total = sum(report.bytes_by_device.values())
+    per = ", ".join(f"{k}: {_human(v)}" for k, v in report.bytes_by_device.items())
+    lines.append(f"{len(report.leaves)} leaves, {_human(total)} on devices ({per or 'none'})")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _diff(a: PlacementReport, b: PlacementReport) -> list[str]:
+    rows_a = {r.path: r for r in a.leaves}
+    rows_b = {r.path: r for r in b.leaves}
+    out = []
+    for path in list(rows_a) + [p for p in rows_b if p not in rows_a]:
+        ra, rb = rows_a.get(path), rows_b.get(path)
+        if ra is None or rb is None:
+            out.append(f"{path}: only in {'first' if rb is None else 'second'} tree")
+            continue
+        for field in ("sharding", "devices", "memory_kind", "committed", "deleted"):
+            va, vb = getattr(ra, field), getattr(rb, field)
+            if va != vb:
+                out.append(f"{path}: {field} {va!r} != {vb!r}")
+    return out
