@@ -15,39 +15,49 @@ What they get right that chex 0.1.92 does not:
 * a deleted or donated leaf is listed as such instead of raising
   ``RuntimeError``; a tracer (inside ``jax.jit``) is listed with a clear note.
 
-The success path never computes key paths or reads values (paths are built
-only for failing leaves; values only with ``check_values=True``), so a
-2000-leaf tree is checked in about a millisecond. Like every chex assertion,
-they do nothing after ``chex.disable_asserts()``.
+``target`` takes what :func:`jaxdev.as_sharding` reads: a ``jax.Device``, a
+spec (``'gpu:1'``, an int index), a ``Sharding``, or a ``Mesh`` (a full copy on
+each of its devices). The success path never computes key paths or reads
+values (paths are built only for failing leaves; values only with
+``check_values=True``), so a 2000-leaf tree is checked in a few milliseconds.
+Like every chex assertion, they do nothing after ``chex.disable_asserts()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import chex
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from ._devices import DeviceSpec, device, device_list
 from ._errors import (
     PlacementAssertionError,
     PlacementError,
     available_devices,
+    device_name,
     format_devices,
     join_failures,
-    keystr,
 )
-from ._placement import _deleted, _describe_sharding
+from ._leaves import (
+    array_type,
+    asserts_disabled,
+    deleted,
+    describe_sharding,
+    device_key,
+    is_concrete,
+    is_host_value,
+    is_jax_array,
+    is_tracer,
+    key_strings,
+    replica_drift,
+    sharding_key,
+)
+from ._mesh import check_mesh, named_sharding
+from ._placement import Target, as_sharding
 
-DevicesLike = Mesh | int | DeviceSpec | Sequence[DeviceSpec] | None
-"""A ``Mesh``, a device count, a platform or spec, or a list of device specs."""
-
-_Check = Callable[[Any], str | None]
-_PY_SCALARS = (bool, int, float, complex)
-_ARRAY_TYPES: set[type] = set()  # concrete jax.Array types seen (not tracers)
 _DELETED = "deleted or donated"
 _TRACER = "a tracer (inside jax.jit/vmap/grad)"
 _NOTES = {
@@ -60,36 +70,18 @@ _NOTES = {
         "outside the jitted function."
     ),
 }
+_HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-# ---------------------------------------------------------------- leaf kinds
+class _Checks(NamedTuple):
+    """How one assertion judges leaves (see :func:`_scan`)."""
+
+    fast: Callable[[Sharding], bool]  # per sharding: True passes the leaf, no more work
+    check: Callable[[Any], str | None]  # per leaf: why it fails, or None
+    expected: str  # what a passing leaf is, for the failure lines
 
 
-def _disabled() -> bool:
-    """Whether ``chex.disable_asserts()`` switched assertions off."""
-    return bool(getattr(chex._src.asserts_internal, "DISABLE_ASSERTIONS", False))
-
-
-def _is_concrete(x: Any) -> bool:
-    """Whether ``x`` is a concrete (not traced) ``jax.Array``; caches its type."""
-    t = type(x)
-    if t in _ARRAY_TYPES:
-        return True
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        _ARRAY_TYPES.add(t)
-        return True
-    return False
-
-
-def _is_host_value(x: Any) -> bool:
-    """Whether ``x`` is a numeric numpy value or Python number (lives on host)."""
-    if isinstance(x, _PY_SCALARS):
-        return True
-    if isinstance(x, (np.ndarray, np.generic)):
-        dt = x.dtype
-        ml = dt.kind == "V" and dt.names is None and dt.type.__module__.startswith("ml_dtypes")
-        return dt.kind in "biufc" or ml
-    return False
+# ---------------------------------------------------------------- describing leaves
 
 
 def _default_kind(s: Sharding) -> str | None:
@@ -102,19 +94,19 @@ def _default_kind(s: Sharding) -> str | None:
 
 def _where(x: Any) -> str:
     """Describe where a leaf lives, for a failure line."""
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return _TRACER
-    if isinstance(x, jax.Array):
-        if _deleted(x):
+    if is_jax_array(x):
+        if deleted(x):
             return _DELETED
         s = x.sharding
-        out = _describe_sharding(s)
+        out = describe_sharding(s)
         if not isinstance(s, SingleDeviceSharding) and s.is_fully_replicated:
             out += f" (fully replicated on {len(s.device_set)} devices)"
         if s.memory_kind != _default_kind(s):
             out += f" in {s.memory_kind!r} memory"
         return out if x.committed else out + " (uncommitted)"
-    if _is_host_value(x):
+    if is_host_value(x):
         what = f"numpy {x.dtype}{list(np.shape(x))}" if hasattr(x, "dtype") else type(x).__name__
         return f"host ({what})"
     t = type(x)
@@ -128,44 +120,47 @@ def _kind_note(x: jax.Array, kind: str | None) -> str:
     return "" if kind is None or have == kind else f" in {kind!r} memory"
 
 
-def _expected_str(s: Sharding, kind: str | None = None) -> str:
-    out = _describe_sharding(s)
-    kind = kind if kind is not None else s.memory_kind
+def _expected_str(s: Sharding) -> str:
+    out = describe_sharding(s)
+    kind = s.memory_kind
     return out if kind in (None, _default_kind(s)) else f"{out} in {kind!r} memory"
+
+
+def _live_array_problem(x: Any, expected: str) -> str | None:
+    """Reason ``x`` is not a live concrete array (found vs expected), else None."""
+    if is_concrete(x) and not deleted(x):
+        return None
+    return f"found {_where(x)}, expected {expected}"
 
 
 # ---------------------------------------------------------------- the engine
 
 
-def _scan(
-    leaves: list[Any],
-    fast: Callable[[Sharding], bool],
-    check: _Check,
-    committed: bool | None = None,
-) -> list[tuple[int, str]]:
+def _scan(leaves: list[Any], checks: _Checks, committed: bool | None = None) -> list:
     """Return ``(index, why)`` for every failing leaf.
 
-    ``fast(sharding)`` is a per-sharding verdict; ``True`` passes the leaf
-    without further work. A sharding equal to the last one that passed
+    ``checks.fast(sharding)`` is a per-sharding verdict; ``True`` passes the
+    leaf without further work. A sharding equal to the last one that passed
     passes too, which skips ``fast`` for the usual tree whose leaves share
-    one placement. Otherwise ``check(leaf)`` returns the reason it fails, or
-    ``None`` when a finer, per-leaf test (``is_equivalent_to`` for its rank)
-    passes it.
+    one placement. Otherwise ``checks.check(leaf)`` returns the reason it
+    fails, or ``None`` when a finer, per-leaf test (``is_equivalent_to`` for
+    its rank) passes it.
     """
+    impl, fast, check = array_type(), checks.fast, checks.check
     bad = []
-    ok_s = None  # the last sharding that passed
+    ok_s = ok_key = None  # the last sharding that passed, and its sharding_key
     for i, x in enumerate(leaves):
-        if type(x) in _ARRAY_TYPES and not x.is_deleted():
+        if type(x) is impl and not x.is_deleted():
             s = x.sharding
-            passed = s is ok_s or (ok_s is not None and s == ok_s)
+            passed = s is ok_s or (ok_s is not None and sharding_key(s) == ok_key)
             if not passed and fast(s):
-                passed, ok_s = True, s
+                passed, ok_s, ok_key = True, s, sharding_key(s)
             if passed and (committed is None or x.committed == committed):
                 continue
         why = check(x)
-        if why is None and committed is not None and _is_concrete(x) and x.committed != committed:
+        if why is None and committed is not None and is_concrete(x) and x.committed != committed:
             state = "committed" if x.committed else "uncommitted"
-            why = f"found {state} on {_describe_sharding(x.sharding)}, expected " + (
+            why = f"found {state} on {describe_sharding(x.sharding)}, expected " + (
                 "committed" if committed else "uncommitted"
             )
         if why is not None:
@@ -173,20 +168,11 @@ def _scan(
     return bad
 
 
-def _live_array_problem(x: Any, expected: str) -> str | None:
-    """Reason ``x`` is not a live concrete array (found vs expected), else None."""
-    if _is_concrete(x) and not _deleted(x):
-        return None
-    return f"found {_where(x)}, expected {expected}"
-
-
-def _fail(
-    name: str, tree: Any, arg: str, n: int, bad: list[tuple[int, str]], rule: str, fix: str
-) -> None:
+def _fail(name: str, tree: Any, arg: str, n: int, bad: list, rule: str, fix: str) -> None:
     """Raise PlacementAssertionError listing every failing leaf with its path."""
     if not bad:
         return
-    paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = key_strings(tree)
     lines = [f"{paths[i]}: {why}" for i, why in bad]
     header = f"`{name}` failed: {len(bad)} of {n} leaves of `{arg}` {rule}:"
     raise PlacementAssertionError(_message(header, lines, fix))
@@ -201,21 +187,20 @@ def _message(header: str, lines: list[str], fix: str) -> str:
 # ---------------------------------------------------------------- targets
 
 
-def _target_sharding(target: Any, memory_kind: str | None) -> Sharding:
-    """``target`` (Device, spec, Sharding) as a Sharding with the wanted memory kind."""
-    s = target if isinstance(target, Sharding) else SingleDeviceSharding(device(target))
+def _with_kind(s: Sharding, memory_kind: str | None) -> Sharding:
+    """``s`` in ``memory_kind`` (checked to exist); ``s`` itself for None."""
     if memory_kind is None:
         return s
     _check_memory_kind(s.device_set, memory_kind)
     return s.with_memory_kind(memory_kind)
 
 
-def _check_memory_kind(devices: set, kind: str) -> None:
+def _check_memory_kind(devices: Any, kind: str) -> None:
     d = next(iter(devices))
     kinds = [m.kind for m in d.addressable_memories()]
     if kind not in kinds:
         raise PlacementError(
-            f"`memory_kind`={kind!r} does not exist on {d.platform}:{d.id}: it offers "
+            f"`memory_kind`={kind!r} does not exist on {device_name(d)}: it offers "
             f"{kinds}. {available_devices()}"
         )
 
@@ -229,12 +214,52 @@ def _equivalent(have: Sharding, want: Sharding, ndim: int) -> bool:
         return False
 
 
-def _expected_devices(mesh_or_devices: DevicesLike) -> frozenset:
-    if isinstance(mesh_or_devices, Mesh):
-        return frozenset(mesh_or_devices.devices.flat)
-    if mesh_or_devices is None:
-        return frozenset(jax.devices())
-    return frozenset(device_list(mesh_or_devices))
+def _sharding_checks(want: Sharding) -> _Checks:
+    """Checks for one sharding: equal passes fast, an equivalent one per leaf."""
+    expected = _expected_str(want)
+
+    def fast(s: Sharding) -> bool:
+        return s is want or s == want
+
+    def check(x: Any) -> str | None:
+        problem = _live_array_problem(x, expected)
+        if problem is not None or _equivalent(x.sharding, want, x.ndim):
+            return problem
+        note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
+        return f"found {_where(x)}, expected {expected}{note}"
+
+    return _Checks(fast, check, expected)
+
+
+def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
+    """Checks, rule and fix for ``target=None``: any device of the default backend.
+
+    Leaves must sit in ``memory_kind``, or by default their devices' own memory.
+    """
+    platform = jax.default_backend()
+    kinds: dict[int, str | None] = {}  # id(first device) -> the memory kind wanted there
+    expected = f"a jax.Array on {platform} devices"
+
+    def fast(s: Sharding) -> bool:
+        if any(d.platform != platform for d in s.device_set):
+            return False
+        key = id(next(iter(s.device_set)))
+        if key not in kinds:
+            kinds[key] = memory_kind or _default_kind(s)
+        return s.memory_kind == kinds[key]
+
+    def check(x: Any) -> str | None:
+        problem = _live_array_problem(x, expected)
+        if problem is not None or fast(x.sharding):
+            return problem
+        kind = kinds.get(id(next(iter(x.sharding.device_set))))  # None: wrong platform
+        return f"found {_where(x)}, expected {expected}" + _kind_note(x, kind)
+
+    rule = f"are not on {platform} devices in " + (
+        f"{memory_kind!r} memory" if memory_kind else "their default memory"
+    )
+    fix = f"Fix: `tree = jaxdev.to_device(tree, {platform!r})`."
+    return _Checks(fast, check, expected), rule, fix
 
 
 # ---------------------------------------------------------------- assertions
@@ -242,27 +267,26 @@ def _expected_devices(mesh_or_devices: DevicesLike) -> frozenset:
 
 def assert_on_device(
     tree: chex.ArrayTree,
-    device_or_sharding: DeviceSpec | Sharding | None = None,
+    target: Target | None = None,
     *,
     memory_kind: str | None = None,
     committed: bool | None = None,
 ) -> None:
-    """Assert every leaf of ``tree`` is a live ``jax.Array`` on the given device(s).
+    """Assert every leaf of ``tree`` is a live ``jax.Array`` on ``target``.
 
     Unlike ``chex.assert_tree_is_on_device``, no platform needs naming: with
-    ``device_or_sharding=None`` a leaf passes when it lives on devices of the
-    default backend (``jax.default_backend()``: the GPU/TPU when there is
-    one, else the CPU), so the same test works on a laptop and on a GPU host.
-    Host values (numpy, Python numbers) fail, as do leaves in host memory
-    kinds unless ``memory_kind`` asks for them. ``None`` leaves are empty
-    subtrees.
+    ``target=None`` a leaf passes when it lives on devices of the default
+    backend (``jax.default_backend()``: the GPU/TPU when there is one, else
+    the CPU), so the same test works on a laptop and on a GPU host. Host
+    values (numpy, Python numbers) fail, as do leaves in host memory kinds
+    unless ``memory_kind`` asks for them. ``None`` leaves are empty subtrees.
 
     Args:
       tree: any pytree (Flax params, NNX state, optax state, a batch).
-      device_or_sharding: ``None`` (any device of the default backend), a
-        ``jax.Device``, a spec such as ``'cpu:0'`` or ``'gpu:1'``, or a
+      target: ``None`` (any device of the default backend), a ``jax.Device``,
+        a spec such as ``'cpu:0'``, ``'gpu:1'`` or an int index, a
         ``Sharding`` (compared with ``is_equivalent_to``, so an equivalent
-        spec passes).
+        spec passes), or a ``Mesh`` (a full copy on each of its devices).
       memory_kind: required memory kind; ``None`` means the target's (by
         default the device's own memory, ``'device'``).
       committed: if not ``None``, also require ``x.committed == committed``.
@@ -270,64 +294,31 @@ def assert_on_device(
     Raises:
       PlacementAssertionError: listing every leaf elsewhere, on the host,
         in another memory kind, deleted/donated, traced, or not an array.
+      DeviceSpecError, DeviceNotFoundError: ``target`` names no device here.
+      ShardingError: a ``Mesh`` target lists a device twice.
       PlacementError: ``memory_kind`` does not exist on the target device.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
       >>> params = jaxdev.to_device({"w": jnp.ones(2), "b": jnp.zeros(2)}, "cpu:0")
       >>> jaxdev.assert_on_device(params)
-      >>> jaxdev.assert_on_device(params, "cpu:0", committed=True)
+      >>> jaxdev.assert_on_device(params, target="cpu:0", committed=True)
       >>> try:
       ...     jaxdev.assert_on_device({"w": params["w"], "n": 1.0})
       ... except AssertionError as e:
       ...     print(str(e).splitlines()[1])
         ['n']: found host (float), expected a jax.Array on cpu devices
     """
-    if _disabled():
+    if asserts_disabled():
         return
-    leaves = jax.tree_util.tree_leaves(tree)
-    if device_or_sharding is None:
-        platform = jax.default_backend()
-        kinds: dict[int, str | None] = {}
-
-        def fast(s: Sharding) -> bool:
-            if any(d.platform != platform for d in s.device_set):
-                return False
-            key = id(next(iter(s.device_set)))
-            if key not in kinds:
-                kinds[key] = memory_kind or _default_kind(s)
-            return s.memory_kind == kinds[key]
-
-        expected = f"a jax.Array on {platform} devices"
-        rule = f"are not on {platform} devices in " + (
-            f"{memory_kind!r} memory" if memory_kind else "their default memory"
-        )
-
-        def check(x: Any) -> str | None:
-            problem = _live_array_problem(x, expected)
-            if problem is not None or fast(x.sharding):
-                return problem
-            kind = kinds.get(id(next(iter(x.sharding.device_set))))
-            return f"found {_where(x)}, expected {expected}" + _kind_note(x, kind)
-
-        fix = f"Fix: `tree = jaxdev.to_device(tree, {platform!r})`."
+    if target is None:
+        checks, rule, fix = _backend_checks(memory_kind)
     else:
-        want = _target_sharding(device_or_sharding, memory_kind)
-        expected = _expected_str(want)
-        rule = f"are not on {expected}"
-
-        def fast(s: Sharding) -> bool:
-            return s is want or s == want
-
-        def check(x: Any) -> str | None:
-            problem = _live_array_problem(x, expected)
-            if problem is not None or _equivalent(x.sharding, want, x.ndim):
-                return problem
-            note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
-            return f"found {_where(x)}, expected {expected}{note}"
-
+        checks = _sharding_checks(_with_kind(as_sharding(target), memory_kind))
+        rule = f"are not on {checks.expected}"
         fix = "Fix: `tree = jaxdev.to_device(tree, target)` with the expected target."
-    bad = _scan(leaves, fast, check, committed)
+    leaves = jax.tree_util.tree_leaves(tree)
+    bad = _scan(leaves, checks, committed)
     _fail("assert_on_device", tree, "tree", len(leaves), bad, rule, fix)
 
 
@@ -356,15 +347,15 @@ def assert_on_host(tree: chex.ArrayTree) -> None:
       ...     print(str(e).splitlines()[1])
         ['loss']: found cpu:0 (uncommitted), expected host memory
     """
-    if _disabled():
+    if asserts_disabled():
         return
     leaves = jax.tree_util.tree_leaves(tree)
     expected = "host memory"
     bad = []
     for i, x in enumerate(leaves):
-        if _is_host_value(x):
+        if is_host_value(x):
             continue
-        if _is_concrete(x) and not _deleted(x) and x.sharding.memory_kind in _HOST_KINDS:
+        if is_concrete(x) and not deleted(x) and x.sharding.memory_kind in _HOST_KINDS:
             continue
         bad.append((i, f"found {_where(x)}, expected {expected}"))
     fix = "Fix: `tree = jaxdev.to_host(tree)` (one `jax.device_get`)."
@@ -375,58 +366,85 @@ def assert_on_host(tree: chex.ArrayTree) -> None:
     _fail("assert_on_host", tree, "tree", len(leaves), bad, rule, fix)
 
 
-_HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
 def assert_replicated(
     tree: chex.ArrayTree,
-    mesh_or_devices: DevicesLike = None,
+    target: Target | None = None,
     *,
     check_values: bool = False,
     memory_kind: str | None = None,
 ) -> None:
-    """Assert every leaf of ``tree`` is fully replicated over the given devices.
+    """Assert every leaf of ``tree`` is fully replicated over ``target``'s devices.
 
     True replication: each device holds the whole array
     (``sharding.is_fully_replicated``, e.g. ``NamedSharding(mesh, P())``) and
     the array spans exactly those devices. A stacked (pmap-layout) array,
     whose leading axis has one different slice per device, fails; so does a
-    sharded one. With ``check_values=True`` every replica must also be
-    bitwise identical to the first (drift detection; NaN payloads and -0.0
-    compare by bits); this reads every replica, so it costs a transfer per
-    shard. Only this process's addressable replicas are compared.
+    sharded one. With ``check_values=True`` the replicas must also be
+    bitwise identical (NaN payloads and -0.0 compare by bits); the copies
+    that differ from the majority are named. This reads every replica, a
+    transfer per shard; only this process's addressable replicas compare.
 
     Args:
       tree: any pytree.
-      mesh_or_devices: a ``Mesh``, a device count ``n`` (the first ``n``
-        local devices), a platform name, a list of device specs, or ``None``
-        for every device (``jax.devices()``).
-      check_values: also require identical replicas.
-      memory_kind: required memory kind; ``None`` means the devices' own.
+      target: where the replicas must be: a ``Mesh`` (its devices), a
+        ``Sharding`` (its device set and memory kind), or one device (a
+        ``jax.Device`` or a spec such as ``'cpu:0'``); ``None`` for every
+        device (``jax.devices()``).
+      check_values: also require bitwise identical replicas.
+      memory_kind: required memory kind; ``None`` means the target's.
 
     Raises:
       PlacementAssertionError: listing every leaf that is sharded or
         stacked, on other devices, on the host, deleted/donated, traced,
         or (``check_values``) whose replicas differ, naming which.
-      DeviceSpecError, DeviceNotFoundError: ``mesh_or_devices`` is invalid.
+      DeviceSpecError, DeviceNotFoundError: ``target`` names no device here.
+      ShardingError: a ``Mesh`` target lists a device twice.
+      PlacementError: ``memory_kind`` does not exist on the devices.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jaxdev
-      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      >>> mesh = Mesh(jax.devices(), ("data",))
-      >>> params = jax.device_put({"w": jnp.ones(4)}, NamedSharding(mesh, P()))
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> params = jaxdev.to_device({"w": jnp.ones(4)}, mesh)
       >>> jaxdev.assert_replicated(params, mesh, check_values=True)
+      >>> try:
+      ...     jaxdev.assert_replicated(params, target="cpu:0")
+      ... except AssertionError as e:
+      ...     print(str(e).splitlines()[0])
+      `assert_replicated` failed: 1 of 1 leaves of `tree` are not replicated on [cpu:0]:
     """
-    if _disabled():
+    if asserts_disabled():
         return
-    devices = _expected_devices(mesh_or_devices)
+    checks, devices = _replica_checks(target, memory_kind)
+    leaves = jax.tree_util.tree_leaves(tree)
+    bad = _scan(leaves, checks)
+    if check_values:
+        bad = sorted(bad + _drifted(leaves, skip={i for i, _ in bad}))
+    rule = f"are not replicated on [{format_devices(sorted(devices, key=device_key))}]"
+    rule += " with bitwise identical replicas" if check_values else ""
+    _fail("assert_replicated", tree, "tree", len(leaves), bad, rule, _REPLICATE_FIX)
+
+
+_REPLICATE_FIX = (
+    "Fix: replicate with `jaxdev.to_device(tree, mesh)` (a full copy on each device); for a "
+    "stacked (pmap) tree take one copy first (`jaxdev.unstack_from_pmap(tree)`)."
+)
+
+
+def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Checks, frozenset]:
+    """Checks for full copies on ``target``'s devices in one memory kind, and those devices."""
+    if target is None:
+        devices: frozenset = frozenset(jax.devices())
+        kind = None
+    else:
+        s = as_sharding(target)
+        devices, kind = frozenset(s.device_set), s.memory_kind
     if memory_kind is not None:
         _check_memory_kind(devices, memory_kind)
-    kind = memory_kind or next(iter(devices)).default_memory().kind
-    listed = format_devices(sorted(devices, key=_dev_key))
-    expected = f"fully replicated on {len(devices)} device(s)" + (
-        f" in {kind!r} memory" if memory_kind else ""
-    )
+    default = next(iter(devices)).default_memory().kind
+    kind = memory_kind or kind or default
+    expected = f"fully replicated on {len(devices)} device(s)"
+    if memory_kind or kind != default:
+        expected += f" in {kind!r} memory"
 
     def fast(s: Sharding) -> bool:
         return s.is_fully_replicated and s.memory_kind == kind and s.device_set == devices
@@ -437,23 +455,7 @@ def assert_replicated(
             return problem
         return f"found {_where(x)}{_stacked_note(x)}, expected {expected}"
 
-    leaves = jax.tree_util.tree_leaves(tree)
-    bad = _scan(leaves, fast, check)
-    if check_values:
-        failed = {i for i, _ in bad}
-        bad = sorted(bad + _replica_drift(leaves, skip=failed))
-    fix = (
-        "Fix: replicate with `jax.device_put(tree, NamedSharding(mesh, P()))`; for a stacked "
-        "(pmap) tree take one copy first (`jax.tree.map(lambda x: x[0], tree)`)."
-    )
-    rule = f"are not replicated on [{listed}]" + (
-        " with bitwise identical replicas" if check_values else ""
-    )
-    _fail("assert_replicated", tree, "tree", len(leaves), bad, rule, fix)
-
-
-def _dev_key(d: jax.Device) -> tuple[str, int]:
-    return (d.platform, d.id)
+    return _Checks(fast, check, expected), devices
 
 
 def _stacked_note(x: jax.Array) -> str:
@@ -467,44 +469,27 @@ def _stacked_note(x: jax.Array) -> str:
     return ""
 
 
-def _replica_drift(leaves: list[Any], skip: set[int]) -> list[tuple[int, str]]:
+def _drifted(leaves: list[Any], skip: set[int]) -> list[tuple[int, str]]:
     """``(index, why)`` for every leaf (not in ``skip``) whose replicas differ bitwise."""
-    idx = [i for i, x in enumerate(leaves) if i not in skip]
+    idx = [i for i in range(len(leaves)) if i not in skip]
     shards = [leaves[i].addressable_shards for i in idx]
-    host = jax.device_get([[sh.data for sh in ss] for ss in shards])
+    copies = jax.device_get([[sh.data for sh in ss] for ss in shards])
     bad = []
-    for i, ss, copies in zip(idx, shards, host):
-        ref = copies[0].tobytes()
-        diff = [sh.device for sh, c in zip(ss, copies) if c.tobytes() != ref]
-        if diff:
-            bad.append((i, _drift_line(ss[0].device, diff, copies, ss)))
+    for i, ss, values in zip(idx, shards, copies):
+        line = replica_drift([device_name(sh.device) for sh in ss], values)
+        if line is not None:
+            bad.append((i, f"replicas differ: {line}, expected identical replicas"))
     return bad
-
-
-def _drift_line(ref: jax.Device, diff: list, copies: list[np.ndarray], shards: list) -> str:
-    devs = [sh.device for sh in shards]
-    other = copies[devs.index(diff[0])]
-    n_el = int(np.sum(np.any(_bytes(other) != _bytes(copies[0]), axis=1)))
-    return (
-        f"replicas differ: {format_devices(diff)} differ bitwise from {ref.platform}:{ref.id} "
-        f"({n_el} of {other.size} elements differ on {diff[0].platform}:{diff[0].id}), "
-        "expected identical replicas"
-    )
-
-
-def _bytes(a: np.ndarray) -> np.ndarray:
-    """Each element's raw bytes as one row, for an element-wise bitwise compare."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, -1)
 
 
 def assert_sharded(
     tree: chex.ArrayTree,
-    sharding_or_spec: Sharding | PartitionSpec,
-    mesh: Mesh | None = None,
+    target: Sharding | PartitionSpec,
     *,
+    mesh: Mesh | None = None,
     memory_kind: str | None = None,
 ) -> None:
-    """Assert every leaf of ``tree`` is laid out as ``sharding_or_spec``.
+    """Assert every leaf of ``tree`` is laid out as ``target``.
 
     Layouts are compared with ``Sharding.is_equivalent_to`` for each leaf's
     rank, so ``P('data')`` and ``P('data', None)`` on the same mesh match,
@@ -514,9 +499,9 @@ def assert_sharded(
 
     Args:
       tree: any pytree.
-      sharding_or_spec: a ``Sharding``, or a ``PartitionSpec``. A spec is
-        taken on ``mesh`` when given, otherwise on each leaf's own mesh
-        (the leaf must then carry a ``NamedSharding``).
+      target: a ``Sharding``, or a ``PartitionSpec``, taken on ``mesh`` when
+        given, otherwise on each leaf's own mesh (the leaf must then carry a
+        ``NamedSharding``).
       mesh: the ``Mesh`` for a spec; ignored for a ``Sharding``.
       memory_kind: required memory kind; ``None`` means the sharding's
         (by default the devices' own memory).
@@ -524,9 +509,10 @@ def assert_sharded(
     Raises:
       PlacementAssertionError: listing every leaf laid out otherwise
         (found vs expected), on the host, deleted/donated or traced.
-      PlacementError: ``sharding_or_spec`` is neither a ``Sharding`` nor a
+      PlacementError: ``target`` is neither a ``Sharding`` nor a
         ``PartitionSpec``, names axes ``mesh`` lacks, or ``memory_kind``
         does not exist.
+      ShardingError: ``mesh`` is not a mesh of distinct devices.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev
@@ -534,53 +520,42 @@ def assert_sharded(
       >>> mesh = Mesh(jax.devices(), ("data",))
       >>> batch = jax.device_put({"x": jnp.ones((8, 3))}, NamedSharding(mesh, P("data")))
       >>> jaxdev.assert_sharded(batch, P("data"))
-      >>> jaxdev.assert_sharded(batch, P("data", None), mesh)
+      >>> jaxdev.assert_sharded(batch, P("data", None), mesh=mesh)
     """
-    if _disabled():
+    if asserts_disabled():
         return
-    if isinstance(sharding_or_spec, Sharding):
-        want = _target_sharding(sharding_or_spec, memory_kind)
-    elif isinstance(sharding_or_spec, PartitionSpec):
-        want = None if mesh is None else _named(mesh, sharding_or_spec, memory_kind)
+    if isinstance(target, PartitionSpec) and mesh is None:
+        checks = _spec_checks(target, memory_kind)
     else:
-        raise PlacementError(
-            f"`sharding_or_spec` must be a jax.sharding.Sharding or a PartitionSpec, got "
-            f"{type(sharding_or_spec).__name__} {sharding_or_spec!r}. For a single device "
-            "use `assert_on_device`."
-        )
-    if want is None:
-        fast, check, expected = _spec_checks(sharding_or_spec, memory_kind)
-    else:
-        expected = _expected_str(want)
-
-        def fast(s: Sharding) -> bool:
-            return s is want or s == want
-
-        def check(x: Any) -> str | None:
-            return _live_array_problem(x, expected) or (
-                None
-                if _equivalent(x.sharding, want, x.ndim)
-                else f"found {_where(x)}, expected {expected}"
-            )
-
+        checks = _sharding_checks(_with_kind(_sharded_target(target, mesh), memory_kind))
     leaves = jax.tree_util.tree_leaves(tree)
-    bad = _scan(leaves, fast, check)
+    bad = _scan(leaves, checks)
     fix = "Fix: `tree = jaxdev.to_device(tree, NamedSharding(mesh, spec))`."
-    _fail("assert_sharded", tree, "tree", len(leaves), bad, f"are not sharded as {expected}", fix)
+    rule = f"are not sharded as {checks.expected}"
+    _fail("assert_sharded", tree, "tree", len(leaves), bad, rule, fix)
 
 
-def _named(mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> NamedSharding:
+def _sharded_target(target: Any, mesh: Mesh | None) -> Sharding:
+    """``target`` as a Sharding: itself, or a spec taken on ``mesh``."""
+    if isinstance(target, Sharding):
+        return target
+    if not isinstance(target, PartitionSpec):
+        raise PlacementError(
+            f"`target` must be a jax.sharding.Sharding or a PartitionSpec, got "
+            f"{type(target).__name__} {target!r}. For a single device use `assert_on_device`; "
+            "for a full copy on each device of a mesh use `assert_replicated`."
+        )
+    mesh = check_mesh(mesh)
     try:
-        s = NamedSharding(mesh, spec)
+        return named_sharding(mesh, target)
     except Exception as err:  # JAX: ValueError naming the unknown axis
         raise PlacementError(
-            f"`sharding_or_spec`={spec} does not fit `mesh` with axes {dict(mesh.shape)}: {err}"
+            f"`target`={target} does not fit `mesh` with axes {dict(mesh.shape)}: {err}"
         ) from None
-    return _target_sharding(s, memory_kind)
 
 
-def _spec_checks(spec: PartitionSpec, memory_kind: str | None):
-    """``fast``/``check``/description for a spec taken on each leaf's own mesh."""
+def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
+    """Checks for a spec taken on each leaf's own mesh."""
     expected = f"{spec} on the leaf's mesh" + (f" in {memory_kind!r} memory" if memory_kind else "")
 
     def kind_ok(s: Sharding) -> bool:
@@ -603,7 +578,7 @@ def _spec_checks(spec: PartitionSpec, memory_kind: str | None):
                 return None
         return f"found {_where(x)}, expected {expected}"
 
-    return fast, check, expected
+    return _Checks(fast, check, expected)
 
 
 def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
@@ -628,20 +603,21 @@ def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
       >>> jaxdev.assert_committed(jaxdev.to_device({"w": jnp.ones(2)}, "cpu:0"))
       >>> jaxdev.assert_committed({"w": jnp.ones(2)}, committed=False)
     """
-    if _disabled():
+    if asserts_disabled():
         return
     leaves = jax.tree_util.tree_leaves(tree)
+    impl = array_type()
     want = "committed to a device" if committed else "uncommitted"
     bad = []
     for i, x in enumerate(leaves):
-        if type(x) in _ARRAY_TYPES and not x.is_deleted() and x.committed == committed:
+        if type(x) is impl and not x.is_deleted() and x.committed == committed:
             continue
         problem = _live_array_problem(x, f"a jax.Array {want}")
         if problem is None and x.committed == committed:
             continue
         if problem is None:
             state = "committed" if x.committed else "uncommitted"
-            problem = f"found {state} on {_describe_sharding(x.sharding)}, expected {want}"
+            problem = f"found {state} on {describe_sharding(x.sharding)}, expected {want}"
         bad.append((i, problem))
     fix = (
         "Fix: `tree = jaxdev.to_device(tree, device)` commits every leaf."
@@ -674,21 +650,22 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
       >>> params = jaxdev.to_device({"w": jnp.ones(2)}, "cpu:0")
       >>> jaxdev.assert_same_placement(params, jax.tree.map(jnp.zeros_like, params))
     """
-    if _disabled():
+    if asserts_disabled():
         return
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
     fix = "Fix: `b = jaxdev.to_device(b, a_sharding)` (or move `a`) so both live together."
     if ta == tb:
+        impl = array_type()
         bad = [
             (i, why)
             for i, (x, y) in enumerate(zip(la, lb))
-            if not _same_fast(x, y) and (why := _pair_problem(x, y)) is not None
+            if not _same_fast(x, y, impl) and (why := _pair_problem(x, y)) is not None
         ]
         _fail("assert_same_placement", a, "a` and `b", len(la), bad, "are placed differently", fix)
         return
-    pa = {keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(a)[0]}
-    pb = {keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(b)[0]}
+    pa = dict(zip(key_strings(a, ta), la))
+    pb = dict(zip(key_strings(b, tb), lb))
     lines = [
         f"{p}: only in `{'a' if p in pa else 'b'}`" for p in [*pa, *pb] if (p in pa) != (p in pb)
     ]
@@ -705,23 +682,23 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
         raise PlacementAssertionError(_message(header, lines, fix))
 
 
-def _same_fast(x: Any, y: Any) -> bool:
-    """Whether two live arrays of known types share one placement (cheap test)."""
-    if type(x) in _ARRAY_TYPES and type(y) in _ARRAY_TYPES:
+def _same_fast(x: Any, y: Any, impl: type) -> bool:
+    """Whether two live arrays of jaxlib's array type share one placement (cheap test)."""
+    if type(x) is impl and type(y) is impl:
         if x.is_deleted() or y.is_deleted() or x.committed != y.committed:
             return False
         sx, sy = x.sharding, y.sharding
-        return sx is sy or sx == sy
+        return sx is sy or sharding_key(sx) == sharding_key(sy)
     return False
 
 
 def _pair_problem(x: Any, y: Any) -> str | None:
     """Why leaves ``x`` and ``y`` are placed differently, or None."""
-    if _is_concrete(x) and _is_concrete(y):
-        if not (_deleted(x) or _deleted(y)) and x.committed == y.committed:
+    if is_concrete(x) and is_concrete(y):
+        if not (deleted(x) or deleted(y)) and x.committed == y.committed:
             sx, sy = x.sharding, y.sharding
             if x.ndim == y.ndim and _equivalent(sx, sy, x.ndim):
                 return None
-    elif _is_host_value(x) and _is_host_value(y):
+    elif is_host_value(x) and is_host_value(y):
         return None
     return f"`a` {_where(x)}, `b` {_where(y)}"

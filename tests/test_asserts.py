@@ -16,7 +16,13 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdev
-from jaxdev import PlacementAssertionError, PlacementError
+from jaxdev import (
+    DeviceNotFoundError,
+    DeviceSpecError,
+    PlacementAssertionError,
+    PlacementError,
+    ShardingError,
+)
 
 
 @pytest.fixture
@@ -63,6 +69,19 @@ def test_on_device_passes_for_device_spec_sharding_and_none(devices):
     jaxdev.assert_on_device(tree, devices[0])
     jaxdev.assert_on_device(tree, SingleDeviceSharding(devices[0]))
     jaxdev.assert_on_device(tree, devices[0], committed=True)
+    jaxdev.assert_on_device(tree, target="cpu:0", committed=True)
+    jaxdev.assert_on_device(tree, 0)  # an int names one device: its index
+
+
+def test_on_device_mesh_target_means_a_full_copy_on_each_device(mesh, devices):
+    rep = jaxdev.to_device({"w": jnp.ones((8, 2))}, mesh)
+    jaxdev.assert_on_device(rep, mesh)
+    jaxdev.assert_on_device(rep, target=NamedSharding(mesh, P()))
+    shd = {"w": jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P("data")))}
+    msg = message(jaxdev.assert_on_device, shd, target=mesh)
+    assert "['w']: found mesh(data=8) P('data',), expected mesh(data=8) P()" in msg
+    msg = message(jaxdev.assert_on_device, {"w": on(jnp.ones(2), devices[0])}, mesh)
+    assert "['w']: found cpu:0, expected mesh(data=8) P()" in msg
 
 
 def test_on_device_works_on_cpu_without_platform_unlike_chex(devices):
@@ -173,8 +192,46 @@ def test_replicated_passes_for_true_replication(mesh, devices):
     tree = jax.device_put({"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}, NamedSharding(mesh, P()))
     jaxdev.assert_replicated(tree)
     jaxdev.assert_replicated(tree, mesh, check_values=True)
-    jaxdev.assert_replicated(tree, devices)
-    jaxdev.assert_replicated(tree, 8)
+    jaxdev.assert_replicated(tree, target=mesh)
+    jaxdev.assert_replicated(tree, NamedSharding(mesh, P()))
+    jaxdev.assert_replicated(tree, target=NamedSharding(mesh, P("data")))  # its device set
+    one = on(jnp.ones(2), devices[3])
+    jaxdev.assert_replicated({"one": one}, "cpu:3", check_values=True)  # one copy on cpu:3
+    jaxdev.assert_replicated({"one": one}, devices[3])
+
+
+def test_replicated_int_and_platform_name_one_device_not_a_count(mesh, devices):
+    tree = jax.device_put({"w": jnp.ones(2)}, NamedSharding(mesh, P()))
+    msg = message(jaxdev.assert_replicated, tree, 3)  # device index 3, not "3 devices"
+    assert "are not replicated on [cpu:3]:" in msg
+    assert "['w']: found mesh(data=8) P() (fully replicated on 8 devices), expected fully " in msg
+    msg = message(jaxdev.assert_replicated, tree, "cpu")  # the platform's device 0
+    assert "are not replicated on [cpu:0]:" in msg
+    with pytest.raises(DeviceNotFoundError, match="out of range"):
+        jaxdev.assert_replicated(tree, 8)
+    with pytest.raises(DeviceSpecError):
+        jaxdev.assert_replicated(tree, devices)  # a list: use a Mesh
+
+
+def test_replicated_mesh_target_with_a_repeated_device_is_refused(devices):
+    twice = Mesh(np.array([devices[0], devices[1], devices[0]]), ("data",))
+    x = jax.device_put(jnp.ones(2), devices[0])
+    with pytest.raises(ShardingError, match="lists cpu:0 more than once"):
+        jaxdev.assert_replicated(x, twice)
+    with pytest.raises(ShardingError, match="lists cpu:0 more than once"):
+        jaxdev.assert_on_device(x, twice)
+    with pytest.raises(ShardingError, match="lists cpu:0 more than once"):
+        jaxdev.assert_sharded(x, P("data"), mesh=twice)
+
+
+def test_replicated_memory_kind(mesh):
+    tree = {"w": jax.device_put(jnp.ones(2), NamedSharding(mesh, P(), memory_kind="pinned_host"))}
+    msg = message(jaxdev.assert_replicated, tree, mesh)
+    assert "['w']: found mesh(data=8) P() (fully replicated on 8 devices) in 'pinned_host' " in msg
+    jaxdev.assert_replicated(tree, mesh, memory_kind="pinned_host")
+    jaxdev.assert_replicated(tree, NamedSharding(mesh, P(), memory_kind="pinned_host"))
+    with pytest.raises(PlacementError, match="`memory_kind`='hbm' does not exist on cpu:"):
+        jaxdev.assert_replicated(tree, mesh, memory_kind="hbm")
 
 
 def test_replicated_rejects_stacked_pmap_layout_and_sharded(mesh):
@@ -219,17 +276,36 @@ def test_replicated_check_values_finds_drifted_replicas(mesh):
     tree = {"a": drifted(mesh, bad=(3, 5)), "b": drifted(mesh, bad=(1,)), "ok": drifted(mesh, ())}
     jaxdev.assert_replicated(tree, mesh)  # the layout is right; only the values drifted
     msg = message(jaxdev.assert_replicated, tree, mesh, check_values=True)
-    assert "['a']: replicas differ: cpu:3, cpu:5 differ bitwise from cpu:0" in msg
-    assert "(3 of 3 elements differ on cpu:3)" in msg
-    assert "['b']: replicas differ: cpu:1 differ bitwise from cpu:0" in msg
+    assert (
+        "['a']: replicas differ: cpu:3, cpu:5 differ bitwise from cpu:0, cpu:1, cpu:2, cpu:4, "
+        "cpu:6, cpu:7 (3 of 3 elements differ on cpu:3, max |difference| 1), expected "
+        "identical replicas"
+    ) in msg
+    assert "['b']: replicas differ: cpu:1 differ bitwise from cpu:0, cpu:2" in msg
     assert "['ok']" not in msg
+    assert msg.splitlines()[0].startswith("`assert_replicated` failed: 2 of 3 leaves of `tree`")
+    assert "with bitwise identical replicas" in msg.splitlines()[0]
+
+
+def test_replicated_check_values_names_the_drifting_device_by_majority(mesh):
+    # cpu:0 holds the odd copy: the majority (the 7 others) is the reference, so cpu:0
+    # is the one named, not the 7 that agree.
+    tree = {"params": {"w": drifted(mesh, bad=(0,), value=2.5)}}
+    jaxdev.assert_replicated(tree)  # the layout is right
+    msg = message(jaxdev.assert_replicated, tree, check_values=True)
+    assert (
+        "['params']['w']: replicas differ: cpu:0 differ bitwise from cpu:1, cpu:2, cpu:3, "
+        "cpu:4, cpu:5, cpu:6, cpu:7 (3 of 3 elements differ on cpu:0, max |difference| 2.5)"
+    ) in msg
+    msg = message(jaxdev.assert_replicated, tree, mesh, check_values=True)
+    assert "['params']['w']: replicas differ: cpu:0 differ bitwise" in msg
 
 
 def test_replicated_check_values_is_bitwise(mesh):
     msg = message(
         jaxdev.assert_replicated, {"z": drifted(mesh, (2,), value=-0.0)}, check_values=True
     )
-    assert "['z']: replicas differ: cpu:2" in msg  # -0.0 == 0.0 by value, not by bits
+    assert "['z']: replicas differ: cpu:2 differ bitwise" in msg  # -0.0 == 0.0, not by bits
     nan = {"n": drifted(mesh, tuple(range(8)), value=np.nan)}
     jaxdev.assert_replicated(nan, check_values=True)  # NaN != NaN by value, equal by bits
 
@@ -248,17 +324,32 @@ def test_sharded_passes_for_spec_with_and_without_mesh_and_for_sharding(mesh):
         {"x": jnp.ones((8, 3)), "y": jnp.ones(16)}, NamedSharding(mesh, P("data"))
     )
     jaxdev.assert_sharded(tree, P("data"))
-    jaxdev.assert_sharded(tree, P("data"), mesh)
+    jaxdev.assert_sharded(tree, P("data"), mesh=mesh)
+    jaxdev.assert_sharded(tree, target=P("data"), mesh=mesh)
     jaxdev.assert_sharded(tree, NamedSharding(mesh, P("data")))
-    jaxdev.assert_sharded({"x": tree["x"]}, P("data", None), mesh)  # equivalent spec
+    jaxdev.assert_sharded(tree, target=NamedSharding(mesh, P("data")), mesh=None)
+    jaxdev.assert_sharded({"x": tree["x"]}, P("data", None), mesh=mesh)  # equivalent spec
+
+
+def test_sharded_spec_with_mesh_checks_that_mesh(mesh, devices):
+    half = Mesh(np.array(devices[:4]), ("data",))
+    x = jax.device_put(jnp.ones(8), NamedSharding(half, P("data")))
+    jaxdev.assert_sharded({"x": x}, P("data"))  # on the leaf's own mesh
+    jaxdev.assert_sharded({"x": x}, P("data"), mesh=half)
+    msg = message(jaxdev.assert_sharded, {"x": x}, P("data"), mesh=mesh)
+    assert msg.splitlines()[0].startswith(
+        "`assert_sharded` failed: 1 of 1 leaves of `tree` are not sharded as mesh(data=8) P("
+    )
+    assert "['x']: found mesh(data=4) P('data',), expected mesh(data=8) P('data',)" in msg
 
 
 def test_sharded_rejects_replicated_unlike_chex(mesh):
     rep = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P()))
     chex.assert_tree_is_sharded({"r": rep}, devices=list(mesh.devices.flat))  # chex passes it
     tree = {"r": rep, "r2": jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))}
-    for args in ((P("data"),), (P("data"), mesh), (NamedSharding(mesh, P("data")),)):
-        msg = message(jaxdev.assert_sharded, tree, *args)
+    for kwargs in ({"target": P("data")}, {"target": P("data"), "mesh": mesh}, {}):
+        kwargs = kwargs or {"target": NamedSharding(mesh, P("data"))}
+        msg = message(jaxdev.assert_sharded, tree, **kwargs)
         assert "['r']: found mesh(data=8) P() (fully replicated on 8 devices), expected " in msg
         assert "['r2']:" in msg
     sharded = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
@@ -275,17 +366,25 @@ def test_sharded_rejects_single_device_and_host_leaves(mesh, devices):
 
 def test_sharded_bad_arguments_are_usage_errors(mesh):
     x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
-    with pytest.raises(PlacementError, match="`sharding_or_spec`=P\\('model',\\) does not fit"):
-        jaxdev.assert_sharded(x, P("model"), mesh)
-    with pytest.raises(PlacementError, match="must be a jax.sharding.Sharding or a PartitionSpec"):
+    with pytest.raises(PlacementError, match="`target`=P\\('model',\\) does not fit `mesh`"):
+        jaxdev.assert_sharded(x, P("model"), mesh=mesh)
+    with pytest.raises(PlacementError, match="`target` must be a jax.sharding.Sharding or a Part"):
         jaxdev.assert_sharded(x, "data")
+    with pytest.raises(PlacementError, match="use `assert_replicated`"):
+        jaxdev.assert_sharded(x, mesh)  # a Mesh is a replicated target, not a layout
+    with pytest.raises(ShardingError, match="`mesh` must be a jax.sharding.Mesh"):
+        jaxdev.assert_sharded(x, P("data"), mesh="data")
+    with pytest.raises(TypeError):
+        jaxdev.assert_sharded(x, P("data"), mesh)  # `mesh` is keyword-only
 
 
 def test_sharded_checks_memory_kind(mesh):
     x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data"), memory_kind="pinned_host"))
     message(jaxdev.assert_sharded, {"x": x}, P("data"))
     jaxdev.assert_sharded({"x": x}, P("data"), memory_kind="pinned_host")
-    jaxdev.assert_sharded({"x": x}, P("data"), mesh, memory_kind="pinned_host")
+    jaxdev.assert_sharded({"x": x}, P("data"), mesh=mesh, memory_kind="pinned_host")
+    msg = message(jaxdev.assert_sharded, {"x": x}, P("data"), mesh=mesh)
+    assert "in 'pinned_host' memory, expected mesh(data=8) P('data',) in 'device' memory" in msg
 
 
 # ---------------------------------------------------------------- committed / same placement
@@ -339,7 +438,9 @@ ASSERTIONS = [
     jaxdev.assert_on_host,
     jaxdev.assert_replicated,
     lambda t: jaxdev.assert_replicated(t, check_values=True),
+    lambda t: jaxdev.assert_replicated(t, target="cpu:0", check_values=True),
     lambda t: jaxdev.assert_sharded(t, P()),
+    lambda t: jaxdev.assert_sharded(t, target=SingleDeviceSharding(jax.devices()[0])),
     jaxdev.assert_committed,
     lambda t: jaxdev.assert_same_placement(t, t),
 ]
@@ -417,14 +518,29 @@ def test_flax_nnx_state(devices):
 # ---------------------------------------------------------------- chex integration, speed
 
 
-def test_chex_disable_asserts_switches_them_off():
+def test_chex_disable_asserts_switches_them_off(mesh, devices):
+    host, dev = {"a": np.ones(2)}, {"a": on(jnp.ones(8), devices[1])}
+    drift = {"d": drifted(mesh)}
+    failing = [
+        lambda: jaxdev.assert_on_device(host),
+        lambda: jaxdev.assert_on_device(dev, target="cpu:0", committed=False),
+        lambda: jaxdev.assert_on_host(dev),
+        lambda: jaxdev.assert_replicated(dev, target=mesh),
+        lambda: jaxdev.assert_replicated(drift, check_values=True),
+        lambda: jaxdev.assert_sharded(dev, P("data")),
+        lambda: jaxdev.assert_sharded(dev, P("data"), mesh=mesh),
+        lambda: jaxdev.assert_committed(host),
+        lambda: jaxdev.assert_same_placement(host, dev),
+    ]
     chex.disable_asserts()
     try:
-        jaxdev.assert_on_device({"a": np.ones(2)})
-        jaxdev.assert_on_host({"a": jnp.ones(2)})
+        for fn in failing:
+            assert fn() is None
     finally:
         chex.enable_asserts()
-    message(jaxdev.assert_on_device, {"a": np.ones(2)})
+    for fn in failing:
+        with pytest.raises(PlacementAssertionError):
+            fn()
 
 
 def _tree_2000(devices, mesh):
@@ -464,6 +580,8 @@ def test_2000_leaves_checked_in_under_10ms(devices, mesh, monkeypatch):
         "on_host": lambda: jaxdev.assert_on_host(host),
         "replicated": lambda: jaxdev.assert_replicated(rep, mesh),
         "sharded": lambda: jaxdev.assert_sharded(shd, P("data")),
+        "sharded(mesh=)": lambda: jaxdev.assert_sharded(shd, P("data"), mesh=mesh),
+        "replicated(None)": lambda: jaxdev.assert_replicated(rep),
         "committed": lambda: jaxdev.assert_committed(one),
         "same_placement": lambda: jaxdev.assert_same_placement(one, one),
     }
