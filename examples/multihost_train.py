@@ -65,13 +65,13 @@ def local_rows(step: int) -> dict:
 def main() -> int:
     mesh = jaxdev.data_mesh()  # every device of every process
     tx = optax.adam(0.05)
-    step = jaxdev.make_train_step(loss_fn, tx, jaxdev.sharded(mesh), has_aux=True)
+    step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded(mesh), has_aux=True)
     params = {"w": jnp.zeros((FEATURES, CLASSES)), "b": jnp.zeros(CLASSES)}
     state = step.init_state(params, tx)
     metrics = None
     for i in range(STEPS):
         state, metrics = step(state, step.put_batch(local_rows(i)), metrics)
-    jaxdev.assert_same_across_processes(state.params)  # replicas agree on every process
+    jaxdev.distributed.assert_same_across_processes(state.params)  # replicas agree everywhere
     out = metrics.fetch()
     checksum = float(np.sum(np.abs(jaxdev.to_host(jaxdev.unreplicate(state.params)["w"]))))
     print(

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 
-from ._cli import UsageError
+from ._errors import UsageError
 
 
 class Result(NamedTuple):
@@ -78,33 +78,45 @@ class BenchConfig(NamedTuple):
 # ---------------------------------------------------------------- timing
 
 
-def _block(value: Any) -> Any:
-    return jax.block_until_ready(value)
+def _wall_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes, its output waited for with ``jax.block_until_ready``."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
 
 
-def time_side_by_side(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+def _reported_seconds(fn: Callable[[], float]) -> float:
+    """Seconds ``fn()`` measured itself (e.g. in a worker process) and returned."""
+    return fn()
+
+
+def time_side_by_side(
+    variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
+) -> dict[str, float]:
     """Return the median seconds of every variant, measured interleaved.
 
     Each variant runs once untimed (warm-up, compiles), then ``reps``
-    rounds run every variant once, the order rotating each round. Outputs
-    are waited for with ``jax.block_until_ready``.
+    rounds run every variant once, the order rotating each round so that
+    neither variant always runs first.
 
     Args:
       variants: ``{name: zero-argument callable}``.
       reps: timed rounds.
+      self_timed: whether each callable returns its own timing in seconds
+        (a worker process timing its matmul); otherwise every call is timed
+        here, waiting for its output with ``jax.block_until_ready``.
 
     Returns:
       ``{name: median seconds}`` in the order of ``variants``.
     """
+    measure = _reported_seconds if self_timed else _wall_seconds
     names = list(variants)
     for name in names:
-        _block(variants[name]())
+        measure(variants[name])
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            _block(variants[name]())
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(measure(variants[name]))
     return {name: float(np.median(samples[name])) for name in names}
 
 
@@ -202,18 +214,6 @@ class _Worker:
             self.proc.wait(timeout=30)
 
 
-def _time_reported(variants: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
-    """Like :func:`time_side_by_side` for callables that return their own timing."""
-    names = list(variants)
-    for name in names:
-        variants[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            samples[name].append(variants[name]())
-    return {name: float(np.median(samples[name])) for name in names}
-
-
 def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
     """Exercise 1 on a CPU-only host: one core vs every core, in two worker processes."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -233,7 +233,8 @@ def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
     try:
         out = []
         for size in sizes:
-            times = _time_reported({k: w.time(size) for k, w in workers.items()}, reps)
+            variants = {k: w.time(size) for k, w in workers.items()}
+            times = time_side_by_side(variants, reps, self_timed=True)
             one, every = times.values()
             out.append(
                 Result(

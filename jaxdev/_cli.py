@@ -41,6 +41,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jaxdev
+from jaxdev import UsageError
+
+from ._launch import UsageParser
 
 DEFAULT_FAKE_DEVICES = 8
 _ACCEL_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
@@ -51,10 +54,6 @@ _PLUGINS = (
     "jax_rocm7_plugin",
     "libtpu",
 )
-
-
-class UsageError(ValueError):
-    """A command-line mistake: exit code 2, one line, no traceback."""
 
 
 # ---------------------------------------------------------------- devices
@@ -358,13 +357,6 @@ def print_bench(results: Sequence[Any], ui: Ui) -> None:
 # ---------------------------------------------------------------- parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one-line :class:`UsageError` s."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -387,8 +379,8 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``jaxdev`` argument parser."""
-    p = _Parser(prog="jaxdev", description="Devices, data parallel training and benchmarks.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = UsageParser(prog="jaxdev", description="Devices, data parallel training and benchmarks.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=UsageParser)
     info = sub.add_parser("info", help="what devices JAX started here (like nvidia-smi)")
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_demo(sub)

@@ -30,9 +30,8 @@ import optax
 
 import jaxdev
 
-from ._cli import UsageError
+from ._errors import UsageError
 
-STRATEGIES = ("single", "pmap", "sharded")
 N_CLASSES = 10
 
 
@@ -175,58 +174,46 @@ def make_loss(model: MLP) -> Callable:
 
 
 def select_devices(n: int | None) -> list[jax.Device]:
-    """Return the first ``n`` local devices of the default backend (all when ``None``).
+    """Return :func:`jaxdev.device_list` ``(n)``: the first ``n`` local devices (all: ``None``).
 
     Raises:
-      UsageError: ``n`` < 1 or more than exist; says how many exist and how
-        to get fake CPU devices.
+      UsageError: ``n`` is more than exist; says how many exist and how to
+        get fake CPU devices from the command line.
+      DeviceSpecError: ``n`` < 1.
     """
-    local = jax.local_devices()
-    if n is None:
-        return list(local)
-    if n < 1:
-        raise UsageError(f"`--devices` must be >= 1, got {n}.")
-    if n > len(local):
-        platform = local[0].platform
+    try:
+        return jaxdev.device_list(n)
+    except jaxdev.DeviceNotFoundError:
+        local = jaxdev.device_list()
         raise UsageError(
             f"`--devices {n}` asks for more devices than exist: this process has "
-            f"{len(local)} {platform} device(s). For fake CPU devices run "
+            f"{len(local)} {local[0].platform} device(s). For fake CPU devices run "
             f"`JAX_PLATFORMS=cpu jaxdev demo --devices {n}` (from a fresh process: the "
             "device count is fixed once JAX has started)."
-        )
-    return list(local[:n])
+        ) from None
 
 
-def make_strategy(name: str, devices: list[jax.Device]) -> Any:
-    """Return the jaxdev strategy ``name`` over ``devices`` (``single`` uses the first).
+_MAKE_STRATEGY: dict[str, Callable[[list[jax.Device]], jaxdev.Strategy]] = {
+    "single": lambda devices: jaxdev.Strategy.single(devices[0]),
+    "pmap": lambda devices: jaxdev.Strategy.pmap(devices),
+    "sharded": lambda devices: jaxdev.Strategy.sharded(jaxdev.data_mesh(devices)),
+}
+STRATEGIES = tuple(_MAKE_STRATEGY)
+
+
+def make_strategy(name: str, devices: list[jax.Device]) -> jaxdev.Strategy:
+    """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (``single``: the first).
 
     Raises:
       UsageError: ``name`` is not one of ``STRATEGIES``.
     """
-    if name == "single":
-        return jaxdev.single(devices[0])
-    if name == "pmap":
-        return jaxdev.pmap(devices)
-    if name == "sharded":
-        return jaxdev.sharded(jaxdev.data_mesh(devices))
-    raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
-
-
-def n_devices_of(strategy: Any) -> int:
-    """Return how many devices a jaxdev strategy runs on."""
-    if isinstance(strategy, jaxdev.Single):
-        return 1
-    if isinstance(strategy, jaxdev.Pmap):
-        return len(strategy.devices)
-    return strategy.mesh.size
+    if name not in _MAKE_STRATEGY:
+        raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
+    return _MAKE_STRATEGY[name](devices)
 
 
 def check_config(config: DemoConfig) -> None:
     """Raise :class:`UsageError` for settings no run can use."""
-    if config.strategy not in STRATEGIES:
-        raise UsageError(
-            f"`--strategy {config.strategy}` is unknown: choose one of {', '.join(STRATEGIES)}."
-        )
     for name in ("epochs", "batch_size", "steps_per_call", "hidden"):
         value = getattr(config, name)
         if value < 1:
@@ -245,7 +232,7 @@ class _Steps(NamedTuple):
     eval: jaxdev.TrainStep
 
 
-def _make_steps(loss_fn: Callable, tx: Any, strategy: Any, k: int) -> _Steps:
+def _make_steps(loss_fn: Callable, tx: Any, strategy: jaxdev.Strategy, k: int) -> _Steps:
     one = jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True)
     many = (
         jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=k)
@@ -272,6 +259,39 @@ def _epoch_stats(epoch: int, train: Any, test: Any, seconds: float) -> EpochStat
     )
 
 
+def _train_epoch(
+    steps: _Steps,
+    state: jaxdev.TrainState,
+    groups: list[tuple[int, dict]],
+    bar: Any,
+    label: str,
+    show: Callable[[Any, Any], None] | None = None,
+) -> tuple[jaxdev.TrainState, jaxdev.Collection]:
+    """Run one epoch's steps; return the state and the epoch's metrics (on device).
+
+    ``bar.advance(steps, label)`` follows every call. ``show(state, batch)``,
+    if given, sees the epoch's last batch (the uneven one, padded and
+    masked) placed, before the step that consumes both.
+    """
+    metrics = _empty_metrics()
+    for i, (count, host_batch) in enumerate(groups):
+        step = steps.one if count == 1 else steps.many
+        batch = step.put_batch(host_batch)
+        if show is not None and i == len(groups) - 1:
+            show(state, batch)
+        state, metrics = step(state, batch, metrics)
+        bar.advance(count, label)
+    return state, metrics
+
+
+def _show_placement(ui: Any) -> Callable[[Any, Any], None]:
+    def show(state: Any, batch: Any) -> None:
+        ui.section("placement of the parameters", str(jaxdev.placement(state.params)))
+        ui.section("placement of the last batch of epoch 1", str(jaxdev.placement(batch)))
+
+    return show
+
+
 def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     """Train the MLP as ``config`` says and return the result.
 
@@ -289,58 +309,43 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     """
     check_config(config)
     start = time.perf_counter()
-    devices = select_devices(config.devices)
-    strategy = make_strategy(config.strategy, devices)
-    n = n_devices_of(strategy)
+    strategy = make_strategy(config.strategy, select_devices(config.devices))
     train, test = load_data(config.seed, config.test_fraction)
-    batch_size = round_batch(config.batch_size, n)
-    k = config.steps_per_call
+    batch_size = round_batch(config.batch_size, strategy.n_devices)
     per_epoch = math.ceil(len(train["y"]) / batch_size)
-    ui.line(_describe_setup(config, devices[:n], batch_size, train, test, per_epoch))
-
+    ui.line(_describe_setup(config, strategy, batch_size, train, test, per_epoch))
     model = MLP(config.hidden)
     tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, config.epochs * per_epoch))
-    steps = _make_steps(make_loss(model), tx, strategy, k)
+    steps = _make_steps(make_loss(model), tx, strategy, config.steps_per_call)
     params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
     state = steps.one.init_state(params, tx)
     test_batch = steps.eval.put_batch(test)
     rng = np.random.default_rng(config.seed)
     history: list[EpochStats] = []
-    shown = False
     with ui.progress(config.epochs * per_epoch) as bar:
         for epoch in range(1, config.epochs + 1):
             t0 = time.perf_counter()
-            metrics = _empty_metrics()
-            groups = list(group_steps(epoch_batches(train, batch_size, rng), k))
-            for i, (count, host_batch) in enumerate(groups):
-                step = steps.one if count == 1 else steps.many
-                batch = step.put_batch(host_batch)
-                if not shown and i == len(groups) - 1:  # the uneven one, padded + masked
-                    shown = True
-                    ui.section("placement of the parameters", str(jaxdev.placement(state.params)))
-                    ui.section(
-                        "placement of the last batch of epoch 1", str(jaxdev.placement(batch))
-                    )
-                state, metrics = step(state, batch, metrics)
-                bar.advance(count, f"epoch {epoch}/{config.epochs}")
+            groups = list(group_steps(epoch_batches(train, batch_size, rng), config.steps_per_call))
+            show = _show_placement(ui) if epoch == 1 else None
+            label = f"epoch {epoch}/{config.epochs}"
+            state, metrics = _train_epoch(steps, state, groups, bar, label, show)
             test_metrics = steps.eval(state, test_batch)
-            stats = _epoch_stats(epoch, metrics, test_metrics, time.perf_counter() - t0)
-            history.append(stats)
-            ui.line(_format_epoch(stats, config.epochs))
-    seconds = time.perf_counter() - start
+            history.append(_epoch_stats(epoch, metrics, test_metrics, time.perf_counter() - t0))
+            ui.line(_format_epoch(history[-1], config.epochs))
     return DemoResult(
         history[-1].test_accuracy,
         tuple(history),
-        n,
+        strategy.n_devices,
         config.strategy,
-        devices[0].platform,
-        seconds,
+        strategy.devices[0].platform,
+        time.perf_counter() - start,
         int(jax.device_get(state.step)),
     )
 
 
-def _describe_setup(config, devices, batch_size, train, test, per_epoch) -> str:
-    n = len(devices)
+def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:
+    devices = strategy.devices
+    n = strategy.n_devices
     last = len(train["y"]) % batch_size
     uneven = (
         f"last batch {last} rows, padded to a multiple of {n} and masked"

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 
+from ._devices import backend_started
 from ._errors import DistributedError
 
 ENV_COORDINATOR = "JAXDEV_COORDINATOR"
@@ -52,12 +53,17 @@ class DistributedConfig(NamedTuple):
     """What :func:`initialize` asked JAX for (``None``: left to auto-detection).
 
     Attributes:
-        coordinator_address: ``host:port`` of process 0's coordinator.
-        num_processes: Number of processes in the job.
-        process_id: This process's id, ``0 <= process_id < num_processes``.
-        local_device_count: Fake CPU devices for this process, if set.
-        init_timeout_s: Seconds JAX waits for every process to register.
-        heartbeat_timeout_s: Seconds without heartbeat before a peer is dead.
+      coordinator_address: ``host:port`` of process 0's coordinator.
+      num_processes: number of processes in the job.
+      process_id: this process's id, ``0 <= process_id < num_processes``.
+      local_device_count: fake CPU devices for this process, if set.
+      init_timeout_s: seconds JAX waits for every process to register.
+      heartbeat_timeout_s: seconds without heartbeat before a peer is dead.
+
+    Example:
+      >>> from jaxdev.distributed import DistributedConfig
+      >>> DistributedConfig("127.0.0.1:1234", 2, 0, 4, 60, 30).num_processes
+      2
     """
 
     coordinator_address: str | None
@@ -106,26 +112,26 @@ def resolve_config(
     """Merge arguments with the ``JAXDEV_*`` environment; arguments win.
 
     Args:
-        coordinator_address: ``host:port``, else ``$JAXDEV_COORDINATOR``.
-        num_processes: Else ``$JAXDEV_NUM_PROCESSES``.
-        process_id: Else ``$JAXDEV_PROCESS_ID``.
-        local_device_count: Else ``$JAXDEV_LOCAL_DEVICES``.
-        timeout_s: Else ``$JAXDEV_INIT_TIMEOUT``, else 60.
-        heartbeat_timeout_s: Else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
-        env: Environment to read (default ``os.environ``).
+      coordinator_address: ``host:port``, else ``$JAXDEV_COORDINATOR``.
+      num_processes: else ``$JAXDEV_NUM_PROCESSES``.
+      process_id: else ``$JAXDEV_PROCESS_ID``.
+      local_device_count: else ``$JAXDEV_LOCAL_DEVICES``.
+      timeout_s: else ``$JAXDEV_INIT_TIMEOUT``, else 60.
+      heartbeat_timeout_s: else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
+      env: the environment to read (default ``os.environ``).
 
     Returns:
-        The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
+      The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
 
     Raises:
-        DistributedError: If a value is malformed or ``process_id`` is not in
-            ``[0, num_processes)``.
+      DistributedError: a value is malformed, or ``process_id`` is not in
+        ``[0, num_processes)``.
 
     Example:
-        >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
-        ...        "JAXDEV_NUM_PROCESSES": "2", "JAXDEV_PROCESS_ID": "1"}
-        >>> resolve_config(env=env).process_id
-        1
+      >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
+      ...        "JAXDEV_NUM_PROCESSES": "2", "JAXDEV_PROCESS_ID": "1"}
+      >>> resolve_config(env=env).process_id
+      1
     """
     env = os.environ if env is None else env
     cfg = DistributedConfig(
@@ -165,17 +171,17 @@ def split_address(address: str) -> tuple[str, int]:
     """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port.
 
     Args:
-        address: The coordinator address.
+      address: the coordinator address.
 
     Returns:
-        ``(host, port)``.
+      ``(host, port)``.
 
     Raises:
-        DistributedError: If there is no valid port.
+      DistributedError: there is no host or no valid port.
 
     Example:
-        >>> split_address("127.0.0.1:1234")
-        ('127.0.0.1', 1234)
+      >>> split_address("127.0.0.1:1234")
+      ('127.0.0.1', 1234)
     """
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -190,21 +196,22 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None 
     """Retry a TCP connect to the coordinator until it accepts or time runs out.
 
     Args:
-        address: ``host:port`` of the coordinator (process 0).
-        timeout_s: Seconds to keep retrying.
-        process_id: This process's id, for the message.
+      address: ``host:port`` of the coordinator (process 0).
+      timeout_s: seconds to keep retrying.
+      process_id: this process's id, for the message.
 
     Returns:
-        Seconds it took to connect.
+      Seconds it took to connect.
 
     Raises:
-        DistributedError: If nothing accepted a connection within
-            ``timeout_s``; names the address and this process.
+      DistributedError: nothing accepted a connection within ``timeout_s``;
+        names the address and this process.
 
     Example:
-        >>> wait_for_coordinator("127.0.0.1:1", 0.2)  # doctest: +SKIP
-        Traceback (most recent call last):
-        jaxdev._errors.DistributedError: process ... could not reach ...
+      >>> server = socket.create_server(("127.0.0.1", 0))  # a coordinator listens
+      >>> wait_for_coordinator(f"127.0.0.1:{server.getsockname()[1]}", 5.0) < 5.0
+      True
+      >>> server.close()
     """
     host, port = split_address(address)
     start = time.monotonic()
@@ -231,18 +238,18 @@ def check_port_free(address: str) -> None:
     """Check process 0 can listen on the coordinator port.
 
     Args:
-        address: ``host:port`` of the coordinator.
+      address: ``host:port`` of the coordinator.
 
     Raises:
-        DistributedError: If the port is taken: most often another process
-            already started as process 0 (a duplicate ``process_id``).
+      DistributedError: the port is taken: most often another process
+        already started as process 0 (a duplicate ``process_id``).
 
     Example:
-        >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
-        >>> check_port_free(f"127.0.0.1:{server.getsockname()[1]}")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        jaxdev._errors.DistributedError: process 0 cannot listen on coordinator port ...
-        >>> server.close()
+      >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
+      >>> check_port_free(f"127.0.0.1:{server.getsockname()[1]}")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      jaxdev._errors.DistributedError: process 0 cannot listen on coordinator port ...
+      >>> server.close()
     """
     _, port = split_address(address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -262,14 +269,14 @@ def check_local_device_counts(process_indices: Sequence[int], num_processes: int
     """Check every process contributes the same number of devices.
 
     Args:
-        process_indices: ``d.process_index`` of every global device.
-        num_processes: ``jax.process_count()``.
+      process_indices: ``d.process_index`` of every global device.
+      num_processes: ``jax.process_count()``.
 
     Raises:
-        DistributedError: Naming each process and its local device count.
+      DistributedError: the counts differ; names each process and its count.
 
     Example:
-        >>> check_local_device_counts([0, 0, 1, 1], 2)
+      >>> check_local_device_counts([0, 0, 1, 1], 2)
     """
     counts = Counter(process_indices)
     per_process = {p: counts.get(p, 0) for p in range(num_processes)}
@@ -280,16 +287,6 @@ def check_local_device_counts(process_indices: Sequence[int], num_processes: int
             f"global batches assume it); found {listing}. Fix: start every process with the "
             "same device count (`jaxdev launch --devices-per-process M`, the same "
             "`local_device_count`, or the same GPUs per host)."
-        )
-
-
-def _check_process_count(expected: int | None) -> None:
-    """Check JAX saw the number of processes that was asked for."""
-    found = jax.process_count()
-    if expected is not None and found != expected:
-        raise DistributedError(
-            f"`num_processes`={expected} but JAX connected {found} process(es). "
-            "Fix: pass the same `num_processes` to every process."
         )
 
 
@@ -353,18 +350,21 @@ def install_fail_fast() -> None:
     barrier times out). The traceback is printed first as usual.
 
     Example:
-        >>> install_fail_fast()  # doctest: +SKIP
+      >>> install_fail_fast()  # doctest: +SKIP
     """
     if not getattr(sys.excepthook, "_jaxdev_fail_fast", False):
         sys.excepthook = _fail_fast_hook(sys.excepthook)
         sys.excepthook._jaxdev_fail_fast = True  # type: ignore[attr-defined]
 
 
-def _check_backend_not_started() -> None:
-    """Raise if JAX's backend already started (devices were listed, ...)."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+def _check_can_start() -> None:
+    """Raise unless ``initialize`` may run: once, before JAX's backend starts."""
+    if is_initialized():
+        raise DistributedError(
+            "`initialize` was already called in this process. Fix: call it "
+            "once; use `jaxdev.distributed.is_initialized()` to check."
+        )
+    if backend_started():
         raise DistributedError(
             "`initialize` must run before anything starts JAX's backend (jax.devices(), "
             "any computation, device_put, ...). Fix: call `jaxdev.distributed.initialize()` "
@@ -422,6 +422,17 @@ def _jax_initialize(cfg: DistributedConfig, shutdown_timeout_s: int) -> None:
         ) from None
 
 
+def _check_job(expected_processes: int | None) -> None:
+    """After connecting: the process count asked for, equal local device counts."""
+    found = jax.process_count()
+    if expected_processes is not None and found != expected_processes:
+        raise DistributedError(
+            f"`num_processes`={expected_processes} but JAX connected {found} process(es). "
+            "Fix: pass the same `num_processes` to every process."
+        )
+    check_local_device_counts([d.process_index for d in jax.devices()], found)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -434,71 +445,55 @@ def initialize(
     cpu_collectives: str | None = "gloo",
     fail_fast: bool = True,
 ) -> DistributedConfig:
-    """Start ``jax.distributed`` after preflight checks; check it afterwards.
+    """Start ``jax.distributed`` after preflight checks; check the job afterwards.
 
-    Call it first thing, before anything touches a JAX device. With no
-    arguments it reads ``JAXDEV_COORDINATOR``, ``JAXDEV_NUM_PROCESSES``,
-    ``JAXDEV_PROCESS_ID`` and ``JAXDEV_LOCAL_DEVICES`` (set by ``jaxdev
-    launch``); whatever is still unknown is left to JAX's cluster
-    auto-detection (Slurm, Open MPI, TPU, ...).
+    Call it first thing, before anything touches a JAX device. Each argument
+    left ``None`` comes from the ``JAXDEV_*`` variables ``jaxdev launch`` sets
+    (see :func:`resolve_config`); what is still unknown is left to JAX's
+    cluster auto-detection (Slurm, Open MPI, TPU, ...).
 
     Args:
-        coordinator_address: ``host:port`` of process 0.
-        num_processes: Number of processes.
-        process_id: This process's id in ``[0, num_processes)``.
-        local_device_count: Number of fake CPU devices for this process
-            (sets ``jax_num_cpu_devices``); ``None`` keeps JAX's choice.
-        timeout_s: Seconds, from this call, to reach the coordinator and for
-            every process to register (default 60, or ``$JAXDEV_INIT_TIMEOUT``).
-            When they run out while JAX connects, the process prints a
-            diagnostic and exits with code 1 (JAX would abort it later).
-        heartbeat_timeout_s: Seconds after which a silent peer counts as dead
-            and JAX aborts the job (default 30, or ``$JAXDEV_HEARTBEAT_TIMEOUT``).
-        shutdown_timeout_s: Seconds a finishing process waits for the others.
-        cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
-            makes cross-process computations work on CPU); ``None`` keeps JAX's.
-        fail_fast: Whether an uncaught exception ends this process at once
-            instead of waiting at JAX's shutdown barrier (see
-            :func:`install_fail_fast`).
+      coordinator_address: ``host:port`` of process 0.
+      num_processes: number of processes.
+      process_id: this process's id in ``[0, num_processes)``.
+      local_device_count: fake CPU devices for this process (sets
+        ``jax_num_cpu_devices``); ``None`` keeps JAX's choice.
+      timeout_s: seconds, from this call, to reach the coordinator and for
+        every process to register (default 60). When they run out while JAX
+        connects, the process prints a diagnostic and exits with code 1.
+      heartbeat_timeout_s: seconds after which a silent peer counts as dead
+        and JAX aborts the job (default 30).
+      shutdown_timeout_s: seconds a finishing process waits for the others.
+      cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
+        makes cross-process computations work on CPU); ``None`` keeps JAX's.
+      fail_fast: end this process at once on an uncaught exception instead
+        of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
 
     Returns:
-        The :class:`DistributedConfig` that was used.
+      The :class:`DistributedConfig` that was used.
 
     Raises:
-        DistributedError: If called twice or after JAX's backend started, a
-            value is malformed, the coordinator is unreachable within
-            ``timeout_s`` (naming the address and process), the coordinator
-            port is taken on process 0, the process count differs from
-            ``num_processes``, or processes have different local device counts
-            (naming each process and its count).
+      DistributedError: called twice or after JAX's backend started; a value
+        is malformed; the coordinator is unreachable within ``timeout_s`` or
+        its port is taken on process 0; the process count differs from
+        ``num_processes``; or the local device counts differ (each process
+        and its count named).
 
     Example:
-        >>> import jaxdev
-        >>> jaxdev.distributed.initialize()  # doctest: +SKIP
-        DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
+      >>> import jaxdev
+      >>> jaxdev.distributed.initialize()  # doctest: +SKIP
+      DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
     """
-    if is_initialized():
-        raise DistributedError(
-            "`initialize` was already called in this process. Fix: call it "
-            "once; use `jaxdev.distributed.is_initialized()` to check."
-        )
-    _check_backend_not_started()
-    cfg = resolve_config(
-        coordinator_address,
-        num_processes,
-        process_id,
-        local_device_count,
-        timeout_s,
-        heartbeat_timeout_s,
-    )
+    _check_can_start()
+    job = (coordinator_address, num_processes, process_id, local_device_count)
+    cfg = resolve_config(*job, timeout_s, heartbeat_timeout_s)
     _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
     _preflight(cfg, deadline)
     _connect(cfg, deadline, shutdown_timeout_s)
     if fail_fast:
         install_fail_fast()
-    _check_process_count(cfg.num_processes)
-    check_local_device_counts([d.process_index for d in jax.devices()], jax.process_count())
+    _check_job(cfg.num_processes)
     return cfg
 
 
@@ -506,11 +501,12 @@ def is_initialized() -> bool:
     """Return whether ``jax.distributed`` is running in this process.
 
     Returns:
-        ``True`` between :func:`initialize` and :func:`shutdown`.
+      ``True`` between :func:`initialize` and :func:`shutdown`.
 
     Example:
-        >>> is_initialized()
-        False
+      >>> import jaxdev
+      >>> jaxdev.distributed.is_initialized()
+      False
     """
     return jax.distributed.is_initialized()
 
@@ -521,7 +517,8 @@ def shutdown() -> None:
     Does nothing when not initialized.
 
     Example:
-        >>> shutdown()  # not initialized: no-op
+      >>> import jaxdev
+      >>> jaxdev.distributed.shutdown()  # not initialized: does nothing
     """
     if is_initialized():
         jax.distributed.shutdown()

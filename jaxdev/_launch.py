@@ -31,6 +31,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
+from ._distributed import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ._errors import UsageError
+
 DEFAULT_GRACE_S = 2.0
 _TAIL_LINES = 40
 _FATAL = re.compile(r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
@@ -45,10 +48,10 @@ class Outcome(NamedTuple):
     """How one launched process ended.
 
     Attributes:
-        process_id: The ``[p<id>]`` of the process.
-        returncode: Exit code; negative ``-sig`` when killed by a signal.
-        ended_by_launcher: Whether the launcher terminated or killed it.
-        reason: Last error-looking output line, or ``''``.
+      process_id: the ``[p<id>]`` of the process.
+      returncode: exit code; negative ``-sig`` when killed by a signal.
+      ended_by_launcher: whether the launcher terminated or killed it.
+      reason: the last error-looking output line, or ``''``.
     """
 
     process_id: int
@@ -60,12 +63,15 @@ class Outcome(NamedTuple):
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now.
 
+    Args:
+      host: the interface to bind.
+
     Returns:
-        A port number chosen by the OS.
+      A port number chosen by the OS.
 
     Example:
-        >>> 0 < free_port() < 65536
-        True
+      >>> 0 < free_port() < 65536
+      True
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -82,26 +88,26 @@ def process_env(
     """Return the environment of process ``process_id``.
 
     Args:
-        process_id: Id of the process, ``0 <= process_id < num_processes``.
-        num_processes: Number of processes.
-        devices_per_process: Fake CPU devices per process.
-        port: Coordinator port on 127.0.0.1.
-        base: Environment to start from (user overrides already applied).
+      process_id: id of the process, ``0 <= process_id < num_processes``.
+      num_processes: number of processes.
+      devices_per_process: fake CPU devices per process.
+      port: the coordinator port on 127.0.0.1.
+      base: the environment to start from (user overrides already applied).
 
     Returns:
-        ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
+      ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
 
     Example:
-        >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
-        '1'
+      >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
+      '1'
     """
     env = dict(base)
     env.update(
         {
-            "JAXDEV_COORDINATOR": f"127.0.0.1:{port}",
-            "JAXDEV_NUM_PROCESSES": str(num_processes),
-            "JAXDEV_PROCESS_ID": str(process_id),
-            "JAXDEV_LOCAL_DEVICES": str(devices_per_process),
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            ENV_LOCAL_DEVICES: str(devices_per_process),
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": str(devices_per_process),
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
@@ -114,9 +120,15 @@ def process_env(
 def describe_returncode(rc: int) -> str:
     """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a return code.
 
+    Args:
+      rc: a ``Popen.returncode`` (negative: the signal that ended the process).
+
+    Returns:
+      The phrase used in the launcher's summary.
+
     Example:
-        >>> describe_returncode(-9)
-        'signal SIGKILL'
+      >>> describe_returncode(-9)
+      'signal SIGKILL'
     """
     if rc < 0:
         try:
@@ -130,17 +142,17 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
     """Return the last error-looking output of a process, with a hint.
 
     Args:
-        lines: The last output lines of one process.
-        max_lines: Most lines kept: the error line and its indented details.
+      lines: the last output lines of one process.
+      max_lines: the most lines kept: the error line and its indented details.
 
     Returns:
-        The error line (and the detail lines right after it), plus a hint for
-        JAX runtime aborts; ``''`` when no line looks like an error.
+      The error line (and the detail lines right after it), plus a hint for
+      JAX runtime aborts; ``''`` when no line looks like an error.
 
     Example:
-        >>> print(failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"]))
-        ValueError: bad
-          ['x']: shape (4,)
+      >>> print(failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"]))
+      ValueError: bad
+        ['x']: shape (4,)
     """
     for i in range(len(lines) - 1, -1, -1):
         match = _FATAL.search(lines[i])
@@ -164,9 +176,15 @@ def _is_detail(line: str) -> bool:
 def exit_code(outcome: Outcome | None) -> int:
     """Map the first failure to the launcher's exit code (shell convention).
 
+    Args:
+      outcome: the process that failed first, or ``None`` after a timeout.
+
+    Returns:
+      Its exit code, ``128 + signal`` when a signal ended it, 124 for a timeout.
+
     Example:
-        >>> exit_code(Outcome(1, -9, False, ""))
-        137
+      >>> exit_code(Outcome(1, -9, False, ""))
+      137
     """
     if outcome is None:
         return 124  # whole-run timeout
@@ -259,19 +277,19 @@ def summarize(
     """Return the launcher's failure summary (several lines).
 
     Args:
-        first: The process that failed first, or ``None`` after a timeout.
-        outcomes: How every process ended.
-        timeout_s: The whole-run timeout.
-        elapsed_s: Seconds since the launch.
+      first: the process that failed first, or ``None`` after a timeout.
+      outcomes: how every process ended.
+      timeout_s: the whole-run timeout.
+      elapsed_s: seconds since the launch.
 
     Returns:
-        Text naming the failed process, its exit code or signal and reason,
-        and how each other process was ended.
+      Text naming the failed process, its exit code or signal and reason,
+      and how each other process was ended.
 
     Example:
-        >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
-        jaxdev launch: process 1 failed (signal SIGKILL) after 2.0 s.
-          p1: signal SIGKILL
+      >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
+      jaxdev launch: process 1 failed (signal SIGKILL) after 2.0 s.
+        p1: signal SIGKILL
     """
     if first is None:
         still = [o.process_id for o in outcomes if o.ended_by_launcher]
@@ -302,21 +320,21 @@ def _check_launch_args(
     port: int | None,
     timeout_s: float | None,
 ) -> None:
-    """Raise ValueError naming the first bad launch argument."""
+    """Raise UsageError naming the first bad launch argument."""
     if not cmd:
-        raise ValueError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
+        raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
+        raise UsageError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
     if (
         isinstance(devices_per_process, bool)
         or not isinstance(devices_per_process, int)
         or devices_per_process < 1
     ):
-        raise ValueError(f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
+        raise UsageError(f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
     if port is not None and not 0 < port < 65536:
-        raise ValueError(f"`port` must be in 1..65535, got {port!r}.")
+        raise UsageError(f"`port` must be in 1..65535, got {port!r}.")
     if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
+        raise UsageError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
 
 
 def launch(
@@ -333,52 +351,42 @@ def launch(
     """Run ``cmd`` as ``num_processes`` local JAX processes; return an exit code.
 
     Args:
-        cmd: Command to run in every process, e.g. ``["python", "train.py"]``.
-        num_processes: Number of processes (ids 0..N-1).
-        devices_per_process: Fake CPU devices per process.
-        port: Coordinator port on 127.0.0.1; ``None`` picks a free one.
-        timeout_s: Limit for the whole run; ``None`` means no limit.
-        env: Extra environment for every process (over ``os.environ``).
-        grace_s: Seconds between SIGTERM and SIGKILL when ending processes.
-        out: Where prefixed output and the summary go (default stdout/stderr).
+      cmd: the command every process runs, e.g. ``["python", "train.py"]``.
+      num_processes: number of processes (ids 0..N-1).
+      devices_per_process: fake CPU devices per process.
+      port: the coordinator port on 127.0.0.1; ``None`` picks a free one.
+      timeout_s: limit for the whole run; ``None`` means no limit.
+      env: extra environment for every process (over ``os.environ``).
+      grace_s: seconds between SIGTERM and SIGKILL when ending processes.
+      out: where prefixed output and the summary go (default stdout/stderr).
 
     Returns:
-        0 when every process exits 0; else the failed process's exit code
-        (``128 + signal`` when killed by a signal), or 124 after a timeout.
+      0 when every process exits 0; else the failed process's exit code
+      (``128 + signal`` when killed by a signal), or 124 after a timeout.
 
     Raises:
-        ValueError: If an argument is invalid (the CLI turns it into exit 2).
-        OSError: If the command cannot be started (already started processes
-            are ended first).
+      UsageError: an argument is invalid (the CLI turns it into exit 2).
+      OSError: the command cannot be started (processes already started are
+        ended first).
 
     Example:
-        >>> launch([sys.executable, "-c", "print('hi')"], 2, 1)  # doctest: +SKIP
-        [p0] hi
-        [p1] hi
-        0
+      >>> import sys, jaxdev
+      >>> jaxdev.launch([sys.executable, "-c", "print('hi')"], 1, 1)
+      [p0] hi
+      0
     """
     _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
     port = free_port() if port is None else port
     base = {**os.environ, **(env or {})}
-    lock, stream = threading.Lock(), out or sys.stdout
-    start = time.monotonic()
+    lock, start = threading.Lock(), time.monotonic()
     procs: list[_Proc] = []
-    try:
+    try:  # processes already started are ended however this block is left
         for i in range(num_processes):
-            procs.append(
-                _Proc(
-                    i,
-                    cmd,
-                    process_env(i, num_processes, devices_per_process, port, base),
-                    stream,
-                    lock,
-                )
-            )
+            child_env = process_env(i, num_processes, devices_per_process, port, base)
+            procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
         result = _supervise(procs, timeout_s)
-    except BaseException:
+    finally:
         _end(procs, grace_s)
-        raise
-    _end(procs, grace_s)
     outcomes = [p.outcome() for p in procs]  # also drains every output pump
     if result is True:
         return 0
@@ -389,17 +397,25 @@ def launch(
     return exit_code(first)
 
 
-class _UsageError(Exception):
-    """A command-line usage error (exit code 2)."""
+class UsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s.
 
+    argparse prints the usage and exits; the ``jaxdev`` commands instead
+    print one line and exit with code 2. Shared by ``jaxdev`` and ``jaxdev
+    launch``.
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message
-        raise _UsageError(message)
+    Example:
+      >>> UsageParser(prog="tool").parse_args(["--nope"])  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      jaxdev._errors.UsageError: unrecognized arguments: --nope (see `tool --help`)
+    """
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = UsageParser(
         prog="jaxdev launch",
         description="Run a command as N local JAX processes "
         "with M fake CPU devices each, e.g. "
@@ -424,7 +440,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         if any(a in ("-h", "--help") for a in argv):
             return argv, []
-        raise _UsageError(
+        raise UsageError(
             "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
         )
     i = argv.index("--")
@@ -435,15 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: ``jaxdev launch -n N [--devices-per-process M] ... -- cmd``.
 
     Args:
-        argv: Arguments after ``launch`` (default ``sys.argv[1:]``).
+      argv: the arguments after ``launch`` (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code of :func:`launch`; 2 on a usage error (one-line reason
-        on stderr); 0 for ``--help``.
+      The exit code of :func:`launch`; 2 on a usage error (one-line reason
+      on stderr); 0 for ``--help``.
 
     Example:
-        >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
-        0
+      >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
+      0
     """
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -457,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.timeout,
             grace_s=args.grace,
         )
-    except (_UsageError, ValueError) as e:
+    except UsageError as e:
         print(f"jaxdev launch: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the command could not be started

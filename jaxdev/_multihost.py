@@ -5,8 +5,11 @@ When local batch sizes differ, ``jax.make_array_from_process_local_data``
 silently builds a wrong global array (JAX 0.10.2: 4 vs 6 local rows gave a
 global mean of 0.75 on one process and 0.5 on the other; the true mean was
 0.6). The functions here first exchange a small description of each process's
-data and raise a :class:`~jaxdev.DistributedError` naming the leaves and the
-processes that differ.
+data and raise, naming the leaves and the processes that differ: a
+:class:`~jaxdev.DistributedError` when local batches differ in shape or dtype
+(:func:`global_batch`, behind ``jaxdev.shard_batch``), a
+:class:`~jaxdev.PlacementAssertionError` when values differ
+(:func:`assert_same_across_processes`).
 
 The exchange goes through the coordinator's key-value store (the client that
 ``jax.distributed.initialize`` starts), so every wait has a deadline and a
@@ -31,9 +34,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Sharding
 
-from ._errors import DistributedError, ShardingError, join_failures, keystr
+from ._errors import DistributedError, PlacementAssertionError, join_failures
+from ._leaves import asserts_disabled, keystr
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "JAXDEV_SYNC_TIMEOUT"
@@ -45,14 +49,14 @@ def default_timeout_s() -> float:
     """Return the cross-process wait limit: ``$JAXDEV_SYNC_TIMEOUT`` or 300 s.
 
     Returns:
-        Seconds a cross-process check waits for the slowest process.
+      Seconds a cross-process check waits for the slowest process.
 
     Raises:
-        DistributedError: If ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
+      DistributedError: ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
 
     Example:
-        >>> default_timeout_s() > 0
-        True
+      >>> default_timeout_s() > 0
+      True
     """
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
@@ -137,22 +141,22 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
     order. Single-process it returns ``[payload]`` without any communication.
 
     Args:
-        tag: Name of the check; appears in error messages.
-        payload: This process's string (e.g. JSON of shapes or checksums).
-        timeout_s: Seconds to wait for the slowest process; ``None`` uses
-            :func:`default_timeout_s`.
+      tag: name of the check; appears in error messages.
+      payload: this process's string (e.g. JSON of shapes or checksums).
+      timeout_s: seconds to wait for the slowest process; ``None`` uses
+        :func:`default_timeout_s`.
 
     Returns:
-        One string per process. Without a coordinator client, each entry is a
-        digest of that process's payload instead of the payload itself.
+      One string per process. Without a coordinator client, each entry is a
+      digest of that process's payload instead of the payload itself.
 
     Raises:
-        DistributedError: If a process does not publish within ``timeout_s``;
-            the message names it.
+      DistributedError: a process did not publish within ``timeout_s``; the
+        message names it.
 
     Example:
-        >>> exchange("demo", "hello")  # one process
-        ['hello']
+      >>> exchange("demo", "hello")  # one process
+      ['hello']
     """
     if jax.process_count() == 1:
         return [payload]
@@ -167,14 +171,14 @@ def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
     """Group process ids by the value each one holds.
 
     Args:
-        values: One value per process (hashable).
+      values: one value per process (hashable).
 
     Returns:
-        ``{value: [process ids]}`` in order of first appearance.
+      ``{value: [process ids]}`` in order of first appearance.
 
     Example:
-        >>> group_processes(["a", "b", "a"])
-        {'a': [0, 2], 'b': [1]}
+      >>> group_processes(["a", "b", "a"])
+      {'a': [0, 2], 'b': [1]}
     """
     groups: dict[Any, list[int]] = {}
     for p, v in enumerate(values):
@@ -186,15 +190,15 @@ def describe_groups(groups: dict[Any, list[int]], show: Callable[[Any], str] = s
     """Render ``{value: [ids]}`` as ``'process 0, 2: a; process 1: b'``.
 
     Args:
-        groups: Output of :func:`group_processes`.
-        show: How to print a value.
+      groups: output of :func:`group_processes`.
+      show: how to print a value.
 
     Returns:
-        One line, one entry per distinct value.
+      One line, one entry per distinct value.
 
     Example:
-        >>> describe_groups({"a": [0, 2], "b": [1]})
-        'process 0, 2: a; process 1: b'
+      >>> describe_groups({"a": [0, 2], "b": [1]})
+      'process 0, 2: a; process 1: b'
     """
     parts = [f"process {', '.join(map(str, ids))}: {show(v)}" for v, ids in groups.items()]
     return "; ".join(parts)
@@ -204,16 +208,16 @@ def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
     """Return one line per leaf whose value differs between processes.
 
     Args:
-        tables: One ``{leaf path: value}`` dict per process. A leaf missing on
-            some process counts as the value ``'<missing>'``.
+      tables: one ``{leaf path: value}`` dict per process. A leaf missing on
+        some process counts as the value ``'<missing>'``.
 
     Returns:
-        ``"<path>: process 0: v; process 1: w"`` lines, sorted by path; empty
-        when every process agrees.
+      ``"<path>: process 0: v; process 1: w"`` lines, sorted by path; empty
+      when every process agrees.
 
     Example:
-        >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
-        ["['x']: process 0: (4,); process 1: (6,)"]
+      >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
+      ["['x']: process 0: (4,); process 1: (6,)"]
     """
     paths = sorted(set().union(*tables))
     lines = []
@@ -246,25 +250,25 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
     """Check every process brings the same local shape and dtype per leaf.
 
     Args:
-        local_batch: This process's pytree of arrays.
-        timeout_s: Seconds to wait for the slowest process (``None``: default).
+      local_batch: this process's pytree of arrays.
+      timeout_s: seconds to wait for the slowest process (``None``: default).
 
     Raises:
-        DistributedError: If shapes, dtypes or tree structure differ (naming
-            each leaf and the processes), or a process never arrives.
+      DistributedError: shapes, dtypes or tree structure differ (naming each
+        leaf and the processes), or a process never arrived.
 
     Example:
-        >>> check_same_local_shapes({"x": np.zeros((4, 3))})  # one process
+      >>> check_same_local_shapes({"x": np.zeros((4, 3))})  # one process
     """
     if jax.process_count() == 1:
         return
     leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
-    tables = _gathered_tables("make_global_batch", _shape_table(leaves), timeout_s)
+    tables = _gathered_tables("shard_batch", _shape_table(leaves), timeout_s)
     failures = compare_leaf_tables(tables)
     if failures:
         raise DistributedError(
             join_failures(
-                "`make_global_batch`: every process must bring the same local shape and dtype "
+                "`shard_batch`: every process must bring the same local shape and dtype "
                 "for every leaf (JAX would silently build a wrong global array). "
                 f"{len(failures)} leaf/leaves differ:",
                 failures,
@@ -274,79 +278,37 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
         )
 
 
-def _as_sharding(sharding: Sharding | Mesh, axis: str) -> Sharding:
-    """Return ``sharding`` itself, or ``NamedSharding(mesh, P(axis))`` for a mesh."""
-    if isinstance(sharding, Mesh):
-        if axis not in sharding.axis_names:
-            raise ShardingError(
-                f"`axis`={axis!r} is not an axis of the mesh (axes: {sharding.axis_names}). "
-                "Fix: pass one of the mesh's axis names."
-            )
-        return NamedSharding(sharding, PartitionSpec(axis))
-    if isinstance(sharding, Sharding):
-        return sharding
-    raise ShardingError(
-        f"`sharding` must be a jax.sharding.Sharding or Mesh, got {type(sharding).__name__}. "
-        "Fix: pass e.g. `jax.sharding.Mesh(np.array(jax.devices()), ('data',))`."
-    )
-
-
-def _check_batch_leaves(local_batch: Any) -> None:
-    """Raise ShardingError for leaves without a batch axis (scalars)."""
-    leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
-    bad = [f"{keystr(p)}: shape {np.shape(x)}" for p, x in leaves if np.ndim(x) == 0]
-    if bad:
-        raise ShardingError(
-            join_failures(
-                "`local_batch`: every leaf needs a leading batch axis; these are scalars:",
-                bad,
-            )
-            + "\nFix: stack per-example values into arrays of shape (batch, ...)."
-        )
-
-
-def make_global_batch(
-    local_batch: Any,
-    sharding: Sharding | Mesh,
-    axis: str = "data",
-    *,
-    timeout_s: float | None = None,
-) -> Any:
+def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None = None) -> Any:
     """Build global arrays from each process's local batch, after checking shapes.
 
-    Every process calls this with its own slice of the global batch. First
-    every process's local shapes and dtypes are compared (skipped with one
-    process), then ``jax.make_array_from_process_local_data`` assembles the
-    global arrays: the global leading size is the sum of the local ones.
+    Every process calls this (through :func:`jaxdev.shard_batch`) with its own
+    slice of the global batch. First every process's local shapes and dtypes
+    are compared, then ``jax.make_array_from_process_local_data`` assembles
+    the global arrays: the global leading size is the sum of the local ones.
 
     Args:
-        local_batch: Pytree of host (numpy) or local arrays; every leaf has a
-            leading batch axis.
-        sharding: Target sharding of every leaf, or a ``Mesh`` (then the
-            leading axis is split over mesh axis ``axis``).
-        axis: Mesh axis for the batch when ``sharding`` is a ``Mesh``.
-        timeout_s: Seconds to wait for the slowest process in the shape check
-            (``None``: ``$JAXDEV_SYNC_TIMEOUT`` or 300).
+      local_batch: pytree of host (numpy) or local arrays, each with a
+        leading batch axis (:func:`jaxdev.shard_batch` has checked them).
+      sharding: the sharding of every global leaf.
+      timeout_s: seconds to wait for the slowest process in the shape check
+        (``None``: ``$JAXDEV_SYNC_TIMEOUT`` or 300).
 
     Returns:
-        The pytree of global ``jax.Array`` s.
+      The pytree of global ``jax.Array`` s.
 
     Raises:
-        DistributedError: If processes bring different local shapes or dtypes
-            (naming each leaf and the processes), or one never arrives.
-        ShardingError: If a leaf is a scalar, ``axis`` is not a mesh axis, or
-            ``sharding`` is neither a Sharding nor a Mesh.
+      DistributedError: processes brought different local shapes or dtypes
+        (naming each leaf and the processes), or one never arrived.
 
     Example:
-        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-        >>> x = np.arange(2.0 * len(jax.devices()))
-        >>> make_global_batch({"x": x}, mesh)["x"].shape == x.shape  # one process
-        True
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+      >>> x = np.arange(2.0 * len(jax.devices()))
+      >>> global_batch({"x": x}, NamedSharding(mesh, P("data")))["x"].shape == x.shape
+      True
     """
-    target = _as_sharding(sharding, axis)
-    _check_batch_leaves(local_batch)
     check_same_local_shapes(local_batch, timeout_s)
-    return jax.make_array_from_process_local_data(target, local_batch)
+    return jax.make_array_from_process_local_data(sharding, local_batch)
 
 
 def _host_value(leaf: Any) -> np.ndarray | None:
@@ -365,16 +327,16 @@ def leaf_checksum(leaf: Any) -> str:
     its shape and dtype are described (marked ``global``).
 
     Args:
-        leaf: An array or Python number.
+      leaf: an array or Python number.
 
     Returns:
-        A short string equal across processes iff the values are equal.
+      A short string equal across processes iff the values are equal.
 
     Example:
-        >>> leaf_checksum(np.zeros(3, np.float32)).split()[:2]
-        ['(3,)', 'float32']
-        >>> leaf_checksum(np.zeros(3)) == leaf_checksum(np.ones(3))
-        False
+      >>> leaf_checksum(np.zeros(3, np.float32)).split()[:2]
+      ['(3,)', 'float32']
+      >>> leaf_checksum(np.zeros(3)) == leaf_checksum(np.ones(3))
+      False
     """
     value = _host_value(leaf)
     if value is None:
@@ -391,20 +353,23 @@ def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -
     few bytes per leaf cross the network. Replicated global arrays are
     compared through their local copy; arrays sharded across processes are
     compared by shape and dtype only. With one process this returns at once.
+    Like every jaxdev assertion it does nothing after
+    ``chex.disable_asserts()``.
 
     Args:
-        tree: Pytree of arrays or numbers, the same structure everywhere.
-        timeout_s: Seconds to wait for the slowest process (``None``: default).
+      tree: pytree of arrays or numbers, the same structure everywhere.
+      timeout_s: seconds to wait for the slowest process (``None``: default).
 
     Raises:
-        DistributedError: Listing every leaf that differs with the processes
-            holding each distinct value, or naming a process that never
-            arrived.
+      PlacementAssertionError: values differ; lists every leaf that differs
+        with the processes holding each distinct value (an ``AssertionError``).
+      DistributedError: a process never arrived; names it.
 
     Example:
-        >>> assert_same_across_processes({"step": np.int32(3)})  # one process
+      >>> import jaxdev
+      >>> jaxdev.distributed.assert_same_across_processes({"step": np.int32(3)})  # one process
     """
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or asserts_disabled():
         return
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     table = {keystr(p): leaf_checksum(x) for p, x in leaves}
@@ -412,9 +377,9 @@ def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -
         _gathered_tables("assert_same_across_processes", table, timeout_s)
     )
     if failures:
-        raise DistributedError(
+        raise PlacementAssertionError(
             join_failures(
-                "`assert_same_across_processes`: every process must hold the same values; "
+                "`assert_same_across_processes` failed: every process must hold the same values; "
                 f"{len(failures)} leaf/leaves differ (shape dtype sha256):",
                 failures,
             )

@@ -70,6 +70,17 @@ def test_resolve_config_rejects_bad_values(kwargs, env, match):
         _distributed.resolve_config(env=env, **kwargs)
 
 
+def test_public_module_exposes_only_the_multi_process_api():
+    public = {n for n in dir(jaxdev.distributed) if not n.startswith("_")}
+    assert public == {
+        "DistributedConfig",
+        "assert_same_across_processes",
+        "initialize",
+        "is_initialized",
+        "shutdown",
+    }
+
+
 def test_split_address_requires_host_and_port():
     assert _distributed.split_address("[::1]:80") == ("::1", 80)
     with pytest.raises(jaxdev.DistributedError, match="`coordinator_address` must look like"):
@@ -134,39 +145,26 @@ def test_leaf_checksum_changes_with_value_not_with_placement(devices):
 # --- single process: cheap, no communication ----------------------------------------
 
 
-def test_make_global_batch_single_process_places_on_the_mesh(devices):
-    mesh = Mesh(np.array(devices), ("data",))
-    batch = {"x": np.arange(16.0).reshape(16, 1), "y": np.arange(16)}
-    out = jaxdev.make_global_batch(batch, mesh)
-    assert out["x"].sharding == NamedSharding(mesh, PartitionSpec("data"))
-    np.testing.assert_array_equal(np.asarray(out["y"]), batch["y"])
-    assert out["x"].addressable_shards[3].data.shape == (2, 1)
-
-
-def test_make_global_batch_accepts_a_sharding(devices):
-    sharding = NamedSharding(Mesh(np.array(devices), ("batch",)), PartitionSpec("batch"))
-    out = jaxdev.make_global_batch(np.ones((8, 3), np.float32), sharding)
-    assert out.sharding == sharding and float(out.sum()) == 24.0
-
-
-def test_make_global_batch_rejects_scalars_bad_axis_and_bad_sharding(devices):
-    mesh = Mesh(np.array(devices), ("data",))
-    with pytest.raises(jaxdev.ShardingError, match=r"\['n'\]: shape \(\)"):
-        jaxdev.make_global_batch({"x": np.zeros(8), "n": np.float32(3)}, mesh)
-    with pytest.raises(jaxdev.ShardingError, match="`axis`='batch' is not an axis"):
-        jaxdev.make_global_batch(np.zeros(8), mesh, axis="batch")
-    with pytest.raises(jaxdev.ShardingError, match="`sharding` must be"):
-        jaxdev.make_global_batch(np.zeros(8), devices[0])
-
-
-def test_single_process_checks_skip_the_exchange(monkeypatch):
+def test_single_process_checks_skip_the_exchange(monkeypatch, devices):
     def no_client():
         raise AssertionError("a single process must not talk to a coordinator")
 
     monkeypatch.setattr(_multihost, "_client", no_client)
     assert _multihost.exchange("t", "payload") == ["payload"]
     _multihost.check_same_local_shapes({"x": np.zeros(3)})
-    jaxdev.assert_same_across_processes({"w": np.zeros(3), "step": 1})
+    jaxdev.distributed.assert_same_across_processes({"w": np.zeros(3), "step": 1})
+    mesh = Mesh(np.array(devices), ("data",))
+    batch = {"x": np.arange(16.0).reshape(16, 1), "y": np.arange(16)}
+    out = jaxdev.shard_batch(batch, mesh, timeout_s=1.0)
+    assert out["x"].sharding == NamedSharding(mesh, PartitionSpec("data"))
+    np.testing.assert_array_equal(np.asarray(out["y"]), batch["y"])
+    assert out["x"].addressable_shards[3].data.shape == (2, 1)
+
+
+def test_global_batch_builds_arrays_with_the_given_sharding(devices):
+    sharding = NamedSharding(Mesh(np.array(devices), ("batch",)), PartitionSpec("batch"))
+    out = _multihost.global_batch(np.ones((8, 3), np.float32), sharding)
+    assert out.sharding == sharding and float(out.sum()) == 24.0
 
 
 def test_default_timeout_reads_the_environment(monkeypatch):

@@ -66,13 +66,13 @@ SCENARIOS = [
     Scenario(
         "loader_hang",
         "process 1 hangs in the loader; process 0 names it",
-        ("`make_global_batch`", "process(es) 1 of 2 never arrived"),
+        ("`shard_batch`", "process(es) 1 of 2 never arrived"),
         SYNC_TIMEOUT_S,
     ),
     Scenario(
         "batch_shapes",
         "DistributedError naming leaves and processes",
-        ("['x']: process 0: (4,) float32; process 1: (6,) float32",),
+        ("['x']: process 0: (4,) float32; process 1: (8,) float32",),
         SYNC_TIMEOUT_S,
     ),
     Scenario(
@@ -127,16 +127,11 @@ def _env() -> dict[str, str]:
 
 def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one scenario."""
+    from jaxdev._launch import process_env
+
     env = _env()
-    if scenario.name == "no_coordinator":
-        env.update(
-            JAXDEV_COORDINATOR=f"127.0.0.1:{port}",
-            JAXDEV_NUM_PROCESSES="2",
-            JAXDEV_PROCESS_ID="1",
-            JAXDEV_LOCAL_DEVICES="4",
-            JAX_PLATFORMS="cpu",
-        )
-        return [sys.executable, WORKER, "happy"], env
+    if scenario.name == "no_coordinator":  # process 1 of 2, as the launcher would start it
+        return [sys.executable, WORKER, "happy"], process_env(1, 2, 4, port, env)
     launcher = [
         sys.executable,
         "-W",

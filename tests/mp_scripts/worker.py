@@ -30,10 +30,14 @@ def init_kwargs(scenario: str, pid: int) -> dict:
 
 
 def load_batch(scenario: str, pid: int) -> dict:
-    """The data loader: process p holds rows [4p, 4p + 4) of arange(8)."""
+    """The data loader: process p holds rows [4p, 4p + 4) of arange(8).
+
+    In ``batch_shapes`` process 1 brings 8 rows: a size each process could
+    split over its own 4 devices, but not the same as process 0's.
+    """
     if scenario == "loader_hang" and pid == 1:
         time.sleep(3600)
-    rows = 6 if scenario == "batch_shapes" and pid == 1 else ROWS
+    rows = 2 * ROWS if scenario == "batch_shapes" and pid == 1 else ROWS
     x = np.arange(rows, dtype=np.float32) + ROWS * pid
     return {"x": x, "y": np.ones((rows, 2), np.int32)}
 
@@ -59,12 +63,10 @@ def main(scenario: str) -> int:
     if scenario == "never_starts" and pid == 1:
         time.sleep(3600)  # never reaches initialize
     jaxdev.distributed.initialize(**init_kwargs(scenario, pid))
-    import jax
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    mesh = jaxdev.data_mesh()  # every device of every process
     step = make_step(pid, "")
     for k in (1.0, 2.0):
-        batch = jaxdev.make_global_batch(load_batch(scenario, pid), mesh)
+        batch = jaxdev.shard_batch(load_batch(scenario, pid), mesh)
         if k == 2.0:
             step = make_step(pid, scenario)
         mean, total = step(batch, k)
@@ -74,12 +76,12 @@ def main(scenario: str) -> int:
             print(f"WRONG RESULT: mean {mean} (expected {3.5 * k}), y-sum {total} (expected 16)")
             return 3
     params = {"w": np.linspace(0, 1, 5, dtype=np.float32), "step": np.int32(2)}
-    jaxdev.assert_same_across_processes(params)
+    jaxdev.distributed.assert_same_across_processes(params)
     print("assert_same_across_processes: equal params pass")
     drifted = {"w": params["w"] + pid, "step": params["step"]}
     try:
-        jaxdev.assert_same_across_processes(drifted)
-    except jaxdev.DistributedError as e:
+        jaxdev.distributed.assert_same_across_processes(drifted)
+    except jaxdev.PlacementAssertionError as e:
         print(f"assert_same_across_processes caught drift: {e}")
     else:
         print("assert_same_across_processes MISSED a difference")
