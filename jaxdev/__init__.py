@@ -83,11 +83,14 @@ from ._metrics import Sum as Sum
 from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---
-from ._train import Strategy as Strategy
+from ._strategy import Strategy as Strategy
 from ._train import TrainState as TrainState
-from ._train import TrainStep as TrainStep
-from ._train import make_eval_step as make_eval_step
-from ._train import make_train_step as make_train_step
+from ._step import TrainStep as TrainStep
+from ._step import make_eval_step as make_eval_step
+from ._step import make_train_step as make_train_step
+from ._flax import nnx_loss as nnx_loss
+from ._flax import nnx_split as nnx_split
+from ._flax import nnx_update as nnx_update
 
 # --- asserts ---
 from ._asserts import assert_committed as assert_committed

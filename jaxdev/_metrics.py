@@ -13,7 +13,7 @@ never count, whatever they hold (padding may be NaN).
 
 dtypes: values accumulate in float32; counts are int32, exact up to
 2**31 - 1 rows (or non-finite elements, or log records) per accumulator,
-after which they wrap. Across devices, ``reduce(axis_name)`` combines
+after which they wrap. Across devices, ``reduce(axis)`` combines
 accumulators inside ``jax.pmap`` / ``shard_map`` with ``psum`` / ``pmin`` /
 ``pmax``; under a sharded ``jax.jit`` the batch is one global array and no
 reduction is needed.
@@ -21,16 +21,21 @@ reduction is needed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
-from typing import Any
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._errors import JaxdevError
+from ._errors import MetricError
+from ._mesh import DEFAULT_AXIS
 
 __all__ = [
     "Accuracy",
@@ -40,7 +45,6 @@ __all__ = [
     "Max",
     "Mean",
     "Metric",
-    "MetricError",
     "Min",
     "NonFinite",
     "Sum",
@@ -49,10 +53,6 @@ __all__ = [
 
 _F32 = jnp.float32
 _I32 = jnp.int32
-
-
-class MetricError(JaxdevError, ValueError):
-    """A metric got a value, mask or partner of the wrong shape, dtype or kind."""
 
 
 # ----------------------------------------------------------------- helpers
@@ -74,8 +74,51 @@ def _as_array(value: Any, name: str, owner: str) -> jax.Array:
         ) from None
 
 
+_AMBIENT = threading.local()
+
+
+@contextlib.contextmanager
+def row_mask(mask: jax.Array | None) -> Iterator[None]:
+    """Make ``mask`` the default ``mask`` of every ``from_value`` in this block (this thread).
+
+    jaxdev's train and eval steps wrap the call of ``loss_fn`` in it, so a
+    metric built inside ``loss_fn`` (``Accuracy.from_logits(logits, y)``)
+    leaves the padded rows out without being told. A value that has no
+    entry per row (a scalar) cannot be masked there and is refused.
+    """
+    stack = _AMBIENT.__dict__.setdefault("stack", [])
+    stack.append(mask)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _ambient_mask(value: jax.Array, owner: str, strict: bool = True) -> jax.Array | None:
+    """The enclosing step's row mask for ``value``, or None outside a step."""
+    stack = getattr(_AMBIENT, "stack", None)
+    mask = stack[-1] if stack else None
+    if mask is None:
+        return None
+    if value.ndim and value.shape[0] == mask.shape[0]:
+        return mask
+    if not strict:
+        return None
+    raise MetricError(
+        f"`{owner}` got a value of shape {value.shape} inside a jaxdev step whose batch has "
+        f"{mask.shape[0]} rows here, some of which may be padding; a value without one entry "
+        "per row cannot leave them out. Pass per-example values (one per row), or an "
+        "explicit `mask=`."
+    )
+
+
 def _valid(value: jax.Array, mask: Any, owner: str) -> jax.Array | None:
-    """Return the mask broadcast to ``value.shape`` (bool), or ``None``."""
+    """Return the mask broadcast to ``value.shape`` (bool), or ``None``.
+
+    Without ``mask``, the row mask of an enclosing jaxdev step applies.
+    """
+    if mask is None:
+        mask = _ambient_mask(value, owner)
     if mask is None:
         return None
     mask = _as_array(mask, "mask", owner)
@@ -144,8 +187,8 @@ class Metric:
         """Return the accumulator of both ``self`` and ``other`` (pure, on device)."""
         raise NotImplementedError
 
-    def reduce(self, axis_name: Any) -> Metric:
-        """Return the accumulator combined over the named axis ``axis_name``.
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
+        """Return the accumulator combined over the named mesh or pmap axis ``axis``.
 
         Use inside ``jax.pmap`` or ``shard_map``; every device gets the result.
         """
@@ -220,11 +263,9 @@ class Mean(Metric):
         _check_partner(self, other)
         return type(self)(total=self.total + other.total, count=self.count + other.count)
 
-    def reduce(self, axis_name: Any) -> Mean:
-        """Return the mean over every device on ``axis_name`` (``psum``)."""
-        return type(self)(
-            total=lax.psum(self.total, axis_name), count=lax.psum(self.count, axis_name)
-        )
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Mean:
+        """Return the mean over every device on ``axis`` (``psum``)."""
+        return type(self)(total=lax.psum(self.total, axis), count=lax.psum(self.count, axis))
 
     def _compute(self, xp: Any) -> Any:
         mean = self.total / xp.maximum(self.count, 1)
@@ -295,155 +336,128 @@ class Accuracy(Mean):
         return cls.from_value(jnp.argmax(logits, axis=-1) == labels, mask)
 
 
+class _Op(NamedTuple):
+    """The four ingredients of a fold metric (see :class:`_Reduce`)."""
+
+    fold: Callable[..., jax.Array]  # one batch to a scalar (identity if empty): jnp.sum
+    pair: Callable[..., jax.Array]  # two accumulators to one: jnp.add
+    collective: Callable[..., jax.Array]  # across devices: lax.psum
+    identity: float  # the empty accumulator; fills masked-out rows
+
+
+class _Reduce(Metric):
+    """Base of the one-scalar metrics folded with an associative op (Sum, Min, Max).
+
+    A subclass is a :func:`_metric` dataclass with a single float32 field and
+    an ``_op`` naming the batch fold, the pairwise merge, the cross-device
+    collective and their identity. Masked-out rows are replaced by the
+    identity before the fold, so they never count, whatever they hold.
+    """
+
+    _op: ClassVar[_Op]
+
+    def _value(self) -> jax.Array:
+        return getattr(self, dataclasses.fields(self)[0].name)
+
+    @classmethod
+    def empty(cls) -> _Reduce:
+        """Return the identity accumulator (``0``, ``+inf`` or ``-inf``)."""
+        return cls(jnp.full((), cls._op.identity, _F32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Reduce:
+        """Return the accumulator of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        owner = f"{cls.__name__}.from_value"
+        value = _as_array(value, "value", owner)
+        filled = _masked_fill(value, _valid(value, mask, owner), cls._op.identity)
+        return cls(cls._op.fold(filled))
+
+    def merge(self, other: _Reduce) -> _Reduce:
+        """Return the accumulator of both (their sum, smaller or larger value)."""
+        _check_partner(self, other)
+        return type(self)(self._op.pair(self._value(), other._value()))
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> _Reduce:
+        """Return the accumulator over every device on ``axis`` (``psum``/``pmin``/``pmax``)."""
+        return type(self)(self._op.collective(self._value(), axis))
+
+    def _compute(self, xp: Any) -> Any:
+        return self._value()
+
+
 @_metric
-class Sum(Metric):
-    """Sum of every valid element seen (float32).
+class Sum(_Reduce):
+    """Sum of every valid element seen (float32); ``0.0`` when nothing was seen.
+
+    Attributes:
+      total: float32 sum of the valid elements.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev import Sum
       >>> Sum.from_value(jnp.array([1, 2, 3]), mask=jnp.array([True, False, True])).fetch()
       4.0
+      >>> Sum.empty().merge(Sum.from_value(2.5)).fetch()
+      2.5
     """
 
     total: jax.Array
-
-    @classmethod
-    def empty(cls) -> Sum:
-        """Return a zero sum."""
-        return cls(total=jnp.zeros((), _F32))
-
-    @classmethod
-    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Sum:
-        """Return the sum of ``value``'s valid elements.
-
-        Args:
-          value: array (or number) of any shape.
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          The accumulator of this batch.
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
-        value = _as_array(value, "value", f"{cls.__name__}.from_value")
-        valid = _valid(value, mask, f"{cls.__name__}.from_value")
-        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)))
-
-    def merge(self, other: Sum) -> Sum:
-        """Return the sum of both accumulators."""
-        _check_partner(self, other)
-        return type(self)(total=self.total + other.total)
-
-    def reduce(self, axis_name: Any) -> Sum:
-        """Return the sum over every device on ``axis_name`` (``psum``)."""
-        return type(self)(total=lax.psum(self.total, axis_name))
-
-    def _compute(self, xp: Any) -> Any:
-        return self.total
+    _op = _Op(jnp.sum, jnp.add, lax.psum, 0.0)
 
 
 @_metric
-class Min(Metric):
+class Min(_Reduce):
     """Smallest valid element seen (float32); ``+inf`` when nothing was seen.
 
     NaN in a valid row propagates (the minimum is then NaN).
+
+    Attributes:
+      value: float32 minimum of the valid elements.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev import Min
       >>> Min.from_value(jnp.array([4.0, -1.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
       2.0
+      >>> Min.empty().fetch()
+      inf
     """
 
     value: jax.Array
-
-    @classmethod
-    def empty(cls) -> Min:
-        """Return the identity (``+inf``)."""
-        return cls(value=jnp.full((), jnp.inf, _F32))
-
-    @classmethod
-    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Min:
-        """Return the minimum of ``value``'s valid elements.
-
-        Args:
-          value: array (or number) of any shape.
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          The accumulator of this batch.
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
-        value = _as_array(value, "value", f"{cls.__name__}.from_value")
-        valid = _valid(value, mask, f"{cls.__name__}.from_value")
-        return cls(value=jnp.min(_masked_fill(value, valid, jnp.inf), initial=jnp.inf))
-
-    def merge(self, other: Min) -> Min:
-        """Return the smaller of both minima."""
-        _check_partner(self, other)
-        return type(self)(value=jnp.minimum(self.value, other.value))
-
-    def reduce(self, axis_name: Any) -> Min:
-        """Return the minimum over every device on ``axis_name`` (``pmin``)."""
-        return type(self)(value=lax.pmin(self.value, axis_name))
-
-    def _compute(self, xp: Any) -> Any:
-        return self.value
+    _op = _Op(functools.partial(jnp.min, initial=math.inf), jnp.minimum, lax.pmin, math.inf)
 
 
 @_metric
-class Max(Metric):
+class Max(_Reduce):
     """Largest valid element seen (float32); ``-inf`` when nothing was seen.
 
     NaN in a valid row propagates (the maximum is then NaN).
+
+    Attributes:
+      value: float32 maximum of the valid elements.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev import Max
       >>> Max.from_value(jnp.array([4.0, 7.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
       4.0
+      >>> Max.from_value(3).merge(Max.from_value(jnp.array([1.0, 5.0]))).fetch()
+      5.0
     """
 
     value: jax.Array
-
-    @classmethod
-    def empty(cls) -> Max:
-        """Return the identity (``-inf``)."""
-        return cls(value=jnp.full((), -jnp.inf, _F32))
-
-    @classmethod
-    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Max:
-        """Return the maximum of ``value``'s valid elements.
-
-        Args:
-          value: array (or number) of any shape.
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          The accumulator of this batch.
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
-        value = _as_array(value, "value", f"{cls.__name__}.from_value")
-        valid = _valid(value, mask, f"{cls.__name__}.from_value")
-        return cls(value=jnp.max(_masked_fill(value, valid, -jnp.inf), initial=-jnp.inf))
-
-    def merge(self, other: Max) -> Max:
-        """Return the larger of both maxima."""
-        _check_partner(self, other)
-        return type(self)(value=jnp.maximum(self.value, other.value))
-
-    def reduce(self, axis_name: Any) -> Max:
-        """Return the maximum over every device on ``axis_name`` (``pmax``)."""
-        return type(self)(value=lax.pmax(self.value, axis_name))
-
-    def _compute(self, xp: Any) -> Any:
-        return self.value
+    _op = _Op(functools.partial(jnp.max, initial=-math.inf), jnp.maximum, lax.pmax, -math.inf)
 
 
 @_metric
@@ -493,6 +507,8 @@ class Last(Metric):
         owner = f"{cls.__name__}.from_value"
         value = _as_array(value, "value", owner)
         if mask is None:
+            mask = _ambient_mask(value, owner, strict=False)
+        if mask is None:
             return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
         mask = _as_array(mask, "mask", owner)
         if mask.ndim != 1:
@@ -507,12 +523,12 @@ class Last(Metric):
         value = jnp.where(other.count > 0, other.value, self.value)
         return type(self)(value=value, count=self.count + other.count)
 
-    def reduce(self, axis_name: Any) -> Last:
-        """Return the value of the last device on ``axis_name`` that saw one."""
-        rank = jnp.where(self.count > 0, lax.axis_index(axis_name), -1)
-        mine = (rank == lax.pmax(rank, axis_name)) & (self.count > 0)
-        value = lax.psum(jnp.where(mine, self.value, 0.0), axis_name)
-        return type(self)(value=value, count=lax.psum(self.count, axis_name))
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Last:
+        """Return the value of the last device on ``axis`` that saw one."""
+        rank = jnp.where(self.count > 0, lax.axis_index(axis), -1)
+        mine = (rank == lax.pmax(rank, axis)) & (self.count > 0)
+        value = lax.psum(jnp.where(mine, self.value, 0.0), axis)
+        return type(self)(value=value, count=lax.psum(self.count, axis))
 
     def _compute(self, xp: Any) -> Any:
         return xp.where(self.count > 0, self.value, xp.nan).astype(xp.float32)
@@ -564,9 +580,9 @@ class NonFinite(Metric):
         _check_partner(self, other)
         return type(self)(count=self.count + other.count)
 
-    def reduce(self, axis_name: Any) -> NonFinite:
-        """Return the count over every device on ``axis_name`` (``psum``)."""
-        return type(self)(count=lax.psum(self.count, axis_name))
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> NonFinite:
+        """Return the count over every device on ``axis`` (``psum``)."""
+        return type(self)(count=lax.psum(self.count, axis))
 
     def _compute(self, xp: Any) -> Any:
         return self.count
@@ -655,9 +671,9 @@ class Collection(Mapping):
         _check_keys("Collection.merge", "other", set(self), set(other))
         return Collection({k: m.merge(other[k]) for k, m in self.items()})
 
-    def reduce(self, axis_name: Any) -> Collection:
-        """Return every metric reduced over the named axis (inside pmap/shard_map)."""
-        return Collection({k: m.reduce(axis_name) for k, m in self.items()})
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Collection:
+        """Return every metric reduced over the named axis ``axis`` (inside pmap/shard_map)."""
+        return Collection({k: m.reduce(axis) for k, m in self.items()})
 
     def compute(self) -> dict[str, jax.Array]:
         """Return ``{name: value}`` as device arrays (no host transfer)."""

@@ -23,6 +23,7 @@ KEY_LINES = {
     "device_basics.py": "device basics: ok",
     "flax_linen_placement.py": "flax linen placement: ok",
     "flax_nnx.py": "flax nnx: ok",
+    "flax_imagenet_step.py": "flax imagenet step: ok",
     "pmap_data_parallel.py": "pmap data parallel: ok",
     "sharded_data_parallel.py": "sharded data parallel: ok",
     "metrics_on_device.py": "metrics on device: ok",

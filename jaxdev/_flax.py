@@ -1,0 +1,119 @@
+"""Flax NNX modules in jaxdev's step: split once, train the state, write it back.
+
+An ``nnx.Module`` keeps its parameters, its batch statistics and its RNG
+state inside the object. jaxdev's step trains pytrees, so:
+
+* :func:`nnx_split` gives the module's ``nnx.Param`` s (trained by the
+  optimizer) and everything else (``BatchStat``, ``RngState``, ...: the
+  ``model_state`` the forward pass updates);
+* :func:`nnx_loss` turns ``loss_fn(model, batch)`` into the step's
+  ``has_state`` contract, merging a module from the state on every call;
+* :func:`nnx_update` writes a trained :class:`TrainState` back into the module.
+
+With an ``rng`` in the train state, every RNG stream of the module (dropout,
+...) is reseeded from the step's key, which jaxdev derives per step and, under
+pmap / shard_map, per device: each device draws different masks for its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ._errors import UsageError
+
+
+def _check_module(model: Any, name: str) -> None:
+    if not isinstance(model, nnx.Module):
+        raise UsageError(f"`{name}` must be a flax.nnx.Module, got {type(model).__name__}.")
+
+
+def nnx_split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:
+    """Return ``(params, model_state)`` of an NNX module: its ``nnx.Param`` s and the rest.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jaxdev
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.BatchNorm(3, rngs=rngs))
+      >>> params, model_state = jaxdev.nnx_split(model)
+      >>> sorted(model_state["layers"][1].keys())
+      ['mean', 'var']
+    """
+    _check_module(model, "model")
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return params, rest
+
+
+def _streams(model: nnx.Module) -> list[str]:
+    nodes = (node for _, node in nnx.iter_graph(model))
+    return sorted({node.tag for node in nodes if isinstance(node, nnx.RngStream)})
+
+
+def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``loss_fn(model, batch, **kw)`` for ``make_train_step(..., has_state=True)``.
+
+    The returned function takes ``(params, model_state, batch[, rng], **kw)``,
+    merges a module from them, calls ``loss_fn`` on it and returns its
+    results followed by the module's new non-``Param`` state. Keyword
+    arguments (``mask=`` with ``pass_mask=True``) are passed through. Use the
+    same wrapper for :func:`jaxdev.make_eval_step`, calling ``model.eval()``
+    inside ``loss_fn`` when it should not update batch statistics.
+
+    Args:
+      model: the module (its structure is captured; its values come from the state).
+      loss_fn: ``loss_fn(model, batch) -> losses`` or ``(losses, aux)``.
+
+    Returns:
+      The wrapped loss function.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> loss = jaxdev.nnx_loss(model, lambda m, b: (m(b["x"])[:, 0] - b["y"]) ** 2)
+      >>> step = jaxdev.make_train_step(loss, optax.sgd(0.1), has_state=True)
+      >>> params, model_state = jaxdev.nnx_split(model)
+      >>> state = step.init_state(params, optax.sgd(0.1), model_state=model_state)
+      >>> batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros(4, np.float32)}
+      >>> state, metrics = step(state, step.put_batch(batch))
+      >>> jaxdev.nnx_update(model, state)
+      >>> bool(jnp.allclose(model.kernel[...], state.params["kernel"][...]))
+      True
+    """
+    _check_module(model, "model")
+    graphdef = nnx.graphdef(model)
+    streams = _streams(model)
+
+    def wrapped(params, model_state, batch, rng=None, **kwargs):
+        module = nnx.merge(graphdef, params, model_state)
+        if rng is not None and streams:
+            keys = jax.random.split(rng, len(streams))
+            nnx.reseed(module, **dict(zip(streams, keys)))
+        out = loss_fn(module, batch, **kwargs)
+        _, _, new_state = nnx.split(module, nnx.Param, ...)
+        return (*out, new_state) if isinstance(out, tuple) else (out, new_state)
+
+    return wrapped
+
+
+def nnx_update(model: nnx.Module, state: Any) -> None:
+    """Write a trained state's ``params`` and ``model_state`` back into ``model`` (in place).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> params, rest = jaxdev.nnx_split(model)
+      >>> zeros = jax.tree.map(jnp.zeros_like, params)
+      >>> state = jaxdev.TrainState.create(zeros, optax.sgd(0.1), model_state=rest)
+      >>> jaxdev.nnx_update(model, state)
+      >>> float(model.kernel[...].sum())
+      0.0
+    """
+    _check_module(model, "model")
+    parts = [state.params] + ([state.model_state] if state.model_state is not None else [])
+    nnx.update(model, *parts)

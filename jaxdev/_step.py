@@ -1,0 +1,525 @@
+"""The compiled step: one device, ``jax.pmap``, or sharded ``jit`` / ``shard_map``.
+
+``make_train_step(loss_fn, tx, strategy)`` returns a :class:`TrainStep`, a
+callable ``step(state, batch, metrics=None) -> (state, metrics)``. Every
+strategy runs the same per-example arithmetic (:mod:`jaxdev._train`) and
+gives the same parameters and metrics on the same data (to float32
+reassociation); with dropout they are statistically, not bitwise, equal.
+
+The step also places what it needs: :meth:`TrainStep.init_state` (params on
+the device, or truly replicated) and :meth:`TrainStep.put_batch` (the batch
+on the device, or split over devices, padded and masked when uneven, grouped
+for ``steps_per_call`` and ``accumulate``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._batches import Padded, shard_batch
+from ._errors import DeletedArrayError, PlacementError, ShardingError, UsageError
+from ._leaves import deleted, is_jax_array, key_strings
+from ._metrics import Collection
+from ._placement import copy_to, to_device
+from ._pmap_layout import shard_for_pmap
+from ._prefetch import Prefetcher
+from ._strategy import Strategy, as_strategy
+from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, rows_of, train_body
+
+_MAX_INFLIGHT = 8
+
+
+class TrainStep:
+    """A compiled step: ``step(state, batch, metrics=None) -> (state, metrics)``.
+
+    Calling it is functional: the new state and metrics are returned and the
+    inputs are not mutated. They are donated by default, so reusing an old
+    ``state`` raises :class:`DeletedArrayError` naming its leaves. The object
+    itself is not a pure function, though: on several CPU devices it keeps a
+    short queue of in-flight results and waits on the oldest, to bound XLA's
+    dispatch depth (see ``_bound_inflight``), and it compiles one program per
+    combination of "padded batch" and "running metrics given".
+
+    ``metrics`` is an optional running :class:`Collection`; when given, this
+    call's metrics are merged into it inside the compiled step (no extra
+    dispatch, no host sync). Read values with ``metrics.fetch()`` (one
+    ``device_get``) every N steps, never per step.
+
+    Attributes:
+      strategy: the :class:`Strategy` it runs with.
+      steps_per_call: updates per call (``K``).
+      accumulate: micro-batches per update (``M``).
+    """
+
+    def __init__(self, strategy: Strategy, cfg: StepConfig, k: int, donate: bool, train: bool):
+        self.strategy = strategy
+        self.steps_per_call = k
+        self.accumulate = cfg.accumulate
+        self._cfg, self._donate, self._train = cfg, donate and train, train
+        self._compiled: dict[tuple[bool, bool], Callable] = {}
+        self._bounded = _cpu_collectives(strategy)
+        self._target = _state_target(strategy)
+        self._inflight: collections.deque = collections.deque()
+
+    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None):
+        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if self._donate:
+            _check_donatable(state, metrics)
+        if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
+            metrics = to_device(metrics, self._target)  # or each placement compiles anew
+        args = [state, inner] + ([mask] if mask is not None else [])
+        args += [metrics] if metrics is not None else []
+        out = self._variant(mask is not None, metrics is not None)(*args)
+        if not self._train:
+            self._bound_inflight(out)
+            return out
+        state, metrics, token = out
+        self._bound_inflight(token)
+        return state, metrics
+
+    def _variant(self, has_mask: bool, has_acc: bool) -> Callable:
+        key = (has_mask, has_acc)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = _compile(self, has_mask, has_acc)
+        return fn
+
+    def _bound_inflight(self, token: Any) -> None:
+        """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
+
+        XLA's CPU runtime deadlocks (rendezvous timeout, then abort) when
+        dozens of collective programs are queued on fake CPU devices with
+        few cores (measured: jax 0.10.2, 8 devices, 2 cores, ~100 queued
+        steps). Waiting for the call ``_MAX_INFLIGHT`` back is not a host
+        transfer and keeps the queue deep enough to overlap dispatch.
+        """
+        if not self._bounded:
+            return
+        self._inflight.append(token)
+        if len(self._inflight) > _MAX_INFLIGHT:
+            jax.block_until_ready(self._inflight.popleft())
+
+    def init_state(
+        self,
+        params: Any,
+        tx: optax.GradientTransformation | None = None,
+        rng: jax.Array | None = None,
+        model_state: Any = None,
+    ) -> Any:
+        """Return a :class:`TrainState` placed for this strategy (eval steps: ``params``).
+
+        The state is a fresh copy (``copy_to``): donating it in later steps
+        never deletes the caller's ``params`` arrays.
+
+        Args:
+          params: the model parameters.
+          tx: the optax transform (the same as the step's); ``None`` for an
+            eval step, which then gets ``params`` (or, with ``model_state``,
+            a ``TrainState`` without optimizer state).
+          rng: optional PRNG key for ``loss_fn``'s ``rng`` argument (dropout).
+          model_state: optional state the forward pass updates (BatchNorm's
+            ``batch_stats``), placed like the params.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+          >>> state = step.init_state(jnp.ones(()), optax.sgd(0.1))
+          >>> int(state.step), jaxdev.device_of(state.params) == jaxdev.device(0)
+          (0, True)
+        """
+        if tx is not None:
+            state = TrainState.create(params, tx, rng, model_state)
+        elif model_state is not None or rng is not None:
+            state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
+        else:
+            state = params
+        return copy_to(state, self._target)
+
+    def put_batch(self, batch: Any) -> Any:
+        """Place a host batch for this strategy; uneven sizes are padded and masked.
+
+        With ``steps_per_call=K`` every leaf has a leading axis of ``K`` steps;
+        with ``accumulate=M`` the rows of each step are split into ``M``
+        micro-batches. Returns the batch, or a :class:`Padded` when rows were
+        added.
+
+        Example:
+          >>> import numpy as np, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1),
+          ...                               jaxdev.Strategy.sharded())
+          >>> step.put_batch(np.arange(13.0)).size
+          13
+        """
+        return _put_batch(self.strategy, batch, self.steps_per_call, self.accumulate)
+
+    def prefetch(self, iterator: Iterable[Any], size: int = 2) -> Prefetcher:
+        """Place the next ``size`` batches of ``iterator`` with :meth:`put_batch` in a thread.
+
+        The pmap, sharded and grouped (``steps_per_call``, ``accumulate``)
+        layouts all come from :meth:`put_batch`, so a pmap-era loop keeps
+        ``for batch in step.prefetch(loader)``.
+
+        Example:
+          >>> import numpy as np, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+          >>> with step.prefetch(np.full(4, i, np.float32) for i in range(3)) as it:
+          ...     [float(b[0]) for b in it]
+          [0.0, 1.0, 2.0]
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UsageError(f"`size` must be an int >= 1 (batches to keep ready), got {size!r}.")
+        return Prefetcher(iterator, size, self.put_batch)
+
+
+def _check_donatable(state: Any, metrics: Any) -> None:
+    """Raise before a call that would donate a deleted or a shared buffer.
+
+    JAX segfaults (several devices) or raises a bare INVALID_ARGUMENT (one
+    device) on a state that an earlier call already donated, and on one
+    array reached twice through the donated arguments.
+    """
+    leaves = jax.tree.leaves((state, metrics))
+    arrays = [x for x in leaves if is_jax_array(x)]
+    if any(deleted(x) for x in arrays):
+        _raise_deleted(state, metrics)
+    if len({id(x) for x in arrays}) != len(arrays):
+        _raise_shared(state, metrics)
+
+
+def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
+    named = [(f"state{p}", x) for p, x in zip(key_strings(state), jax.tree.leaves(state))]
+    if metrics is not None:
+        named += [
+            (f"metrics{p}", x) for p, x in zip(key_strings(metrics), jax.tree.leaves(metrics))
+        ]
+    return named
+
+
+def _raise_deleted(state: Any, metrics: Any) -> None:
+    dead = [p for p, x in _named_leaves(state, metrics) if is_jax_array(x) and deleted(x)]
+    raise DeletedArrayError(
+        f"the step got {len(dead)} deleted or donated leaf/leaves: {', '.join(dead[:8])}"
+        + (" ..." if len(dead) > 8 else "")
+        + ". The step donates `state` and `metrics`: after `state, metrics = step(state, "
+        "batch, metrics)` use the returned objects, not the ones passed in (or make the "
+        "step with `donate=False`)."
+    )
+
+
+def _raise_shared(state: Any, metrics: Any) -> None:
+    seen: dict[int, str] = {}
+    pairs = []
+    for path, x in _named_leaves(state, metrics):
+        if is_jax_array(x):
+            if id(x) in seen:
+                pairs.append(f"{seen[id(x)]} and {path}")
+            seen.setdefault(id(x), path)
+    raise PlacementError(
+        "the step would donate one array twice (segfault in XLA): "
+        + "; ".join(pairs[:8])
+        + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
+        "make the step with `donate=False`."
+    )
+
+
+def _cpu_collectives(strategy: Strategy) -> bool:
+    """Whether steps run collectives across several CPU devices."""
+    devices = strategy.devices
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
+def _state_target(strategy: Strategy) -> Any:
+    return strategy.devices[0] if strategy.kind == "single" else strategy.mesh
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _put_batch(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
+    if k > 1 or m > 1:
+        return _put_grouped(strategy, batch, k, m)
+    if strategy.kind == "single":
+        return to_device(batch, strategy.devices[0])
+    local_shards = max(strategy.n_devices // jax.process_count(), 1)  # this process's rows split
+    pad = rows_of(batch) % local_shards != 0
+    if strategy.kind == "pmap":
+        return shard_for_pmap(batch, list(strategy.devices), pad=pad)
+    return shard_batch(batch, strategy.mesh, pad=pad, axis=strategy.axis)
+
+
+def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
+    """Place rows grouped as ``(K?, M?, rows, ...)``: steps and micro-batches kept whole.
+
+    Rows are padded (last row repeated, masked out) to a multiple of
+    ``M * devices``; micro-batch ``j`` takes rows ``[j*r, (j+1)*r)`` and
+    splits them over the devices.
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    rows = _grouped_rows(leaves, k)
+    n = strategy.n_devices
+    extra = -rows % (m * n)
+    row_axis = 1 if k > 1 else 0
+    xp = jnp if any(is_jax_array(x) for x in leaves) else np
+    out = [_group(xp, _pad_axis(xp, x, row_axis, extra), row_axis, m, n, strategy) for x in leaves]
+    lead = (k,) if k > 1 else ()
+    mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
+    mask = _group(np, mask, row_axis, m, n, strategy)
+    placed, mask = to_device(
+        (jax.tree.unflatten(treedef, out), mask), _grouped_target(strategy, k, m)
+    )
+    return Padded(placed, mask, rows) if extra else placed
+
+
+def _grouped_rows(leaves: list[Any], k: int) -> int:
+    what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
+    if not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    if k > 1 and any(np.shape(x)[0] != k for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what} with K={k}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
+    if len(rows) != 1 or 0 in rows:
+        raise ShardingError(
+            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    return rows.pop()
+
+
+def _pad_axis(xp: Any, x: Any, axis: int, extra: int) -> Any:
+    if not extra:
+        return x
+    last = xp.take(x, xp.asarray([np.shape(x)[axis] - 1]), axis=axis)
+    return xp.concatenate([x, xp.repeat(last, extra, axis=axis)], axis=axis)
+
+
+def _group(xp: Any, x: Any, axis: int, m: int, n: int, strategy: Strategy) -> Any:
+    """Split the row axis into ``(M, r)``; for pmap also move the device split in front."""
+    shape = np.shape(x)
+    r = shape[axis] // m
+    lead = shape[:axis] + ((m,) if m > 1 else ())
+    x = xp.reshape(x, lead + (r,) + shape[axis + 1 :])
+    if strategy.kind != "pmap":
+        return x
+    at = len(lead)
+    x = xp.reshape(x, lead + (n, r // n) + shape[axis + 1 :])
+    return xp.moveaxis(x, at, 0)
+
+
+def _grouped_target(strategy: Strategy, k: int, m: int) -> Any:
+    if strategy.kind == "single":
+        return strategy.devices[0]
+    if strategy.kind == "pmap":
+        return NamedSharding(strategy.mesh, P(strategy.axis))
+    lead = [None] * ((k > 1) + (m > 1))
+    return NamedSharding(strategy.mesh, P(*lead, strategy.axis))
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _compile(step: TrainStep, has_mask: bool, has_acc: bool) -> Callable:
+    """Compile ``run(state, batch[, mask][, acc])`` for the step's strategy.
+
+    Absent arguments are left out of the signature, never passed as
+    ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments.
+    """
+    strategy, cfg, k, train = step.strategy, step._cfg, step.steps_per_call, step._train
+    n_lead = (k > 1) + (cfg.accumulate > 1) if train else 0
+
+    def run(axis, *args):
+        state, batch = args[0], args[1]
+        mask = args[2] if has_mask else _all_rows(batch, n_lead)
+        acc = args[-1] if has_acc else None
+        if not train:
+            metrics = eval_body(cfg, axis, state, batch, mask)
+            return metrics if acc is None else acc.merge(metrics)
+        body = functools.partial(train_body, cfg, axis)
+        if k == 1:
+            state, metrics = body(state, batch, mask)
+        else:
+            state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
+        metrics = metrics if acc is None else acc.merge(metrics)
+        return state, metrics, state.step + 0  # an undonated token to wait on
+
+    n_args = 2 + has_mask + has_acc
+    donate = tuple(i for i in (0, n_args - 1) if step._donate and (i == 0 or has_acc))
+    if strategy.kind == "single":
+        return jax.jit(functools.partial(run, None), donate_argnums=donate)
+    if strategy.kind == "pmap":
+        return _compile_pmap(strategy, run, has_mask, has_acc, train, donate)
+    return _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate)
+
+
+def _all_rows(batch: Any, n_lead: int) -> jax.Array:
+    leaf = jax.tree.leaves(batch)[0]
+    return jnp.ones(jnp.shape(leaf)[: n_lead + 1], bool)
+
+
+def _compile_pmap(strategy, run, has_mask, has_acc, train, donate):
+    in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
+    return jax.pmap(
+        functools.partial(run, strategy.axis),
+        axis_name=strategy.axis,
+        devices=list(strategy.devices),
+        in_axes=in_axes,
+        out_axes=(None, None, None) if train else None,
+        donate_argnums=donate,
+    )
+
+
+def _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate):
+    mesh, axis = strategy.mesh, strategy.axis
+    spec = P(*([None] * n_lead), axis)
+    specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
+    out_specs = (P(), P(), P()) if train else P()
+    if strategy.shard_map:
+        # check_vma=False: gradients of replicated params are summed by the
+        # step's own psum, as under pmap (with vma checks JAX would already
+        # sum them, and the step would apply the gradient n times over).
+        inner = jax.shard_map(
+            functools.partial(run, axis),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=out_specs,
+            check_vma=False,
+        )
+    else:
+        inner = functools.partial(run, None)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(
+        inner,
+        in_shardings=shardings,
+        out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
+        donate_argnums=donate,
+    )
+
+
+# ---------------------------------------------------------------- factories
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"`{name}` must be an int >= 1, got {value!r}.")
+    if value < 1:
+        raise UsageError(f"`{name}` must be >= 1, got {value}.")
+    return value
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    strategy: Strategy | None = None,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    pass_mask: bool = False,
+    steps_per_call: int = 1,
+    accumulate: int = 1,
+    donate: bool = True,
+    regularizer: Callable[[Any], jax.Array] | None = None,
+    lr_fn: Callable[[jax.Array], jax.Array] | None = None,
+) -> TrainStep:
+    """Return a compiled train step for ``strategy``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> per_example_loss`` of shape
+        ``(B,)``. With ``has_aux`` it returns ``(losses, aux)``: ``aux`` is a
+        dict of per-example arrays (averaged over valid rows), ``Metric``
+        objects or ``Collection`` s. With ``has_state`` it is called as
+        ``loss_fn(params, model_state, batch)`` and returns the new model
+        state last: ``(losses, new_state)`` / ``(losses, aux, new_state)``.
+        If the state holds an ``rng`` it gets a per-step (and per-device)
+        key after ``batch``; with ``pass_mask`` the keyword ``mask=`` (bool,
+        one per row: give it to ``nn.BatchNorm(...)(x, mask=...)``).
+        ``Metric.from_value`` / ``from_logits`` called inside ``loss_fn``
+        leave the padded rows out by themselves.
+      tx: any optax ``GradientTransformation`` (``optax.apply_if_finite``
+        skips non-finite updates; ``optax.chain`` scales or clips gradients).
+      strategy: a :class:`Strategy`; ``None`` is ``Strategy.single()``.
+      has_aux: ``loss_fn`` returns aux metrics.
+      has_state: ``loss_fn`` takes and returns a model state (see above).
+        Under pmap and shard_map the new state's float leaves are averaged
+        over the devices (``lax.pmean``, flax's ``sync_batch_stats``).
+      pass_mask: pass the row validity mask as ``mask=``.
+      steps_per_call: run K updates per dispatch with ``lax.scan`` over a
+        batch whose leaves have a leading axis of K.
+      accumulate: M micro-batches per update (gradient accumulation with
+        ``lax.scan``): the same update as one step on the whole batch.
+      donate: donate the state and running metrics buffers (default True).
+      regularizer: ``regularizer(params) -> scalar`` added to the objective
+        once per update (weight decay terms); reported as ``regularizer``.
+      lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
+        reported as the metric ``lr``.
+
+    Returns:
+      A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
+
+    Raises:
+      UsageError: ``strategy`` is not a :class:`Strategy`, or a count < 1.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
+      >>> def loss_fn(params, batch):
+      ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
+      >>> step = jaxdev.make_train_step(loss_fn, optax.sgd(0.1), jaxdev.Strategy.single())
+      >>> state = step.init_state({"w": jnp.zeros(2)}, optax.sgd(0.1))
+      >>> batch = step.put_batch({"x": np.eye(2, dtype=np.float32), "y": np.ones(2, np.float32)})
+      >>> state, metrics = step(state, batch)
+      >>> state, metrics = step(state, batch, metrics)
+      >>> int(state.step), round(metrics.fetch()["loss"], 3)
+      (2, 0.905)
+    """
+    cfg = StepConfig(
+        loss_fn,
+        tx,
+        bool(has_aux),
+        bool(has_state),
+        bool(pass_mask),
+        _check_count("accumulate", accumulate),
+        regularizer,
+        lr_fn,
+    )
+    k = _check_count("steps_per_call", steps_per_call)
+    return TrainStep(as_strategy(strategy), cfg, k, donate, train=True)
+
+
+def make_eval_step(
+    loss_fn: LossFn,
+    strategy: Strategy | None = None,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    pass_mask: bool = False,
+) -> TrainStep:
+    """Return a compiled ``eval(state_or_params, batch, metrics=None) -> metrics``.
+
+    Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no
+    gradient, nothing donated, no rng. With ``has_state`` the model state of
+    the :class:`TrainState` is passed and the one returned is dropped.
+    Padded rows never count.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jaxdev
+      >>> ev = jaxdev.make_eval_step(lambda p, b: (b["x"] * p["w"]).sum(-1))
+      >>> params = ev.init_state({"w": jnp.ones(2)})
+      >>> ev(params, ev.put_batch({"x": np.ones((4, 2), np.float32)})).fetch()
+      {'loss': 2.0}
+    """
+    cfg = StepConfig(loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask))
+    return TrainStep(as_strategy(strategy), cfg, 1, False, train=False)
