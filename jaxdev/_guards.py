@@ -1,4 +1,4 @@
-"""Count host syncs, host<->device transfers and compiles inside a block.
+"""Count host syncs, waits, host<->device transfers and compiles inside a block.
 
 ``jax.transfer_guard`` does not see device-to-host reads on CPU (a CPU
 array is read through the buffer protocol), so this module counts them
@@ -10,14 +10,23 @@ device array on the host while a counter is active:
   ``__array__``, ``format()``, ``repr()``, ``str()``, pickling,
   ``.copy_to_host_async()`` and, as a catch-all, the internal ``_value``;
 * ``jax.device_get`` (one event per call, however many leaves);
-* ``np.asarray``, ``np.array``, ``np.asanyarray``, ``np.ascontiguousarray``
-  called on a ``jax.Array`` (or a list/tuple holding one).
+* numpy given a ``jax.Array`` (or a list/tuple holding one): ``np.asarray``,
+  ``np.array``, ``np.asanyarray``, ``np.ascontiguousarray``, ``np.copy``,
+  ``np.concatenate``, ``np.stack``, ``np.vstack``, ``np.hstack`` and the
+  ufuncs ``np.isfinite``, ``np.isnan``, ``np.isinf``. Any other numpy call
+  converts a GPU or TPU array, or a CPU array spread over several devices,
+  through ``__array__``, which counts too.
+
+Waits, where the host blocks until the device is done without reading a
+value, have their own count: ``x.block_until_ready()`` and
+``jax.block_until_ready(tree)`` (one per call).
 
 Host-to-device: explicit ``jax.device_put`` of host data (numpy arrays,
 Python numbers) is wrapped; implicit transfers (a numpy array or Python
 scalar passed to a jitted function or a ``jnp`` operation) are seen through
-``jax.transfer_guard_host_to_device("log")``, whose C++ log lines on stderr
-are captured at the file-descriptor level and counted.
+``jax.transfer_guard_host_to_device("log")``. For the block, fd 2 is a pipe
+read by a thread that counts JAX's log lines and writes every other byte to
+the real stderr as it arrives, unchanged.
 
 Compiles and traces are counted with ``jax.monitoring`` listeners on
 ``/jax/core/compile/backend_compile_duration`` and
@@ -26,15 +35,29 @@ Compiles and traces are counted with ``jax.monitoring`` listeners on
 One event is counted per outermost call: ``float(x)`` reads ``x._value``
 inside, ``jax.device_get(tree)`` reads every leaf inside; each counts once.
 A read counts even when JAX had already cached the value on the host, since
-the code pattern is what costs on an accelerator.
+the code pattern is what costs on an accelerator. ``np.sum(x)``,
+``np.mean(x)``, ``np.max(x)``, ``np.argmax(x)`` and the other numpy
+functions that hand over to the array's method of the same name stay on
+device: they are not transfers.
 
-Blind spots: numpy functions other than the four above (``np.sum(x)``,
-``memoryview(x)``), references taken before the block
-(``from jax import device_get``; ``from numpy import asarray``), DLPack,
-and implicit host-to-device transfers when the C++ log is silenced
-(``TF_CPP_MIN_LOG_LEVEL`` >= 2) or a stricter ``transfer_guard`` is already
-set (then JAX itself raises on them). The wrappers are process-wide: other
-threads' reads count too; implicit transfers count on the entering thread.
+Blind spots, not counted:
+
+* a single-device CPU array read by numpy through the buffer protocol,
+  which Python cannot intercept: numpy functions and ufuncs not listed
+  above (``np.exp(x)``, ``np.allclose(x, y)``), numpy scalar types
+  (``np.float32(x)``), ``memoryview(x)``;
+* references taken before the block (``from jax import device_get``,
+  ``from numpy import asarray``, a bound method ``x.block_until_ready``);
+* DLPack (``x.__dlpack__()``, ``np.from_dlpack(x)``) and host callbacks
+  inside compiled code (``jax.debug.print``, ``jax.debug.callback``,
+  ``jax.pure_callback``, ``io_callback``);
+* implicit host-to-device transfers with ``implicit=False``, when the C++
+  log is silenced (``TF_CPP_MIN_LOG_LEVEL`` >= 2), when a host-to-device
+  ``transfer_guard`` other than ``"allow"`` or ``"log"`` is in force (then
+  JAX itself raises or stays silent on them), or on threads other than the
+  one that entered the block (the guard level is per thread).
+
+The wrappers are process-wide: other threads' reads and waits count too.
 """
 
 from __future__ import annotations
@@ -45,7 +68,6 @@ import functools
 import os
 import re
 import sys
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -54,11 +76,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import JaxdevError
+from ._errors import GuardArgumentError, GuardError
 
 __all__ = [
-    "GuardArgumentError",
-    "GuardError",
     "TransferCounter",
     "TransferEvent",
     "count_transfers",
@@ -67,6 +87,7 @@ __all__ = [
 
 D2H = "device_to_host"
 H2D = "host_to_device"
+WAIT = "wait"
 COMPILE = "compile"
 TRACE = "trace"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -74,24 +95,16 @@ _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _MAX_EVENTS = 1000  # events kept per counter; the counts are always exact
 
 
-class GuardError(JaxdevError, AssertionError):
-    """A guarded block made more host syncs, transfers or compiles than allowed."""
-
-
-class GuardArgumentError(JaxdevError, ValueError):
-    """A guard was given an invalid budget."""
-
-
 @dataclasses.dataclass(frozen=True)
 class TransferEvent:
     """One counted event.
 
     Attributes:
-      direction: ``"device_to_host"``, ``"host_to_device"``, ``"compile"`` or
-        ``"trace"``.
+      direction: ``"device_to_host"``, ``"host_to_device"``, ``"wait"``,
+        ``"compile"`` or ``"trace"``.
       kind: what did it, e.g. ``"float()"``, ``"jax.device_get"``,
-        ``"implicit float32[3]"`` (the shape when JAX's log names it),
-        ``"jit(step)"``.
+        ``"np.isfinite"``, ``".block_until_ready()"``, ``"implicit float32[3]"``
+        (the shape when JAX's log names it), ``"jit(step)"``.
       where: ``file:line (function)`` of the first caller outside jax, numpy
         and this module; empty when unknown (implicit transfers, compiles).
     """
@@ -118,40 +131,49 @@ class TransferCounter:
         room = _MAX_EVENTS - len(self.events)
         self.events.extend([event] * min(n, max(room, 0)))
 
+    def _count(self, direction: str) -> int:
+        if direction == H2D:
+            _drain_implicit()
+        return self._counts[direction]
+
     @property
     def device_to_host(self) -> int:
         """Device-to-host reads (syncs) counted so far."""
-        return self._counts[D2H]
+        return self._count(D2H)
 
     @property
     def host_to_device(self) -> int:
         """Host-to-device transfers (explicit and implicit) counted so far."""
-        _drain_implicit()
-        return self._counts[H2D]
+        return self._count(H2D)
+
+    @property
+    def waits(self) -> int:
+        """Waits for the device (``block_until_ready``) counted so far."""
+        return self._count(WAIT)
 
     @property
     def compiles(self) -> int:
         """XLA compilations counted so far (jit, pmap and eager ops)."""
-        return self._counts[COMPILE]
+        return self._count(COMPILE)
 
     @property
     def traces(self) -> int:
         """Python traces (jaxpr tracing of a function) counted so far."""
-        return self._counts[TRACE]
+        return self._count(TRACE)
 
     def summary(self) -> str:
         """Return one line of counts plus one line per distinct event."""
         head = (
             f"{self.device_to_host} device-to-host, {self.host_to_device} host-to-device, "
-            f"{self.compiles} compiles, {self.traces} traces"
+            f"{self.waits} waits, {self.compiles} compiles, {self.traces} traces"
         )
         return "\n".join([head] + [f"  {line}" for line in _describe(self.events)])
 
     def __repr__(self) -> str:
         return (
             f"TransferCounter(device_to_host={self.device_to_host}, "
-            f"host_to_device={self.host_to_device}, compiles={self.compiles}, "
-            f"traces={self.traces})"
+            f"host_to_device={self.host_to_device}, waits={self.waits}, "
+            f"compiles={self.compiles}, traces={self.traces})"
         )
 
 
@@ -205,26 +227,38 @@ def _call_site() -> str:
 
 
 @contextlib.contextmanager
-def _outermost(direction: str) -> Iterator[bool]:
-    """Yield True only for the outermost intercepted call in this thread."""
-    depth = getattr(_tls, direction, 0)
-    setattr(_tls, direction, depth + 1)
+def _outermost(key: str) -> Iterator[bool]:
+    """Yield True only for the outermost intercepted call of ``key`` in this thread."""
+    depth = getattr(_tls, key, 0)
+    setattr(_tls, key, depth + 1)
     try:
         yield depth == 0
     finally:
-        setattr(_tls, direction, depth)
+        setattr(_tls, key, depth)
 
 
-def _counted(fn: Callable, direction: str, kind: str, when: Callable[..., bool]) -> Callable:
-    """Wrap ``fn`` so each outermost call with ``when(*args)`` true is counted."""
+def _always(*args, **kwargs) -> bool:
+    return True
 
-    @functools.wraps(fn)
+
+def _counted(fn: Callable, direction: str, kind: str, when: Callable = _always) -> Callable:
+    """Wrap ``fn`` so each outermost call with ``when(*args)`` true is counted.
+
+    Reads and waits share one depth: a wait inside a read (or the reverse)
+    is part of the outer call.
+    """
+    key = "host" if direction in (D2H, WAIT) else direction
+
     def wrapper(*args, **kwargs):
-        with _outermost(direction) as outer:
+        with _outermost(key) as outer:
             if outer and _active and when(*args, **kwargs):
                 _emit(direction, kind, _call_site())
             return fn(*args, **kwargs)
 
+    try:
+        functools.update_wrapper(wrapper, fn)
+    except TypeError:  # a nanobind method's __qualname__ is None
+        wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -246,7 +280,19 @@ _ARRAY_METHODS = {
     "__reduce__": "pickle",
     "copy_to_host_async": ".copy_to_host_async()",
 }
-_NUMPY_FUNCTIONS = ("asarray", "array", "asanyarray", "ascontiguousarray")
+_ARRAY_WAITS = {"block_until_ready": ".block_until_ready()"}
+_NUMPY_FUNCTIONS = (
+    "asarray",
+    "array",
+    "asanyarray",
+    "ascontiguousarray",
+    "copy",
+    "concatenate",
+    "stack",
+    "vstack",
+    "hstack",
+)
+_NUMPY_UFUNCS = ("isfinite", "isnan", "isinf")
 
 
 @functools.cache
@@ -255,10 +301,6 @@ def _array_type() -> type:
     from jax._src.array import ArrayImpl
 
     return ArrayImpl
-
-
-def _always(*args, **kwargs) -> bool:
-    return True
 
 
 def _holds_device_array(x: Any = None, *args, **kwargs) -> bool:
@@ -279,6 +321,28 @@ def _tree_has_host_data(x: Any = None, *args, **kwargs) -> bool:
     return any(not isinstance(y, array) for y in jax.tree_util.tree_leaves(x))
 
 
+class _CountedUfunc:
+    """Stands in for a numpy ufunc: calls on a device array count; attributes pass through."""
+
+    def __init__(self, ufunc: np.ufunc):
+        self.__wrapped__ = ufunc
+        self.__module__ = ufunc.__module__  # pickles by name, as the ufunc itself
+        self.__doc__ = ufunc.__doc__
+        self._call = _counted(ufunc, D2H, f"np.{ufunc.__name__}", _holds_device_array)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __reduce__(self) -> str:
+        return self.__wrapped__.__name__
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
+
+
 def _set(owner: Any, name: str, value: Any) -> None:
     """Set ``owner.name = value`` and remember how to undo it."""
     old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
@@ -291,18 +355,23 @@ def _install() -> None:
     from jax._src import api
 
     array = _array_type()
-    for name, kind in _ARRAY_METHODS.items():
-        if name in array.__dict__:
-            _set(array, name, _counted(array.__dict__[name], D2H, kind, _always))
+    for direction, methods in ((D2H, _ARRAY_METHODS), (WAIT, _ARRAY_WAITS)):
+        for name, kind in methods.items():
+            if name in array.__dict__:
+                _set(array, name, _counted(array.__dict__[name], direction, kind))
     value = array.__dict__["_value"]
-    _set(array, "_value", property(_counted(value.fget, D2H, "host read (_value)", _always)))
+    _set(array, "_value", property(_counted(value.fget, D2H, "host read (_value)")))
     get = _counted(api.device_get, D2H, "jax.device_get", _tree_has_device_array)
     put = _counted(api.device_put, H2D, "jax.device_put", _tree_has_host_data)
+    wait = _counted(api.block_until_ready, WAIT, "jax.block_until_ready", _tree_has_device_array)
     for owner in (jax, api):
         _set(owner, "device_get", get)
         _set(owner, "device_put", put)
+        _set(owner, "block_until_ready", wait)
     for name in _NUMPY_FUNCTIONS:
         _set(np, name, _counted(getattr(np, name), D2H, f"np.{name}", _holds_device_array))
+    for name in _NUMPY_UFUNCS:
+        _set(np, name, _CountedUfunc(getattr(np, name)))
     jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
     _undo.append(lambda: jax.monitoring.unregister_event_duration_listener(_on_compile_event))
 
@@ -322,61 +391,152 @@ def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
 
 # ------------------------------------------ implicit host-to-device (stderr)
 
-_IMPLICIT_LINE = re.compile(rb"host-to-device transfer:(?: aval=(?:ShapedArray\()?([^,)\s]*))?")
+_IMPLICIT_LINE = re.compile(
+    rb"(?:[IWEF]\d{4} [\d:.]+ +\d+ [^\]\n]*\] )?"  # absl's header: W1123 10:58:06.5 9493 x.cc:1]
+    rb"host-to-device transfer:(?: aval=(?:ShapedArray\()?([^,)\s]*))?"
+)
+_LINES = re.compile(rb"[^\n]*\n|[^\n]+")  # split at newlines only: "\r" belongs to progress bars
+_SYNC = b"\x00jaxdev-stderr-sync\x00"  # written by _Pump.take, never passed on
+_READ_SIZE = 1 << 20  # >= the pipe's capacity: a read never splits one small write
 
 
-class _StderrTap:
-    """Capture fd 2 to count JAX's transfer-guard log lines; pass others on."""
+class _Pump(threading.Thread):
+    """Copy a pipe to ``out_fd`` as bytes arrive, counting JAX's transfer-guard lines.
 
-    def __init__(self) -> None:
-        self.users = 0
-        self.saved: int | None = None
-        self.file: Any = None
-        self.pos = 0
+    Guard lines are recorded (their kinds wait for :meth:`take`) and, when
+    ``swallow``, not passed on; every other byte is, at once and unchanged,
+    partial lines (progress bars) included. Runs until every write end of
+    the pipe is closed, so child processes started in the block still get
+    their stderr through.
+    """
 
-    def start(self) -> None:
-        if self.users == 0:
-            sys.stderr.flush()
-            self.file = tempfile.TemporaryFile()
-            self.saved = os.dup(2)
-            os.dup2(self.file.fileno(), 2)
-            self.pos = 0
-        self.users += 1
+    def __init__(self, read_fd: int, out_fd: int, swallow: bool):
+        super().__init__(name="jaxdev-stderr", daemon=True)
+        self.read_fd, self.out_fd, self.swallow = read_fd, out_fd, swallow
+        self.cond = threading.Condition()
+        self.order = threading.Lock()
+        self.kinds: list[str] = []
+        self.asked = self.answered = 0
+        self.done = False
 
-    def drain(self) -> list[str]:
-        """Return one kind per new transfer line; forward every other line."""
-        if self.users == 0:
-            return []
-        sys.stderr.flush()
-        chunks = []
-        while chunk := os.pread(self.file.fileno(), 1 << 16, self.pos):
-            chunks.append(chunk)
-            self.pos += len(chunk)
-        kinds, other = [], []
-        for line in b"".join(chunks).splitlines(keepends=True):
+    def run(self) -> None:
+        try:
+            while data := os.read(self.read_fd, _READ_SIZE):
+                *before_syncs, rest = data.split(_SYNC)
+                for part in before_syncs:
+                    self._pass_on(part)
+                    with self.cond:
+                        self.answered += 1
+                        self.cond.notify_all()
+                self._pass_on(rest)
+        except OSError:
+            pass
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+            os.close(self.read_fd)
+            os.close(self.out_fd)
+
+    def _pass_on(self, data: bytes) -> None:
+        kinds, out = [], []
+        for line in _LINES.findall(data):
             found = _IMPLICIT_LINE.search(line)
             if found:
                 aval = (found.group(1) or b"").decode(errors="replace")
                 kinds.append(f"implicit {aval}".strip())
-            else:
-                other.append(line)
-        if other:
-            os.write(self.saved, b"".join(other))
+                if self.swallow:  # keep what came before the record, e.g. "\r 50%"
+                    line = line[: found.start()]
+            out.append(line)
+        if kinds:
+            with self.cond:
+                self.kinds.extend(kinds)
+        _write_all(self.out_fd, b"".join(out))
+
+    def take(self, write_fd: int) -> list[str]:
+        """Return (and forget) the kinds of every guard line written before this call."""
+        with self.order:  # tickets in the order the markers enter the pipe
+            self.asked += 1
+            ticket = self.asked
+            try:
+                os.write(write_fd, _SYNC)
+            except OSError:  # the pump is gone; what it passed on is all there is
+                ticket = 0
+        with self.cond:
+            self.cond.wait_for(lambda: self.answered >= ticket or self.done)
+            kinds, self.kinds = self.kinds, []
         return kinds
 
-    def stop(self) -> list[str]:
-        kinds = self.drain()
-        self.users -= 1
+
+def _flush_stderr() -> None:
+    """Push Python's buffered ``sys.stderr`` text to fd 2 (if there is one)."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stderr.flush()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd``; drop it if the real stderr is gone."""
+    while data:
+        try:
+            data = data[os.write(fd, data) :]
+        except OSError:
+            return
+
+
+class _StderrTap:
+    """Points fd 2 at a :class:`_Pump` while some counter needs JAX's transfer-guard log."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.pump: _Pump | None = None
+        self.saved = self.write_fd = -1
+
+    def start(self, swallow: bool) -> None:
+        """Route fd 2 through a new pump (first user); raise OSError without a usable fd 2."""
         if self.users == 0:
-            sys.stderr.flush()
-            os.dup2(self.saved, 2)
-            os.close(self.saved)
-            self.file.close()
-            self.saved = self.file = None
+            _flush_stderr()
+            saved = os.dup(2)
+            read_fd, write_fd = os.pipe()
+            with contextlib.suppress(ImportError, AttributeError, OSError):
+                import fcntl  # a larger pipe: writers rarely wait for the pump
+
+                fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _READ_SIZE)
+            self.pump = _Pump(read_fd, os.dup(saved), swallow)
+            self.pump.start()
+            self.saved, self.write_fd = saved, write_fd
+            os.dup2(write_fd, 2)
+        self.users += 1
+
+    def drain(self) -> list[str]:
+        """Return the kinds of the transfer-guard lines logged since the last drain."""
+        if self.pump is None:
+            return []
+        _flush_stderr()
+        return self.pump.take(self.write_fd)
+
+    def stop(self) -> list[str]:
+        """Drop one user; the last one restores fd 2. Return the kinds not yet drained."""
+        if self.pump is None:
+            return []
+        self.users -= 1
+        if self.users:
+            return self.drain()
+        _flush_stderr()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        kinds = self.pump.take(self.write_fd)
+        os.close(self.write_fd)  # the pump ends when no child process holds the pipe either
+        self.pump, self.saved, self.write_fd = None, -1, -1
         return kinds
+
+    def forget(self) -> None:
+        """In a forked child: no pump thread came along; fd 2 stays the parent's pipe."""
+        self.users, self.pump = 0, None
 
 
 _tap = _StderrTap()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_tap.forget)
 
 
 def _drain_implicit() -> None:
@@ -399,16 +559,20 @@ def _guard_level() -> str | None:
 
 @contextlib.contextmanager
 def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
-    """Count device-to-host reads, host-to-device transfers and compiles.
+    """Count device-to-host reads, waits, host-to-device transfers and compiles.
 
     Every wrapped entry point is restored on exit, also when the block
     raises; blocks nest (an inner block's events also count in the outer).
 
     Args:
       implicit: also count implicit host-to-device transfers (numpy or Python
-        values handed to jitted functions and ``jnp`` ops) by capturing JAX's
-        transfer-guard log on stderr for the duration of the block. Other
-        stderr output in the block is passed on when the block ends.
+        values handed to jitted functions and ``jnp`` ops), by reading JAX's
+        transfer-guard log on stderr: for the block, fd 2 is a pipe whose
+        other output reaches the real stderr as it is written, unchanged.
+        The log lines themselves are left out unless a ``"log"`` transfer
+        guard was already on. A process killed outright (``SIGKILL``,
+        ``abort()``) can lose the last bytes written just before; pass
+        ``False`` to leave fd 2 alone.
 
     Yields:
       A :class:`TransferCounter`, readable during and after the block.
@@ -420,9 +584,9 @@ def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
       >>> with count_transfers() as c:
       ...     total = float(x.sum())
       ...     host = jax.device_get({"a": x, "b": x})
-      ...     y = jax.device_put(np.ones(3))
-      >>> c.device_to_host, c.host_to_device
-      (2, 1)
+      ...     y = jax.device_put(np.ones(3)).block_until_ready()
+      >>> c.device_to_host, c.host_to_device, c.waits
+      (2, 1, 1)
     """
     counter = TransferCounter(implicit=implicit)
     with contextlib.ExitStack() as stack:
@@ -431,20 +595,22 @@ def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
 
 
 def _activate(counter: TransferCounter, stack: contextlib.ExitStack) -> None:
-    """Install the wrappers (first user) and register ``counter``."""
+    """Install the wrappers (first user), register ``counter``, tap stderr if asked."""
     with _lock:
         _drain_implicit()
         if not _active:
             _install()
         _active.append(counter)
-    stack.callback(_deactivate, counter)
-    if counter._implicit and _guard_level() in (None, "allow", "log"):
+        stack.callback(_deactivate, counter)
+        level = _guard_level()
+        if not counter._implicit or level not in (None, "allow", "log"):
+            return
         try:
-            _tap.start()
+            _tap.start(swallow=level != "log")
         except OSError:  # no usable fd 2: implicit transfers go uncounted
             return
-        stack.callback(_stop_tap)
-        stack.enter_context(jax.transfer_guard_host_to_device("log"))
+    stack.callback(_stop_tap)
+    stack.enter_context(jax.transfer_guard_host_to_device("log"))
 
 
 def _stop_tap() -> None:
@@ -461,11 +627,13 @@ def _deactivate(counter: TransferCounter) -> None:
             _uninstall()
 
 
-def _check_budget(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise GuardArgumentError(
-            f"`no_host_sync` expects `{name}` to be None (no limit) or an int >= 0, got {value!r}."
-        )
+_BUDGETS = {  # direction: (its no_host_sync parameter, its noun in a GuardError)
+    D2H: ("max_device_to_host", "device-to-host sync"),
+    H2D: ("max_host_to_device", "host-to-device transfer"),
+    WAIT: ("max_waits", "wait"),
+    COMPILE: ("max_compiles", "compile"),
+    TRACE: ("max_traces", "trace"),
+}
 
 
 @contextlib.contextmanager
@@ -474,8 +642,9 @@ def no_host_sync(
     max_host_to_device: int | None = None,
     max_compiles: int | None = None,
     max_traces: int | None = None,
+    max_waits: int | None = None,
 ) -> Iterator[TransferCounter]:
-    """Assert a block stays within a budget of syncs, transfers and compiles.
+    """Assert a block stays within a budget of syncs, waits, transfers and compiles.
 
     The block runs to its end; then, if any count is over its budget, a
     :class:`GuardError` lists each exceeded count with its budget and the
@@ -488,6 +657,8 @@ def no_host_sync(
       max_host_to_device: allowed host-to-device transfers (``None``: no limit).
       max_compiles: allowed XLA compiles (``None``: no limit).
       max_traces: allowed function traces (``None``: no limit).
+      max_waits: allowed waits for the device, ``block_until_ready``
+        (``None``: no limit).
 
     Yields:
       The :class:`TransferCounter` of the block.
@@ -501,9 +672,12 @@ def no_host_sync(
       >>> from jaxdev import GuardError, no_host_sync
       >>> step = jax.jit(lambda x: x * 0.5 + 1.0)
       >>> x = step(jnp.ones(4))  # compiles here, outside the guard
-      >>> with no_host_sync(max_compiles=0):
+      >>> with no_host_sync(max_compiles=0, max_waits=1) as c:
       ...     for _ in range(10):
       ...         x = step(x)
+      ...     x = x.block_until_ready()
+      >>> c.waits
+      1
       >>> try:
       ...     with no_host_sync():
       ...         loss = float(x[0])
@@ -511,37 +685,44 @@ def no_host_sync(
       ...     print(str(err).splitlines()[0])
       1 device-to-host sync in a block that allows 0 (`max_device_to_host=0`):
     """
-    budgets = {
-        D2H: ("max_device_to_host", max_device_to_host, "device-to-host sync"),
-        H2D: ("max_host_to_device", max_host_to_device, "host-to-device transfer"),
-        COMPILE: ("max_compiles", max_compiles, "compile"),
-        TRACE: ("max_traces", max_traces, "trace"),
+    limits = {
+        D2H: max_device_to_host,
+        H2D: max_host_to_device,
+        WAIT: max_waits,
+        COMPILE: max_compiles,
+        TRACE: max_traces,
     }
-    for name, value, _ in budgets.values():
-        _check_budget(name, value)
+    for direction, limit in limits.items():
+        _check_budget(_BUDGETS[direction][0], limit)
     with count_transfers(implicit=max_host_to_device is not None) as counter:
         yield counter
-    counts = {
-        D2H: counter.device_to_host,
-        H2D: counter.host_to_device,
-        COMPILE: counter.compiles,
-        TRACE: counter.traces,
-    }
-    failures = []
-    for direction, (name, limit, noun) in budgets.items():
-        if limit is not None and counts[direction] > limit:
-            n = counts[direction]
-            plural = "s" if n != 1 else ""
-            failures.append(
-                f"{n} {noun}{plural} in a block that allows {limit} (`{name}={limit}`):"
-            )
-            failures.extend(f"  {line}" for line in _describe(counter.events, direction))
+    failures = [
+        _over_budget(counter, direction, limit)
+        for direction, limit in limits.items()
+        if limit is not None and counter._count(direction) > limit
+    ]
     if failures:
         raise GuardError("\n".join(failures) + "\n" + _HINT)
+
+
+def _check_budget(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise GuardArgumentError(
+            f"`no_host_sync` expects `{name}` to be None (no limit) or an int >= 0, got {value!r}."
+        )
+
+
+def _over_budget(counter: TransferCounter, direction: str, limit: int) -> str:
+    """The GuardError paragraph of one exceeded count: a head line, then its events."""
+    name, noun = _BUDGETS[direction]
+    n = counter._count(direction)
+    head = f"{n} {noun}{'s' if n != 1 else ''} in a block that allows {limit} (`{name}={limit}`):"
+    return "\n".join([head] + [f"  {line}" for line in _describe(counter.events, direction)])
 
 
 _HINT = (
     "Keep values on device: merge jaxdev metrics in the step and read them with one "
     "`fetch()` every N steps; pass device arrays (not numpy) to jitted steps; keep "
-    "shapes and dtypes fixed so the step compiles once."
+    "shapes and dtypes fixed so the step compiles once; let JAX's async dispatch run "
+    "instead of waiting with `block_until_ready`."
 )

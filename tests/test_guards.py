@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import select
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_python
 from jax._src.array import ArrayImpl
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import (
@@ -32,14 +41,45 @@ def _originals():
     return (
         {
             name: ArrayImpl.__dict__[name]
-            for name in [*_guards._ARRAY_METHODS, "_value"]
+            for name in [*_guards._ARRAY_METHODS, *_guards._ARRAY_WAITS, "_value"]
             if name in ArrayImpl.__dict__
         },
         jax.device_get,
         jax.device_put,
+        jax.block_until_ready,
         np.asarray,
-        np.array,
+        {name: getattr(np, name) for name in (*_guards._NUMPY_FUNCTIONS, *_guards._NUMPY_UFUNCS)},
     )
+
+
+@contextlib.contextmanager
+def _stderr_pipe():
+    """Make fd 2 a pipe (the "real stderr" of a block inside); yield its read end.
+
+    Used inside a test body: pytest points fd 2 at its own capture file
+    between fixture set-up and the test call.
+    """
+    read_fd, write_fd = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield read_fd
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(read_fd)
+
+
+def _read_until(fd: int, end: bytes, timeout: float = 10.0) -> bytes:
+    """Read ``fd`` until ``end`` arrives, EOF, or ``timeout`` seconds without data."""
+    got = b""
+    while not got.endswith(end) and select.select([fd], [], [], timeout)[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 # ------------------------------------------------------- device to host
@@ -61,6 +101,14 @@ def _originals():
         (lambda x: repr(x), "repr()"),
         (lambda x: pickle.dumps(x), "pickle"),
         (lambda x: range(10)[x.astype(int)[1]], "operator.index()"),
+        (lambda x: np.copy(x), "np.copy"),
+        (lambda x: np.concatenate([x, x]), "np.concatenate"),
+        (lambda x: np.stack((x, x)), "np.stack"),
+        (lambda x: np.vstack([x, x]), "np.vstack"),
+        (lambda x: np.hstack([x, x]), "np.hstack"),
+        (lambda x: np.isfinite(x), "np.isfinite"),
+        (lambda x: np.isnan(x).any(), "np.isnan"),
+        (lambda x: np.isinf(x), "np.isinf"),
     ],
 )
 def test_each_host_read_counts_once(x, read, kind):
@@ -86,7 +134,74 @@ def test_numpy_on_host_data_is_not_counted():
     with count_transfers() as c:
         np.asarray([1.0, 2.0])
         np.array(np.ones(3))
+        np.isfinite(np.ones(2))
+        np.concatenate([np.ones(2), np.zeros(1)])
     assert c.device_to_host == 0 and c.host_to_device == 0
+
+
+def test_numpy_reductions_stay_on_device(x):
+    for reduce in (np.sum, np.mean, np.max):
+        reduce(x)  # compile outside
+    with count_transfers() as c:
+        results = [np.sum(x), np.mean(x), np.max(x)]
+    assert c.device_to_host == 0 and all(isinstance(r, jax.Array) for r in results)
+
+
+def test_any_numpy_call_on_a_multi_device_array_counts_through_array(devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    xs = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("data")))
+    with count_transfers() as c:
+        np.exp(xs)  # numpy converts anything but a single-device CPU array with __array__
+        np.allclose(xs, xs)
+    assert c.device_to_host == 3 and {e.kind for e in c.events} == {"__array__"}, c.summary()
+
+
+def test_documented_blind_spots_on_single_device_cpu_arrays(x):
+    if x.devices() != {jax.devices("cpu")[0]}:
+        pytest.skip("the buffer protocol only reads single-device CPU arrays")
+    with count_transfers() as c:
+        np.exp(x)
+        memoryview(x)
+    assert c.device_to_host == 0, "a blind spot is gone: update the _guards docstring"
+
+
+def test_counted_ufuncs_keep_their_attributes_and_pickle():
+    with count_transfers():
+        assert np.isfinite.nin == 1 and np.isnan.__name__ == "isnan"
+        assert pickle.loads(pickle.dumps(np.isinf)) is np.isinf
+        assert "f->?" in np.isnan.types
+    assert isinstance(np.isfinite, np.ufunc)
+
+
+# ----------------------------------------------------------------- waits
+
+
+def test_waits_are_counted_apart_from_reads(x):
+    with count_transfers() as c:
+        x.block_until_ready()
+        jax.block_until_ready({"a": x, "b": [x * 2, 1.0]})
+        jax.block_until_ready(x)  # calls x.block_until_ready() inside: one wait
+        jax.block_until_ready({"host": np.ones(2)})  # nothing on device to wait for
+    assert (c.waits, c.device_to_host) == (3, 0), c.summary()
+    assert [e.kind for e in c.events if e.direction == "wait"] == [
+        ".block_until_ready()",
+        "jax.block_until_ready",
+        "jax.block_until_ready",
+    ]
+    assert all(e.where.startswith("test_guards.py:") for e in c.events if e.direction == "wait")
+
+
+def test_wait_budget(x):
+    with no_host_sync() as c:  # waits are unlimited by default
+        x.block_until_ready()
+    assert c.waits == 1
+    with pytest.raises(GuardError) as info:
+        with no_host_sync(max_waits=0):
+            for _ in range(2):
+                jax.block_until_ready(x + 1)
+    msg = str(info.value)
+    assert "2 waits in a block that allows 0 (`max_waits=0`):" in msg
+    assert "wait: jax.block_until_ready at test_guards.py:" in msg and "(x2)" in msg
 
 
 def test_repeated_reads_all_count(x):
@@ -135,14 +250,56 @@ def test_implicit_counting_can_be_turned_off(x):
 
 
 def test_other_stderr_output_is_passed_on(capfd, x):
-    import os
-
     with count_transfers() as c:
         os.write(2, b"unrelated line\n")
         jnp.asarray(np.zeros(3, np.float32))
     assert c.host_to_device == 1
     err = capfd.readouterr().err
     assert "unrelated line" in err and "host-to-device transfer" not in err
+
+
+def test_stderr_streams_through_while_the_block_runs(x):
+    with _stderr_pipe() as stderr:
+        with count_transfers() as c:
+            os.write(2, b"epoch 1\n")
+            os.write(2, b"\r 50%")  # a progress bar: no newline
+            jnp.asarray(np.zeros(3, np.float32))  # its transfer-guard line is counted, not shown
+            assert _read_until(stderr, b"50%") == b"epoch 1\n\r 50%"  # before the block ends
+            assert c.host_to_device == 1
+            os.write(2, b"\r100%\n")
+        assert _read_until(stderr, b"\n") == b"\r100%\n"  # and no transfer-guard line
+
+
+def test_transfer_log_asked_for_before_the_block_is_kept(x):
+    with _stderr_pipe() as stderr, jax.transfer_guard_host_to_device("log"):
+        with count_transfers() as c:
+            jnp.asarray(np.zeros(2, np.float32))
+            assert c.host_to_device == 1
+        assert b"host-to-device transfer:" in _read_until(stderr, b"\n")
+
+
+def test_stderr_written_before_a_hard_crash_in_the_block_is_not_lost():
+    proc = run_python(
+        """
+        import os, signal, sys, time
+        import jaxdev
+        with jaxdev.count_transfers():
+            sys.stderr.write("last words\\n")
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert "last words" in proc.stderr
+
+
+def test_stderr_of_a_child_process_started_in_the_block_still_arrives():
+    late = "import sys, time; time.sleep(0.3); sys.stderr.write('late\\n')"
+    with _stderr_pipe() as stderr:
+        with count_transfers():
+            child = subprocess.Popen([sys.executable, "-c", late])
+        assert child.wait(timeout=60) == 0
+        assert _read_until(stderr, b"late\n") == b"late\n"
 
 
 def test_a_stricter_transfer_guard_is_left_in_force(x):
@@ -215,7 +372,7 @@ def test_compile_budget_raises():
 def test_patches_are_restored_after_normal_exit_and_exceptions(x):
     before = _originals()
     with count_transfers():
-        assert np.asarray is not before[3]
+        assert np.asarray is not before[4]
     assert _originals() == before
     with pytest.raises(ZeroDivisionError):
         with count_transfers():
@@ -257,7 +414,7 @@ def test_counter_is_readable_during_the_block(x):
         assert c.device_to_host == 1
         jnp.asarray(np.ones(2, np.float32))
         assert c.host_to_device == 1
-    assert "TransferCounter(device_to_host=1, host_to_device=1" in repr(c)
+    assert "TransferCounter(device_to_host=1, host_to_device=1, waits=0" in repr(c)
 
 
 def test_bad_budgets_name_the_argument():

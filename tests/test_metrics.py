@@ -25,9 +25,9 @@ from jaxdev import (
     Min,
     NonFinite,
     Sum,
+    count_transfers,
     fetch_metrics,
 )
-from jaxdev._guards import count_transfers
 
 N = 8
 RNG = np.random.default_rng(0)
@@ -155,6 +155,22 @@ def test_last_keeps_latest_and_last_valid_row():
     assert int(none.count) == 0 and a.merge(none).fetch() == 1.0
 
 
+def test_sum_min_max_share_one_fold_and_keep_their_fields():
+    values = jnp.array([[3.0, -2.0], [jnp.nan, jnp.inf], [-jnp.inf, 1e30], [5.0, 0.5]])
+    mask = jnp.array([True, False, False, True])  # masked rows hold NaN and infinities
+    for kind, field, want in ((Sum, "total", 6.5), (Min, "value", -2.0), (Max, "value", 5.0)):
+        m = kind.from_value(values, mask)
+        assert m.fetch() == want, kind
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(m)]
+        assert paths == [f".{field}"]
+        leaves, treedef = jax.tree.flatten(m)
+        assert type(jax.tree.unflatten(treedef, leaves)) is kind
+        assert kind(**{field: jnp.float32(1.0)}).merge(kind.empty()).fetch() == 1.0
+        assert getattr(kind.empty(), field).dtype == jnp.float32
+    assert Sum.from_value(jnp.array([-0.0])).fetch() == 0.0
+    assert math.isnan(Min.from_value(jnp.array([1.0, jnp.nan])).fetch())
+
+
 def test_accumulation_is_float32_and_counts_int32():
     m = Mean.from_value(jnp.arange(4))
     assert m.total.dtype == jnp.float32 and m.count.dtype == jnp.int32
@@ -249,7 +265,7 @@ def test_shard_map_reduce_equals_global(devices):
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
 
     def local(v, m, c):
-        return _collection(v, m, c).reduce("data")
+        return _collection(v, m, c).reduce()  # the default axis is "data"
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P())
     _assert_close(jax.jit(fn)(values, mask, correct).fetch(), _expected(values, mask, correct))
