@@ -157,7 +157,24 @@ def k_steps_loops(x, y) -> dict[str, Loop]:
     return {
         "1 step per dispatch": Loop(step.init_state(params, TX), _k_loop(step, batches)),
         f"steps_per_call={K}": Loop(stepk.init_state(params, TX), _k_loop(stepk, stacked)),
+        "1 step per dispatch, donation check off": Loop(
+            step.init_state(params, TX), _unchecked(_k_loop(step, batches))
+        ),
     }
+
+
+def _unchecked(run):
+    """``run`` with the step's per-call donation check (deleted/shared leaves) switched off."""
+    import jaxdev._step as step_module
+
+    def go(state):
+        check, step_module._check_donatable = step_module._check_donatable, lambda *a: None
+        try:
+            return run(state)
+        finally:
+            step_module._check_donatable = check
+
+    return go
 
 
 def data_parallel_loops(x, y) -> dict[str, Loop]:
@@ -345,6 +362,7 @@ def main(argv=None) -> int:
     names = list(loops)
     rows.append(_row(what, names[1], t, names[1]))
     rows.append(_row(what, names[0], t, names[1], ">= 1.3 (K steps faster)", lambda r: r >= 1.3))
+    rows.append(_row(what, names[0], t, names[2], "<= 1.02 (donation check)", lambda r: r <= 1.02))
 
     xg, yg = host_batches(STEPS // 2, 256, seed=1)
     loops = data_parallel_loops(xg, yg)
