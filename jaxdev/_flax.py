@@ -89,7 +89,8 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     streams = _streams(model)
 
     def wrapped(params, model_state, batch, rng=None, **kwargs):
-        module = nnx.merge(graphdef, params, model_state)
+        # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
+        module = nnx.merge(graphdef, params, model_state, copy=True)
         if rng is not None and streams:
             keys = jax.random.split(rng, len(streams))
             nnx.reseed(module, **dict(zip(streams, keys)))

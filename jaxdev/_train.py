@@ -194,11 +194,15 @@ def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
     return grads, new_state, metrics_of(losses, aux, mask)
 
 
-def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collection]:
+def fold_steps(
+    fn: Callable, carry: Any, xs: Any, n: int, unroll: bool = False
+) -> tuple[Any, Collection]:
     """Run ``fn(carry, x_i) -> (carry, metrics_i)`` for ``i < n`` and merge the metrics.
 
     The first call is peeled (it gives the metrics' structure), the rest run
     in one ``lax.scan``: K steps per call and M micro-batches both use it.
+    ``unroll`` unrolls the scan (micro-batches: XLA:CPU runs convolutions in
+    a rolled loop body 2-3x slower, and M is small).
     """
     carry, metrics = fn(carry, jax.tree.map(lambda x: x[0], xs))
     if n > 1:
@@ -209,7 +213,7 @@ def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collecti
             return (c, m.merge(new)), None
 
         rest = jax.tree.map(lambda x: x[1:], xs)
-        (carry, metrics), _ = jax.lax.scan(scan_fn, (carry, metrics), rest)
+        (carry, metrics), _ = jax.lax.scan(scan_fn, (carry, metrics), rest, unroll=unroll)
     return carry, metrics
 
 
@@ -229,7 +233,7 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     xs = (batch, mask, jnp.arange(cfg.accumulate))
     (grads, model_state), metrics = fold_steps(
-        micro, (zeros, state.model_state), xs, cfg.accumulate
+        micro, (zeros, state.model_state), xs, cfg.accumulate, unroll=True
     )
     return grads, model_state, metrics
 
