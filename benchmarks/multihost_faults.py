@@ -1,9 +1,13 @@
 """Time-to-failure of jaxdev's multi-process fault matrix (2 processes x 4 CPU devices).
 
 Runs every scenario of ``tests/mp_scripts/matrix.py`` with real processes on
-127.0.0.1 (init / heartbeat / cross-process-check timeouts of 10 s, a 40 s
-launcher backstop) and prints a markdown table: scenario, expected outcome,
-exit code, seconds from launch to the launcher's exit, and the summary line.
+127.0.0.1 (init / heartbeat / cross-process-check / shutdown timeouts of 10 s,
+a 40 s launcher backstop) and prints a markdown table: scenario, expected
+outcome, exit code, seconds from launch to the launcher's exit, and the
+summary line. The divergent-process scenarios: ``never_joined`` (a process
+skips ``initialize``), ``extra_collective`` (one process runs one collective
+more), ``different_program`` (a train step whose loss one process scales by
+2) and ``different_reduction`` (3 processes; one takes the max, not the mean).
 
 Usage::
 

@@ -13,15 +13,26 @@
   deadline would abort it (JAX ends it with SIGABRT and a gRPC status, never
   a Python exception, and only some seconds after its nominal timeout);
 * after it connects: the process count is the one asked for and every
-  process has the same number of local devices.
+  process has the same number of local devices;
+* under ``jaxdev launch`` it leaves a marker file (``$JAXDEV_JOIN_MARKER``) as
+  soon as it is called, so the launcher can name a process that never called
+  it (that process trains alone and exits 0 while the others wait for it);
+* at exit (and in :func:`shutdown`) every process marks itself finished in
+  the coordinator's key-value store and waits, up to the shutdown timeout,
+  for the others; when some never finish (stuck in a collective the others
+  did not run, hung), it names them and exits with code 1 instead of
+  failing in JAX's shutdown barrier (SIGABRT, "Shutdown barrier has
+  failed").
 
-Initialization and heartbeat timeouts are bounded (60 s and 30 s by default
-instead of JAX's 300 s and 100 s) and overridable by argument or by the
-``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` variables.
+Initialization, heartbeat and shutdown timeouts are bounded (60 s, 30 s and
+30 s by default instead of JAX's 300 s, 100 s and 300 s) and overridable by
+argument or by the ``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` /
+``JAXDEV_SHUTDOWN_TIMEOUT`` variables.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -35,6 +46,7 @@ import jax
 
 from ._devices import backend_started
 from ._errors import DistributedError
+from ._multihost import barrier
 
 ENV_COORDINATOR = "JAXDEV_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDEV_NUM_PROCESSES"
@@ -42,11 +54,14 @@ ENV_PROCESS_ID = "JAXDEV_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXDEV_LOCAL_DEVICES"
 ENV_INIT_TIMEOUT = "JAXDEV_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAXDEV_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "JAXDEV_SHUTDOWN_TIMEOUT"
+ENV_JOIN_MARKER = "JAXDEV_JOIN_MARKER"
 
 DEFAULT_INIT_TIMEOUT_S = 60
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 _JAX_GRACE_S = 5  # JAX's own init deadline, after ours, is only a backstop
+_FINISH: dict[str, float | bool] = {}  # shutdown timeout; whether the finish check ran
 
 
 class DistributedConfig(NamedTuple):
@@ -59,6 +74,7 @@ class DistributedConfig(NamedTuple):
       local_device_count: fake CPU devices for this process, if set.
       init_timeout_s: seconds JAX waits for every process to register.
       heartbeat_timeout_s: seconds without heartbeat before a peer is dead.
+      shutdown_timeout_s: seconds a finishing process waits for the others.
 
     Example:
       >>> from jaxdev.distributed import DistributedConfig
@@ -72,6 +88,7 @@ class DistributedConfig(NamedTuple):
     local_device_count: int | None
     init_timeout_s: int
     heartbeat_timeout_s: int
+    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
@@ -108,6 +125,7 @@ def resolve_config(
     timeout_s: int | None = None,
     heartbeat_timeout_s: int | None = None,
     env: Mapping[str, str] | None = None,
+    shutdown_timeout_s: int | None = None,
 ) -> DistributedConfig:
     """Merge arguments with the ``JAXDEV_*`` environment; arguments win.
 
@@ -119,6 +137,7 @@ def resolve_config(
       timeout_s: else ``$JAXDEV_INIT_TIMEOUT``, else 60.
       heartbeat_timeout_s: else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
       env: the environment to read (default ``os.environ``).
+      shutdown_timeout_s: else ``$JAXDEV_SHUTDOWN_TIMEOUT``, else 30.
 
     Returns:
       The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
@@ -146,6 +165,9 @@ def resolve_config(
         _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1)
         or _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
         or DEFAULT_HEARTBEAT_TIMEOUT_S,
+        _check_int("shutdown_timeout_s", shutdown_timeout_s, 1)
+        or _env_int(env, ENV_SHUTDOWN_TIMEOUT, 1)
+        or DEFAULT_SHUTDOWN_TIMEOUT_S,
     )
     _check_ids(cfg)
     return cfg
@@ -390,16 +412,16 @@ def _preflight(cfg: DistributedConfig, deadline: float) -> None:
         wait_for_coordinator(cfg.coordinator_address, deadline - time.monotonic(), cfg.process_id)
 
 
-def _connect(cfg: DistributedConfig, deadline: float, shutdown_timeout_s: int) -> None:
+def _connect(cfg: DistributedConfig, deadline: float) -> None:
     """Call ``jax.distributed.initialize`` under the watchdog ending at ``deadline``."""
     watchdog = _start_watchdog(cfg, deadline - time.monotonic())
     try:
-        _jax_initialize(cfg, shutdown_timeout_s)
+        _jax_initialize(cfg)
     finally:
         watchdog.cancel()
 
 
-def _jax_initialize(cfg: DistributedConfig, shutdown_timeout_s: int) -> None:
+def _jax_initialize(cfg: DistributedConfig) -> None:
     """``jax.distributed.initialize``; its "not defined" errors say what to set."""
     try:
         jax.distributed.initialize(
@@ -408,7 +430,7 @@ def _jax_initialize(cfg: DistributedConfig, shutdown_timeout_s: int) -> None:
             cfg.process_id,
             initialization_timeout=cfg.init_timeout_s + _JAX_GRACE_S,
             heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
-            shutdown_timeout_seconds=shutdown_timeout_s,
+            shutdown_timeout_seconds=cfg.shutdown_timeout_s,
         )
     except ValueError as e:
         if "defined" not in str(e):
@@ -441,7 +463,7 @@ def initialize(
     local_device_count: int | None = None,
     timeout_s: int | None = None,
     heartbeat_timeout_s: int | None = None,
-    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    shutdown_timeout_s: int | None = None,
     cpu_collectives: str | None = "gloo",
     fail_fast: bool = True,
 ) -> DistributedConfig:
@@ -463,7 +485,10 @@ def initialize(
         connects, the process prints a diagnostic and exits with code 1.
       heartbeat_timeout_s: seconds after which a silent peer counts as dead
         and JAX aborts the job (default 30).
-      shutdown_timeout_s: seconds a finishing process waits for the others.
+      shutdown_timeout_s: seconds a finishing process waits for the others
+        (default 30, or ``$JAXDEV_SHUTDOWN_TIMEOUT``). When some have not
+        finished by then, it names them and exits with code 1 (see
+        :func:`shutdown`).
       cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
         makes cross-process computations work on CPU); ``None`` keeps JAX's.
       fail_fast: end this process at once on an uncaught exception instead
@@ -484,13 +509,18 @@ def initialize(
       >>> jaxdev.distributed.initialize()  # doctest: +SKIP
       DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
     """
+    leave_join_marker()
     _check_can_start()
     job = (coordinator_address, num_processes, process_id, local_device_count)
-    cfg = resolve_config(*job, timeout_s, heartbeat_timeout_s)
+    cfg = resolve_config(
+        *job, timeout_s, heartbeat_timeout_s, shutdown_timeout_s=shutdown_timeout_s
+    )
     _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
     _preflight(cfg, deadline)
-    _connect(cfg, deadline, shutdown_timeout_s)
+    _connect(cfg, deadline)
+    _FINISH.update(timeout_s=cfg.shutdown_timeout_s, done=False)
+    atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
     if fail_fast:
         install_fail_fast()
     _check_job(cfg.num_processes)
@@ -511,14 +541,94 @@ def is_initialized() -> bool:
     return jax.distributed.is_initialized()
 
 
-def shutdown() -> None:
-    """Leave the distributed job (waits up to the shutdown timeout for peers).
+def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
+    """Create the file ``$JAXDEV_JOIN_MARKER`` names: "this process called initialize".
 
-    Does nothing when not initialized.
+    ``jaxdev launch`` gives every process its own marker path and names a
+    process that exits without having left one while others did.
+
+    Args:
+      env: the environment to read (default ``os.environ``).
+
+    Returns:
+      The marker's path, or ``None`` when the variable is unset or the file
+      cannot be written (the launcher then cannot tell, nothing fails).
+
+    Example:
+      >>> leave_join_marker({}) is None  # not under `jaxdev launch`
+      True
+    """
+    path = (os.environ if env is None else env).get(ENV_JOIN_MARKER)
+    if not path:
+        return None
+    try:
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError:
+        return None
+    return path
+
+
+def _not_finished_message(missing: Sequence[int], timeout_s: float) -> str:
+    """The diagnostic when some processes did not reach the end of the job."""
+    names = ", ".join(map(str, missing))
+    return (
+        f"jaxdev: process(es) {names} of {jax.process_count()} never finished: process "
+        f"{jax.process_index()} finished and waited {timeout_s:g} s (`shutdown_timeout_s`) for "
+        "them. They are most likely stuck in a collective the other processes never ran (an "
+        "extra or a different jitted computation over the devices of several processes, e.g. "
+        "a metric computed only `if jax.process_index() == 0`), or hung or slow. Fix: make every "
+        "process run the same sequence of multi-process computations (wrap jitted functions with "
+        "`jaxdev.distributed.same_program` to find the first that differs); raise "
+        f"`shutdown_timeout_s` (`{ENV_SHUTDOWN_TIMEOUT}`) if they are merely slow."
+    )
+
+
+def _unfinished() -> list[int]:
+    """Mark this process finished; return the processes not finished within the timeout."""
+    if _FINISH.get("done", True) or not is_initialized():
+        return []
+    _FINISH["done"] = True
+    try:
+        return barrier("finished", float(_FINISH["timeout_s"]))
+    except Exception:  # noqa: BLE001 - coordinator gone: JAX's own shutdown reports it
+        return []
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: name the processes that never finished and exit 1."""
+    missing = _unfinished()
+    if missing:
+        print(_not_finished_message(missing, float(_FINISH["timeout_s"])), file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)  # JAX's shutdown barrier would wait again, then abort
+
+
+def shutdown() -> None:
+    """Leave the distributed job after every process has finished.
+
+    This process marks itself finished in the coordinator's key-value store
+    and waits, up to the shutdown timeout, for the others, then leaves JAX's
+    distributed runtime. The same happens at interpreter exit when
+    :func:`initialize` was used, so calling it is optional. Does nothing
+    when not initialized.
+
+    Raises:
+      DistributedError: some processes did not finish within the shutdown
+        timeout; names them (most likely they are stuck in a collective the
+        others never ran). JAX's runtime is left running: with
+        ``fail_fast`` the process then exits with code 1.
 
     Example:
       >>> import jaxdev
       >>> jaxdev.distributed.shutdown()  # not initialized: does nothing
     """
-    if is_initialized():
-        jax.distributed.shutdown()
+    if not is_initialized():
+        return
+    missing = _unfinished()
+    if missing:
+        raise DistributedError(
+            _not_finished_message(missing, float(_FINISH["timeout_s"])).removeprefix("jaxdev: ")
+        )
+    jax.distributed.shutdown()

@@ -9,10 +9,20 @@ timeout, the others are ended by their own process ids (SIGTERM, then SIGKILL
 after a grace period; JAX's preemption handler catches SIGTERM, so the kill
 is often needed) and a summary names the failed process.
 
+``jaxdev.distributed.initialize`` leaves a marker file as soon as it is
+called (the path is in ``JAXDEV_JOIN_MARKER``). A process that exits without
+one while another process has one never joined the job: it trained alone,
+and the others wait for it at start-up. The launcher then fails the run
+(exit code 1), ends the others, and names it ("process 1 never called
+jaxdev.distributed.initialize") instead of blaming the process that gave up
+waiting. Commands that never call ``initialize`` (no marker anywhere) are
+not affected.
+
 Environment of process ``i``: ``JAXDEV_COORDINATOR=127.0.0.1:<port>``,
 ``JAXDEV_NUM_PROCESSES=N``, ``JAXDEV_PROCESS_ID=i``, ``JAXDEV_LOCAL_DEVICES=M``,
-``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=M``,
-``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``, ``PYTHONUNBUFFERED=1``.
+``JAXDEV_JOIN_MARKER=<launcher temp dir>/joined-i``, ``JAX_PLATFORMS=cpu``,
+``JAX_NUM_CPU_DEVICES=M``, ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``,
+``PYTHONUNBUFFERED=1``.
 """
 
 from __future__ import annotations
@@ -26,16 +36,24 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
-from ._distributed import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ._distributed import (
+    ENV_COORDINATOR,
+    ENV_JOIN_MARKER,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 from ._errors import UsageError
 
 DEFAULT_GRACE_S = 2.0
 _TAIL_LINES = 40
+NEVER_JOINED_EXIT_CODE = 1
 _FATAL = re.compile(r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
 _HINTS = {
     "ALREADY_EXISTS": "two processes registered with the same process id (duplicate id)",
@@ -52,12 +70,15 @@ class Outcome(NamedTuple):
       returncode: exit code; negative ``-sig`` when killed by a signal.
       ended_by_launcher: whether the launcher terminated or killed it.
       reason: the last error-looking output line, or ``''``.
+      joined: whether it called ``jaxdev.distributed.initialize``
+        (``None``: unknown).
     """
 
     process_id: int
     returncode: int
     ended_by_launcher: bool
     reason: str
+    joined: bool | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,6 +105,7 @@ def process_env(
     devices_per_process: int,
     port: int,
     base: Mapping[str, str],
+    join_dir: str | None = None,
 ) -> dict[str, str]:
     """Return the environment of process ``process_id``.
 
@@ -93,6 +115,8 @@ def process_env(
       devices_per_process: fake CPU devices per process.
       port: the coordinator port on 127.0.0.1.
       base: the environment to start from (user overrides already applied).
+      join_dir: where ``initialize`` leaves this process's marker file
+        (``JAXDEV_JOIN_MARKER``); ``None`` leaves the variable unset.
 
     Returns:
       ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
@@ -114,6 +138,9 @@ def process_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    env.pop(ENV_JOIN_MARKER, None)
+    if join_dir is not None:
+        env[ENV_JOIN_MARKER] = os.path.join(join_dir, f"joined-{process_id}")
     return env
 
 
@@ -203,6 +230,7 @@ class _Proc:
         lock: threading.Lock,
     ):
         self.id = process_id
+        self.marker = env.get(ENV_JOIN_MARKER)
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.popen = subprocess.Popen(
             list(cmd),
@@ -227,10 +255,15 @@ class _Proc:
                     out.write(f"[p{self.id}] {line}\n")
                     out.flush()
 
+    def joined(self) -> bool | None:
+        """Whether it called ``jaxdev.distributed.initialize`` (``None``: no marker path)."""
+        return None if self.marker is None else os.path.exists(self.marker)
+
     def outcome(self) -> Outcome:
         self.thread.join(timeout=2.0)
         rc = self.popen.returncode
-        return Outcome(self.id, rc, self.ended_by_launcher, failure_reason(list(self.tail)))
+        reason = failure_reason(list(self.tail))
+        return Outcome(self.id, rc, self.ended_by_launcher, reason, self.joined())
 
 
 def _end(procs: Sequence[_Proc], grace_s: float) -> None:
@@ -257,11 +290,21 @@ def _first_failure(procs: Sequence[_Proc]) -> _Proc | None:
     return None
 
 
+def _left_alone(procs: Sequence[_Proc]) -> _Proc | None:
+    """Return a process that exited 0 without joining while another joined, or ``None``."""
+    if not any(p.joined() for p in procs):
+        return None
+    for p in procs:
+        if p.popen.poll() == 0 and p.joined() is False:
+            return p
+    return None
+
+
 def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None | bool:
-    """Wait until all succeed (``True``), one fails (it), or time runs out (``None``)."""
+    """Wait until all succeed (``True``), one fails or never joins (it), or time runs out."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        failed = _first_failure(procs)
+        failed = _first_failure(procs) or _left_alone(procs)
         if failed is not None:
             return failed
         if all(p.popen.poll() == 0 for p in procs):
@@ -271,27 +314,62 @@ def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None 
         time.sleep(0.05)
 
 
+def never_joined(outcomes: Sequence[Outcome]) -> list[int]:
+    """Return the processes that never called ``initialize`` while another did.
+
+    Args:
+      outcomes: how every process ended.
+
+    Returns:
+      Their ids; empty when none joined (a command without JAX) or all did.
+
+    Example:
+      >>> never_joined([Outcome(0, 1, False, "", True), Outcome(1, 0, False, "", False)])
+      [1]
+    """
+    if not any(o.joined for o in outcomes):
+        return []
+    return [o.process_id for o in outcomes if o.joined is False]
+
+
+def _never_joined_head(first: Outcome, outcomes: Sequence[Outcome], elapsed_s: float) -> str:
+    joined = [str(o.process_id) for o in outcomes if o.joined]
+    return (
+        f"jaxdev launch: process {first.process_id} never called jaxdev.distributed.initialize: "
+        f"it exited 0 having run alone, while process(es) {', '.join(joined)} joined the job "
+        f"and waited for it; stopped after {elapsed_s:.1f} s (exit code "
+        f"{NEVER_JOINED_EXIT_CODE}). Fix: call `jaxdev.distributed.initialize()` first thing in "
+        "every process (not only on some, e.g. not under `if process_id == 0`, and not after an "
+        "early return)."
+    )
+
+
 def summarize(
     first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None, elapsed_s: float
 ) -> str:
     """Return the launcher's failure summary (several lines).
 
     Args:
-      first: the process that failed first, or ``None`` after a timeout.
+      first: the process that failed first (or exited 0 without joining),
+        or ``None`` after a timeout.
       outcomes: how every process ended.
       timeout_s: the whole-run timeout.
       elapsed_s: seconds since the launch.
 
     Returns:
       Text naming the failed process, its exit code or signal and reason,
-      and how each other process was ended.
+      how each other process was ended, and which processes never called
+      ``jaxdev.distributed.initialize`` while others did.
 
     Example:
       >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
       jaxdev launch: process 1 failed (signal SIGKILL) after 2.0 s.
         p1: signal SIGKILL
     """
-    if first is None:
+    unjoined = never_joined(outcomes)
+    if first is not None and first.returncode == 0 and first.process_id in unjoined:
+        head = _never_joined_head(first, outcomes, elapsed_s)
+    elif first is None:
         still = [o.process_id for o in outcomes if o.ended_by_launcher]
         head = (
             f"jaxdev launch: timed out after {timeout_s:g} s (`--timeout`); process(es) "
@@ -309,7 +387,14 @@ def summarize(
         how = "ended by launcher, " if o.ended_by_launcher else ""
         other = o.reason and (first is None or o.reason != first.reason)
         why = f" - {o.reason.splitlines()[0]}" if other else ""
+        if o.process_id in unjoined:
+            why += " - never called jaxdev.distributed.initialize"
         lines.append(f"  p{o.process_id}: {how}{describe_returncode(o.returncode)}{why}")
+    if unjoined and (first is None or first.process_id not in unjoined):
+        lines.append(
+            f"  process(es) {', '.join(map(str, unjoined))} never called "
+            "jaxdev.distributed.initialize; the others waited for them at start-up."
+        )
     return "\n".join(lines)
 
 
@@ -362,7 +447,9 @@ def launch(
 
     Returns:
       0 when every process exits 0; else the failed process's exit code
-      (``128 + signal`` when killed by a signal), or 124 after a timeout.
+      (``128 + signal`` when killed by a signal), 124 after a timeout, or 1
+      when a process exits 0 without calling ``jaxdev.distributed.initialize``
+      while others did.
 
     Raises:
       UsageError: an argument is invalid (the CLI turns it into exit 2).
@@ -380,21 +467,24 @@ def launch(
     base = {**os.environ, **(env or {})}
     lock, start = threading.Lock(), time.monotonic()
     procs: list[_Proc] = []
-    try:  # processes already started are ended however this block is left
-        for i in range(num_processes):
-            child_env = process_env(i, num_processes, devices_per_process, port, base)
-            procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
-        result = _supervise(procs, timeout_s)
-    finally:
-        _end(procs, grace_s)
-    outcomes = [p.outcome() for p in procs]  # also drains every output pump
+    with tempfile.TemporaryDirectory(prefix="jaxdev-launch-") as join_dir:
+        try:  # processes already started are ended however this block is left
+            for i in range(num_processes):
+                child_env = process_env(i, num_processes, devices_per_process, port, base, join_dir)
+                procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
+            result = _supervise(procs, timeout_s)
+        finally:
+            _end(procs, grace_s)
+        outcomes = [p.outcome() for p in procs]  # also drains every output pump
     if result is True:
         return 0
     first = None if result is None else outcomes[result.id]  # type: ignore[union-attr]
     summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
     with lock:
         print(summary, file=out or sys.stderr, flush=True)
-    return exit_code(first)
+    return (
+        NEVER_JOINED_EXIT_CODE if first is not None and first.returncode == 0 else exit_code(first)
+    )
 
 
 class UsageParser(argparse.ArgumentParser):

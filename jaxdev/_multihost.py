@@ -103,6 +103,43 @@ def _kv_exchange(client, tag: str, payload: str, timeout_s: float) -> list[str]:
     return out
 
 
+def barrier(tag: str, timeout_s: float) -> list[int]:
+    """Mark this process as arrived at ``tag``; wait for the others; return the late ones.
+
+    A barrier with a deadline through the coordinator's key-value store: it
+    never raises for a missing process, it returns its id, so the caller can
+    say what that process is likely doing. Every process must call it with
+    the same ``tag`` in the same order.
+
+    Args:
+      tag: name of the meeting point (e.g. ``"finished"``).
+      timeout_s: seconds to wait for the slowest process.
+
+    Returns:
+      The ids of the processes that had not arrived when time ran out;
+      empty when all arrived, with one process, or without a coordinator
+      client.
+
+    Example:
+      >>> barrier("demo", 1.0)  # one process
+      []
+    """
+    client = _client() if jax.process_count() > 1 else None
+    if client is None:
+        return []
+    me, n = jax.process_index(), jax.process_count()
+    key = f"{_KEY_PREFIX}/barrier/{tag}/{_next_round('barrier/' + tag)}/"
+    client.key_value_set(f"{key}{me}", "arrived")
+    deadline = time.monotonic() + timeout_s
+    for p in range(n):
+        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            client.blocking_key_value_get(f"{key}{p}", remaining_ms)
+        except Exception:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED
+            return _missing(client, key, n)
+    return []
+
+
 def _raise_missing(client, key: str, tag: str, n: int, timeout_s: float):
     """Raise a DistributedError naming the processes that never published."""
     missing = _missing(client, key, n)

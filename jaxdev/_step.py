@@ -90,8 +90,12 @@ class TrainStep:
     def _variant(self, has_mask: bool, has_acc: bool) -> Callable:
         key = (has_mask, has_acc)
         fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = _compile(self, has_mask, has_acc)
+        if fn is None:  # its first call checks every process compiled the same program
+            from ._fingerprint import same_program
+
+            kind = "train" if self._train else "eval"
+            name = f"{kind} step (padded={has_mask}, metrics={has_acc})"
+            fn = self._compiled[key] = same_program(_compile(self, has_mask, has_acc), name=name)
         return fn
 
     def _bound_inflight(self, token: Any) -> None:

@@ -1,8 +1,11 @@
 """Multi-process JAX: ``jax.distributed`` with preflight checks and bounded failures.
 
-The public surface of :mod:`jaxdev._distributed` and :mod:`jaxdev._multihost`:
-call :func:`initialize` first thing in every process, then use jaxdev as on
-one host (``shard_batch`` assembles global batches from each process's rows).
+The public surface of :mod:`jaxdev._distributed`, :mod:`jaxdev._multihost`
+and :mod:`jaxdev._fingerprint`: call :func:`initialize` first thing in every
+process, then use jaxdev as on one host (``shard_batch`` assembles global
+batches from each process's rows; train and eval steps check at their first
+call that every process compiled the same program; :func:`same_program`
+does the same for your own jitted functions).
 """
 
 # ruff: noqa: I001 - the re-exports are listed in the README's order
@@ -12,11 +15,15 @@ from ._distributed import initialize as initialize
 from ._distributed import is_initialized as is_initialized
 from ._distributed import shutdown as shutdown
 from ._multihost import assert_same_across_processes as assert_same_across_processes
+from ._fingerprint import check_same_program as check_same_program
+from ._fingerprint import same_program as same_program
 
 __all__ = [
     "DistributedConfig",
     "assert_same_across_processes",
+    "check_same_program",
     "initialize",
     "is_initialized",
+    "same_program",
     "shutdown",
 ]

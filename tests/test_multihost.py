@@ -1,4 +1,5 @@
-"""Multi-process: distributed initialize, checked global batches, the launcher.
+"""Multi-process: distributed initialize, checked global batches, the launcher,
+divergent processes (never joined, extra collective, different programs).
 
 Pure helpers and the launcher's process handling are tested in-process; the
 multi-host scenarios start REAL processes on 127.0.0.1 (2 processes x 4 fake
@@ -10,6 +11,7 @@ failed and which process.
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import subprocess
@@ -17,12 +19,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxdev
-from jaxdev import _distributed, _launch, _multihost
+from jaxdev import _distributed, _fingerprint, _launch, _multihost
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_scripts"))
 import matrix  # noqa: E402
@@ -44,9 +48,12 @@ def test_resolve_config_reads_launcher_env_and_arguments_win():
         "JAXDEV_INIT_TIMEOUT": "7",
     }
     cfg = _distributed.resolve_config(env=env)
-    assert cfg == _distributed.DistributedConfig("127.0.0.1:1234", 2, 1, 4, 7, 30)
+    assert cfg == _distributed.DistributedConfig("127.0.0.1:1234", 2, 1, 4, 7, 30, 30)
     cfg = _distributed.resolve_config(process_id=0, local_device_count=2, env=env)
     assert (cfg.process_id, cfg.local_device_count) == (0, 2)
+    env["JAXDEV_SHUTDOWN_TIMEOUT"] = "9"
+    assert _distributed.resolve_config(env=env).shutdown_timeout_s == 9
+    assert _distributed.resolve_config(env=env, shutdown_timeout_s=3).shutdown_timeout_s == 3
 
 
 def test_resolve_config_leaves_unknowns_to_cluster_auto_detection():
@@ -75,8 +82,10 @@ def test_public_module_exposes_only_the_multi_process_api():
     assert public == {
         "DistributedConfig",
         "assert_same_across_processes",
+        "check_same_program",
         "initialize",
         "is_initialized",
+        "same_program",
         "shutdown",
     }
 
@@ -167,6 +176,20 @@ def test_global_batch_builds_arrays_with_the_given_sharding(devices):
     assert out.sharding == sharding and float(out.sum()) == 24.0
 
 
+def test_single_process_barrier_and_shutdown_do_nothing(monkeypatch):
+    monkeypatch.setattr(_multihost, "_client", lambda: 1 / 0)  # never asked
+    assert _multihost.barrier("finished", 1.0) == []
+    jaxdev.distributed.shutdown()  # not initialized
+
+
+def test_join_marker_is_left_where_the_launcher_says(tmp_path):
+    marker = tmp_path / "joined-1"
+    assert _distributed.leave_join_marker({"JAXDEV_JOIN_MARKER": str(marker)}) == str(marker)
+    assert marker.exists()
+    assert _distributed.leave_join_marker({}) is None
+    assert _distributed.leave_join_marker({"JAXDEV_JOIN_MARKER": str(tmp_path / "no/dir")}) is None
+
+
 def test_default_timeout_reads_the_environment(monkeypatch):
     monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", "12.5")
     assert _multihost.default_timeout_s() == 12.5
@@ -229,6 +252,48 @@ def test_launch_kills_processes_that_ignore_sigterm_after_the_timeout():
     assert "p1: ended by launcher, signal SIGKILL" in text
 
 
+_JOIN_OR_NOT = (
+    "import os, sys, time\n"
+    "if os.environ['JAXDEV_PROCESS_ID'] == '1':\n"
+    "    time.sleep(0.5); print('trained alone'); sys.exit(0)\n"
+    "open(os.environ['JAXDEV_JOIN_MARKER'], 'w').close()  # what initialize() does\n"
+    "print('pid', os.getpid(), flush=True); time.sleep(60)"
+)
+
+
+@pytest.mark.timeout(30)
+def test_launch_names_a_process_that_never_called_initialize():
+    out = io.StringIO()
+    start = time.monotonic()
+    rc = jaxdev.launch([PY, "-c", _JOIN_OR_NOT], 2, 1, out=out, grace_s=1.0)
+    text = out.getvalue()
+    assert rc == 1 and time.monotonic() - start < 15, text
+    assert "process 1 never called jaxdev.distributed.initialize: it exited 0" in text
+    assert "while process(es) 0 joined the job and waited for it" in text
+    assert "p0: ended by launcher, signal SIGTERM" in text
+    assert "p1: exit code 0 - never called jaxdev.distributed.initialize" in text
+    pid = int(next(ln for ln in text.splitlines() if ln.startswith("[p0] pid")).split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_summary_names_unjoined_processes_when_another_failed():
+    outcomes = [
+        _launch.Outcome(0, 1, False, "jaxdev: process 0 gave up", True),
+        _launch.Outcome(1, -15, True, "", False),
+    ]
+    assert _launch.never_joined(outcomes) == [1]
+    text = _launch.summarize(outcomes[0], outcomes, None, 3.0)
+    assert text.startswith("jaxdev launch: process 0 failed (exit code 1)")
+    assert "p1: ended by launcher, signal SIGTERM - never called" in text
+    assert text.endswith(
+        "process(es) 1 never called jaxdev.distributed.initialize; the others "
+        "waited for them at start-up."
+    )
+    unknown = [_launch.Outcome(0, 0, False, ""), _launch.Outcome(1, 0, False, "", False)]
+    assert _launch.never_joined(unknown) == []  # nobody joined: a command without JAX
+
+
 def test_launch_reports_signals_with_shell_exit_codes():
     out = io.StringIO()
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
@@ -279,6 +344,118 @@ def test_failure_reason_keeps_details_and_adds_hints():
     assert _launch.failure_reason(abort).endswith(
         "[likely: two processes registered with the same process id (duplicate id)]"
     )
+
+
+# --- program fingerprints (in-process; the exchange is faked) ------------------------
+
+
+def _payload(fn, *args, name="step"):
+    text = _fingerprint.program_text(fn, *args)
+    return {
+        "name": name,
+        "sha": _fingerprint.fingerprint(text),
+        "ops": _fingerprint.op_counts(text),
+        "inputs": _fingerprint.input_table(args),
+    }
+
+
+def test_fingerprint_is_stable_and_sees_a_different_reduction():
+    x = jnp.arange(8.0)
+    mean, same, biggest = (jax.jit(f) for f in (jnp.mean, jnp.mean, jnp.max))
+    a, b, c = _payload(mean, x), _payload(same, x), _payload(biggest, x)
+    assert a == b  # a fresh jit of the same function: the same program
+    assert "example" not in _fingerprint.program_text(mean, x)  # no file names
+    lines = _fingerprint.program_differences([a, a, c])
+    assert lines[0].startswith("program sha256: process 0, 1: ")
+    assert "operation stablehlo.maximum: process 0, 1: 0; process 2: 1" in lines
+    assert _fingerprint.program_differences([a, b]) == []
+    assert _fingerprint._who_differs(["x", "x", "y"]) == "process 2 differs from processes 0, 1"
+    assert _fingerprint._who_differs(["x", "y"]).startswith("processes 0 vs 1 differ")
+
+
+def test_program_differences_name_inputs_functions_and_constants():
+    x = jnp.arange(8.0)
+    a = _payload(jax.jit(lambda v: v * 1.0), x)
+    b = _payload(jax.jit(lambda v: v * 2.0), x)
+    assert _fingerprint.program_differences([a, b])[1:] == [
+        "operation constant dense<1.000000e+00> : tensor<f32>: process 0: 1; process 1: 0",
+        "operation constant dense<2.000000e+00> : tensor<f32>: process 0: 0; process 1: 1",
+    ]
+    c = _payload(jax.jit(lambda v: v * 1.0), jnp.arange(4.0), name="eval")
+    lines = _fingerprint.program_differences([a, c])
+    assert lines[0] == "function: process 0: step; process 1: eval"
+    assert "input args[0]: process 0: (8,) float32 SingleDeviceSharding; process 1: (4,)" in (
+        "\n".join(lines)
+    )
+
+
+def test_spans_processes_only_for_programs_beyond_this_process(devices):
+    mesh = Mesh(np.array(devices), ("data",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, PartitionSpec("data")))
+    text = _fingerprint.program_text(jax.jit(jnp.sum), x)
+    assert "mhlo.num_partitions = 8" in text
+    assert not _fingerprint.spans_processes(text, (x,))  # 8 devices, all local
+
+
+def test_check_same_program_raises_naming_the_odd_process(monkeypatch):
+    x = jnp.arange(8.0)
+    odd = json.dumps(_payload(jax.jit(jnp.max), x, name="stats"))
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    monkeypatch.setattr(_fingerprint, "spans_processes", lambda *a: True)
+    monkeypatch.setattr(_fingerprint, "exchange", lambda tag, own, t: [own, own, odd])
+    with pytest.raises(jaxdev.DistributedError) as info:
+        jaxdev.distributed.check_same_program(jax.jit(jnp.mean), x, name="stats")
+    message = str(info.value)
+    assert "`stats`: the processes compiled different programs" in message
+    assert "process 2 differs from processes 0, 1" in message
+    assert "operation stablehlo.maximum: process 0, 1: 0; process 2: 1" in message
+    assert "JAXDEV_SAME_PROGRAM=0" in message
+    monkeypatch.setattr(_fingerprint, "exchange", lambda tag, own, t: [own] * 3)
+    sha = jaxdev.distributed.check_same_program(jax.jit(jnp.mean), x)
+    assert len(sha) == 64
+    monkeypatch.setenv("JAXDEV_SAME_PROGRAM", "0")
+    assert jaxdev.distributed.check_same_program(jax.jit(jnp.max), x) is None
+
+
+def test_single_process_check_lowers_and_exchanges_nothing(monkeypatch):
+    monkeypatch.setattr(_fingerprint, "program_text", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(_fingerprint, "exchange", lambda *a: 1 / 0)
+    step = jaxdev.distributed.same_program(jax.jit(jnp.sum))
+    assert jaxdev.distributed.check_same_program(step, jnp.ones(3)) is None
+    assert float(step(jnp.ones(3))) == 3.0 and step.checked
+    assert "stablehlo" in step.lower(jnp.ones(3)).as_text()  # attributes pass through
+
+
+def test_same_program_checks_at_the_first_call_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        _fingerprint, "check_same_program", lambda fn, *a, name, **k: calls.append(name)
+    )
+
+    @jaxdev.distributed.same_program(name="double")
+    @jax.jit
+    def double(x):
+        return 2 * x
+
+    for _ in range(3):
+        double(jnp.ones(2))
+    assert calls == ["double"]
+
+
+def test_train_step_checks_each_compiled_program_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        _fingerprint, "check_same_program", lambda fn, *a, name, **k: calls.append(name)
+    )
+    step = jaxdev.make_train_step(lambda p, b: (b * p) ** 2, optax.sgd(0.1))
+    state = step.init_state(jnp.ones(()), optax.sgd(0.1))
+    metrics = None
+    for _ in range(3):
+        state, metrics = step(state, step.put_batch(np.ones(4, np.float32)), metrics)
+    assert calls == [
+        "train step (padded=False, metrics=False)",
+        "train step (padded=False, metrics=True)",
+    ]
 
 
 # --- real processes: 2 x 4 fake CPU devices on 127.0.0.1 ----------------------------
@@ -337,3 +514,21 @@ def test_python_dash_m_launch_usage_error_exits_2():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("jaxdev launch: error: missing `--`")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "name", ["never_joined", "extra_collective", "different_program", "different_reduction"]
+)
+def test_divergent_process_is_named_in_bounded_time(name):
+    scenario = SCENARIOS[name]
+    result = _run(name)
+    assert result.returncode == 1, result.output
+    assert result.seconds < scenario.limit_s + 10, f"took {result.seconds:.1f} s"
+    assert result.missing() == [], result.output
+    assert "WRONG RESULT" not in result.output
+    if name.startswith("different"):  # caught before the first step ran
+        assert "step 1:" not in result.output
+        assert "compiled different programs" in result.output.split("jaxdev launch:")[-1]
+    if name == "never_joined":
+        assert "gave up after" not in result.output  # named before process 0's init timeout

@@ -2,9 +2,9 @@
 benchmarks/multihost_faults.py.
 
 Each scenario runs ``tests/mp_scripts/worker.py`` as 2 processes x 4 fake CPU
-devices under ``python -m jaxdev._launch`` (or, for ``no_coordinator``, one
-lone process 1) with short timeouts, and records exit code, seconds, and the
-launcher's summary.
+devices (``different_reduction``: 3 x 1) under ``python -m jaxdev._launch``
+(or, for ``no_coordinator``, one lone process 1) with short timeouts, and
+records exit code, seconds, and the launcher's summary.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ WORKER = os.path.join(HERE, "worker.py")
 INIT_TIMEOUT_S = 10
 HEARTBEAT_TIMEOUT_S = 10
 SYNC_TIMEOUT_S = 10
+SHUTDOWN_TIMEOUT_S = 10
 RUN_TIMEOUT_S = 40  # launcher's whole-run backstop
 
 
@@ -30,6 +31,8 @@ class Scenario(NamedTuple):
     expected: str
     must_contain: tuple[str, ...]  # every one appears in the output (case-insensitive)
     limit_s: float  # the configured timeout the failure is bounded by
+    processes: int = 2
+    devices_per_process: int = 4
 
 
 SCENARIOS = [
@@ -87,6 +90,36 @@ SCENARIOS = [
         ("duplicate",),
         INIT_TIMEOUT_S,
     ),
+    Scenario(
+        "never_joined",
+        "process 1 skips initialize, trains alone, exits 0: launcher names it, exit 1",
+        ("process 1 never called jaxdev.distributed.initialize", "p0: ended by launcher"),
+        INIT_TIMEOUT_S,
+    ),
+    Scenario(
+        "extra_collective",
+        "process 1 runs one collective more (a metric on one host): process 0 names it at exit",
+        ("process(es) 1 of 2 never finished", "stuck in a collective"),
+        SHUTDOWN_TIMEOUT_S,
+    ),
+    Scenario(
+        "different_program",
+        "train step, process 1 scales its loss by 2: DistributedError at the first call",
+        (
+            "compiled different programs",
+            "processes 0 vs 1 differ",
+            "operation constant dense<2.000000e+00> : tensor<f32>: process 0: 1; process 1: 3",
+        ),
+        SYNC_TIMEOUT_S,
+    ),
+    Scenario(
+        "different_reduction",
+        "3 processes, `same_program` step, process 2 takes max not mean: names process 2",
+        ("process 2 differs from processes 0, 1", "operation stablehlo.maximum"),
+        SYNC_TIMEOUT_S,
+        processes=3,
+        devices_per_process=1,
+    ),
 ]
 
 
@@ -121,6 +154,7 @@ def _env() -> dict[str, str]:
         JAXDEV_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
         JAXDEV_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
         JAXDEV_SYNC_TIMEOUT=str(SYNC_TIMEOUT_S),
+        JAXDEV_SHUTDOWN_TIMEOUT=str(SHUTDOWN_TIMEOUT_S),
     )
     return env
 
@@ -139,9 +173,9 @@ def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
         "-m",
         "jaxdev._launch",
         "-n",
-        "2",
+        str(scenario.processes),
         "--devices-per-process",
-        "4",
+        str(scenario.devices_per_process),
         "--port",
         str(port),
         "--timeout",
