@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._batches import Padded, shard_batch
 from ._errors import DeletedArrayError, PlacementError, ShardingError, UsageError
+from ._fingerprint import same_program
 from ._leaves import deleted, is_jax_array, key_strings
 from ._metrics import Collection
 from ._placement import copy_to, to_device
@@ -91,8 +92,6 @@ class TrainStep:
         key = (has_mask, has_acc)
         fn = self._compiled.get(key)
         if fn is None:  # its first call checks every process compiled the same program
-            from ._fingerprint import same_program
-
             kind = "train" if self._train else "eval"
             name = f"{kind} step (padded={has_mask}, metrics={has_acc})"
             fn = self._compiled[key] = same_program(_compile(self, has_mask, has_acc), name=name)
