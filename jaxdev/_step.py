@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ._batches import Padded, shard_batch
 from ._errors import DeletedArrayError, PlacementError, ShardingError, UsageError
 from ._fingerprint import same_program
-from ._leaves import deleted, is_jax_array, key_strings
+from ._leaves import array_type, deleted, is_jax_array, key_strings
 from ._metrics import Collection
 from ._placement import copy_to, to_device
 from ._pmap_layout import shard_for_pmap
@@ -191,11 +191,18 @@ def _check_donatable(state: Any, metrics: Any) -> None:
     device) on a state that an earlier call already donated, and on one
     array reached twice through the donated arguments.
     """
-    leaves = jax.tree.leaves((state, metrics))
-    arrays = [x for x in leaves if is_jax_array(x)]
-    if any(deleted(x) for x in arrays):
-        _raise_deleted(state, metrics)
-    if len({id(x) for x in arrays}) != len(arrays):
+    impl, ids, n = array_type(), set(), 0
+    for x in jax.tree.leaves((state, metrics)):  # one pass: it runs before every call
+        if type(x) is impl:
+            if x.is_deleted():
+                _raise_deleted(state, metrics)
+        elif not is_jax_array(x):
+            continue
+        elif deleted(x):
+            _raise_deleted(state, metrics)
+        ids.add(id(x))
+        n += 1
+    if len(ids) != n:
         _raise_shared(state, metrics)
 
 
