@@ -9,6 +9,7 @@ mask. :func:`unpad` gives back exactly the real rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -23,6 +24,7 @@ from ._leaves import (
     check_concrete,
     check_host_leaves,
     check_live,
+    is_host_value,
     is_placed,
     is_tracer,
     key_strings,
@@ -82,17 +84,125 @@ def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
             "An empty batch cannot be split or padded (there is no row to pad with); skip "
             "the step, or check the data loader's last batch."
         )
+    empty = [i for i, s in enumerate(shapes) if 0 in s]
+    if empty:
+        paths = key_strings(tree)
+        raise ShardingError(
+            join_failures(
+                f"`{arg}` has leaves with no elements although the batch has {rows} rows. JAX "
+                "builds split zero-size arrays whose per-device pieces it cannot read back "
+                "(e.g. the output of `jax.pmap` over one fails with a numpy broadcast error), "
+                "so they are refused here. Drop these leaves from the batch (they carry no "
+                "data) or pass them to the step separately. Leaves:",
+                [f"{paths[i]}: shape {tuple(shapes[i])}" for i in empty],
+            )
+        )
     return rows
 
 
+_ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned like this
+
+
+def detach_host(tree: Any) -> Any:
+    """Replace every host array of ``tree`` that could still change by a private copy.
+
+    Placing a numpy array does not always copy it by the time the call
+    returns: on CPU, JAX uses an aligned buffer in place (even with
+    ``may_alias=False``) and copies an unaligned one in the background; on
+    GPU the transfer may read the host buffer after the call. A loader that
+    refills one buffer would then change batches already handed over. Call
+    this on a batch before ``jax.device_put`` (:func:`jaxdev.shard_batch`,
+    :func:`jaxdev.shard_for_pmap` and :func:`jaxdev.prefetch_to_device` do)
+    and the device gets exactly the values the batch held at call time.
+
+    A numpy array is copied when it, or an array it views, is writeable, or
+    when its memory belongs to a writeable buffer (``bytearray``, a writeable
+    ``mmap``). Read-only arrays over read-only memory (``np.asarray`` of a
+    ``jax.Array``, ``np.frombuffer(bytes)``, this function's own copies) are
+    kept, as are ``jax.Array`` leaves and Python or numpy scalars. The copies
+    are read-only and 64-byte aligned, so on CPU JAX uses them in place: one
+    host copy in all.
+
+    Args:
+      tree: any pytree (a batch, or a list of leaves).
+
+    Returns:
+      ``tree`` itself when nothing needed a copy, else the same structure
+      with the copied leaves.
+
+    Example:
+      >>> import numpy as np, jaxdev
+      >>> from jaxdev._batches import detach_host
+      >>> buf = np.zeros((8, 2), np.float32)
+      >>> batch = detach_host({"x": buf})
+      >>> buf[:] = 1.0  # the loader refills its buffer
+      >>> float(jaxdev.shard_batch(batch)["x"].sum())
+      0.0
+      >>> detach_host(batch) is batch  # already private: no second copy
+      True
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [_detached(x) for x in leaves]
+    if all(a is b for a, b in zip(out, leaves)):
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _detached(x: Any) -> Any:
+    """``x``, or a private read-only copy when ``x`` is host memory that may change."""
+    if not isinstance(x, np.ndarray) or not is_host_value(x) or not _may_change(x):
+        return x  # not numeric: left to the placement checks, which name the leaf
+    out, raw = _aligned_empty(x.shape, x.dtype)
+    np.copyto(out, x, casting="no")
+    raw.flags.writeable = False
+    out.flags.writeable = False
+    return out
+
+
+def _may_change(x: np.ndarray) -> bool:
+    """Whether someone may still write the memory of ``x`` (assumed yes when unsure)."""
+    a: Any = x
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return True
+        a = a.base
+    if a is None or isinstance(a, bytes):
+        return False
+    try:
+        return not memoryview(a).readonly
+    except TypeError:  # an owner without the buffer protocol: copy to be safe
+        return True
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """An uninitialised C-order array starting on an ``_ALIGN`` boundary, and its owner."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape), raw
+
+
 def pad_rows(x: Any, extra: int) -> Any:
-    """Append ``extra`` copies of the last row (device arrays stay on device)."""
-    if extra == 0:
-        return x
+    """Append ``extra`` copies of the last row; host leaves come back detached.
+
+    Device arrays stay on device. Host arrays come back as a private copy
+    (see :func:`detach_host`) unless they can't change: the padding is
+    written into that one aligned copy.
+    """
     if isinstance(x, jax.Array):
+        if extra == 0:
+            return x
         return jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+    if extra == 0:
+        return _detached(x)
     x = np.asarray(x)
-    return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
+    rows = x.shape[0]
+    out, raw = _aligned_empty((rows + extra, *x.shape[1:]), x.dtype)
+    out[:rows] = x
+    out[rows:] = x[-1:]
+    raw.flags.writeable = False
+    out.flags.writeable = False
+    return out
 
 
 def _row_multiple(sharding: NamedSharding, n: int) -> int:
@@ -109,8 +219,10 @@ def _to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> A
     In a single process this is :func:`jaxdev.to_device`. With several
     processes each one brings its local rows, and
     ``jaxdev._multihost.global_batch`` checks that the processes agree on the
-    local shapes before building the global arrays.
+    local shapes before building the global arrays. Host leaves are detached
+    first (:func:`detach_host`): both paths may alias or read them late.
     """
+    tree = detach_host(tree)
     if jax.process_count() > 1:
         from ._multihost import global_batch
 
@@ -129,7 +241,8 @@ def _put_checked(leaves: list[Any], treedef: Any, sharding: NamedSharding) -> An
     if not moving:
         return None
     out = list(leaves)
-    for i, new in zip(moving, jax.device_put([leaves[i] for i in moving], sharding)):
+    sources = [_detached(leaves[i]) for i in moving]
+    for i, new in zip(moving, jax.device_put(sources, sharding)):
         out[i] = new
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -163,7 +276,9 @@ def shard_batch(
     Row ``i`` of every leaf goes to the same device, with the sharding
     ``NamedSharding(mesh, P(axis))``. Nothing is ever dropped: a row count
     that does not divide evenly raises unless ``pad=True``. Already placed
-    leaves are not copied again (built on :func:`jaxdev.to_device`).
+    leaves are not copied again (built on :func:`jaxdev.to_device`). The
+    device gets the values the batch holds at call time: a host array the
+    loader may refill is copied first (:func:`detach_host`).
 
     With ``pad=True`` the batch is padded to the next multiple of the device
     count by repeating its last row (padded rows stay numerically sensible
@@ -194,8 +309,9 @@ def shard_batch(
 
     Raises:
       ShardingError: the row count does not divide (without ``pad``), the
-        batch is empty, leaves have different leading sizes, or a leaf is a
-        scalar; each names the leaf path and the sizes.
+        batch is empty, leaves have different leading sizes, a leaf is a
+        scalar, or a leaf has no elements (e.g. shape ``(8, 0)``); each names
+        the leaf path and the sizes.
       DistributedError: processes brought different local shapes or dtypes
         (each leaf and process named), or one never arrived.
       LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
@@ -225,6 +341,7 @@ def shard_batch(
         return batch if placed is None else placed
     padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
     mask = np.arange(rows + extra) < rows
+    mask.flags.writeable = False  # private: nothing to detach
     placed, mask = _to_global((padded, mask), sharding, timeout_s)
     return Padded(placed, mask, rows)
 
@@ -274,12 +391,72 @@ def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | Non
         )
 
 
-def _take_rows(x: Any, size: int, indices: np.ndarray | None) -> Any:
-    if indices is not None:
-        return jnp.take(x, indices, axis=0) if isinstance(x, jax.Array) else np.asarray(x)[indices]
-    if np.shape(x)[0] == size:
+def select_rows(
+    x: Any, size: int | None, indices: np.ndarray | None = None, merge: bool = False
+) -> Any:
+    """Rows of ``x``, bit for bit: the first ``size``, or those at ``indices``.
+
+    With ``merge`` the two leading axes are merged first (the pmap layout
+    ``(n, m, ...) -> (n * m, ...)``); ``size`` None keeps every row. Host
+    leaves are sliced with numpy. On several devices, XLA assembles a slice
+    or gather with a masked sum across devices (``x + 0.0``), which turns
+    ``-0.0`` into ``0.0`` and may flush denormals; floating point leaves are
+    therefore moved as unsigned integers of the same width.
+    """
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+        if merge:
+            x = x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
+        return x if indices is None and size in (None, x.shape[0]) else _host_rows(x, size, indices)
+    rows = x.shape[0] * x.shape[1] if merge else x.shape[0]
+    if indices is None and size in (None, rows) and not merge:
         return x
-    return x[:size]
+    if indices is None and size == rows:
+        size = None
+    dtype = np.dtype(x.dtype)
+    exact = len(x.sharding.device_set) == 1 or _bits_dtype(dtype) is None
+    out = _rows_jit(x, indices, size, merge, not exact)
+    return out if exact else _from_bits(out, dtype)
+
+
+def _host_rows(x: np.ndarray, size: int | None, indices: np.ndarray | None) -> np.ndarray:
+    return x[indices] if indices is not None else x[:size]
+
+
+def _bits_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The unsigned integer a floating point element is moved as; None for exact kinds."""
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return None
+    width = dtype.itemsize * (4 if dtype.kind == "c" else 8)
+    if dtype.kind != "c" and jnp.finfo(dtype).bits != width:  # float4: no byte-wide view
+        return None
+    return np.dtype(f"uint{width}")
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _rows_jit(x: jax.Array, indices: Any, size: int | None, merge: bool, as_bits: bool):
+    if as_bits:
+        bits = _bits_dtype(np.dtype(x.dtype))
+        if jnp.iscomplexobj(x):  # (..., 2): real and imaginary parts
+            parts = [jax.lax.real(x), jax.lax.imag(x)]
+            x = jnp.stack([jax.lax.bitcast_convert_type(p, bits) for p in parts], axis=-1)
+        else:
+            x = jax.lax.bitcast_convert_type(x, bits)
+    if merge:
+        x = x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
+    if indices is not None:
+        return jnp.take(x, indices, axis=0)
+    return x if size is None else x[:size]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
+    """Undo ``_rows_jit``'s bit view (a separate program: XLA would fold it away)."""
+    if dtype.kind == "c":
+        part = np.dtype(f"float{dtype.itemsize * 4}")
+        re, im = (jax.lax.bitcast_convert_type(bits[..., k], part) for k in (0, 1))
+        return jax.lax.complex(re, im)
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
@@ -290,8 +467,9 @@ def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
     The real rows come back in their original order; ``jax.Array`` leaves stay
     ``jax.Array`` (sliced where they live; the result's sharding is JAX's
     choice, since the real row count need not divide), host leaves stay on
-    the host. ``jaxdev.to_host(jaxdev.unpad(tree, padding))`` fetches the real
-    rows to host numpy.
+    the host. Values come back bit for bit (``-0.0``, NaN payloads and
+    denormals included). ``jaxdev.to_host(jaxdev.unpad(tree, padding))``
+    fetches the real rows to host numpy.
 
     Args:
       tree: a pytree whose leaves all have the padded leading size.
@@ -317,5 +495,5 @@ def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
     check_concrete(leaves, "unpad")
     check_live(tree, leaves, "tree")
     _check_rows(tree, leaves, size, expected, 1)
-    out = [_take_rows(x, size, indices) for x in leaves]
+    out = [select_rows(x, size, indices) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, batch_rows, indivisible_error, pad_rows, unpad
+from ._batches import Padded, batch_rows, indivisible_error, pad_rows, select_rows, unpad
 from ._devices import device_list
 from ._errors import ShardingError, device_name, join_failures
 from ._leaves import check_concrete, check_host_leaves, check_live, key_strings, replica_drift
@@ -73,8 +73,22 @@ def stack_for_pmap(tree: Any, devices: Any = None) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(replicated)
     if not leaves:
         return tree
-    stacked = _broadcaster(len(devs), named_sharding(mesh, P(DEFAULT_AXIS)))(leaves)
-    return jax.tree_util.tree_unflatten(treedef, stacked)
+    n, stacked = len(devs), named_sharding(mesh, P(DEFAULT_AXIS))
+    # When every output of a jitted program is zero-size, jax 0.10.2 gives each
+    # shard the full shape and reading the array fails. Zero-size leaves carry
+    # no data: they are made by a device_put instead.
+    full = [i for i, x in enumerate(leaves) if x.size]
+    out = [_empty_stack(x, n, stacked) for x in leaves]
+    for i, new in zip(full, _broadcaster(n, stacked)([leaves[i] for i in full]) if full else []):
+        out[i] = new
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _empty_stack(x: jax.Array, n: int, stacked: NamedSharding) -> jax.Array | None:
+    """The stacked form of a zero-size leaf, made without a program; None otherwise."""
+    if x.size:
+        return None
+    return jax.device_put(np.empty((n, *x.shape), x.dtype), stacked)
 
 
 def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
@@ -168,7 +182,9 @@ def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
 
     The layout ``jax.pmap`` expects for a batch (flax's ``shard`` plus the
     transfer). The row count is checked here, naming the leaf, before
-    ``jax.pmap`` would fail with a message about its internal axes.
+    ``jax.pmap`` would fail with a message about its internal axes. Like
+    :func:`jaxdev.shard_batch`, it places the values the batch holds at call
+    time (a host buffer the loader refills is copied first).
 
     Args:
       batch: a pytree of arrays sharing their leading size ``B``.
@@ -181,7 +197,7 @@ def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
 
     Raises:
       ShardingError: as :func:`shard_batch` (size not divisible without
-        ``pad``, empty batch, mixed leading sizes, scalar leaves).
+        ``pad``, empty batch, mixed leading sizes, scalar or zero-size leaves).
       DeviceSpecError, DeviceNotFoundError: bad ``devices``.
 
     Example:
@@ -222,7 +238,8 @@ def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int 
     """Merge the two leading axes ``(n, m, ...) -> (n * m, ...)`` and drop padding.
 
     The inverse of :func:`shard_for_pmap` for per-row outputs of a pmapped
-    function; leaves stay ``jax.Array`` (see :func:`unpad`).
+    function; leaves stay ``jax.Array`` (see :func:`unpad`) and every value
+    comes back bit for bit (``-0.0``, NaN payloads and denormals included).
 
     Args:
       tree: a pytree whose leaves have at least two leading axes.
@@ -254,6 +271,6 @@ def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int 
                 [f"{paths[i]}: shape {tuple(np.shape(leaves[i]))}" for i in bad],
             )
         )
-    flat = [x.reshape((-1, *np.shape(x)[2:])) for x in leaves]
+    flat = [select_rows(x, None, merge=True) for x in leaves]
     merged = jax.tree_util.tree_unflatten(treedef, flat)
     return merged if padding is None else unpad(merged, padding)

@@ -6,14 +6,17 @@ computation on the current batch.
 
 from __future__ import annotations
 
-import queue
+import atexit
+import collections
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from ._batches import shard_batch
+from ._batches import detach_host, shard_batch
 from ._errors import ShardingError
 from ._mesh import batch_sharding, check_mesh
 from ._placement import Target, as_sharding, to_device
@@ -26,45 +29,124 @@ class _Failure(NamedTuple):
 _END = object()
 
 
+class _Channel:
+    """A bounded queue between the thread and the consumer that ``close`` shuts at once.
+
+    ``close`` wakes every waiter: a consumer blocked in ``get`` gets the end
+    marker, a producer blocked in ``put`` gets False. The lock is reentrant,
+    so ``close`` may run from a finalizer on a thread inside ``put``.
+    """
+
+    def __init__(self, size: int):
+        self._items: collections.deque[Any] = collections.deque()
+        self._size = size
+        self._cond = threading.Condition(threading.RLock())
+        self.closed = False
+        self.placing = False  # the thread is placing an element (inside JAX)
+
+    def put(self, item: Any) -> bool:
+        """Queue ``item`` once there is room; False (item dropped) once closed."""
+        with self._cond:
+            while len(self._items) >= self._size and not self.closed:
+                self._cond.wait()
+            if self.closed:
+                return False
+            self._items.append(item)
+            self._cond.notify_all()
+            return True
+
+    def get(self) -> Any:
+        """The next item, waiting for it; ``_END`` once closed."""
+        with self._cond:
+            while not self._items and not self.closed:
+                self._cond.wait()
+            if self.closed:
+                return _END
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def close(self) -> None:
+        """Drop the queued items and wake every waiter."""
+        with self._cond:
+            self.closed = True
+            self._items.clear()
+            self._cond.notify_all()
+
+
+# Running threads and their channels, so that interpreter exit can stop them
+# first: a daemon thread still inside JAX when Python finalizes aborts the
+# process (exit code 134, "FATAL: exception not rethrown").
+_RUNNING: dict[threading.Thread, _Channel] = {}
+_RUNNING_LOCK = threading.Lock()
+_EXIT_WAIT_S = 5.0
+_EXIT_SOURCE_WAIT_S = 0.5
+
+
+def _produce(it: Iterator[Any], place: Callable[[Any], Any], channel: _Channel) -> None:
+    """The thread's body: it holds the channel, never the :class:`Prefetcher`."""
+    try:
+        for item in it:
+            channel.placing = True  # before the check: _stop_all reads it after closing
+            if channel.closed:
+                return
+            placed = place(item)
+            channel.placing = False
+            del item  # hold no batch while waiting on the source
+            if not channel.put(placed):
+                return
+            del placed
+        channel.put(_END)
+    except BaseException as err:  # handed to the consumer, re-raised there
+        if hasattr(err, "add_note"):
+            err.add_note("(raised in the background thread of jaxdev.prefetch_to_device)")
+        channel.put(_Failure(err))
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(threading.current_thread(), None)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop every prefetch thread and wait (bounded) for it to leave JAX.
+
+    A thread placing an element gets up to ``_EXIT_WAIT_S`` seconds; one
+    waiting on its source will not place anything more once closed, and gets
+    ``_EXIT_SOURCE_WAIT_S`` (a loader blocked for good must not hold up exit).
+    """
+    with _RUNNING_LOCK:
+        running = list(_RUNNING.items())
+    for _, channel in running:
+        channel.close()
+    now = time.monotonic()
+    for thread, channel in running:
+        wait = _EXIT_WAIT_S if channel.placing else _EXIT_SOURCE_WAIT_S
+        thread.join(max(0.0, now + wait - time.monotonic()))
+
+
 class Prefetcher(Iterator[Any]):
     """Iterator over placed elements, filled by a background thread.
 
     Made by :func:`prefetch_to_device`. Use it as a context manager (or call
-    :meth:`close`) to stop the thread when leaving a loop early.
+    :meth:`close`) to stop the thread when leaving a loop early. Leaving
+    without closing is safe too: the thread holds no reference to the
+    Prefetcher and stops once it is garbage collected, or at interpreter
+    exit.
     """
 
     def __init__(self, iterator: Iterable[Any], size: int, place: Callable[[Any], Any]):
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=size)
-        self._stop = threading.Event()
+        self._channel = _Channel(size)
         self._done = False
         self.thread = threading.Thread(
-            target=self._produce,
-            args=(iter(iterator), place),
+            target=_produce,
+            args=(iter(iterator), place, self._channel),
             name="jaxdev-prefetch",
             daemon=True,
         )
+        weakref.finalize(self, self._channel.close)
+        with _RUNNING_LOCK:
+            _RUNNING[self.thread] = self._channel
         self.thread.start()
-
-    def _produce(self, it: Iterator[Any], place: Callable[[Any], Any]) -> None:
-        try:
-            for item in it:
-                if self._stop.is_set() or not self._put(place(item)):
-                    return
-        except BaseException as err:  # handed to the consumer, re-raised there
-            if hasattr(err, "add_note"):
-                err.add_note("(raised in the background thread of jaxdev.prefetch_to_device)")
-            self._put(_Failure(err))
-            return
-        self._put(_END)
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -72,30 +154,27 @@ class Prefetcher(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        item = self._queue.get()
-        if item is _END:
-            self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
+        item = self._channel.get()
+        if item is _END or isinstance(item, _Failure):
+            # The thread has ended, or is being stopped by close(): no join here.
+            self._done = True
+            self._channel.close()
+            if item is _END:
+                raise StopIteration
             raise item.error
         return item
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background thread and drop the elements still queued.
 
-        Waits up to ``timeout`` seconds for the thread; a thread stuck inside
-        the source iterator's ``next`` cannot be interrupted and finishes
-        that call in the background (it is a daemon thread). The source
-        iterator itself is not closed.
+        Safe from any thread: a consumer waiting in ``next`` wakes and gets
+        ``StopIteration``. Waits up to ``timeout`` seconds for the thread; a
+        thread stuck inside the source iterator's ``next`` cannot be
+        interrupted and finishes that call in the background (it is a daemon
+        thread). The source iterator itself is not closed.
         """
         self._done = True
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        self._channel.close()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
@@ -104,9 +183,6 @@ class Prefetcher(Iterator[Any]):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        self._stop.set()
 
 
 def prefetch_to_device(
@@ -126,6 +202,10 @@ def prefetch_to_device(
     :func:`jaxdev.shard_batch`, so the batch checks, padding and the
     multi-process assembly apply; any other target goes through
     :func:`jaxdev.to_device`.
+
+    Each element is placed as it was when the source yielded it: a loader
+    may refill one host buffer for every batch (host arrays that could
+    change are copied first, see ``jaxdev._batches.detach_host``).
 
     Order is preserved and no element is dropped; an exception raised by the
     source iterator (or while placing) is re-raised in the consumer with its
@@ -180,7 +260,7 @@ def _placer(target: Target | None, pad: bool) -> Callable[[Any], Any]:
             "`pad=True` needs a `target` that splits the batch's leading axis, such as "
             f"`jaxdev.batch_sharding(mesh)`; got {target!r}."
         )
-    return lambda item: to_device(item, s)
+    return lambda item: to_device(detach_host(item), s)
 
 
 def _leading_axis(s: Sharding) -> Any:

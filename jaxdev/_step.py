@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, shard_batch
+from ._batches import Padded, detach_host, shard_batch
 from ._errors import DeletedArrayError, PlacementError, ShardingError, UsageError
 from ._fingerprint import same_program
 from ._leaves import array_type, deleted, is_jax_array, key_strings
@@ -258,8 +258,8 @@ def _state_target(strategy: Strategy) -> Any:
 def _put_batch(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     if k > 1 or m > 1:
         return _put_grouped(strategy, batch, k, m)
-    if strategy.kind == "single":
-        return to_device(batch, strategy.devices[0])
+    if strategy.kind == "single":  # a copy where the loader could refill the buffer
+        return to_device(detach_host(batch), strategy.devices[0])
     local_shards = max(strategy.n_devices // jax.process_count(), 1)  # this process's rows split
     pad = rows_of(batch) % local_shards != 0
     if strategy.kind == "pmap":
@@ -284,9 +284,8 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     lead = (k,) if k > 1 else ()
     mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
     mask = _group(np, mask, row_axis, m, n, strategy)
-    placed, mask = to_device(
-        (jax.tree.unflatten(treedef, out), mask), _grouped_target(strategy, k, m)
-    )
+    grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
+    placed, mask = to_device(grouped, _grouped_target(strategy, k, m))
     return Padded(placed, mask, rows) if extra else placed
 
 
