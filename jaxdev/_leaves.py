@@ -30,8 +30,10 @@ from ._errors import (
     LeafTypeError,
     LeafValueError,
     PlacementError,
+    ShardingError,
     available_devices,
     device_name,
+    join_failures,
 )
 
 PY_SCALARS = (bool, int, float, complex)
@@ -361,6 +363,22 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
         f"({n_el} of {first.size} elements differ on {labels[bad[0]]}"
         + (f", max |difference| {diff:g})" if diff is not None else ")")
     )
+
+
+def raise_drift(tree: Any, copies: Sequence[tuple[int, Sequence[str], Sequence[Any]]], rule: str):
+    """Raise ShardingError listing every leaf whose copies drifted apart (else return).
+
+    Args:
+      tree: the tree the leaves belong to (for key paths).
+      copies: ``(leaf index, labels, values)`` per leaf with several copies.
+      rule: the header: what should have held, and the likely cause.
+    """
+    failures = [
+        (i, line) for i, labels, values in copies if (line := replica_drift(labels, values))
+    ]
+    if failures:
+        paths = key_strings(tree)
+        raise ShardingError(join_failures(rule, [f"{paths[i]}: {line}" for i, line in failures]))
 
 
 def _element_bytes(a: np.ndarray) -> np.ndarray:

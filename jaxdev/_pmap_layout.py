@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ._batches import Padded, batch_rows, indivisible_error, pad_rows, select_rows, unpad
 from ._devices import device_list
 from ._errors import ShardingError, device_name, join_failures
-from ._leaves import check_concrete, check_host_leaves, check_live, key_strings, replica_drift
+from ._leaves import check_concrete, check_host_leaves, check_live, key_strings, raise_drift
 from ._mesh import DEFAULT_AXIS, mesh_of, named_sharding
 from ._placement import to_device
 
@@ -159,22 +159,14 @@ def _row_labels(x: Any) -> list[str]:
 
 def _check_rows_equal(tree: Any, leaves: Sequence[Any]) -> None:
     hosts = jax.device_get(list(leaves))
-    failures = []
-    for i, (x, h) in enumerate(zip(leaves, hosts)):
-        h = np.asarray(h)
-        line = replica_drift(_row_labels(x), list(h))
-        if line:
-            failures.append((i, line))
-    if failures:
-        paths = key_strings(tree)
-        raise ShardingError(
-            join_failures(
-                "`tree` has per-device copies that drifted apart: every row of a stacked "
-                "leaf should be bitwise identical, but these differ from the majority "
-                "(a pmapped update without `lax.pmean`?). Leaves:",
-                [f"{paths[i]}: {line}" for i, line in failures],
-            )
-        )
+    rows = [(i, _row_labels(x), list(np.asarray(h))) for i, (x, h) in enumerate(zip(leaves, hosts))]
+    raise_drift(
+        tree,
+        rows,
+        "`tree` has per-device copies that drifted apart: every row of a stacked "
+        "leaf should be bitwise identical, but these differ from the majority "
+        "(a pmapped update without `lax.pmean`?). Leaves:",
+    )
 
 
 def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:

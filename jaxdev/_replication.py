@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ._errors import ShardingError, device_name, join_failures
-from ._leaves import check_concrete, check_live, key_strings, replica_drift
+from ._leaves import check_concrete, check_live, key_strings, raise_drift
 from ._mesh import check_mesh, replicated_sharding
 from ._placement import to_device
 
@@ -142,20 +142,12 @@ def _check_replicas(tree: Any, leaves: Sequence[Any]) -> None:
     multi = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and _spans(x)]
     shards = [leaves[i].addressable_shards for i in multi]
     hosts = jax.device_get([[s.data for s in ss] for ss in shards])
-    failures = []
-    for i, ss, values in zip(multi, shards, hosts):
-        labels = [device_name(s.device) for s in ss]
-        line = replica_drift(labels, values)
-        if line:
-            failures.append((i, line))
-    if failures:
-        paths = key_strings(tree)
-        raise ShardingError(
-            join_failures(
-                "`tree` has replicas that drifted apart: every device should hold bitwise "
-                "identical values, but these differ from the majority. Something updated the "
-                "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "
-                "an in-place host write); re-replicate from a trusted copy. Leaves:",
-                [f"{paths[i]}: {line}" for i, line in failures],
-            )
-        )
+    labels = [[device_name(s.device) for s in ss] for ss in shards]
+    raise_drift(
+        tree,
+        zip(multi, labels, hosts),
+        "`tree` has replicas that drifted apart: every device should hold bitwise "
+        "identical values, but these differ from the majority. Something updated the "
+        "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "
+        "an in-place host write); re-replicate from a trusted copy. Leaves:",
+    )
