@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -47,3 +48,14 @@ def time_side_by_side(
             jax.block_until_ready(fns[name]())
             samples[name].append(time.perf_counter() - start)
     return samples
+
+
+def report(rows: list[dict], columns: dict[str, str], json_path: str | None = None) -> None:
+    """Print ``rows`` as a markdown table (``columns``: key -> header); write JSON if asked."""
+    print("| " + " | ".join(columns.values()) + " |")
+    print("|" + "---|" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) for k in columns) + " |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)

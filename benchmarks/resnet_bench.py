@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import sys
 from typing import Any
@@ -44,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _timing import time_side_by_side  # noqa: E402
+from _timing import report, time_side_by_side  # noqa: E402
 from flax import jax_utils  # noqa: E402
 from flax.training import common_utils, train_state  # noqa: E402
 from jax import lax  # noqa: E402
@@ -291,16 +290,16 @@ def main(argv=None) -> int:
     rows.append(_row(what, whole, t, split, args.steps))
 
     print(f"{args.steps} steps per repetition, {args.repeats} repetitions, ms per step")
-    print("| what | variant | median ms/step | vs | ratio | target | met |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['what']} | {r['variant']} | {r['median_ms_per_step']} | {r['ratio_vs']} | "
-            f"{r['ratio']} | {r['target']} | {r['met']} |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    columns = {
+        "what": "what",
+        "variant": "variant",
+        "median_ms_per_step": "median ms/step",
+        "ratio_vs": "vs",
+        "ratio": "ratio",
+        "target": "target",
+        "met": "met",
+    }
+    report(rows, columns, args.json)
     return 0
 
 

@@ -11,7 +11,6 @@ figures are about dispatch, compute and host syncs, not host data loading.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _timing import time_side_by_side  # noqa: E402
+from _timing import report, time_side_by_side  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -381,16 +380,16 @@ def main(argv=None) -> int:
     rows.append(_row(what, names[0], t, names[3], "report: the most any per-step log can gain"))
     rows.append(_row(what, names[1], t, names[3], "report: DeviceLog vs no log"))
 
-    print("| what | variant | median ms | vs | ratio | target | met |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['what']} | {r['variant']} | {r['median_ms']} | {r['ratio_vs']} | "
-            f"{r['ratio']} | {r['target']} | {r['met']} |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    columns = {
+        "what": "what",
+        "variant": "variant",
+        "median_ms": "median ms",
+        "ratio_vs": "vs",
+        "ratio": "ratio",
+        "target": "target",
+        "met": "met",
+    }
+    report(rows, columns, args.json)
     return 0
 
 
