@@ -50,8 +50,14 @@ def time_side_by_side(
     return samples
 
 
-def report(rows: list[dict], columns: dict[str, str], json_path: str | None = None) -> None:
-    """Print ``rows`` as a markdown table (``columns``: key -> header); write JSON if asked."""
+def report(rows: list[dict], median: tuple[str, str], json_path: str | None = None) -> None:
+    """Print ratio ``rows`` as a markdown table; write them as JSON if asked.
+
+    Every row has ``what``, ``variant``, ``ratio_vs``, ``ratio``, ``target``,
+    ``met`` and a median column, named by ``median = (key, header)``.
+    """
+    columns = {"what": "what", "variant": "variant", median[0]: median[1], "ratio_vs": "vs"}
+    columns |= {"ratio": "ratio", "target": "target", "met": "met"}
     print("| " + " | ".join(columns.values()) + " |")
     print("|" + "---|" * len(columns))
     for r in rows:
