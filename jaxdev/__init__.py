@@ -8,6 +8,7 @@ This module only re-exports; every name lives in a small private module.
 
 # --- errors ---
 from ._errors import BackendStartedError as BackendStartedError
+from ._errors import CheckpointError as CheckpointError
 from ._errors import DeletedArrayError as DeletedArrayError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import DeviceSpecError as DeviceSpecError
@@ -17,6 +18,7 @@ from ._errors import GuardError as GuardError
 from ._errors import JaxdevError as JaxdevError
 from ._errors import LeafTypeError as LeafTypeError
 from ._errors import LeafValueError as LeafValueError
+from ._errors import MemoryPlanError as MemoryPlanError
 from ._errors import MetricError as MetricError
 from ._errors import PlacementAssertionError as PlacementAssertionError
 from ._errors import PlacementError as PlacementError
@@ -40,6 +42,7 @@ from ._devices import use_fake_cpu_devices as use_fake_cpu_devices
 from ._mesh import DEFAULT_AXIS as DEFAULT_AXIS
 from ._mesh import batch_sharding as batch_sharding
 from ._mesh import data_mesh as data_mesh
+from ._mesh import make_mesh as make_mesh
 from ._mesh import replicated_sharding as replicated_sharding
 
 # --- placement ---
@@ -68,6 +71,15 @@ from ._pmap_layout import unstack_from_pmap as unstack_from_pmap
 from ._prefetch import Prefetcher as Prefetcher
 from ._prefetch import prefetch_to_device as prefetch_to_device
 from ._data_parallel import data_parallel as data_parallel
+
+# --- sharded parameters ---
+from ._rules import Rules as Rules
+from ._rules import param_shardings as param_shardings
+from ._rules import shard_params as shard_params
+from ._rules import state_shardings as state_shardings
+from ._sharded_init import init_sharded as init_sharded
+from ._plan import MemoryPlan as MemoryPlan
+from ._plan import plan as plan
 
 # --- metrics ---
 from ._metrics import Accuracy as Accuracy
@@ -99,6 +111,12 @@ from ._asserts import assert_on_host as assert_on_host
 from ._asserts import assert_replicated as assert_replicated
 from ._asserts import assert_same_placement as assert_same_placement
 from ._asserts import assert_sharded as assert_sharded
+from ._asserts import assert_sharded_fraction as assert_sharded_fraction
+
+# --- checkpoints ---
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import restore as restore
+from ._checkpoint import save as save
 
 # --- guards ---
 from ._guards import TransferCounter as TransferCounter

@@ -54,6 +54,14 @@ class DistributedError(JaxdevError, RuntimeError):
     """A multi-process run failed a check or lost a peer."""
 
 
+class MemoryPlanError(JaxdevError, MemoryError):
+    """A state or step would not fit in device memory (raised before allocating)."""
+
+
+class CheckpointError(JaxdevError, RuntimeError):
+    """A checkpoint cannot be written, found, read, or restored onto the target asked."""
+
+
 class PlacementAssertionError(JaxdevError, AssertionError):
     """A placement assertion failed; the message lists every failing leaf."""
 

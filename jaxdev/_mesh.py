@@ -214,3 +214,8 @@ def axis_size(mesh: Mesh, axis: AxisName) -> int:
     """How many ways ``axis`` (a name or tuple of names) splits an array."""
     wanted = (axis,) if isinstance(axis, str) else tuple(axis)
     return math.prod(mesh.shape[a] for a in wanted)
+
+
+def make_mesh(axes: Any, devices: Any = None, axis_type: AxisType | str = AxisType.Auto) -> Mesh:
+    """STUB (issue 12)."""
+    raise NotImplementedError
