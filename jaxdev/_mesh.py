@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -216,6 +216,144 @@ def axis_size(mesh: Mesh, axis: AxisName) -> int:
     return math.prod(mesh.shape[a] for a in wanted)
 
 
-def make_mesh(axes: Any, devices: Any = None, axis_type: AxisType | str = AxisType.Auto) -> Mesh:
-    """STUB (issue 12)."""
-    raise NotImplementedError
+def make_mesh(
+    axes: Mapping[str, int] | Sequence[tuple[str, int]],
+    devices: int | DeviceSpec | Sequence[DeviceSpec] | None = None,
+    axis_type: AxisType | str | Sequence[AxisType | str] = AxisType.Auto,
+) -> Mesh:
+    """Return an N-D mesh such as ``{"data": 2, "fsdp": 4}`` over ``devices``.
+
+    Axes are ``Auto`` by default, like :func:`data_mesh` (its docstring says
+    why). Devices are laid out in ``jax.make_mesh`` order, which keeps
+    physical neighbours together on GPU and TPU hosts (on CPU it is the order
+    given). The same arguments give the same ``Mesh`` object, so shardings
+    built on it hit JAX's caches.
+
+    Args:
+      axes: the axis names and sizes, in mesh order: a dict
+        ``{"data": 2, "model": 4}`` or a sequence of ``(name, size)`` pairs.
+        One size may be ``-1``, meaning every device left over.
+      devices: as in :func:`data_mesh`: ``None`` for every device (every
+        global device when several processes run), an int ``n`` for the first
+        ``n`` local devices, a platform name, or a list of devices / specs.
+      axis_type: ``'auto'`` (default) or ``'explicit'`` (or ``AxisType``), for
+        every axis, or a sequence with one per axis.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with ``axis_names`` in the order of ``axes``.
+
+    Raises:
+      ShardingError: the sizes do not multiply to the number of devices, a
+        size is not a positive int (or the one ``-1``), names repeat or are
+        not strings, or ``axis_type`` is unknown.
+      DeviceSpecError, DeviceNotFoundError: ``devices`` is malformed or names
+        a missing device.
+
+    Example:
+      >>> import jaxdev
+      >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": -1})
+      >>> dict(mesh.shape)
+      {'data': 2, 'fsdp': 4}
+      >>> jaxdev.make_mesh([("data", 2), ("model", 4)]) is jaxdev.make_mesh({"data": 2, "model": 4})
+      True
+    """
+    names, sizes = _parse_axes(axes)
+    kinds = _axis_types(axis_type, names)
+    if devices is None and jax.process_count() > 1:
+        devs = tuple(jax.devices())
+    else:
+        devs = tuple(device_list(devices))
+    sizes = _resolve_sizes(names, sizes, devs)
+    return _nd_mesh(devs, names, sizes, kinds)
+
+
+def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``axes`` as (names, sizes); raise ShardingError on anything malformed."""
+    form = (
+        "`axes` must be a dict such as {'data': 2, 'fsdp': 4} or a sequence of "
+        "(name, size) pairs such as [('data', 2), ('model', -1)]"
+    )
+    if isinstance(axes, Mapping):
+        pairs = list(axes.items())
+    elif isinstance(axes, Sequence) and not isinstance(axes, (str, bytes)):
+        pairs = list(axes)
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise ShardingError(f"{form}, got {axes!r}.")
+    else:
+        raise ShardingError(f"{form}, got {type(axes).__name__} {axes!r}.")
+    if not pairs:
+        raise ShardingError(f"{form}, got no axes: a mesh needs at least one axis.")
+    names = tuple(name for name, _ in pairs)
+    sizes = tuple(size for _, size in pairs)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ShardingError(f"{form}; axis names must be non-empty strings, got {bad[0]!r}.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ShardingError(f"{form}; axis names must differ, {twice} appear twice in {axes!r}.")
+    for name, size in pairs:
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, (int, np.integer))
+            or (size < 1 and size != -1)
+        ):
+            raise ShardingError(
+                f"{form}; axis {name!r} has size {size!r}, expected an int >= 1 or -1 "
+                "(every device left over)."
+            )
+    if sizes.count(-1) > 1:
+        raise ShardingError(f"{form}; only one size may be -1, got {axes!r}.")
+    return names, tuple(int(s) for s in sizes)
+
+
+def _axis_types(axis_type: Any, names: tuple[str, ...]) -> tuple[AxisType, ...]:
+    if isinstance(axis_type, (AxisType, str)):
+        return (_axis_type(axis_type),) * len(names)
+    kinds = tuple(_axis_type(k) for k in axis_type)
+    if len(kinds) != len(names):
+        raise ShardingError(
+            f"`axis_type` lists {len(kinds)} types for {len(names)} axes {names}; give one "
+            "per axis or a single 'auto' / 'explicit' for all."
+        )
+    return kinds
+
+
+def _resolve_sizes(
+    names: tuple[str, ...], sizes: tuple[int, ...], devs: tuple[jax.Device, ...]
+) -> tuple[int, ...]:
+    """Fill in the ``-1`` size; raise unless the sizes multiply to ``len(devs)``."""
+    shape = ", ".join(f"{n}={s}" for n, s in zip(names, sizes))
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devs) % known:
+            raise ShardingError(
+                f"`axes` ({shape}) cannot fill {len(devs)} devices: the fixed sizes multiply "
+                f"to {known}, which does not divide {len(devs)}. Devices: "
+                f"[{format_devices(devs)}]. Choose sizes whose product divides the device "
+                "count, or pass `devices=`."
+            )
+        sizes = tuple(len(devs) // known if s == -1 else s for s in sizes)
+    elif known != len(devs):
+        raise ShardingError(
+            f"`axes` ({shape}) multiply to {known} devices but {len(devs)} were given: "
+            f"[{format_devices(devs)}]. Make the sizes multiply to {len(devs)} (one size may "
+            "be -1 for the rest)"
+            + (f", or pass `devices={known}` for the first {known}." if known < len(devs) else ".")
+        )
+    return sizes
+
+
+@functools.lru_cache(maxsize=64)
+def _nd_mesh(
+    devs: tuple[jax.Device, ...],
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    kinds: tuple[AxisType, ...],
+) -> Mesh:
+    """One cached ``Mesh`` per (devices, names, sizes, axis types)."""
+    if len(names) == 1:
+        return mesh_of(devs, names[0], kinds[0])
+    try:  # topology-aware order (neighbours together on GPU/TPU)
+        return jax.make_mesh(sizes, names, axis_types=kinds, devices=list(devs))
+    except Exception:  # a device subset mesh_utils cannot lay out: keep the order given
+        return Mesh(np.array(devs).reshape(sizes), names, axis_types=kinds)

@@ -1,19 +1,789 @@
-"""STUB (issue 12): rules -> shardings."""
+"""Rules -> shardings: where each parameter (and its optimizer state) lives on a mesh.
+
+A *rule set* (:data:`Rules`) turns a pytree of parameters, or of their
+shapes, into a pytree of ``NamedSharding`` on a mesh:
+
+* ``"replicate"``: a full copy on every device (``P()``);
+* ``"fsdp"``: each leaf of at least ``min_size`` elements is split along its
+  largest dimension that the fsdp axis divides (ties: the last such
+  dimension); smaller or indivisible leaves are replicated (ZeRO-3 / torch
+  FSDP);
+* a list of ``(regex, PartitionSpec)`` pairs, EasyLM / MaxText style: each
+  pattern is matched with ``re.search`` against the leaf's path written with
+  ``/`` between key names (dict keys, attribute names, sequence indices):
+  ``"params/Dense_0/kernel"`` for a linen tree, ``"layers/0/kernel"`` for an
+  NNX ``State``. The first match wins, an unmatched leaf is replicated, and a
+  spec shorter than the leaf's rank is padded with ``None``;
+* ``"flax"``: the partitioning the model declares itself: linen
+  ``nn.with_partitioning`` (``nn.Partitioned``), ``nn.with_logical_partitioning``
+  (``nn.LogicallyPartitioned``, mapped through logical-axis rules) and the
+  ``out_sharding`` metadata of NNX variables (``nnx.with_partitioning``, and
+  the older ``sharding`` / ``sharding_names`` keys flax maps onto it);
+  unannotated leaves are replicated;
+* a pytree of ``PartitionSpec`` / ``NamedSharding`` (``None`` = replicated)
+  with the params' structure, or a prefix of it: an explicit layout.
+
+Whatever the rule set, every spec is checked against the leaf's shape and the
+mesh before anything is placed, and a spec that cannot apply raises
+:class:`ShardingError` naming the leaf, its shape, the spec and the mesh.
+
+The optimizer state *follows* the params (:func:`follow_params`): every
+subtree of it with the params' structure and leaf shapes (adam ``mu`` /
+``nu``, momentum traces, ``optax.masked`` states) gets the params'
+shardings; everything else (step counts, injected hyperparameters) is
+replicated.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import meta as flax_meta
+from flax.core import spmd as flax_spmd
+from flax.linen import spmd as linen_spmd
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._errors import LeafTypeError, ShardingError, available_devices
+from ._leaves import (
+    PY_SCALARS,
+    check_live,
+    deleted,
+    host_problem,
+    is_jax_array,
+    is_placed,
+    is_tracer,
+)
+from ._mesh import check_mesh, named_sharding
 
 Rules = Any
+"""``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree.
+
+See the module docstring of :mod:`jaxdev._rules` for what each form means.
+"""
+
+_FORMS = (
+    "'replicate', 'fsdp', 'flax', a list of (regex, PartitionSpec) pairs such as "
+    "[('Dense_.*/kernel', P(None, 'model'))], or a pytree of PartitionSpec / NamedSharding "
+    "matching the params"
+)
+
+DEFAULT_MIN_SIZE = 1024
+"""Leaves with fewer elements stay replicated under ``rules="fsdp"``."""
 
 
-def param_shardings(tree: Any, mesh: Any, rules: Rules = "replicate", **options: Any) -> Any:
-    raise NotImplementedError
+# ---------------------------------------------------------------- leaves and paths
 
 
-def shard_params(tree: Any, mesh: Any, rules: Rules = "replicate", **options: Any) -> Any:
-    raise NotImplementedError
+class _Leaf(NamedTuple):
+    """One array leaf of an (unboxed) params tree, as the rules see it."""
+
+    path: str  # "params/Dense_0/kernel": what regex rules match
+    keys: str  # "['params']['Dense_0']['kernel']": what errors name
+    shape: tuple[int, ...]
+    annotation: Any  # the flax box / NNX variable holding it, or None
 
 
-def state_shardings(state: Any, mesh: Any, rules: Rules = "replicate", **options: Any) -> Any:
-    raise NotImplementedError
+def _is_box(x: Any) -> bool:
+    return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
+    """Every array leaf of ``tree`` (linen boxes unboxed, NNX variables seen through)."""
+    out: list[_Leaf] = []
+    outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
+    for path, node in outer:
+        annotation = node if _is_box(node) else None
+        if isinstance(node, flax_meta.AxisMetadata):
+            inner = jax.tree_util.tree_flatten_with_path(_unbox_one(node))[0]
+        elif isinstance(node, nnx.Variable):
+            inner = [
+                (sub[1:] if sub and _key_name(sub[0]) == "value" else sub, leaf)
+                for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]
+            ]
+        else:
+            inner = [((), node)]
+        for sub, leaf in inner:
+            keys = tuple(path) + tuple(sub)
+            out.append(
+                _Leaf(
+                    "/".join(_key_name(k) for k in keys),
+                    jax.tree_util.keystr(keys) or "<root>",
+                    _shape_of(leaf, keys, arg),
+                    annotation,
+                )
+            )
+    return out
+
+
+def _shape_of(leaf: Any, keys: tuple[Any, ...], arg: str) -> tuple[int, ...]:
+    if isinstance(leaf, (jax.ShapeDtypeStruct, np.ndarray, np.generic)) or is_jax_array(leaf):
+        return tuple(leaf.shape)
+    if isinstance(leaf, PY_SCALARS):
+        return ()
+    raise LeafTypeError(
+        f"`{arg}` leaf {jax.tree_util.keystr(keys) or '<root>'}: a "
+        f"{type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected a "
+        "jax.Array, numpy array, Python number or jax.ShapeDtypeStruct (None passes "
+        f"through). {available_devices()}"
+    )
+
+
+def _unbox_one(box: Any) -> Any:
+    """A flax box's value, without the sharding constraint ``Partitioned.unbox`` may add."""
+    try:
+        return box.unbox(apply_constraint=False)
+    except TypeError:  # an AxisMetadata subclass without the argument
+        return box.unbox()
+
+
+def unbox(tree: Any) -> Any:
+    """``tree`` with linen ``nn.Partitioned`` boxes replaced by their values.
+
+    Unlike ``nn.unbox`` this adds no sharding constraint. NNX ``State`` and
+    plain trees come back unchanged (the same object).
+
+    Example:
+      >>> import jax.numpy as jnp, flax.linen as nn
+      >>> from jaxdev._rules import unbox
+      >>> unbox({"w": nn.Partitioned(jnp.ones(2), ("data",))})["w"].shape
+      (2,)
+    """
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
+    if not any(isinstance(x, flax_meta.AxisMetadata) for x in leaves):
+        return tree
+    return jax.tree.map(
+        lambda x: _unbox_one(x) if isinstance(x, flax_meta.AxisMetadata) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata),
+    )
+
+
+# ---------------------------------------------------------------- specs per rule set
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def _fsdp_axis(mesh: Mesh, fsdp_axis: Any) -> str | tuple[str, ...]:
+    names = mesh.axis_names
+    if fsdp_axis is None:
+        if "fsdp" in names:
+            return "fsdp"
+        if len(names) == 1:
+            return names[0]
+        raise ShardingError(
+            f"`rules`='fsdp' needs an axis to shard over: the mesh ({_mesh_text(mesh)}) has "
+            "several axes and none is called 'fsdp'. Pass `fsdp_axis=` (an axis name, or a "
+            "tuple of names to shard over several), or build the mesh with an 'fsdp' axis: "
+            "jaxdev.make_mesh({'data': 2, 'fsdp': -1})."
+        )
+    wanted = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis)
+    missing = [a for a in wanted if a not in names]
+    if missing or not wanted:
+        raise ShardingError(
+            f"`fsdp_axis`={fsdp_axis!r} is not an axis of the mesh ({_mesh_text(mesh)}); "
+            f"pick one of {names}."
+        )
+    return fsdp_axis if isinstance(fsdp_axis, str) else wanted
+
+
+def _fsdp_spec(shape: tuple[int, ...], axis: Any, n: int, min_size: int) -> P:
+    """Shard the largest dim divisible by ``n`` (ties: the last one); else replicate."""
+    if int(np.prod(shape, dtype=np.int64)) < min_size:
+        return P()
+    best = None
+    for d, size in enumerate(shape):
+        if size > 0 and size % n == 0 and (best is None or size >= shape[best]):
+            best = d
+    if best is None:
+        return P()
+    return P(*([None] * best), axis)
+
+
+def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
+    """The compiled ``(pattern, spec, source)`` list, or None when ``rules`` is not one."""
+    if not isinstance(rules, (list, tuple)) or isinstance(rules, P):
+        return None
+    if not rules:
+        return []  # no rules: every leaf unmatched, replicated
+    if not all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], (str, re.Pattern))
+        for r in rules
+    ):
+        return None
+    out = []
+    for pattern, spec in rules:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as err:
+            raise ShardingError(
+                f"`rules` pattern {pattern!r} is not a valid regular expression: {err}."
+            ) from None
+        out.append((compiled, _as_spec(spec, f"`rules` pattern {compiled.pattern!r}"), pattern))
+    return out
+
+
+def _as_spec(spec: Any, source: str) -> P:
+    if spec is None:
+        return P()
+    if isinstance(spec, P):
+        return spec
+    if isinstance(spec, (tuple, list)) and all(
+        s is None or isinstance(s, str) or isinstance(s, tuple) for s in spec
+    ):
+        return P(*spec)
+    raise ShardingError(
+        f"{source} maps to {spec!r}, which is not a PartitionSpec: write "
+        "P(None, 'model') (from jax.sharding import PartitionSpec as P), a tuple of axis "
+        "names / None, or None to replicate."
+    )
+
+
+def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
+    """The spec a flax annotation declares, and where it came from (for errors)."""
+    box = leaf.annotation
+    if box is None:
+        return P(), ""
+    if isinstance(box, linen_spmd.LogicallyPartitioned):
+        names = tuple(box.names)
+        rules = box.rules or (
+            logical_axis_rules
+            if logical_axis_rules is not None
+            else flax_spmd.get_logical_axis_rules()
+        )
+        source = f"flax logical names {names}"
+        if not rules:
+            raise ShardingError(
+                f"`rules`='flax': {leaf.keys} of shape {leaf.shape} has {source} "
+                "(nn.with_logical_partitioning) but no logical-axis rules map them to mesh "
+                "axes. Pass `logical_axis_rules=[('batch', 'data'), ('mlp', 'model'), ...]` "
+                "or call inside `with nn.logical_axis_rules(...)`."
+            )
+        spec = linen_spmd.logical_to_mesh_axes(names, tuple(map(tuple, rules)))
+        return _strip_unconstrained(spec), f"{source} via rules {tuple(map(tuple, rules))}"
+    if isinstance(box, flax_meta.Partitioned):
+        spec = box.get_partition_spec()
+        return _strip_unconstrained(spec), f"flax nn.Partitioned names {tuple(box.names)}"
+    if isinstance(box, nnx.Variable):
+        metadata = box.get_metadata()
+        names = metadata.get("out_sharding")
+        if not names:
+            return P(), ""
+        if isinstance(names, NamedSharding):
+            names = names.spec
+        local = metadata.get("sharding_rules") or ()
+        context = (
+            logical_axis_rules
+            if logical_axis_rules is not None
+            else flax_spmd.get_logical_axis_rules()
+        )
+        rules = flax_spmd.composite_rules(tuple(context or ()), tuple(local))
+        spec = P(*flax_spmd.from_sharding_rules(tuple(names), rules)) if rules else P(*names)
+        return _strip_unconstrained(spec), f"NNX out_sharding {tuple(names)}"
+    return P(), ""
+
+
+def _strip_unconstrained(spec: P) -> P:
+    return P(*(None if s is P.UNCONSTRAINED else s for s in spec))
+
+
+def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, str]]:
+    """Specs from an explicit layout tree (a prefix of the unboxed params)."""
+
+    def is_spec(x: Any) -> bool:
+        return x is None or isinstance(x, (P, NamedSharding))
+
+    bad = [x for x in jax.tree.leaves(layout, is_leaf=is_spec) if not is_spec(x)]
+    if bad:
+        raise ShardingError(f"`rules` must be {_FORMS}; got {_short(layout)}.")
+    for s in jax.tree.leaves(layout, is_leaf=is_spec):
+        if isinstance(s, NamedSharding) and s.mesh != mesh:
+            raise ShardingError(
+                f"`rules` holds a NamedSharding on another mesh ({_mesh_text(s.mesh)}, "
+                f"devices {list(s.mesh.device_ids.flat)}) than `mesh` ({_mesh_text(mesh)}, "
+                f"devices {list(mesh.device_ids.flat)}); give PartitionSpecs or shardings on "
+                "`mesh`."
+            )
+    try:
+        per_leaf = jax.tree_util.tree_map(
+            lambda s, sub: [s] * len(jax.tree.leaves(sub)),
+            layout,
+            unbox(tree),
+            is_leaf=is_spec,
+        )
+    except (ValueError, TypeError) as err:
+        raise ShardingError(
+            "`rules` is a layout tree whose structure is not the params' structure (nor a "
+            "prefix of it). Give a PartitionSpec / NamedSharding (None = replicate) for every "
+            f"key, or use a list of (regex, PartitionSpec) pairs. JAX says: {err}"
+        ) from None
+    specs = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
+    flat = [s for group in specs for s in group]
+    if len(flat) != n:  # pragma: no cover - tree_map guarantees it
+        raise ShardingError("`rules` layout does not cover every leaf of the params.")
+    return [
+        (
+            P() if s is None else (s.spec if isinstance(s, NamedSharding) else s),
+            "the `rules` layout",
+        )
+        for s in flat
+    ]
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any]):
+    """One ``(spec, source)`` per leaf under ``rules``."""
+    min_size = options["min_size"]
+    if isinstance(rules, str):
+        if rules == "replicate":
+            return [(P(), "`rules`='replicate'")] * len(leaves)
+        if rules == "fsdp":
+            axis = _fsdp_axis(mesh, options["fsdp_axis"])
+            names = (axis,) if isinstance(axis, str) else axis
+            n = int(np.prod([mesh.shape[a] for a in names]))
+            return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
+        if rules == "flax":
+            lar = options["logical_axis_rules"]
+            return [_flax_spec(x, lar) for x in leaves]
+        raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
+    regex = _regex_rules(rules)
+    if regex is not None:
+        out = []
+        for x in leaves:
+            hit = next(((spec, src) for pat, spec, src in regex if pat.search(x.path)), None)
+            out.append(
+                (hit[0], f"`rules` pattern {hit[1]!r} (path {x.path!r})") if hit else (P(), "")
+            )
+        return out
+    if isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules):
+        return _layout_specs(tree, rules, mesh, len(leaves))
+    raise ShardingError(f"`rules` must be {_FORMS}; got {type(rules).__name__} {_short(rules)}.")
+
+
+def _is_container(x: Any) -> bool:
+    """Whether ``x`` is a pytree node (an NNX State, a dataclass registered with JAX, ...)."""
+    return not jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
+
+
+# ---------------------------------------------------------------- checking a spec
+
+
+def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh) -> P:
+    """Pad ``spec`` to the leaf's rank (``P()`` if it splits nothing); raise if it cannot apply."""
+    shape, ndim = leaf.shape, len(leaf.shape)
+    where = (
+        f"{source or '`rules`'} put {spec} on {leaf.keys} of shape {shape} "
+        f"(mesh {_mesh_text(mesh)})"
+    )
+    if len(spec) > ndim:
+        raise ShardingError(
+            f"{where}: the spec has {len(spec)} entries but the leaf has {ndim} "
+            f"dimension(s). Give at most {ndim} entries (missing ones mean 'not split')."
+        )
+    used: list[str] = []
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if missing:
+            raise ShardingError(
+                f"{where}: mesh axis {missing[0]!r} does not exist; the mesh has axes "
+                f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or build a mesh with "
+                "it: jaxdev.make_mesh({...})."
+            )
+        twice = [a for a in axes if a in used]
+        if twice:
+            raise ShardingError(
+                f"{where}: mesh axis {twice[0]!r} is used for two dimensions; each mesh axis "
+                "may split at most one dimension of a leaf."
+            )
+        used.extend(axes)
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        if shape[d] % n:
+            what = (
+                f"mesh axis {axes[0]!r} of size {n}"
+                if len(axes) == 1
+                else f"mesh axes {axes} of total size {n}"
+            )
+            raise ShardingError(
+                f"{where}: dimension {d} ({shape[d]}) is not divisible by {what}. Pad the "
+                "dimension to a multiple, split another dimension, or use a smaller axis."
+            )
+    if not used:
+        return P()  # replicated is always written P()
+    if len(spec) < ndim:
+        spec = P(*spec, *([None] * (ndim - len(spec))))
+    return spec
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def param_shardings(
+    tree: Any,
+    mesh: Mesh,
+    rules: Rules = "replicate",
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    fsdp_axis: str | tuple[str, ...] | None = None,
+    logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+) -> Any:
+    """Return a ``NamedSharding`` on ``mesh`` for every leaf of ``tree`` under ``rules``.
+
+    Nothing is allocated or moved: ``tree`` may hold ``jax.ShapeDtypeStruct``
+    s (from ``jax.eval_shape``). Linen trees boxed with ``nn.Partitioned`` /
+    ``nn.LogicallyPartitioned`` and NNX ``State`` s are understood; the result
+    has the structure of the *unboxed* params (what a train step trains), and
+    for an NNX ``State`` the same ``State`` structure with a sharding inside
+    each variable.
+
+    Args:
+      tree: a pytree of arrays, numbers or ``ShapeDtypeStruct`` s.
+      mesh: the mesh (:func:`jaxdev.make_mesh`).
+      rules: ``"replicate"``, ``"fsdp"``, ``"flax"``, a list of
+        ``(regex, PartitionSpec)`` pairs, or a layout pytree (see
+        :data:`Rules`). Regexes are matched with ``re.search`` against the
+        leaf's path with ``/`` between key names, e.g.
+        ``"params/Dense_0/kernel"``; first match wins; unmatched leaves are
+        replicated; short specs are padded with ``None``.
+      min_size: under ``"fsdp"``, leaves with fewer elements are replicated.
+      fsdp_axis: under ``"fsdp"``, the mesh axis (or tuple of axes) to shard
+        over; default ``"fsdp"`` if the mesh has it, else the mesh's only
+        axis. On a ``data`` x ``fsdp`` mesh the params shard over ``fsdp``
+        only (the batch still splits over both).
+      logical_axis_rules: under ``"flax"``, the ``(logical name, mesh axis)``
+        pairs for ``nn.with_logical_partitioning`` names; default: flax's
+        ``nn.logical_axis_rules`` context. Rules stored in a box win.
+
+    Returns:
+      A pytree of ``NamedSharding`` with the unboxed structure of ``tree``.
+
+    Raises:
+      ShardingError: a spec names an axis the mesh lacks, splits a dimension
+        the axis size does not divide, has more entries than the leaf has
+        dimensions, or ``rules`` is not one of the accepted forms. The
+        message names the leaf path, its shape, the spec and the mesh.
+      LeafTypeError: a leaf is not an array, number or ``ShapeDtypeStruct``.
+
+    Example:
+      >>> import jax, jaxdev
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+      >>> shapes = {"params": {"Dense_0": {"kernel": jax.ShapeDtypeStruct((784, 256), "float32"),
+      ...                                  "bias": jax.ShapeDtypeStruct((256,), "float32")}}}
+      >>> s = jaxdev.param_shardings(shapes, mesh, [("Dense_.*/kernel", P(None, "model"))])
+      >>> s["params"]["Dense_0"]["kernel"].spec, s["params"]["Dense_0"]["bias"].spec
+      (P(None, 'model'), P())
+      >>> fsdp = jaxdev.param_shardings(shapes, jaxdev.make_mesh({"fsdp": 8}), "fsdp")
+      >>> fsdp["params"]["Dense_0"]["kernel"].spec
+      P('fsdp', None)
+    """
+    mesh = check_mesh(mesh)
+    _check_min_size(min_size)
+    options = {
+        "min_size": min_size,
+        "fsdp_axis": fsdp_axis,
+        "logical_axis_rules": logical_axis_rules,
+    }
+    return _shardings(tree, mesh, rules, options, "tree")
+
+
+def _check_min_size(min_size: Any) -> None:
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
+        raise ShardingError(f"`min_size` must be an int >= 0 (elements), got {min_size!r}.")
+
+
+def _shardings(tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any], arg: str) -> Any:
+    leaves = _leaves_of(tree, arg)
+    specs = _specs(leaves, tree, mesh, rules, options)
+    out = [named_sharding(mesh, _check_spec(x, s, src, mesh)) for x, (s, src) in zip(leaves, specs)]
+    return jax.tree.structure(unbox(tree)).unflatten(out)
+
+
+def shard_params(
+    tree: Any,
+    mesh: Mesh,
+    rules: Rules = "replicate",
+    **options: Any,
+) -> Any:
+    """Place ``tree`` on ``mesh`` by ``rules``; already placed leaves stay the same objects.
+
+    Every leaf goes to its :func:`param_shardings` sharding in one batched
+    ``jax.device_put``; a committed leaf already laid out so comes back as
+    the *same object* (:func:`jaxdev.to_device` semantics) and if nothing
+    moves the (unboxed) tree itself is returned. Linen boxes are unboxed.
+    Inside ``jit`` the shardings become sharding constraints.
+
+    With several processes, a host (numpy) leaf must hold the full global
+    value on every process (as after a deterministic init or a checkpoint
+    read); each process builds its own shards from it with
+    ``jax.make_array_from_callback``. Build big models with
+    :func:`jaxdev.init_sharded` instead, so no host holds a full copy.
+
+    Args:
+      tree: a pytree of arrays or numbers (not ``ShapeDtypeStruct`` s).
+      mesh: the mesh.
+      rules: as in :func:`param_shardings`.
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
+        :func:`param_shardings`.
+
+    Returns:
+      The unboxed tree with every leaf placed by its sharding.
+
+    Raises:
+      ShardingError, LeafTypeError: as in :func:`param_shardings`; also for a
+        ``ShapeDtypeStruct`` leaf (nothing to place).
+      LeafValueError: a host leaf would lose values (int64 / float64 with x64
+        disabled).
+      DeletedArrayError: a leaf was deleted or donated.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+      >>> params = jaxdev.shard_params({"w": jnp.ones((4096, 8)), "b": jnp.ones(8)}, mesh, "fsdp")
+      >>> params["w"].sharding.spec, params["b"].sharding.spec
+      (P('fsdp', None), P())
+      >>> jaxdev.shard_params(params, mesh, "fsdp") is params
+      True
+    """
+    shardings = param_shardings(tree, mesh, rules, **options)
+    return _place(unbox(tree), shardings)
+
+
+def _place(tree: Any, shardings: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    if any(is_tracer(x) for x in leaves):
+        return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, targets))
+    if any(is_jax_array(x) and deleted(x) for x in leaves):
+        check_live(tree, leaves, "tree")
+    moving = []
+    for i, (x, s) in enumerate(zip(leaves, targets)):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise LeafTypeError(
+                f"`tree` leaf {_keys(tree, i)} is a ShapeDtypeStruct: there is nothing to "
+                "place. Use `jaxdev.param_shardings` for shapes, or `jaxdev.init_sharded` to "
+                "build the values directly in their shardings."
+            )
+        if is_jax_array(x):
+            if not _on(x, s):
+                moving.append(i)
+            continue
+        problem = host_problem(x)
+        if problem is not None:
+            exc, why = problem
+            raise exc(f"`tree` leaf {_keys(tree, i)}: {why}. {available_devices()}")
+        moving.append(i)
+    if not moving:
+        return tree
+    out = list(leaves)
+    local = [i for i in moving if is_jax_array(leaves[i]) or targets[i].is_fully_addressable]
+    if local:
+        for i, new in zip(
+            local, jax.device_put([leaves[i] for i in local], [targets[i] for i in local])
+        ):
+            out[i] = new
+    for i in moving:
+        if i not in local:  # host value, global (multi-process) sharding
+            value = np.asarray(leaves[i])
+            out[i] = jax.make_array_from_callback(value.shape, targets[i], value.__getitem__)
+    return treedef.unflatten(out)
+
+
+def _on(x: jax.Array, s: NamedSharding) -> bool:
+    """Whether ``x`` is already laid out as ``s`` on ``s``'s own mesh.
+
+    An equivalent layout on another mesh (same devices, other axis names)
+    is moved, so that one jitted step never sees two meshes.
+    """
+    return is_placed(x, s) and getattr(x.sharding, "mesh", None) == s.mesh
+
+
+def _keys(tree: Any, i: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+# ---------------------------------------------------------------- train states
+
+
+_STATE_FIELDS = ("step", "params", "opt_state")
+
+
+def _is_train_state(state: Any) -> bool:
+    """A NamedTuple (jaxdev's) or a ``.replace``-able dataclass (flax's) with the state fields."""
+    if not all(hasattr(state, f) for f in _STATE_FIELDS):
+        return False
+    is_named_tuple = isinstance(state, tuple) and hasattr(type(state), "_fields")
+    return is_named_tuple or callable(getattr(state, "replace", None))
+
+
+def state_shardings(
+    state: Any,
+    mesh: Mesh,
+    rules: Rules = "replicate",
+    **options: Any,
+) -> Any:
+    """Return shardings for a whole train state: optimizer state follows the params.
+
+    For a :class:`jaxdev.TrainState` (any NamedTuple with ``step``,
+    ``params`` and ``opt_state`` fields, or a ``.replace``-able dataclass
+    with them such as flax's ``train_state.TrainState``): ``params`` by ``rules``;
+    ``opt_state`` by :func:`follow_params` (adam ``mu`` / ``nu`` and other
+    params-shaped subtrees get the params' shardings, counts and other leaves
+    are replicated); ``model_state`` by the same ``rules`` (replicated when
+    ``rules`` is a layout tree, which describes the params only); ``step``,
+    ``rng`` and any other field replicated. Any other tree: ``rules`` applied
+    to the tree itself, as :func:`param_shardings`.
+
+    Args:
+      state: a train state or any pytree (arrays or ``ShapeDtypeStruct`` s).
+      mesh: the mesh.
+      rules: as in :func:`param_shardings`.
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``.
+
+    Returns:
+      A pytree of ``NamedSharding`` with the structure of ``state`` (usable
+      as ``jax.jit`` ``in_shardings`` / ``out_shardings``).
+
+    Raises:
+      ShardingError, LeafTypeError: as in :func:`param_shardings`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxdev
+      >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+      >>> state = jaxdev.TrainState.create({"w": jnp.ones((1024, 4))}, optax.adam(1e-3))
+      >>> s = jaxdev.state_shardings(state, mesh, "fsdp")
+      >>> s.params["w"].spec, s.opt_state[0].mu["w"].spec, s.opt_state[0].count.spec, s.step.spec
+      (P('fsdp', None), P('fsdp', None), P(), P())
+    """
+    mesh = check_mesh(mesh)
+    if not _is_train_state(state):
+        return param_shardings(state, mesh, rules, **options)
+    params = param_shardings(state.params, mesh, rules, **options)
+    fields = {
+        "params": params,
+        "opt_state": follow_params(state.opt_state, state.params, params, mesh),
+    }
+    model_state = getattr(state, "model_state", None)
+    if model_state is not None:
+        layout = not isinstance(rules, str) and _regex_rules(rules) is None
+        fields["model_state"] = param_shardings(
+            model_state, mesh, "replicate" if layout else rules, **options
+        )
+    out = _replicated(state, mesh)  # step, rng and any other field
+    return out._replace(**fields) if isinstance(out, tuple) else out.replace(**fields)
+
+
+def _replicated(tree: Any, mesh: Mesh) -> Any:
+    s = named_sharding(mesh, P())
+    return jax.tree.map(lambda _: s, unbox(tree))
+
+
+def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: subtrees mirroring ``params`` get ``shardings``.
+
+    A subtree *mirrors* the params when it has the params' tree structure
+    (leaves masked out by ``optax.masked`` may be ``MaskedNode``) and each
+    leaf has the shape of its parameter (dtypes may differ): adam's ``mu``
+    and ``nu``, sgd's momentum trace, the inner states of ``optax.chain``,
+    ``optax.masked`` and ``optax.inject_hyperparams``. Every other leaf
+    (counts, injected hyperparameters, factored statistics) is replicated.
+    Structural: no optimizer (``tx``) is needed, so it works on the output of
+    ``jax.eval_shape(tx.init, params)``.
+
+    Args:
+      opt_state: the optimizer state (arrays or ``ShapeDtypeStruct`` s).
+      params: the params it was built from (arrays or ``ShapeDtypeStruct`` s;
+        linen boxes are unboxed).
+      shardings: the params' shardings (:func:`param_shardings`).
+      mesh: the mesh (for the replicated leaves).
+
+    Returns:
+      A pytree of ``NamedSharding`` with the structure of ``opt_state``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> from jaxdev._rules import follow_params
+      >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+      >>> params = {"w": jnp.ones((2048, 2)), "b": jnp.ones(2)}
+      >>> tx = optax.sgd(0.1, momentum=0.9)
+      >>> s = follow_params(jax.eval_shape(tx.init, params), params,
+      ...                   jaxdev.param_shardings(params, mesh, "fsdp"), mesh)
+      >>> s[0].trace["w"].spec, s[0].trace["b"].spec
+      (P('fsdp', None), P())
+    """
+    mesh = check_mesh(mesh)
+    params = unbox(params)
+    treedef = jax.tree.structure(params)
+    if treedef.num_leaves == 0:
+        return _replicated(opt_state, mesh)
+    shapes = [
+        np.shape(x) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape
+        for x in treedef.flatten_up_to(params)
+    ]
+    targets = treedef.flatten_up_to(shardings)
+    replicated = named_sharding(mesh, P())
+    matched: dict[int, Any] = {}
+
+    def mirrors(node: Any) -> bool:
+        found = _mirror(node, treedef, shapes, targets)
+        if found is not None:
+            matched[id(node)] = found
+            return True
+        return False
+
+    def leaf(node: Any) -> Any:
+        found = matched.pop(id(node), None)
+        return replicated if found is None else found
+
+    return jax.tree.map(leaf, opt_state, is_leaf=mirrors)
+
+
+def _mirror(node: Any, treedef: Any, shapes: list[tuple[int, ...]], targets: list[Any]) -> Any:
+    """``node``'s shardings if it mirrors the params (structure + shapes), else None."""
+    if node is None or _is_leafish(node) and treedef.num_leaves != 1:
+        return None
+    try:
+        subtrees = treedef.flatten_up_to(node)
+    except (ValueError, TypeError):
+        return None
+    out, hits = [], 0
+    for sub, shape, target in zip(subtrees, shapes, targets):
+        if _is_leafish(sub):
+            if tuple(_shape(sub)) != tuple(shape):
+                return None
+            out.append(target)
+            hits += 1
+        elif not jax.tree.leaves(sub):  # MaskedNode / empty: masked out
+            out.append(sub)
+        else:
+            return None
+    return treedef.unflatten(out) if hits else None
+
+
+def _is_leafish(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
