@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 from ._errors import (
     PlacementAssertionError,
     PlacementError,
+    UsageError,
     available_devices,
     device_name,
     format_devices,
@@ -57,6 +58,7 @@ from ._leaves import (
 )
 from ._mesh import check_mesh, named_sharding
 from ._placement import Target, as_sharding
+from ._report import human_bytes
 
 _DELETED = "deleted or donated"
 _TRACER = "a tracer (inside jax.jit/vmap/grad)"
@@ -704,6 +706,122 @@ def _pair_problem(x: Any, y: Any) -> str | None:
     return f"`a` {_where(x)}, `b` {_where(y)}"
 
 
-def assert_sharded_fraction(tree: Any, at_least: float = 0.9) -> None:
-    """STUB (issue 12)."""
-    raise NotImplementedError
+def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None:
+    """Assert at least ``at_least`` of ``tree``'s bytes are in sharded leaves.
+
+    The fraction is over logical (global) bytes: each leaf counts
+    ``size * itemsize`` once, however many copies exist. A leaf is *sharded*
+    when it is split over several devices (its sharding spans more than one
+    device and is not fully replicated). Everything else counts against the
+    fraction: fully replicated leaves, a leaf on a single device (even in a
+    tree whose other leaves span a mesh), and host values (numpy, Python
+    numbers). A tree with no bytes passes. Typical use: after
+    ``shard_params(params, mesh, "fsdp")``, check nothing big was left whole.
+
+    Args:
+      tree: any pytree (params, optimizer state, a whole train state).
+      at_least: the smallest acceptable fraction, in ``[0, 1]``.
+
+    Raises:
+      PlacementAssertionError: the fraction is below ``at_least`` (the
+        message lists the largest leaves that are not sharded, with path,
+        dtype, shape, bytes and placement), or a leaf is deleted/donated,
+        traced or not an array (listed; their bytes cannot be judged).
+      UsageError: ``at_least`` is not a number in ``[0, 1]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+      >>> params = jaxdev.shard_params({"w": jnp.ones((4096, 64)), "b": jnp.ones(64)}, mesh, "fsdp")
+      >>> jaxdev.assert_sharded_fraction(params, at_least=0.99)
+      >>> try:
+      ...     jaxdev.assert_sharded_fraction(jaxdev.to_device(params, mesh))
+      ... except AssertionError as e:
+      ...     lines = str(e).splitlines()
+      >>> print(lines[0])
+      `assert_sharded_fraction` failed: 0.00% of the 1.0 MiB of `tree` (logical bytes) is in ...
+      >>> print(lines[1])
+        ['w']: float32[4096, 64], 1.0 MiB, found mesh(fsdp=8) P() (fully replicated on 8 devices)
+    """
+    if asserts_disabled():
+        return
+    _check_fraction(at_least)
+    leaves = jax.tree_util.tree_leaves(tree)
+    total, sharded, whole, bad = _sharded_bytes(leaves)
+    if bad:
+        rule = "cannot be measured (every leaf must be a live jax.Array or a host value)"
+        fix = "Fix: pass the live arrays (outside jax.jit, not donated)."
+        _fail("assert_sharded_fraction", tree, "tree", len(leaves), bad, rule, fix)
+    if total == 0 or sharded >= at_least * total:
+        return
+    whole.sort(key=lambda t: (-t[0], t[1]))
+    paths = key_strings(tree)
+    lines = [
+        f"{paths[i]}: {_dtype_shape(leaves[i])}, {human_bytes(n)}, found {_where(leaves[i])}"
+        for n, i in whole[:_MAX_LISTED]
+    ]
+    if len(whole) > _MAX_LISTED:
+        rest = sum(n for n, _ in whole[_MAX_LISTED:])
+        lines.append(f"... and {len(whole) - _MAX_LISTED} smaller leaves ({human_bytes(rest)})")
+    header = (
+        f"`assert_sharded_fraction` failed: {sharded / total:.2%} of the {human_bytes(total)} "
+        f"of `tree` (logical bytes) is in sharded leaves, expected at least {at_least:.2%}. "
+        f"The largest of the {len(whole)} leaves that are not sharded:"
+    )
+    fix = (
+        "Fix: shard the large leaves (`jaxdev.shard_params(tree, mesh, 'fsdp')`, or a "
+        "(regex, PartitionSpec) rule naming them), or lower `at_least`."
+    )
+    raise PlacementAssertionError(_message(header, lines, fix))
+
+
+_MAX_LISTED = 10
+
+
+def _check_fraction(at_least: Any) -> None:
+    if (
+        isinstance(at_least, bool)
+        or not isinstance(at_least, (int, float, np.integer, np.floating))
+        or not 0 <= at_least <= 1  # NaN fails too
+    ):
+        raise UsageError(
+            f"`at_least` must be a fraction in [0, 1] (0.9: 90% of the bytes in sharded "
+            f"leaves), got {at_least!r}."
+        )
+
+
+def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
+    """``(total bytes, sharded bytes, [(bytes, index)] not sharded, [(index, why)] unusable)``."""
+    impl = array_type()
+    verdicts: dict[Any, bool] = {}  # sharding_key -> split over devices?
+    total = sharded = 0
+    whole: list[tuple[int, int]] = []
+    bad: list[tuple[int, str]] = []
+    for i, x in enumerate(leaves):
+        if type(x) is not impl or x.is_deleted():
+            if is_host_value(x):
+                n = np.asarray(x).nbytes
+                total += n
+                whole.append((n, i))
+                continue
+            problem = _live_array_problem(x, "a live jax.Array")
+            if problem is not None:
+                bad.append((i, problem))
+                continue
+        s = x.sharding
+        key = sharding_key(s)
+        split = verdicts.get(key)
+        if split is None:
+            split = verdicts[key] = len(s.device_set) > 1 and not s.is_fully_replicated
+        n = x.nbytes
+        total += n
+        if split:
+            sharded += n
+        else:
+            whole.append((n, i))
+    return total, sharded, whole, bad
+
+
+def _dtype_shape(x: Any) -> str:
+    """``float32[4096, 64]``."""
+    return f"{np.dtype(x.dtype) if hasattr(x, 'dtype') else type(x).__name__}{list(np.shape(x))}"

@@ -1,13 +1,628 @@
-"""STUB (issue 12): memory plans."""
+"""Memory plans: how many bytes each device will hold, before anything is allocated.
+
+:func:`plan` reads only shapes and dtypes (``jax.ShapeDtypeStruct`` s are
+fine) and the shardings the rules give (:func:`jaxdev.state_shardings`), and
+returns a :class:`MemoryPlan`: per category (``params``, ``opt_state``,
+``model_state``, ``batch``, ``other``) the bytes the fullest device holds, the
+logical (global) bytes and the share of them that is sharded. With a train
+step and a batch it also compiles the step (nothing runs) and keeps the
+compiled program's own ``memory_analysis()`` figures: arguments, outputs,
+donated (aliased) bytes, temporaries and generated code.
+
+How bytes per device are counted: a leaf of shape ``s`` and dtype ``d`` under
+sharding ``S`` puts ``prod(S.shard_shape(s)) * d.itemsize`` bytes on every
+device of ``S`` (a dimension a mesh axis does not divide is padded to the next
+multiple, as XLA does); a category's figure is the maximum over devices of the
+sum over its leaves, and :attr:`MemoryPlan.total` is the maximum over devices
+of the sum over every category (not the sum of the per-category maxima).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+from ._errors import MemoryPlanError, UsageError, device_name
+from ._leaves import PY_SCALARS, device_key, is_jax_array
+from ._mesh import check_mesh, named_sharding
+from ._report import human_bytes
+from ._rules import _is_train_state, state_shardings, unbox
+
+CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
+"""The rows of a plan, in table order."""
+
+_STATE_CATEGORIES = ("params", "opt_state", "model_state")
+
+MODEL_AXES = ("model", "tensor")
+"""Mesh axes a batch is not split over (mirrors ``Strategy.sharded``'s default)."""
 
 
+class CompiledMemory(NamedTuple):
+    """A compiled step's ``memory_analysis()``, per device, in bytes.
+
+    Attributes:
+      argument: inputs (state, batch, metrics) held while the step runs.
+      output: outputs (new state, metrics).
+      alias: output bytes that reuse donated input buffers.
+      temp: temporaries (activations, gradients, gathered params).
+      generated_code: size of the generated code.
+    """
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+
+    @property
+    def peak(self) -> int:
+        """Estimated peak bytes per device: ``argument + output - alias + temp``."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+class PlanRow(NamedTuple):
+    """One category of a :class:`MemoryPlan`.
+
+    Attributes:
+      category: ``'params'``, ``'opt_state'``, ``'model_state'``, ``'batch'`` or
+        ``'other'``.
+      bytes_per_device: what the fullest device holds of it.
+      total_bytes: logical (global) bytes: every leaf counted once.
+      sharded_bytes: logical bytes of the leaves split over devices (not
+        fully replicated).
+      leaves: how many leaves it has.
+    """
+
+    category: str
+    bytes_per_device: int
+    total_bytes: int
+    sharded_bytes: int
+    leaves: int
+
+    @property
+    def sharded_share(self) -> float:
+        """``sharded_bytes / total_bytes`` (1.0 for an empty category)."""
+        return self.sharded_bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+class _Inputs(NamedTuple):
+    """What a plan was built from, kept to compute alternatives (``check_fits``)."""
+
+    state: Any  # the unboxed state / tree, arrays or ShapeDtypeStructs
+    batch: Any
+    batch_layout: tuple[Mesh, Any, int] | None  # (mesh, batch axis, leading group axes)
+    options: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class MemoryPlan:
-    pass
+    """Bytes per device of a train state (and batch, and compiled step), from shapes alone.
+
+    ``print(plan)`` shows a table; :meth:`fits` compares with a budget.
+
+    Attributes:
+      rows: one :class:`PlanRow` per category present, in the order of
+        ``CATEGORIES``.
+      total: bytes the fullest device holds, all categories together.
+      by_device: bytes per device name (``'cpu:3'``), every mesh device listed.
+      mesh: the mesh the plan is for.
+      rules: the rules that placed the state.
+      compiled: the compiled step's ``memory_analysis()`` (with ``step`` and
+        ``batch``), else ``None``.
+    """
+
+    rows: tuple[PlanRow, ...]
+    total: int
+    by_device: Mapping[str, int]
+    mesh: Mesh
+    rules: Any
+    compiled: CompiledMemory | None = None
+    _inputs: _Inputs | None = dataclasses.field(default=None, compare=False)
+
+    def __getitem__(self, category: str) -> int:
+        """Bytes per device of ``category`` (0 when the plan has none of it)."""
+        if category not in CATEGORIES:
+            raise KeyError(f"{category!r} is not a plan category; expected one of {CATEGORIES}")
+        return next((r.bytes_per_device for r in self.rows if r.category == category), 0)
+
+    @property
+    def peak(self) -> int:
+        """Bytes per device needed: the compiled step's peak if compiled, else ``total``."""
+        return self.compiled.peak if self.compiled is not None else self.total
+
+    def fits(self, limit: int | None = None) -> bool:
+        """Whether :attr:`peak` fits in ``limit`` bytes per device.
+
+        Args:
+          limit: the budget per device in bytes; ``None`` for the devices'
+            ``memory_stats()["bytes_limit"]`` (the smallest over the mesh).
+
+        Raises:
+          UsageError: ``limit`` is not a number of bytes >= 0, or it is
+            ``None`` and the backend reports no limit (CPU): pass ``limit=``.
+
+        Example:
+          >>> import jax, jaxdev
+          >>> p = jaxdev.plan({"w": jax.ShapeDtypeStruct((1024, 1024), "float32")})
+          >>> p.fits(limit=8 * 2**20), p.fits(limit=2**20)
+          (True, False)
+        """
+        return self.peak <= resolve_limit(limit, self.mesh)[0]
+
+    def __str__(self) -> str:
+        """The plan as a table, with the compiled step's figures when present.
+
+        Example:
+          >>> import jax, jaxdev
+          >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+          >>> shapes = {"w": jax.ShapeDtypeStruct((4096, 256), "float32"),
+          ...           "b": jax.ShapeDtypeStruct((256,), "float32")}
+          >>> print(jaxdev.plan(shapes, mesh, "fsdp"))
+          memory plan: mesh(fsdp=8), rules='fsdp'
+          category  bytes/device  total bytes  sharded
+          --------  ------------  -----------  -------
+          params    513.0 KiB     4.0 MiB      >99.9%
+          total     513.0 KiB     4.0 MiB      >99.9%
+        """
+        return _format(self)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{r.category}={r.bytes_per_device}" for r in self.rows)
+        extra = f", compiled={tuple(self.compiled)}" if self.compiled is not None else ""
+        return f"MemoryPlan(total={self.total}, {parts}{extra})"
 
 
-def plan(state_or_shapes: Any, mesh: Any = None, rules: Any = "replicate", **options: Any):
-    raise NotImplementedError
+# ---------------------------------------------------------------- counting bytes
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """A leaf's shape and the dtype it has on a device (x64 rules applied for host values).
+
+    JAX dtypes are kept as they are: typed PRNG keys (``key<fry>``) are no numpy dtype.
+    """
+    if isinstance(x, jax.ShapeDtypeStruct) or is_jax_array(x):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, PY_SCALARS):
+        return (), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(type(x))))
+    arr = np.asarray(x)  # numpy leaves (state_shardings has checked the types)
+    return arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
+
+
+def _shard_shape(s: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``s.shard_shape(shape)``; a dimension an axis does not divide is padded up (XLA's way)."""
+    try:
+        return tuple(s.shard_shape(shape))
+    except ValueError:
+        if not isinstance(s, NamedSharding):
+            raise
+    out = list(shape)
+    for i, entry in enumerate(s.spec[: len(shape)]):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = math.prod(s.mesh.shape[a] for a in names)
+        out[i] = -(-shape[i] // parts)
+    return tuple(out)
+
+
+class _Tally:
+    """Sums bytes per device and logical bytes per category; one cache entry per layout."""
+
+    def __init__(self, devices: list[jax.Device]) -> None:
+        names = [device_name(d) for d in sorted(devices, key=device_key)]
+        self.per_device = {c: dict.fromkeys(names, 0) for c in CATEGORIES}
+        self.logical = dict.fromkeys(CATEGORIES, 0)
+        self.sharded = dict.fromkeys(CATEGORIES, 0)
+        self.count = dict.fromkeys(CATEGORIES, 0)
+        self._cache: dict[Any, tuple[int, tuple[str, ...], bool]] = {}
+
+    def add(self, category: str, shape: tuple[int, ...], dtype: Any, s: Sharding) -> None:
+        key = (s, shape, dtype)
+        hit = self._cache.get(key)
+        if hit is None:
+            per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
+            names = tuple(device_name(d) for d in s.device_set)
+            hit = self._cache[key] = (per, names, _is_sharded(s))
+        per, names, sharded = hit
+        logical = math.prod(shape) * dtype.itemsize
+        row = self.per_device[category]
+        for name in names:
+            row[name] = row.get(name, 0) + per
+        self.logical[category] += logical
+        self.sharded[category] += logical if sharded else 0
+        self.count[category] += 1
+
+    def rows(self) -> tuple[PlanRow, ...]:
+        return tuple(
+            PlanRow(
+                c,
+                max(self.per_device[c].values(), default=0),
+                self.logical[c],
+                self.sharded[c],
+                self.count[c],
+            )
+            for c in CATEGORIES
+            if self.count[c]
+        )
+
+    def by_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.per_device.values():
+            for name, n in row.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+
+def _is_sharded(s: Sharding) -> bool:
+    """Split over several devices (not fully replicated, not one device)."""
+    return len(s.device_set) > 1 and not s.is_fully_replicated
+
+
+def _category(path: tuple[Any, ...], is_state: bool) -> str:
+    if not is_state:
+        return "params"
+    name = getattr(path[0], "name", None) if path else None
+    return name if name in _STATE_CATEGORIES else "other"
+
+
+def _add_state(tally: _Tally, state: Any, shardings: Any, is_state: bool) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    if len(flat) != len(targets):  # pragma: no cover - state_shardings keeps the structure
+        raise UsageError(
+            f"`state_or_shapes` has {len(flat)} leaves but its shardings have {len(targets)}; "
+            "pass the unboxed params tree or a jaxdev.TrainState."
+        )
+    for (path, leaf), s in zip(flat, targets):
+        tally.add(_category(path, is_state), *_shape_dtype(leaf), s)
+
+
+def _batch_spec(ndim: int, axis: Any, lead: int) -> P:
+    return P(*([None] * lead), axis) if ndim > lead else P()
+
+
+def _add_batch(tally: _Tally, batch: Any, layout: tuple[Mesh, Any, int]) -> None:
+    mesh, axis, lead = layout
+    for leaf in jax.tree.leaves(batch):
+        shape, dtype = _shape_dtype(leaf)
+        tally.add("batch", shape, dtype, named_sharding(mesh, _batch_spec(len(shape), axis, lead)))
+
+
+def _build(
+    state: Any, shardings: Any, batch: Any, layout: Any, mesh: Mesh
+) -> tuple[tuple[PlanRow, ...], int, dict[str, int]]:
+    tally = _Tally(list(mesh.devices.flat))
+    _add_state(tally, state, shardings, _is_train_state(state))
+    if batch is not None:
+        _add_batch(tally, batch, layout)
+    by_device = tally.by_device()
+    return tally.rows(), max(by_device.values(), default=0), by_device
+
+
+# ---------------------------------------------------------------- plan
+
+
+def plan(
+    state_or_shapes: Any,
+    mesh: Mesh | None = None,
+    rules: Any = "replicate",
+    *,
+    step: Any = None,
+    batch: Any = None,
+    **options: Any,
+) -> MemoryPlan:
+    """Plan the bytes per device of a state (and batch, and step) before allocating anything.
+
+    Only shapes and dtypes are read: pass arrays, or ``jax.ShapeDtypeStruct``
+    s from ``jax.eval_shape`` (e.g. ``jax.eval_shape(lambda: TrainState.create(
+    model.init(key, x), tx))``), and the plan equals the placed tree's
+    :func:`jaxdev.placement` totals. Shardings come from
+    :func:`jaxdev.state_shardings`: for a :class:`jaxdev.TrainState` the rows
+    are ``params``, ``opt_state`` (following the params), ``model_state`` and
+    ``other`` (``step``, ``rng``); any other tree is counted as ``params``.
+
+    The batch is split along its rows the way the step splits it: with
+    ``step``, over the step's batch axis (``Strategy.axis``; behind the
+    ``steps_per_call`` / ``accumulate`` group axes of a sharded step; the
+    whole batch on one device for ``Strategy.single``); without, over every
+    mesh axis except ``'model'`` / ``'tensor'`` (what
+    ``Strategy.sharded(mesh)`` does). Rows the devices do not divide count as
+    padded up to the next multiple (what ``put_batch`` does); scalars are
+    replicated. Pass the batch as the step receives it (after ``put_batch``).
+
+    With ``step`` and ``batch`` the step is also compiled for them
+    (``step.lower(state, batch).compile()``; nothing runs, nothing is
+    allocated) and its ``memory_analysis()`` kept in ``plan.compiled``;
+    ``plan.peak`` is then ``argument + output - alias + temp``.
+
+    Args:
+      state_or_shapes: a train state or any pytree of arrays, numbers or
+        ``ShapeDtypeStruct`` s (linen boxes and NNX ``State`` s understood).
+      mesh: the mesh; default: the step's mesh, else :func:`jaxdev.data_mesh`.
+      rules: the :data:`jaxdev.Rules` for the params; with ``step``, the
+        step's own rules are used (the default ``"replicate"`` stands for
+        them; any other value that differs from them is an error).
+      step: optional :class:`jaxdev.TrainStep` (anything with ``.strategy``
+        and ``.lower(state, batch)``).
+      batch: optional batch (arrays or ``ShapeDtypeStruct`` s).
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
+        :func:`jaxdev.param_shardings`.
+
+    Returns:
+      A :class:`MemoryPlan`; ``print`` it for a table.
+
+    Raises:
+      UsageError: ``step`` is not a train step, or ``mesh`` / ``rules``
+        disagree with the step's.
+      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> tx = optax.adam(1e-3)
+      >>> params = {"w": jnp.ones((2048, 512))}
+      >>> shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(params, tx))
+      >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+      >>> full, fsdp = jaxdev.plan(shapes, mesh), jaxdev.plan(shapes, mesh, "fsdp")
+      >>> full["params"] // fsdp["params"], fsdp["opt_state"] - 2 * fsdp["params"]  # + count
+      (4, 4)
+      >>> print(fsdp)
+      memory plan: mesh(data=2, fsdp=4), rules='fsdp'
+      category   bytes/device  total bytes  sharded
+      ---------  ------------  -----------  -------
+      params     1.0 MiB       4.0 MiB      100.0%
+      opt_state  2.0 MiB       8.0 MiB      >99.9%
+      other      4 B           4 B          0.0%
+      total      3.0 MiB       12.0 MiB     >99.9%
+    """
+    mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
+    shardings = state_shardings(state_or_shapes, mesh, rules, **options)  # boxes read here
+    state = unbox(state_or_shapes)
+    rows, total, by_device = _build(state, shardings, batch, layout, mesh)
+    compiled = None
+    if step is not None and batch is not None:
+        compiled = _compiled_memory(step.lower(state_or_shapes, batch))
+    inputs = _Inputs(state, batch, layout, dict(options))
+    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs)
+
+
+def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Mesh, Any, Any]:
+    """The mesh, rules and batch layout ``(mesh, axis, leading axes)`` of a plan."""
+    if step is None:
+        mesh = check_mesh(mesh)
+        return mesh, rules, (_batch_layout(mesh) if batch is not None else None)
+    strategy = getattr(step, "strategy", None)
+    if strategy is None or not callable(getattr(step, "lower", None)):
+        raise UsageError(
+            f"`step` must be a jaxdev train step (from `jaxdev.make_train_step`), got "
+            f"{type(step).__name__}: it needs `.strategy` and `.lower(state, batch)`."
+        )
+    if mesh is not None and check_mesh(mesh) != strategy.mesh:
+        raise UsageError(
+            f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
+            "leave `mesh` out when passing `step` (the plan uses the step's)."
+        )
+    own = strategy.params if strategy.kind == "sharded" else "replicate"
+    if not _same_rules(rules, own) and not _same_rules(rules, "replicate"):
+        raise UsageError(
+            f"`rules`={_short(rules)} differ from the step's params rules {_short(own)}; "
+            "leave `rules` out when passing `step` (the plan uses the step's)."
+        )
+    lead = 0
+    if strategy.kind == "sharded":
+        lead = (getattr(step, "steps_per_call", 1) > 1) + (getattr(step, "accumulate", 1) > 1)
+    return strategy.mesh, own, (strategy.mesh, strategy.axis, lead)
+
+
+def _same_rules(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return isinstance(a, str) and isinstance(b, str) and a == b
+    if isinstance(a, list):
+        a = tuple(tuple(r) if isinstance(r, list) else r for r in a)
+    if isinstance(b, list):
+        b = tuple(tuple(r) if isinstance(r, list) else r for r in b)
+    try:
+        return bool(a == b)
+    except Exception:  # layout trees of arrays: no plain equality
+        return a is b
+
+
+def _batch_layout(mesh: Mesh) -> tuple[Mesh, Any, int]:
+    """``(mesh, axis, 0)``: rows over every mesh axis except the model axes."""
+    names = mesh.axis_names
+    axes = tuple(a for a in names if a not in MODEL_AXES) or names
+    return mesh, axes[0] if len(axes) == 1 else axes, 0
+
+
+def _compiled_memory(lowered: Any) -> CompiledMemory | None:
+    analysis = lowered.compile().memory_analysis()
+    if analysis is None:  # the backend does not analyse memory
+        return None
+    return CompiledMemory(
+        int(analysis.argument_size_in_bytes),
+        int(analysis.output_size_in_bytes),
+        int(analysis.alias_size_in_bytes),
+        int(analysis.temp_size_in_bytes),
+        int(analysis.generated_code_size_in_bytes),
+    )
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---------------------------------------------------------------- budgets
+
+
+def device_memory_limit(devices: Any) -> int | None:
+    """The smallest ``memory_stats()["bytes_limit"]`` of ``devices``, or None if any reports none.
+
+    Example:
+      >>> import jax
+      >>> from jaxdev._plan import device_memory_limit
+      >>> device_memory_limit(jax.devices("cpu")) is None  # CPU reports no limit
+      True
+    """
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # backends without memory statistics
+            return None
+        limit = (stats or {}).get("bytes_limit")
+        if not limit:
+            return None
+        limits.append(int(limit))
+    return min(limits, default=None)
+
+
+def resolve_limit(limit: Any, mesh: Mesh) -> tuple[int, str]:
+    """``(bytes, where it came from)`` for a ``limit`` argument (None = the devices' limit)."""
+    if limit is None:
+        devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        found = device_memory_limit(devices)
+        if found is None:
+            platform = devices[0].platform if devices else "?"
+            raise UsageError(
+                f"the {platform} backend reports no memory limit (`memory_stats()` has no "
+                "'bytes_limit'), so there is nothing to compare with: pass `limit=` in bytes "
+                "per device, e.g. `plan.fits(limit=16 * 2**30)`."
+            )
+        return found, "bytes_limit of the devices"
+    if (
+        isinstance(limit, bool)
+        or not isinstance(limit, (int, float, np.integer, np.floating))
+        or not math.isfinite(limit)
+        or limit < 0
+    ):
+        raise UsageError(
+            f"`limit` must be a number of bytes per device >= 0 (e.g. 16 * 2**30) or None for "
+            f"the devices' own limit, got {limit!r}."
+        )
+    return int(limit), "limit"
+
+
+def check_fits(plan_: MemoryPlan, limit: int | None = None) -> None:
+    """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
+
+    The message says what is needed and what is available and, when the plan
+    does not already shard the params with ``rules='fsdp'`` and the mesh has
+    several devices, what ``'fsdp'`` would need instead.
+
+    Args:
+      plan_: a :class:`MemoryPlan`.
+      limit: bytes per device, or ``None`` for the devices' ``bytes_limit``.
+
+    Raises:
+      MemoryPlanError: the plan needs more than ``limit``.
+      UsageError: as in :meth:`MemoryPlan.fits`.
+
+    Example:
+      >>> import jax, jaxdev
+      >>> from jaxdev._plan import check_fits
+      >>> p = jaxdev.plan({"w": jax.ShapeDtypeStruct((8192, 1024), "float32")})
+      >>> check_fits(p, limit=64 * 2**20)
+      >>> try:
+      ...     check_fits(p, limit=16 * 2**20)
+      ... except jaxdev.MemoryPlanError as e:
+      ...     print(str(e).split("; ")[0])
+      needs 32.0 MiB per device, 16.0 MiB available (limit)
+    """
+    limit_, source = resolve_limit(limit, plan_.mesh)
+    need = plan_.peak
+    if need <= limit_:
+        return
+    detail = ""
+    c = plan_.compiled
+    if c is not None:
+        detail = (
+            f" (compiled step: arguments {human_bytes(c.argument)} + outputs "
+            f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
+            f"{human_bytes(c.temp)})"
+        )
+    raise MemoryPlanError(
+        f"needs {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
+        f"({source}){fsdp_alternative(plan_)}. Fix: "
+        + ("" if _no_fsdp_advice(plan_) else "shard the params (`rules='fsdp'`), ")
+        + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    )
+
+
+def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
+    return plan_.mesh.size == 1 or _same_rules(plan_.rules, "fsdp")
+
+
+def fsdp_alternative(plan_: MemoryPlan) -> str:
+    """``"; with rules='fsdp' over 8 devices: 8.1 GiB"``, or ``""`` when it does not apply.
+
+    ``'fsdp'`` shards over the mesh's ``'fsdp'`` axis if it has one, else over
+    every axis (every device). Not offered when the plan already uses
+    ``'fsdp'``, the axis has one device, or the rules cannot apply.
+    """
+    mesh, inputs = plan_.mesh, plan_._inputs
+    if inputs is None or _no_fsdp_advice(plan_):
+        return ""
+    names = mesh.axis_names
+    axis = "fsdp" if "fsdp" in names else names[0] if len(names) == 1 else tuple(names)
+    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    if n <= 1:
+        return ""
+    options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
+    try:
+        shardings = state_shardings(inputs.state, mesh, "fsdp", fsdp_axis=axis, **options)
+    except Exception:  # the alternative is advice only
+        return ""
+    _, total, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
+    note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""
+    return f"; with rules='fsdp' over {n} devices: {human_bytes(total)}{note}"
+
+
+# ---------------------------------------------------------------- table
+
+
+def _format(p: MemoryPlan) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.shape.items())
+    rules = p.rules if isinstance(p.rules, str) else _short(p.rules)
+    head = ("category", "bytes/device", "total bytes", "sharded")
+    body = [
+        (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))
+        for r in p.rows
+    ]
+    logical = sum(r.total_bytes for r in p.rows)
+    sharded = sum(r.sharded_bytes for r in p.rows)
+    everything = PlanRow("total", p.total, logical, sharded, 0)
+    body.append(("total", human_bytes(p.total), human_bytes(logical), _pct(everything)))
+    widths = [max(len(c) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [
+        f"memory plan: mesh({mesh}), rules={rules!r}"
+        if isinstance(p.rules, str)
+        else f"memory plan: mesh({mesh}), rules={rules}"
+    ]
+    lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row).rstrip() for row in body]
+    c = p.compiled
+    if c is not None:
+        lines.append(
+            f"compiled step (memory_analysis, per device): arguments {human_bytes(c.argument)}, "
+            f"outputs {human_bytes(c.output)}, donated {human_bytes(c.alias)}, temporaries "
+            f"{human_bytes(c.temp)}, code {human_bytes(c.generated_code)}"
+        )
+        lines.append(
+            f"peak per device ~ {human_bytes(c.peak)} (arguments + outputs - donated + temporaries)"
+        )
+    return "\n".join(lines)
+
+
+def _pct(r: PlanRow) -> str:
+    """``'99.5%'``; never rounds to 0% or 100% unless exact (``'<0.1%'``, ``'>99.9%'``)."""
+    share = r.sharded_share * 100
+    text = f"{share:.1f}%"
+    if 0 < share < 100 and text in ("0.0%", "100.0%"):
+        return "<0.1%" if share < 50 else ">99.9%"
+    return text
