@@ -744,6 +744,9 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     targets = treedef.flatten_up_to(shardings)
     replicated = named_sharding(mesh, P())
     matched: dict[int, Any] = {}
+    # Match on shapes only: a failed `flatten_up_to` builds its message from the
+    # node's repr, which would copy every array of a real state to the host.
+    opt_state = jax.tree.map(_as_shape, opt_state)
 
     def mirrors(node: Any) -> bool:
         found = _mirror(node, treedef, shapes, targets)
@@ -779,6 +782,10 @@ def _mirror(node: Any, treedef: Any, shapes: list[tuple[int, ...]], targets: lis
         else:
             return None
     return treedef.unflatten(out) if hits else None
+
+
+def _as_shape(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if _is_leafish(x) else x
 
 
 def _is_leafish(x: Any) -> bool:

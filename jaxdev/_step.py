@@ -7,9 +7,18 @@ gives the same parameters and metrics on the same data (to float32
 reassociation); with dropout they are statistically, not bitwise, equal.
 
 The step also places what it needs: :meth:`TrainStep.init_state` (params on
-the device, or truly replicated) and :meth:`TrainStep.put_batch` (the batch
+the device, truly replicated, or placed by the strategy's rules with the
+optimizer state following them) and :meth:`TrainStep.put_batch` (the batch
 on the device, or split over devices, padded and masked when uneven, grouped
 for ``steps_per_call`` and ``accumulate``).
+
+Under sharded params (``Strategy.sharded(mesh, params=rules)``) the compiled
+step's state in and out shardings are :func:`jaxdev.state_shardings` of the
+state it is first called with (one program per state structure); with
+replicated params they are ``P()`` and a call costs one dict lookup more than
+the bare ``jax.jit`` call. :meth:`TrainStep.lower` gives the ``jax`` lowering
+of the program a call would run, and ``memory_limit`` checks the compiled
+program's ``memory_analysis()`` before its first run.
 """
 
 from __future__ import annotations
@@ -26,14 +35,22 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, detach_host, shard_batch
-from ._errors import DeletedArrayError, PlacementError, ShardingError, UsageError
+from ._batches import Padded, _row_multiple, _to_global, detach_host, shard_batch
+from ._errors import (
+    DeletedArrayError,
+    MemoryPlanError,
+    PlacementError,
+    ShardingError,
+    UsageError,
+)
 from ._fingerprint import same_program
-from ._leaves import array_type, deleted, is_jax_array, key_strings
+from ._leaves import array_type, check_live, deleted, host_problem, is_jax_array, key_strings
+from ._mesh import batch_layout, named_sharding
 from ._metrics import Collection
-from ._placement import copy_to, to_device
+from ._placement import _unalias, copy_to, to_device
 from ._pmap_layout import shard_for_pmap
 from ._prefetch import Prefetcher
+from ._rules import follow_params, param_shardings, state_shardings, unbox
 from ._strategy import Strategy, as_strategy
 from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, rows_of, train_body
 
@@ -60,14 +77,27 @@ class TrainStep:
       strategy: the :class:`Strategy` it runs with.
       steps_per_call: updates per call (``K``).
       accumulate: micro-batches per update (``M``).
+      memory_limit: bytes per device the compiled step may use (``None``:
+        the device's ``bytes_limit`` where the backend reports one).
     """
 
-    def __init__(self, strategy: Strategy, cfg: StepConfig, k: int, donate: bool, train: bool):
+    def __init__(
+        self,
+        strategy: Strategy,
+        cfg: StepConfig,
+        k: int,
+        donate: bool,
+        train: bool,
+        memory_limit: int | None = None,
+    ):
         self.strategy = strategy
         self.steps_per_call = k
         self.accumulate = cfg.accumulate
+        self.memory_limit = memory_limit
         self._cfg, self._donate, self._train = cfg, donate and train, train
-        self._compiled: dict[tuple[bool, bool], Callable] = {}
+        self._compiled: dict[tuple, Callable] = {}
+        self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
+        self._by_rules = strategy.kind == "sharded" and not strategy.replicated
         self._bounded = _cpu_collectives(strategy)
         self._target = _state_target(strategy)
         self._inflight: collections.deque = collections.deque()
@@ -80,7 +110,13 @@ class TrainStep:
             metrics = to_device(metrics, self._target)  # or each placement compiles anew
         args = [state, inner] + ([mask] if mask is not None else [])
         args += [metrics] if metrics is not None else []
-        out = self._variant(mask is not None, metrics is not None)(*args)
+        key = (mask is not None, metrics is not None)
+        if self._by_rules:  # the state's shardings depend on its structure
+            key += (jax.tree.structure(state),)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._first_call(key, args)
+        out = fn(*args)
         if not self._train:
             self._bound_inflight(out)
             return out
@@ -88,14 +124,63 @@ class TrainStep:
         self._bound_inflight(token)
         return state, metrics
 
-    def _variant(self, has_mask: bool, has_acc: bool) -> Callable:
-        key = (has_mask, has_acc)
-        fn = self._compiled.get(key)
-        if fn is None:  # its first call checks every process compiled the same program
-            kind = "train" if self._train else "eval"
-            name = f"{kind} step (padded={has_mask}, metrics={has_acc})"
-            fn = self._compiled[key] = same_program(_compile(self, has_mask, has_acc), name=name)
+    def _first_call(self, key: tuple, args: list[Any]) -> Callable:
+        """Compile the variant ``key``, check its memory, and keep it for later calls."""
+        jitted = self._jit(key, args)
+        _check_memory(self, jitted, args)  # before anything runs (or is donated)
+        kind = "train" if self._train else "eval"
+        name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
+        # its first call checks every process compiled the same program
+        fn = self._compiled[key] = same_program(jitted, name=name)
         return fn
+
+    def _jit(self, key: tuple, args: list[Any]) -> Any:
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
+            jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
+        return jitted
+
+    def lower(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
+        """Return the ``jax`` lowering of the program ``step(state, batch, metrics)`` would run.
+
+        Nothing runs and nothing is donated or allocated: ``state``,
+        ``batch`` and ``metrics`` may hold ``jax.ShapeDtypeStruct`` s (with
+        their ``sharding``, e.g. from ``jax.eval_shape``), and the result is
+        the same variant (padded or not, running metrics or not, state
+        structure) that the call would compile. ``.compile()`` on it gives
+        the executable with ``memory_analysis()`` and ``cost_analysis()``;
+        ``.as_text()`` the StableHLO. :func:`jaxdev.plan` uses it.
+
+        Args:
+          state: the train state (or params, for an eval step), or its shapes.
+          batch: a placed batch, a :class:`Padded`, or their shapes.
+          metrics: the running metrics the call would get (``None``: none).
+
+        Returns:
+          A ``jax.stages.Lowered``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jaxdev
+          >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+          >>> tx = optax.sgd(0.1)
+          >>> step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]) ** 2, tx,
+          ...                               jaxdev.Strategy.sharded(mesh, params="fsdp"))
+          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones(4096)}, tx))
+          >>> batch = jax.ShapeDtypeStruct((16, 4096), jnp.float32)
+          >>> compiled = step.lower(state, batch).compile()
+          >>> compiled.input_shardings[0][0].params["w"].spec
+          P('fsdp',)
+          >>> compiled.memory_analysis().argument_size_in_bytes  # w/4 + batch/8 + step
+          36868
+        """
+        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        args = [state, inner] + ([mask] if mask is not None else [])
+        args += [metrics] if metrics is not None else []
+        key = (mask is not None, metrics is not None)
+        if self._by_rules:
+            key += (jax.tree.structure(state),)
+        return self._jit(key, args).lower(*args)
 
     def _bound_inflight(self, token: Any) -> None:
         """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
@@ -133,13 +218,29 @@ class TrainStep:
           model_state: optional state the forward pass updates (BatchNorm's
             ``batch_stats``), placed like the params.
 
+        Under sharded params (``Strategy.sharded(params=rules)``) the params
+        (and ``model_state``) are placed by the rules (a copy: the caller's
+        arrays are never donated) and the optimizer state is built by
+        ``jax.jit(tx.init)`` directly in the shardings that follow the params
+        (adam ``mu`` / ``nu`` sharded like them, counts replicated): no device
+        ever holds a replicated copy of anything big. Linen params boxed by
+        ``nn.with_partitioning`` come back unboxed, placed as they declare.
+
         Example:
           >>> import jax.numpy as jnp, optax, jaxdev
           >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
           >>> state = step.init_state(jnp.ones(()), optax.sgd(0.1))
           >>> int(state.step), jaxdev.device_of(state.params) == jaxdev.device(0)
           (0, True)
+          >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+          >>> fsdp = jaxdev.Strategy.sharded(mesh, params="fsdp")
+          >>> step = jaxdev.make_train_step(lambda p, b: b @ p["w"], optax.adam(0.1), fsdp)
+          >>> state = step.init_state({"w": jnp.ones((4096, 2))}, optax.adam(0.1))
+          >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
+          (P('fsdp', None), P('fsdp', None))
         """
+        if self._by_rules:
+            return _init_by_rules(self.strategy, params, tx, rng, model_state)
         if tx is not None:
             state = TrainState.create(params, tx, rng, model_state)
         elif model_state is not None or rng is not None:
@@ -260,8 +361,7 @@ def _put_batch(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
         return _put_grouped(strategy, batch, k, m)
     if strategy.kind == "single":  # a copy where the loader could refill the buffer
         return to_device(detach_host(batch), strategy.devices[0])
-    local_shards = max(strategy.n_devices // jax.process_count(), 1)  # this process's rows split
-    pad = rows_of(batch) % local_shards != 0
+    pad = rows_of(batch) % _local_shards(strategy) != 0
     if strategy.kind == "pmap":
         return shard_for_pmap(batch, list(strategy.devices), pad=pad)
     return shard_batch(batch, strategy.mesh, pad=pad, axis=strategy.axis)
@@ -277,7 +377,7 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     leaves, treedef = jax.tree.flatten(batch)
     rows = _grouped_rows(leaves, k)
     n = strategy.n_devices
-    extra = -rows % (m * n)
+    extra = -rows % (m * _local_shards(strategy))
     row_axis = 1 if k > 1 else 0
     xp = jnp if any(is_jax_array(x) for x in leaves) else np
     out = [_group(xp, _pad_axis(xp, x, row_axis, extra), row_axis, m, n, strategy) for x in leaves]
@@ -285,8 +385,22 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
     mask = _group(np, mask, row_axis, m, n, strategy)
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
-    placed, mask = to_device(grouped, _grouped_target(strategy, k, m))
+    target = _grouped_target(strategy, k, m)
+    if jax.process_count() > 1 and strategy.kind == "sharded":  # local rows -> global arrays
+        placed, mask = _to_global(grouped, target, None)
+    else:
+        placed, mask = to_device(grouped, target)
     return Padded(placed, mask, rows) if extra else placed
+
+
+def _local_shards(strategy: Strategy) -> int:
+    """How many batch shards this process's rows are split into."""
+    if strategy.kind == "single":
+        return 1
+    if jax.process_count() == 1 or strategy.kind == "pmap":
+        return strategy.n_devices
+    sharding, n = batch_layout(strategy.mesh, strategy.axis)
+    return _row_multiple(sharding, n)
 
 
 def _grouped_rows(leaves: list[Any], k: int) -> int:
@@ -342,11 +456,12 @@ def _grouped_target(strategy: Strategy, k: int, m: int) -> Any:
 # ---------------------------------------------------------------- compiling
 
 
-def _compile(step: TrainStep, has_mask: bool, has_acc: bool) -> Callable:
+def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None) -> Any:
     """Compile ``run(state, batch[, mask][, acc])`` for the step's strategy.
 
     Absent arguments are left out of the signature, never passed as
-    ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments.
+    ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments. ``layout`` is
+    the state's shardings under sharded params (``None``: replicated).
     """
     strategy, cfg, k, train = step.strategy, step._cfg, step.steps_per_call, step._train
     n_lead = (k > 1) + (cfg.accumulate > 1) if train else 0
@@ -372,7 +487,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool) -> Callable:
         return jax.jit(functools.partial(run, None), donate_argnums=donate)
     if strategy.kind == "pmap":
         return _compile_pmap(strategy, run, has_mask, has_acc, train, donate)
-    return _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate)
+    return _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate, layout)
 
 
 def _all_rows(batch: Any, n_lead: int) -> jax.Array:
@@ -392,11 +507,20 @@ def _compile_pmap(strategy, run, has_mask, has_acc, train, donate):
     )
 
 
-def _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate):
+def _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate, layout=None):
     mesh, axis = strategy.mesh, strategy.axis
     spec = P(*([None] * n_lead), axis)
     specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
     out_specs = (P(), P(), P()) if train else P()
+    if layout is not None:  # sharded params: jit only (Strategy.sharded refuses shard_map)
+        shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
+        outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
+        return jax.jit(
+            functools.partial(run, None),
+            in_shardings=(layout, *shardings[1:]),
+            out_shardings=outs,
+            donate_argnums=donate,
+        )
     if strategy.shard_map:
         # check_vma=False: gradients of replicated params are summed by the
         # step's own psum, as under pmap (with vma checks JAX would already
@@ -417,6 +541,231 @@ def _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate):
         out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
         donate_argnums=donate,
     )
+
+
+# ---------------------------------------------------------------- sharded params
+
+
+def _state_layout(strategy: Strategy, state: Any) -> Any:
+    """The state's shardings under the strategy's rules (arrays or ShapeDtypeStructs).
+
+    ``"flax"`` reads the partitioning the model declares; linen boxes are
+    gone once the params are unboxed (by :meth:`TrainStep.init_state` or
+    :func:`jaxdev.init_sharded`), so for ``"flax"`` params already laid out
+    on the mesh keep the layout they carry, and the optimizer state follows.
+    """
+    mesh, rules = strategy.mesh, strategy.params
+    shapes = _shapes(state)  # never arrays: a failed structure match repr()s its input
+    layout = state_shardings(shapes, mesh, rules)
+    if not (isinstance(rules, str) and rules == "flax"):
+        return layout
+    if isinstance(state, TrainState):
+        carried = _carried(state.params, mesh)
+        if carried is None:
+            return layout
+        opt = follow_params(shapes.opt_state, shapes.params, carried, mesh)
+        return layout._replace(params=carried, opt_state=opt)
+    carried = _carried(state, mesh)
+    return layout if carried is None else carried
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with every array replaced by its ``ShapeDtypeStruct`` (shape, dtype only)."""
+
+    def shape(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    return jax.tree.map(shape, tree)
+
+
+def _carried(tree: Any, mesh: Any) -> Any:
+    """The shardings of ``tree``'s leaves when every one is a NamedSharding on ``mesh``."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+    if not shardings or not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
+        return None
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+    """``init_state`` under sharded params: every leaf built or copied in its sharding."""
+    mesh, rules = strategy.mesh, strategy.params
+    shardings = param_shardings(params, mesh, rules)  # boxed linen params: as declared
+    params = _copy_by(unbox(params), shardings)
+    if tx is None and model_state is None and rng is None:
+        return params
+    replicated = named_sharding(mesh, P())
+    step = _copy_by(jnp.zeros((), jnp.int32), replicated)
+    rng = None if rng is None else _copy_by(rng, replicated, "rng")
+    if model_state is not None:
+        shape = _shapes(TrainState(step, params, None, None, model_state))
+        model_state = _copy_by(
+            model_state, state_shardings(shape, mesh, rules).model_state, "model_state"
+        )
+    opt_state = None
+    if tx is not None:
+        follow = follow_params(jax.eval_shape(tx.init, params), params, shardings, mesh)
+        opt_state = _own_buffers(jax.jit(tx.init, out_shardings=follow)(params), params)
+    return TrainState(step, params, opt_state, rng, model_state)
+
+
+def _copy_by(tree: Any, shardings: Any, arg: str = "params") -> Any:
+    """``tree`` copied into new buffers laid out by ``shardings`` (a prefix tree)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    targets = (
+        treedef.flatten_up_to(shardings)
+        if not isinstance(shardings, NamedSharding)
+        else ([shardings] * len(leaves))
+    )
+    check_live(tree, leaves, arg)
+    for i, x in enumerate(leaves):
+        problem = None if is_jax_array(x) else host_problem(x)
+        if problem is not None:  # JAX would truncate int64 / overflow float64 silently
+            exc, why = problem
+            raise exc(f"`{arg}` leaf {key_strings(tree)[i]}: {why}.")
+    out: list[Any] = [None] * len(leaves)
+    local = []
+    for i, (x, s) in enumerate(zip(leaves, targets)):
+        if s.is_fully_addressable:
+            local.append(i)
+        elif is_jax_array(x) and not x.is_fully_addressable:  # a global array: copy in place
+            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)
+        else:  # several processes: each builds its own shards from the full value
+            value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
+            out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
+    if local:
+        sources = [
+            np.array(leaves[i], copy=True) if not is_jax_array(leaves[i]) else leaves[i]
+            for i in local
+        ]
+        may_alias = [None if isinstance(x, np.ndarray) else False for x in sources]
+        copied = jax.device_put(sources, [targets[i] for i in local], may_alias=may_alias)
+        for i, new in zip(local, _unalias(sources, list(copied))):
+            out[i] = new
+    return treedef.unflatten(out)
+
+
+def _own_buffers(tree: Any, others: Any) -> Any:
+    """``tree`` with any leaf that is also a leaf of ``others`` (or of itself) copied.
+
+    ``tx.init`` may return the params themselves (lookahead's slow weights);
+    donating one buffer twice crashes XLA.
+    """
+    seen = {id(x) for x in jax.tree.leaves(others)}
+
+    def own(x: Any) -> Any:
+        if is_jax_array(x) and id(x) in seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, tree)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
+    """Raise MemoryPlanError when the compiled step needs more than the device has.
+
+    Runs once per variant, before its first call: compiles ``jitted`` for
+    ``args`` (JAX caches the executable, so the call that follows does not
+    compile again) and compares ``memory_analysis()`` with the budget.
+    """
+    limit, source = _memory_budget(step)
+    if limit is None:
+        return
+    analysis = jitted.lower(*args).compile().memory_analysis()
+    if analysis is None:  # the backend does not analyse memory
+        return
+    need = (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+    if need <= limit:
+        return
+    raise MemoryPlanError(
+        f"the {'train' if step._train else 'eval'} step needs {_gib(need)} per device "
+        f"(arguments {_gib(analysis.argument_size_in_bytes)} + outputs "
+        f"{_gib(analysis.output_size_in_bytes)} - donated {_gib(analysis.alias_size_in_bytes)} "
+        f"+ temporaries {_gib(analysis.temp_size_in_bytes)}, from the compiled program's "
+        f"memory_analysis()), {_gib(limit)} available ({source})"
+        + _fsdp_alternative(step, args[0], need)
+        + ". Nothing ran. Shard the params (`jaxdev.Strategy.sharded(mesh, params='fsdp')`), "
+        "use a smaller batch or `accumulate=`, or raise `memory_limit` if the budget is wrong."
+    )
+
+
+def _memory_budget(step: TrainStep) -> tuple[int | None, str]:
+    if step.memory_limit is not None:
+        return step.memory_limit, "memory_limit"
+    device = step.strategy.devices[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics (CPU)
+        return None, ""
+    limit = (stats or {}).get("bytes_limit")
+    return (int(limit), f"bytes_limit of {device.platform}:{device.id}") if limit else (None, "")
+
+
+def _fsdp_alternative(step: TrainStep, state: Any, need: int) -> str:
+    """``'; with params='fsdp' over 8 devices it would need 8.1 GiB'``, or ``''``."""
+    strategy = step.strategy
+    if strategy.kind != "sharded" or strategy.mesh.size == 1:
+        return ""
+    if isinstance(strategy.params, str) and strategy.params == "fsdp":
+        return ""
+    mesh = strategy.mesh
+    try:
+        fsdp = state_shardings(_shapes(state), mesh, "fsdp")
+        now = _state_layout(strategy, state) if step._by_rules else named_sharding(mesh, P())
+    except Exception:  # e.g. no axis to shard over: no alternative to offer
+        return ""
+    times = 2 if step._train and not step._donate else 1  # in and out when not donated
+    saved = times * (_bytes_per_device(state, now) - _bytes_per_device(state, fsdp))
+    if saved <= 0:
+        return ""
+    n = mesh.shape["fsdp"] if "fsdp" in mesh.shape else mesh.size
+    return f"; with params='fsdp' over {n} devices it would need about {_gib(need - saved)}"
+
+
+def _bytes_per_device(tree: Any, shardings: Any) -> int:
+    """Bytes of ``tree``'s largest shards, summed (arrays or ShapeDtypeStructs)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(shardings, NamedSharding):
+        targets = [shardings] * len(leaves)
+    else:
+        targets = treedef.flatten_up_to(shardings)
+    total = 0
+    for x, s in zip(leaves, targets):
+        shape = np.shape(x) if not hasattr(x, "shape") else tuple(x.shape)
+        itemsize = np.dtype(getattr(x, "dtype", np.float32)).itemsize
+        total += int(np.prod(s.shard_shape(shape), dtype=np.int64)) * itemsize
+    return total
+
+
+def _gib(n: int) -> str:
+    """Bytes as ``'61.2 GiB'`` (``MiB`` / ``KiB`` / ``B`` below a tenth of the next unit)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size / 10:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _check_memory_limit(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
+        raise UsageError(
+            f"`memory_limit` must be a number of bytes > 0 (e.g. 40 * 2**30), or None for the "
+            f"device's own limit, got {value!r}."
+        )
+    return int(value)
 
 
 # ---------------------------------------------------------------- factories
@@ -443,6 +792,7 @@ def make_train_step(
     donate: bool = True,
     regularizer: Callable[[Any], jax.Array] | None = None,
     lr_fn: Callable[[jax.Array], jax.Array] | None = None,
+    memory_limit: int | None = None,
 ) -> TrainStep:
     """Return a compiled train step for ``strategy``.
 
@@ -475,12 +825,23 @@ def make_train_step(
         once per update (weight decay terms); reported as ``regularizer``.
       lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
         reported as the metric ``lr``.
+      memory_limit: bytes per device the step may use. Before the first
+        call of each program (padded or not, running metrics or not) the
+        step is compiled and its ``memory_analysis()`` (arguments + outputs
+        - donated + temporaries) compared with this budget or, when
+        ``None``, with the device's ``memory_stats()["bytes_limit"]``
+        (backends that report none, such as CPU, are not checked).
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
 
     Raises:
-      UsageError: ``strategy`` is not a :class:`Strategy`, or a count < 1.
+      UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1, or
+        ``memory_limit`` is not a positive number.
+      MemoryPlanError: (at the first call) the compiled step needs more
+        bytes per device than the budget; nothing ran. The message gives
+        both figures and, for replicated params, what ``params='fsdp'``
+        would need.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
@@ -505,7 +866,8 @@ def make_train_step(
         lr_fn,
     )
     k = _check_count("steps_per_call", steps_per_call)
-    return TrainStep(as_strategy(strategy), cfg, k, donate, train=True)
+    limit = _check_memory_limit(memory_limit)
+    return TrainStep(as_strategy(strategy), cfg, k, donate, train=True, memory_limit=limit)
 
 
 def make_eval_step(

@@ -10,8 +10,11 @@ from jax.sharding import Mesh
 
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
-from ._errors import UsageError
-from ._mesh import DEFAULT_AXIS, batch_axis, check_mesh, mesh_of
+from ._errors import ShardingError, UsageError
+from ._mesh import DEFAULT_AXIS, AxisName, axis_size, batch_axis, check_mesh, mesh_of
+
+MODEL_AXES = ("model", "tensor")
+"""Mesh axes the batch is never split over by default (they split the params)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,22 +24,29 @@ class Strategy:
     * :meth:`Strategy.single` — ``jax.jit`` on one device;
     * :meth:`Strategy.pmap` — ``jax.pmap`` over local devices;
     * :meth:`Strategy.sharded` — ``jax.jit`` with ``NamedSharding`` on a mesh
-      (optionally through ``jax.shard_map``).
+      (optionally through ``jax.shard_map``), params replicated or placed by
+      rules (FSDP, tensor parallel, flax metadata).
 
     Attributes:
       kind: ``'single'``, ``'pmap'`` or ``'sharded'``.
       devices: the devices the step runs on, in order.
       mesh: the mesh of the state and batch (one device's worth for
         ``single``, the pmap devices along ``axis`` for ``pmap``).
-      axis: the mesh axis the batch is split over (``DEFAULT_AXIS``).
+      axis: the mesh axis the batch is split over (``DEFAULT_AXIS``), or a
+        tuple of axes (``('data', 'fsdp')``) for a sharded step.
       shard_map: whether the sharded step runs under ``jax.shard_map``.
+      params: the rules that place the params and optimizer state
+        (:data:`jaxdev.Rules`; ``'replicate'`` unless ``sharded(params=...)``).
+        A list of ``(regex, spec)`` pairs is stored as a tuple of pairs; the
+        field takes no part in hashing (a layout pytree is not hashable).
     """
 
     kind: str
     devices: tuple[jax.Device, ...]
     mesh: Mesh
-    axis: str = DEFAULT_AXIS
+    axis: AxisName = DEFAULT_AXIS
     shard_map: bool = False
+    params: Any = dataclasses.field(default="replicate", hash=False)
 
     @classmethod
     def single(cls, device: DeviceSpec | None = None) -> Strategy:
@@ -74,35 +84,74 @@ class Strategy:
 
     @classmethod
     def sharded(
-        cls, mesh: Mesh | None = None, axis: str | None = None, *, shard_map: bool = False
+        cls,
+        mesh: Mesh | None = None,
+        axis: AxisName | None = None,
+        *,
+        params: Any = "replicate",
+        shard_map: bool = False,
     ) -> Strategy:
-        """Run with ``jax.jit`` + ``NamedSharding``: params replicated, batch split over ``axis``.
+        """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``params``.
+
+        With ``params="replicate"`` every device holds the whole state (data
+        parallel). Any other :data:`jaxdev.Rules` (``"fsdp"``, ``"flax"``, a
+        list of ``(regex, PartitionSpec)`` pairs, a layout pytree) shards the
+        params, and the optimizer state follows them
+        (:func:`jaxdev.state_shardings`); XLA inserts the gathers and
+        reduce-scatters. Every rule set gives the replicated run's numbers.
 
         Args:
-          mesh: the mesh; default :func:`jaxdev.data_mesh`.
-          axis: the mesh axis the batch is split over; default the mesh's
-            only axis, or ``'data'``.
+          mesh: the mesh (:func:`jaxdev.make_mesh`); default
+            :func:`jaxdev.data_mesh`.
+          axis: the mesh axis, or tuple of axes, the batch is split over.
+            Default: every axis of the mesh except ``'model'`` and
+            ``'tensor'`` (which split the params), e.g. ``('data', 'fsdp')``
+            on a ``data`` x ``fsdp`` mesh and ``'data'`` on a ``data`` x
+            ``model`` mesh.
+          params: the rules for the params (default ``"replicate"``).
           shard_map: run the per-device step under ``jax.shard_map`` with
-            explicit collectives instead of letting the compiler partition it.
+            explicit collectives instead of letting the compiler partition it
+            (replicated params only).
+
+        Raises:
+          UsageError: ``shard_map=True`` with params that are not replicated.
+          ShardingError: ``axis`` names an axis the mesh lacks, or every mesh
+            axis is a model axis and ``axis`` is not given.
 
         Example:
           >>> import jaxdev
           >>> jaxdev.Strategy.sharded(jaxdev.data_mesh(1)).axis
           'data'
+          >>> s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+          >>> s.axis, s.n_devices
+          (('data', 'fsdp'), 8)
         """
         mesh = check_mesh(mesh)
-        axis = batch_axis(mesh, axis)
+        params = _hashable_rules(params)
+        if shard_map and not (isinstance(params, str) and params == "replicate"):
+            raise UsageError(
+                f"`shard_map`=True trains replicated params only, got `params`={_short(params)}. "
+                "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
+                "`shard_map=True` (the numbers are the same)."
+            )
+        replicated = isinstance(params, str) and params == "replicate"
+        axis = _default_batch_axis(mesh, replicated) if axis is None else batch_axis(mesh, axis)
         if not isinstance(axis, str):
-            raise UsageError(f"`axis` must be one mesh axis name for a strategy, got {axis!r}.")
-        return cls("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map))
+            axis = axis[0] if len(axis) == 1 else tuple(axis)
+        return cls("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map), params)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every device holds the whole state (``params="replicate"``)."""
+        return isinstance(self.params, str) and self.params == "replicate"
 
     @property
     def n_devices(self) -> int:
         """How many ways the batch is split."""
-        return 1 if self.kind == "single" else self.mesh.shape[self.axis]
+        return 1 if self.kind == "single" else axis_size(self.mesh, self.axis)
 
     @property
-    def collective_axis(self) -> str | None:
+    def collective_axis(self) -> AxisName | None:
         """The axis name bound inside the step, for ``lax.pmean`` and BatchNorm's ``axis_name``.
 
         ``axis`` under ``pmap`` and ``sharded(shard_map=True)``, where each
@@ -118,6 +167,33 @@ class Strategy:
           ('data', None)
         """
         return self.axis if self.kind == "pmap" or self.shard_map else None
+
+
+def _default_batch_axis(mesh: Mesh, replicated: bool) -> AxisName:
+    """Every mesh axis but the model axes: the batch splits over all of them."""
+    names = mesh.axis_names
+    batch = tuple(a for a in names if a not in MODEL_AXES)
+    if not batch and replicated and len(names) == 1:  # replicated params: any 1-D mesh
+        return names[0]
+    if not batch:
+        raise ShardingError(
+            f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+            f"{MODEL_AXES}, so there is none to split the batch over. Pass `axis=` with the "
+            "axis (or tuple of axes) the batch is split over, or add a 'data' axis."
+        )
+    return batch[0] if len(batch) == 1 else batch
+
+
+def _hashable_rules(rules: Any) -> Any:
+    """A list of ``(regex, spec)`` pairs as a tuple of tuples; anything else as given."""
+    if isinstance(rules, list) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
+        return tuple((pattern, spec) for pattern, spec in rules)
+    return rules
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 120 else text[:120] + "..."
 
 
 def _check_axis_name(axis: Any) -> None:

@@ -1,0 +1,77 @@
+"""FSDP training under 2 processes x 4 devices equals 1 process x 8 devices.
+
+Both runs execute ``tests/mp_scripts/fsdp_train.py`` (params sharded over the
+``fsdp`` axis of a global ``data=2 x fsdp=4`` mesh; plain steps, an uneven
+padded batch, ``steps_per_call=2`` and ``accumulate=2``). Tolerance:
+``rtol=1e-5`` (the two runs sum the gradients over the devices in different
+orders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+from test_multihost_train import _env
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = os.path.join(REPO, "tests", "mp_scripts", "fsdp_train.py")
+
+
+def _results(text: str) -> list[dict]:
+    return [
+        json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line
+    ]
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a["steps"] == b["steps"] == 10
+    assert a["w1_shard_shape"] == b["w1_shard_shape"] == [32, 16]  # sharded 4 ways, not 8
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    for k in a["sums"]:
+        np.testing.assert_allclose(a["sums"][k], b["sums"][k], rtol=1e-5)
+    np.testing.assert_allclose(a["w1_head"], b["w1_head"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_two_processes_match_one_process_with_eight_devices():
+    one = subprocess.run(
+        [sys.executable, SCRIPT], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    [single] = _results(one.stdout)
+    assert (single["processes"], single["devices"]) == (1, 8)
+
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore::RuntimeWarning",
+            "-m",
+            "jaxdev._launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--timeout",
+            "150",
+            "--",
+            sys.executable,
+            SCRIPT,
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    results = _results(two.stdout)
+    assert len(results) == 2 and all(r["processes"] == 2 for r in results)
+    assert results[0] == results[1]  # both processes hold the same gathered numbers
+    _close(results[0], single)
