@@ -205,7 +205,7 @@ def pad_rows(x: Any, extra: int) -> Any:
     return out
 
 
-def _row_multiple(sharding: NamedSharding, n: int) -> int:
+def row_multiple(sharding: NamedSharding, n: int) -> int:
     """Rows this process's batch must be a multiple of (the batch shards it holds)."""
     if jax.process_count() == 1:
         return n
@@ -213,7 +213,7 @@ def _row_multiple(sharding: NamedSharding, n: int) -> int:
     return len({idx[0].start for idx in index_map.values()})
 
 
-def _to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> Any:
+def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> Any:
     """Build global arrays from this process's batch: the one place that does it.
 
     In a single process this is :func:`jaxdev.to_device`. With several
@@ -330,19 +330,19 @@ def shard_batch(
     check_live(batch, leaves, "batch")
     check_host_leaves(batch, leaves, "batch")
     rows = batch_rows(batch, leaves, "batch")
-    multiple = _row_multiple(sharding, n)
+    multiple = row_multiple(sharding, n)
     extra = -rows % multiple
     if not pad:
         if extra:
             raise indivisible_error(batch, rows, multiple, sharding, "devices")
         if jax.process_count() > 1 or any(is_tracer(x) for x in leaves):
-            return _to_global(batch, sharding, timeout_s)
+            return to_global(batch, sharding, timeout_s)
         placed = _put_checked(leaves, treedef, sharding)
         return batch if placed is None else placed
     padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
     mask = np.arange(rows + extra) < rows
     mask.flags.writeable = False  # private: nothing to detach
-    placed, mask = _to_global((padded, mask), sharding, timeout_s)
+    placed, mask = to_global((padded, mask), sharding, timeout_s)
     return Padded(placed, mask, rows)
 
 

@@ -275,10 +275,10 @@ def copy_to(tree: Any, target: Target) -> Any:
     # The fresh numpy copies may be aliased; device arrays must be copied.
     may_alias = [None if isinstance(x, np.ndarray) else False for x in leaves]
     copied = jax.device_put(leaves, _put_target(target, sharding), may_alias=may_alias)
-    return jax.tree_util.tree_unflatten(treedef, _unalias(leaves, copied))
+    return jax.tree_util.tree_unflatten(treedef, unalias(leaves, copied))
 
 
-def _unalias(sources: Sequence[Any], outs: list[Any]) -> list[Any]:
+def unalias(sources: Sequence[Any], outs: list[Any]) -> list[Any]:
     """Re-copy output shards that still share a buffer with their source.
 
     jax 0.10.2 keeps the source's buffer as one shard when a single-device

@@ -33,7 +33,7 @@ from ._errors import MemoryPlanError, UsageError, device_name
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import check_mesh, named_sharding
 from ._report import human_bytes
-from ._rules import _is_train_state, state_shardings, unbox
+from ._rules import is_train_state, state_shardings, unbox
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
@@ -297,7 +297,7 @@ def _build(
     state: Any, shardings: Any, batch: Any, layout: Any, mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int]]:
     tally = _Tally(list(mesh.devices.flat))
-    _add_state(tally, state, shardings, _is_train_state(state))
+    _add_state(tally, state, shardings, is_train_state(state))
     if batch is not None:
         _add_batch(tally, batch, layout)
     by_device = tally.by_device()

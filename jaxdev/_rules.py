@@ -629,7 +629,7 @@ def _keys(tree: Any, i: int) -> str:
 _STATE_FIELDS = ("step", "params", "opt_state")
 
 
-def _is_train_state(state: Any) -> bool:
+def is_train_state(state: Any) -> bool:
     """A NamedTuple (jaxdev's) or a ``.replace``-able dataclass (flax's) with the state fields."""
     if not all(hasattr(state, f) for f in _STATE_FIELDS):
         return False
@@ -677,7 +677,7 @@ def state_shardings(
       (P('fsdp', None), P('fsdp', None), P(), P())
     """
     mesh = check_mesh(mesh)
-    if not _is_train_state(state):
+    if not is_train_state(state):
         return param_shardings(state, mesh, rules, **options)
     params = param_shardings(state.params, mesh, rules, **options)
     fields = {

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, _row_multiple, _to_global, detach_host, shard_batch
+from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
 from ._errors import (
     DeletedArrayError,
     MemoryPlanError,
@@ -47,9 +47,11 @@ from ._fingerprint import same_program
 from ._leaves import array_type, check_live, deleted, host_problem, is_jax_array, key_strings
 from ._mesh import batch_layout, named_sharding
 from ._metrics import Collection
-from ._placement import _unalias, copy_to, to_device
+from ._placement import copy_to, to_device, unalias
+from ._plan import device_memory_limit
 from ._pmap_layout import shard_for_pmap
 from ._prefetch import Prefetcher
+from ._report import human_bytes
 from ._rules import follow_params, param_shardings, state_shardings, unbox
 from ._strategy import Strategy, as_strategy
 from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, rows_of, train_body
@@ -387,7 +389,7 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
     target = _grouped_target(strategy, k, m)
     if jax.process_count() > 1 and strategy.kind == "sharded":  # local rows -> global arrays
-        placed, mask = _to_global(grouped, target, None)
+        placed, mask = to_global(grouped, target, None)
     else:
         placed, mask = to_device(grouped, target)
     return Padded(placed, mask, rows) if extra else placed
@@ -400,7 +402,7 @@ def _local_shards(strategy: Strategy) -> int:
     if jax.process_count() == 1 or strategy.kind == "pmap":
         return strategy.n_devices
     sharding, n = batch_layout(strategy.mesh, strategy.axis)
-    return _row_multiple(sharding, n)
+    return row_multiple(sharding, n)
 
 
 def _grouped_rows(leaves: list[Any], k: int) -> int:
@@ -643,7 +645,7 @@ def _copy_by(tree: Any, shardings: Any, arg: str = "params") -> Any:
         ]
         may_alias = [None if isinstance(x, np.ndarray) else False for x in sources]
         copied = jax.device_put(sources, [targets[i] for i in local], may_alias=may_alias)
-        for i, new in zip(local, _unalias(sources, list(copied))):
+        for i, new in zip(local, unalias(sources, list(copied))):
             out[i] = new
     return treedef.unflatten(out)
 
@@ -690,11 +692,12 @@ def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
     if need <= limit:
         return
     raise MemoryPlanError(
-        f"the {'train' if step._train else 'eval'} step needs {_gib(need)} per device "
-        f"(arguments {_gib(analysis.argument_size_in_bytes)} + outputs "
-        f"{_gib(analysis.output_size_in_bytes)} - donated {_gib(analysis.alias_size_in_bytes)} "
-        f"+ temporaries {_gib(analysis.temp_size_in_bytes)}, from the compiled program's "
-        f"memory_analysis()), {_gib(limit)} available ({source})"
+        f"the {'train' if step._train else 'eval'} step needs {human_bytes(need)} per device "
+        f"(arguments {human_bytes(analysis.argument_size_in_bytes)} + outputs "
+        f"{human_bytes(analysis.output_size_in_bytes)} - donated "
+        f"{human_bytes(analysis.alias_size_in_bytes)} "
+        f"+ temporaries {human_bytes(analysis.temp_size_in_bytes)}, from the compiled program's "
+        f"memory_analysis()), {human_bytes(limit)} available ({source})"
         + _fsdp_alternative(step, args[0], need)
         + ". Nothing ran. Shard the params (`jaxdev.Strategy.sharded(mesh, params='fsdp')`), "
         "use a smaller batch or `accumulate=`, or raise `memory_limit` if the budget is wrong."
@@ -704,13 +707,8 @@ def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
 def _memory_budget(step: TrainStep) -> tuple[int | None, str]:
     if step.memory_limit is not None:
         return step.memory_limit, "memory_limit"
-    device = step.strategy.devices[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # backends without memory statistics (CPU)
-        return None, ""
-    limit = (stats or {}).get("bytes_limit")
-    return (int(limit), f"bytes_limit of {device.platform}:{device.id}") if limit else (None, "")
+    limit = device_memory_limit(step.strategy.devices)  # None on CPU: nothing to compare
+    return limit, "bytes_limit of the devices"
 
 
 def _fsdp_alternative(step: TrainStep, state: Any, need: int) -> str:
@@ -731,7 +729,7 @@ def _fsdp_alternative(step: TrainStep, state: Any, need: int) -> str:
     if saved <= 0:
         return ""
     n = mesh.shape["fsdp"] if "fsdp" in mesh.shape else mesh.size
-    return f"; with params='fsdp' over {n} devices it would need about {_gib(need - saved)}"
+    return f"; with params='fsdp' over {n} devices it would need about {human_bytes(need - saved)}"
 
 
 def _bytes_per_device(tree: Any, shardings: Any) -> int:
@@ -747,14 +745,6 @@ def _bytes_per_device(tree: Any, shardings: Any) -> int:
         itemsize = np.dtype(getattr(x, "dtype", np.float32)).itemsize
         total += int(np.prod(s.shard_shape(shape), dtype=np.int64)) * itemsize
     return total
-
-
-def _gib(n: int) -> str:
-    """Bytes as ``'61.2 GiB'`` (``MiB`` / ``KiB`` / ``B`` below a tenth of the next unit)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size / 10:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _check_memory_limit(value: Any) -> int | None:
