@@ -33,7 +33,7 @@ from ._errors import MemoryPlanError, UsageError, device_name
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import check_mesh, named_sharding
 from ._report import human_bytes
-from ._rules import is_train_state, state_shardings, unbox
+from ._rules import is_train_state, state_shardings, step_shardings, unbox
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
@@ -322,7 +322,9 @@ def plan(
     s from ``jax.eval_shape`` (e.g. ``jax.eval_shape(lambda: TrainState.create(
     model.init(key, x), tx))``), and the plan equals the placed tree's
     :func:`jaxdev.placement` totals. Shardings come from
-    :func:`jaxdev.state_shardings`: for a :class:`jaxdev.TrainState` the rows
+    :func:`jaxdev.state_shardings` (under ``"flax"``, unboxed params already
+    placed on the mesh count in the layout they carry, which is what the
+    train step keeps): for a :class:`jaxdev.TrainState` the rows
     are ``params``, ``opt_state`` (following the params), ``model_state`` and
     ``other`` (``step``, ``rng``); any other tree is counted as ``params``.
 
@@ -380,7 +382,8 @@ def plan(
       total      3.0 MiB       12.0 MiB     >99.9%
     """
     mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
-    shardings = state_shardings(state_or_shapes, mesh, rules, **options)  # boxes read here
+    # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
+    shardings = step_shardings(state_or_shapes, mesh, rules, **options)
     state = unbox(state_or_shapes)
     rows, total, by_device = _build(state, shardings, batch, layout, mesh)
     compiled = None

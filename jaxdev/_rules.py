@@ -507,6 +507,36 @@ def param_shardings(
     return _shardings(tree, mesh, rules, options, "tree")
 
 
+def check_rules(rules: Rules, mesh: Mesh) -> None:
+    """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``.
+
+    What can be checked without the params: the form of ``rules`` (an
+    unknown string, a non-spec in a regex pair, a bad pattern, a layout
+    holding something other than ``PartitionSpec`` / ``NamedSharding`` /
+    ``None``) and that ``"fsdp"`` has an axis to shard over.
+    ``Strategy.sharded`` calls it so that a typo fails where it is written,
+    not at the first ``init_state``. Specs are checked against each leaf
+    later (a rule that matches no leaf is never an error).
+    """
+    if isinstance(rules, str):
+        if rules == "fsdp":
+            _fsdp_axis(mesh, None)
+        elif rules not in ("replicate", "flax"):
+            raise ShardingError(f"`params` must be {_FORMS}; got the string {rules!r}.")
+        return
+    if _regex_rules(rules) is not None:
+        return
+
+    def is_spec(x: Any) -> bool:
+        return x is None or isinstance(x, (P, NamedSharding))
+
+    layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
+    if not layout or not all(is_spec(x) for x in jax.tree.leaves(rules, is_leaf=is_spec)):
+        raise ShardingError(
+            f"`params` must be {_FORMS}; got {type(rules).__name__} {_short(rules)}."
+        )
+
+
 def _check_min_size(min_size: Any) -> None:
     if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
         raise ShardingError(f"`min_size` must be an int >= 0 (elements), got {min_size!r}.")
@@ -599,7 +629,7 @@ def _place(tree: Any, shardings: Any) -> Any:
     local = [i for i in moving if is_jax_array(leaves[i]) or targets[i].is_fully_addressable]
     if local:
         for i, new in zip(
-            local, jax.device_put([leaves[i] for i in local], [targets[i] for i in local])
+            local, put_leaves([leaves[i] for i in local], [targets[i] for i in local])
         ):
             out[i] = new
     for i in moving:
@@ -607,6 +637,45 @@ def _place(tree: Any, shardings: Any) -> Any:
             value = np.asarray(leaves[i])
             out[i] = jax.make_array_from_callback(value.shape, targets[i], value.__getitem__)
     return treedef.unflatten(out)
+
+
+def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
+    """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
+
+    ``jax.device_put`` moves an array that is already spread over several
+    devices to another layout of the same devices through the host (it
+    reads the whole value back, jax 0.10.2): a full host copy of every
+    leaf, and a device-to-host transfer. Such leaves go through a jitted
+    identity with ``out_shardings`` instead (a local slice for replicated ->
+    sharded, an all-gather the other way); the others through one batched
+    ``device_put``. New buffers either way.
+    """
+    out: list[Any] = [None] * len(leaves)
+    on_device = [
+        i
+        for i, (x, s) in enumerate(zip(leaves, targets))
+        if is_jax_array(x)
+        and len(x.sharding.device_set) > 1
+        and x.sharding.device_set == s.device_set
+        and x.sharding.memory_kind == s.memory_kind
+    ]
+    if on_device:
+        moved = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))(
+            *[leaves[i] for i in on_device]
+        )
+        for i, new in zip(on_device, moved):
+            out[i] = new
+    rest = [i for i in range(len(leaves)) if out[i] is None]
+    if rest:
+        for i, new in zip(
+            rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])
+        ):
+            out[i] = new
+    return out
+
+
+def _identity(*xs: Any) -> tuple[Any, ...]:
+    return xs
 
 
 def _on(x: jax.Array, s: NamedSharding) -> bool:
@@ -694,6 +763,43 @@ def state_shardings(
     return out._replace(**fields) if isinstance(out, tuple) else out.replace(**fields)
 
 
+def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
+    """The shardings a sharded train step gives ``state``: :func:`state_shardings`, except
+    that under ``"flax"`` params already laid out on ``mesh`` keep the layout they carry.
+
+    Linen boxes are gone once the params are unboxed (by ``init_state`` or
+    :func:`jaxdev.init_sharded`), so under ``"flax"`` the layout the params
+    carry is all that is left of their declaration; the optimizer state
+    follows it. Arrays or ``ShapeDtypeStruct`` s (with their ``sharding``).
+    The train step and :func:`jaxdev.plan` both use it, so a plan counts what
+    the step holds.
+    """
+    mesh = check_mesh(mesh)
+    shapes = jax.tree.map(_as_shape, state)  # never arrays: a failed match repr()s its input
+    layout = state_shardings(shapes, mesh, rules, **options)
+    if not (isinstance(rules, str) and rules == "flax"):
+        return layout
+    if not is_train_state(state):
+        carried = _carried(state, mesh)
+        return layout if carried is None else carried
+    carried = _carried(state.params, mesh)
+    if carried is None:
+        return layout
+    fields = {
+        "params": carried,
+        "opt_state": follow_params(shapes.opt_state, shapes.params, carried, mesh),
+    }
+    return layout._replace(**fields) if isinstance(layout, tuple) else layout.replace(**fields)
+
+
+def _carried(tree: Any, mesh: Mesh) -> Any:
+    """The shardings of ``tree``'s leaves when every one is a NamedSharding on ``mesh``."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+    if not shardings or not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
+        return None
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def _replicated(tree: Any, mesh: Mesh) -> Any:
     s = named_sharding(mesh, P())
     return jax.tree.map(lambda _: s, unbox(tree))
@@ -712,14 +818,15 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     ``jax.eval_shape(tx.init, params)``.
 
     Args:
-      opt_state: the optimizer state (arrays or ``ShapeDtypeStruct`` s).
+      opt_state: the optimizer state (arrays or ``ShapeDtypeStruct`` s; linen
+        boxes, as ``tx.init`` of boxed params makes them, are unboxed).
       params: the params it was built from (arrays or ``ShapeDtypeStruct`` s;
         linen boxes are unboxed).
       shardings: the params' shardings (:func:`param_shardings`).
       mesh: the mesh (for the replicated leaves).
 
     Returns:
-      A pytree of ``NamedSharding`` with the structure of ``opt_state``.
+      A pytree of ``NamedSharding`` with the (unboxed) structure of ``opt_state``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -746,7 +853,8 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     matched: dict[int, Any] = {}
     # Match on shapes only: a failed `flatten_up_to` builds its message from the
     # node's repr, which would copy every array of a real state to the host.
-    opt_state = jax.tree.map(_as_shape, opt_state)
+    # Boxed params give boxed moments (tx.init maps over the boxes): unbox them too.
+    opt_state = jax.tree.map(_as_shape, unbox(opt_state))
 
     def mirrors(node: Any) -> bool:
         found = _mirror(node, treedef, shapes, targets)

@@ -14,6 +14,7 @@ an unsharded init.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from flax import nnx
 from flax.nnx import graphlib
 from jax.sharding import Mesh
 
-from ._errors import UsageError
+from ._errors import ShardingError, UsageError
 from ._leaves import is_jax_array
 from ._mesh import check_mesh
 from ._rules import Rules, param_shardings, unbox
@@ -93,12 +94,39 @@ def init_sharded(
         )
     mesh = check_mesh(mesh)
     call, dynamic = _split_args(init_fn, args)
-    with jax.set_mesh(mesh):
+    try:
+        with jax.set_mesh(mesh):
+            abstract = nnx.eval_shape(call, *dynamic)
+            if graphlib.is_graph_node(abstract):
+                return _init_nnx(call, dynamic, abstract, mesh, rules, options)
+            shardings = param_shardings(abstract, mesh, rules, **options)
+            return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
+    except ValueError as err:
+        missing = _MISSING_AXIS.search(str(err))
+        if missing is None or isinstance(err, ShardingError):
+            raise
+    # flax applied an annotation naming an axis the mesh lacks, as a sharding
+    # constraint while building under the mesh. Linen applies none without a
+    # mesh in context: build without it, so that rules="flax" names the leaf
+    # (and other rules, which ignore annotations, work); NNX needs the mesh.
+    try:
         abstract = nnx.eval_shape(call, *dynamic)
-        if graphlib.is_graph_node(abstract):
-            return _init_nnx(call, dynamic, abstract, mesh, rules, options)
-        shardings = param_shardings(abstract, mesh, rules, **options)
-        return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
+    except ValueError:
+        abstract = None
+    if abstract is None or graphlib.is_graph_node(abstract):
+        axis, spec, names = missing.groups()
+        raise ShardingError(
+            f"`init_fn` declares the partitioning {spec} (nn.with_partitioning / "
+            f"nnx.with_partitioning), but mesh axis {axis!r} does not exist: `mesh` has axes "
+            f"{names} ({' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}). Build the "
+            "mesh with that axis (jaxdev.make_mesh({...})), or map logical names to the "
+            "mesh's axes with `logical_axis_rules=`."
+        ) from None
+    shardings = param_shardings(abstract, mesh, rules, **options)
+    return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
+
+
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (P\(.*?\)) is not found in mesh: (\(.*?\))")
 
 
 def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):

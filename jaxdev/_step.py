@@ -16,9 +16,14 @@ Under sharded params (``Strategy.sharded(mesh, params=rules)``) the compiled
 step's state in and out shardings are :func:`jaxdev.state_shardings` of the
 state it is first called with (one program per state structure); with
 replicated params they are ``P()`` and a call costs one dict lookup more than
-the bare ``jax.jit`` call. :meth:`TrainStep.lower` gives the ``jax`` lowering
-of the program a call would run, and ``memory_limit`` checks the compiled
-program's ``memory_analysis()`` before its first run.
+the bare ``jax.jit`` call. A committed state or batch laid out otherwise (a
+replicated state given to an fsdp step, fsdp params given to a replicated eval
+step, a batch split over ``"data"`` only), which ``jax.jit`` would refuse, is
+moved to the program's layout on the devices; a train step returns its state in
+that layout, so only its first call moves anything. :meth:`TrainStep.lower`
+gives the ``jax`` lowering of the program a call would run, and
+``memory_limit`` checks the compiled program's ``memory_analysis()`` before
+its first run.
 """
 
 from __future__ import annotations
@@ -52,7 +57,14 @@ from ._plan import device_memory_limit
 from ._pmap_layout import shard_for_pmap
 from ._prefetch import Prefetcher
 from ._report import human_bytes
-from ._rules import follow_params, param_shardings, state_shardings, unbox
+from ._rules import (
+    follow_params,
+    param_shardings,
+    put_leaves,
+    state_shardings,
+    step_shardings,
+    unbox,
+)
 from ._strategy import Strategy, as_strategy
 from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, rows_of, train_body
 
@@ -99,6 +111,7 @@ class TrainStep:
         self._cfg, self._donate, self._train = cfg, donate and train, train
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
+        self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
         self._by_rules = strategy.kind == "sharded" and not strategy.replicated
         self._bounded = _cpu_collectives(strategy)
         self._target = _state_target(strategy)
@@ -117,8 +130,14 @@ class TrainStep:
             key += (jax.tree.structure(state),)
         fn = self._compiled.get(key)
         if fn is None:
-            fn = self._first_call(key, args)
-        out = fn(*args)
+            fn, args = self._first_call(key, args)
+        try:
+            out = fn(*args)
+        except ValueError:  # jit refuses committed inputs laid out another way: move them
+            moved = self._relayout(key, args)
+            if moved is None:
+                raise
+            out = fn(*moved)
         if not self._train:
             self._bound_inflight(out)
             return out
@@ -126,22 +145,46 @@ class TrainStep:
         self._bound_inflight(token)
         return state, metrics
 
-    def _first_call(self, key: tuple, args: list[Any]) -> Callable:
+    def _first_call(self, key: tuple, args: list[Any]) -> tuple[Callable, list[Any]]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
         jitted = self._jit(key, args)
+        args = self._relayout(key, args) or args
         _check_memory(self, jitted, args)  # before anything runs (or is donated)
         kind = "train" if self._train else "eval"
         name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
         # its first call checks every process compiled the same program
         fn = self._compiled[key] = same_program(jitted, name=name)
-        return fn
+        return fn, args
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
         jitted = self._jitted.get(key)
         if jitted is None:
             layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
             jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
+            if self.strategy.kind == "sharded":
+                self._in_shardings[key] = _in_shardings(self, key, layout)
         return jitted
+
+    def _relayout(self, key: tuple, args: list[Any]) -> list[Any] | None:
+        """``args`` with committed leaves laid out otherwise than the program's inputs moved.
+
+        ``jax.jit`` with ``in_shardings`` refuses a committed array laid out
+        another way (a replicated state given to a step with sharded params,
+        params trained under ``"fsdp"`` given to a replicated eval step, a
+        batch split over ``"data"`` only). The step moves just those leaves,
+        on the devices (``put_leaves``), as :func:`jaxdev.to_device` would; a train
+        step returns its state in the program's layout, so only the first
+        call moves anything. ``None`` when nothing is misplaced.
+        """
+        expected = self._in_shardings.get(key)
+        moves = [] if expected is None else _misplaced(args, expected)
+        if not moves:
+            return None
+        leaves = [jax.tree.flatten(a) for a in args]
+        moved = put_leaves([leaves[a][0][i] for a, i, _ in moves], [s for _, _, s in moves])
+        for (a, i, _), new in zip(moves, moved):
+            leaves[a][0][i] = new
+        return [treedef.unflatten(flat) for flat, treedef in leaves]
 
     def lower(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         """Return the ``jax`` lowering of the program ``step(state, batch, metrics)`` would run.
@@ -152,11 +195,16 @@ class TrainStep:
         the same variant (padded or not, running metrics or not, state
         structure) that the call would compile. ``.compile()`` on it gives
         the executable with ``memory_analysis()`` and ``cost_analysis()``;
-        ``.as_text()`` the StableHLO. :func:`jaxdev.plan` uses it.
+        ``.as_text()`` the StableHLO. :func:`jaxdev.plan` uses it. Leaves
+        laid out otherwise than the program expects are lowered in its
+        layout (the call would move them), and under a sharded strategy a
+        batch whose rows the devices do not divide is lowered padded, with
+        a mask, as :meth:`put_batch` would place it.
 
         Args:
           state: the train state (or params, for an eval step), or its shapes.
-          batch: a placed batch, a :class:`Padded`, or their shapes.
+          batch: a placed batch, a :class:`Padded`, or their shapes (rows
+            behind the ``steps_per_call`` / ``accumulate`` group axes).
           metrics: the running metrics the call would get (``None``: none).
 
         Returns:
@@ -177,12 +225,23 @@ class TrainStep:
           36868
         """
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if mask is None and self.strategy.kind == "sharded":  # uneven: as put_batch pads it
+            inner, mask = _padded_shapes(self, inner)
         args = [state, inner] + ([mask] if mask is not None else [])
         args += [metrics] if metrics is not None else []
         key = (mask is not None, metrics is not None)
         if self._by_rules:
             key += (jax.tree.structure(state),)
-        return self._jit(key, args).lower(*args)
+        jitted = self._jit(key, args)
+        expected = self._in_shardings.get(key)
+        moves = [] if expected is None else _misplaced(args, expected)
+        if moves:  # as the call would move them: their shapes in the program's layout
+            leaves = [jax.tree.flatten(a) for a in args]
+            for a, i, target in moves:
+                x = leaves[a][0][i]
+                leaves[a][0][i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+            args = [treedef.unflatten(flat) for flat, treedef in leaves]
+        return jitted.lower(*args)
 
     def _bound_inflight(self, token: Any) -> None:
         """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
@@ -349,6 +408,88 @@ def _cpu_collectives(strategy: Strategy) -> bool:
     """Whether steps run collectives across several CPU devices."""
     devices = strategy.devices
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
+def _padded_shapes(step: TrainStep, batch: Any) -> tuple[Any, Any]:
+    """``(batch, mask)`` shapes of an uneven batch padded as ``put_batch`` would; else as is.
+
+    Rows (behind the ``steps_per_call`` / ``accumulate`` group axes) that the
+    batch shards do not divide are padded up to the next multiple and a row
+    mask is added, so ``lower`` (and :func:`jaxdev.plan`) accept the shapes
+    of a raw batch: ``jax.ShapeDtypeStruct((30, 256), ...)`` on 8 devices.
+    """
+    n_lead = (step.steps_per_call > 1) + (step.accumulate > 1) if step._train else 0
+    leaves, treedef = jax.tree.flatten(batch)
+    if not leaves or any(np.ndim(x) <= n_lead for x in leaves):
+        return batch, None
+    rows = {np.shape(x)[n_lead] for x in leaves}
+    n = step.strategy.n_devices
+    if len(rows) != 1 or rows.pop() % n == 0:
+        return batch, None
+
+    def pad(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[:n_lead] + (shape[n_lead] + -shape[n_lead] % n,) + shape[n_lead + 1 :]
+
+    out = [jax.ShapeDtypeStruct(pad(np.shape(x)), x.dtype) for x in leaves]
+    mask = jax.ShapeDtypeStruct(pad(np.shape(leaves[0]))[: n_lead + 1], np.bool_)
+    return treedef.unflatten(out), mask
+
+
+def _in_shardings(step: TrainStep, key: tuple, layout: Any) -> list[Any]:
+    """What the sharded program expects of each argument (a sharding, or a tree of them)."""
+    strategy = step.strategy
+    mesh = strategy.mesh
+    n_lead = (step.steps_per_call > 1) + (step.accumulate > 1) if step._train else 0
+    rows = named_sharding(mesh, P(*([None] * n_lead), strategy.axis))
+    replicated = named_sharding(mesh, P())
+    out = [replicated if layout is None else layout, rows]
+    out += [rows] if key[0] else []
+    out += [replicated] if key[1] else []
+    return out
+
+
+def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any]]:
+    """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
+
+    Committed arrays (and ``ShapeDtypeStruct`` s with a sharding) laid out
+    otherwise than the program's inputs; uncommitted arrays and host values
+    are placed by ``jit`` itself. Deleted arrays are left to the call's own
+    error.
+    """
+    out = []
+    for a, (arg, want) in enumerate(zip(args, expected)):
+        leaves, treedef = jax.tree.flatten(arg)
+        if not leaves:
+            continue
+        if isinstance(want, NamedSharding):
+            targets = [want] * len(leaves)
+        else:
+            try:
+                targets = treedef.flatten_up_to(want)
+            except (ValueError, TypeError):  # another structure: jit will say so
+                continue
+        for i, (x, s) in enumerate(zip(leaves, targets)):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                have = getattr(x, "sharding", None)
+                if isinstance(have, jax.sharding.Sharding) and not _same_layout(have, s, x.ndim):
+                    out.append((a, i, s))
+            elif (
+                is_jax_array(x)
+                and not deleted(x)
+                and x.committed
+                and not _same_layout(x.sharding, s, x.ndim)
+            ):
+                out.append((a, i, s))
+    return out
+
+
+def _same_layout(have: Any, want: Any, ndim: int) -> bool:
+    if have == want:
+        return True
+    try:
+        return bool(have.is_equivalent_to(want, ndim))
+    except Exception:  # JAX raises for a spec longer than ndim
+        return False
 
 
 def _state_target(strategy: Strategy) -> Any:
@@ -554,21 +695,10 @@ def _state_layout(strategy: Strategy, state: Any) -> Any:
     ``"flax"`` reads the partitioning the model declares; linen boxes are
     gone once the params are unboxed (by :meth:`TrainStep.init_state` or
     :func:`jaxdev.init_sharded`), so for ``"flax"`` params already laid out
-    on the mesh keep the layout they carry, and the optimizer state follows.
+    on the mesh keep the layout they carry, and the optimizer state follows
+    (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.plan` uses too).
     """
-    mesh, rules = strategy.mesh, strategy.params
-    shapes = _shapes(state)  # never arrays: a failed structure match repr()s its input
-    layout = state_shardings(shapes, mesh, rules)
-    if not (isinstance(rules, str) and rules == "flax"):
-        return layout
-    if isinstance(state, TrainState):
-        carried = _carried(state.params, mesh)
-        if carried is None:
-            return layout
-        opt = follow_params(shapes.opt_state, shapes.params, carried, mesh)
-        return layout._replace(params=carried, opt_state=opt)
-    carried = _carried(state, mesh)
-    return layout if carried is None else carried
+    return step_shardings(state, strategy.mesh, strategy.params)
 
 
 def _shapes(tree: Any) -> Any:
@@ -580,14 +710,6 @@ def _shapes(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
     return jax.tree.map(shape, tree)
-
-
-def _carried(tree: Any, mesh: Any) -> Any:
-    """The shardings of ``tree``'s leaves when every one is a NamedSharding on ``mesh``."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
-    if not shardings or not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
-        return None
-    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def _init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
@@ -638,6 +760,18 @@ def _copy_by(tree: Any, shardings: Any, arg: str = "params") -> Any:
         else:  # several processes: each builds its own shards from the full value
             value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
             out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
+    relaid = [  # spread over the same devices another way: re-laid out on them, new buffers
+        i
+        for i in local
+        if is_jax_array(leaves[i])
+        and len(leaves[i].sharding.device_set) > 1
+        and not _same_layout(leaves[i].sharding, targets[i], leaves[i].ndim)
+    ]
+    for i, new in zip(
+        relaid, put_leaves([leaves[i] for i in relaid], [targets[i] for i in relaid])
+    ):
+        out[i] = new
+    local = [i for i in local if i not in set(relaid)]
     if local:
         sources = [
             np.array(leaves[i], copy=True) if not is_jax_array(leaves[i]) else leaves[i]

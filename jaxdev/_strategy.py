@@ -12,6 +12,7 @@ from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
 from ._errors import ShardingError, UsageError
 from ._mesh import DEFAULT_AXIS, AxisName, axis_size, batch_axis, check_mesh, mesh_of
+from ._rules import check_rules
 
 MODEL_AXES = ("model", "tensor")
 """Mesh axes the batch is never split over by default (they split the params)."""
@@ -128,6 +129,7 @@ class Strategy:
         """
         mesh = check_mesh(mesh)
         params = _hashable_rules(params)
+        check_rules(params, mesh)  # a typo fails here, not at the first init_state
         if shard_map and not (isinstance(params, str) and params == "replicate"):
             raise UsageError(
                 f"`shard_map`=True trains replicated params only, got `params`={_short(params)}. "
