@@ -209,40 +209,45 @@ def device(spec: DeviceSpec) -> jax.Device:
       >>> jaxdev.device("cpu:0") == jaxdev.cpu(0)
       True
     """
+    return resolve_device(spec, "spec")
+
+
+def resolve_device(spec: DeviceSpec, arg: str) -> jax.Device:
+    """:func:`device` whose errors name the argument ``arg`` (``target``, ``device``...)."""
     if isinstance(spec, jax.Device):
         return spec
     if isinstance(spec, str):
-        return _parse(spec)
+        return _parse(spec, arg)
     if isinstance(spec, bool) or not hasattr(spec, "__index__"):
         raise DeviceSpecError(
-            f"`spec` must be a jax.Device, an int or a string like 'gpu:1', "
+            f"`{arg}` must be a jax.Device, an int or a string like 'gpu:1', "
             f"got {type(spec).__name__} {spec!r}."
         )
-    i = _check_index(spec, "spec")
+    i = _check_index(spec, arg)
     devices = _local_devices()
     if i >= len(devices):
         raise DeviceNotFoundError(
-            f"`spec`={i} is out of range: this process has {len(devices)} device(s), "
+            f"`{arg}`={i} is out of range: this process has {len(devices)} device(s), "
             f"valid indexes 0..{len(devices) - 1}. " + available_devices()
         )
     return devices[i]
 
 
-def _parse(spec: str) -> jax.Device:
+def _parse(spec: str, arg: str = "spec") -> jax.Device:
     match = _SPEC_RE.match(spec)
     if match is None:
         raise DeviceSpecError(
-            f"`spec`={spec!r} is not a device spec: expected 'platform[:index]' such as "
+            f"`{arg}`={spec!r} is not a device spec: expected 'platform[:index]' such as "
             f"'cpu', 'cpu:3', 'gpu:1', 'cuda:1', 'tpu:0'. " + available_devices()
         )
     name = match["platform"].lower()
     if name not in _PLATFORMS:
         raise DeviceSpecError(
-            f"`spec`={spec!r} names the unknown platform {name!r}: expected one of "
+            f"`{arg}`={spec!r} names the unknown platform {name!r}: expected one of "
             f"{sorted(_PLATFORMS)}. " + available_devices()
         )
     index = int(match["index"]) if match["index"] is not None else 0
-    return _pick(_PLATFORMS[name], index, arg="spec")
+    return _pick(_PLATFORMS[name], index, arg=arg)
 
 
 def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> list[jax.Device]:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from ._devices import DeviceSpec, device
+from ._devices import DeviceSpec, resolve_device
 from ._errors import PlacementError, ShardingError, available_devices, format_devices, join_failures
 from ._leaves import (
     array_type,
@@ -69,7 +69,7 @@ def as_sharding(target: Target) -> Sharding:
         return target
     if isinstance(target, Mesh):
         return replicated_sharding(target)
-    return SingleDeviceSharding(device(target))
+    return SingleDeviceSharding(resolve_device(target, "target"))
 
 
 def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Sharding, arg: str):

@@ -387,3 +387,10 @@ def test_a_mesh_target_means_replicated(devices):
     assert out["w"].sharding.is_fully_replicated and len(out["w"].sharding.device_set) == 8
     assert jaxdev.to_device(out, mesh) is out
     assert jaxdev.as_sharding(mesh) == jaxdev.replicated_sharding(mesh)
+
+
+def test_a_bad_target_is_named_target_not_spec():
+    with pytest.raises(jaxdev.DeviceNotFoundError, match="`target`=99 is out of range"):
+        jaxdev.to_device(jnp.ones(2), 99)
+    with pytest.raises(jaxdev.DeviceSpecError, match="`target`='xpu:1' names the unknown"):
+        jaxdev.as_sharding("xpu:1")
