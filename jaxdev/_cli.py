@@ -276,6 +276,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         steps_per_call=args.steps_per_call,
         seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        params=args.params,
+        mesh=args.mesh,
     )
     ui = Ui(quiet=args.quiet)
     ui.line(note)
@@ -287,6 +291,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{result.steps} steps, {result.seconds:.1f} s)",
         flush=True,
     )
+    if args.checkpoint_dir is not None:  # resumed or not, the same run gives the same bits
+        print(f"params fingerprint: {result.fingerprint}", flush=True)
     if args.min_accuracy is not None and result.test_accuracy < args.min_accuracy:
         print(
             f"jaxdev demo: test accuracy {result.test_accuracy:.4f} is below "
@@ -367,6 +373,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
+    """``'data=2,fsdp=4'`` -> ``(('data', 2), ('fsdp', 4))``; one size may be -1."""
+    axes = []
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if not name.strip() or (value < 1 and value != -1):
+            raise argparse.ArgumentTypeError(
+                f"expected axes such as data=2,fsdp=4 (sizes >= 1, one may be -1), got {text!r}"
+            )
+        axes.append((name.strip(), value))
+    return tuple(axes)
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -426,6 +449,35 @@ def _add_demo(sub: Any) -> None:
         "batches, the rest and the uneven last batch run one step at a time (nothing dropped)",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--params",
+        choices=["replicate", "fsdp", "flax"],
+        default=None,
+        help="how the sharded step places the params and optimizer state (default: fsdp "
+        "when --mesh has an fsdp axis, else replicate); prints the bytes per device",
+    )
+    demo.add_argument(
+        "--mesh",
+        type=_mesh_axes,
+        default=None,
+        metavar="AXES",
+        help="the device mesh of the sharded step, e.g. data=2,fsdp=4 (the batch splits "
+        "over every axis but model/tensor)",
+    )
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="save checkpoints in DIR and resume from the latest one there (run again with "
+        "the same flags after a crash: the final parameters are bit-identical)",
+    )
+    demo.add_argument(
+        "--checkpoint-every",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="save every N steps (default: at each epoch's end) and at the end",
+    )
     demo.add_argument(
         "--min-accuracy",
         type=_fraction,

@@ -12,11 +12,22 @@ batch, and the final test accuracy.
 When K does not divide an epoch's number of full batches, the remaining full
 batches and the uneven last batch run through a one-step function: no batch
 is ever dropped or repeated.
+
+The data order is a pure function of ``(seed, epoch, step)``: epoch ``e``'s
+permutation comes from ``numpy.random.default_rng((seed, e))``, never from a
+generator carried across epochs. So with ``--checkpoint-dir DIR`` (a
+:class:`jaxdev.Checkpointer`: the state and the epoch's running metrics every
+``--checkpoint-every`` steps, by default at each epoch's end, and at the end
+of the run) a run killed at any point and started again with the same flags
+resumes from the latest complete checkpoint and ends with bit-identical
+parameters; the final ``params fingerprint`` line (SHA-256 of the parameters'
+bytes) shows it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +61,13 @@ class DemoConfig:
       steps_per_call: full batches per dispatch (``lax.scan``).
       seed: seed of the split, the shuffling and the initialisation.
       test_fraction: share of the 1,797 digits held out for testing.
+      checkpoint_dir: save checkpoints there and resume from the latest one.
+      checkpoint_every: save every N steps (``None``: at each epoch's end).
+      params: rules for the params under ``sharded`` (``'replicate'``,
+        ``'fsdp'``, ``'flax'``); ``None``: ``'fsdp'`` when ``mesh`` has an
+        ``fsdp`` axis, else ``'replicate'``.
+      mesh: ``(("data", 2), ("fsdp", 4))``: the mesh of a ``sharded`` run
+        (``None``: one ``data`` axis over the devices).
     """
 
     strategy: str = "sharded"
@@ -61,6 +79,10 @@ class DemoConfig:
     steps_per_call: int = 1
     seed: int = 0
     test_fraction: float = 0.2
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    params: str | None = None
+    mesh: tuple[tuple[str, int], ...] | None = None
 
 
 class EpochStats(NamedTuple):
@@ -84,6 +106,8 @@ class DemoResult(NamedTuple):
     platform: str
     seconds: float
     steps: int
+    fingerprint: str = ""
+    resumed_from: int | None = None
 
 
 class MLP(nn.Module):
@@ -128,6 +152,11 @@ def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
 def round_batch(batch_size: int, n_devices: int) -> int:
     """Return ``batch_size`` rounded up to a multiple of ``n_devices``."""
     return math.ceil(batch_size / n_devices) * n_devices
+
+
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    """The generator of epoch ``epoch``'s order: a pure function of ``(seed, epoch)``."""
+    return np.random.default_rng((seed, epoch))
 
 
 def epoch_batches(data: dict, batch_size: int, rng: np.random.Generator) -> list[dict]:
@@ -201,15 +230,35 @@ _MAKE_STRATEGY: dict[str, Callable[[list[jax.Device]], jaxdev.Strategy]] = {
 STRATEGIES = tuple(_MAKE_STRATEGY)
 
 
-def make_strategy(name: str, devices: list[jax.Device]) -> jaxdev.Strategy:
+def make_strategy(
+    name: str, devices: list[jax.Device], config: DemoConfig | None = None
+) -> jaxdev.Strategy:
     """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (``single``: the first).
 
+    ``config.params`` / ``config.mesh`` (``--params`` / ``--mesh``) make a
+    ``sharded`` strategy with sharded params on an N-D mesh.
+
     Raises:
-      UsageError: ``name`` is not one of ``STRATEGIES``.
+      UsageError: ``name`` is not one of ``STRATEGIES``; ``--params`` or
+        ``--mesh`` with another strategy than ``sharded``; a mesh whose sizes
+        do not multiply to the device count.
     """
     if name not in _MAKE_STRATEGY:
         raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
-    return _MAKE_STRATEGY[name](devices)
+    if config is None or (config.params is None and config.mesh is None):
+        return _MAKE_STRATEGY[name](devices)
+    if name != "sharded":
+        raise UsageError(
+            f"`--params` and `--mesh` need `--strategy sharded` (got `--strategy {name}`): "
+            "only the sharded step places params by rules."
+        )
+    try:
+        mesh = jaxdev.make_mesh(dict(config.mesh), devices) if config.mesh else None
+    except jaxdev.ShardingError as err:
+        raise UsageError(f"`--mesh`: {err}") from None
+    mesh = mesh if mesh is not None else jaxdev.data_mesh(devices)
+    params = config.params or ("fsdp" if "fsdp" in mesh.axis_names else "replicate")
+    return jaxdev.Strategy.sharded(mesh, params=params)
 
 
 def check_config(config: DemoConfig) -> None:
@@ -219,6 +268,8 @@ def check_config(config: DemoConfig) -> None:
         if value < 1:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"`{flag}` must be >= 1, got {value}.")
+    if config.checkpoint_every is not None and config.checkpoint_every < 1:
+        raise UsageError(f"`--checkpoint-every` must be >= 1, got {config.checkpoint_every}.")
     if not 0.0 < config.test_fraction < 1.0:
         raise UsageError(f"`test_fraction` must be in (0, 1), got {config.test_fraction}.")
 
@@ -266,22 +317,55 @@ def _train_epoch(
     bar: Any,
     label: str,
     show: Callable[[Any, Any], None] | None = None,
+    start: tuple[int, jaxdev.Collection] | None = None,
+    after: Callable[[Any, Any], None] | None = None,
 ) -> tuple[jaxdev.TrainState, jaxdev.Collection]:
     """Run one epoch's steps; return the state and the epoch's metrics (on device).
 
     ``bar.advance(steps, label)`` follows every call. ``show(state, batch)``,
     if given, sees the epoch's last batch (the uneven one, padded and
-    masked) placed, before the step that consumes both.
+    masked) placed, before the step that consumes both. ``start = (done,
+    metrics)`` resumes the epoch after its first ``done`` steps (a group
+    boundary) with the running ``metrics``; ``after(state, metrics, done)``
+    runs after every call but the epoch's last (checkpoints).
     """
-    metrics = _empty_metrics()
+    done, metrics = start if start is not None else (0, _empty_metrics())
+    pos = 0  # steps of this epoch behind us
     for i, (count, host_batch) in enumerate(groups):
+        pos += count
+        if pos <= done:
+            continue
         step = steps.one if count == 1 else steps.many
         batch = step.put_batch(host_batch)
         if show is not None and i == len(groups) - 1:
             show(state, batch)
         state, metrics = step(state, batch, metrics)
         bar.advance(count, label)
+        if after is not None and i < len(groups) - 1:
+            after(state, metrics, pos)
     return state, metrics
+
+
+def per_device_bytes(tree: Any) -> int:
+    """The most bytes any one device holds of ``tree`` (its shards' sizes, summed)."""
+    held: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)
+
+
+def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
+    """``params + optimizer state per device: 31.0 KiB (replicated: 125.5 KiB; ...)``."""
+    tree = (state.params, state.opt_state)
+    replicated = sum(x.nbytes for x in jax.tree.leaves(tree))
+    mine = per_device_bytes(tree)
+    mesh = " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
+    return (
+        f"params + optimizer state per device: {mine / 1024:.1f} KiB with "
+        f"params={strategy.params!r} on mesh {mesh} (replicated: {replicated / 1024:.1f} KiB; "
+        f"{mine / replicated:.0%}); batch split over {strategy.axis}"
+    )
 
 
 def _show_placement(ui: Any) -> Callable[[Any, Any], None]:
@@ -309,7 +393,7 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     """
     check_config(config)
     start = time.perf_counter()
-    strategy = make_strategy(config.strategy, select_devices(config.devices))
+    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
     train, test = load_data(config.seed, config.test_fraction)
     batch_size = round_batch(config.batch_size, strategy.n_devices)
     per_epoch = math.ceil(len(train["y"]) / batch_size)
@@ -319,19 +403,33 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     steps = _make_steps(make_loss(model), tx, strategy, config.steps_per_call)
     params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
     state = steps.one.init_state(params, tx)
+    if not strategy.replicated:
+        ui.line(state_bytes_line(state, strategy))
     test_batch = steps.eval.put_batch(test)
-    rng = np.random.default_rng(config.seed)
-    history: list[EpochStats] = []
-    with ui.progress(config.epochs * per_epoch) as bar:
-        for epoch in range(1, config.epochs + 1):
+    ckpt = _checkpointer(config, per_epoch)
+    state, history, resumed, partial = _resume(ckpt, state, per_epoch, ui)
+    total = config.epochs * per_epoch
+    with ui.progress(total) as bar:
+        if resumed:
+            bar.advance(min(resumed, total), "resumed")
+        for epoch in range(resumed // per_epoch + 1, config.epochs + 1):
             t0 = time.perf_counter()
-            groups = list(group_steps(epoch_batches(train, batch_size, rng), config.steps_per_call))
-            show = _show_placement(ui) if epoch == 1 else None
+            batches = epoch_batches(train, batch_size, epoch_rng(config.seed, epoch))
+            groups = list(group_steps(batches, config.steps_per_call))
+            show = _show_placement(ui) if epoch == 1 and partial is None else None
             label = f"epoch {epoch}/{config.epochs}"
-            state, metrics = _train_epoch(steps, state, groups, bar, label, show)
+            base = (epoch - 1) * per_epoch
+            after = _saver(ckpt, base, history)
+            state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, after)
+            partial = None
             test_metrics = steps.eval(state, test_batch)
             history.append(_epoch_stats(epoch, metrics, test_metrics, time.perf_counter() - t0))
             ui.line(_format_epoch(history[-1], config.epochs))
+            if ckpt is not None:
+                ckpt.save(base + per_epoch, state, {"epoch": metrics, "history": history})
+    if ckpt is not None:
+        ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
+        ckpt.close()
     return DemoResult(
         history[-1].test_accuracy,
         tuple(history),
@@ -340,7 +438,53 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
         strategy.devices[0].platform,
         time.perf_counter() - start,
         int(jax.device_get(state.step)),
+        params_fingerprint(state.params),
+        resumed or None,
     )
+
+
+def params_fingerprint(params: Any) -> str:
+    """SHA-256 (first 16 hex digits) of the parameters' paths, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_flatten_with_path(jaxdev.to_host(params))[0]:
+        a = np.ascontiguousarray(x)
+        h.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checkpointer(config: DemoConfig, per_epoch: int) -> jaxdev.Checkpointer | None:
+    if config.checkpoint_dir is None:
+        return None
+    every = config.checkpoint_every or per_epoch
+    return jaxdev.Checkpointer(config.checkpoint_dir, keep=2, every=every)
+
+
+def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: Any):
+    """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start.
+
+    ``partial`` is ``(steps done, running metrics)`` when the checkpoint is
+    inside an epoch, else None.
+    """
+    if ckpt is None or ckpt.latest_step() is None:
+        return state, [], 0, None
+    step = ckpt.latest_step()
+    state = ckpt.restore(state, step)  # like the fresh state: same placement
+    saved = ckpt.restore_metrics(step=step)
+    ui.line(f"resumed from the checkpoint of step {step} in {ckpt.directory}")
+    done = step % per_epoch
+    return state, list(saved["history"]), step, (done, saved["epoch"]) if done else None
+
+
+def _saver(ckpt: jaxdev.Checkpointer | None, base: int, history: list) -> Callable | None:
+    """``after(state, metrics, done)`` for :func:`_train_epoch`: a checkpoint when due."""
+    if ckpt is None:
+        return None
+
+    def after(state: Any, metrics: Any, done: int) -> None:
+        ckpt.save(base + done, state, {"epoch": metrics, "history": history})
+
+    return after
 
 
 def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:

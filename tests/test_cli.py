@@ -105,6 +105,21 @@ def test_demo_one_epoch_every_strategy(strategy):
     )
 
 
+@pytest.mark.slow
+def test_demo_with_fsdp_params_prints_the_bytes_per_device_next_to_replicated():
+    proc = jaxdev_cli("demo", "--epochs", "1", "--params", "fsdp", "--mesh", "data=2,fsdp=4")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = re.search(
+        r"params \+ optimizer state per device: ([\d.]+) KiB with params='fsdp' on mesh "
+        r"data=2 x fsdp=4 \(replicated: ([\d.]+) KiB; \d+%\); batch split over "
+        r"\('data', 'fsdp'\)",
+        proc.stdout,
+    )
+    assert line, proc.stdout[-2000:]
+    assert float(line.group(1)) < 0.3 * float(line.group(2))  # ~1/4: sharded 4 ways
+    assert re.search(r"test accuracy: [\d.]+ \(8 cpu devices, sharded, 12 steps", proc.stdout)
+
+
 def test_demo_exit_1_when_below_min_accuracy():
     proc = jaxdev_cli(
         "demo", "--epochs", "1", "--lr", "0", "--min-accuracy", "0.9", "--quiet", "--devices", "2"
@@ -120,6 +135,9 @@ def test_demo_exit_1_when_below_min_accuracy():
         (["demo", "--devices", "0"], ["--devices", "positive int, got 0"]),
         (["demo", "--epochs", "x"], ["--epochs", "'x'"]),
         (["demo", "--min-accuracy", "2"], ["--min-accuracy", "[0, 1]"]),
+        (["demo", "--mesh", "data=2,fsdp"], ["--mesh", "data=2,fsdp=4"]),
+        (["demo", "--mesh", "data=3,fsdp=4"], ["`--mesh`", "multiply to 12 devices but 8"]),
+        (["demo", "--strategy", "pmap", "--params", "fsdp"], ["`--params`", "sharded"]),
         (["bench", "--json", "/no/such/folder/out.json"], ["/no/such/folder", "does not exist"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),
         ([], ["required: command"]),

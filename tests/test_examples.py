@@ -29,6 +29,8 @@ KEY_LINES = {
     "sharded_data_parallel.py": "sharded data parallel: ok",
     "metrics_on_device.py": "metrics on device: ok",
     "multihost_train.py": "processes=1 devices=8",
+    "checkpoint_resume.py": "checkpoint resume: ok",
+    "fsdp_train.py": "fsdp train: ok",
 }
 
 

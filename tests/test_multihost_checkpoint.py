@@ -1,0 +1,62 @@
+"""Checkpoints across process layouts: written by 2 x 4 devices, read by 1 x 8, and back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = os.path.join(REPO, "tests", "mp_scripts", "ckpt_multihost.py")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _one(mode: str, directory) -> str:
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, mode, str(directory)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _two(mode: str, directory) -> str:
+    launch = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch"]
+    proc = subprocess.run(
+        [*launch, "-n", "2", "--devices-per-process", "4", "--timeout", "150", "--"]
+        + [sys.executable, SCRIPT, mode, str(directory)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_two_by_four_writes_its_shards_and_one_by_eight_restores(tmp_path):
+    out = _two("save", tmp_path)
+    assert out.count("saved ok processes=2 devices=8") == 2
+    state = tmp_path / "plain" / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
+    assert "restored ok processes=1 devices=8" in _one("restore", tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_one_by_eight_checkpoint_restores_in_two_by_four(tmp_path):
+    assert "saved ok processes=1 devices=8" in _one("save", tmp_path)
+    out = _two("restore", tmp_path)
+    assert out.count("restored ok processes=2 devices=8") == 2
