@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import os
 import shutil
@@ -435,21 +436,59 @@ def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
 
 
 def _leaf_checksums(arrays: Sequence[Any]) -> np.ndarray:
-    """One uint32 per array, computed where the array lives (numpy: on the host device)."""
+    """One uint32 per array, computed where the array lives (numpy: on the host device).
+
+    A fully replicated array on several devices of this process is summed in
+    parts, one per device (each reads its slice of its own copy, then one
+    all-reduce): the checksum is the same number, in 1/n of the time per
+    device. Other replicated arrays (several processes) use their first
+    local copy, so no process waits for another.
+    """
     if not arrays:
         return np.zeros((0,), np.uint32)
     xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
     out = np.zeros(len(xs), np.uint32)
-    for idx in _by_devices(xs).values():  # one program per set of devices
-        out[idx] = _fetch(_checksums([xs[i] for i in idx]))
+    for devices, idx in _by_devices(xs).items():  # one program per set of devices
+        group = [xs[i] for i in idx]
+        split = len(devices) > 1 and all(_split_here(x) for x in group)
+        fn = _split_checksums(_checksum_mesh(devices)) if split else _checksums
+        out[idx] = _fetch(fn(group))
     return out
 
 
+def _split_here(x: jax.Array) -> bool:
+    return x.sharding.is_fully_replicated and x.is_fully_addressable
+
+
 def _one_copy(x: jax.Array) -> jax.Array:
-    """A replicated array's first local copy (its checksum is the same, 1/n of the work)."""
+    """A replicated array's first local copy, unless :func:`_split_checksums` can share it."""
     if len(x.sharding.device_set) > 1 and x.sharding.is_fully_replicated:
-        return x.addressable_shards[0].data
+        return x if x.is_fully_addressable else x.addressable_shards[0].data
     return x
+
+
+def _checksum_mesh(devices: frozenset) -> Mesh:
+    return Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("checksum",))
+
+
+@functools.lru_cache(maxsize=16)
+def _split_checksums(mesh: Mesh) -> Callable[[list[jax.Array]], jax.Array]:
+    """:func:`_checksums` of replicated arrays, each device summing one slice of its copy."""
+    n, parts = mesh.size, NamedSharding(mesh, P("checksum"))
+
+    def one(x: jax.Array) -> jax.Array:
+        b = _bits(x)
+        pad = -b.size % n  # zeros at the end add nothing
+        b = jnp.pad(b, (0, pad)).reshape(n, -1)
+        i = jax.lax.iota(jnp.uint32, b.size).reshape(n, -1)
+        b, i = (jax.lax.with_sharding_constraint(a, parts) for a in (b, i))
+        w = (i * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
+        return jnp.sum(b * w, dtype=jnp.uint32)
+
+    def run(xs: list[jax.Array]) -> jax.Array:
+        return jnp.stack([one(x) for x in xs])
+
+    return jax.jit(run, out_shardings=NamedSharding(mesh, P()))
 
 
 def _by_devices(xs: Sequence[jax.Array]) -> dict[Any, list[int]]:
@@ -479,7 +518,29 @@ def _composite(prepared: _Prepared, step: int | None, metrics: _Prepared | None)
     return ocp.args.Composite(**items)
 
 
+def _release_waiters() -> None:
+    """Wake orbax's writer threads still waiting for a step directory a failed save never made.
+
+    Orbax 0.12's asynchronous handlers start non-daemon threads that wait for
+    a "step directory created" signal; when the save fails before that, they
+    wait out the coordination timeout (5 minutes) and hold the interpreter's
+    exit that long. Sending the signal lets them fail at once (their writes
+    go to a directory that is never committed).
+    """
+    try:
+        from orbax.checkpoint._src.futures import future, synchronization
+    except ImportError:  # another orbax layout: nothing to release
+        return
+    try:
+        current = synchronization.OperationIdGenerator.get_current_operation_id()
+        signal = synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION
+        future.set_signals([signal], operation_id=current)
+    except Exception:  # best effort: the error being reported matters more
+        pass
+
+
 def _write_error(path: Any, err: BaseException) -> CheckpointError:
+    _release_waiters()
     why = f"{type(err).__name__}: {err}"
     hint = ""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
