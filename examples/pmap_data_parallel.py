@@ -44,7 +44,9 @@ def by_hand(params, data, steps):
     opt_state = jaxdev.stack_for_pmap(TX.init(jaxdev.unstack_from_pmap(params)))
     batch = jaxdev.shard_for_pmap(data)  # (B, ...) -> (n, B/n, ...)
     for _ in range(steps):
-        params, opt_state = pstep(params, opt_state, batch)
+        # Waiting each step: on a host with few cores, XLA's CPU all-reduce between fake
+        # devices can deadlock when several pmap steps are queued (JAX 0.10.2, 2 cores).
+        params, opt_state = jax.block_until_ready(pstep(params, opt_state, batch))
     return jaxdev.unstack_from_pmap(params, check=True)  # check: every replica identical
 
 
