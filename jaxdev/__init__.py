@@ -114,7 +114,7 @@ from ._asserts import assert_sharded as assert_sharded
 from ._asserts import assert_sharded_fraction as assert_sharded_fraction
 
 # --- checkpoints ---
-from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 

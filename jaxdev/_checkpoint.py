@@ -1,41 +1,50 @@
-"""Checkpoints that know their placement, on orbax-checkpoint.
+"""Checkpoints that know their placement and never lose the last good state, on orbax.
 
-:func:`save` writes any pytree of arrays (one device, replicated, batch- or
-rule-sharded, pmap-stacked, multi-process global arrays) with orbax's
-``PyTreeCheckpointHandler``; :func:`restore` reads it back onto any target.
-:class:`Checkpointer` is a thin layer over orbax's ``CheckpointManager`` for
-training loops (numbered steps, ``keep`` newest, asynchronous saves).
+:func:`save` writes any pytree (arrays of any layout: one device, replicated,
+batch- or rule-sharded, pmap-stacked, multi-process global arrays; typed
+PRNG keys; numpy arrays; Python numbers; None) with orbax's public
+``PyTreeSave`` / ``JsonSave`` items; :func:`restore` reads it back onto any
+target. :class:`jaxdev.Checkpointer` (``_checkpointer``) numbers them by step.
 
-A checkpoint is one orbax composite directory with up to three items:
+A checkpoint is one orbax composite directory:
 
-* ``state``: the tree's arrays as a nested dict of strings (each key-path
-  entry written as a string), so plain orbax can read it too;
+* ``state``: the tree's non-empty arrays as a nested dict of strings (each
+  key-path entry written as a string), so plain orbax can read it too;
+  absent when the tree has none (a tree of Python numbers);
 * ``jaxdev``: JSON metadata: the format version, the step, the tree's
   structure (to rebuild it without a target), per leaf its key path, shape,
-  dtype, saved sharding, a checksum, and Python scalars by value;
-* ``running_metrics`` (``Checkpointer.save(..., metrics=...)``): a second tree saved
-  like ``state``.
+  dtype, saved sharding, a 64-bit checksum of its bytes, Python scalars by
+  value; and a SHA-256 digest of all of it;
+* ``running_metrics`` (``Checkpointer.save(..., metrics=...)``): a second tree
+  saved like ``state``.
 
-Orbax writes into a temporary directory and renames it when every item is
-complete, so an interrupted save never becomes a checkpoint.
+Promises (each with a regression test in ``tests/test_checkpoint_safety.py``):
+
+* **the last good checkpoint survives**: a new checkpoint is written beside
+  the old one and swapped in atomically only once complete (``_ckpt_files``);
+  a failed or killed ``save(..., overwrite=True)`` leaves the old one
+  restorable, and the error says so only when it is true.
+* **nothing that is not ours is deleted**: ``overwrite=True`` replaces only
+  a jaxdev checkpoint (or an empty folder).
+* **one writer**: a second writer of the same path is refused (a lock the
+  kernel drops when its holder dies).
+* **no wrong value without an error**: every array's bytes are checked
+  against a 64-bit non-linear checksum (``_checksum``) after each restore;
+  the metadata (Python scalars, steps, checksums) against its digest; a
+  Python scalar restored onto an array target of a dtype that cannot hold
+  it exactly is refused; several processes must restore the same step of
+  the same checkpoint (one small exchange), the one that differs is named.
 
 Decisions:
 
-* **pmap-stacked leaves** (a leaf whose leading size ``n`` equals the size of
-  the one-axis mesh it is split over, ``P(axis)``, as :func:`stack_for_pmap`
-  and ``jax.pmap`` make) whose ``n`` rows are bitwise equal are written once
-  (row 0) and recorded as stacked over their devices. Restoring them onto a
+* **pmap-stacked leaves** (leading size ``n`` equal to the size of the
+  one-axis mesh they are split over, ``P(axis)``) whose ``n`` rows are
+  bitwise equal are written once and recorded as stacked. Restoring onto a
   device, mesh, sharding or rules target gives the one copy; onto a target
-  leaf of shape ``(n, ...)`` (a stacked tree) they are stacked again.
-  Stacked-looking leaves whose rows differ (a batch) are saved whole.
-* **checksums**: every array leaf's checksum (a position-weighted sum of its
-  bits, computed on device, the same for every layout) is stored at save
-  time and verified after every restore: a flipped byte in a data file is a
-  :class:`CheckpointError` naming the checkpoint and the leaf, never silent
-  garbage.
-* **Python scalars** (``int``, ``float``, ``bool``, ``complex``) are stored
-  by value in the metadata and come back as the same Python type; ``None``
-  is an empty subtree.
+  leaf of shape ``(n, ...)`` they are stacked again.
+* **typed PRNG keys** are written as their ``jax.random.key_data`` and
+  wrapped again with their implementation on restore.
+* **zero-size arrays** are recorded in the metadata only (no bytes).
 * ``target=None`` rebuilds the saved structure: dicts, lists, tuples,
   ``None``, NamedTuples (``TrainState``, optax states) and jax-registered
   dataclasses (jaxdev metrics) whose class is already imported, and
@@ -50,10 +59,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import gc
+import hashlib
+import json
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -64,16 +73,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from . import _ckpt_files as files
+from ._checksum import by_devices, checksums, legacy_checksums, words
 from ._errors import CheckpointError, join_failures
 from ._leaves import PY_SCALARS, is_tracer, keystr
+from ._mesh import mesh_of, replicated_sharding
+from ._multihost import exchange
 from ._placement import as_sharding
 
 FORMAT = "jaxdev-checkpoint"
-VERSION = 1
-_STATE, _META, _METRICS = "state", "jaxdev", "running_metrics"  # orbax reserves "metrics"
+VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
+STATE, META, METRICS = "state", files.META_ITEM, "running_metrics"  # orbax reserves "metrics"
 
 
-def _ocp():
+def orbax():
     import orbax.checkpoint as ocp  # imported on first use: ~0.5 s
 
     return ocp
@@ -183,49 +196,21 @@ def _rebuild_node(cls: type, children: dict) -> Any:
     return children
 
 
-# ---------------------------------------------------------------- leaf kinds and checksums
+# ---------------------------------------------------------------- leaf kinds
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """The raw bits of ``x`` as uint32, one or more per element (flattened)."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], -1)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).ravel()
-    size = x.dtype.itemsize
-    if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
-
-
-def _checksum(x: jax.Array) -> jax.Array:
-    """A position-weighted uint32 sum of ``x``'s bits: one changed element always changes it.
-
-    Each element's bits ``b_i`` are multiplied by an odd weight ``w_i``
-    (invertible mod 2**32), so ``(b_i' - b_i) * w_i != 0``. Integer sums are
-    exact, so every sharding of the same values gives the same number.
-    """
-    b = _bits(x)
-    i = jnp.arange(b.size, dtype=jnp.uint32)
-    w = (i * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
-    return jnp.sum(b * w, dtype=jnp.uint32)
-
-
-@jax.jit
-def _checksums(xs: list[jax.Array]) -> jax.Array:
-    if not xs:
-        return jnp.zeros((0,), jnp.uint32)
-    return jnp.stack([_checksum(x) for x in xs])
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 @jax.jit
 def _rows_equal(xs: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.all(_bits(x).reshape(x.shape[0], -1) == _bits(x[:1])) for x in xs])
+    return jnp.stack([jnp.all(words(x).reshape(x.shape[0], -1) == words(x[:1])) for x in xs])
 
 
 def _stacked_mesh(x: Any) -> Mesh | None:
@@ -247,6 +232,18 @@ def _stacked_mesh(x: Any) -> Mesh | None:
 def _row0(x: jax.Array) -> jax.Array:
     shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
     return shard.data[0]
+
+
+def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
+    """Leaves in pmap layout whose rows are bitwise equal: index -> their mesh."""
+    found = {i: m for i, x in enumerate(leaves) if (m := _stacked_mesh(x)) is not None}
+    if not found:
+        return {}
+    idx = list(found)
+    equal = np.zeros(len(idx), bool)
+    for group in by_devices([leaves[i] for i in idx]).values():
+        equal[group] = np.asarray(jax.device_get(_rows_equal([leaves[idx[g]] for g in group])))
+    return {i: found[i] for i, ok in zip(idx, equal) if ok}
 
 
 # ---------------------------------------------------------------- describing shardings
@@ -285,7 +282,7 @@ def _saved_sharding(desc: dict | None) -> Sharding | None:
 
 def _default_sharding() -> Sharding:
     if jax.process_count() > 1:
-        return NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+        return replicated_sharding(mesh_of(tuple(jax.devices()), "data"))
     return SingleDeviceSharding(jax.devices()[0])
 
 
@@ -293,7 +290,7 @@ def _default_sharding() -> Sharding:
 
 
 class _Prepared(NamedTuple):
-    arrays: dict  # nested dict of strings -> arrays, what orbax writes
+    arrays: dict  # nested dict of strings -> arrays, what orbax writes (may be empty)
     meta: dict  # JSON
 
 
@@ -322,57 +319,66 @@ def _flat(tree: Any, arg: str) -> list[tuple[tuple[str, ...], str, Any]]:
     return out
 
 
-def _prepare(tree: Any, arg: str = "tree") -> _Prepared:
+def _leaf_problem(x: Any) -> str | None:
+    if is_tracer(x):
+        return "a tracer (checkpoints are written outside jit)"
+    if isinstance(x, jax.Array) and x.is_deleted():
+        return "deleted or donated"
+    if not (_is_array(x) or isinstance(x, PY_SCALARS)):
+        return f"{type(x).__name__} (only arrays, Python numbers and None)"
+    if isinstance(x, np.ndarray) and x.dtype == object:
+        return "numpy array of dtype object"
+    return None
+
+
+def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     """Check ``tree``'s leaves and build what orbax writes plus jaxdev's metadata."""
     flat = _flat(tree, arg)
-    bad = []
-    for _, name, x in flat:
-        if is_tracer(x):
-            bad.append(f"{name}: a tracer (checkpoints are written outside jit)")
-        elif isinstance(x, jax.Array) and x.is_deleted():
-            bad.append(f"{name}: deleted or donated")
-        elif not (_is_array(x) or isinstance(x, PY_SCALARS)):
-            bad.append(f"{name}: {type(x).__name__} (only arrays, Python numbers and None)")
-        elif isinstance(x, np.ndarray) and x.dtype == object:
-            bad.append(f"{name}: numpy array of dtype object")
+    bad = [f"{name}: {why}" for _, name, x in flat if (why := _leaf_problem(x))]
     if bad:
         raise CheckpointError(join_failures(f"`{arg}` has leaves that cannot be saved:", bad))
-    if jax.process_count() > 1:
-        flat = _globalize(flat, arg)
-    leaves = [x for _, _, x in flat]
-    stacked = _find_stacked(leaves)
-    entries, keys, arrays = [], [], []
-    for i, (key, name, x) in enumerate(flat):
+    entries: list[dict] = []
+    for key, name, x in flat:
         entry: dict[str, Any] = {"key": list(key), "path": name}
         if isinstance(x, PY_SCALARS):
             entry.update(kind="scalar", type=type(x).__name__, value=_scalar_json(x))
-        else:
-            if i in stacked:
-                mesh = stacked[i]
-                entry["stacked"] = {"n": x.shape[0], "devices": [d.id for d in mesh.devices.flat]}
-                x = _row0(x)
-            if isinstance(x, np.generic):
-                x = np.asarray(x)
-            entry.update(
-                kind="jax" if isinstance(x, jax.Array) else "numpy",
-                shape=list(np.shape(x)),
-                dtype=str(np.dtype(x.dtype)),
-                sharding=_describe(x.sharding) if isinstance(x, jax.Array) else None,
-            )
-            keys.append(tuple(key))
-            arrays.append(x)
+        elif _is_key(x):
+            entry["key_impl"] = str(jax.random.key_impl(x))
+            entry["key_shape"] = list(x.shape)
         entries.append(entry)
-    sums = _leaf_checksums(arrays)
-    j = 0
-    for entry in entries:
-        if entry["kind"] != "scalar":
-            entry["checksum"] = int(sums[j])
-            j += 1
+    leaves = [jax.random.key_data(x) if _is_key(x) else x for _, _, x in flat]
+    if jax.process_count() > 1:
+        leaves = _globalize(flat, leaves, arg)
+    stacked = _find_stacked(leaves)
+    keys, arrays, written = [], [], []
+    for i, (entry, x) in enumerate(zip(entries, leaves)):
+        if entry.get("kind") == "scalar":
+            continue
+        if i in stacked:
+            mesh = stacked[i]
+            entry["stacked"] = {"n": x.shape[0], "devices": [d.id for d in mesh.devices.flat]}
+            x = _row0(x)
+        if isinstance(x, np.generic):
+            x = np.asarray(x)
+        entry.update(
+            kind="jax" if isinstance(x, jax.Array) else "numpy",
+            shape=list(np.shape(x)),
+            dtype=str(np.dtype(x.dtype)),
+            sharding=_describe(x.sharding) if isinstance(x, jax.Array) else None,
+        )
+        if np.size(x) == 0:
+            entry["empty"] = True  # no bytes: the metadata says it all
+            continue
+        keys.append(tuple(entry["key"]))
+        arrays.append(x)
+        written.append(entry)
+    for entry, s in zip(written, checksums(arrays)):
+        entry["checksum"] = s
     meta = {"leaves": entries, "skeleton": _skeleton(tree, [0])}
     return _Prepared(_nest(keys, arrays), meta)
 
 
-def _globalize(flat: list, arg: str) -> list:
+def _globalize(flat: list, leaves: list, arg: str) -> list:
     """Multi-process: leaves held by this process alone become replicated global arrays.
 
     Orbax writes global arrays only. A process-local leaf (e.g. an optimizer
@@ -382,28 +388,21 @@ def _globalize(flat: list, arg: str) -> list:
     """
     from ._multihost import assert_same_across_processes
 
-    local = [
-        i for i, (_, _, x) in enumerate(flat) if isinstance(x, jax.Array) and x.is_fully_addressable
-    ]
+    local = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_fully_addressable]
     if not local:
-        return flat
+        return leaves
     try:
-        assert_same_across_processes({flat[i][1]: flat[i][2] for i in local})
+        assert_same_across_processes({flat[i][1]: leaves[i] for i in local})
     except AssertionError as err:
         raise CheckpointError(
             f"`{arg}` has leaves held by each process separately whose values differ across "
             f"processes, so no single value can be saved: {err}"
         ) from err
-    rep = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
-    out = list(flat)
+    rep = replicated_sharding(mesh_of(tuple(jax.devices()), "data"))
+    out = list(leaves)
     for i in local:
-        key, name, x = flat[i]
-        host = np.asarray(jax.device_get(x))
-        out[i] = (
-            key,
-            name,
-            jax.make_array_from_callback(host.shape, rep, lambda idx, h=host: h[idx]),
-        )
+        host = np.asarray(jax.device_get(leaves[i]))
+        out[i] = jax.make_array_from_callback(host.shape, rep, lambda idx, h=host: h[idx])
     return out
 
 
@@ -423,113 +422,48 @@ def _scalar_value(kind: str, value: Any) -> Any:
     return {"bool": bool, "int": int}[kind](value)
 
 
-def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
-    """Leaves in pmap layout whose rows are bitwise equal: index -> their mesh."""
-    found = {i: m for i, x in enumerate(leaves) if (m := _stacked_mesh(x)) is not None}
-    if not found:
-        return {}
-    idx = list(found)
-    equal = np.zeros(len(idx), bool)
-    for group in _by_devices([leaves[i] for i in idx]).values():
-        equal[group] = np.asarray(jax.device_get(_rows_equal([leaves[idx[g]] for g in group])))
-    return {i: found[i] for i, ok in zip(idx, equal) if ok}
+def _digest(meta: dict) -> str:
+    """SHA-256 of the metadata without its digest (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _leaf_checksums(arrays: Sequence[Any]) -> np.ndarray:
-    """One uint32 per array, computed where the array lives (numpy: on the host device).
-
-    A fully replicated array on several devices of this process is summed in
-    parts, one per device (each reads its slice of its own copy, then one
-    all-reduce): the checksum is the same number, in 1/n of the time per
-    device. Other replicated arrays (several processes) use their first
-    local copy, so no process waits for another.
-    """
-    if not arrays:
-        return np.zeros((0,), np.uint32)
-    xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-    out = np.zeros(len(xs), np.uint32)
-    for devices, idx in _by_devices(xs).items():  # one program per set of devices
-        group = [xs[i] for i in idx]
-        split = len(devices) > 1 and all(_split_here(x) for x in group)
-        fn = _split_checksums(_checksum_mesh(devices)) if split else _checksums
-        out[idx] = _fetch(fn(group))
-    return out
-
-
-def _split_here(x: jax.Array) -> bool:
-    return x.sharding.is_fully_replicated and x.is_fully_addressable
-
-
-def _one_copy(x: jax.Array) -> jax.Array:
-    """A replicated array's first local copy, unless :func:`_split_checksums` can share it."""
-    if len(x.sharding.device_set) > 1 and x.sharding.is_fully_replicated:
-        return x if x.is_fully_addressable else x.addressable_shards[0].data
-    return x
-
-
-def _checksum_mesh(devices: frozenset) -> Mesh:
-    return Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("checksum",))
-
-
-@functools.lru_cache(maxsize=16)
-def _split_checksums(mesh: Mesh) -> Callable[[list[jax.Array]], jax.Array]:
-    """:func:`_checksums` of replicated arrays, each device summing one slice of its copy."""
-    n, parts = mesh.size, NamedSharding(mesh, P("checksum"))
-
-    def one(x: jax.Array) -> jax.Array:
-        b = _bits(x)
-        pad = -b.size % n  # zeros at the end add nothing
-        b = jnp.pad(b, (0, pad)).reshape(n, -1)
-        i = jax.lax.iota(jnp.uint32, b.size).reshape(n, -1)
-        b, i = (jax.lax.with_sharding_constraint(a, parts) for a in (b, i))
-        w = (i * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
-        return jnp.sum(b * w, dtype=jnp.uint32)
-
-    def run(xs: list[jax.Array]) -> jax.Array:
-        return jnp.stack([one(x) for x in xs])
-
-    return jax.jit(run, out_shardings=NamedSharding(mesh, P()))
-
-
-def _by_devices(xs: Sequence[jax.Array]) -> dict[Any, list[int]]:
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-    return groups
-
-
-def _fetch(x: jax.Array) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(jax.device_get(x))
-
-
-# ---------------------------------------------------------------- orbax calls
-
-
-def _composite(prepared: _Prepared, step: int | None, metrics: _Prepared | None) -> Any:
-    ocp = _ocp()
-    meta = {"format": FORMAT, "version": VERSION, "step": step, _STATE: prepared.meta}
-    items = {_STATE: ocp.args.PyTreeSave(prepared.arrays)}
-    if metrics is not None:
-        meta[_METRICS] = metrics.meta
-        items[_METRICS] = ocp.args.PyTreeSave(metrics.arrays)
-    items[_META] = ocp.args.JsonSave(meta)
+def composite(prepared: _Prepared, step: int | None, metrics: _Prepared | None) -> Any:
+    """The orbax args of one checkpoint: array items (if any) and the JSON metadata."""
+    ocp = orbax()
+    meta: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step}
+    items = {}
+    for name, part in ((STATE, prepared), (METRICS, metrics)):
+        if part is None:
+            continue
+        meta[name] = part.meta
+        if part.arrays:  # orbax refuses an empty item ("Found empty item")
+            items[name] = ocp.args.PyTreeSave(part.arrays)
+    meta = json.loads(json.dumps(meta))  # what JSON gives back, digested as such
+    meta["digest"] = _digest(meta)
+    items[META] = ocp.args.JsonSave(meta)
     return ocp.args.Composite(**items)
 
 
-def _release_waiters() -> None:
+# ---------------------------------------------------------------- writing
+
+
+def release_waiters() -> None:
     """Wake orbax's writer threads still waiting for a step directory a failed save never made.
 
-    Orbax 0.12's asynchronous handlers start non-daemon threads that wait for
-    a "step directory created" signal; when the save fails before that, they
-    wait out the coordination timeout (5 minutes) and hold the interpreter's
-    exit that long. Sending the signal lets them fail at once (their writes
-    go to a directory that is never committed).
+    Orbax 0.12.8 bug worked around here: its asynchronous array handlers
+    start non-daemon threads that wait for a "step directory created"
+    signal; when a save fails before that signal, they wait out the
+    coordination timeout (5 minutes) and hold the interpreter's exit that
+    long. Orbax has no public API to cancel them, so this sends the signal
+    through ``orbax.checkpoint._src`` (the only private import of orbax in
+    jaxdev): they then fail at once, writing into a directory that is never
+    committed. With another orbax layout this does nothing.
     """
     try:
         from orbax.checkpoint._src.futures import future, synchronization
-    except ImportError:  # another orbax layout: nothing to release
+    except ImportError:
         return
     try:
         current = synchronization.OperationIdGenerator.get_current_operation_id()
@@ -539,8 +473,9 @@ def _release_waiters() -> None:
         pass
 
 
-def _write_error(path: Any, err: BaseException) -> CheckpointError:
-    _release_waiters()
+def write_error(path: Any, err: BaseException, *, previous: str) -> CheckpointError:
+    """A failed write as a CheckpointError; ``previous`` says what became of the old state."""
+    release_waiters()
     why = f"{type(err).__name__}: {err}"
     hint = ""
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
@@ -550,9 +485,47 @@ def _write_error(path: Any, err: BaseException) -> CheckpointError:
     ):
         hint = " The directory is not writable: fix its permissions or write elsewhere."
     return CheckpointError(
-        f"Could not write the checkpoint {path}: {why}.{hint} Nothing was committed: the "
-        "previous checkpoint (if any) is intact, and the state in memory is unchanged."
+        f"Could not write the checkpoint {path}: {why}.{hint} Nothing was committed: "
+        f"{previous}, and the state in memory is unchanged."
     )
+
+
+def _sync(tag: str) -> None:
+    """Every process reaches ``tag`` before any goes on (one process: nothing)."""
+    if jax.process_count() > 1:
+        exchange(f"checkpoint/{tag}", "here")
+
+
+def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
+    """The one-writer lock of ``what``: process 0 takes it, every process learns the outcome.
+
+    Raises:
+      CheckpointError: another writer holds it (on every process alike).
+    """
+    lock = files.WriterLock(lock_path, what)
+    problem = ""
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except CheckpointError as err:
+            problem = str(err)
+        except OSError as err:
+            problem = str(write_error(what, err, previous="nothing was changed"))
+    if jax.process_count() > 1:
+        problem = exchange("checkpoint/lock", problem)[0]
+    if problem:
+        lock.release()
+        raise CheckpointError(problem)
+    return lock
+
+
+@contextlib.contextmanager
+def _writer(lock_path: str, what: str) -> Iterator[None]:
+    lock = take_writer_lock(lock_path, what)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = False) -> None:
@@ -562,82 +535,88 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
     writes its own shards (orbax). pmap-stacked leaves with equal rows are
     written once (see the module notes); a checksum per leaf is stored and
     verified by :func:`restore`. The directory appears only when complete.
+    With ``overwrite=True`` the new checkpoint is written beside the old one
+    and swapped in atomically once complete: a failed or killed save leaves
+    the old one restorable at ``path``.
 
     Args:
-      path: a directory that does not exist yet.
-      tree: a pytree of ``jax.Array``, numpy arrays, Python numbers and None.
+      path: a directory that does not exist yet (or, with ``overwrite``, a
+        jaxdev checkpoint or an empty folder).
+      tree: a pytree of ``jax.Array`` (typed PRNG keys included), numpy
+        arrays, Python numbers and None.
       step: a step number to record (read back with :func:`checkpoint_step`).
-      overwrite: replace an existing checkpoint at ``path``.
+      overwrite: replace the jaxdev checkpoint at ``path``.
 
     Raises:
-      CheckpointError: ``path`` exists (and not ``overwrite``); a leaf cannot
-        be saved (its key path named); the write failed (disk full, not
-        writable): nothing was committed and ``tree`` is unchanged.
+      CheckpointError: ``path`` exists (and not ``overwrite``), or is not a
+        jaxdev checkpoint (a folder of other files is never replaced);
+        another writer is saving to ``path``; a leaf cannot be saved (its
+        key path named); the write failed (disk full, not writable): the
+        previous checkpoint and ``tree`` are unchanged.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxdev
       >>> d = tempfile.mkdtemp()
       >>> jaxdev.save(f"{d}/ckpt", {"w": jnp.ones(3), "n": 7}, step=7)
+      >>> jaxdev.save(f"{d}/ckpt", {"w": jnp.zeros(3), "n": 8}, step=8, overwrite=True)
       >>> jaxdev.restore(f"{d}/ckpt")
-      {'n': 7, 'w': Array([1., 1., 1.], dtype=float32)}
+      {'n': 8, 'w': Array([0., 0., 0.], dtype=float32)}
     """
     path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not overwrite:
-        raise CheckpointError(
-            f"Checkpoint path {path} already exists: pass `overwrite=True` or choose a new "
-            "path (`jaxdev.Checkpointer` numbers its checkpoints by step)."
+    prepared = prepare(tree)
+    args = composite(prepared, step, None)
+    with _writer(files.sibling(path, "lock"), f"Checkpoint {path}"):
+        if jax.process_index() == 0:
+            files.recover(path)
+        exists = os.path.lexists(path)
+        if exists and not overwrite:
+            raise CheckpointError(
+                f"Checkpoint path {path} already exists: pass `overwrite=True` or choose a new "
+                "path (`jaxdev.Checkpointer` numbers its checkpoints by step)."
+            )
+        if exists:
+            files.check_replaceable(path)
+        target = files.sibling(path, "new") if exists else path
+        previous = (
+            f"the previous checkpoint at {path} is intact"
+            if exists
+            else f"no checkpoint was created at {path}"
         )
-    prepared = _prepare(tree)
-    for attempt in (1, 2):
-        _remove_unfinished(path)
-        try:
-            _write(path, prepared, step, overwrite)
-            return
-        except FileExistsError:  # an earlier failed save's tmp dir appeared late
-            if attempt == 2:
-                raise
-        except (OSError, ValueError, RuntimeError) as err:
-            raise _write_error(path, err) from err
+        if jax.process_index() == 0:
+            files.remove_leftovers(path)
+        _sync("cleaned")
+        _write(target, args, previous)
+        if exists:
+            if jax.process_index() == 0:
+                try:
+                    files.replace(target, path)
+                except OSError as err:
+                    raise write_error(path, err, previous=previous) from err
+            _sync("replaced")
 
 
-def _write(path: str, prepared: _Prepared, step: int | None, overwrite: bool) -> None:
-    ocp = _ocp()
+def _write(path: str, args: Any, previous: str) -> None:
+    ocp = orbax()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            ckptr.save(path, args=_composite(prepared, step, None), force=overwrite)
-    except FileExistsError:
-        raise
+            ckptr.save(path, args=args)
     except (OSError, ValueError, RuntimeError) as err:
-        raise _write_error(path, err) from err
-
-
-def _remove_unfinished(path: str) -> None:
-    """Delete what an earlier failed save of ``path`` left: orbax's uncommitted tmp dir."""
-    if jax.process_index() != 0:
-        return
-    parent, name = os.path.split(path)
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for n in names:
-        if n.startswith(name + ".orbax-checkpoint-tmp"):
-            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+        raise write_error(path, err, previous=previous) from err
 
 
 # ---------------------------------------------------------------- reading
 
 
-def _read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
-    ocp = _ocp()
+def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
+    ocp = orbax()
     if not os.path.isdir(path):
         raise CheckpointError(_missing_message(path))
-    if not os.path.isdir(os.path.join(path, _META)):
+    if not os.path.isdir(os.path.join(path, META)):
         raise CheckpointError(
-            f"{path} is not a jaxdev checkpoint (no `{_META}` item inside). " + _steps_hint(path)
+            f"{path} is not a jaxdev checkpoint (no `{META}` item inside). " + _steps_hint(path)
         )
     try:
-        meta = reader(ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        meta = reader(ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as err:  # orbax raises many types on a damaged file
         raise CheckpointError(
             f"Could not read the metadata of checkpoint {path} ({type(err).__name__}: {err}): "
@@ -650,11 +629,56 @@ def _read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
             f"Checkpoint {path} has format version {meta['version']}, newer than this "
             f"jaxdev reads ({VERSION}): upgrade jaxdev."
         )
+    if meta.get("version", 0) >= 2 and meta.get("digest") != _digest(meta):
+        raise CheckpointError(
+            f"The metadata of checkpoint {path} is damaged: its SHA-256 digest does not match "
+            "its contents (a changed step, Python value, shape or checksum). Restore an "
+            "earlier checkpoint."
+        )
     return meta
+
+
+def _same_everywhere(path: str, meta: dict) -> None:
+    """Several processes: every one must restore the same step of the same checkpoint."""
+    if jax.process_count() == 1:
+        return
+    mine = json.dumps({"step": meta.get("step"), "digest": meta.get("digest"), "path": path})
+    seen = [
+        json.loads(x) if x.startswith("{") else {"digest": x}
+        for x in exchange("checkpoint/restore", mine)
+    ]
+    if len({(s.get("step"), s.get("digest")) for s in seen}) <= 1:
+        return
+    lines = [
+        f"process {p}: step {s.get('step')} of {s.get('path', '?')} (digest "
+        f"{str(s.get('digest'))[:12]})"
+        for p, s in enumerate(seen)
+    ]
+    raise CheckpointError(
+        join_failures(
+            "The processes restore different checkpoints, so the replicas of one array would "
+            "disagree: every process must restore the same step of the same checkpoint "
+            "(same directory and step on a shared file system). Processes:",
+            lines,
+        )
+    )
 
 
 def _missing_message(path: str) -> str:
     return f"No checkpoint at {path}: the directory does not exist. " + _steps_hint(path)
+
+
+def _recover_for_read(path: str) -> None:
+    """A replacement cut between its two renames: put a checkpoint back (under the lock)."""
+    if os.path.lexists(path) or jax.process_index() != 0:
+        return
+    if not any(files.is_checkpoint(files.sibling(path, r)) for r in ("new", "old")):
+        return
+    with (
+        contextlib.suppress(CheckpointError),
+        files.WriterLock(files.sibling(path, "lock"), f"Checkpoint {path}"),
+    ):
+        files.recover(path)
 
 
 def _steps_hint(path: str) -> str:
@@ -679,6 +703,7 @@ class _Want(NamedTuple):
     sharding: Sharding | None
     shape: tuple[int, ...] | None  # None: as saved
     dtype: Any  # None: as saved
+    key_impl: str | None = None  # wrap the read uint32 data as typed PRNG keys of this impl
 
 
 def _is_target_leaf(x: Any) -> bool:
@@ -708,16 +733,16 @@ def _as_target_sharding(path: str, target: Any) -> Sharding:
 def _want_common(e: dict, common: Sharding | None) -> _Want:
     if e["kind"] == "scalar":
         return _Want("scalar", None, None, None)
+    impl = e.get("key_impl")
     if common is None:
         if e["kind"] == "numpy":
-            return _Want("numpy", None, None, None)
-        s = _saved_sharding(e.get("sharding"))
-        if s is not None and e.get("stacked"):
-            s = None  # written unstacked: see below
+            return _Want("numpy", None, None, None, impl)
         if e.get("stacked"):
-            return _Want("jax", _restack_sharding(e), (e["stacked"]["n"], *e["shape"]), None)
-        return _Want("jax", s or _default_sharding(), None, None)
-    return _Want("jax", common, None, None)
+            shape = (e["stacked"]["n"], *e["shape"])
+            return _Want("jax", _restack_sharding(e), shape, None, impl)
+        saved = _saved_sharding(e.get("sharding")) or _default_sharding()
+        return _Want("jax", saved, None, None, impl)
+    return _Want("jax", common, None, None, impl)
 
 
 def _restack_sharding(e: dict) -> Sharding:
@@ -725,8 +750,7 @@ def _restack_sharding(e: dict) -> Sharding:
     by_id = {d.id: d for d in jax.devices()}
     ids = e["stacked"]["devices"]
     if all(i in by_id for i in ids) and e["sharding"] is not None:
-        axis = "data"
-        return NamedSharding(Mesh(np.array([by_id[i] for i in ids]), (axis,)), P(axis))
+        return NamedSharding(mesh_of(tuple(by_id[i] for i in ids), "data"), P("data"))
     return _default_sharding()
 
 
@@ -743,7 +767,7 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
         if e["kind"] == "scalar"
         else jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
         for e in entries
-    ]
+    ]  # typed keys are ruled as their uint32 data
     abstract = _rebuild(skeleton, shapes)
     try:
         shardings = state_shardings(abstract, mesh, rules)
@@ -756,7 +780,7 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
     wants = [
         _Want("scalar", None, None, None)
         if e["kind"] == "scalar"
-        else _Want("jax", next(it), None, None)
+        else _Want("jax", next(it), None, None, e.get("key_impl"))
         for e in entries
     ]
     return wants, lambda leaves: _rebuild(skeleton, leaves)
@@ -808,12 +832,18 @@ def _asked_text(x: Any) -> str:
 
 
 def _want_of(e: dict, leaf: Any) -> _Want:
+    if _is_key(leaf):  # a typed key target: read its uint32 data, then wrap
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        s = getattr(leaf, "sharding", None)
+        s = s if isinstance(s, Sharding) else _want_common(e, None).sharding
+        impl = str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else _sds_impl(e, leaf)
+        return _Want("jax", s, data.shape, np.dtype(data.dtype), impl)
     if isinstance(leaf, PY_SCALARS):
         return _Want("pytype", None, None, type(leaf))
     if isinstance(leaf, Sharding):
-        return _Want("jax", leaf, None, None)
+        return _Want("jax", leaf, None, None, e.get("key_impl"))
     if isinstance(leaf, (jax.Device, Mesh)):
-        return _Want("jax", as_sharding(leaf), None, None)
+        return _Want("jax", as_sharding(leaf), None, None, e.get("key_impl"))
     if isinstance(leaf, np.ndarray | np.generic):
         return _Want("numpy", None, np.shape(leaf), np.dtype(leaf.dtype))
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -827,6 +857,18 @@ def _want_of(e: dict, leaf: Any) -> _Want:
     )
 
 
+def _sds_impl(e: dict, leaf: Any) -> str:
+    """The PRNG implementation of a ShapeDtypeStruct of typed keys: the saved one, if it matches."""
+    impl = e.get("key_impl")
+    if impl is None or str(jax.random.key(0, impl=impl).dtype) != str(leaf.dtype):
+        saved = f"typed keys {impl}" if impl else f"{e['dtype']}{e['shape']} (raw key data?)"
+        raise CheckpointError(
+            f"`target` leaf {e['path']} asks typed keys {leaf.dtype}, the checkpoint holds "
+            f"{saved}: give a key array of the implementation you want as the target leaf."
+        )
+    return impl
+
+
 # ---------------------------------------------------------------- planning the read
 
 
@@ -836,6 +878,7 @@ class _Read(NamedTuple):
     sharding: Sharding | None  # None: numpy
     post: str  # "none" | "stack" (broadcast onto a leading device axis)
     final: Sharding | None
+    empty: bool = False  # a zero-size array: nothing to read, built from the metadata
 
 
 def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list[_Read | None]:
@@ -846,6 +889,8 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
             reads.append(None)
             if w.kind in ("jax", "numpy") and w.shape not in (None, ()):
                 bad.append(f"{e['path']}: saved a Python {e['type']}, asked shape {w.shape}")
+            elif w.kind != "scalar" and (why := _lossy(e, w)):
+                bad.append(f"{e['path']}: {why}")
             continue
         saved_shape, saved_dtype = tuple(e["shape"]), np.dtype(e["dtype"])
         if w.kind == "pytype":
@@ -867,19 +912,56 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
                     f"{tuple(w.shape)}"
                 )
         if w.kind == "numpy":
-            reads.append(_Read(None, post, None))
+            reads.append(_Read(None, post, None, e.get("empty", False)))
             continue
         shape = tuple(w.shape) if post == "stack" else saved_shape
         problem = _indivisible(w.sharding, shape)
         if problem:
             bad.append(f"{e['path']}: shape {shape} cannot be split by {problem}")
         read = _stack_source(w.sharding) if post == "stack" else w.sharding
-        reads.append(_Read(read, post, w.sharding))
+        reads.append(_Read(read, post, w.sharding, e.get("empty", False)))
     if bad:
         raise CheckpointError(
             join_failures(f"Checkpoint {path} ({what}) cannot be restored onto `target`:", bad)
         )
     return reads
+
+
+def _scalar_target_type(w: _Want, value: Any) -> Any:
+    """The dtype (or Python type) a saved Python scalar becomes under ``w``."""
+    if w.kind == "pytype":
+        return w.dtype
+    if w.dtype is not None:
+        return np.dtype(w.dtype)
+    return jax.dtypes.canonicalize_dtype(np.asarray(value).dtype)
+
+
+def _cast_scalar(value: Any, to: Any) -> Any:
+    """``value`` as ``to`` (a Python type or numpy dtype); ValueError if not exact."""
+    try:
+        with np.errstate(all="ignore"):
+            cast = to(value) if isinstance(to, type) else np.asarray(value, to)
+    except (OverflowError, TypeError, ValueError) as err:
+        raise ValueError(str(err)) from err
+    back = cast.item() if isinstance(cast, np.ndarray) else cast
+    same = back == value or (back != back and value != value)  # nan stays nan
+    if not same or (isinstance(value, complex) and not isinstance(back, complex) and value.imag):
+        raise ValueError(f"it would become {back!r}")
+    return cast
+
+
+def _lossy(e: dict, w: _Want) -> str | None:
+    value = _scalar_value(e["type"], e["value"])
+    to = _scalar_target_type(w, value)
+    try:
+        _cast_scalar(value, to)
+    except ValueError as err:
+        name = to.__name__ if isinstance(to, type) else str(to)
+        return (
+            f"saved the Python {e['type']} {value!r}, asked {name}, which cannot hold it "
+            f"exactly ({err}); restore it onto a Python number or a wider dtype"
+        )
+    return None
 
 
 def _indivisible(s: Sharding | None, shape: tuple[int, ...]) -> str | None:
@@ -899,15 +981,15 @@ def _stack_source(s: Sharding) -> Sharding:
     """Read a stacked leaf's one copy replicated over the devices it will be stacked on."""
     if isinstance(s, NamedSharding):
         return NamedSharding(s.mesh, P())
-    devs = list(s.device_set)
-    return NamedSharding(Mesh(np.array(devs), ("data",)), P())
+    devs = tuple(sorted(s.device_set, key=lambda d: d.id))
+    return replicated_sharding(mesh_of(devs, "data"))
 
 
 def _orbax_restore(path, reader, item, entries, reads, what):
-    ocp = _ocp()
+    ocp = orbax()
     keys, abstract, args = [], [], []
     for e, r in zip(entries, reads):
-        if r is None:
+        if r is None or r.empty:
             continue
         shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
         keys.append(tuple(e["key"]))
@@ -943,7 +1025,7 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     return got
 
 
-def _short(err: BaseException) -> str:
+def _short(err: BaseException) -> str:  # one cut length for orbax's long messages
     text = " ".join(str(err).split())
     return text if len(text) < 400 else text[:400] + " ..."
 
@@ -968,7 +1050,7 @@ def _quiet_leftovers() -> Iterator[None]:
 
 def _broken_leaves(reader, item, keys, abstract, args, entries) -> str:
     """Read the leaves one by one after a failed read: name the ones that fail."""
-    ocp = _ocp()
+    ocp = orbax()
     names = {tuple(e["key"]): e["path"] for e in entries}
     broken = []
     for key, a, r in zip(keys, abstract, args):
@@ -984,40 +1066,58 @@ def _broken_leaves(reader, item, keys, abstract, args, entries) -> str:
     return f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
 
 
-def _finish(path, entries, wants, reads, arrays, what) -> list[Any]:
-    """Verify checksums, stack where asked, make scalars; one value per saved leaf."""
-    it = iter(arrays)
-    got = [None if r is None else next(it) for r in reads]
+def _verify(path: str, entries: list[dict], got: list[Any], version: int, what: str) -> None:
+    """Compare each read array's checksum with the one written; raise naming the leaves."""
     live = [(i, x) for i, x in enumerate(got) if x is not None]
-    if live and all("checksum" in entries[i] for i, _ in live):
-        sums = _leaf_checksums([x for _, x in live])
-        bad = [
-            f"{entries[i]['path']}: checksum {int(s)} read, {entries[i]['checksum']} written"
-            for (i, _), s in zip(live, sums)
-            if int(s) != entries[i]["checksum"]
-        ]
-        if bad:
-            raise CheckpointError(
-                join_failures(
-                    f"Checkpoint {path} ({what}) is corrupted: these leaves read back "
-                    "different bits than were written (a damaged or overwritten data file). "
-                    "Restore an earlier checkpoint. Leaves:",
-                    bad,
-                )
+    if not live or not all("checksum" in entries[i] for i, _ in live):
+        return
+    fn = checksums if version >= 2 else legacy_checksums
+    sums = fn([x for _, x in live])
+    bad = [
+        f"{entries[i]['path']}: checksum {s:#x} read, {entries[i]['checksum']:#x} written"
+        for (i, _), s in zip(live, sums)
+        if s != entries[i]["checksum"]
+    ]
+    if bad:
+        raise CheckpointError(
+            join_failures(
+                f"Checkpoint {path} ({what}) is corrupted: these leaves read back "
+                "different bits than were written (a damaged or overwritten data file). "
+                "Restore an earlier checkpoint. Leaves:",
+                bad,
             )
+        )
+
+
+def _empty(e: dict, w: _Want, r: _Read) -> Any:
+    shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+    if r.sharding is None:
+        return np.zeros(shape, dtype)
+    return jax.device_put(np.zeros(shape, dtype), r.sharding)
+
+
+def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
+    """Verify checksums, stack where asked, make scalars and keys; one value per saved leaf."""
+    it = iter(arrays)
+    got = [None if r is None or r.empty else next(it) for r in reads]
+    _verify(path, entries, got, version, what)
     out = []
     for e, w, r, x in zip(entries, wants, reads, got):
         if e["kind"] == "scalar":
             value = _scalar_value(e["type"], e["value"])
-            if w.kind == "jax":
-                value = (
-                    jax.device_put(np.asarray(value, w.dtype), w.sharding) if w.sharding else value
-                )
+            if w.kind != "scalar":
+                value = _cast_scalar(value, _scalar_target_type(w, value))
+                if w.kind == "jax":
+                    value = jax.device_put(value, w.sharding)
             out.append(value)
-        elif r.post == "stack":
-            out.append(_stack(x, w.shape[0], r.final))
-        else:
-            out.append(x)
+            continue
+        if r.empty:
+            x = _empty(e, w, r)
+        if r.post == "stack":
+            x = _stack(x, w.shape[0], r.final)
+        if w.key_impl is not None and isinstance(x, jax.Array):
+            x = jax.random.wrap_key_data(x, impl=w.key_impl)
+        out.append(x)
     return out
 
 
@@ -1027,12 +1127,15 @@ def _stack(x: Any, n: int, s: Sharding | None) -> Any:
     return jax.jit(lambda y: jnp.broadcast_to(y, (n, *y.shape)), out_shardings=s)(x)
 
 
-def _restore_item(path, reader, meta, item, target, rules, what):
+def restore_item(path, reader, meta, item, target, rules, what):
+    """Restore the item ``item`` of the checkpoint whose metadata is ``meta``."""
     entries, skeleton = meta[item]["leaves"], meta[item]["skeleton"]
     wants, build = _resolve(path, entries, skeleton, target, rules, what)
     reads = _plan(path, entries, wants, what)
+    _same_everywhere(path, meta)
     arrays = _orbax_restore(path, reader, item, entries, reads, what)
-    return build(_finish(path, entries, wants, reads, arrays, what))
+    version = meta.get("version", 1)
+    return build(_finish(path, entries, wants, reads, arrays, version, what))
 
 
 def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
@@ -1080,14 +1183,15 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
       P('data',)
     """
     path = os.path.abspath(os.fspath(path))
-    ocp = _ocp()
+    _recover_for_read(path)
+    ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
 
         def reader(args: Any) -> Any:
             return ckptr.restore(path, args=args)
 
-        meta = _read_meta(path, reader)
-        return _restore_item(path, reader, meta, _STATE, target, rules, "state")
+        meta = read_meta(path, reader)
+        return restore_item(path, reader, meta, STATE, target, rules, "state")
 
 
 def checkpoint_step(path: Any) -> int | None:
@@ -1105,232 +1209,21 @@ def checkpoint_step(path: Any) -> int | None:
       12
     """
     path = os.path.abspath(os.fspath(path))
-    ocp = _ocp()
+    ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        return _read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")
+        return read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")
 
 
-# ---------------------------------------------------------------- the manager
-
-
-class Checkpointer:
-    """Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
-
-    ``save(step, state)`` writes ``directory/<step>`` every ``every`` steps,
-    keeps the ``keep`` newest, and (``async_``) returns once the arrays are
-    copied off the devices while a background thread writes them; the step
-    loop goes on meanwhile. A checkpoint appears (and ``latest_step`` sees
-    it) only once complete: orbax writes into a temporary directory and
-    renames it, so a process killed mid-save leaves the previous checkpoint
-    as the latest one.
-
-    Args:
-      directory: where the numbered checkpoints go (created if missing).
-      keep: how many newest checkpoints to keep (``None``: all).
-      every: save only steps that are multiples of ``every``, as orbax
-        decides it: the first save into an empty directory always happens,
-        and a step not above the latest checkpoint is skipped
-        (``force=True`` saves any step that has no checkpoint yet).
-      async_: write in the background (``wait()`` blocks until done).
-
-    Raises:
-      CheckpointError: ``directory`` cannot be created or written.
-
-    Example:
-      >>> import tempfile, jax.numpy as jnp, optax, jaxdev
-      >>> state = jaxdev.TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1))
-      >>> with jaxdev.Checkpointer(tempfile.mkdtemp(), every=10) as ckpt:
-      ...     ckpt.save(10, state), ckpt.save(15, state)
-      ...     ckpt.wait()
-      ...     back = ckpt.restore(state)
-      (True, False)
-      >>> type(back).__name__, ckpt.latest_step()
-      ('TrainState', 10)
-    """
-
-    def __init__(
-        self, directory: Any, keep: int | None = 3, every: int = 1, async_: bool = True
-    ) -> None:
-        if keep is not None and (isinstance(keep, bool) or keep < 1):
-            raise CheckpointError(f"`keep` must be a positive int or None, got {keep!r}.")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise CheckpointError(f"`every` must be a positive int, got {every!r}.")
-        self.directory = os.path.abspath(os.fspath(directory))
-        self._started: set[int] = set()
-        ocp = _ocp()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=every,
-            enable_async_checkpointing=async_,
-            create=True,
-        )
-        try:  # item handlers follow the args of each save / restore (Composite)
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
-        except OSError as err:
-            raise _write_error(self.directory, err) from err
-
-    def save(self, step: int, state: Any, metrics: Any = None, force: bool = False) -> bool:
-        """Save ``state`` (and ``metrics``: a ``Collection``, ``DeviceLog``, any tree) as ``step``.
-
-        Args:
-          step: the step number (the directory name).
-          state: the tree to save (e.g. a ``TrainState``).
-          metrics: an optional second tree saved alongside.
-          force: save even when ``step`` is not a multiple of ``every``.
-
-        Returns:
-          True if a save started; False when ``step`` was skipped (not a
-          multiple of ``every``, or a checkpoint of that step exists: one is
-          never overwritten).
-
-        Raises:
-          CheckpointError: a leaf cannot be saved, or the write failed (disk
-            full, not writable; an asynchronous write that failed earlier is
-            reported by the next ``save``, ``wait`` or ``close``). ``state``
-            is never changed.
-
-        Example:
-          >>> import tempfile, jax.numpy as jnp, jaxdev
-          >>> with jaxdev.Checkpointer(tempfile.mkdtemp(), async_=False) as ckpt:
-          ...     ckpt.save(1, {"w": jnp.ones(2)})
-          True
-        """
-        step = int(step)
-        if step in self._started or step in self._manager.all_steps():
-            return False  # never overwrite a checkpoint
-        if not force and not self._manager.should_save(step):
-            return False
-        prepared = _prepare(state, "state")
-        extra = None if metrics is None else _prepare(metrics, "metrics")
-        try:
-            started = self._manager.save(step, args=_composite(prepared, step, extra), force=True)
-        except (OSError, ValueError, RuntimeError) as err:
-            raise _write_error(os.path.join(self.directory, str(step)), err) from err
-        if started:
-            self._started.add(step)
-        return bool(started)
-
-    def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step (None when there is none).
-
-        Example:
-          >>> import tempfile, jaxdev
-          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).latest_step() is None
-          True
-        """
-        return self._manager.latest_step()
-
-    def all_steps(self) -> list[int]:
-        """Steps of every complete checkpoint, oldest first.
-
-        Example:
-          >>> import tempfile, jaxdev
-          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).all_steps()
-          []
-        """
-        return sorted(self._manager.all_steps())
-
-    def _step(self, step: int | None) -> int:
-        if step is None:
-            self.wait()
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointError(
-                    f"No checkpoint in {self.directory}: nothing has been saved there yet "
-                    "(check the directory; `latest_step()` is None)."
-                )
-        elif step not in self._manager.all_steps():
-            raise CheckpointError(
-                f"No checkpoint for step {step} in {self.directory}; complete steps: "
-                f"{self.all_steps()}."
-            )
-        return int(step)
-
-    def _read(self, step: int, item: str, target: Any, rules: Any) -> Any:
-        path = os.path.join(self.directory, str(step))
-
-        def reader(args: Any) -> Any:
-            return self._manager.restore(step, args=args)
-
-        meta = _read_meta(path, reader)
-        if item not in meta:
-            return None
-        return _restore_item(path, reader, meta, item, target, rules, item)
-
-    def restore(self, target: Any = None, step: int | None = None, *, rules: Any = None) -> Any:
-        """Restore the state of ``step`` (default: the latest) onto ``target``.
-
-        Args:
-          target: as :func:`jaxdev.restore` (``None``, a device, mesh,
-            sharding, a mesh with ``rules``, or a tree like the state).
-          step: which checkpoint; default :meth:`latest_step` (after
-            :meth:`wait`).
-          rules: sharding rules, with a ``Mesh`` target.
-
-        Returns:
-          The state only; see :meth:`restore_metrics` for the metrics.
-
-        Raises:
-          CheckpointError: no checkpoint (or not that step), or as
-            :func:`jaxdev.restore`.
-
-        Example:
-          >>> import tempfile, jax.numpy as jnp, jaxdev
-          >>> with jaxdev.Checkpointer(tempfile.mkdtemp()) as ckpt:
-          ...     _ = ckpt.save(3, {"w": jnp.ones(2)})
-          ...     ckpt.restore("cpu:1")["w"].devices() == {jaxdev.cpu(1)}
-          True
-        """
-        return self._read(self._step(step), _STATE, target, rules)
-
-    def restore_metrics(self, target: Any = None, step: int | None = None) -> Any:
-        """Restore the metrics saved with ``step`` (default: the latest); None if none were.
-
-        Example:
-          >>> import tempfile, jax.numpy as jnp, jaxdev
-          >>> m = jaxdev.Collection.from_values({"loss": jaxdev.Mean}, {"loss": jnp.ones(4)})
-          >>> with jaxdev.Checkpointer(tempfile.mkdtemp()) as ckpt:
-          ...     _ = ckpt.save(1, {"w": jnp.ones(2)}, metrics=m)
-          ...     float(ckpt.restore_metrics()["loss"].compute())
-          1.0
-        """
-        return self._read(self._step(step), _METRICS, target, None)
-
-    def wait(self) -> None:
-        """Block until every asynchronous save has finished (and report its failure).
-
-        Raises:
-          CheckpointError: a background write failed.
-
-        Example:
-          >>> import tempfile, jaxdev
-          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).wait()
-        """
-        try:
-            self._manager.wait_until_finished()
-        except (OSError, ValueError, RuntimeError) as err:
-            raise _write_error(self.directory, err) from err
-
-    def close(self) -> None:
-        """Wait for pending saves and release orbax's resources.
-
-        Example:
-          >>> import tempfile, jaxdev
-          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).close()
-        """
-        try:
-            self.wait()
-        finally:
-            self._manager.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"Checkpointer({self.directory!r}, steps={self.all_steps()})"
-
-
-__all__ = ["Checkpointer", "checkpoint_step", "restore", "save"]
+__all__ = [
+    "checkpoint_step",
+    "composite",
+    "orbax",
+    "prepare",
+    "read_meta",
+    "release_waiters",
+    "restore",
+    "restore_item",
+    "save",
+    "take_writer_lock",
+    "write_error",
+]

@@ -1,0 +1,243 @@
+"""The files of a checkpoint: one writer at a time, atomic replacement, only our own deletions.
+
+Three promises, each kept by one function here:
+
+* **one writer**: :class:`WriterLock` is an exclusive ``flock`` on a lock
+  file beside (or inside) what is written. The kernel drops it when its
+  process dies, so a killed writer never leaves a stale lock; a second
+  writer (another process, another ``Checkpointer``, another thread) is
+  refused at once with the holder's pid, host and start time.
+* **atomic overwrite**: :func:`replace` swaps a complete new checkpoint with
+  the old one in one ``renameat2(RENAME_EXCHANGE)`` (Linux), then deletes
+  the old one. Where the exchange is not available it renames the old one
+  aside, the new one in, then deletes the old one; a crash between those
+  two renames is undone by :func:`recover`, which the next ``save`` or
+  ``restore`` of the path runs. Either way a checkpoint is at ``path`` (old
+  or new) or recoverable beside it at every instant.
+* **never delete what is not ours**: :func:`check_replaceable` refuses to
+  replace a folder that is not a jaxdev checkpoint (naming what is in it);
+  :func:`remove_leftovers` removes only the reserved names
+  ``.<name>.jaxdev-new`` / ``.<name>.jaxdev-old`` (and orbax's temporary
+  folders of those) that an interrupted save of the same path left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import socket
+import threading
+import time
+from typing import Any
+
+from ._errors import CheckpointError
+
+META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def sibling(path: str, role: str) -> str:
+    """The reserved name beside ``path`` for ``role`` (``new``, ``old``, ``lock``).
+
+    Example:
+      >>> sibling("/runs/ckpt", "new")
+      '/runs/.ckpt.jaxdev-new'
+    """
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.jaxdev-{role}")
+
+
+def is_checkpoint(path: str) -> bool:
+    """True if ``path`` is a folder that jaxdev's :func:`~jaxdev.save` wrote.
+
+    Example:
+      >>> is_checkpoint("/")
+      False
+    """
+    return os.path.isdir(os.path.join(path, META_ITEM))
+
+
+class WriterLock:
+    """An exclusive, non-blocking lock held by the one writer of a checkpoint path.
+
+    Args:
+      lock_path: the lock file (created; removed again on release).
+      what: the thing being written, for the error message.
+
+    Example:
+      >>> import tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> with WriterLock(f"{d}/.lock", "demo"):
+      ...     WriterLock(f"{d}/.lock", "demo").acquire()
+      Traceback (most recent call last):
+      ...
+      jaxdev._errors.CheckpointError: demo is being written by another writer ...
+    """
+
+    def __init__(self, lock_path: str, what: str) -> None:
+        self.lock_path = lock_path
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> WriterLock:
+        os.makedirs(os.path.dirname(self.lock_path) or ".", exist_ok=True)
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"{self.what} is being written by another writer ({owner}; lock file "
+                    f"{self.lock_path}). Two writers would mix their steps or destroy each "
+                    "other's files, so this one is refused: wait for the other to finish "
+                    "(close its Checkpointer), or write to another path."
+                ) from None
+            try:  # the holder before us may have removed the file we opened: retry
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        owner = (
+            f"pid {os.getpid()} on {socket.gethostname()}, thread "
+            f"{threading.current_thread().name!r}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
+        os.ftruncate(fd, 0)
+        os.write(fd, owner.encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:  # remove first, then unlock: a waiter re-checks the inode (see acquire)
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "owner not yet recorded"
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder.
+
+    Raises:
+      CheckpointError: ``path`` is a file, or a folder jaxdev did not write;
+        the message lists what is in it.
+
+    Example:
+      >>> import tempfile
+      >>> check_replaceable(tempfile.mkdtemp())  # empty: nothing to lose
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"`path` {path} exists and is a file, not a checkpoint: jaxdev never deletes "
+            "what it did not write. Choose another path or remove it yourself."
+        )
+    if is_checkpoint(path):
+        return
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "")
+    raise CheckpointError(
+        f"`path` {path} is a folder that is not a jaxdev checkpoint (it holds {shown}): "
+        "`overwrite=True` replaces only a checkpoint that jaxdev wrote, never other files. "
+        "Choose another path (e.g. a subfolder), or move those files yourself."
+    )
+
+
+def remove_leftovers(path: str) -> None:
+    """Delete what an interrupted save of ``path`` left beside it (our reserved names only)."""
+    parent, _ = os.path.split(path)
+    prefixes = (os.path.basename(sibling(path, "new")), os.path.basename(sibling(path, "old")))
+    name = os.path.basename(path)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for n in names:
+        ours = n.startswith(prefixes) or n.startswith(name + ".orbax-checkpoint-tmp")
+        if ours:
+            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories atomically; False where the kernel or libc cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if os.environ.get("JAXDEV_CHECKPOINT_NO_EXCHANGE") == "1":  # tests of the fallback
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def replace(new: str, path: str) -> None:
+    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last."""
+    old = sibling(path, "old")
+    if _exchange(new, path):
+        shutil.rmtree(new)  # now the old checkpoint
+        return
+    os.rename(path, old)
+    os.rename(new, path)  # a crash before this line: recover() renames one back
+    shutil.rmtree(old)
+
+
+def recover(path: str) -> bool:
+    """If a replacement was cut between its two renames, put a checkpoint back at ``path``.
+
+    The new checkpoint is preferred (it was complete before the old one was
+    moved); else the old one. Returns True if something was put back.
+    """
+    if os.path.exists(path):
+        return False
+    for role in ("new", "old"):
+        candidate = sibling(path, role)
+        if is_checkpoint(candidate):
+            os.rename(candidate, path)
+            return True
+    return False
+
+
+__all__ = [
+    "META_ITEM",
+    "WriterLock",
+    "check_replaceable",
+    "is_checkpoint",
+    "recover",
+    "remove_leftovers",
+    "replace",
+    "sibling",
+]
