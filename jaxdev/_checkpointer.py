@@ -112,6 +112,11 @@ class Checkpointer:
           True
         """
         step = int(step)
+        if self._lock is None:  # first save: become the one writer, then see the folder anew
+            lock_path = os.path.join(self.directory, LOCK_NAME)
+            what = f"Checkpoint directory {self.directory}"
+            self._lock = ckpt.take_writer_lock(lock_path, what)
+            self._manager.reload()
         if step in self._started or step in self._manager.all_steps():
             return False  # never overwrite a checkpoint
         latest = max([*self._started, *self._manager.all_steps()], default=None)
@@ -127,10 +132,6 @@ class Checkpointer:
             return False
         prepared = ckpt.prepare(state, "state")
         extra = None if metrics is None else ckpt.prepare(metrics, "metrics")
-        if self._lock is None:
-            lock_path = os.path.join(self.directory, LOCK_NAME)
-            what = f"Checkpoint directory {self.directory}"
-            self._lock = ckpt.take_writer_lock(lock_path, what)
         path = os.path.join(self.directory, str(step))
         try:
             started = self._manager.save(
@@ -154,7 +155,7 @@ class Checkpointer:
           >>> jaxdev.Checkpointer(tempfile.mkdtemp()).latest_step() is None
           True
         """
-        return max(self._manager.all_steps(), default=None)
+        return max(self._steps(), default=None)
 
     def all_steps(self) -> list[int]:
         """Steps of every complete checkpoint, oldest first.
@@ -164,7 +165,13 @@ class Checkpointer:
           >>> jaxdev.Checkpointer(tempfile.mkdtemp()).all_steps()
           []
         """
-        return sorted(self._manager.all_steps())
+        return sorted(self._steps())
+
+    def _steps(self) -> list[int]:
+        """Complete steps; read from the folder again unless this is its writer."""
+        if self._lock is None:
+            self._manager.reload()
+        return list(self._manager.all_steps())
 
     def _step(self, step: int | None) -> int:
         if step is None:
@@ -175,7 +182,7 @@ class Checkpointer:
                     f"No checkpoint in {self.directory}: nothing has been saved there yet "
                     "(check the directory; `latest_step()` is None)."
                 )
-        elif step not in self._manager.all_steps():
+        elif step not in self._steps():
             raise CheckpointError(
                 f"No checkpoint for step {step} in {self.directory}; complete steps: "
                 f"{self.all_steps()}."

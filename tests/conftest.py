@@ -59,3 +59,11 @@ def devices():
     devs = jax.devices("cpu")
     assert len(devs) == N_DEVICES, f"expected {N_DEVICES} fake devices, got {devs}"
     return devs
+
+
+@pytest.fixture
+def mesh():
+    """A one-axis ``data`` mesh over the 8 fake CPU devices (``jaxdev.data_mesh()``)."""
+    import jaxdev
+
+    return jaxdev.data_mesh()

@@ -60,3 +60,10 @@ def test_one_by_eight_checkpoint_restores_in_two_by_four(tmp_path):
     assert "saved ok processes=1 devices=8" in _one("save", tmp_path)
     out = _two("restore", tmp_path)
     assert out.count("restored ok processes=2 devices=8") == 2
+
+
+@pytest.mark.timeout(300)
+def test_processes_restoring_different_checkpoints_are_refused_and_named(tmp_path):
+    out = _two("diverge", tmp_path)
+    assert out.count("refused ok: The processes restore different checkpoints") == 2, out
+    assert "process 0: step 1 of" in out and "process 1: step 2 of" in out

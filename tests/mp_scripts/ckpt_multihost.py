@@ -1,13 +1,15 @@
 """Save or restore a sharded TrainState, as 1 process x 8 devices or under ``jaxdev launch``.
 
-Usage: ``python ckpt_multihost.py save|restore DIR`` (alone: 8 fake CPU
+Usage: ``python ckpt_multihost.py save|restore|diverge DIR`` (alone: 8 fake CPU
 devices; under ``jaxdev launch -n 2 --devices-per-process 4``: 2 processes).
 The state's ``w`` is split over every device of every process (``P('data')``),
 ``b`` replicated. ``save`` writes ``DIR/plain`` with :func:`jaxdev.save` and
 step 7 of a :class:`jaxdev.Checkpointer` in ``DIR/manager``. ``restore`` reads
 both back onto this run's devices (like a freshly built state, and with
 ``rules='fsdp'``), checks every addressable shard against the expected
-values, and prints ``restored ok processes=P devices=D``.
+values, and prints ``restored ok processes=P devices=D``. ``diverge`` saves
+steps 1 and 2 as ``DIR/a`` and ``DIR/b``, then process ``i`` restores the
+``i``-th: every process must refuse (``refused ok: <message>``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ def main(mode: str, directory: str) -> int:
             ckpt.save(7, state)
         print(f"saved ok processes={jax.process_count()} devices={jax.device_count()}")
         return 0
+    if mode == "diverge":
+        for name, step in (("a", 1), ("b", 2)):
+            jaxdev.save(os.path.join(directory, name), make_state(mesh, step), step=step)
+        mine = os.path.join(directory, "ab"[jax.process_index() % 2])
+        try:
+            jaxdev.restore(mine, make_state(mesh, scale=0.0))
+        except jaxdev.CheckpointError as err:
+            print("refused ok:", " ".join(str(err).split()))
+            return 0
+        print("restored different checkpoints without an error")
+        return 1
     like = make_state(mesh, scale=0.0)  # the layout to restore onto
     check(jaxdev.restore(os.path.join(directory, "plain"), like), mesh, "plain")
     check(jaxdev.restore(os.path.join(directory, "plain"), mesh, rules="fsdp"), mesh, "fsdp")
