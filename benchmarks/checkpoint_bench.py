@@ -43,7 +43,7 @@ from _timing import Timings  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdev._checkpoint import _leaf_checksums  # noqa: E402
+from jaxdev._checksum import checksums  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -98,6 +98,14 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
             "orbax PyTreeCheckpointHandler save": lambda: handler.save(
                 fresh(), args=ocp.args.PyTreeSave(state)
             ),
+            # replacing an existing checkpoint: jaxdev writes beside it and swaps; orbax's
+            # force=True deletes the old one first (not atomic)
+            "jaxdev.save overwrite=True": lambda: jaxdev.save(
+                os.path.join(root, "o_jaxdev"), state, overwrite=True
+            ),
+            "orbax save force=True": lambda: handler.save(
+                os.path.join(root, "o_orbax"), args=ocp.args.PyTreeSave(state), force=True
+            ),
         },
         repeats,
         cleanup,
@@ -115,7 +123,7 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
                 os.path.join(root, "r_orbax"),
                 args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args),
             ),
-            "checksum pass alone": lambda: _leaf_checksums(jax.tree.leaves(state)),
+            "checksum pass alone": lambda: checksums(jax.tree.leaves(state)),
         },
         repeats,
         lambda: None,
@@ -123,6 +131,13 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
     handler.close()
     rows = [
         _row(saves, "save", "jaxdev.save", "orbax PyTreeCheckpointHandler save", "<= 1.10x"),
+        _row(
+            saves,
+            "save over an existing checkpoint",
+            "jaxdev.save overwrite=True",
+            "orbax save force=True",
+            "<= 1.10x",
+        ),
         _row(
             restores,
             "restore (same layout)",

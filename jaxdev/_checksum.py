@@ -19,8 +19,9 @@ dtype, so:
   cancel only if their mixed differences sum to zero in both lanes at once,
   about 2**-64 for a given change (the position-weighted plain sum this
   replaces missed the sign bits of any two float32 elements, always).
-  Measured on 100 MB replicated over 8 fake CPU devices: 25 ms, against
-  31 ms for the plain weighted sum (XLA:CPU);
+  Both lanes come from one variadic reduction (one pass over the data).
+  Measured on 100 MB replicated over 8 fake CPU devices: 14 ms, against
+  31 ms for the plain weighted sum it replaces (XLA:CPU);
 * integer sums are exact and order-free, so every sharding (one device,
   replicated, split over a mesh, several processes) of the same values gives
   the same number.
@@ -86,7 +87,13 @@ def _lanes(b: jax.Array, i: jax.Array, valid: jax.Array | None = None) -> jax.Ar
     g = _fmix(h ^ jnp.uint32(_LANE_1))
     if valid is not None:
         h, g = jnp.where(valid, h, 0), jnp.where(valid, g, 0)
-    return jnp.stack([jnp.sum(h, dtype=jnp.uint32), jnp.sum(g, dtype=jnp.uint32)])
+    # One variadic reduction: both lanes in one pass over the data. Two jnp.sum calls
+    # read it twice, and cost twice as much on XLA:CPU (25 vs 14 ms per 100 MB).
+    zero = jnp.zeros((), jnp.uint32)
+    lanes = jax.lax.reduce(
+        (h, g), (zero, zero), lambda a, c: (a[0] + c[0], a[1] + c[1]), tuple(range(h.ndim))
+    )
+    return jnp.stack(lanes)
 
 
 def _one(x: jax.Array) -> jax.Array:
