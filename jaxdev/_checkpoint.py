@@ -95,12 +95,17 @@ def orbax():
 # ---------------------------------------------------------------- keys and structure
 
 
-def _entry(k: Any) -> str:
-    """One key-path entry as orbax's string key."""
+def _entry_raw(k: Any) -> Any:
+    """One key-path entry's own value: a dict key, attribute name or sequence index."""
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+            return getattr(k, attr)
+    return k
+
+
+def _entry(k: Any) -> str:
+    """One key-path entry as orbax's string key."""
+    return str(_entry_raw(k))
 
 
 def _key(path: Sequence[Any]) -> tuple[str, ...]:
@@ -136,13 +141,6 @@ def _skeleton(node: Any, counter: list[int]) -> Any:
     else:
         kind = "node"
     return {"t": kind, "cls": _cls_name(node), "c": kids}
-
-
-def _entry_raw(k: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return k
 
 
 def _imported_class(name: str) -> type | None:
@@ -1034,10 +1032,13 @@ def _short(err: BaseException) -> str:  # one cut length for orbax's long messag
 def _quiet_leftovers() -> Iterator[None]:
     """Collect the read coroutines orbax abandoned after a failed read, without noise.
 
-    When one array read fails, orbax leaves the other reads' coroutines to the
-    garbage collector, which reports each as an unraisable exception (and
-    pytest turns those into errors). The failure itself is reported by the
-    caller, so they are collected here with the report switched off.
+    Orbax 0.12.8 bug worked around here: when one array read fails, orbax
+    leaves the other reads' coroutines to the garbage collector, which
+    reports each as an unraisable exception ("coroutine ... was never
+    awaited"; pytest turns those into errors). Orbax offers no way to cancel
+    them, and the failure itself is reported by the caller, so they are
+    collected here with the report switched off: ``sys.unraisablehook`` is
+    replaced only for this ``gc.collect()`` after a failed read, and put back.
     """
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None

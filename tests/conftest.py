@@ -67,3 +67,20 @@ def mesh():
     import jaxdev
 
     return jaxdev.data_mesh()
+
+
+@pytest.fixture
+def disk_full(monkeypatch):
+    """Every array write of orbax fails with ENOSPC, as a full disk makes tensorstore fail.
+
+    (Patches orbax's array handler: the one place a test reaches into orbax's
+    ``_src``; ``monkeypatch.undo()`` gives the space back.)
+    """
+    import errno
+
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    async def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", no_space)

@@ -9,7 +9,6 @@ silently, and crashed on typed keys and scalar-only trees).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -40,29 +39,13 @@ def _state(scale: float = 1.0):
     return jaxdev.TrainState.create({"w": jnp.arange(6.0).reshape(2, 3) * scale}, optax.sgd(0.1))
 
 
-@pytest.fixture
-def no_space(monkeypatch):
-    """Every array write fails with ENOSPC, as a full disk makes tensorstore fail."""
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    async def fail(self, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", fail)
-
-
 # ---------------------------------------------------------------- atomic overwrite
 
 
-def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch, request):
     path = tmp_path / "c"
     jaxdev.save(path, _state(1.0), step=1)
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    async def fail(self, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", fail)
+    request.getfixturevalue("disk_full")  # from now on every array write fails
     with pytest.raises(CheckpointError, match=f"the previous checkpoint at {path} is intact"):
         jaxdev.save(path, _state(2.0), step=2, overwrite=True)
     monkeypatch.undo()
@@ -75,7 +58,7 @@ def test_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
-def test_a_failed_first_save_does_not_claim_a_previous_checkpoint(tmp_path, no_space):
+def test_a_failed_first_save_does_not_claim_a_previous_checkpoint(tmp_path, disk_full):
     with pytest.raises(CheckpointError, match="no checkpoint was created at"):
         jaxdev.save(tmp_path / "c", _state())
 
