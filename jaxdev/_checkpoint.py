@@ -70,13 +70,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _ckpt_files as files
 from ._checksum import by_devices, checksums, legacy_checksums, words
 from ._errors import CheckpointError, join_failures
-from ._leaves import PY_SCALARS, is_tracer, keystr
+from ._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
 from ._mesh import mesh_of, replicated_sharding
 from ._multihost import exchange
 from ._placement import as_sharding
@@ -84,6 +84,7 @@ from ._placement import as_sharding
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
 STATE, META, METRICS = "state", files.META_ITEM, "running_metrics"  # orbax reserves "metrics"
+MANAGER_LOCK = ".jaxdev-lock"  # a Checkpointer's lock file, inside its directory
 
 
 def orbax():
@@ -220,6 +221,8 @@ def _stacked_mesh(x: Any) -> Mesh | None:
     s = x.sharding
     if not isinstance(s, NamedSharding) or len(s.mesh.axis_names) != 1:
         return None
+    if any(t != AxisType.Auto for t in s.mesh.axis_types):  # pmap layouts have Auto axes
+        return None
     axis = s.mesh.axis_names[0]
     spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))
     if spec[0] != axis or any(e is not None for e in spec[1:]) or s.mesh.size != x.shape[0]:
@@ -324,8 +327,8 @@ def _leaf_problem(x: Any) -> str | None:
         return "deleted or donated"
     if not (_is_array(x) or isinstance(x, PY_SCALARS)):
         return f"{type(x).__name__} (only arrays, Python numbers and None)"
-    if isinstance(x, np.ndarray) and x.dtype == object:
-        return "numpy array of dtype object"
+    if isinstance(x, (np.ndarray, np.generic)) and not is_host_value(x):
+        return f"numpy array of dtype {x.dtype} (only numeric and bool arrays)"
     return None
 
 
@@ -560,11 +563,12 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
       >>> jaxdev.restore(f"{d}/ckpt")
       {'n': 8, 'w': Array([0., 0., 0.], dtype=float32)}
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))  # a link: its target is what is replaced
     prepared = prepare(tree)
     args = composite(prepared, step, None)
     with _writer(files.sibling(path, "lock"), f"Checkpoint {path}"):
         if jax.process_index() == 0:
+            _refuse_managed(path)
             files.recover(path)
         exists = os.path.lexists(path)
         if exists and not overwrite:
@@ -591,6 +595,18 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
                 except OSError as err:
                     raise write_error(path, err, previous=previous) from err
             _sync("replaced")
+
+
+def _refuse_managed(path: str) -> None:
+    """Refuse a save into a folder that a :class:`jaxdev.Checkpointer` is writing."""
+    parent = os.path.dirname(path)
+    owner = files.holder(os.path.join(parent, MANAGER_LOCK))
+    if owner is not None:
+        raise CheckpointError(
+            f"Cannot save {path}: its folder {parent} is being written by a jaxdev.Checkpointer "
+            f"({owner}), which numbers and deletes the checkpoints there. Save through that "
+            "Checkpointer, or write elsewhere."
+        )
 
 
 def _write(path: str, args: Any, previous: str) -> None:
@@ -622,18 +638,30 @@ def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
         ) from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a jaxdev checkpoint (unknown metadata format).")
-    if meta.get("version", 0) > VERSION:
+    version = meta.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(_damaged(path, f"its format version is {version!r}"))
+    if version > VERSION:
         raise CheckpointError(
-            f"Checkpoint {path} has format version {meta['version']}, newer than this "
+            f"Checkpoint {path} has format version {version}, newer than this "
             f"jaxdev reads ({VERSION}): upgrade jaxdev."
         )
-    if meta.get("version", 0) >= 2 and meta.get("digest") != _digest(meta):
+    if (version >= 2 or "digest" in meta) and meta.get("digest") != _digest(meta):
         raise CheckpointError(
-            f"The metadata of checkpoint {path} is damaged: its SHA-256 digest does not match "
-            "its contents (a changed step, Python value, shape or checksum). Restore an "
-            "earlier checkpoint."
+            _damaged(
+                path,
+                "its SHA-256 digest does not match its contents (a changed step, "
+                "Python value, shape or checksum)",
+            )
         )
+    item = meta.get(STATE)
+    if not isinstance(item, dict) or not isinstance(item.get("leaves"), list):
+        raise CheckpointError(_damaged(path, f"it has no `{STATE}` leaf table"))
     return meta
+
+
+def _damaged(path: str, why: str) -> str:
+    return f"The metadata of checkpoint {path} is damaged: {why}. Restore an earlier checkpoint."
 
 
 def _same_everywhere(path: str, meta: dict) -> None:
@@ -736,11 +764,21 @@ def _want_common(e: dict, common: Sharding | None) -> _Want:
         if e["kind"] == "numpy":
             return _Want("numpy", None, None, None, impl)
         if e.get("stacked"):
-            shape = (e["stacked"]["n"], *e["shape"])
-            return _Want("jax", _restack_sharding(e), shape, None, impl)
+            return _Want("jax", _restack_sharding(e), _full_shape(e), None, impl)
         saved = _saved_sharding(e.get("sharding")) or _default_sharding()
         return _Want("jax", saved, None, None, impl)
-    return _Want("jax", common, None, None, impl)
+    return _Want("jax", common, _stacked_shape(e), None, impl)
+
+
+def _full_shape(e: dict) -> tuple[int, ...]:
+    """The shape the leaf had when saved (a stacked leaf was written as one row)."""
+    rows = (e["stacked"]["n"],) if e.get("stacked") else ()
+    return (*rows, *e["shape"])
+
+
+def _stacked_shape(e: dict) -> tuple[int, ...] | None:
+    """The saved shape of a stacked leaf (to stack it again), None for others (as written)."""
+    return _full_shape(e) if e.get("stacked") else None
 
 
 def _restack_sharding(e: dict) -> Sharding:
@@ -763,7 +801,7 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
     shapes = [
         None
         if e["kind"] == "scalar"
-        else jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
+        else jax.ShapeDtypeStruct(_full_shape(e), np.dtype(e["dtype"]))
         for e in entries
     ]  # typed keys are ruled as their uint32 data
     abstract = _rebuild(skeleton, shapes)
@@ -778,7 +816,7 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
     wants = [
         _Want("scalar", None, None, None)
         if e["kind"] == "scalar"
-        else _Want("jax", next(it), None, None, e.get("key_impl"))
+        else _Want("jax", next(it), _stacked_shape(e), None, e.get("key_impl"))
         for e in entries
     ]
     return wants, lambda leaves: _rebuild(skeleton, leaves)
@@ -839,9 +877,9 @@ def _want_of(e: dict, leaf: Any) -> _Want:
     if isinstance(leaf, PY_SCALARS):
         return _Want("pytype", None, None, type(leaf))
     if isinstance(leaf, Sharding):
-        return _Want("jax", leaf, None, None, e.get("key_impl"))
+        return _Want("jax", leaf, _stacked_shape(e), None, e.get("key_impl"))
     if isinstance(leaf, (jax.Device, Mesh)):
-        return _Want("jax", as_sharding(leaf), None, None, e.get("key_impl"))
+        return _Want("jax", as_sharding(leaf), _stacked_shape(e), None, e.get("key_impl"))
     if isinstance(leaf, np.ndarray | np.generic):
         return _Want("numpy", None, np.shape(leaf), np.dtype(leaf.dtype))
     if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -900,6 +938,13 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
             continue
         if w.dtype is not None and np.dtype(w.dtype) != saved_dtype:
             bad.append(f"{e['path']}: saved dtype {saved_dtype}, asked {np.dtype(w.dtype)}")
+        elif w.kind == "jax" and jax.dtypes.canonicalize_dtype(saved_dtype) != saved_dtype:
+            bad.append(
+                f"{e['path']}: saved dtype {saved_dtype}, and a jax.Array holds "
+                f"{jax.dtypes.canonicalize_dtype(saved_dtype)} with jax_enable_x64 off (x64 "
+                f"{'on' if x64() else 'off'}): restore it onto a numpy target leaf (np.ndarray "
+                "or numpy dtype), or enable x64"
+            )
         post = "none"
         if w.shape is not None and tuple(w.shape) != saved_shape:
             if tuple(w.shape[1:]) == saved_shape and len(w.shape) == len(saved_shape) + 1:
@@ -1183,7 +1228,7 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
       >>> split["w"].sharding.spec
       P('data',)
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
     _recover_for_read(path)
     ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
@@ -1209,7 +1254,7 @@ def checkpoint_step(path: Any) -> int | None:
       >>> checkpoint_step(f"{d}/c")
       12
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
     ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         return read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")

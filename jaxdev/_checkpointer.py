@@ -20,12 +20,12 @@ What jaxdev decides on top of orbax (each tested in
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from . import _checkpoint as ckpt
+from . import _ckpt_files as files
 from ._errors import CheckpointError
-
-LOCK_NAME = ".jaxdev-lock"
 
 
 class Checkpointer:
@@ -113,10 +113,7 @@ class Checkpointer:
         """
         step = int(step)
         if self._lock is None:  # first save: become the one writer, then see the folder anew
-            lock_path = os.path.join(self.directory, LOCK_NAME)
-            what = f"Checkpoint directory {self.directory}"
-            self._lock = ckpt.take_writer_lock(lock_path, what)
-            self._manager.reload()
+            self._become_writer()
         if step in self._started or step in self._manager.all_steps():
             return False  # never overwrite a checkpoint
         latest = max([*self._started, *self._manager.all_steps()], default=None)
@@ -138,10 +135,39 @@ class Checkpointer:
                 step, args=ckpt.composite(prepared, step, extra), force=True
             )
         except (OSError, ValueError, RuntimeError) as err:
-            raise ckpt.write_error(path, err, previous=self._previous()) from err
+            raise self._failed(path, err) from err
         if started:
             self._started.add(step)
         return bool(started)
+
+    def _become_writer(self) -> None:
+        """Take the folder's writer lock (released by close(), or when this object is collected)."""
+        lock_path = os.path.join(self.directory, ckpt.MANAGER_LOCK)
+        self._lock = ckpt.take_writer_lock(lock_path, f"Checkpoint directory {self.directory}")
+        weakref.finalize(self, _abandon, self._manager, self._lock)
+        self._manager.reload()
+        foreign = [s for s in self._manager.all_steps() if not self._is_ours(s)]
+        if foreign:
+            self.close()
+            raise CheckpointError(
+                f"Checkpoint directory {self.directory} holds numbered folders that jaxdev did "
+                f"not write ({sorted(foreign)[:10]}): a Checkpointer would take them for steps "
+                "and delete them when `keep` is reached. Move them out, or use another "
+                "directory."
+            )
+
+    def _is_ours(self, step: int) -> bool:
+        return files.is_checkpoint(os.path.join(self.directory, str(step)))
+
+    def _failed(self, path: str, err: BaseException) -> CheckpointError:
+        """A write error; steps whose asynchronous save never completed may be saved again."""
+        self._manager.reload()
+        done = set(self._manager.all_steps())
+        lost = sorted(self._started - done)
+        self._started &= done
+        if lost and str(lost[-1]) not in path:
+            path = f"{path} (the failure was in the background save of step(s) {lost})"
+        return ckpt.write_error(path, err, previous=self._previous())
 
     def _previous(self) -> str:
         steps = self.all_steps()
@@ -168,10 +194,10 @@ class Checkpointer:
         return sorted(self._steps())
 
     def _steps(self) -> list[int]:
-        """Complete steps; read from the folder again unless this is its writer."""
+        """Complete jaxdev checkpoints; read from the folder again unless this is its writer."""
         if self._lock is None:
             self._manager.reload()
-        return list(self._manager.all_steps())
+        return [s for s in self._manager.all_steps() if self._is_ours(s)]
 
     def _step(self, step: int | None) -> int:
         if step is None:
@@ -252,7 +278,7 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except (OSError, ValueError, RuntimeError) as err:
-            raise ckpt.write_error(self.directory, err, previous=self._previous()) from err
+            raise self._failed(self.directory, err) from err
 
     def close(self) -> None:
         """Wait for pending saves, release orbax's resources and the writer lock.
@@ -277,6 +303,17 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, steps={self.all_steps()})"
+
+
+def _abandon(manager: Any, lock: files.WriterLock) -> None:
+    """A Checkpointer collected without close(): finish its saves, then free the folder."""
+    try:
+        manager.wait_until_finished()
+        manager.close()
+    except Exception:  # noqa: BLE001 - collected: nobody to report to
+        pass
+    finally:
+        lock.release()
 
 
 __all__ = ["Checkpointer"]

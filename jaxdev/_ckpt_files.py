@@ -23,9 +23,11 @@ Three promises, each kept by one function here:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -36,6 +38,8 @@ from typing import Any
 from ._errors import CheckpointError
 
 META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
+ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
+_ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at the top
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -54,11 +58,22 @@ def sibling(path: str, role: str) -> str:
 def is_checkpoint(path: str) -> bool:
     """True if ``path`` is a folder that jaxdev's :func:`~jaxdev.save` wrote.
 
+    It must hold orbax's ``_CHECKPOINT_METADATA`` file and jaxdev's metadata
+    file ``jaxdev/metadata`` (a folder merely named ``jaxdev``, as in a source
+    checkout, is not enough).
+
     Example:
       >>> is_checkpoint("/")
       False
     """
-    return os.path.isdir(os.path.join(path, META_ITEM))
+    return os.path.isfile(os.path.join(path, META_ITEM, "metadata")) and os.path.isfile(
+        os.path.join(path, _ORBAX_FILES[0])
+    )
+
+
+def _foreign(path: str) -> list[str]:
+    """Entries at the top of a checkpoint folder that neither jaxdev nor orbax wrote."""
+    return sorted(n for n in os.listdir(path) if n not in ITEMS and n not in _ORBAX_FILES)
 
 
 class WriterLock:
@@ -135,6 +150,28 @@ class WriterLock:
         self.release()
 
 
+def holder(lock_path: str) -> str | None:
+    """Who holds the writer lock ``lock_path`` now (its owner text), or None if nobody.
+
+    Example:
+      >>> holder("/nonexistent/.lock") is None
+      True
+    """
+    if not os.path.exists(lock_path):
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_owner(fd)
+    finally:
+        os.close(fd)  # also drops the shared lock, if taken
+    return None
+
+
 def _read_owner(fd: int) -> str:
     try:
         text = os.pread(fd, 512, 0).decode(errors="replace").strip()
@@ -159,16 +196,23 @@ def check_replaceable(path: str) -> None:
             f"`path` {path} exists and is a file, not a checkpoint: jaxdev never deletes "
             "what it did not write. Choose another path or remove it yourself."
         )
-    if is_checkpoint(path):
-        return
     names = sorted(os.listdir(path))
     if not names:
         return
-    shown = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "")
+    ours = is_checkpoint(path)
+    if ours and not (foreign := _foreign(path)):
+        return
+    shown = foreign if ours else names
+    listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} entries)" if len(shown) > 8 else "")
+    what = (
+        f"is a jaxdev checkpoint that also holds files jaxdev did not write ({listed})"
+        if ours
+        else f"is a folder that is not a jaxdev checkpoint (it holds {listed})"
+    )
     raise CheckpointError(
-        f"`path` {path} is a folder that is not a jaxdev checkpoint (it holds {shown}): "
-        "`overwrite=True` replaces only a checkpoint that jaxdev wrote, never other files. "
-        "Choose another path (e.g. a subfolder), or move those files yourself."
+        f"`path` {path} {what}: `overwrite=True` replaces only a checkpoint that jaxdev "
+        "wrote, never other files. Choose another path (e.g. a subfolder), or move those "
+        "files yourself."
     )
 
 
@@ -182,9 +226,17 @@ def remove_leftovers(path: str) -> None:
     except OSError:
         return
     for n in names:
-        ours = n.startswith(prefixes) or n.startswith(name + ".orbax-checkpoint-tmp")
-        if ours:
-            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+        if n.startswith(prefixes) or n.startswith(name + ".orbax-checkpoint-tmp"):
+            _remove(os.path.join(parent, n))
+
+
+def _remove(path: str) -> None:
+    """Delete a folder of ours, or a link or file left under one of our names."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -205,36 +257,58 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def replace(new: str, path: str) -> None:
-    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last."""
+    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last.
+
+    Raises:
+      OSError: only before the new checkpoint is at ``path``, with the old
+        one still there (a failed cleanup afterwards is left to the next save).
+    """
     old = sibling(path, "old")
     if _exchange(new, path):
-        shutil.rmtree(new)  # now the old checkpoint
+        with contextlib.suppress(OSError):  # `new` now holds the old one: name it so
+            os.rename(new, old)
+        _remove(old if os.path.lexists(old) else new)
         return
     os.rename(path, old)
-    os.rename(new, path)  # a crash before this line: recover() renames one back
-    shutil.rmtree(old)
+    try:
+        os.rename(new, path)  # a crash between the two renames: recover() puts one back
+    except OSError:
+        os.rename(old, path)
+        raise
+    _remove(old)
 
 
 def recover(path: str) -> bool:
     """If a replacement was cut between its two renames, put a checkpoint back at ``path``.
 
-    The new checkpoint is preferred (it was complete before the old one was
-    moved); else the old one. Returns True if something was put back.
+    Of the complete checkpoints left beside ``path``, the one orbax committed
+    last is put back (the new one, unless a kill left the old one under the
+    new name). Returns True if something was put back.
     """
-    if os.path.exists(path):
+    if os.path.lexists(path):
         return False
-    for role in ("new", "old"):
-        candidate = sibling(path, role)
-        if is_checkpoint(candidate):
-            os.rename(candidate, path)
-            return True
-    return False
+    found = [sibling(path, r) for r in ("new", "old") if is_checkpoint(sibling(path, r))]
+    if not found:
+        return False
+    os.rename(max(found, key=_committed_at), path)
+    return True
+
+
+def _committed_at(path: str) -> int:
+    """Orbax's commit time of a checkpoint (0 if unreadable)."""
+    try:
+        with open(os.path.join(path, _ORBAX_FILES[0])) as f:
+            return int(json.load(f).get("commit_timestamp_nsecs") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 __all__ = [
+    "ITEMS",
     "META_ITEM",
     "WriterLock",
     "check_replaceable",
+    "holder",
     "is_checkpoint",
     "recover",
     "remove_leftovers",

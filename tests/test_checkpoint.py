@@ -91,14 +91,24 @@ def test_stacked_is_written_once_and_restores_stacked_replicated_or_sharded(tmp_
     again = jaxdev.restore(tmp_path / "c")  # as saved: stacked over the same devices
     _bits_equal(again, stacked)
     assert again["dense"]["kernel"].sharding.spec == P("data")
+    # Onto a device, mesh or sharding: the saved shape (n, ...), never silently one row.
     rep = jaxdev.restore(tmp_path / "c", mesh)
-    jaxdev.assert_replicated(rep, mesh, check_values=True)
-    _bits_equal(rep, params)
-    fsdp = jaxdev.restore(
-        tmp_path / "c",
-        {"dense": {"kernel": jaxdev.batch_sharding(mesh), "bias": mesh}, "scale": mesh},
+    jaxdev.assert_replicated(rep, mesh)
+    _bits_equal(rep, stacked)
+    split = jaxdev.restore(tmp_path / "c", jaxdev.batch_sharding(mesh))
+    _bits_equal(split, stacked)
+    # A target whose leaves have the row shape asks for the one copy (pmap state -> jit state).
+    rows = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        params,
+        {
+            "dense": {"kernel": jaxdev.batch_sharding(mesh), "bias": NamedSharding(mesh, P())},
+            "scale": NamedSharding(mesh, P()),
+        },
     )
-    jaxdev.assert_sharded(fsdp["dense"]["kernel"], P("data"), mesh=mesh)
+    one = jaxdev.restore(tmp_path / "c", rows)
+    jaxdev.assert_sharded(one["dense"]["kernel"], P("data"), mesh=mesh)
+    _bits_equal(one, params)
     like = jaxdev.restore(tmp_path / "c", stacked)  # like a stacked tree: stacked again
     _bits_equal(like, stacked)
 

@@ -415,3 +415,147 @@ def test_a_train_state_with_a_typed_key_saves_like_the_nnx_example(tmp_path):
         ckpt.save(1, state)
         back = ckpt.restore(state)
     assert np.array_equal(jax.random.key_data(back["rng"]), jax.random.key_data(state["rng"]))
+
+
+# ---------------------------------------------------------------- found by review (each failed)
+
+
+def test_a_project_folder_holding_a_jaxdev_subfolder_is_not_a_checkpoint(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "jaxdev").mkdir(parents=True)
+    (proj / "train.py").write_text("x")
+    with pytest.raises(CheckpointError, match="not a jaxdev checkpoint"):
+        jaxdev.save(proj, {"w": jnp.ones(2)}, overwrite=True)
+    assert (proj / "train.py").read_text() == "x"
+    ckpt = tmp_path / "c"
+    jaxdev.save(ckpt, {"w": jnp.ones(2)})
+    (ckpt / "notes.txt").write_text("mine")  # a user's file inside a real checkpoint
+    with pytest.raises(CheckpointError, match=r"files jaxdev did not write \(notes.txt\)"):
+        jaxdev.save(ckpt, {"w": jnp.zeros(2)}, overwrite=True)
+    assert (ckpt / "notes.txt").read_text() == "mine"
+
+
+def test_checkpointer_never_takes_user_numbered_folders_for_steps(tmp_path):
+    (tmp_path / "100").mkdir()
+    (tmp_path / "100" / "notes.txt").write_text("mine")
+    with jaxdev.Checkpointer(tmp_path, keep=1, async_=False) as ckpt:
+        assert ckpt.all_steps() == []
+        with pytest.raises(
+            CheckpointError, match=r"numbered folders that jaxdev did not write \(\[100\]\)"
+        ):
+            ckpt.save(200, {"w": jnp.ones(2)})
+    assert (tmp_path / "100" / "notes.txt").read_text() == "mine"
+
+
+def test_checksum_catches_structured_two_bit_changes():
+    zeros = np.zeros(8, np.int32)
+    assert checksums([zeros]) != checksums([np.array([1, 1, 0, 0, 0, 0, 0, 0], np.int32)])
+    assert checksums([np.zeros(2, bool)]) != checksums([np.ones(2, bool)])
+    x = np.zeros(64, np.float32)
+    y = x.copy()
+    y[[0, 32]] = np.float32(2**-149)  # the same mantissa bit, 32 elements apart
+    assert checksums([x]) != checksums([y])
+
+
+def test_checksum_every_two_bit_change_of_a_zero_array():
+    from jaxdev._checksum import _checksums
+
+    base = np.zeros(16, np.uint32)  # equal words everywhere: the structured worst case
+    nbits = base.size * 32
+    variants = [_flip(base, [i, j]) for i in range(nbits) for j in range(i + 1, nbits)]
+    sums = np.asarray(
+        jax.jit(jax.vmap(lambda w: _checksums([w])[0]))(jnp.asarray(np.stack(variants)))
+    )
+    ref = np.asarray(_checksums([jnp.asarray(base)])[0])
+    assert not np.all(sums == ref, axis=1).any()
+
+
+def test_a_64_bit_numpy_leaf_onto_a_jax_target_is_refused_not_reported_corrupted(tmp_path):
+    path = tmp_path / "c"
+    jaxdev.save(path, {"i": np.arange(3), "x": np.arange(3.0)})
+    with pytest.raises(
+        CheckpointError, match=r"\['x'\]: saved dtype float64, and a jax.Array holds float32"
+    ) as e:
+        jaxdev.restore(path, "cpu:0")
+    assert "corrupted" not in str(e.value) and "['i']: saved dtype int64" in str(e.value)
+    back = jaxdev.restore(path, {"i": np.zeros(3, np.int64), "x": np.zeros(3)})
+    assert back["x"].dtype == np.float64 and np.array_equal(back["x"], np.arange(3.0))
+
+
+def test_overwrite_through_a_symlink_replaces_its_target(tmp_path):
+    jaxdev.save(tmp_path / "real", {"v": 1})
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    for v in (2, 3):
+        jaxdev.save(f"{tmp_path}/link/", {"v": v}, overwrite=True)
+        assert jaxdev.restore(tmp_path / "link") == {"v": v}
+    assert os.path.islink(tmp_path / "link")
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
+def test_a_leaf_whose_rows_happen_to_be_equal_keeps_its_shape(tmp_path, mesh):
+    key = jax.random.key(0)
+    same = jax.random.wrap_key_data(jnp.tile(jax.random.key_data(key)[None], (8, 1)))
+    keys = jax.device_put(same, NamedSharding(mesh, P("data")))
+    zeros = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("data")))
+    jaxdev.save(tmp_path / "c", {"k": keys, "z": zeros})
+    for target in (None, mesh, "cpu:0", {"k": keys.sharding, "z": zeros.sharding}):
+        back = jaxdev.restore(tmp_path / "c", target)
+        assert back["k"].shape == (8,) and back["z"].shape == (8, 4), target
+        assert np.array_equal(jax.random.key_data(back["k"]), jax.random.key_data(keys))
+
+
+def test_arrays_on_an_explicit_axis_mesh_save(tmp_path):
+    m = jax.make_mesh((8,), ("data",))  # Explicit axes, jax's default
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(m, P("data")))
+    jaxdev.save(tmp_path / "c", {"x": x})
+    assert np.array_equal(jaxdev.restore(tmp_path / "c", "cpu:0")["x"], np.asarray(x))
+
+
+def test_a_dropped_checkpointer_frees_its_folder(tmp_path):
+    import gc
+
+    first = jaxdev.Checkpointer(tmp_path, async_=False)
+    first.save(1, {"w": jnp.ones(2)})
+    del first  # a notebook cell run again, without close()
+    gc.collect()
+    with jaxdev.Checkpointer(tmp_path, async_=False) as again:
+        assert again.save(2, {"w": jnp.ones(2)})
+
+
+def test_an_async_save_that_failed_can_be_saved_again(tmp_path, monkeypatch, request):
+    with jaxdev.Checkpointer(tmp_path) as ckpt:
+        request.getfixturevalue("disk_full")
+        with pytest.raises(CheckpointError, match="No space left"):
+            ckpt.save(1, {"w": jnp.ones(2)})  # reported here or by wait(), as orbax fails
+            ckpt.wait()
+        monkeypatch.undo()
+        assert ckpt.save(1, {"w": jnp.ones(2)})  # not skipped as "already saved"
+        ckpt.wait()
+        assert ckpt.all_steps() == [1]
+
+
+def test_odd_dtypes_and_damaged_metadata_get_clear_errors(tmp_path):
+    import ml_dtypes
+
+    four = np.array([1, -2, 7, -8], ml_dtypes.int4)
+    jaxdev.save(tmp_path / "i4", {"q": four, "j": jnp.asarray(four)})
+    back = jaxdev.restore(tmp_path / "i4", {"q": four, "j": jnp.asarray(four)})
+    assert np.array_equal(back["q"], four) and np.array_equal(np.asarray(back["j"]), four)
+    with pytest.raises(CheckpointError, match=r"\['s'\]: numpy array of dtype \|S3"):
+        jaxdev.save(tmp_path / "s", {"s": np.array([b"abc"])})
+    path = tmp_path / "m"
+    jaxdev.save(path, {"n": 7})
+    meta_file = path / "jaxdev" / "metadata"
+    good = meta_file.read_text()
+    for edit in ({"version": "2"}, {"state": None}, {"version": 1}):
+        meta_file.write_text(json.dumps({**json.loads(good), **edit}))
+        with pytest.raises(CheckpointError, match="metadata of checkpoint .* is damaged"):
+            jaxdev.restore(path)
+
+
+def test_a_plain_save_into_a_checkpointer_folder_is_refused(tmp_path):
+    with jaxdev.Checkpointer(tmp_path, async_=False) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(2)})
+        with pytest.raises(CheckpointError, match="being written by a jaxdev.Checkpointer"):
+            jaxdev.save(tmp_path / "9", {"w": jnp.ones(2)})
+    jaxdev.save(tmp_path / "9", {"w": jnp.ones(2)})  # once it is closed, a plain save is fine
