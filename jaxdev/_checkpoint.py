@@ -38,10 +38,12 @@ Promises (each with a regression test in ``tests/test_checkpoint_safety.py``):
 Decisions:
 
 * **pmap-stacked leaves** (leading size ``n`` equal to the size of the
-  one-axis mesh they are split over, ``P(axis)``) whose ``n`` rows are
-  bitwise equal are written once and recorded as stacked. Restoring onto a
-  device, mesh, sharding or rules target gives the one copy; onto a target
-  leaf of shape ``(n, ...)`` they are stacked again.
+  one-axis ``Auto`` mesh they are split over, ``P(axis)``) whose ``n`` rows
+  are bitwise equal are written once and recorded as stacked. That is
+  storage only: they come back in their saved ``(n, ...)`` shape on every
+  target, except a tree target whose leaf has the row shape (a pmap state
+  restored as a jit state), which gets the one copy. (Rows can be equal by
+  chance, e.g. a zero buffer: its shape must never change.)
 * **typed PRNG keys** are written as their ``jax.random.key_data`` and
   wrapped again with their implementation on restore.
 * **zero-size arrays** are recorded in the metadata only (no bytes).
@@ -59,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -1170,7 +1173,14 @@ def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
 def _stack(x: Any, n: int, s: Sharding | None) -> Any:
     if s is None:
         return np.broadcast_to(x, (n, *np.shape(x))).copy()
-    return jax.jit(lambda y: jnp.broadcast_to(y, (n, *y.shape)), out_shardings=s)(x)
+    return _stacker(n, s)(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _stacker(n: int, s: Sharding) -> Callable[[jax.Array], jax.Array]:
+    """One compiled broadcast onto ``(n, ...)`` per (n, sharding): a new lambda each call
+    recompiled it every restore (1.6 s instead of 0.3 s for 100 MB)."""
+    return jax.jit(lambda y: jnp.broadcast_to(y, (n, *y.shape)), out_shardings=s)
 
 
 def restore_item(path, reader, meta, item, target, rules, what):
