@@ -183,24 +183,47 @@ def _check_distinct_devices(mesh: Mesh) -> None:
         )
 
 
+MODEL_AXES = ("model", "tensor")
+"""Mesh axes the batch is never split over by default (they split the params)."""
+
+
 def batch_axis(mesh: Mesh, axis: AxisName | None) -> AxisName:
-    """The mesh axis (or axes) the batch splits over: ``axis``, else the only or ``'data'`` axis."""
+    """The mesh axis (or axes) the batch splits over: the one owner of the default.
+
+    ``axis`` when given (checked against the mesh). Otherwise every mesh axis
+    except the model axes ``'model'`` and ``'tensor'`` (which split the
+    params): ``'data'`` on a 1-D ``data`` mesh, ``('data', 'fsdp')`` on a
+    ``data`` x ``fsdp`` mesh, ``'data'`` on a ``data`` x ``model`` mesh. A
+    1-D mesh splits the batch over its one axis, whatever its name.
+    :func:`jaxdev.shard_batch`, :func:`jaxdev.batch_sharding`, every
+    :class:`jaxdev.Strategy` and :func:`jaxdev.plan` use this.
+
+    Raises:
+      ShardingError: ``axis`` is not an axis of the mesh, or every axis of a
+        multi-axis mesh is a model axis.
+
+    Example:
+      >>> import jaxdev
+      >>> batch_axis(jaxdev.make_mesh({"data": 2, "fsdp": 4}), None)
+      ('data', 'fsdp')
+    """
     names = mesh.axis_names
     if axis is None:
-        if len(names) == 1:
+        batch = tuple(a for a in names if a not in MODEL_AXES)
+        if not batch and len(names) == 1:
             return names[0]
-        if DEFAULT_AXIS in names:
-            return DEFAULT_AXIS
-        raise ShardingError(
-            f"`axis` is needed: the mesh has axes {names} and none is called "
-            f"{DEFAULT_AXIS!r}. Pass `axis=` with the axis (or tuple of axes) the batch "
-            "is split over."
-        )
+        if not batch:
+            raise ShardingError(
+                f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+                f"{MODEL_AXES}, so there is none to split the batch over. Pass `axis=` with "
+                "the axis (or tuple of axes) the batch is split over, or add a 'data' axis."
+            )
+        return batch[0] if len(batch) == 1 else batch
     wanted = (axis,) if isinstance(axis, str) else tuple(axis)
     missing = [a for a in wanted if a not in names]
     if missing or not wanted:
         raise ShardingError(f"`axis`={axis!r} is not an axis of the mesh; its axes are {names}.")
-    return axis
+    return wanted[0] if len(wanted) == 1 else wanted
 
 
 @functools.lru_cache(maxsize=256)

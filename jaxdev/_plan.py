@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._errors import MemoryPlanError, UsageError, device_name
 from ._leaves import PY_SCALARS, device_key, is_jax_array
-from ._mesh import check_mesh, named_sharding
+from ._mesh import batch_axis, check_mesh, named_sharding
 from ._report import human_bytes
 from ._rules import is_train_state, state_shardings, step_shardings, unbox
 
@@ -40,7 +40,6 @@ CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 
 _STATE_CATEGORIES = ("params", "opt_state", "model_state")
 
-MODEL_AXES = ("model", "tensor")
 """Mesh axes a batch is not split over (mirrors ``Strategy.sharded``'s default)."""
 
 
@@ -435,10 +434,8 @@ def _same_rules(a: Any, b: Any) -> bool:
 
 
 def _batch_layout(mesh: Mesh) -> tuple[Mesh, Any, int]:
-    """``(mesh, axis, 0)``: rows over every mesh axis except the model axes."""
-    names = mesh.axis_names
-    axes = tuple(a for a in names if a not in MODEL_AXES) or names
-    return mesh, axes[0] if len(axes) == 1 else axes, 0
+    """``(mesh, axis, 0)``: the rows split as :func:`jaxdev.shard_batch` splits them."""
+    return mesh, batch_axis(mesh, None), 0
 
 
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:

@@ -11,11 +11,16 @@ from jax.sharding import Mesh
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
 from ._errors import ShardingError, UsageError
-from ._mesh import DEFAULT_AXIS, AxisName, axis_size, batch_axis, check_mesh, mesh_of
+from ._mesh import (
+    DEFAULT_AXIS,
+    MODEL_AXES,
+    AxisName,
+    axis_size,
+    batch_axis,
+    check_mesh,
+    mesh_of,
+)
 from ._rules import check_rules
-
-MODEL_AXES = ("model", "tensor")
-"""Mesh axes the batch is never split over by default (they split the params)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,16 +141,20 @@ class Strategy:
                 "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
                 "`shard_map=True` (the numbers are the same)."
             )
-        replicated = isinstance(params, str) and params == "replicate"
-        axis = _default_batch_axis(mesh, replicated) if axis is None else batch_axis(mesh, axis)
-        if not isinstance(axis, str):
-            axis = axis[0] if len(axis) == 1 else tuple(axis)
+        if axis is None and not _replicates(params) and set(mesh.axis_names) <= set(MODEL_AXES):
+            raise ShardingError(
+                f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+                f"{MODEL_AXES} that `params` may split, so the batch would split over the same "
+                "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
+                "'data' axis."
+            )
+        axis = batch_axis(mesh, axis)
         return cls("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map), params)
 
     @property
     def replicated(self) -> bool:
         """Whether every device holds the whole state (``params="replicate"``)."""
-        return isinstance(self.params, str) and self.params == "replicate"
+        return _replicates(self.params)
 
     @property
     def n_devices(self) -> int:
@@ -171,19 +180,8 @@ class Strategy:
         return self.axis if self.kind == "pmap" or self.shard_map else None
 
 
-def _default_batch_axis(mesh: Mesh, replicated: bool) -> AxisName:
-    """Every mesh axis but the model axes: the batch splits over all of them."""
-    names = mesh.axis_names
-    batch = tuple(a for a in names if a not in MODEL_AXES)
-    if not batch and replicated and len(names) == 1:  # replicated params: any 1-D mesh
-        return names[0]
-    if not batch:
-        raise ShardingError(
-            f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
-            f"{MODEL_AXES}, so there is none to split the batch over. Pass `axis=` with the "
-            "axis (or tuple of axes) the batch is split over, or add a 'data' axis."
-        )
-    return batch[0] if len(batch) == 1 else batch
+def _replicates(rules: Any) -> bool:
+    return isinstance(rules, str) and rules == "replicate"
 
 
 def _hashable_rules(rules: Any) -> Any:

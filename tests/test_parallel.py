@@ -91,13 +91,33 @@ def test_sharding_helpers(mesh):
         jaxdev.replicated_sharding(["cpu:0"])
 
 
-def test_two_axis_mesh_needs_axis(devices):
+def test_two_axis_mesh_splits_the_batch_over_every_non_model_axis(devices):
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
-    with pytest.raises(ShardingError, match="`axis` is needed.*'x', 'y'"):
-        jaxdev.shard_batch(np.ones((8, 2)), mesh)
-    out = jaxdev.shard_batch(np.ones((8, 2)), mesh, axis=("x", "y"))
+    out = jaxdev.shard_batch(np.ones((8, 2)), mesh)
     assert out.sharding.spec == P(("x", "y"))
     assert len({s.index[0].start for s in out.addressable_shards}) == 8
+    model = jax.make_mesh((2, 4), ("model", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ShardingError, match="`axis` is needed: every axis of the mesh"):
+        jaxdev.shard_batch(np.ones((8, 2)), model)
+    out = jaxdev.shard_batch(np.ones((8, 2)), model, axis="model")
+    assert out.sharding.spec == P("model")
+
+
+@pytest.mark.parametrize(
+    "axes", [{"data": 8}, {"data": 2, "fsdp": 4}, {"data": 2, "model": 4}, {"batch": 8}]
+)
+def test_one_batch_axis_default_everywhere(axes):
+    """shard_batch, batch_sharding, Strategy.sharded and plan split the rows the same way."""
+    mesh = jaxdev.make_mesh(axes)
+    batch = {"x": np.ones((16, 3), np.float32)}
+    placed = jaxdev.shard_batch(batch, mesh)["x"].sharding.spec
+    spec = jaxdev.batch_sharding(mesh).spec
+    strategy = jaxdev.Strategy.sharded(mesh)
+    state = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    plan = jaxdev.plan(state, mesh, batch=batch)
+    rows = 16 // jaxdev.Strategy.sharded(mesh).n_devices
+    assert placed == spec == P(strategy.axis)
+    assert plan["batch"] == rows * 3 * 4
 
 
 # ---------------------------------------------------------------- replicate
