@@ -33,7 +33,7 @@ from ._errors import MemoryPlanError, UsageError, device_name
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import batch_axis, check_mesh, named_sharding
 from ._report import human_bytes
-from ._rules import is_train_state, state_shardings, step_shardings, unbox
+from ._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
@@ -380,14 +380,28 @@ def plan(
       other      4 B           4 B          0.0%
       total      3.0 MiB       12.0 MiB     >99.9%
     """
+    lowered = None
+    if step is not None and batch is not None:
+        lowered = step.lower(state_or_shapes, batch)
+    return _plan(state_or_shapes, mesh, rules, step, batch, lowered, options)
+
+
+def step_plan(step: Any, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
+    """The plan of one call of ``step``, with the program it compiled (``lowered``).
+
+    What :func:`plan` gives with ``step`` and ``batch``, without lowering the
+    step again: the train step builds its memory check on it.
+    """
+    return _plan(state, None, "replicate", step, batch, lowered, {})
+
+
+def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> MemoryPlan:
     mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
     # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
     shardings = step_shardings(state_or_shapes, mesh, rules, **options)
     state = unbox(state_or_shapes)
     rows, total, by_device = _build(state, shardings, batch, layout, mesh)
-    compiled = None
-    if step is not None and batch is not None:
-        compiled = _compiled_memory(step.lower(state_or_shapes, batch))
+    compiled = None if lowered is None else _compiled_memory(lowered)
     inputs = _Inputs(state, batch, layout, dict(options))
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs)
 
@@ -507,16 +521,30 @@ def resolve_limit(limit: Any, mesh: Mesh) -> tuple[int, str]:
     return int(limit), "limit"
 
 
-def check_fits(plan_: MemoryPlan, limit: int | None = None) -> None:
+def check_fits(
+    plan_: MemoryPlan,
+    limit: int | None = None,
+    *,
+    source: str | None = None,
+    subject: str | None = None,
+) -> None:
     """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
 
     The message says what is needed and what is available and, when the plan
     does not already shard the params with ``rules='fsdp'`` and the mesh has
     several devices, what ``'fsdp'`` would need instead.
 
+    This is the one memory check: :func:`jaxdev.make_train_step` with
+    ``memory_limit`` (or a device limit) calls it with the plan of its first
+    call, so the step and :func:`jaxdev.plan` give the same figures and the
+    same advice, and the advice works when followed on the same mesh.
+
     Args:
       plan_: a :class:`MemoryPlan`.
       limit: bytes per device, or ``None`` for the devices' ``bytes_limit``.
+      source: where ``limit`` came from, for the message (default: ``limit``).
+      subject: what needs the memory, to start the message (e.g. ``the
+        train step``).
 
     Raises:
       MemoryPlanError: the plan needs more than ``limit``.
@@ -533,7 +561,8 @@ def check_fits(plan_: MemoryPlan, limit: int | None = None) -> None:
       ...     print(str(e).split("; ")[0])
       needs 32.0 MiB per device, 16.0 MiB available (limit)
     """
-    limit_, source = resolve_limit(limit, plan_.mesh)
+    limit_, found = resolve_limit(limit, plan_.mesh)
+    source = source or found
     need = plan_.peak
     if need <= limit_:
         return
@@ -545,11 +574,18 @@ def check_fits(plan_: MemoryPlan, limit: int | None = None) -> None:
             f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
             f"{human_bytes(c.temp)})"
         )
+    lead = f"{subject} needs" if subject else "needs"
+    advice = (
+        ""
+        if _no_fsdp_advice(plan_)
+        else "shard the params (`jaxdev.Strategy.sharded(mesh, params='fsdp')`, or "
+        "`rules='fsdp'` in `jaxdev.plan`), "
+    )
     raise MemoryPlanError(
-        f"needs {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
-        f"({source}){fsdp_alternative(plan_)}. Fix: "
-        + ("" if _no_fsdp_advice(plan_) else "shard the params (`rules='fsdp'`), ")
-        + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+        f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
+        f"({source}){fsdp_alternative(plan_)}.{' Nothing ran.' if subject else ''} Fix: "
+        f"{advice}use more devices, "
+        "a smaller batch or `accumulate=`, or raise the limit if it is wrong."
     )
 
 
@@ -560,22 +596,22 @@ def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
 def fsdp_alternative(plan_: MemoryPlan) -> str:
     """``"; with rules='fsdp' over 8 devices: 8.1 GiB"``, or ``""`` when it does not apply.
 
-    ``'fsdp'`` shards over the mesh's ``'fsdp'`` axis if it has one, else over
-    every axis (every device). Not offered when the plan already uses
-    ``'fsdp'``, the axis has one device, or the rules cannot apply.
+    ``'fsdp'`` shards over its default axis (:func:`fsdp_axis_of`: the
+    ``'fsdp'`` axis, else the batch axes), exactly what
+    ``Strategy.sharded(mesh, params='fsdp')`` does. Not offered when the plan
+    already uses ``'fsdp'``, the axis has one device, or the rules cannot apply.
     """
     mesh, inputs = plan_.mesh, plan_._inputs
     if inputs is None or _no_fsdp_advice(plan_):
         return ""
-    names = mesh.axis_names
-    axis = "fsdp" if "fsdp" in names else names[0] if len(names) == 1 else tuple(names)
-    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
-    if n <= 1:
-        return ""
     options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
     try:
-        shardings = state_shardings(inputs.state, mesh, "fsdp", fsdp_axis=axis, **options)
+        axis = fsdp_axis_of(mesh)
+        shardings = state_shardings(inputs.state, mesh, "fsdp", **options)
     except Exception:  # the alternative is advice only
+        return ""
+    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    if n <= 1:
         return ""
     _, total, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
     note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""

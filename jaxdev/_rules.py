@@ -59,7 +59,7 @@ from ._leaves import (
     is_placed,
     is_tracer,
 )
-from ._mesh import check_mesh, named_sharding
+from ._mesh import batch_axis, check_mesh, named_sharding
 
 Rules = Any
 """``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree.
@@ -178,19 +178,31 @@ def _mesh_text(mesh: Mesh) -> str:
     return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
-def _fsdp_axis(mesh: Mesh, fsdp_axis: Any) -> str | tuple[str, ...]:
+def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
+    """The mesh axis (or axes) ``rules='fsdp'`` shards over: the one owner of that default.
+
+    ``fsdp_axis`` when given; else the ``'fsdp'`` axis if the mesh has one;
+    else the batch axes (:func:`jaxdev.batch_sharding`'s default: every axis
+    but ``'model'``/``'tensor'``), the data-parallel devices FSDP shards over.
+
+    Example:
+      >>> import jaxdev
+      >>> fsdp_axis_of(jaxdev.make_mesh({"data": 2, "model": 4}))
+      'data'
+    """
     names = mesh.axis_names
     if fsdp_axis is None:
         if "fsdp" in names:
             return "fsdp"
-        if len(names) == 1:
-            return names[0]
-        raise ShardingError(
-            f"`rules`='fsdp' needs an axis to shard over: the mesh ({_mesh_text(mesh)}) has "
-            "several axes and none is called 'fsdp'. Pass `fsdp_axis=` (an axis name, or a "
-            "tuple of names to shard over several), or build the mesh with an 'fsdp' axis: "
-            "jaxdev.make_mesh({'data': 2, 'fsdp': -1})."
-        )
+        try:
+            return batch_axis(mesh, None)
+        except ShardingError:
+            raise ShardingError(
+                f"`rules`='fsdp' needs an axis to shard over: every axis of the mesh "
+                f"({_mesh_text(mesh)}) is a model axis. Pass `fsdp_axis=` (an axis name, or a "
+                "tuple of names to shard over several), or build the mesh with an 'fsdp' axis: "
+                "jaxdev.make_mesh({'data': 2, 'fsdp': -1})."
+            ) from None
     wanted = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis)
     missing = [a for a in wanted if a not in names]
     if missing or not wanted:
@@ -356,7 +368,7 @@ def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: di
         if rules == "replicate":
             return [(P(), "`rules`='replicate'")] * len(leaves)
         if rules == "fsdp":
-            axis = _fsdp_axis(mesh, options["fsdp_axis"])
+            axis = fsdp_axis_of(mesh, options["fsdp_axis"])
             names = (axis,) if isinstance(axis, str) else axis
             n = int(np.prod([mesh.shape[a] for a in names]))
             return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
@@ -520,7 +532,7 @@ def check_rules(rules: Rules, mesh: Mesh) -> None:
     """
     if isinstance(rules, str):
         if rules == "fsdp":
-            _fsdp_axis(mesh, None)
+            fsdp_axis_of(mesh, None)
         elif rules not in ("replicate", "flax"):
             raise ShardingError(f"`params` must be {_FORMS}; got the string {rules!r}.")
         return

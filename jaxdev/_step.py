@@ -43,7 +43,6 @@ from jax.sharding import PartitionSpec as P
 from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
 from ._errors import (
     DeletedArrayError,
-    MemoryPlanError,
     PlacementError,
     ShardingError,
     UsageError,
@@ -53,10 +52,9 @@ from ._leaves import array_type, check_live, deleted, host_problem, is_jax_array
 from ._mesh import batch_layout, named_sharding
 from ._metrics import Collection
 from ._placement import copy_to, to_device, unalias
-from ._plan import device_memory_limit
+from ._plan import check_fits, device_memory_limit, step_plan
 from ._pmap_layout import shard_for_pmap
 from ._prefetch import Prefetcher
-from ._report import human_bytes
 from ._rules import (
     follow_params,
     param_shardings,
@@ -807,35 +805,19 @@ def _own_buffers(tree: Any, others: Any) -> Any:
 def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
     """Raise MemoryPlanError when the compiled step needs more than the device has.
 
-    Runs once per variant, before its first call: compiles ``jitted`` for
+    Runs once per variant, before its first call: lowers ``jitted`` for
     ``args`` (JAX caches the executable, so the call that follows does not
-    compile again) and compares ``memory_analysis()`` with the budget.
+    compile again) and hands its plan to :func:`jaxdev._plan.check_fits`, the
+    one memory check (the same figures and advice as :func:`jaxdev.plan`).
     """
     limit, source = _memory_budget(step)
     if limit is None:
         return
-    analysis = jitted.lower(*args).compile().memory_analysis()
-    if analysis is None:  # the backend does not analyse memory
+    plan_ = step_plan(step, args[0], args[1], jitted.lower(*args))
+    if plan_.compiled is None:  # the backend does not analyse memory
         return
-    need = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
-    if need <= limit:
-        return
-    raise MemoryPlanError(
-        f"the {'train' if step._train else 'eval'} step needs {human_bytes(need)} per device "
-        f"(arguments {human_bytes(analysis.argument_size_in_bytes)} + outputs "
-        f"{human_bytes(analysis.output_size_in_bytes)} - donated "
-        f"{human_bytes(analysis.alias_size_in_bytes)} "
-        f"+ temporaries {human_bytes(analysis.temp_size_in_bytes)}, from the compiled program's "
-        f"memory_analysis()), {human_bytes(limit)} available ({source})"
-        + _fsdp_alternative(step, args[0], need)
-        + ". Nothing ran. Shard the params (`jaxdev.Strategy.sharded(mesh, params='fsdp')`), "
-        "use a smaller batch or `accumulate=`, or raise `memory_limit` if the budget is wrong."
-    )
+    kind = "train" if step._train else "eval"
+    check_fits(plan_, limit, source=source, subject=f"the {kind} step")
 
 
 def _memory_budget(step: TrainStep) -> tuple[int | None, str]:
@@ -843,42 +825,6 @@ def _memory_budget(step: TrainStep) -> tuple[int | None, str]:
         return step.memory_limit, "memory_limit"
     limit = device_memory_limit(step.strategy.devices)  # None on CPU: nothing to compare
     return limit, "bytes_limit of the devices"
-
-
-def _fsdp_alternative(step: TrainStep, state: Any, need: int) -> str:
-    """``'; with params='fsdp' over 8 devices it would need 8.1 GiB'``, or ``''``."""
-    strategy = step.strategy
-    if strategy.kind != "sharded" or strategy.mesh.size == 1:
-        return ""
-    if isinstance(strategy.params, str) and strategy.params == "fsdp":
-        return ""
-    mesh = strategy.mesh
-    try:
-        fsdp = state_shardings(_shapes(state), mesh, "fsdp")
-        now = _state_layout(strategy, state) if step._by_rules else named_sharding(mesh, P())
-    except Exception:  # e.g. no axis to shard over: no alternative to offer
-        return ""
-    times = 2 if step._train and not step._donate else 1  # in and out when not donated
-    saved = times * (_bytes_per_device(state, now) - _bytes_per_device(state, fsdp))
-    if saved <= 0:
-        return ""
-    n = mesh.shape["fsdp"] if "fsdp" in mesh.shape else mesh.size
-    return f"; with params='fsdp' over {n} devices it would need about {human_bytes(need - saved)}"
-
-
-def _bytes_per_device(tree: Any, shardings: Any) -> int:
-    """Bytes of ``tree``'s largest shards, summed (arrays or ShapeDtypeStructs)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if isinstance(shardings, NamedSharding):
-        targets = [shardings] * len(leaves)
-    else:
-        targets = treedef.flatten_up_to(shardings)
-    total = 0
-    for x, s in zip(leaves, targets):
-        shape = np.shape(x) if not hasattr(x, "shape") else tuple(x.shape)
-        itemsize = np.dtype(getattr(x, "dtype", np.float32)).itemsize
-        total += int(np.prod(s.shard_shape(shape), dtype=np.int64)) * itemsize
-    return total
 
 
 def _check_memory_limit(value: Any) -> int | None:

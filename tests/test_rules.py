@@ -186,8 +186,13 @@ def test_fsdp_axis_choice(df, dm):
         jaxdev.param_shardings({"w": sds(12, 1024)}, df, "fsdp", fsdp_axis=("data", "fsdp"))
     )
     assert got == {"w": P(None, ("data", "fsdp"))}
-    with pytest.raises(ShardingError, match="none is called 'fsdp'.*`fsdp_axis=`"):
-        jaxdev.param_shardings(tree, dm, "fsdp")
+    # no 'fsdp' axis: the batch axes (data x model -> 'data'), as Strategy.sharded splits rows
+    assert specs(jaxdev.param_shardings(tree, dm, "fsdp")) == {"w": P("data", None)}
+    only_model = jaxdev.make_mesh({"model": 2, "tensor": 4})
+    with pytest.raises(
+        ShardingError, match="every axis of the mesh .* is a model axis.*`fsdp_axis=`"
+    ):
+        jaxdev.param_shardings(tree, only_model, "fsdp")
     with pytest.raises(ShardingError, match=r"`fsdp_axis`='x' is not an axis.*data=2 x model=4"):
         jaxdev.param_shardings(tree, dm, "fsdp", fsdp_axis="x")
 

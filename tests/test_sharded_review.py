@@ -249,9 +249,13 @@ def test_strategy_refuses_bad_rules_when_built(mesh, rules, match):
         jaxdev.Strategy.sharded(mesh, params=rules)
 
 
-def test_fsdp_needs_an_axis_when_built():
+def test_fsdp_shards_over_the_batch_axes_without_an_fsdp_axis():
+    s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "model": 4}), params="fsdp")
+    assert s.axis == "data"  # the rules shard over the same default axis (_rules.fsdp_axis_of)
     with pytest.raises(jaxdev.ShardingError, match="fsdp_axis"):
-        jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "model": 4}), params="fsdp")
+        jaxdev.Strategy.sharded(
+            jaxdev.make_mesh({"model": 2, "tensor": 4}), axis="model", params="fsdp"
+        )
 
 
 # ---------------------------------------------------------------- plans under "flax"

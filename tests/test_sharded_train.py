@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxdev
+from jaxdev._report import human_bytes
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 STEPS, BATCH, FEATURES, HIDDEN, CLASSES = 20, 32, 32, 64, 16
@@ -315,7 +316,7 @@ def test_memory_limit_raises_before_anything_runs():
     text = str(err.value)
     assert "the train step needs" in text and "per device" in text
     assert "100 B available (memory_limit)" in text
-    assert "with params='fsdp' over 8 devices it would need about" in text
+    assert "with rules='fsdp' over 8 devices: " in text and "Nothing ran" in text
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing ran
     assert isinstance(err.value, MemoryError)
     roomy = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True, memory_limit=2**30)
@@ -373,3 +374,26 @@ def test_rng_and_eval_step_under_fsdp():
     want = float(loss_fn(jaxdev.to_host(state.params), batch)[0].mean())
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "fsdp")
+
+
+def test_memory_advice_works_when_followed_on_a_data_x_model_mesh():
+    """The step's advice is the plan's, and Strategy.sharded(mesh, params='fsdp') runs it."""
+    mesh = _mesh({"data": 2, "model": 4})
+    tight = jaxdev.make_train_step(
+        loss_fn, SGD, jaxdev.Strategy.sharded(mesh), has_aux=True, memory_limit=2**10
+    )
+    state = tight.init_state(_params(), SGD)
+    batch = tight.put_batch(_data(steps=1)[0])
+    with pytest.raises(jaxdev.MemoryPlanError) as err:
+        tight(state, batch)
+    text = str(err.value)
+    shapes = jax.eval_shape(lambda: state)
+    fsdp_plan = jaxdev.plan(shapes, mesh, "fsdp", batch=batch)
+    assert f"with rules='fsdp' over 2 devices: {human_bytes(fsdp_plan.total)}" in text
+    assert "jaxdev.Strategy.sharded(mesh, params='fsdp')" in text
+    followed = jaxdev.make_train_step(
+        loss_fn, SGD, jaxdev.Strategy.sharded(mesh, params="fsdp"), has_aux=True
+    )
+    new, _ = followed(followed.init_state(_params(), SGD), followed.put_batch(_data(steps=1)[0]))
+    assert int(new.step) == 1
+    assert jaxdev.plan(shapes, mesh, "fsdp")["params"] < jaxdev.plan(shapes, mesh)["params"]
