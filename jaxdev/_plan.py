@@ -422,16 +422,14 @@ def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Me
             f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
             "leave `mesh` out when passing `step` (the plan uses the step's)."
         )
-    own = strategy.params if strategy.kind == "sharded" else "replicate"
+    own = strategy.rules
     if not _same_rules(rules, own) and not _same_rules(rules, "replicate"):
         raise UsageError(
             f"`rules`={_short(rules)} differ from the step's params rules {_short(own)}; "
             "leave `rules` out when passing `step` (the plan uses the step's)."
         )
-    lead = 0
-    if strategy.kind == "sharded":
-        lead = (getattr(step, "steps_per_call", 1) > 1) + (getattr(step, "accumulate", 1) > 1)
-    return strategy.mesh, own, (strategy.mesh, strategy.axis, lead)
+    k, m = getattr(step, "steps_per_call", 1), getattr(step, "accumulate", 1)
+    return strategy.mesh, own, (strategy.mesh, strategy.axis, strategy.row_axis(k, m))
 
 
 def _same_rules(a: Any, b: Any) -> bool:

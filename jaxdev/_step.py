@@ -40,20 +40,18 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
+from ._batches import Padded
 from ._errors import (
     DeletedArrayError,
     PlacementError,
-    ShardingError,
     UsageError,
 )
 from ._fingerprint import same_program
 from ._leaves import array_type, check_live, deleted, host_problem, is_jax_array, key_strings
-from ._mesh import batch_layout, named_sharding
+from ._mesh import named_sharding
 from ._metrics import Collection
 from ._placement import copy_to, to_device, unalias
 from ._plan import check_fits, device_memory_limit, step_plan
-from ._pmap_layout import shard_for_pmap
 from ._prefetch import Prefetcher
 from ._rules import (
     follow_params,
@@ -64,7 +62,7 @@ from ._rules import (
     unbox,
 )
 from ._strategy import Strategy, as_strategy
-from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, rows_of, train_body
+from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, train_body
 
 _MAX_INFLIGHT = 8
 
@@ -110,9 +108,9 @@ class TrainStep:
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
         self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
-        self._by_rules = strategy.kind == "sharded" and not strategy.replicated
+        self._by_rules = strategy.by_rules
         self._bounded = _cpu_collectives(strategy)
-        self._target = _state_target(strategy)
+        self._target = strategy.state_target
         self._inflight: collections.deque = collections.deque()
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None):
@@ -159,8 +157,10 @@ class TrainStep:
         if jitted is None:
             layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
             jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
-            if self.strategy.kind == "sharded":
-                self._in_shardings[key] = _in_shardings(self, key, layout)
+            n_lead = (self.steps_per_call > 1) + (self.accumulate > 1) if self._train else 0
+            expected = self.strategy.input_shardings(n_lead, key[0], key[1], layout)
+            if expected is not None:
+                self._in_shardings[key] = expected
         return jitted
 
     def _relayout(self, key: tuple, args: list[Any]) -> list[Any] | None:
@@ -223,7 +223,7 @@ class TrainStep:
           36868
         """
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
-        if mask is None and self.strategy.kind == "sharded":  # uneven: as put_batch pads it
+        if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = _padded_shapes(self, inner)
         args = [state, inner] + ([mask] if mask is not None else [])
         args += [metrics] if metrics is not None else []
@@ -323,7 +323,7 @@ class TrainStep:
           >>> step.put_batch(np.arange(13.0)).size
           13
         """
-        return _put_batch(self.strategy, batch, self.steps_per_call, self.accumulate)
+        return self.strategy.put_batch(batch, self.steps_per_call, self.accumulate)
 
     def prefetch(self, iterator: Iterable[Any], size: int = 2) -> Prefetcher:
         """Place the next ``size`` batches of ``iterator`` with :meth:`put_batch` in a thread.
@@ -433,19 +433,6 @@ def _padded_shapes(step: TrainStep, batch: Any) -> tuple[Any, Any]:
     return treedef.unflatten(out), mask
 
 
-def _in_shardings(step: TrainStep, key: tuple, layout: Any) -> list[Any]:
-    """What the sharded program expects of each argument (a sharding, or a tree of them)."""
-    strategy = step.strategy
-    mesh = strategy.mesh
-    n_lead = (step.steps_per_call > 1) + (step.accumulate > 1) if step._train else 0
-    rows = named_sharding(mesh, P(*([None] * n_lead), strategy.axis))
-    replicated = named_sharding(mesh, P())
-    out = [replicated if layout is None else layout, rows]
-    out += [rows] if key[0] else []
-    out += [replicated] if key[1] else []
-    return out
-
-
 def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any]]:
     """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
 
@@ -490,110 +477,6 @@ def _same_layout(have: Any, want: Any, ndim: int) -> bool:
         return False
 
 
-def _state_target(strategy: Strategy) -> Any:
-    return strategy.devices[0] if strategy.kind == "single" else strategy.mesh
-
-
-# ---------------------------------------------------------------- batches
-
-
-def _put_batch(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
-    if k > 1 or m > 1:
-        return _put_grouped(strategy, batch, k, m)
-    if strategy.kind == "single":  # a copy where the loader could refill the buffer
-        return to_device(detach_host(batch), strategy.devices[0])
-    pad = rows_of(batch) % _local_shards(strategy) != 0
-    if strategy.kind == "pmap":
-        return shard_for_pmap(batch, list(strategy.devices), pad=pad)
-    return shard_batch(batch, strategy.mesh, pad=pad, axis=strategy.axis)
-
-
-def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
-    """Place rows grouped as ``(K?, M?, rows, ...)``: steps and micro-batches kept whole.
-
-    Rows are padded (last row repeated, masked out) to a multiple of
-    ``M * devices``; micro-batch ``j`` takes rows ``[j*r, (j+1)*r)`` and
-    splits them over the devices.
-    """
-    leaves, treedef = jax.tree.flatten(batch)
-    rows = _grouped_rows(leaves, k)
-    n = strategy.n_devices
-    extra = -rows % (m * _local_shards(strategy))
-    row_axis = 1 if k > 1 else 0
-    xp = jnp if any(is_jax_array(x) for x in leaves) else np
-    out = [_group(xp, _pad_axis(xp, x, row_axis, extra), row_axis, m, n, strategy) for x in leaves]
-    lead = (k,) if k > 1 else ()
-    mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
-    mask = _group(np, mask, row_axis, m, n, strategy)
-    grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
-    target = _grouped_target(strategy, k, m)
-    if jax.process_count() > 1 and strategy.kind == "sharded":  # local rows -> global arrays
-        placed, mask = to_global(grouped, target, None)
-    else:
-        placed, mask = to_device(grouped, target)
-    return Padded(placed, mask, rows) if extra else placed
-
-
-def _local_shards(strategy: Strategy) -> int:
-    """How many batch shards this process's rows are split into."""
-    if strategy.kind == "single":
-        return 1
-    if jax.process_count() == 1 or strategy.kind == "pmap":
-        return strategy.n_devices
-    sharding, n = batch_layout(strategy.mesh, strategy.axis)
-    return row_multiple(sharding, n)
-
-
-def _grouped_rows(leaves: list[Any], k: int) -> int:
-    what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
-    if not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves):
-        raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    if k > 1 and any(np.shape(x)[0] != k for x in leaves):
-        raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what} with K={k}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
-    if len(rows) != 1 or 0 in rows:
-        raise ShardingError(
-            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    return rows.pop()
-
-
-def _pad_axis(xp: Any, x: Any, axis: int, extra: int) -> Any:
-    if not extra:
-        return x
-    last = xp.take(x, xp.asarray([np.shape(x)[axis] - 1]), axis=axis)
-    return xp.concatenate([x, xp.repeat(last, extra, axis=axis)], axis=axis)
-
-
-def _group(xp: Any, x: Any, axis: int, m: int, n: int, strategy: Strategy) -> Any:
-    """Split the row axis into ``(M, r)``; for pmap also move the device split in front."""
-    shape = np.shape(x)
-    r = shape[axis] // m
-    lead = shape[:axis] + ((m,) if m > 1 else ())
-    x = xp.reshape(x, lead + (r,) + shape[axis + 1 :])
-    if strategy.kind != "pmap":
-        return x
-    at = len(lead)
-    x = xp.reshape(x, lead + (n, r // n) + shape[axis + 1 :])
-    return xp.moveaxis(x, at, 0)
-
-
-def _grouped_target(strategy: Strategy, k: int, m: int) -> Any:
-    if strategy.kind == "single":
-        return strategy.devices[0]
-    if strategy.kind == "pmap":
-        return NamedSharding(strategy.mesh, P(strategy.axis))
-    lead = [None] * ((k > 1) + (m > 1))
-    return NamedSharding(strategy.mesh, P(*lead, strategy.axis))
-
-
 # ---------------------------------------------------------------- compiling
 
 
@@ -624,64 +507,12 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
 
     n_args = 2 + has_mask + has_acc
     donate = tuple(i for i in (0, n_args - 1) if step._donate and (i == 0 or has_acc))
-    if strategy.kind == "single":
-        return jax.jit(functools.partial(run, None), donate_argnums=donate)
-    if strategy.kind == "pmap":
-        return _compile_pmap(strategy, run, has_mask, has_acc, train, donate)
-    return _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate, layout)
+    return strategy.compile(run, n_lead, has_mask, has_acc, train, donate, layout)
 
 
 def _all_rows(batch: Any, n_lead: int) -> jax.Array:
     leaf = jax.tree.leaves(batch)[0]
     return jnp.ones(jnp.shape(leaf)[: n_lead + 1], bool)
-
-
-def _compile_pmap(strategy, run, has_mask, has_acc, train, donate):
-    in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
-    return jax.pmap(
-        functools.partial(run, strategy.axis),
-        axis_name=strategy.axis,
-        devices=list(strategy.devices),
-        in_axes=in_axes,
-        out_axes=(None, None, None) if train else None,
-        donate_argnums=donate,
-    )
-
-
-def _compile_sharded(strategy, run, n_lead, has_mask, has_acc, train, donate, layout=None):
-    mesh, axis = strategy.mesh, strategy.axis
-    spec = P(*([None] * n_lead), axis)
-    specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
-    out_specs = (P(), P(), P()) if train else P()
-    if layout is not None:  # sharded params: jit only (Strategy.sharded refuses shard_map)
-        shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
-        outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
-        return jax.jit(
-            functools.partial(run, None),
-            in_shardings=(layout, *shardings[1:]),
-            out_shardings=outs,
-            donate_argnums=donate,
-        )
-    if strategy.shard_map:
-        # check_vma=False: gradients of replicated params are summed by the
-        # step's own psum, as under pmap (with vma checks JAX would already
-        # sum them, and the step would apply the gradient n times over).
-        inner = jax.shard_map(
-            functools.partial(run, axis),
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=out_specs,
-            check_vma=False,
-        )
-    else:
-        inner = functools.partial(run, None)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    return jax.jit(
-        inner,
-        in_shardings=shardings,
-        out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
-        donate_argnums=donate,
-    )
 
 
 # ---------------------------------------------------------------- sharded params

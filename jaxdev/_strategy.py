@@ -1,13 +1,27 @@
-"""Where and how a train step runs: one device, ``jax.pmap``, or sharded ``jit``."""
+"""Where and how a train step runs: one device, ``jax.pmap``, or sharded ``jit``.
+
+A :class:`Strategy` carries its own behaviour: :meth:`Strategy.single`,
+:meth:`Strategy.pmap` and :meth:`Strategy.sharded` return one of three
+subclasses, and each decides, for the step that composes them, where the
+state lives (:attr:`Strategy.state_target`), how a batch is placed
+(:meth:`Strategy.put_batch`) and how the step's body is compiled
+(:meth:`Strategy.compile`). ``_step`` never asks which kind it holds.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
 from ._errors import ShardingError, UsageError
@@ -17,10 +31,15 @@ from ._mesh import (
     AxisName,
     axis_size,
     batch_axis,
+    batch_layout,
     check_mesh,
     mesh_of,
+    named_sharding,
 )
+from ._placement import to_device
+from ._pmap_layout import shard_for_pmap
 from ._rules import check_rules
+from ._train import rows_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +86,7 @@ class Strategy:
           True
         """
         dev = resolve_device(0 if device is None else device)
-        return cls("single", (dev,), mesh_of((dev,), DEFAULT_AXIS))
+        return _Single("single", (dev,), mesh_of((dev,), DEFAULT_AXIS))
 
     @classmethod
     def pmap(cls, devices: Any = None, axis: str = DEFAULT_AXIS) -> Strategy:
@@ -86,7 +105,7 @@ class Strategy:
         """
         devs = tuple(device_list(devices))
         _check_axis_name(axis)
-        return cls("pmap", devs, mesh_of(devs, axis), axis)
+        return _Pmap("pmap", devs, mesh_of(devs, axis), axis)
 
     @classmethod
     def sharded(
@@ -149,7 +168,7 @@ class Strategy:
                 "'data' axis."
             )
         axis = batch_axis(mesh, axis)
-        return cls("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map), params)
+        return _Sharded("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map), params)
 
     @property
     def replicated(self) -> bool:
@@ -159,7 +178,7 @@ class Strategy:
     @property
     def n_devices(self) -> int:
         """How many ways the batch is split."""
-        return 1 if self.kind == "single" else axis_size(self.mesh, self.axis)
+        return axis_size(self.mesh, self.axis)
 
     @property
     def collective_axis(self) -> AxisName | None:
@@ -177,7 +196,269 @@ class Strategy:
           >>> jaxdev.Strategy.pmap(2).collective_axis, jaxdev.Strategy.sharded().collective_axis
           ('data', None)
         """
-        return self.axis if self.kind == "pmap" or self.shard_map else None
+        return self.axis if self.shard_map else None
+
+    # ------------------------------------------------------------ behaviour (for the step)
+
+    @property
+    def by_rules(self) -> bool:
+        """Whether the state is laid out by rules (sharded params), not replicated."""
+        return False
+
+    @property
+    def rules(self) -> Any:
+        """The params rules the state is laid out by (``"replicate"`` unless sharded)."""
+        return "replicate"
+
+    @property
+    def state_target(self) -> Any:
+        """Where an unsharded state lives: the device, or the mesh (replicated)."""
+        return self.mesh
+
+    def local_shards(self) -> int:
+        """How many batch shards this process's rows are split into."""
+        return self.n_devices
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        """Place a (not grouped) host batch, padded and masked when ``pad``."""
+        raise NotImplementedError
+
+    def put_batch(self, batch: Any, k: int = 1, m: int = 1) -> Any:
+        """Place a batch for a step with ``steps_per_call=k`` and ``accumulate=m``.
+
+        Uneven rows are padded (the last row repeated) and masked: a
+        :class:`jaxdev.Padded` comes back.
+
+        Example:
+          >>> import numpy as np, jaxdev
+          >>> jaxdev.Strategy.sharded().put_batch(np.zeros((13, 2))).batch.shape
+          (16, 2)
+        """
+        if k > 1 or m > 1:
+            return _put_grouped(self, batch, k, m)
+        return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
+
+    def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
+        """Split the row axis ``axis`` of ``x`` into ``(M, r)`` micro-batches."""
+        shape = np.shape(x)
+        lead = shape[:axis] + ((m,) if m > 1 else ())
+        return xp.reshape(x, lead + (shape[axis] // m,) + shape[axis + 1 :])
+
+    def row_axis(self, k: int, m: int) -> int:
+        """The axis of a placed batch that is split over the devices (group axes first)."""
+        return (k > 1) + (m > 1)
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        """Where a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` goes."""
+        return NamedSharding(self.mesh, P(*([None] * self.row_axis(k, m)), self.axis))
+
+    def place_grouped(self, grouped: Any, target: Any) -> Any:
+        return to_device(grouped, target)
+
+    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
+        """What a compiled program expects of each argument, or None (no check needed)."""
+        return None
+
+    def pads_shapes(self) -> bool:
+        """Whether ``lower`` pads the shapes of an uneven raw batch (as put_batch would)."""
+        return False
+
+    def compile(
+        self,
+        run: Callable,
+        n_lead: int,
+        has_mask: bool,
+        has_acc: bool,
+        train: bool,
+        donate: tuple[int, ...],
+        layout: Any = None,
+    ) -> Any:
+        """Compile ``run(axis, state, batch[, mask][, acc])`` for this strategy."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Single(Strategy):
+    """``jax.jit`` on one device."""
+
+    @property
+    def n_devices(self) -> int:
+        return 1
+
+    @property
+    def state_target(self) -> Any:
+        return self.devices[0]
+
+    def local_shards(self) -> int:
+        return 1
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return to_device(detach_host(batch), self.devices[0])  # a copy the loader cannot refill
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        return self.devices[0]
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        return jax.jit(functools.partial(run, None), donate_argnums=donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pmap(Strategy):
+    """``jax.pmap`` over local devices; the batch's leading axis is the device axis."""
+
+    @property
+    def collective_axis(self) -> AxisName | None:
+        return self.axis
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return shard_for_pmap(batch, list(self.devices), pad=pad)
+
+    def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
+        x = super().group(xp, x, axis, m)  # then move the device split in front
+        shape, at = np.shape(x), axis + (m > 1)
+        n = self.n_devices
+        x = xp.reshape(x, shape[:at] + (n, shape[at] // n) + shape[at + 1 :])
+        return xp.moveaxis(x, at, 0)
+
+    def row_axis(self, k: int, m: int) -> int:
+        return 0  # the device axis leads
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        return NamedSharding(self.mesh, P(self.axis))
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
+        return jax.pmap(
+            functools.partial(run, self.axis),
+            axis_name=self.axis,
+            devices=list(self.devices),
+            in_axes=in_axes,
+            out_axes=(None, None, None) if train else None,
+            donate_argnums=donate,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharded(Strategy):
+    """``jax.jit`` + ``NamedSharding`` on a mesh (optionally through ``jax.shard_map``)."""
+
+    @property
+    def by_rules(self) -> bool:
+        return not self.replicated
+
+    @property
+    def rules(self) -> Any:
+        return self.params
+
+    def local_shards(self) -> int:
+        if jax.process_count() == 1:
+            return self.n_devices
+        sharding, n = batch_layout(self.mesh, self.axis)
+        return row_multiple(sharding, n)
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
+
+    def place_grouped(self, grouped: Any, target: Any) -> Any:
+        if jax.process_count() > 1:  # each process's local rows -> global arrays
+            return to_global(grouped, target, None)
+        return to_device(grouped, target)
+
+    def pads_shapes(self) -> bool:
+        return True
+
+    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
+        rows = named_sharding(self.mesh, P(*([None] * n_lead), self.axis))
+        replicated = named_sharding(self.mesh, P())
+        out = [replicated if layout is None else layout, rows]
+        return out + ([rows] if has_mask else []) + ([replicated] if has_acc else [])
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        mesh, axis = self.mesh, self.axis
+        spec = P(*([None] * n_lead), axis)
+        specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
+        out_specs = (P(), P(), P()) if train else P()
+        if layout is not None:  # sharded params: jit only (sharded() refuses shard_map)
+            shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
+            outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
+            return jax.jit(
+                functools.partial(run, None),
+                in_shardings=(layout, *shardings[1:]),
+                out_shardings=outs,
+                donate_argnums=donate,
+            )
+        if self.shard_map:
+            # check_vma=False: gradients of replicated params are summed by the
+            # step's own psum, as under pmap (with vma checks JAX would already
+            # sum them, and the step would apply the gradient n times over).
+            inner = jax.shard_map(
+                functools.partial(run, axis),
+                mesh=mesh,
+                in_specs=specs,
+                out_specs=out_specs,
+                check_vma=False,
+            )
+        else:
+            inner = functools.partial(run, None)
+        return jax.jit(
+            inner,
+            in_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
+            out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
+            donate_argnums=donate,
+        )
+
+
+# ---------------------------------------------------------------- grouped batches
+
+
+def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
+    """Place rows grouped as ``(K?, M?, rows, ...)``: steps and micro-batches kept whole.
+
+    Rows are padded (last row repeated, masked out) to a multiple of
+    ``M * devices``; micro-batch ``j`` takes rows ``[j*r, (j+1)*r)`` and
+    splits them over the devices.
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    rows = _grouped_rows(leaves, k)
+    extra = -rows % (m * strategy.local_shards())
+    row_axis = 1 if k > 1 else 0
+    xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
+    out = [strategy.group(xp, _pad_axis(xp, x, row_axis, extra), row_axis, m) for x in leaves]
+    lead = (k,) if k > 1 else ()
+    mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
+    mask = strategy.group(np, mask, row_axis, m)
+    grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
+    target = strategy.grouped_target(k, m)
+    placed, mask = strategy.place_grouped(grouped, target)
+    return Padded(placed, mask, rows) if extra else placed
+
+
+def _grouped_rows(leaves: list[Any], k: int) -> int:
+    what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
+    if not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    if k > 1 and any(np.shape(x)[0] != k for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what} with K={k}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
+    if len(rows) != 1 or 0 in rows:
+        raise ShardingError(
+            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    return rows.pop()
+
+
+def _pad_axis(xp: Any, x: Any, axis: int, extra: int) -> Any:
+    if not extra:
+        return x
+    last = xp.take(x, xp.asarray([np.shape(x)[axis] - 1]), axis=axis)
+    return xp.concatenate([x, xp.repeat(last, extra, axis=axis)], axis=axis)
 
 
 def _replicates(rules: Any) -> bool:
