@@ -506,7 +506,7 @@ def test_fault_ends_bounded_non_zero_and_names_the_process(name):
 @pytest.mark.timeout(60)
 def test_python_dash_m_launch_usage_error_exits_2():
     proc = subprocess.run(
-        [PY, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch", "-n", "2"],
+        [PY, "-m", "jaxdev", "launch", "-n", "2"],
         capture_output=True,
         text=True,
         timeout=50,

@@ -2,7 +2,7 @@
 benchmarks/multihost_faults.py.
 
 Each scenario runs ``tests/mp_scripts/worker.py`` as 2 processes x 4 fake CPU
-devices (``different_reduction``: 3 x 1) under ``python -m jaxdev._launch``
+devices (``different_reduction``: 3 x 1) under ``python -m jaxdev launch``
 (or, for ``no_coordinator``, one lone process 1) with short timeouts, and
 records exit code, seconds, and the launcher's summary.
 """
@@ -168,10 +168,9 @@ def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
         return [sys.executable, WORKER, "happy"], process_env(1, 2, 4, port, env)
     launcher = [
         sys.executable,
-        "-W",
-        "ignore::RuntimeWarning",
         "-m",
-        "jaxdev._launch",
+        "jaxdev",
+        "launch",
         "-n",
         str(scenario.processes),
         "--devices-per-process",
