@@ -1,7 +1,7 @@
 """Test set-up: 8 fake CPU devices, configured before JAX's backend starts.
 
 Tests that need another device count run in a subprocess (see
-``run_python`` below).
+``run_python`` and ``launch`` below, both with ``clean_env()``).
 """
 
 from __future__ import annotations
@@ -35,21 +35,51 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's, less JAX/XLA/jaxdev settings.
+
+    Drops every ``XLA_*``, ``JAX_*`` and ``JAXDEV_*`` variable (so the child
+    neither inherits a device count nor believes it is a launched process),
+    puts the repository on ``PYTHONPATH`` and adds ``extra``.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120.0):
     """Run ``code`` in a fresh Python process; return the CompletedProcess.
 
-    The child gets a clean JAX environment (no inherited device count) plus
-    ``env``; it is killed after ``timeout`` seconds.
+    The child gets ``clean_env()`` plus ``env``; it is killed after
+    ``timeout`` seconds.
     """
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
-    child_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env,
+        env=clean_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def launch(
+    n: int, devices_per_process: int, cmd: list[str], timeout: float = 150.0
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` under ``python -m jaxdev launch`` as ``n`` x ``devices_per_process``.
+
+    The launcher ends the processes after ``timeout`` seconds (``--timeout``);
+    the launcher itself is killed 50 s later. The environment is
+    ``clean_env()``; stdout holds the ``[p<id>]``-prefixed lines.
+    """
+    launcher = [sys.executable, "-m", "jaxdev", "launch", "-n", str(n)]
+    options = ["--devices-per-process", str(devices_per_process), "--timeout", f"{timeout:g}"]
+    return subprocess.run(
+        [*launcher, *options, "--", *cmd],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout + 50,
     )
 
 
@@ -84,3 +114,27 @@ def disk_full(monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", no_space)
+
+
+@pytest.fixture(scope="session")
+def fsdp8():
+    """A one-axis ``fsdp`` mesh over the 8 fake CPU devices."""
+    import jaxdev
+
+    return jaxdev.make_mesh({"fsdp": 8})
+
+
+@pytest.fixture(scope="session")
+def dm():
+    """A ``data=2 x model=4`` mesh."""
+    import jaxdev
+
+    return jaxdev.make_mesh({"data": 2, "model": 4})
+
+
+@pytest.fixture(scope="session")
+def df():
+    """A ``data=2 x fsdp=4`` mesh."""
+    import jaxdev
+
+    return jaxdev.make_mesh({"data": 2, "fsdp": 4})

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO
+from conftest import REPO, clean_env
 
 import jaxdev
 from jaxdev import CheckpointError
@@ -31,17 +31,11 @@ SCRIPTS = os.path.join(REPO, "tests", "mp_scripts")
 DEMO = ["--epochs", "2", "--devices", "2", "--batch-size", "256", "--checkpoint-every", "2"]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _demo(directory, kill_at: int = 0, extra=()) -> subprocess.CompletedProcess:
     script = os.path.join(SCRIPTS, "demo_kill.py")
     args = [sys.executable, script, str(kill_at), *DEMO, "--checkpoint-dir", str(directory)]
     return subprocess.run(
-        [*args, "--quiet", *extra], env=_env(), capture_output=True, text=True, timeout=120
+        [*args, "--quiet", *extra], env=clean_env(), capture_output=True, text=True, timeout=120
     )
 
 
@@ -72,7 +66,9 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, referen
 def test_sigkill_from_outside_at_a_random_moment_then_resume(tmp_path, reference):
     script = os.path.join(SCRIPTS, "demo_kill.py")
     args = [sys.executable, script, "0", *DEMO, "--checkpoint-dir", str(tmp_path)]
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        args, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
     try:
         for line in proc.stdout:  # training starts after this line
             if line.startswith(b"global batch"):
@@ -96,7 +92,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path):
     script = os.path.join(SCRIPTS, "ckpt_async_kill.py")
     proc = subprocess.run(
         [sys.executable, script, str(tmp_path)],
-        env=_env(),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=90,

@@ -1,34 +1,30 @@
 """``jaxdev info | demo | bench | launch`` driven end to end through subprocesses.
 
-Each command runs as ``python -m jaxdev._cli`` in a fresh process with a
-clean JAX environment, as a user's shell would start the ``jaxdev`` script.
+Each command runs as ``python -m jaxdev`` in a fresh process with a clean
+JAX environment, as a user's shell would start the ``jaxdev`` script.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
+from conftest import clean_env as _clean_env
 
 from jaxdev import _cli
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env["COLUMNS"] = "160"
-    env.update(extra)
-    return env
+    return _clean_env(COLUMNS="160", **extra)
 
 
 def jaxdev_cli(*args: str, timeout: float = 180.0, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "jaxdev._cli", *args],
+        [sys.executable, "-m", "jaxdev", *args],
         env=clean_env(**env),
         capture_output=True,
         text=True,

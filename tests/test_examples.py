@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, clean_env
 
 EXAMPLES = sorted(glob.glob(os.path.join(REPO, "examples", "*.py")))
 
@@ -32,13 +32,6 @@ KEY_LINES = {
     "checkpoint_resume.py": "checkpoint resume: ok",
     "fsdp_train.py": "fsdp train: ok",
 }
-
-
-def clean_env() -> dict[str, str]:
-    """The environment without JAX/XLA settings, with the repo importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def run_script(path: str, timeout: float = 120.0) -> subprocess.CompletedProcess:

@@ -7,23 +7,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, clean_env, launch
 
 pytestmark = pytest.mark.multiprocess
 
 SCRIPT = os.path.join(REPO, "tests", "mp_scripts", "ckpt_multihost.py")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _one(mode: str, directory) -> str:
     proc = subprocess.run(
         [sys.executable, SCRIPT, mode, str(directory)],
-        env=_env(),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -33,15 +27,7 @@ def _one(mode: str, directory) -> str:
 
 
 def _two(mode: str, directory) -> str:
-    launch = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "jaxdev._launch"]
-    proc = subprocess.run(
-        [*launch, "-n", "2", "--devices-per-process", "4", "--timeout", "150", "--"]
-        + [sys.executable, SCRIPT, mode, str(directory)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    proc = launch(2, 4, [sys.executable, SCRIPT, mode, str(directory)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

@@ -16,8 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
-from test_multihost_train import _env
+from conftest import REPO, clean_env, launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,34 +41,13 @@ def _close(a: dict, b: dict) -> None:
 @pytest.mark.timeout(240)
 def test_fsdp_two_processes_match_one_process_with_eight_devices():
     one = subprocess.run(
-        [sys.executable, SCRIPT], env=_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, SCRIPT], env=clean_env(), capture_output=True, text=True, timeout=120
     )
     assert one.returncode == 0, one.stderr[-3000:]
     [single] = _results(one.stdout)
     assert (single["processes"], single["devices"]) == (1, 8)
 
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore::RuntimeWarning",
-            "-m",
-            "jaxdev._launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--timeout",
-            "150",
-            "--",
-            sys.executable,
-            SCRIPT,
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    two = launch(2, 4, [sys.executable, SCRIPT])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     results = _results(two.stdout)
     assert len(results) == 2 and all(r["processes"] == 2 for r in results)

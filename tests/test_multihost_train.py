@@ -7,17 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, clean_env, launch
 
 pytestmark = pytest.mark.multiprocess
 
 EXAMPLE = os.path.join(REPO, "examples", "multihost_train.py")
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _result_lines(text: str) -> list[str]:
@@ -27,34 +21,13 @@ def _result_lines(text: str) -> list[str]:
 @pytest.mark.timeout(240)
 def test_two_processes_match_one_process_with_eight_devices():
     one = subprocess.run(
-        [sys.executable, EXAMPLE], env=_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, EXAMPLE], env=clean_env(), capture_output=True, text=True, timeout=120
     )
     assert one.returncode == 0, one.stderr
     [single] = _result_lines(one.stdout)
     assert single.startswith("processes=1 devices=8 steps=20")
 
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore::RuntimeWarning",
-            "-m",
-            "jaxdev._launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--timeout",
-            "150",
-            "--",
-            sys.executable,
-            EXAMPLE,
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    two = launch(2, 4, [sys.executable, EXAMPLE])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     lines = _result_lines(two.stdout)
     assert len(lines) == 2

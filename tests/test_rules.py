@@ -27,21 +27,6 @@ def specs(tree):
     return jax.tree.map(lambda s: s.spec, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-@pytest.fixture(scope="module")
-def fsdp8():
-    return jaxdev.make_mesh({"fsdp": 8})
-
-
-@pytest.fixture(scope="module")
-def dm():
-    return jaxdev.make_mesh({"data": 2, "model": 4})
-
-
-@pytest.fixture(scope="module")
-def df():
-    return jaxdev.make_mesh({"data": 2, "fsdp": 4})
-
-
 def mlp_params():
     return {
         "params": {

@@ -22,16 +22,6 @@ import jaxdev
 from jaxdev import ShardingError, UsageError
 
 
-@pytest.fixture(scope="module")
-def fsdp8():
-    return jaxdev.make_mesh({"fsdp": 8})
-
-
-@pytest.fixture(scope="module")
-def dm():
-    return jaxdev.make_mesh({"data": 2, "model": 4})
-
-
 def specs(tree):
     return jax.tree.map(lambda x: x.sharding.spec, tree)
 
