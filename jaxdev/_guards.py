@@ -77,6 +77,7 @@ import jax
 import numpy as np
 
 from ._errors import GuardArgumentError, GuardError
+from ._leaves import array_type
 
 __all__ = [
     "TransferCounter",
@@ -295,29 +296,21 @@ _NUMPY_FUNCTIONS = (
 _NUMPY_UFUNCS = ("isfinite", "isnan", "isinf")
 
 
-@functools.cache
-def _array_type() -> type:
-    """The concrete class of device arrays (imported lazily, once)."""
-    from jax._src.array import ArrayImpl
-
-    return ArrayImpl
-
-
 def _holds_device_array(x: Any = None, *args, **kwargs) -> bool:
     """True when ``x`` is a jax array or a list/tuple holding one."""
-    array = _array_type()
+    array = array_type()
     if isinstance(x, (list, tuple)):
         return any(isinstance(y, array) for y in x)
     return isinstance(x, array)
 
 
 def _tree_has_device_array(x: Any = None, *args, **kwargs) -> bool:
-    array = _array_type()
+    array = array_type()
     return any(isinstance(y, array) for y in jax.tree_util.tree_leaves(x))
 
 
 def _tree_has_host_data(x: Any = None, *args, **kwargs) -> bool:
-    array = _array_type()
+    array = array_type()
     return any(not isinstance(y, array) for y in jax.tree_util.tree_leaves(x))
 
 
@@ -352,9 +345,11 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 def _install() -> None:
     """Wrap every entry point listed in the module docstring."""
+    # Private: JAX's own modules call `jax._src.api.device_get/put` directly; wrapping
+    # only the public re-exports in `jax` would miss them (there is no public hook).
     from jax._src import api
 
-    array = _array_type()
+    array = array_type()
     for direction, methods in ((D2H, _ARRAY_METHODS), (WAIT, _ARRAY_WAITS)):
         for name, kind in methods.items():
             if name in array.__dict__:
@@ -548,10 +543,8 @@ def _drain_implicit() -> None:
 
 def _guard_level() -> str | None:
     """The host-to-device transfer-guard level in force on this thread."""
-    from jax._src import config
-
-    level = config.transfer_guard_host_to_device.value
-    return level if level is not None else config._transfer_guard.value
+    level = jax.config.jax_transfer_guard_host_to_device  # context-manager value included
+    return level if level is not None else jax.config.jax_transfer_guard
 
 
 # ------------------------------------------------------------- public API
