@@ -54,6 +54,7 @@ from ._leaves import (
     is_tracer,
     key_strings,
     replica_drift,
+    same_layout,
     sharding_key,
 )
 from ._mesh import check_mesh, named_sharding
@@ -207,15 +208,6 @@ def _check_memory_kind(devices: Any, kind: str) -> None:
         )
 
 
-def _equivalent(have: Sharding, want: Sharding, ndim: int) -> bool:
-    if have == want:
-        return True
-    try:
-        return have.is_equivalent_to(want, ndim)
-    except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
-        return False
-
-
 def _sharding_checks(want: Sharding) -> _Checks:
     """Checks for one sharding: equal passes fast, an equivalent one per leaf."""
     expected = _expected_str(want)
@@ -225,7 +217,7 @@ def _sharding_checks(want: Sharding) -> _Checks:
 
     def check(x: Any) -> str | None:
         problem = _live_array_problem(x, expected)
-        if problem is not None or _equivalent(x.sharding, want, x.ndim):
+        if problem is not None or same_layout(x.sharding, want, x.ndim):
             return problem
         note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
         return f"found {_where(x)}, expected {expected}{note}"
@@ -576,7 +568,7 @@ def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
                 want = NamedSharding(s.mesh, spec, memory_kind=s.memory_kind)
             except Exception as err:
                 return f"found {_where(x)}, expected {expected}, but {err}"
-            if _equivalent(s, want, x.ndim):
+            if same_layout(s, want, x.ndim):
                 return None
         return f"found {_where(x)}, expected {expected}"
 
@@ -699,7 +691,7 @@ def _pair_problem(x: Any, y: Any) -> str | None:
     if is_concrete(x) and is_concrete(y):
         if not (deleted(x) or deleted(y)) and x.committed == y.committed:
             sx, sy = x.sharding, y.sharding
-            if x.ndim == y.ndim and _equivalent(sx, sy, x.ndim):
+            if x.ndim == y.ndim and same_layout(sx, sy, x.ndim):
                 return None
     elif is_host_value(x) and is_host_value(y):
         return None

@@ -317,19 +317,35 @@ def sharding_key(s: Sharding) -> Any:
     return s
 
 
+def same_layout(have: Sharding, want: Sharding, ndim: int) -> bool:
+    """Whether an array of rank ``ndim`` laid out by ``have`` is laid out as ``want``.
+
+    The one "same layout?" test: equal shardings, or equivalent ones
+    (``is_equivalent_to``: same devices and shards, e.g. a 1-device mesh and
+    that device).
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import SingleDeviceSharding
+      >>> d = SingleDeviceSharding(jax.devices()[0])
+      >>> same_layout(d, d, 1)
+      True
+    """
+    if have == want:
+        return True
+    if type(have) is type(want) and not isinstance(want, NamedSharding):
+        return False
+    try:
+        return bool(have.is_equivalent_to(want, ndim))
+    except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
+        return False
+
+
 def is_placed(leaf: Any, s: Sharding) -> bool:
     """Whether ``leaf`` is a committed array already laid out as ``s``."""
     if not is_jax_array(leaf) or not leaf.committed:
         return False
-    have = leaf.sharding
-    if have == s:
-        return True
-    if type(have) is type(s) and not isinstance(s, NamedSharding):
-        return False
-    try:
-        return have.is_equivalent_to(s, leaf.ndim)
-    except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
-        return False
+    return same_layout(leaf.sharding, s, leaf.ndim)
 
 
 def describe_sharding(s: Sharding) -> str:

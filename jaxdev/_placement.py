@@ -18,11 +18,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from ._devices import DeviceSpec, resolve_device
-from ._errors import PlacementError, ShardingError, available_devices, format_devices, join_failures
+from ._errors import (
+    LeafTypeError,
+    PlacementError,
+    ShardingError,
+    available_devices,
+    format_devices,
+    join_failures,
+)
 from ._leaves import (
     array_type,
     check_concrete,
@@ -35,14 +43,23 @@ from ._leaves import (
     is_jax_array,
     is_placed,
     is_tracer,
+    key_strings,
     path_of,
     raise_leaf,
+    same_layout,
     sharding_key,
     x64,
 )
 from ._mesh import replicated_sharding
 
 Target = DeviceSpec | Sharding | Mesh
+
+
+def _one_target(target: Any) -> bool:
+    """A single target (device, spec, sharding, mesh), not a tree of shardings."""
+    return target is None or isinstance(target, (jax.Device, int, str, Sharding, Mesh))
+
+
 """Where to place: a ``jax.Device``, a spec (``'gpu:1'``, ``3``), a ``Sharding`` or a ``Mesh``."""
 
 
@@ -136,7 +153,9 @@ def to_device(tree: Any, target: Target) -> Any:
     Args:
       tree: any pytree (Flax params, optax state, a batch).
       target: a ``jax.Device``, a spec such as ``'gpu:1'``, a ``Sharding``,
-        or a ``Mesh`` (a full copy on each of its devices).
+        or a ``Mesh`` (a full copy on each of its devices); or, as for
+        ``jax.device_put``, a tree of ``Sharding`` s matching ``tree`` (or a
+        prefix of it), e.g. :func:`jaxdev.state_shardings`.
 
     Returns:
       A pytree with the structure of ``tree`` whose leaves live on ``target``.
@@ -154,7 +173,13 @@ def to_device(tree: Any, target: Target) -> Any:
       >>> params = jaxdev.to_device({"w": jnp.ones((2, 2))}, "cpu:0")
       >>> jaxdev.to_device(params, "cpu:0") is params
       True
+      >>> mesh = jaxdev.data_mesh()
+      >>> split = jaxdev.to_device({"w": jnp.ones((8, 2))}, {"w": jaxdev.batch_sharding(mesh)})
+      >>> split["w"].sharding.spec, jaxdev.to_device(split, {"w": split["w"].sharding}) is split
+      (P('data',), True)
     """
+    if not _one_target(target):
+        return place_tree(tree, target, copy=False)
     sharding = as_sharding(target)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if _all_placed(leaves, sharding):
@@ -246,7 +271,8 @@ def copy_to(tree: Any, target: Target) -> Any:
 
     Args:
       tree: any pytree.
-      target: a ``jax.Device``, a spec, a ``Sharding`` or a ``Mesh``.
+      target: a ``jax.Device``, a spec, a ``Sharding`` or a ``Mesh``; or a
+        tree of ``Sharding`` s matching ``tree`` (or a prefix of it).
 
     Returns:
       A new pytree of committed arrays on ``target``.
@@ -261,6 +287,8 @@ def copy_to(tree: Any, target: Target) -> Any:
       >>> y is x, y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
       (False, False)
     """
+    if not _one_target(target):
+        return place_tree(tree, target, copy=True)
     sharding = as_sharding(target)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if _plan_moves(tree, leaves, sharding) is None:  # validates every leaf in one pass
@@ -427,3 +455,149 @@ def common_device(tree: Any) -> jax.Device | None:
             lines,
         )
     )
+
+
+# ---------------------------------------------------------------- trees of shardings
+
+
+def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> Any:
+    """Place ``tree`` by a tree of ``shardings``: the one engine for per-leaf layouts.
+
+    :func:`to_device` / :func:`copy_to` with a tree target, ``shard_params``,
+    the train step's ``init_state`` and its relayout all come here. Without
+    ``copy`` a leaf already laid out as its sharding (on that sharding's own
+    mesh) is kept as the same object, and ``tree`` itself comes back when
+    nothing moves; with ``copy`` every leaf gets new buffers. Arrays spread
+    over the same devices another way are re-laid out on the devices
+    (:func:`put_leaves`); a leaf for a sharding spanning several processes is
+    built by each process from its full value.
+
+    Raises:
+      LeafTypeError, LeafValueError: a leaf is a ShapeDtypeStruct, or a host
+        value JAX would truncate (its key path and ``arg`` named).
+      DeletedArrayError: a leaf was deleted or donated.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> t = place_tree({"w": jnp.ones(8)}, {"w": jaxdev.batch_sharding(mesh)}, copy=False)
+      >>> place_tree(t, {"w": t["w"].sharding}, copy=False) is t
+      True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    if isinstance(shardings, Sharding):
+        targets = [shardings] * len(leaves)
+    else:
+        targets = treedef.flatten_up_to(shardings)
+    if not copy and any(is_tracer(x) for x in leaves):
+        return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, targets))
+    check_live(tree, leaves, arg)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise LeafTypeError(
+                f"`{arg}` leaf {key_strings(tree)[i]} is a ShapeDtypeStruct: there is nothing "
+                "to place. Use `jaxdev.param_shardings` for shapes, or `jaxdev.init_sharded` "
+                "to build the values directly in their shardings."
+            )
+        problem = None if is_jax_array(x) else host_problem(x)
+        if problem is not None:  # JAX would truncate int64 / overflow float64 silently
+            exc, why = problem
+            raise exc(f"`{arg}` leaf {key_strings(tree)[i]}: {why}. {available_devices()}")
+    moving = [i for i, (x, s) in enumerate(zip(leaves, targets)) if copy or not _on(x, s)]
+    if not moving:
+        return tree
+    for i in moving:
+        _check_fits(tree, leaves, [i], targets[i], arg)
+    out = list(leaves)
+    local = []
+    for i in moving:
+        x, s = leaves[i], targets[i]
+        if s.is_fully_addressable:
+            local.append(i)
+        elif is_jax_array(x) and not x.is_fully_addressable:  # a global array: on the devices
+            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)
+        else:  # several processes: each builds its own shards from the full value
+            value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
+            out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
+    relaid = [  # spread over the same devices another way: re-laid out on them
+        i
+        for i in local
+        if is_jax_array(leaves[i])
+        and len(leaves[i].sharding.device_set) > 1
+        and leaves[i].sharding.device_set == targets[i].device_set
+        and not same_layout(leaves[i].sharding, targets[i], leaves[i].ndim)
+    ]
+    for i, new in zip(
+        relaid, put_leaves([leaves[i] for i in relaid], [targets[i] for i in relaid])
+    ):
+        out[i] = new
+    rest = [i for i in local if i not in set(relaid)]
+    if rest:
+        # copies of host leaves first: JAX aliases aligned numpy buffers on CPU
+        sources = [
+            np.array(leaves[i], copy=True) if not is_jax_array(leaves[i]) else leaves[i]
+            for i in rest
+        ]
+        may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
+        placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
+        placed = unalias(sources, list(placed)) if copy else list(placed)
+        for i, new in zip(rest, placed):
+            out[i] = new
+    return treedef.unflatten(out)
+
+
+def _on(x: Any, s: Sharding) -> bool:
+    """Whether ``x`` is already laid out as ``s`` on ``s``'s own mesh.
+
+    An equivalent layout on another mesh (same devices, other axis names)
+    is moved, so that one jitted step never sees two meshes.
+    """
+    return is_placed(x, s) and getattr(x.sharding, "mesh", None) == getattr(s, "mesh", None)
+
+
+def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
+    """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
+
+    ``jax.device_put`` moves an array that is already spread over several
+    devices to another layout of the same devices through the host (it
+    reads the whole value back, jax 0.10.2): a full host copy of every
+    leaf, and a device-to-host transfer. Such leaves go through a jitted
+    identity with ``out_shardings`` instead (a local slice for replicated ->
+    sharded, an all-gather the other way); the others through one batched
+    ``device_put``. New buffers either way.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> rep = jaxdev.replicate(jnp.ones(8), mesh)
+      >>> put_leaves([rep], [jaxdev.batch_sharding(mesh)])[0].sharding.spec
+      P('data',)
+    """
+    out: list[Any] = [None] * len(leaves)
+    on_device = [
+        i
+        for i, (x, s) in enumerate(zip(leaves, targets))
+        if is_jax_array(x)
+        and len(x.sharding.device_set) > 1
+        and x.sharding.device_set == s.device_set
+        and x.sharding.memory_kind == s.memory_kind
+    ]
+    if on_device:
+        moved = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))(
+            *[leaves[i] for i in on_device]
+        )
+        for i, new in zip(on_device, moved):
+            out[i] = new
+    rest = [i for i in range(len(leaves)) if out[i] is None]
+    if rest:
+        for i, new in zip(
+            rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])
+        ):
+            out[i] = new
+    return out
+
+
+def _identity(*xs: Any) -> tuple[Any, ...]:
+    return xs

@@ -52,14 +52,10 @@ from jax.sharding import PartitionSpec as P
 from ._errors import LeafTypeError, ShardingError, available_devices
 from ._leaves import (
     PY_SCALARS,
-    check_live,
-    deleted,
-    host_problem,
     is_jax_array,
-    is_placed,
-    is_tracer,
 )
 from ._mesh import batch_axis, check_mesh, named_sharding
+from ._placement import place_tree
 
 Rules = Any
 """``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree.
@@ -608,100 +604,7 @@ def shard_params(
       True
     """
     shardings = param_shardings(tree, mesh, rules, **options)
-    return _place(unbox(tree), shardings)
-
-
-def _place(tree: Any, shardings: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
-    if any(is_tracer(x) for x in leaves):
-        return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, targets))
-    if any(is_jax_array(x) and deleted(x) for x in leaves):
-        check_live(tree, leaves, "tree")
-    moving = []
-    for i, (x, s) in enumerate(zip(leaves, targets)):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise LeafTypeError(
-                f"`tree` leaf {_keys(tree, i)} is a ShapeDtypeStruct: there is nothing to "
-                "place. Use `jaxdev.param_shardings` for shapes, or `jaxdev.init_sharded` to "
-                "build the values directly in their shardings."
-            )
-        if is_jax_array(x):
-            if not _on(x, s):
-                moving.append(i)
-            continue
-        problem = host_problem(x)
-        if problem is not None:
-            exc, why = problem
-            raise exc(f"`tree` leaf {_keys(tree, i)}: {why}. {available_devices()}")
-        moving.append(i)
-    if not moving:
-        return tree
-    out = list(leaves)
-    local = [i for i in moving if is_jax_array(leaves[i]) or targets[i].is_fully_addressable]
-    if local:
-        for i, new in zip(
-            local, put_leaves([leaves[i] for i in local], [targets[i] for i in local])
-        ):
-            out[i] = new
-    for i in moving:
-        if i not in local:  # host value, global (multi-process) sharding
-            value = np.asarray(leaves[i])
-            out[i] = jax.make_array_from_callback(value.shape, targets[i], value.__getitem__)
-    return treedef.unflatten(out)
-
-
-def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
-    """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
-
-    ``jax.device_put`` moves an array that is already spread over several
-    devices to another layout of the same devices through the host (it
-    reads the whole value back, jax 0.10.2): a full host copy of every
-    leaf, and a device-to-host transfer. Such leaves go through a jitted
-    identity with ``out_shardings`` instead (a local slice for replicated ->
-    sharded, an all-gather the other way); the others through one batched
-    ``device_put``. New buffers either way.
-    """
-    out: list[Any] = [None] * len(leaves)
-    on_device = [
-        i
-        for i, (x, s) in enumerate(zip(leaves, targets))
-        if is_jax_array(x)
-        and len(x.sharding.device_set) > 1
-        and x.sharding.device_set == s.device_set
-        and x.sharding.memory_kind == s.memory_kind
-    ]
-    if on_device:
-        moved = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))(
-            *[leaves[i] for i in on_device]
-        )
-        for i, new in zip(on_device, moved):
-            out[i] = new
-    rest = [i for i in range(len(leaves)) if out[i] is None]
-    if rest:
-        for i, new in zip(
-            rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])
-        ):
-            out[i] = new
-    return out
-
-
-def _identity(*xs: Any) -> tuple[Any, ...]:
-    return xs
-
-
-def _on(x: jax.Array, s: NamedSharding) -> bool:
-    """Whether ``x`` is already laid out as ``s`` on ``s``'s own mesh.
-
-    An equivalent layout on another mesh (same devices, other axis names)
-    is moved, so that one jitted step never sees two meshes.
-    """
-    return is_placed(x, s) and getattr(x.sharding, "mesh", None) == s.mesh
-
-
-def _keys(tree: Any, i: int) -> str:
-    path = jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
-    return jax.tree_util.keystr(path) or "<root>"
+    return place_tree(unbox(tree), shardings, copy=False)
 
 
 # ---------------------------------------------------------------- train states

@@ -47,16 +47,15 @@ from ._errors import (
     UsageError,
 )
 from ._fingerprint import same_program
-from ._leaves import array_type, check_live, deleted, host_problem, is_jax_array, key_strings
+from ._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
 from ._mesh import named_sharding
 from ._metrics import Collection
-from ._placement import copy_to, to_device, unalias
+from ._placement import copy_to, place_tree, put_leaves, to_device
 from ._plan import check_fits, device_memory_limit, step_plan
 from ._prefetch import Prefetcher
 from ._rules import (
     follow_params,
     param_shardings,
-    put_leaves,
     state_shardings,
     step_shardings,
     unbox,
@@ -456,25 +455,16 @@ def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any
         for i, (x, s) in enumerate(zip(leaves, targets)):
             if isinstance(x, jax.ShapeDtypeStruct):
                 have = getattr(x, "sharding", None)
-                if isinstance(have, jax.sharding.Sharding) and not _same_layout(have, s, x.ndim):
+                if isinstance(have, jax.sharding.Sharding) and not same_layout(have, s, x.ndim):
                     out.append((a, i, s))
             elif (
                 is_jax_array(x)
                 and not deleted(x)
                 and x.committed
-                and not _same_layout(x.sharding, s, x.ndim)
+                and not same_layout(x.sharding, s, x.ndim)
             ):
                 out.append((a, i, s))
     return out
-
-
-def _same_layout(have: Any, want: Any, ndim: int) -> bool:
-    if have == want:
-        return True
-    try:
-        return bool(have.is_equivalent_to(want, ndim))
-    except Exception:  # JAX raises for a spec longer than ndim
-        return False
 
 
 # ---------------------------------------------------------------- compiling
@@ -544,16 +534,23 @@ def _shapes(tree: Any) -> Any:
 def _init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
     """``init_state`` under sharded params: every leaf built or copied in its sharding."""
     mesh, rules = strategy.mesh, strategy.params
-    shardings = param_shardings(params, mesh, rules)  # boxed linen params: as declared
-    params = _copy_by(unbox(params), shardings)
+    # boxed linen params: as declared; unboxed ones under "flax": the layout they carry
+    # (init_sharded's), never widened to replicated
+    shardings = param_shardings(params, mesh, rules)
+    leaves = jax.tree.leaves(unbox(params))
+    if rules == "flax" and all(
+        getattr(getattr(x, "sharding", None), "mesh", None) == mesh for x in leaves
+    ):
+        shardings = jax.tree.map(lambda x: x.sharding, unbox(params))
+    params = _copy(unbox(params), shardings)
     if tx is None and model_state is None and rng is None:
         return params
     replicated = named_sharding(mesh, P())
-    step = _copy_by(jnp.zeros((), jnp.int32), replicated)
-    rng = None if rng is None else _copy_by(rng, replicated, "rng")
+    step = _copy(jnp.zeros((), jnp.int32), replicated)
+    rng = None if rng is None else _copy(rng, replicated, "rng")
     if model_state is not None:
         shape = _shapes(TrainState(step, params, None, None, model_state))
-        model_state = _copy_by(
+        model_state = _copy(
             model_state, state_shardings(shape, mesh, rules).model_state, "model_state"
         )
     opt_state = None
@@ -563,54 +560,9 @@ def _init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_sta
     return TrainState(step, params, opt_state, rng, model_state)
 
 
-def _copy_by(tree: Any, shardings: Any, arg: str = "params") -> Any:
-    """``tree`` copied into new buffers laid out by ``shardings`` (a prefix tree)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
-        return tree
-    targets = (
-        treedef.flatten_up_to(shardings)
-        if not isinstance(shardings, NamedSharding)
-        else ([shardings] * len(leaves))
-    )
-    check_live(tree, leaves, arg)
-    for i, x in enumerate(leaves):
-        problem = None if is_jax_array(x) else host_problem(x)
-        if problem is not None:  # JAX would truncate int64 / overflow float64 silently
-            exc, why = problem
-            raise exc(f"`{arg}` leaf {key_strings(tree)[i]}: {why}.")
-    out: list[Any] = [None] * len(leaves)
-    local = []
-    for i, (x, s) in enumerate(zip(leaves, targets)):
-        if s.is_fully_addressable:
-            local.append(i)
-        elif is_jax_array(x) and not x.is_fully_addressable:  # a global array: copy in place
-            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)
-        else:  # several processes: each builds its own shards from the full value
-            value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
-            out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
-    relaid = [  # spread over the same devices another way: re-laid out on them, new buffers
-        i
-        for i in local
-        if is_jax_array(leaves[i])
-        and len(leaves[i].sharding.device_set) > 1
-        and not _same_layout(leaves[i].sharding, targets[i], leaves[i].ndim)
-    ]
-    for i, new in zip(
-        relaid, put_leaves([leaves[i] for i in relaid], [targets[i] for i in relaid])
-    ):
-        out[i] = new
-    local = [i for i in local if i not in set(relaid)]
-    if local:
-        sources = [
-            np.array(leaves[i], copy=True) if not is_jax_array(leaves[i]) else leaves[i]
-            for i in local
-        ]
-        may_alias = [None if isinstance(x, np.ndarray) else False for x in sources]
-        copied = jax.device_put(sources, [targets[i] for i in local], may_alias=may_alias)
-        for i, new in zip(local, unalias(sources, list(copied))):
-            out[i] = new
-    return treedef.unflatten(out)
+def _copy(tree: Any, shardings: Any, arg: str = "params") -> Any:
+    """``tree`` copied into new buffers laid out by ``shardings`` (the placement engine)."""
+    return place_tree(tree, shardings, copy=True, arg=arg)
 
 
 def _own_buffers(tree: Any, others: Any) -> Any:

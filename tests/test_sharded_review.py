@@ -290,3 +290,28 @@ def test_flax_plans_count_what_the_step_holds():
     assert placed["params"] == plan["params"] and placed["opt_state"] == plan["opt_state"]
     state_and_batch = placed["params"] + placed["opt_state"] + placed["batch"] + placed["other"]
     assert placed.compiled.argument == state_and_batch
+
+
+def test_flax_params_from_init_sharded_keep_their_layout_in_init_state():
+    """init_state never widens params that init_sharded laid out (was: copied to P())."""
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            return nn.Dense(512, kernel_init=init)(x)
+
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+    model = M()
+    params = jaxdev.init_sharded(
+        model.init, jax.random.key(0), jnp.ones((1, 256)), mesh=mesh, rules="flax"
+    )["params"]
+    step = jaxdev.make_train_step(
+        lambda p, b: (model.apply({"params": p}, b) ** 2).sum(1),
+        optax.sgd(0.1),
+        jaxdev.Strategy.sharded(mesh, params="flax"),
+    )
+    state = step.init_state(params, optax.sgd(0.1))
+    assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "model")
+    before = max(jaxdev.placement(params).bytes_by_device.values())
+    assert max(jaxdev.placement(state.params).bytes_by_device.values()) == before
