@@ -97,6 +97,7 @@ from ._metrics import fetch_metrics as fetch_metrics
 # --- train ---
 from ._strategy import Strategy as Strategy
 from ._train import TrainState as TrainState
+from ._step import EvalStep as EvalStep
 from ._step import TrainStep as TrainStep
 from ._step import make_eval_step as make_eval_step
 from ._step import make_train_step as make_train_step

@@ -38,27 +38,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ._batches import Padded
+from ._donation import check_donatable
 from ._errors import (
-    DeletedArrayError,
-    PlacementError,
     UsageError,
 )
 from ._fingerprint import same_program
-from ._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
-from ._mesh import named_sharding
+from ._init_state import init_by_rules
+from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
-from ._placement import copy_to, place_tree, put_leaves, to_device
+from ._placement import copy_to, put_leaves, to_device
 from ._plan import check_fits, device_memory_limit, step_plan
 from ._prefetch import Prefetcher
 from ._rules import (
-    follow_params,
-    param_shardings,
-    state_shardings,
     step_shardings,
-    unbox,
 )
 from ._strategy import Strategy, as_strategy
 from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, train_body
@@ -66,39 +60,20 @@ from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, train
 _MAX_INFLIGHT = 8
 
 
-class TrainStep:
-    """A compiled step: ``step(state, batch, metrics=None) -> (state, metrics)``.
+class _Step:
+    """What a train and an eval step share: compiling, placing, lowering, bounding queues."""
 
-    Calling it is functional: the new state and metrics are returned and the
-    inputs are not mutated. They are donated by default, so reusing an old
-    ``state`` raises :class:`DeletedArrayError` naming its leaves. The object
-    itself is not a pure function, though: on several CPU devices it keeps a
-    short queue of in-flight results and waits on the oldest, to bound XLA's
-    dispatch depth (see ``_bound_inflight``), and it compiles one program per
-    combination of "padded batch" and "running metrics given".
-
-    ``metrics`` is an optional running :class:`Collection`; when given, this
-    call's metrics are merged into it inside the compiled step (no extra
-    dispatch, no host sync). Read values with ``metrics.fetch()`` (one
-    ``device_get``) every N steps, never per step.
-
-    Attributes:
-      strategy: the :class:`Strategy` it runs with.
-      steps_per_call: updates per call (``K``).
-      accumulate: micro-batches per update (``M``).
-      memory_limit: bytes per device the compiled step may use (``None``:
-        the device's ``bytes_limit`` where the backend reports one).
-    """
+    _TRAIN = True
 
     def __init__(
         self,
         strategy: Strategy,
         cfg: StepConfig,
-        k: int,
-        donate: bool,
-        train: bool,
+        k: int = 1,
+        donate: bool = False,
         memory_limit: int | None = None,
     ):
+        train = self._TRAIN
         self.strategy = strategy
         self.steps_per_call = k
         self.accumulate = cfg.accumulate
@@ -112,10 +87,10 @@ class TrainStep:
         self._target = strategy.state_target
         self._inflight: collections.deque = collections.deque()
 
-    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None):
+    def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if self._donate:
-            _check_donatable(state, metrics)
+            check_donatable(state, metrics)
         if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
             metrics = to_device(metrics, self._target)  # or each placement compiles anew
         args = [state, inner] + ([mask] if mask is not None else [])
@@ -298,7 +273,7 @@ class TrainStep:
           (P('fsdp', None), P('fsdp', None))
         """
         if self._by_rules:
-            return _init_by_rules(self.strategy, params, tx, rng, model_state)
+            return init_by_rules(self.strategy, params, tx, rng, model_state)
         if tx is not None:
             state = TrainState.create(params, tx, rng, model_state)
         elif model_state is not None or rng is not None:
@@ -343,62 +318,48 @@ class TrainStep:
         return Prefetcher(iterator, size, self.put_batch)
 
 
-def _check_donatable(state: Any, metrics: Any) -> None:
-    """Raise before a call that would donate a deleted or a shared buffer.
+class TrainStep(_Step):
+    """A compiled train step: ``step(state, batch, metrics=None) -> (state, metrics)``.
 
-    JAX segfaults (several devices) or raises a bare INVALID_ARGUMENT (one
-    device) on a state that an earlier call already donated, and on one
-    array reached twice through the donated arguments.
+    Calling it is functional: the new state and metrics are returned and the
+    inputs are not mutated. They are donated by default, so reusing an old
+    ``state`` raises :class:`DeletedArrayError` naming its leaves. The object
+    itself is not a pure function, though: on several CPU devices it keeps a
+    short queue of in-flight results and waits on the oldest, to bound XLA's
+    dispatch depth (see ``_bound_inflight``), and it compiles one program per
+    combination of "padded batch" and "running metrics given".
+
+    ``metrics`` is an optional running :class:`Collection`; when given, this
+    call's metrics are merged into it inside the compiled step (no extra
+    dispatch, no host sync). Read values with ``metrics.fetch()`` (one
+    ``device_get``) every N steps, never per step.
+
+    Attributes:
+      strategy: the :class:`Strategy` it runs with.
+      steps_per_call: updates per call (``K``).
+      accumulate: micro-batches per update (``M``).
+      memory_limit: bytes per device the compiled step may use (``None``:
+        the device's ``bytes_limit`` where the backend reports one).
     """
-    impl, ids, n = array_type(), set(), 0
-    for x in jax.tree.leaves((state, metrics)):  # one pass: it runs before every call
-        if type(x) is impl:
-            if x.is_deleted():
-                _raise_deleted(state, metrics)
-        elif not is_jax_array(x):
-            continue
-        elif deleted(x):
-            _raise_deleted(state, metrics)
-        ids.add(id(x))
-        n += 1
-    if len(ids) != n:
-        _raise_shared(state, metrics)
+
+    def __call__(
+        self, state: Any, batch: Any, metrics: Collection | None = None
+    ) -> tuple[Any, Collection]:
+        return self._call(state, batch, metrics)
 
 
-def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
-    named = [(f"state{p}", x) for p, x in zip(key_strings(state), jax.tree.leaves(state))]
-    if metrics is not None:
-        named += [
-            (f"metrics{p}", x) for p, x in zip(key_strings(metrics), jax.tree.leaves(metrics))
-        ]
-    return named
+class EvalStep(_Step):
+    """A compiled eval step: ``step(params_or_state, batch, metrics=None) -> metrics``.
 
+    Made by :func:`jaxdev.make_eval_step`; nothing is donated. It places,
+    prefetches and lowers like a :class:`TrainStep` (``init_state``,
+    ``put_batch``, ``prefetch``, ``lower``).
+    """
 
-def _raise_deleted(state: Any, metrics: Any) -> None:
-    dead = [p for p, x in _named_leaves(state, metrics) if is_jax_array(x) and deleted(x)]
-    raise DeletedArrayError(
-        f"the step got {len(dead)} deleted or donated leaf/leaves: {', '.join(dead[:8])}"
-        + (" ..." if len(dead) > 8 else "")
-        + ". The step donates `state` and `metrics`: after `state, metrics = step(state, "
-        "batch, metrics)` use the returned objects, not the ones passed in (or make the "
-        "step with `donate=False`)."
-    )
+    _TRAIN = False
 
-
-def _raise_shared(state: Any, metrics: Any) -> None:
-    seen: dict[int, str] = {}
-    pairs = []
-    for path, x in _named_leaves(state, metrics):
-        if is_jax_array(x):
-            if id(x) in seen:
-                pairs.append(f"{seen[id(x)]} and {path}")
-            seen.setdefault(id(x), path)
-    raise PlacementError(
-        "the step would donate one array twice (segfault in XLA): "
-        + "; ".join(pairs[:8])
-        + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
-        "make the step with `donate=False`."
-    )
+    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
+        return self._call(state, batch, metrics)
 
 
 def _cpu_collectives(strategy: Strategy) -> bool:
@@ -518,68 +479,6 @@ def _state_layout(strategy: Strategy, state: Any) -> Any:
     (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.plan` uses too).
     """
     return step_shardings(state, strategy.mesh, strategy.params)
-
-
-def _shapes(tree: Any) -> Any:
-    """``tree`` with every array replaced by its ``ShapeDtypeStruct`` (shape, dtype only)."""
-
-    def shape(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
-            return x
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-    return jax.tree.map(shape, tree)
-
-
-def _init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
-    """``init_state`` under sharded params: every leaf built or copied in its sharding."""
-    mesh, rules = strategy.mesh, strategy.params
-    # boxed linen params: as declared; unboxed ones under "flax": the layout they carry
-    # (init_sharded's), never widened to replicated
-    shardings = param_shardings(params, mesh, rules)
-    leaves = jax.tree.leaves(unbox(params))
-    if rules == "flax" and all(
-        getattr(getattr(x, "sharding", None), "mesh", None) == mesh for x in leaves
-    ):
-        shardings = jax.tree.map(lambda x: x.sharding, unbox(params))
-    params = _copy(unbox(params), shardings)
-    if tx is None and model_state is None and rng is None:
-        return params
-    replicated = named_sharding(mesh, P())
-    step = _copy(jnp.zeros((), jnp.int32), replicated)
-    rng = None if rng is None else _copy(rng, replicated, "rng")
-    if model_state is not None:
-        shape = _shapes(TrainState(step, params, None, None, model_state))
-        model_state = _copy(
-            model_state, state_shardings(shape, mesh, rules).model_state, "model_state"
-        )
-    opt_state = None
-    if tx is not None:
-        follow = follow_params(jax.eval_shape(tx.init, params), params, shardings, mesh)
-        opt_state = _own_buffers(jax.jit(tx.init, out_shardings=follow)(params), params)
-    return TrainState(step, params, opt_state, rng, model_state)
-
-
-def _copy(tree: Any, shardings: Any, arg: str = "params") -> Any:
-    """``tree`` copied into new buffers laid out by ``shardings`` (the placement engine)."""
-    return place_tree(tree, shardings, copy=True, arg=arg)
-
-
-def _own_buffers(tree: Any, others: Any) -> Any:
-    """``tree`` with any leaf that is also a leaf of ``others`` (or of itself) copied.
-
-    ``tx.init`` may return the params themselves (lookahead's slow weights);
-    donating one buffer twice crashes XLA.
-    """
-    seen = {id(x) for x in jax.tree.leaves(others)}
-
-    def own(x: Any) -> Any:
-        if is_jax_array(x) and id(x) in seen:
-            x = jax.device_put(x, x.sharding, may_alias=False)
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(own, tree)
 
 
 # ---------------------------------------------------------------- memory
@@ -720,7 +619,7 @@ def make_train_step(
     )
     k = _check_count("steps_per_call", steps_per_call)
     limit = _check_memory_limit(memory_limit)
-    return TrainStep(as_strategy(strategy), cfg, k, donate, train=True, memory_limit=limit)
+    return TrainStep(as_strategy(strategy), cfg, k, donate, memory_limit=limit)
 
 
 def make_eval_step(
@@ -730,7 +629,7 @@ def make_eval_step(
     has_aux: bool = False,
     has_state: bool = False,
     pass_mask: bool = False,
-) -> TrainStep:
+) -> EvalStep:
     """Return a compiled ``eval(state_or_params, batch, metrics=None) -> metrics``.
 
     Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no
@@ -746,4 +645,4 @@ def make_eval_step(
       {'loss': 2.0}
     """
     cfg = StepConfig(loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask))
-    return TrainStep(as_strategy(strategy), cfg, 1, False, train=False)
+    return EvalStep(as_strategy(strategy), cfg)

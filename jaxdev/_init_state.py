@@ -1,0 +1,85 @@
+"""A train state placed by rules, built where it lives (``TrainStep.init_state`` under
+sharded params): params and model state copied into their shardings, the optimizer
+state made by ``jax.jit(tx.init)`` directly in the shardings that follow the params.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ._leaves import is_jax_array
+from ._mesh import named_sharding
+from ._placement import place_tree
+from ._rules import follow_params, param_shardings, state_shardings, unbox
+from ._strategy import Strategy
+from ._train import TrainState
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with every array replaced by its ``ShapeDtypeStruct`` (shape, dtype only)."""
+
+    def shape(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    return jax.tree.map(shape, tree)
+
+
+def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+    """``init_state`` under sharded params: every leaf built or copied in its sharding."""
+    mesh, rules = strategy.mesh, strategy.params
+    # boxed linen params: as declared; unboxed ones under "flax": the layout they carry
+    # (init_sharded's), never widened to replicated
+    shardings = param_shardings(params, mesh, rules)
+    leaves = jax.tree.leaves(unbox(params))
+    if rules == "flax" and all(
+        getattr(getattr(x, "sharding", None), "mesh", None) == mesh for x in leaves
+    ):
+        shardings = jax.tree.map(lambda x: x.sharding, unbox(params))
+    params = _copy(unbox(params), shardings)
+    if tx is None and model_state is None and rng is None:
+        return params
+    replicated = named_sharding(mesh, P())
+    step = _copy(jnp.zeros((), jnp.int32), replicated)
+    rng = None if rng is None else _copy(rng, replicated, "rng")
+    if model_state is not None:
+        shape = _shapes(TrainState(step, params, None, None, model_state))
+        model_state = _copy(
+            model_state, state_shardings(shape, mesh, rules).model_state, "model_state"
+        )
+    opt_state = None
+    if tx is not None:
+        follow = follow_params(jax.eval_shape(tx.init, params), params, shardings, mesh)
+        opt_state = _own_buffers(jax.jit(tx.init, out_shardings=follow)(params), params)
+    return TrainState(step, params, opt_state, rng, model_state)
+
+
+def _copy(tree: Any, shardings: Any, arg: str = "params") -> Any:
+    """``tree`` copied into new buffers laid out by ``shardings`` (the placement engine)."""
+    return place_tree(tree, shardings, copy=True, arg=arg)
+
+
+def _own_buffers(tree: Any, others: Any) -> Any:
+    """``tree`` with any leaf that is also a leaf of ``others`` (or of itself) copied.
+
+    ``tx.init`` may return the params themselves (lookahead's slow weights);
+    donating one buffer twice crashes XLA.
+    """
+    seen = {id(x) for x in jax.tree.leaves(others)}
+
+    def own(x: Any) -> Any:
+        if is_jax_array(x) and id(x) in seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, tree)
+
+
+__all__ = ["init_by_rules"]
