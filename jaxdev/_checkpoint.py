@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _ckpt_files as files
 from ._checksum import by_devices, checksums, legacy_checksums, words
-from ._errors import CheckpointError, join_failures
+from ._errors import CheckpointError, join_failures, short
 from ._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
 from ._mesh import mesh_of, replicated_sharding
 from ._multihost import exchange
@@ -1054,7 +1054,7 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     try:
         out = reader(ocp.args.Composite(**{item: item_args}))[item]
     except Exception as err:  # a damaged or truncated data file
-        failure = f"{type(err).__name__}: {_short(err)}"
+        failure = f"{type(err).__name__}: {short(str(err), 400)}"
     if failure is not None:
         with _quiet_leftovers():
             broken = _broken_leaves(reader, item, keys, abstract, args, entries)
@@ -1069,11 +1069,6 @@ def _orbax_restore(path, reader, item, entries, reads, what):
             node = node[k]
         got.append(node)
     return got
-
-
-def _short(err: BaseException) -> str:  # one cut length for orbax's long messages
-    text = " ".join(str(err).split())
-    return text if len(text) < 400 else text[:400] + " ..."
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -267,19 +268,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     note, accel = configure_devices(args.devices)
     from ._demo import DemoConfig, run_demo
 
+    flag = {"learning_rate": "lr"}  # every other field has the flag of its name
+    names = [flag.get(f.name, f.name) for f in dataclasses.fields(DemoConfig)]
     config = DemoConfig(
-        strategy=args.strategy,
-        devices=args.devices,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        hidden=args.hidden,
-        steps_per_call=args.steps_per_call,
-        seed=args.seed,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        params=args.params,
-        mesh=args.mesh,
+        **{
+            f.name: getattr(args, n)
+            for f, n in zip(dataclasses.fields(DemoConfig), names)
+            if hasattr(args, n)
+        }
     )
     ui = Ui(quiet=args.quiet)
     ui.line(note)

@@ -10,6 +10,7 @@ that broke it, and the fix.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 
@@ -104,6 +105,17 @@ def device_name(d: jax.Device) -> str:
 def available_devices() -> str:
     """Return the sentence ending every device error: what exists here."""
     return f"Available devices: [{format_devices()}]."
+
+
+def short(x: Any, limit: int = 120) -> str:
+    """``repr(x)`` (a string: as is) on one line, cut to ``limit`` characters for messages.
+
+    Example:
+      >>> short("a   b"), short("x" * 200, 8)
+      ('a b', 'xxxxxxxx ...')
+    """
+    text = " ".join((x if isinstance(x, str) else repr(x)).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def join_failures(header: str, failures: list[str]) -> str:

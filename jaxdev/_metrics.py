@@ -58,6 +58,13 @@ _I32 = jnp.int32
 # ----------------------------------------------------------------- helpers
 
 
+def _checked_value(cls: type, value: Any, mask: Any) -> tuple[jax.Array, Any]:
+    """``(value as an array, valid-element mask)`` for ``cls.from_value``, checked."""
+    where = f"{cls.__name__}.from_value"
+    value = _as_array(value, "value", where)
+    return value, _valid(value, mask, where)
+
+
 def _as_array(value: Any, name: str, owner: str) -> jax.Array:
     """Return ``value`` as a jax array, or raise naming the argument."""
     if isinstance(value, (str, bytes)) or value is None:
@@ -254,8 +261,7 @@ class Mean(Metric):
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
-        value = _as_array(value, "value", f"{cls.__name__}.from_value")
-        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        value, valid = _checked_value(cls, value, mask)
         return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid))
 
     def merge(self, other: Mean) -> Mean:
@@ -440,18 +446,11 @@ class Min(_Reduce):
 
 @_metric
 class Max(_Reduce):
-    """Largest valid element seen (float32); ``-inf`` when nothing was seen.
-
-    NaN in a valid row propagates (the maximum is then NaN).
-
-    Attributes:
-      value: float32 maximum of the valid elements.
+    """Largest valid element seen: :class:`Min` mirrored (``value``, ``-inf`` when empty).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev import Max
-      >>> Max.from_value(jnp.array([4.0, 7.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
-      4.0
       >>> Max.from_value(3).merge(Max.from_value(jnp.array([1.0, 5.0]))).fetch()
       5.0
     """
@@ -564,13 +563,12 @@ class NonFinite(Metric):
           mask: optional boolean validity mask over the leading axes.
 
         Returns:
-          The accumulator of this batch.
+          This batch's count, to ``merge`` into a running one.
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
-        value = _as_array(value, "value", f"{cls.__name__}.from_value")
-        valid = _valid(value, mask, f"{cls.__name__}.from_value")
+        value, valid = _checked_value(cls, value, mask)
         bad = ~jnp.isfinite(value)
         bad = bad if valid is None else bad & valid
         return cls(count=jnp.sum(bad, dtype=_I32))

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from ._errors import MemoryPlanError, UsageError, device_name
+from ._errors import MemoryPlanError, UsageError, device_name, short
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import batch_axis, check_mesh, named_sharding
 from ._report import human_bytes
@@ -425,7 +425,7 @@ def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Me
     own = strategy.rules
     if not _same_rules(rules, own) and not _same_rules(rules, "replicate"):
         raise UsageError(
-            f"`rules`={_short(rules)} differ from the step's params rules {_short(own)}; "
+            f"`rules`={short(rules, 80)} differ from the step's params rules {short(own, 80)}; "
             "leave `rules` out when passing `step` (the plan uses the step's)."
         )
     k, m = getattr(step, "steps_per_call", 1), getattr(step, "accumulate", 1)
@@ -461,11 +461,6 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
         int(analysis.temp_size_in_bytes),
         int(analysis.generated_code_size_in_bytes),
     )
-
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------- budgets
@@ -621,7 +616,7 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
 
 def _format(p: MemoryPlan) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.shape.items())
-    rules = p.rules if isinstance(p.rules, str) else _short(p.rules)
+    rules = p.rules if isinstance(p.rules, str) else short(p.rules, 80)
     head = ("category", "bytes/device", "total bytes", "sharded")
     body = [
         (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))

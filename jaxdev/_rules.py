@@ -49,7 +49,7 @@ from flax.linen import spmd as linen_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._errors import LeafTypeError, ShardingError, available_devices
+from ._errors import LeafTypeError, ShardingError, available_devices, short
 from ._leaves import (
     PY_SCALARS,
     is_jax_array,
@@ -317,7 +317,7 @@ def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, s
 
     bad = [x for x in jax.tree.leaves(layout, is_leaf=is_spec) if not is_spec(x)]
     if bad:
-        raise ShardingError(f"`rules` must be {_FORMS}; got {_short(layout)}.")
+        raise ShardingError(f"`rules` must be {_FORMS}; got {short(layout, 200)}.")
     for s in jax.tree.leaves(layout, is_leaf=is_spec):
         if isinstance(s, NamedSharding) and s.mesh != mesh:
             raise ShardingError(
@@ -352,11 +352,6 @@ def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, s
     ]
 
 
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
 def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any]):
     """One ``(spec, source)`` per leaf under ``rules``."""
     min_size = options["min_size"]
@@ -383,7 +378,9 @@ def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: di
         return out
     if isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules):
         return _layout_specs(tree, rules, mesh, len(leaves))
-    raise ShardingError(f"`rules` must be {_FORMS}; got {type(rules).__name__} {_short(rules)}.")
+    raise ShardingError(
+        f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
+    )
 
 
 def _is_container(x: Any) -> bool:
@@ -541,7 +538,7 @@ def check_rules(rules: Rules, mesh: Mesh) -> None:
     layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
     if not layout or not all(is_spec(x) for x in jax.tree.leaves(rules, is_leaf=is_spec)):
         raise ShardingError(
-            f"`params` must be {_FORMS}; got {type(rules).__name__} {_short(rules)}."
+            f"`params` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
         )
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
-from ._errors import ShardingError, UsageError
+from ._errors import ShardingError, UsageError, short
 from ._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
@@ -156,7 +156,7 @@ class Strategy:
         check_rules(params, mesh)  # a typo fails here, not at the first init_state
         if shard_map and not (isinstance(params, str) and params == "replicate"):
             raise UsageError(
-                f"`shard_map`=True trains replicated params only, got `params`={_short(params)}. "
+                f"`shard_map`=True trains replicated params only, got `params`={short(params)}. "
                 "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
                 "`shard_map=True` (the numbers are the same)."
             )
@@ -470,11 +470,6 @@ def _hashable_rules(rules: Any) -> Any:
     if isinstance(rules, list) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
         return tuple((pattern, spec) for pattern, spec in rules)
     return rules
-
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 120 else text[:120] + "..."
 
 
 def _check_axis_name(axis: Any) -> None:
