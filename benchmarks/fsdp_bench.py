@@ -10,7 +10,7 @@ Run: ``python benchmarks/fsdp_bench.py [--repeats N] [--json PATH]``.
    ``_timing.py``). Batches are placed before timing.
 2. Bytes per device of params + adam state for a ~25M-parameter MLP (linen;
    the NNX twin from shapes): computed from shapes with
-   :func:`jaxdev.state_shardings`, and measured on the placed state
+   :func:`jaxdev.param_shardings` of the state, and measured on the placed state
    (``TrainStep.init_state``) for replicated and fsdp over 8 devices.
 """
 
@@ -189,7 +189,7 @@ def bytes_rows() -> list[dict]:
     rows = []
     for flavour, tree in (("linen", shapes), ("nnx", nnx_shapes)):
         for name, (mesh, rules) in meshes.items():
-            s = jaxdev.state_shardings(tree, mesh, rules)
+            s = jaxdev.param_shardings(tree, mesh, rules)
             per = _shard_bytes((tree.params, tree.opt_state), (s.params, s.opt_state))
             small = sum(
                 x.size * x.dtype.itemsize

@@ -21,7 +21,7 @@ def main() -> None:
     print("try_all_gpus():", jaxdev.try_all_gpus())
     try:
         jaxdev.device("cpu:-1")  # JAX would silently give the last device
-    except jaxdev.DeviceSpecError as err:
+    except jaxdev.UsageError as err:
         print("refused:", str(err).split(". ")[0])
 
     # 6.7.2 Tensors and GPUs: where does an array live?

@@ -50,7 +50,7 @@ def main() -> None:
     print(f"data_parallel: 37 rows in, {out.shape[0]} rows out, over {mesh.size} devices")
 
     # 2. A hand-written jitted step: the shardings say everything.
-    rep = jaxdev.replicated_sharding(mesh)
+    rep = jaxdev.as_sharding(mesh)
 
     def step(params, opt_state, batch):
         grads = jax.grad(lambda p: per_example_loss(p, batch).mean())(params)

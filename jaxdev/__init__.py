@@ -11,9 +11,7 @@ from ._errors import BackendStartedError as BackendStartedError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import DeletedArrayError as DeletedArrayError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
-from ._errors import DeviceSpecError as DeviceSpecError
 from ._errors import DistributedError as DistributedError
-from ._errors import GuardArgumentError as GuardArgumentError
 from ._errors import GuardError as GuardError
 from ._errors import JaxdevError as JaxdevError
 from ._errors import LeafTypeError as LeafTypeError
@@ -26,8 +24,6 @@ from ._errors import ShardingError as ShardingError
 from ._errors import UsageError as UsageError
 
 # --- devices ---
-from ._devices import DeviceSpec as DeviceSpec
-from ._devices import backend_started as backend_started
 from ._devices import cpu as cpu
 from ._devices import describe as describe
 from ._devices import device as device
@@ -43,18 +39,14 @@ from ._mesh import DEFAULT_AXIS as DEFAULT_AXIS
 from ._mesh import batch_sharding as batch_sharding
 from ._mesh import data_mesh as data_mesh
 from ._mesh import make_mesh as make_mesh
-from ._mesh import replicated_sharding as replicated_sharding
 
 # --- placement ---
-from ._placement import Target as Target
 from ._placement import as_sharding as as_sharding
-from ._placement import common_device as common_device
 from ._placement import copy_to as copy_to
 from ._placement import device_of as device_of
 from ._placement import devices_of as devices_of
 from ._placement import to_device as to_device
 from ._placement import to_host as to_host
-from ._report import LeafPlacement as LeafPlacement
 from ._report import PlacementReport as PlacementReport
 from ._report import placement as placement
 
@@ -76,7 +68,6 @@ from ._data_parallel import data_parallel as data_parallel
 from ._rules import Rules as Rules
 from ._rules import param_shardings as param_shardings
 from ._rules import shard_params as shard_params
-from ._rules import state_shardings as state_shardings
 from ._sharded_init import init_sharded as init_sharded
 from ._plan import MemoryPlan as MemoryPlan
 from ._plan import plan as plan
@@ -121,12 +112,10 @@ from ._checkpoint import save as save
 
 # --- guards ---
 from ._guards import TransferCounter as TransferCounter
-from ._guards import TransferEvent as TransferEvent
 from ._guards import count_transfers as count_transfers
 from ._guards import no_host_sync as no_host_sync
 
 # --- multi-process ---
 from . import distributed as distributed
-from ._launch import launch as launch
 
 __version__ = "0.1.0"

@@ -1203,7 +1203,7 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
         * a device or spec (``'cpu:0'``), a ``Sharding``, or a ``Mesh``
           (replicated): every array leaf there (stacked leaves as one copy);
         * a ``Mesh`` with ``rules`` (``"fsdp"``, ``"replicate"``, regex
-          list, ...): :func:`jaxdev.state_shardings` of the saved shapes;
+          list, ...): :func:`jaxdev.param_shardings` of the state of the saved shapes;
         * a tree like the saved one whose leaves are arrays (restore like
           this state), ``ShapeDtypeStruct`` s with shardings, ``Sharding``
           or ``Device`` objects, numpy arrays (read to host) or Python

@@ -44,6 +44,7 @@ from typing import Any
 import jaxdev
 from jaxdev import UsageError
 
+from ._devices import backend_started
 from ._launch import UsageParser
 
 DEFAULT_FAKE_DEVICES = 8
@@ -116,7 +117,7 @@ def configure_devices(devices: int | None) -> tuple[str, bool]:
     """
     if devices is not None and devices < 1:
         raise UsageError(f"`--devices` must be >= 1, got {devices}.")
-    if jaxdev.backend_started():
+    if backend_started():
         return "JAX already started in this process: using the devices it has", False
     accel, why = accelerator_expected()
     platforms = _requested_platforms()
@@ -489,7 +490,7 @@ _COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
 _USAGE_ERRORS = (
     UsageError,
     jaxdev.DeviceNotFoundError,
-    jaxdev.DeviceSpecError,
+    jaxdev.UsageError,
     jaxdev.BackendStartedError,
 )
 

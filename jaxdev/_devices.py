@@ -325,7 +325,7 @@ def backend_started() -> bool:
 
     Example:
       >>> import jaxdev
-      >>> isinstance(jaxdev.backend_started(), bool)
+      >>> isinstance(backend_started(), bool)
       True
     """
     from jax._src import xla_bridge  # no public API tells this without starting it

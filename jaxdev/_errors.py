@@ -23,10 +23,6 @@ class DeviceNotFoundError(JaxdevError, LookupError):
     """A requested device or platform does not exist on this host."""
 
 
-class DeviceSpecError(JaxdevError, ValueError):
-    """A device spec (string, int, object) is malformed."""
-
-
 class LeafTypeError(JaxdevError, TypeError):
     """A pytree leaf has a type jaxdev cannot place (str, object, ...)."""
 
@@ -75,10 +71,6 @@ class GuardError(JaxdevError, AssertionError):
     """A guarded block made more host syncs, transfers or compiles than allowed."""
 
 
-class GuardArgumentError(JaxdevError, ValueError):
-    """A guard was given an invalid budget."""
-
-
 class UsageError(JaxdevError, ValueError):
     """An argument of a function or command is invalid (the CLI exits with code 2)."""
 
@@ -121,3 +113,11 @@ def short(x: Any, limit: int = 120) -> str:
 def join_failures(header: str, failures: list[str]) -> str:
     """Join a header and one indented line per failing leaf."""
     return header + "\n" + "\n".join(f"  {line}" for line in failures)
+
+
+class DeviceSpecError(UsageError):
+    """A device spec (string, int, object) is malformed."""
+
+
+class GuardArgumentError(UsageError):
+    """A guard was given an invalid budget."""

@@ -458,7 +458,7 @@ def launch(
 
     Example:
       >>> import sys, jaxdev
-      >>> jaxdev.launch([sys.executable, "-c", "print('hi')"], 1, 1)
+      >>> jaxdev.distributed.launch([sys.executable, "-c", "print('hi')"], 1, 1)
       [p0] hi
       0
     """

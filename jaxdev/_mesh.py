@@ -109,7 +109,7 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.replicated_sharding(jaxdev.data_mesh()).is_fully_replicated
+      >>> jaxdev.as_sharding(jaxdev.data_mesh()).is_fully_replicated
       True
     """
     return named_sharding(check_mesh(mesh), P())

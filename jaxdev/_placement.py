@@ -155,7 +155,7 @@ def to_device(tree: Any, target: Target) -> Any:
       target: a ``jax.Device``, a spec such as ``'gpu:1'``, a ``Sharding``,
         or a ``Mesh`` (a full copy on each of its devices); or, as for
         ``jax.device_put``, a tree of ``Sharding`` s matching ``tree`` (or a
-        prefix of it), e.g. :func:`jaxdev.state_shardings`.
+        prefix of it), e.g. :func:`jaxdev.param_shardings` of the state.
 
     Returns:
       A pytree with the structure of ``tree`` whose leaves live on ``target``.
@@ -431,7 +431,7 @@ def common_device(tree: Any) -> jax.Device | None:
     Example:
       >>> import jax.numpy as jnp, jaxdev
       >>> t = jaxdev.to_device({"a": jnp.ones(2), "b": jnp.zeros(2)}, "cpu:0")
-      >>> jaxdev.common_device(t) == jaxdev.cpu(0)
+      >>> common_device(t) == jaxdev.cpu(0)
       True
     """
     leaves, _ = jax.tree_util.tree_flatten(tree)

@@ -1,7 +1,7 @@
 """Memory plans: how many bytes each device will hold, before anything is allocated.
 
 :func:`plan` reads only shapes and dtypes (``jax.ShapeDtypeStruct`` s are
-fine) and the shardings the rules give (:func:`jaxdev.state_shardings`), and
+fine) and the shardings the rules give (:func:`jaxdev.param_shardings` of the state), and
 returns a :class:`MemoryPlan`: per category (``params``, ``opt_state``,
 ``model_state``, ``batch``, ``other``) the bytes the fullest device holds, the
 logical (global) bytes and the share of them that is sharded. With a train
@@ -321,7 +321,7 @@ def plan(
     s from ``jax.eval_shape`` (e.g. ``jax.eval_shape(lambda: TrainState.create(
     model.init(key, x), tx))``), and the plan equals the placed tree's
     :func:`jaxdev.placement` totals. Shardings come from
-    :func:`jaxdev.state_shardings` (under ``"flax"``, unboxed params already
+    :func:`jaxdev.param_shardings` of the state (under ``"flax"``, unboxed params already
     placed on the mesh count in the layout they carry, which is what the
     train step keeps): for a :class:`jaxdev.TrainState` the rows
     are ``params``, ``opt_state`` (following the params), ``model_state`` and

@@ -249,7 +249,7 @@ def _placer(target: Target | None, pad: bool) -> Callable[[Any], Any]:
         raise ShardingError(
             "`target` is a Mesh, which as a placement target means a full copy of every "
             "batch on each device. To split each batch over the mesh pass "
-            "`jaxdev.batch_sharding(mesh)`; to replicate, `jaxdev.replicated_sharding(mesh)`."
+            "`jaxdev.batch_sharding(mesh)`; to replicate, `jaxdev.as_sharding(mesh)`."
         )
     s = batch_sharding(check_mesh(None)) if target is None else as_sharding(target)
     axis = _leading_axis(s)

@@ -454,6 +454,13 @@ def param_shardings(
 ) -> Any:
     """Return a ``NamedSharding`` on ``mesh`` for every leaf of ``tree`` under ``rules``.
 
+    ``tree`` may be a whole train state (jaxdev's or flax's ``TrainState``):
+    params by the rules, every optimizer subtree shaped like the params
+    (adam ``mu`` / ``nu``, momentum, ``masked``, ``chain``,
+    ``inject_hyperparams``) sharded like them, counts and hyperparameters
+    replicated, ``model_state`` by the same rules, ``step`` / ``rng``
+    replicated: usable as ``jit`` in/out shardings.
+
     Nothing is allocated or moved: ``tree`` may hold ``jax.ShapeDtypeStruct``
     s (from ``jax.eval_shape``). Linen trees boxed with ``nn.Partitioned`` /
     ``nn.LogicallyPartitioned`` and NNX ``State`` s are understood; the result
@@ -502,13 +509,15 @@ def param_shardings(
       >>> fsdp["params"]["Dense_0"]["kernel"].spec
       P('fsdp', None)
     """
-    mesh = check_mesh(mesh)
-    _check_min_size(min_size)
     options = {
         "min_size": min_size,
         "fsdp_axis": fsdp_axis,
         "logical_axis_rules": logical_axis_rules,
     }
+    if is_train_state(tree):  # the whole state: the optimizer state follows the params
+        return state_shardings(tree, mesh, rules, **options)
+    mesh = check_mesh(mesh)
+    _check_min_size(min_size)
     return _shardings(tree, mesh, rules, options, "tree")
 
 
@@ -653,7 +662,7 @@ def state_shardings(
       >>> import jax.numpy as jnp, optax, jaxdev
       >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
       >>> state = jaxdev.TrainState.create({"w": jnp.ones((1024, 4))}, optax.adam(1e-3))
-      >>> s = jaxdev.state_shardings(state, mesh, "fsdp")
+      >>> s = jaxdev.param_shardings(state, mesh, "fsdp")
       >>> s.params["w"].spec, s.opt_state[0].mu["w"].spec, s.opt_state[0].count.spec, s.step.spec
       (P('fsdp', None), P('fsdp', None), P(), P())
     """

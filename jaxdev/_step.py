@@ -13,7 +13,7 @@ on the device, or split over devices, padded and masked when uneven, grouped
 for ``steps_per_call`` and ``accumulate``).
 
 Under sharded params (``Strategy.sharded(mesh, params=rules)``) the compiled
-step's state in and out shardings are :func:`jaxdev.state_shardings` of the
+step's state in and out shardings are :func:`jaxdev.param_shardings` of the state of the
 state it is first called with (one program per state structure); with
 replicated params they are ``P()`` and a call costs one dict lookup more than
 the bare ``jax.jit`` call. A committed state or batch laid out otherwise (a

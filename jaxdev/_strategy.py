@@ -122,7 +122,7 @@ class Strategy:
         parallel). Any other :data:`jaxdev.Rules` (``"fsdp"``, ``"flax"``, a
         list of ``(regex, PartitionSpec)`` pairs, a layout pytree) shards the
         params, and the optimizer state follows them
-        (:func:`jaxdev.state_shardings`); XLA inserts the gathers and
+        (:func:`jaxdev.param_shardings` of the state); XLA inserts the gathers and
         reduce-scatters. Every rule set gives the replicated run's numbers.
 
         Args:

@@ -17,6 +17,7 @@ from ._distributed import shutdown as shutdown
 from ._multihost import assert_same_across_processes as assert_same_across_processes
 from ._fingerprint import check_same_program as check_same_program
 from ._fingerprint import same_program as same_program
+from ._launch import launch as launch
 
 __all__ = [
     "DistributedConfig",
@@ -24,6 +25,7 @@ __all__ = [
     "check_same_program",
     "initialize",
     "is_initialized",
+    "launch",
     "same_program",
     "shutdown",
 ]

@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 import jaxdev
 from jaxdev import (
     DeviceNotFoundError,
-    DeviceSpecError,
     PlacementAssertionError,
     PlacementError,
     ShardingError,
+    UsageError,
 )
 
 
@@ -209,7 +209,7 @@ def test_replicated_int_and_platform_name_one_device_not_a_count(mesh, devices):
     assert "are not replicated on [cpu:0]:" in msg
     with pytest.raises(DeviceNotFoundError, match="out of range"):
         jaxdev.assert_replicated(tree, 8)
-    with pytest.raises(DeviceSpecError):
+    with pytest.raises(UsageError):
         jaxdev.assert_replicated(tree, devices)  # a list: use a Mesh
 
 

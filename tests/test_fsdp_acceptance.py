@@ -80,7 +80,7 @@ def test_fsdp_bytes_per_device_of_a_25m_param_model(make):
     assert full["params"] + full["opt_state"] == total
 
     fsdp = jaxdev.plan(state, mesh, "fsdp")
-    shardings = jaxdev.state_shardings(state, mesh, "fsdp")
+    shardings = jaxdev.param_shardings(state, mesh, "fsdp")
     pairs = zip(
         jax.tree.leaves((state.params, state.opt_state)),
         jax.tree.leaves((shardings.params, shardings.opt_state)),

@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import (
-    GuardArgumentError,
     GuardError,
     Mean,
+    UsageError,
     _guards,
     count_transfers,
     no_host_sync,
@@ -418,10 +418,10 @@ def test_counter_is_readable_during_the_block(x):
 
 
 def test_bad_budgets_name_the_argument():
-    with pytest.raises(GuardArgumentError, match="`max_compiles` to be None .* got -1"):
+    with pytest.raises(UsageError, match="`max_compiles` to be None .* got -1"):
         with no_host_sync(max_compiles=-1):
             pass
-    with pytest.raises(GuardArgumentError, match="`max_device_to_host` .* got 'zero'"):
+    with pytest.raises(UsageError, match="`max_device_to_host` .* got 'zero'"):
         with no_host_sync(max_device_to_host="zero"):
             pass
     assert issubclass(GuardError, jaxdev.JaxdevError) and issubclass(GuardError, AssertionError)

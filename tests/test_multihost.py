@@ -85,6 +85,7 @@ def test_public_module_exposes_only_the_multi_process_api():
         "check_same_program",
         "initialize",
         "is_initialized",
+        "launch",
         "same_program",
         "shutdown",
     }
@@ -210,7 +211,7 @@ def test_launch_prefixes_output_and_sets_the_environment():
         "import os; print(os.environ['JAXDEV_PROCESS_ID'], os.environ['JAXDEV_NUM_PROCESSES'],"
         " os.environ['JAX_NUM_CPU_DEVICES'], os.environ['JAXDEV_COORDINATOR'])"
     )
-    assert jaxdev.launch([PY, "-c", code], 2, 3, port=4567, out=out) == 0
+    assert jaxdev.distributed.launch([PY, "-c", code], 2, 3, port=4567, out=out) == 0
     lines = sorted(out.getvalue().splitlines())
     assert lines == ["[p0] 0 2 3 127.0.0.1:4567", "[p1] 1 2 3 127.0.0.1:4567"]
 
@@ -226,7 +227,7 @@ def test_launch_ends_the_others_by_pid_when_one_fails():
         "print('pid', os.getpid(), flush=True); time.sleep(60)"
     )
     start = time.monotonic()
-    rc = jaxdev.launch([PY, "-c", code], 2, 1, out=out, grace_s=1.0)
+    rc = jaxdev.distributed.launch([PY, "-c", code], 2, 1, out=out, grace_s=1.0)
     text = out.getvalue()
     assert rc == 1 and time.monotonic() - start < 15
     assert "process 1 failed (exit code 1)" in text
@@ -245,7 +246,7 @@ def test_launch_kills_processes_that_ignore_sigterm_after_the_timeout():
         "print('ready', flush=True); time.sleep(60)"
     )
     start = time.monotonic()
-    rc = jaxdev.launch([PY, "-c", code], 2, 1, timeout_s=2.0, out=out, grace_s=1.0)
+    rc = jaxdev.distributed.launch([PY, "-c", code], 2, 1, timeout_s=2.0, out=out, grace_s=1.0)
     assert rc == 124 and time.monotonic() - start < 10
     text = out.getvalue()
     assert "timed out after 2 s (`--timeout`); process(es) 0, 1 still running" in text
@@ -265,7 +266,7 @@ _JOIN_OR_NOT = (
 def test_launch_names_a_process_that_never_called_initialize():
     out = io.StringIO()
     start = time.monotonic()
-    rc = jaxdev.launch([PY, "-c", _JOIN_OR_NOT], 2, 1, out=out, grace_s=1.0)
+    rc = jaxdev.distributed.launch([PY, "-c", _JOIN_OR_NOT], 2, 1, out=out, grace_s=1.0)
     text = out.getvalue()
     assert rc == 1 and time.monotonic() - start < 15, text
     assert "process 1 never called jaxdev.distributed.initialize: it exited 0" in text
@@ -297,7 +298,7 @@ def test_summary_names_unjoined_processes_when_another_failed():
 def test_launch_reports_signals_with_shell_exit_codes():
     out = io.StringIO()
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
-    assert jaxdev.launch([PY, "-c", code], 1, 1, out=out) == 137
+    assert jaxdev.distributed.launch([PY, "-c", code], 1, 1, out=out) == 137
     assert "process 0 failed (signal SIGKILL)" in out.getvalue()
 
 

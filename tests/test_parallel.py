@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdev
-from jaxdev import DeletedArrayError, DeviceSpecError, LeafTypeError, ShardingError
+from jaxdev import DeletedArrayError, LeafTypeError, ShardingError, UsageError
 
 N = 8
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -69,7 +69,7 @@ def test_data_mesh_options(devices):
 
 
 def test_data_mesh_rejects_duplicate_devices(devices):
-    with pytest.raises(DeviceSpecError, match="cpu:2 twice"):
+    with pytest.raises(UsageError, match="cpu:2 twice"):
         jaxdev.data_mesh([devices[2], devices[0], devices[2]])
 
 
@@ -80,15 +80,15 @@ def test_data_mesh_bad_arguments(kwargs):
 
 
 def test_sharding_helpers(mesh):
-    assert jaxdev.replicated_sharding(mesh).spec == P()
+    assert jaxdev.as_sharding(mesh).spec == P()
     assert jaxdev.batch_sharding(mesh).spec == P("data")
     assert jaxdev.batch_sharding(mesh, ndim=3).spec == P("data", None, None)
     with pytest.raises(ShardingError, match="`axis`='model'.*axes"):
         jaxdev.batch_sharding(mesh, axis="model")
     with pytest.raises(ShardingError, match="`ndim`"):
         jaxdev.batch_sharding(mesh, ndim=0)
-    with pytest.raises(ShardingError, match="`mesh` must be a jax.sharding.Mesh"):
-        jaxdev.replicated_sharding(["cpu:0"])
+    with pytest.raises(UsageError, match="`target`"):
+        jaxdev.as_sharding(["cpu:0"])
 
 
 def test_two_axis_mesh_splits_the_batch_over_every_non_model_axis(devices):
@@ -581,7 +581,7 @@ def test_copy_to_replicated_survives_donation_of_the_copy():
     # copy_to is the documented way to donate a replica and keep the source.
     mesh = jaxdev.data_mesh()
     x = jaxdev.to_device(jnp.arange(1024.0), "cpu:0")
-    r = jaxdev.copy_to(x, jaxdev.replicated_sharding(mesh))
+    r = jaxdev.copy_to(x, jaxdev.as_sharding(mesh))
     double = jax.jit(lambda a: a * 2, donate_argnums=0, out_shardings=r.sharding)
     y = double(r)
     assert r.is_deleted() and not x.is_deleted()

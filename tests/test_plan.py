@@ -55,7 +55,7 @@ def mesh24():
 def test_plan_agrees_with_the_placed_trees_report(axes, rules):
     mesh = jaxdev.make_mesh(axes)
     state = _state()
-    placed = jax.device_put(state, jaxdev.state_shardings(state, mesh, rules))
+    placed = jax.device_put(state, jaxdev.param_shardings(state, mesh, rules))
     p = jaxdev.plan(state, mesh, rules)
     for category in ("params", "opt_state"):
         got, want = p[category], _max(jaxdev.placement(getattr(placed, category)))
@@ -332,7 +332,7 @@ def test_model_state_rng_and_step_rows(mesh24):
     assert p["model_state"] == 8192 * 4 // 4  # model state follows the same rules
     assert p["other"] == 4 + 8
     assert p == jaxdev.plan(jax.eval_shape(lambda: state), mesh24, "fsdp")
-    placed = jax.device_put(state, jaxdev.state_shardings(state, mesh24, "fsdp"))
+    placed = jax.device_put(state, jaxdev.param_shardings(state, mesh24, "fsdp"))
     assert p.total == _max(jaxdev.placement(placed))
 
 

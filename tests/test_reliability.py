@@ -87,7 +87,7 @@ def test_prefetch_places_the_values_the_source_yielded(mesh, make, target):
     target = {
         "batch": jaxdev.batch_sharding(mesh),
         "cpu:0": "cpu:0",
-        "replicated": jaxdev.replicated_sharding(mesh),
+        "replicated": jaxdev.as_sharding(mesh),
     }[target]
     for _ in range(TRIES[make]):
         buf = make((1024 if make is unaligned else 16, COLUMNS[make]))

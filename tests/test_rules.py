@@ -471,7 +471,7 @@ def test_state_shardings_optimizer_follows_params(df, name):
     params = mlp_params()
     tx = OPTIMIZERS[name](params)
     state = jaxdev.TrainState.create(params, tx, rng=jax.random.key(0))
-    s = jaxdev.state_shardings(state, df, "fsdp")
+    s = jaxdev.param_shardings(state, df, "fsdp")
     assert type(s) is jaxdev.TrainState
     assert s.step.spec == P() and s.rng.spec == P() and s.model_state is None
     want = s.params["params"]["Dense_0"]["kernel"]
@@ -498,13 +498,13 @@ def test_state_shardings_of_shapes_and_model_state(df):
         lambda p: jaxdev.TrainState.create(p, tx, model_state={"stats": jnp.zeros((2048,))}),
         params,
     )
-    s = jaxdev.state_shardings(shapes, df, "fsdp")
+    s = jaxdev.param_shardings(shapes, df, "fsdp")
     assert s.params["w"].spec == P("fsdp", None) and s.params["b"].spec == P()
     assert s.opt_state[0].mu["w"].spec == P("fsdp", None)
     assert s.opt_state[0].nu["b"].spec == P()
     assert s.model_state["stats"].spec == P("fsdp")
     # a layout describes params only: model_state replicated
-    s = jaxdev.state_shardings(shapes, df, {"w": P(None, "fsdp"), "b": P()})
+    s = jaxdev.param_shardings(shapes, df, {"w": P(None, "fsdp"), "b": P()})
     assert s.params["w"].spec == P(None, "fsdp") and s.opt_state[0].mu["w"].spec == P(None, "fsdp")
     assert s.model_state["stats"].spec == P()
 
@@ -514,7 +514,7 @@ def test_state_shardings_nnx_train_state(dm):
         model = AnnotatedNNX(nnx.Rngs(0))
     params, rest = jaxdev.nnx_split(model)
     state = jaxdev.TrainState.create(params, optax.adam(1e-3), model_state=rest)
-    s = jaxdev.state_shardings(state, dm, "flax", logical_axis_rules=[("hidden", "model")])
+    s = jaxdev.param_shardings(state, dm, "flax", logical_axis_rules=[("hidden", "model")])
     assert s.params["up"]["kernel"].get_value().spec == P(None, "model")
     assert s.opt_state[0].mu["down"]["kernel"].get_value().spec == P("model", None)
     assert s.model_state["norm"]["mean"].get_value().spec == P()
@@ -527,7 +527,7 @@ def test_state_shardings_flax_train_state(df):
 
     params = {"w": jnp.ones((1024, 8)), "b": jnp.ones(8)}
     state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
-    s = jaxdev.state_shardings(state, df, "fsdp")
+    s = jaxdev.param_shardings(state, df, "fsdp")
     assert s.params["w"].spec == P("fsdp", None) and s.step.spec == P()
     assert s.opt_state[0].mu["w"].spec == P("fsdp", None) and s.opt_state[0].count.spec == P()
     placed = jax.device_put(state, s)
@@ -536,7 +536,7 @@ def test_state_shardings_flax_train_state(df):
 
 def test_state_shardings_of_any_other_tree_is_param_shardings(fsdp8):
     tree = {"w": sds(4096), "count": sds()}
-    assert specs(jaxdev.state_shardings(tree, fsdp8, "fsdp")) == {"w": P("fsdp"), "count": P()}
+    assert specs(jaxdev.param_shardings(tree, fsdp8, "fsdp")) == {"w": P("fsdp"), "count": P()}
 
 
 def test_follow_params_no_false_matches(fsdp8):

@@ -144,7 +144,7 @@ def test_nnx_fsdp_and_train_state(fsdp8):
     assert model.down.kernel[...].sharding.spec == P()  # 64 x 8 < 1024 elements
     params, rest = jaxdev.nnx_split(model)
     state = jaxdev.TrainState.create(params, optax.adam(1e-3), model_state=rest)
-    s = jaxdev.state_shardings(state, fsdp8, "fsdp", min_size=0)
+    s = jaxdev.param_shardings(state, fsdp8, "fsdp", min_size=0)
     assert s.opt_state[0].mu["up"]["kernel"].get_value().spec == P(None, "fsdp")
 
 
