@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 
@@ -25,29 +24,21 @@ class Timings(dict):
 
 
 def time_side_by_side(
-    fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 2
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 20,
+    warmup: int = 2,
+    after: Callable[[], object] | None = None,
 ) -> Timings:
-    """Time zero-argument callables side by side.
+    """Time zero-argument callables side by side (jaxdev's one timer, kept per repetition).
 
     Every callable runs ``warmup`` times first (compilation, caches). Then the
     repetitions interleave the callables, rotating which goes first, so slow
     drifts of the machine hit all of them alike. Each timing waits for the
-    result with ``jax.block_until_ready``.
+    result with ``jax.block_until_ready``; ``after()`` runs untimed after each call.
     """
-    import jax
+    from jaxdev._bench import sample_side_by_side
 
-    names = list(fns)
-    for name in names:
-        for _ in range(warmup):
-            jax.block_until_ready(fns[name]())
-    samples = Timings({name: [] for name in names})
-    for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            start = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            samples[name].append(time.perf_counter() - start)
-    return samples
+    return Timings(sample_side_by_side(fns, repeats, warmup=warmup, after=after))
 
 
 def report(rows: list[dict], median: tuple[str, str], json_path: str | None = None) -> None:

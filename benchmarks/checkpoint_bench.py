@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from _timing import Timings  # noqa: E402
+from _timing import Timings, time_side_by_side  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -67,19 +67,8 @@ def nbytes(tree) -> int:
 
 
 def time_interleaved(fns: dict, repeats: int, cleanup) -> Timings:
-    """Like ``_timing.time_side_by_side``, with ``cleanup()`` after each call, untimed."""
-    names = list(fns)
-    for name in names:  # warm-up: compilation, orbax's first-use costs
-        jax.block_until_ready(fns[name]())
-        cleanup()
-    samples = Timings({name: [] for name in names})
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            samples[name].append(time.perf_counter() - start)
-            cleanup()
-    return samples
+    """``_timing.time_side_by_side`` with ``cleanup()`` after each call, untimed."""
+    return time_side_by_side(fns, repeats, warmup=1, after=cleanup)
 
 
 def bench_save_restore(state, root: str, repeats: int) -> list[dict]:

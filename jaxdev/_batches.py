@@ -182,13 +182,26 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
     return raw[start : start + nbytes].view(dtype).reshape(shape), raw
 
 
-def pad_rows(x: Any, extra: int) -> Any:
-    """Append ``extra`` copies of the last row; host leaves come back detached.
+def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
+    """Append ``extra`` copies of the last row (along ``axis``); host leaves come back detached.
 
-    Device arrays stay on device. Host arrays come back as a private copy
-    (see :func:`detach_host`) unless they can't change: the padding is
-    written into that one aligned copy.
+    The one last-row padding (``shard_batch``, ``put_batch`` of grouped
+    batches). Device arrays stay on device. Host arrays come back as a
+    private copy (see :func:`detach_host`) unless they can't change: the
+    padding is written into that one aligned copy.
     """
+    if axis:  # rows behind group axes: pad along the row axis, as a view of the padded copy
+        moved = pad_rows(
+            jnp.moveaxis(x, axis, 0)
+            if isinstance(x, jax.Array)
+            else np.moveaxis(np.asarray(x), axis, 0),
+            extra,
+        )
+        return (
+            jnp.moveaxis(moved, 0, axis)
+            if isinstance(moved, jax.Array)
+            else np.moveaxis(moved, 0, axis)
+        )
     if isinstance(x, jax.Array):
         if extra == 0:
             return x

@@ -90,34 +90,65 @@ def _reported_seconds(fn: Callable[[], float]) -> float:
     return fn()
 
 
-def time_side_by_side(
-    variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
-) -> dict[str, float]:
-    """Return the median seconds of every variant, measured interleaved.
+def sample_side_by_side(
+    variants: dict[str, Callable[[], Any]],
+    reps: int,
+    *,
+    warmup: int = 1,
+    self_timed: bool = False,
+    after: Callable[[], Any] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of every repetition of every variant, measured interleaved: the one timer.
 
-    Each variant runs once untimed (warm-up, compiles), then ``reps``
-    rounds run every variant once, the order rotating each round so that
-    neither variant always runs first.
+    Each variant runs ``warmup`` times untimed (compiles, caches), then
+    ``reps`` rounds run every variant once, the order rotating each round so
+    that slow drifts of the machine hit all of them alike and no variant
+    always runs first. ``benchmarks/_timing.py`` and ``jaxdev bench`` both
+    time with it.
 
     Args:
       variants: ``{name: zero-argument callable}``.
       reps: timed rounds.
+      warmup: untimed calls of each variant first.
       self_timed: whether each callable returns its own timing in seconds
         (a worker process timing its matmul); otherwise every call is timed
         here, waiting for its output with ``jax.block_until_ready``.
+      after: called untimed after every call (e.g. deleting what it wrote).
 
     Returns:
-      ``{name: median seconds}`` in the order of ``variants``.
+      ``{name: [seconds per round]}`` in the order of ``variants``.
+
+    Example:
+      >>> s = sample_side_by_side({"a": lambda: 1, "b": lambda: 2}, reps=3)
+      >>> sorted(s), len(s["a"])
+      (['a', 'b'], 3)
     """
     measure = _reported_seconds if self_timed else _wall_seconds
     names = list(variants)
+    after = after or (lambda: None)
     for name in names:
-        measure(variants[name])
+        for _ in range(warmup):
+            measure(variants[name])
+            after()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(measure(variants[name]))
-    return {name: float(np.median(samples[name])) for name in names}
+            after()
+    return samples
+
+
+def time_side_by_side(
+    variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
+) -> dict[str, float]:
+    """Return the median seconds of every variant (:func:`sample_side_by_side`).
+
+    Example:
+      >>> sorted(time_side_by_side({"a": lambda: 1}, reps=2))
+      ['a']
+    """
+    samples = sample_side_by_side(variants, reps, self_timed=self_timed)
+    return {name: float(np.median(seconds)) for name, seconds in samples.items()}
 
 
 def _repeat(fn: Callable[[], Any], n: int) -> Callable[[], Any]:

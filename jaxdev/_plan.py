@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ._errors import MemoryPlanError, UsageError, device_name, short
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import batch_axis, check_mesh, named_sharding
-from ._report import human_bytes
+from ._report import human_bytes, text_table
 from ._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
@@ -626,15 +626,12 @@ def _format(p: MemoryPlan) -> str:
     sharded = sum(r.sharded_bytes for r in p.rows)
     everything = PlanRow("total", p.total, logical, sharded, 0)
     body.append(("total", human_bytes(p.total), human_bytes(logical), _pct(everything)))
-    widths = [max(len(c) for c in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [
         f"memory plan: mesh({mesh}), rules={rules!r}"
         if isinstance(p.rules, str)
         else f"memory plan: mesh({mesh}), rules={rules}"
     ]
-    lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*row).rstrip() for row in body]
+    lines += text_table(head, body, rstrip=True)
     c = p.compiled
     if c is not None:
         lines.append(

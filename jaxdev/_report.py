@@ -287,6 +287,21 @@ def _name_key(name: str) -> tuple[str, int]:
     return platform, int(index)
 
 
+def text_table(head: tuple[str, ...], body: list[tuple], rstrip: bool = False) -> list[str]:
+    """Lines of a plain left-aligned table: header, dashes, rows (the one table formatter).
+
+    Example:
+      >>> text_table(("a", "bb"), [("xyz", 1)])
+      ['a    bb', '---  --', 'xyz  1 ']
+    """
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    rows = [fmt.format(*row) for row in body]
+    return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + (
+        [r.rstrip() for r in rows] if rstrip else rows
+    )
+
+
 def _format(report: PlacementReport) -> str:
     head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
     body = [
@@ -301,10 +316,7 @@ def _format(report: PlacementReport) -> str:
         )
         for r in report.leaves
     ]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*row) for row in body]
+    lines = text_table(head, body)
     total = sum(report.bytes_by_device.values())
     per = ", ".join(f"{k}: {human_bytes(v)}" for k, v in report.bytes_by_device.items())
     footer = f"{len(report.leaves)} leaves, {human_bytes(total)} on devices ({per or 'none'})"

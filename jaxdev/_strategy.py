@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, detach_host, row_multiple, shard_batch, to_global
+from ._batches import Padded, detach_host, pad_rows, row_multiple, shard_batch, to_global
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
 from ._errors import ShardingError, UsageError, short
@@ -423,7 +423,7 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     extra = -rows % (m * strategy.local_shards())
     row_axis = 1 if k > 1 else 0
     xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
-    out = [strategy.group(xp, _pad_axis(xp, x, row_axis, extra), row_axis, m) for x in leaves]
+    out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
     lead = (k,) if k > 1 else ()
     mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
     mask = strategy.group(np, mask, row_axis, m)
@@ -452,13 +452,6 @@ def _grouped_rows(leaves: list[Any], k: int) -> int:
             f"{[np.shape(x) for x in leaves[:3]]}."
         )
     return rows.pop()
-
-
-def _pad_axis(xp: Any, x: Any, axis: int, extra: int) -> Any:
-    if not extra:
-        return x
-    last = xp.take(x, xp.asarray([np.shape(x)[axis] - 1]), axis=axis)
-    return xp.concatenate([x, xp.repeat(last, extra, axis=axis)], axis=axis)
 
 
 def _replicates(rules: Any) -> bool:
