@@ -265,9 +265,12 @@ def replace(new: str, path: str) -> None:
     """
     old = sibling(path, "old")
     if _exchange(new, path):
-        with contextlib.suppress(OSError):  # `new` now holds the old one: name it so
-            os.rename(new, old)
-        _remove(old if os.path.lexists(old) else new)
+        swapped_out = new  # it now holds the old checkpoint: give it the old one's name
+        if not os.path.lexists(old):
+            with contextlib.suppress(OSError):
+                os.rename(new, old)
+                swapped_out = old
+        _remove(swapped_out)
         return
     os.rename(path, old)
     try:
