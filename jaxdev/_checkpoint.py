@@ -67,6 +67,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -464,6 +466,11 @@ def release_waiters() -> None:
     through ``orbax.checkpoint._src`` (the only private import of orbax in
     jaxdev): they then fail at once, writing into a directory that is never
     committed. With another orbax layout this does nothing.
+
+    Under load a writer thread can start waiting only after the failure is
+    reported (a CI run held the exit past 100 s once), so every directory
+    signal is sent now and again from a daemon thread for 20 s (a daemon
+    never holds the exit itself).
     """
     try:
         from orbax.checkpoint._src.futures import future, synchronization
@@ -471,10 +478,24 @@ def release_waiters() -> None:
         return
     try:
         current = synchronization.OperationIdGenerator.get_current_operation_id()
-        signal = synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION
-        future.set_signals([signal], operation_id=current)
+        signals = [
+            synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION,
+            synchronization.HandlerAwaitableSignal.ITEM_DIRECTORY_CREATION,
+        ]
     except Exception:  # best effort: the error being reported matters more
-        pass
+        return
+
+    def send() -> None:
+        with contextlib.suppress(Exception):
+            future.set_signals(signals, operation_id=current)
+
+    def keep_sending() -> None:
+        for _ in range(40):
+            time.sleep(0.5)
+            send()
+
+    send()
+    threading.Thread(target=keep_sending, name="jaxdev-release-waiters", daemon=True).start()
 
 
 def write_error(path: Any, err: BaseException, *, previous: str) -> CheckpointError:
