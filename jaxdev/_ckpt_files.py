@@ -28,6 +28,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -36,6 +37,8 @@ import time
 from typing import Any
 
 from ._errors import CheckpointError
+
+_log = logging.getLogger("jaxdev")
 
 META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
 ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
@@ -227,6 +230,7 @@ def remove_leftovers(path: str) -> None:
         return
     for n in names:
         if n.startswith(prefixes) or n.startswith(name + ".orbax-checkpoint-tmp"):
+            _log.info("removing %s, left by an interrupted save of %s", n, path)
             _remove(os.path.join(parent, n))
 
 
@@ -293,7 +297,13 @@ def recover(path: str) -> bool:
     found = [sibling(path, r) for r in ("new", "old") if is_checkpoint(sibling(path, r))]
     if not found:
         return False
-    os.rename(max(found, key=_committed_at), path)
+    chosen = max(found, key=_committed_at)
+    os.rename(chosen, path)
+    _log.warning(
+        "a save of %s was cut between its two renames; put back %s (committed last)",
+        path,
+        os.path.basename(chosen),
+    )
     return True
 
 

@@ -33,6 +33,7 @@ argument or by the ``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` /
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 import sys
@@ -47,6 +48,8 @@ import jax
 from ._devices import backend_started
 from ._errors import DistributedError
 from ._multihost import barrier
+
+_log = logging.getLogger("jaxdev")
 
 ENV_COORDINATOR = "JAXDEV_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDEV_NUM_PROCESSES"
@@ -312,6 +315,20 @@ def check_local_device_counts(process_indices: Sequence[int], num_processes: int
         )
 
 
+def _exit_now(message: str) -> None:
+    """Write ``message`` on stderr and end the process at once with exit code 1.
+
+    ``os._exit`` skips JAX's shutdown barrier, which would wait for peers that
+    may never arrive and then abort. The message is the process's last word,
+    not a log record: it goes to stderr whatever the ``logging`` set-up (a
+    handler could drop or reformat it), starting with ``jaxdev`` so that
+    ``jaxdev launch`` picks it as the reason in its summary.
+    """
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def _diagnostic(cfg: DistributedConfig) -> str:
     """The message printed when not every process registered in time."""
     n = cfg.num_processes
@@ -334,9 +351,7 @@ def _start_watchdog(cfg: DistributedConfig, seconds: float) -> threading.Timer:
     """
 
     def give_up():
-        print(_diagnostic(cfg), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        _exit_now(_diagnostic(cfg))
 
     timer = threading.Timer(max(0.0, seconds), give_up)
     timer.daemon = True
@@ -350,15 +365,11 @@ def _fail_fast_hook(previous):
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
         if jax.process_count() > 1 and not issubclass(exc_type, KeyboardInterrupt):
-            print(
+            _exit_now(
                 f"jaxdev fail-fast: process {jax.process_index()} failed with "
                 f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
-                "barrier for peers that may never arrive.",
-                file=sys.stderr,
-                flush=True,
+                "barrier for peers that may never arrive."
             )
-            sys.stdout.flush()
-            os._exit(1)
 
     return hook
 
@@ -524,6 +535,12 @@ def initialize(
     if fail_fast:
         install_fail_fast()
     _check_job(cfg.num_processes)
+    _log.info(
+        "process %d of %d joined the coordinator at %s",
+        jax.process_index(),
+        cfg.num_processes,
+        cfg.coordinator_address,
+    )
     return cfg
 
 
@@ -599,10 +616,7 @@ def _finish_at_exit() -> None:
     """At interpreter exit: name the processes that never finished and exit 1."""
     missing = _unfinished()
     if missing:
-        print(_not_finished_message(missing, float(_FINISH["timeout_s"])), file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)  # JAX's shutdown barrier would wait again, then abort
+        _exit_now(_not_finished_message(missing, float(_FINISH["timeout_s"])))
 
 
 def shutdown() -> None:

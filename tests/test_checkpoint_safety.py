@@ -104,14 +104,17 @@ def test_sigkill_at_a_random_moment_of_overwrites_leaves_a_checkpoint(tmp_path, 
     assert jaxdev.restore(path)["step"] == -1
 
 
-def test_a_swap_cut_between_its_renames_is_recovered(tmp_path):
+def test_a_swap_cut_between_its_renames_is_recovered(tmp_path, caplog):
     path = str(tmp_path / "c")
     jaxdev.save(path, {"v": 1})
     jaxdev.save(path + "-new", {"v": 2})
     os.rename(path, os.path.join(tmp_path, ".c.jaxdev-old"))  # the fallback's first rename
     os.rename(path + "-new", os.path.join(tmp_path, ".c.jaxdev-new"))
-    assert jaxdev.restore(path) == {"v": 2}  # the complete new one is put back
+    with caplog.at_level("WARNING", logger="jaxdev"):
+        assert jaxdev.restore(path) == {"v": 2}  # the complete new one is put back
     assert os.path.isdir(path)
+    [record] = [r for r in caplog.records if r.name == "jaxdev"]  # said once, on jaxdev's logger
+    assert "put back .c.jaxdev-new" in record.getMessage()
 
 
 # ---------------------------------------------------------------- never delete what is not ours
