@@ -3,8 +3,8 @@
 Run: ``python benchmarks/fsdp_bench.py [--repeats N] [--json PATH]``.
 
 1. Step time: one MLP trained with adam by ``jaxdev.make_train_step`` under
-   ``Strategy.sharded(data_mesh())`` (replicated params), ``params="fsdp"`` on a
-   ``data=2 x fsdp=4`` mesh and ``params="fsdp"`` on the 1-D 8-device mesh
+   ``Strategy.sharded(data_mesh())`` (replicated params), ``rules="fsdp"`` on a
+   ``data=2 x fsdp=4`` mesh and ``rules="fsdp"`` on the 1-D 8-device mesh
    (ZeRO-3 style), the same global batch split 8 ways in every case; timed side
    by side (interleaved repetitions, median of per-repetition ratios; see
    ``_timing.py``). Batches are placed before timing.
@@ -126,9 +126,9 @@ def step_time_rows(repeats: int) -> list[dict]:
     strategies = {
         "replicated (data=8)": jaxdev.Strategy.sharded(jaxdev.data_mesh()),
         "fsdp (data=2 x fsdp=4)": jaxdev.Strategy.sharded(
-            jaxdev.make_mesh({"data": 2, "fsdp": 4}), params="fsdp"
+            jaxdev.make_mesh({"data": 2, "fsdp": 4}), rules="fsdp"
         ),
-        "fsdp (data=8, ZeRO-3)": jaxdev.Strategy.sharded(jaxdev.data_mesh(), params="fsdp"),
+        "fsdp (data=8, ZeRO-3)": jaxdev.Strategy.sharded(jaxdev.data_mesh(), rules="fsdp"),
     }
     loops = {}
     for name, strategy in strategies.items():
@@ -217,7 +217,7 @@ def bytes_rows() -> list[dict]:
     params = model.init(jax.random.key(0), x0)["params"]
     for name, strategy in (
         ("replicate", jaxdev.Strategy.sharded(jaxdev.data_mesh())),
-        ("fsdp over 8 (data=8)", jaxdev.Strategy.sharded(jaxdev.data_mesh(), params="fsdp")),
+        ("fsdp over 8 (data=8)", jaxdev.Strategy.sharded(jaxdev.data_mesh(), rules="fsdp")),
     ):
         step = jaxdev.make_train_step(make_loss(model), TX, strategy)
         state = step.init_state(params, TX)

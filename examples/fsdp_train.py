@@ -1,7 +1,7 @@
 """FSDP: parameters and Adam state sharded over devices, the batch split over all of them.
 
 Run: ``python examples/fsdp_train.py``. A ``data=2 x fsdp=4`` mesh over 8
-devices (8 fake CPUs without an accelerator): ``params="fsdp"`` splits each big
+devices (8 fake CPUs without an accelerator): ``rules="fsdp"`` splits each big
 leaf along its largest dimension over the 4 ``fsdp`` devices (small leaves stay
 replicated), the optimizer state follows the params, and the batch is split 8
 ways over ``("data", "fsdp")``. XLA gathers each layer's weights for the
@@ -67,7 +67,7 @@ def train(strategy: jaxdev.Strategy, batches: list[dict]):
 def main() -> None:
     mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
     batches = make_batches()
-    fsdp = jaxdev.Strategy.sharded(mesh, params="fsdp")
+    fsdp = jaxdev.Strategy.sharded(mesh, rules="fsdp")
     print(f"mesh {dict(mesh.shape)}; batch split over {fsdp.axis} ({fsdp.n_devices} ways)")
     state, loss = train(fsdp, batches)
     replicated, rep_loss = train(jaxdev.Strategy.sharded(mesh), batches)

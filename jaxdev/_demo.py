@@ -258,7 +258,7 @@ def make_strategy(
         raise UsageError(f"`--mesh`: {err}") from None
     mesh = mesh if mesh is not None else jaxdev.data_mesh(devices)
     params = config.params or ("fsdp" if "fsdp" in mesh.axis_names else "replicate")
-    return jaxdev.Strategy.sharded(mesh, params=params)
+    return jaxdev.Strategy.sharded(mesh, rules=params)
 
 
 def check_config(config: DemoConfig) -> None:
@@ -363,7 +363,7 @@ def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
     return (
         f"params + optimizer state per device: {mine / 1024:.1f} KiB with "
-        f"params={strategy.params!r} on mesh {mesh} (replicated: {replicated / 1024:.1f} KiB; "
+        f"rules={strategy.rules!r} on mesh {mesh} (replicated: {replicated / 1024:.1f} KiB; "
         f"{mine / replicated:.0%}); batch split over {strategy.axis}"
     )
 

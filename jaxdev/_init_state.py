@@ -33,10 +33,10 @@ def _shapes(tree: Any) -> Any:
 
 def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
     """``init_state`` under sharded params: every leaf built or copied in its sharding."""
-    mesh, rules = strategy.mesh, strategy.params
+    mesh, rules, options = strategy.mesh, strategy.rules, strategy.options
     # boxed linen params: as declared; unboxed ones under "flax": the layout they carry
     # (init_sharded's), never widened to replicated
-    shardings = param_shardings(params, mesh, rules)
+    shardings = param_shardings(params, mesh, rules, **options)
     leaves = jax.tree.leaves(unbox(params))
     if rules == "flax" and all(
         getattr(getattr(x, "sharding", None), "mesh", None) == mesh for x in leaves
@@ -51,7 +51,7 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
     if model_state is not None:
         shape = _shapes(TrainState(step, params, None, None, model_state))
         model_state = _copy(
-            model_state, state_shardings(shape, mesh, rules).model_state, "model_state"
+            model_state, state_shardings(shape, mesh, rules, **options).model_state, "model_state"
         )
     opt_state = None
     if tx is not None:

@@ -397,6 +397,8 @@ def step_plan(step: Any, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
 
 def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> MemoryPlan:
     mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
+    if step is not None:  # the step's rule options, unless given here
+        options = {**step.strategy.options, **options}
     # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
     shardings = step_shardings(state_or_shapes, mesh, rules, **options)
     state = unbox(state_or_shapes)
@@ -571,7 +573,7 @@ def check_fits(
     advice = (
         ""
         if _no_fsdp_advice(plan_)
-        else "shard the params (`jaxdev.Strategy.sharded(mesh, params='fsdp')`, or "
+        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
         "`rules='fsdp'` in `jaxdev.plan`), "
     )
     raise MemoryPlanError(
@@ -591,7 +593,7 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
 
     ``'fsdp'`` shards over its default axis (:func:`fsdp_axis_of`: the
     ``'fsdp'`` axis, else the batch axes), exactly what
-    ``Strategy.sharded(mesh, params='fsdp')`` does. Not offered when the plan
+    ``Strategy.sharded(mesh, rules='fsdp')`` does. Not offered when the plan
     already uses ``'fsdp'``, the axis has one device, or the rules cannot apply.
     """
     mesh, inputs = plan_.mesh, plan_._inputs

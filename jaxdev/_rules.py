@@ -521,22 +521,31 @@ def param_shardings(
     return _shardings(tree, mesh, rules, options, "tree")
 
 
-def check_rules(rules: Rules, mesh: Mesh) -> None:
+def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``.
 
     What can be checked without the params: the form of ``rules`` (an
     unknown string, a non-spec in a regex pair, a bad pattern, a layout
     holding something other than ``PartitionSpec`` / ``NamedSharding`` /
-    ``None``) and that ``"fsdp"`` has an axis to shard over.
+    ``None``), the options (``min_size``, ``fsdp_axis``,
+    ``logical_axis_rules``) and that ``"fsdp"`` has an axis to shard over.
     ``Strategy.sharded`` calls it so that a typo fails where it is written,
     not at the first ``init_state``. Specs are checked against each leaf
     later (a rule that matches no leaf is never an error).
     """
+    unknown = sorted(set(options) - {"min_size", "fsdp_axis", "logical_axis_rules"})
+    if unknown:
+        raise ShardingError(
+            f"unknown rule option(s) {unknown}; the options are `min_size`, `fsdp_axis` and "
+            "`logical_axis_rules` (as in `jaxdev.param_shardings`)."
+        )
+    if options.get("min_size") is not None:
+        _check_min_size(options["min_size"])
+    if options.get("fsdp_axis") is not None or (isinstance(rules, str) and rules == "fsdp"):
+        fsdp_axis_of(mesh, options.get("fsdp_axis"))
     if isinstance(rules, str):
-        if rules == "fsdp":
-            fsdp_axis_of(mesh, None)
-        elif rules not in ("replicate", "flax"):
-            raise ShardingError(f"`params` must be {_FORMS}; got the string {rules!r}.")
+        if rules not in ("replicate", "flax", "fsdp"):
+            raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
         return
     if _regex_rules(rules) is not None:
         return
@@ -547,7 +556,7 @@ def check_rules(rules: Rules, mesh: Mesh) -> None:
     layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
     if not layout or not all(is_spec(x) for x in jax.tree.leaves(rules, is_leaf=is_spec)):
         raise ShardingError(
-            f"`params` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
+            f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
         )
 
 

@@ -12,7 +12,7 @@ optimizer state following them) and :meth:`TrainStep.put_batch` (the batch
 on the device, or split over devices, padded and masked when uneven, grouped
 for ``steps_per_call`` and ``accumulate``).
 
-Under sharded params (``Strategy.sharded(mesh, params=rules)``) the compiled
+Under sharded params (``Strategy.sharded(mesh, rules=rules)``) the compiled
 step's state in and out shardings are :func:`jaxdev.param_shardings` of the state of the
 state it is first called with (one program per state structure); with
 replicated params they are ``P()`` and a call costs one dict lookup more than
@@ -187,7 +187,7 @@ class _Step:
           >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
           >>> tx = optax.sgd(0.1)
           >>> step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]) ** 2, tx,
-          ...                               jaxdev.Strategy.sharded(mesh, params="fsdp"))
+          ...                               jaxdev.Strategy.sharded(mesh, rules="fsdp"))
           >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones(4096)}, tx))
           >>> batch = jax.ShapeDtypeStruct((16, 4096), jnp.float32)
           >>> compiled = step.lower(state, batch).compile()
@@ -251,7 +251,7 @@ class _Step:
           model_state: optional state the forward pass updates (BatchNorm's
             ``batch_stats``), placed like the params.
 
-        Under sharded params (``Strategy.sharded(params=rules)``) the params
+        Under sharded params (``Strategy.sharded(rules=rules)``) the params
         (and ``model_state``) are placed by the rules (a copy: the caller's
         arrays are never donated) and the optimizer state is built by
         ``jax.jit(tx.init)`` directly in the shardings that follow the params
@@ -266,7 +266,7 @@ class _Step:
           >>> int(state.step), jaxdev.device_of(state.params) == jaxdev.device(0)
           (0, True)
           >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
-          >>> fsdp = jaxdev.Strategy.sharded(mesh, params="fsdp")
+          >>> fsdp = jaxdev.Strategy.sharded(mesh, rules="fsdp")
           >>> step = jaxdev.make_train_step(lambda p, b: b @ p["w"], optax.adam(0.1), fsdp)
           >>> state = step.init_state({"w": jnp.ones((4096, 2))}, optax.adam(0.1))
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
@@ -478,7 +478,7 @@ def _state_layout(strategy: Strategy, state: Any) -> Any:
     on the mesh keep the layout they carry, and the optimizer state follows
     (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.plan` uses too).
     """
-    return step_shardings(state, strategy.mesh, strategy.params)
+    return step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
 
 
 # ---------------------------------------------------------------- memory
@@ -592,7 +592,7 @@ def make_train_step(
         ``memory_limit`` is not a positive number.
       MemoryPlanError: (at the first call) the compiled step needs more
         bytes per device than the budget; nothing ran. The message gives
-        both figures and, for replicated params, what ``params='fsdp'``
+        both figures and, for replicated params, what ``rules='fsdp'``
         would need.
 
     Example:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +61,13 @@ class Strategy:
       axis: the mesh axis the batch is split over (``DEFAULT_AXIS``), or a
         tuple of axes (``('data', 'fsdp')``) for a sharded step.
       shard_map: whether the sharded step runs under ``jax.shard_map``.
-      params: the rules that place the params and optimizer state
-        (:data:`jaxdev.Rules`; ``'replicate'`` unless ``sharded(params=...)``).
+      rules: the rules that place the params and optimizer state
+        (:data:`jaxdev.Rules`; ``'replicate'`` unless ``sharded(rules=...)``).
         A list of ``(regex, spec)`` pairs is stored as a tuple of pairs; the
         field takes no part in hashing (a layout pytree is not hashable).
+      rule_options: the options the rules are applied with (``min_size``,
+        ``fsdp_axis``, ``logical_axis_rules``), as sorted ``(name, value)``
+        pairs; :attr:`options` gives them as a dict.
     """
 
     kind: str
@@ -71,7 +75,8 @@ class Strategy:
     mesh: Mesh
     axis: AxisName = DEFAULT_AXIS
     shard_map: bool = False
-    params: Any = dataclasses.field(default="replicate", hash=False)
+    rules: Any = dataclasses.field(default="replicate", hash=False)
+    rule_options: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), hash=False)
 
     @classmethod
     def single(cls, device: DeviceSpec | None = None) -> Strategy:
@@ -113,12 +118,16 @@ class Strategy:
         mesh: Mesh | None = None,
         axis: AxisName | None = None,
         *,
-        params: Any = "replicate",
+        rules: Any = "replicate",
         shard_map: bool = False,
+        min_size: int | None = None,
+        fsdp_axis: AxisName | None = None,
+        logical_axis_rules: Any = None,
+        params: Any = None,
     ) -> Strategy:
-        """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``params``.
+        """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``rules``.
 
-        With ``params="replicate"`` every device holds the whole state (data
+        With ``rules="replicate"`` every device holds the whole state (data
         parallel). Any other :data:`jaxdev.Rules` (``"fsdp"``, ``"flax"``, a
         list of ``(regex, PartitionSpec)`` pairs, a layout pytree) shards the
         params, and the optimizer state follows them
@@ -133,10 +142,19 @@ class Strategy:
             ``'tensor'`` (which split the params), e.g. ``('data', 'fsdp')``
             on a ``data`` x ``fsdp`` mesh and ``'data'`` on a ``data`` x
             ``model`` mesh.
-          params: the rules for the params (default ``"replicate"``).
+          rules: the rules for the params (default ``"replicate"``), the
+            same keyword and values as :func:`jaxdev.param_shardings` and
+            :func:`jaxdev.plan`.
           shard_map: run the per-device step under ``jax.shard_map`` with
             explicit collectives instead of letting the compiler partition it
             (replicated params only).
+          min_size: under ``"fsdp"``, leaves with fewer elements are
+            replicated (default as :func:`jaxdev.param_shardings`).
+          fsdp_axis: under ``"fsdp"``, the mesh axis (or axes) to shard over
+            (default: the ``'fsdp'`` axis, else the batch axes).
+          logical_axis_rules: under ``"flax"``, flax's logical-to-mesh rules
+            for params whose metadata names logical axes.
+          params: the old name of ``rules`` (deprecated, warns).
 
         Raises:
           UsageError: ``shard_map=True`` with params that are not replicated.
@@ -147,33 +165,69 @@ class Strategy:
           >>> import jaxdev
           >>> jaxdev.Strategy.sharded(jaxdev.data_mesh(1)).axis
           'data'
-          >>> s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+          >>> s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
           >>> s.axis, s.n_devices
           (('data', 'fsdp'), 8)
         """
         mesh = check_mesh(mesh)
-        params = _hashable_rules(params)
-        check_rules(params, mesh)  # a typo fails here, not at the first init_state
+        if params is not None:
+            if rules != "replicate":
+                raise UsageError(
+                    "pass the params rules once, as `rules=` (`params=` is its old name), "
+                    f"got both `rules`={short(rules)} and `params`={short(params)}."
+                )
+            warnings.warn(
+                "`Strategy.sharded(params=...)` is now `rules=...` (the keyword of "
+                "param_shardings and plan); `params=` will be removed.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            rules = params
+        params = _hashable_rules(rules)
+        options = {
+            k: v
+            for k, v in (
+                ("min_size", min_size),
+                ("fsdp_axis", fsdp_axis),
+                ("logical_axis_rules", _hashable_rules(logical_axis_rules)),
+            )
+            if v is not None
+        }
+        check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         if shard_map and not (isinstance(params, str) and params == "replicate"):
             raise UsageError(
-                f"`shard_map`=True trains replicated params only, got `params`={short(params)}. "
+                f"`shard_map`=True trains replicated params only, got `rules`={short(params)}. "
                 "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
                 "`shard_map=True` (the numbers are the same)."
             )
         if axis is None and not _replicates(params) and set(mesh.axis_names) <= set(MODEL_AXES):
             raise ShardingError(
                 f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
-                f"{MODEL_AXES} that `params` may split, so the batch would split over the same "
+                f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
                 "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
                 "'data' axis."
             )
         axis = batch_axis(mesh, axis)
-        return _Sharded("sharded", tuple(mesh.devices.flat), mesh, axis, bool(shard_map), params)
+        devices = tuple(mesh.devices.flat)
+        return _Sharded(
+            "sharded", devices, mesh, axis, bool(shard_map), params, tuple(sorted(options.items()))
+        )
 
     @property
     def replicated(self) -> bool:
-        """Whether every device holds the whole state (``params="replicate"``)."""
-        return _replicates(self.params)
+        """Whether every device holds the whole state (``rules="replicate"``)."""
+        return _replicates(self.rules)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The rule options as keywords for :func:`jaxdev.param_shardings`.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.sharded(rules="fsdp", min_size=0).options
+          {'min_size': 0}
+        """
+        return dict(self.rule_options)
 
     @property
     def n_devices(self) -> int:
@@ -204,11 +258,6 @@ class Strategy:
     def by_rules(self) -> bool:
         """Whether the state is laid out by rules (sharded params), not replicated."""
         return False
-
-    @property
-    def rules(self) -> Any:
-        """The params rules the state is laid out by (``"replicate"`` unless sharded)."""
-        return "replicate"
 
     @property
     def state_target(self) -> Any:
@@ -345,10 +394,6 @@ class _Sharded(Strategy):
     @property
     def by_rules(self) -> bool:
         return not self.replicated
-
-    @property
-    def rules(self) -> Any:
-        return self.params
 
     def local_shards(self) -> int:
         if jax.process_count() == 1:

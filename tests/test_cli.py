@@ -106,7 +106,7 @@ def test_demo_with_fsdp_params_prints_the_bytes_per_device_next_to_replicated():
     proc = jaxdev_cli("demo", "--epochs", "1", "--params", "fsdp", "--mesh", "data=2,fsdp=4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = re.search(
-        r"params \+ optimizer state per device: ([\d.]+) KiB with params='fsdp' on mesh "
+        r"params \+ optimizer state per device: ([\d.]+) KiB with rules='fsdp' on mesh "
         r"data=2 x fsdp=4 \(replicated: ([\d.]+) KiB; \d+%\); batch split over "
         r"\('data', 'fsdp'\)",
         proc.stdout,

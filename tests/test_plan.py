@@ -194,7 +194,7 @@ def _batch(rows: int = 32, width: int = 512) -> dict:
 @pytest.mark.parametrize("rules", ["fsdp", "replicate"])
 def test_compiled_figures_come_from_memory_analysis_and_match_the_plan(mesh24, rules):
     tx = optax.adam(1e-3)
-    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, params=rules))
+    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, rules=rules))
     shapes = jax.eval_shape(lambda: _state(tx))
     p = jaxdev.plan(shapes, step=step, batch=_batch())
     assert p.rules == rules and p.mesh is mesh24
@@ -217,7 +217,7 @@ def test_compiled_figures_come_from_memory_analysis_and_match_the_plan(mesh24, r
 
 def test_plan_rejects_a_mesh_or_rules_other_than_the_steps(mesh24):
     tx = optax.sgd(0.1)
-    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, params="fsdp"))
+    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, rules="fsdp"))
     state = _state(tx)
     assert jaxdev.plan(state, mesh24, "fsdp", step=step).rules == "fsdp"
     with pytest.raises(UsageError, match=r"`mesh` \{'fsdp': 8\} is not the step's mesh"):
@@ -343,7 +343,7 @@ def test_grouped_and_pmap_batches_match_the_compiled_arguments(mesh24, kind):
         step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.pmap())
         lead = (8, 4)
     else:  # steps_per_call=2: (steps, rows, ...), rows split behind the steps axis
-        strategy = jaxdev.Strategy.sharded(mesh24, params="fsdp")
+        strategy = jaxdev.Strategy.sharded(mesh24, rules="fsdp")
         step = jaxdev.make_train_step(_loss, tx, strategy, steps_per_call=2)
         lead = (2, 32)
     batch = {

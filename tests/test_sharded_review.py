@@ -63,7 +63,7 @@ def mesh():
 
 
 def _step(mesh, params="fsdp", **kw):
-    strategy = jaxdev.Strategy.sharded(mesh, params=params)
+    strategy = jaxdev.Strategy.sharded(mesh, rules=params)
     return jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True, **kw)
 
 
@@ -118,7 +118,7 @@ def test_eval_steps_on_params_laid_out_by_other_rules(mesh):
     replicated = jaxdev.to_device(_params(), mesh)
     for rules, params in (("replicate", fsdp_params), ("fsdp", replicated)):
         ev = jaxdev.make_eval_step(
-            loss_fn, jaxdev.Strategy.sharded(mesh, params=rules), has_aux=True
+            loss_fn, jaxdev.Strategy.sharded(mesh, rules=rules), has_aux=True
         )
         placed = ev.put_batch(batch)
         for _ in range(2):
@@ -238,23 +238,23 @@ def test_lower_and_plan_accept_an_uneven_raw_batch(mesh, k):
 @pytest.mark.parametrize(
     "rules, match",
     [
-        ("fsdpp", r"`params` must be .*got the string 'fsdpp'"),
+        ("fsdpp", r"`rules` must be .*got the string 'fsdpp'"),
         ([("Dense_0/kernel", "model")], r"pattern 'Dense_0/kernel' maps to 'model'"),
-        ({"Dense_0": {"kernel": "model"}}, r"`params` must be .*got dict"),
-        (3, r"`params` must be .*got int 3"),
+        ({"Dense_0": {"kernel": "model"}}, r"`rules` must be .*got dict"),
+        (3, r"`rules` must be .*got int 3"),
     ],
 )
 def test_strategy_refuses_bad_rules_when_built(mesh, rules, match):
     with pytest.raises(jaxdev.ShardingError, match=match):
-        jaxdev.Strategy.sharded(mesh, params=rules)
+        jaxdev.Strategy.sharded(mesh, rules=rules)
 
 
 def test_fsdp_shards_over_the_batch_axes_without_an_fsdp_axis():
-    s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "model": 4}), params="fsdp")
+    s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "model": 4}), rules="fsdp")
     assert s.axis == "data"  # the rules shard over the same default axis (_rules.fsdp_axis_of)
     with pytest.raises(jaxdev.ShardingError, match="fsdp_axis"):
         jaxdev.Strategy.sharded(
-            jaxdev.make_mesh({"model": 2, "tensor": 4}), axis="model", params="fsdp"
+            jaxdev.make_mesh({"model": 2, "tensor": 4}), axis="model", rules="fsdp"
         )
 
 
@@ -283,7 +283,7 @@ def test_flax_plans_count_what_the_step_holds():
     shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(boxed, tx))  # boxed mu / nu
     plan = jaxdev.plan(shapes, mesh, "flax")
     assert plan["opt_state"] < 2 * plan["params"] + 64  # sharded like the params
-    step = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.sharded(mesh, params="flax"))
+    step = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.sharded(mesh, rules="flax"))
     state = step.init_state(boxed, tx)
     batch = step.put_batch(_batch())
     placed = jaxdev.plan(state, step=step, batch=batch)
@@ -309,7 +309,7 @@ def test_flax_params_from_init_sharded_keep_their_layout_in_init_state():
     step = jaxdev.make_train_step(
         lambda p, b: (model.apply({"params": p}, b) ** 2).sum(1),
         optax.sgd(0.1),
-        jaxdev.Strategy.sharded(mesh, params="flax"),
+        jaxdev.Strategy.sharded(mesh, rules="flax"),
     )
     state = step.init_state(params, optax.sgd(0.1))
     assert state.params["Dense_0"]["kernel"].sharding.spec == P(None, "model")

@@ -109,13 +109,13 @@ TP_RULES = [("Dense_0/kernel", P(None, "model")), ("Dense_1/kernel", P("model", 
 
 SHARDED = {
     "fsdp_data2_fsdp4": lambda: jaxdev.Strategy.sharded(
-        _mesh({"data": 2, "fsdp": 4}), params="fsdp"
+        _mesh({"data": 2, "fsdp": 4}), rules="fsdp"
     ),
-    "fsdp_1d": lambda: jaxdev.Strategy.sharded(jaxdev.data_mesh(), params="fsdp"),
+    "fsdp_1d": lambda: jaxdev.Strategy.sharded(jaxdev.data_mesh(), rules="fsdp"),
     "tensor_parallel_regex": lambda: jaxdev.Strategy.sharded(
-        _mesh({"data": 2, "model": 4}), params=TP_RULES
+        _mesh({"data": 2, "model": 4}), rules=TP_RULES
     ),
-    "flax_linen": lambda: jaxdev.Strategy.sharded(_mesh({"data": 2, "model": 4}), params="flax"),
+    "flax_linen": lambda: jaxdev.Strategy.sharded(_mesh({"data": 2, "model": 4}), rules="flax"),
 }
 
 
@@ -172,7 +172,7 @@ def test_nnx_sharding_metadata_gives_the_replicated_parameters():
     plain = jax.tree.map(lambda x: np.asarray(x), params)  # host copy, no mesh
     hand = _hand_written(plain, batches, nnx_loss)
     rep, _ = _train(jaxdev.Strategy.sharded(), params, batches, loss=nnx_loss)
-    flax, _ = _train(jaxdev.Strategy.sharded(mesh, params="flax"), params, batches, loss=nnx_loss)
+    flax, _ = _train(jaxdev.Strategy.sharded(mesh, rules="flax"), params, batches, loss=nnx_loss)
     assert isinstance(flax.params, nnx.State)
     assert flax.params["up"]["kernel"][...].sharding.spec == P(None, "model")
     assert flax.params["down"]["kernel"][...].sharding.spec == P("model", None)
@@ -189,7 +189,7 @@ def _per_device_bytes(tree):
 
 def test_params_and_adam_state_really_are_sharded():
     tx = optax.adam(1e-3)
-    strategy = jaxdev.Strategy.sharded(jaxdev.data_mesh(), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(jaxdev.data_mesh(), rules="fsdp")
     state, _ = _train(strategy, _params(), _data(steps=2), tx=tx)
     kernels = [state.params["Dense_0"]["kernel"], state.params["Dense_1"]["kernel"]]
     adam = state.opt_state[0]
@@ -208,7 +208,7 @@ def test_params_and_adam_state_really_are_sharded():
 
 def test_donation_deletes_the_old_state_not_the_callers_params():
     params = jax.device_put(_params(), jax.devices()[0])
-    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
     step = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True)
     state = step.init_state(params, SGD)
     batch = step.put_batch(_data(steps=1)[0])
@@ -223,7 +223,7 @@ def test_donation_deletes_the_old_state_not_the_callers_params():
 def test_uneven_batch_is_padded_and_padded_rows_never_count():
     [batch] = _data(steps=1, rows=29, seed=3)  # 29 rows over data x fsdp = 8 ways
     exact, _ = _train(jaxdev.Strategy.single(), _params(), [batch])
-    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
     step = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True)
     placed = step.put_batch(batch)
     assert isinstance(placed, jaxdev.Padded) and placed.size == 29 and placed.mask.shape == (32,)
@@ -240,7 +240,7 @@ def test_uneven_batch_is_padded_and_padded_rows_never_count():
 def test_steps_per_call_and_accumulate_under_fsdp(replicated, rows):
     batches = _data(steps=4, rows=rows, seed=1)
     ref, _ = _train(jaxdev.Strategy.sharded(), _params(), batches)
-    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
     grouped = [jax.tree.map(lambda *xs: np.stack(xs), *batches[i : i + 2]) for i in (0, 2)]
     k, _ = _train(strategy, _params(), grouped, steps_per_call=2)
     assert int(k.step) == 4
@@ -273,7 +273,7 @@ def test_model_state_batchnorm_under_fsdp():
     out = {}
     for name, strategy in (
         ("replicated", jaxdev.Strategy.sharded()),
-        ("fsdp", jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")),
+        ("fsdp", jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")),
     ):
         step = jaxdev.make_train_step(_bn_loss, SGD, strategy, has_state=True, pass_mask=True)
         state = step.init_state(
@@ -292,7 +292,7 @@ def test_model_state_batchnorm_under_fsdp():
 
 
 def test_lower_accepts_shapes_and_matches_the_call():
-    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
     step = jaxdev.make_train_step(loss_fn, optax.adam(1e-3), strategy, has_aux=True)
     state = step.init_state(_params(), optax.adam(1e-3))
     batch = step.put_batch(_data(steps=1)[0])
@@ -332,28 +332,53 @@ def test_memory_limit_raises_before_anything_runs():
 def test_bad_inputs():
     mesh = _mesh({"data": 2, "fsdp": 4})
     with pytest.raises(jaxdev.UsageError, match="`shard_map`=True trains replicated params only"):
-        jaxdev.Strategy.sharded(mesh, params="fsdp", shard_map=True)
+        jaxdev.Strategy.sharded(mesh, rules="fsdp", shard_map=True)
     with pytest.raises(jaxdev.ShardingError, match="`axis`='batch' is not an axis of the mesh"):
-        jaxdev.Strategy.sharded(mesh, axis="batch", params="fsdp")
+        jaxdev.Strategy.sharded(mesh, axis="batch", rules="fsdp")
     with pytest.raises(jaxdev.ShardingError, match="every axis of the mesh"):
-        jaxdev.Strategy.sharded(_mesh({"model": 8}), params=TP_RULES)
+        jaxdev.Strategy.sharded(_mesh({"model": 8}), rules=TP_RULES)
     rules = [("Dense_0/kernel", P(None, "tensor"))]
-    strategy = jaxdev.Strategy.sharded(mesh, params=rules)
-    assert strategy.params == (("Dense_0/kernel", P(None, "tensor")),)  # stored hashably
+    strategy = jaxdev.Strategy.sharded(mesh, rules=rules)
+    assert strategy.rules == (("Dense_0/kernel", P(None, "tensor")),)  # stored hashably
     hash(strategy)
     step = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True)
     with pytest.raises(jaxdev.ShardingError, match=r"Dense_0.*kernel.*\(32, 64\)"):
         step.init_state(_params(), SGD)
 
 
+def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():
+    mesh = _mesh({"data": 2, "fsdp": 4})
+    params = _params()
+    for options in ({"min_size": 0}, {"min_size": 10**9}, {"fsdp_axis": "data"}):
+        strategy = jaxdev.Strategy.sharded(mesh, rules="fsdp", **options)
+        assert strategy.options == options
+        state = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True).init_state(
+            params, SGD
+        )
+        want = jaxdev.param_shardings(params, mesh, "fsdp", **options)
+        got = jax.tree.map(lambda x: x.sharding, state.params)
+        assert jax.tree.leaves(got) == jax.tree.leaves(want), options  # the step obeys them
+        p = jaxdev.plan(state, step=jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True))
+        assert p.total == jaxdev.plan(state, mesh, "fsdp", **options).total  # and so does plan
+    with pytest.raises(jaxdev.ShardingError, match="`min_size` must be an int >= 0"):
+        jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=-1)
+    with pytest.raises(jaxdev.ShardingError, match="`fsdp_axis`='model' is not an axis"):
+        jaxdev.Strategy.sharded(mesh, rules="fsdp", fsdp_axis="model")
+    with pytest.warns(DeprecationWarning, match="is now `rules="):
+        old = jaxdev.Strategy.sharded(mesh, params="fsdp")
+    assert old.rules == "fsdp"
+    with pytest.raises(jaxdev.UsageError, match="pass the params rules once"):
+        jaxdev.Strategy.sharded(mesh, rules="fsdp", params="fsdp")
+
+
 def test_batch_axes_default_to_every_non_model_axis():
-    assert jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp").axis == (
+    assert jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp").axis == (
         "data",
         "fsdp",
     )
-    tp = jaxdev.Strategy.sharded(_mesh({"data": 2, "model": 4}), params=TP_RULES)
+    tp = jaxdev.Strategy.sharded(_mesh({"data": 2, "model": 4}), rules=TP_RULES)
     assert tp.axis == "data" and tp.n_devices == 2
-    assert jaxdev.Strategy.sharded(jaxdev.data_mesh(), params="fsdp").n_devices == 8
+    assert jaxdev.Strategy.sharded(jaxdev.data_mesh(), rules="fsdp").n_devices == 8
 
 
 def test_rng_and_eval_step_under_fsdp():
@@ -362,7 +387,7 @@ def test_rng_and_eval_step_under_fsdp():
         logits = MODEL.apply({"params": params}, batch["x"]) + noise
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
-    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), params="fsdp")
+    strategy = jaxdev.Strategy.sharded(_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
     step = jaxdev.make_train_step(noisy_loss, SGD, strategy)
     state = step.init_state(_params(), SGD, rng=jax.random.key(1))
     assert state.rng.sharding.is_fully_replicated
@@ -377,7 +402,7 @@ def test_rng_and_eval_step_under_fsdp():
 
 
 def test_memory_advice_works_when_followed_on_a_data_x_model_mesh():
-    """The step's advice is the plan's, and Strategy.sharded(mesh, params='fsdp') runs it."""
+    """The step's advice is the plan's, and Strategy.sharded(mesh, rules='fsdp') runs it."""
     mesh = _mesh({"data": 2, "model": 4})
     tight = jaxdev.make_train_step(
         loss_fn, SGD, jaxdev.Strategy.sharded(mesh), has_aux=True, memory_limit=2**10
@@ -390,9 +415,9 @@ def test_memory_advice_works_when_followed_on_a_data_x_model_mesh():
     shapes = jax.eval_shape(lambda: state)
     fsdp_plan = jaxdev.plan(shapes, mesh, "fsdp", batch=batch)
     assert f"with rules='fsdp' over 2 devices: {human_bytes(fsdp_plan.total)}" in text
-    assert "jaxdev.Strategy.sharded(mesh, params='fsdp')" in text
+    assert "jaxdev.Strategy.sharded(mesh, rules='fsdp')" in text
     followed = jaxdev.make_train_step(
-        loss_fn, SGD, jaxdev.Strategy.sharded(mesh, params="fsdp"), has_aux=True
+        loss_fn, SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp"), has_aux=True
     )
     new, _ = followed(followed.init_state(_params(), SGD), followed.put_batch(_data(steps=1)[0]))
     assert int(new.step) == 1

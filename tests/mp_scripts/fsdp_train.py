@@ -69,7 +69,7 @@ def local(batch: dict, lead: int = 0) -> dict:
 
 def main() -> int:
     mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})  # every device of every process
-    strategy = jaxdev.Strategy.sharded(mesh, params="fsdp")
+    strategy = jaxdev.Strategy.sharded(mesh, rules="fsdp")
     one = jaxdev.make_train_step(loss_fn, TX, strategy)
     two = jaxdev.make_train_step(loss_fn, TX, strategy, steps_per_call=2)
     acc = jaxdev.make_train_step(loss_fn, TX, strategy, accumulate=2)
