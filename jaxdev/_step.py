@@ -101,13 +101,9 @@ class _Step:
         fn = self._compiled.get(key)
         if fn is None:
             fn, args = self._first_call(key, args)
-        try:
-            out = fn(*args)
-        except ValueError:  # jit refuses committed inputs laid out another way: move them
-            moved = self._relayout(key, args)
-            if moved is None:
-                raise
-            out = fn(*moved)
+        elif key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
+            args = self._relayout(key, args) or args
+        out = fn(*args)
         if not self._train:
             self._bound_inflight(out)
             return out

@@ -111,6 +111,26 @@ def test_single_device_and_host_states_and_a_batch_split_over_data_only(mesh):
             np.testing.assert_allclose(m.fetch()["loss"], ref_m.fetch()["loss"], rtol=1e-6)
 
 
+def test_a_batch_laid_out_otherwise_on_a_later_call_is_moved_and_user_errors_pass(mesh):
+    fsdp = _step(mesh)
+    batch = _batch()
+    state, _ = fsdp(fsdp.init_state(_params(), SGD), fsdp.put_batch(batch))  # compiled
+    ref, _ = fsdp(state, fsdp.put_batch(batch))
+    state, _ = fsdp(fsdp.init_state(_params(), SGD), fsdp.put_batch(batch))
+    with jaxdev.count_transfers() as c:  # the second call: P('data') rows, moved on device
+        out, _ = fsdp(state, jaxdev.shard_batch(batch, mesh, axis="data"))
+    assert c.device_to_host == 0
+    _close(out.params, ref.params)
+
+    def bad_loss(params, batch):
+        raise ValueError("the user's own ValueError")
+
+    step = jaxdev.make_train_step(bad_loss, SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp"))
+    for _ in range(2):  # the step decides what to move without catching jit's errors
+        with pytest.raises(ValueError, match="the user's own ValueError"):
+            step(step.init_state(_params(), SGD), step.put_batch(batch))
+
+
 def test_eval_steps_on_params_laid_out_by_other_rules(mesh):
     batch = _batch(rows=21, seed=3)
     want = float(loss_fn(_params(), batch)[0].mean())
