@@ -36,16 +36,16 @@ replicated.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
 from flax.core import meta as flax_meta
-from flax.core import spmd as flax_spmd
-from flax.linen import spmd as linen_spmd
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -89,11 +89,9 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
 
 
-def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+def _path(keys: tuple[Any, ...]) -> str:
+    """``'params/Dense_0/kernel'``: the key path regex rules match."""
+    return jax.tree_util.keystr(keys, simple=True, separator="/")
 
 
 def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
@@ -106,7 +104,7 @@ def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
             inner = jax.tree_util.tree_flatten_with_path(_unbox_one(node))[0]
         elif isinstance(node, nnx.Variable):
             inner = [
-                (sub[1:] if sub and _key_name(sub[0]) == "value" else sub, leaf)
+                (sub[1:] if sub and _path(sub[:1]) == "value" else sub, leaf)
                 for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]
             ]
         else:
@@ -115,7 +113,7 @@ def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
             keys = tuple(path) + tuple(sub)
             out.append(
                 _Leaf(
-                    "/".join(_key_name(k) for k in keys),
+                    _path(keys),
                     jax.tree_util.keystr(keys) or "<root>",
                     _shape_of(leaf, keys, arg),
                     annotation,
@@ -266,12 +264,10 @@ def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
     box = leaf.annotation
     if box is None:
         return P(), ""
-    if isinstance(box, linen_spmd.LogicallyPartitioned):
+    if isinstance(box, nn.LogicallyPartitioned):
         names = tuple(box.names)
         rules = box.rules or (
-            logical_axis_rules
-            if logical_axis_rules is not None
-            else flax_spmd.get_logical_axis_rules()
+            logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
         )
         source = f"flax logical names {names}"
         if not rules:
@@ -281,27 +277,27 @@ def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
                 "axes. Pass `logical_axis_rules=[('batch', 'data'), ('mlp', 'model'), ...]` "
                 "or call inside `with nn.logical_axis_rules(...)`."
             )
-        spec = linen_spmd.logical_to_mesh_axes(names, tuple(map(tuple, rules)))
+        spec = nn.logical_to_mesh_axes(names, tuple(map(tuple, rules)))
         return _strip_unconstrained(spec), f"{source} via rules {tuple(map(tuple, rules))}"
     if isinstance(box, flax_meta.Partitioned):
         spec = box.get_partition_spec()
         return _strip_unconstrained(spec), f"flax nn.Partitioned names {tuple(box.names)}"
     if isinstance(box, nnx.Variable):
-        metadata = box.get_metadata()
-        names = metadata.get("out_sharding")
+        names = box.get_metadata().get("out_sharding")
         if not names:
             return P(), ""
-        if isinstance(names, NamedSharding):
-            names = names.spec
-        local = metadata.get("sharding_rules") or ()
+        if isinstance(names, NamedSharding):  # a sharding, not names: its spec as it is
+            return _strip_unconstrained(names.spec), f"NNX out_sharding {names.spec}"
+        # flax's own reading: the variable's sharding_rules over the context's rules
+        # (`logical_axis_rules=` given here stands for the context)
         context = (
-            logical_axis_rules
-            if logical_axis_rules is not None
-            else flax_spmd.get_logical_axis_rules()
+            contextlib.nullcontext()
+            if logical_axis_rules is None
+            else nn.logical_axis_rules(tuple(map(tuple, logical_axis_rules)))
         )
-        rules = flax_spmd.composite_rules(tuple(context or ()), tuple(local))
-        spec = P(*flax_spmd.from_sharding_rules(tuple(names), rules)) if rules else P(*names)
-        return _strip_unconstrained(spec), f"NNX out_sharding {tuple(names)}"
+        with context:
+            spec = nnx.get_partition_spec(box).get_value()
+        return _strip_unconstrained(P(*spec)), f"NNX out_sharding {tuple(names)}"
     return P(), ""
 
 

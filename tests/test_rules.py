@@ -383,6 +383,9 @@ def test_flax_nnx_out_sharding_metadata(dm):
     assert got["down"]["kernel"].get_value().spec == P("model", None)
     assert got["norm"]["mean"].get_value().spec == P()
     assert jax.tree.structure(got) == jax.tree.structure(state)
+    with nn.logical_axis_rules([("hidden", "model")]):  # what flax itself reads
+        flax_specs = nnx.get_partition_spec(state)
+    assert jax.tree.leaves(jax.tree.map(lambda s: s.spec, got)) == jax.tree.leaves(flax_specs)
     # without the logical rule, 'hidden' is not a mesh axis: a clear error naming the leaf
     with pytest.raises(ShardingError) as e:
         jaxdev.param_shardings(state, dm, "flax")
