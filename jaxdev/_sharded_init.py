@@ -14,7 +14,6 @@ an unsharded init.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from flax import nnx
 from flax.nnx import graphlib
 from jax.sharding import Mesh
 
-from ._errors import ShardingError, UsageError
+from ._errors import UsageError
 from ._leaves import is_jax_array
 from ._mesh import check_mesh
 from ._rules import Rules, param_shardings, unbox
@@ -47,9 +46,10 @@ def init_sharded(
       ``rules="flax"``), each leaf placed by its rule;
     * a function returning an NNX module (``lambda: Model(nnx.Rngs(0))``):
       the module's whole state (params, batch stats, RNG state) is built
-      sharded and merged back into a module, which is returned. The
-      construction runs under ``jax.set_mesh(mesh)``, so variables annotated
-      with ``nnx.with_partitioning`` are created on their shardings.
+      sharded and merged back into a module, which is returned. Variables
+      annotated with ``nnx.with_partitioning`` are created on the shardings
+      ``rules`` give them (under ``"flax"``: their annotations), as the
+      outputs of one ``jax.jit``; flax's eager sharding is not used.
 
     Array arguments (keys, example inputs) are traced; any other argument
     (Python numbers, strings, flags) is passed as a constant, so
@@ -94,39 +94,16 @@ def init_sharded(
         )
     mesh = check_mesh(mesh)
     call, dynamic = _split_args(init_fn, args)
-    try:
-        with jax.set_mesh(mesh):
-            abstract = nnx.eval_shape(call, *dynamic)
-            if graphlib.is_graph_node(abstract):
-                return _init_nnx(call, dynamic, abstract, mesh, rules, options)
-            shardings = param_shardings(abstract, mesh, rules, **options)
-            return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
-    except ValueError as err:
-        missing = _MISSING_AXIS.search(str(err))
-        if missing is None or isinstance(err, ShardingError):
-            raise
-    # flax applied an annotation naming an axis the mesh lacks, as a sharding
-    # constraint while building under the mesh. Linen applies none without a
-    # mesh in context: build without it, so that rules="flax" names the leaf
-    # (and other rules, which ignore annotations, work); NNX needs the mesh.
-    try:
+    # Shapes first, with flax's annotations kept as metadata only: linen applies
+    # no sharding constraint without a mesh in context, and NNX none with eager
+    # sharding off. An annotation naming an axis the mesh lacks is then named
+    # by the rules (leaf path, spec, mesh), not by a JAX error deep in flax.
+    with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(call, *dynamic)
-    except ValueError:
-        abstract = None
-    if abstract is None or graphlib.is_graph_node(abstract):
-        axis, spec, names = missing.groups()
-        raise ShardingError(
-            f"`init_fn` declares the partitioning {spec} (nn.with_partitioning / "
-            f"nnx.with_partitioning), but mesh axis {axis!r} does not exist: `mesh` has axes "
-            f"{names} ({' x '.join(f'{k}={v}' for k, v in mesh.shape.items())}). Build the "
-            "mesh with that axis (jaxdev.make_mesh({...})), or map logical names to the "
-            "mesh's axes with `logical_axis_rules=`."
-        ) from None
-    shardings = param_shardings(abstract, mesh, rules, **options)
-    return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
-
-
-_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (P\(.*?\)) is not found in mesh: (\(.*?\))")
+        if graphlib.is_graph_node(abstract):
+            return _init_nnx(call, dynamic, abstract, mesh, rules, options)
+        shardings = param_shardings(abstract, mesh, rules, **options)
+        return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
 
 
 def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):

@@ -223,8 +223,18 @@ def test_init_sharded_annotation_on_an_axis_the_mesh_lacks(mesh):
             init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
             self.linear = nnx.Linear(64, 128, kernel_init=init, rngs=rngs)
 
-    with pytest.raises(jaxdev.ShardingError, match=r"'model' does not exist.*data=2 x fsdp=4"):
+    with pytest.raises(
+        jaxdev.ShardingError,
+        match=r"\['linear'\]\['kernel'\] of shape \(64, 128\) \(mesh data=2 x fsdp=4\): "
+        r"mesh axis 'model' does not exist",
+    ):
         jaxdev.init_sharded(lambda: Nnx(nnx.Rngs(0)), mesh=mesh, rules="flax")
+    # and NNX under rules that ignore annotations works there too, with flax's values
+    layer = jaxdev.init_sharded(lambda: Nnx(nnx.Rngs(0)), mesh=mesh, rules="fsdp")
+    assert layer.linear.kernel[...].sharding.spec == P(None, "fsdp")  # the largest dim
+    with nnx.use_eager_sharding(False):
+        want = Nnx(nnx.Rngs(0)).linear.kernel[...]
+    np.testing.assert_array_equal(np.asarray(layer.linear.kernel[...]), np.asarray(want))
 
 
 # ---------------------------------------------------------------- lower / plan of raw shapes
