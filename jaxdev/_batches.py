@@ -50,6 +50,17 @@ class Padded(NamedTuple):
     size: int
 
 
+def rows_of(batch: Any, arg: str = "batch") -> int:
+    """The rows of ``batch``: the leading size its leaves share (checked, leaves named).
+
+    Example:
+      >>> import numpy as np
+      >>> rows_of({"x": np.zeros((5, 3)), "y": np.zeros(5)})
+      5
+    """
+    return batch_rows(batch, jax.tree.leaves(batch), arg)
+
+
 def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
     """Return the common leading size of ``leaves``; raise naming offending leaves."""
     shapes = [np.shape(x) for x in leaves]

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, detach_host, pad_rows, row_multiple, shard_batch, to_global
+from ._batches import Padded, detach_host, pad_rows, row_multiple, rows_of, shard_batch, to_global
 from ._devices import DeviceSpec, device_list
 from ._devices import device as resolve_device
 from ._errors import ShardingError, UsageError, short
@@ -40,7 +40,6 @@ from ._mesh import (
 from ._placement import to_device
 from ._pmap_layout import shard_for_pmap
 from ._rules import check_rules
-from ._train import rows_of
 
 
 @dataclasses.dataclass(frozen=True)

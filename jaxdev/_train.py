@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from ._batches import rows_of
 from ._errors import MetricError, ShardingError
 from ._metrics import Collection, Last, Mean, Metric, row_mask
 
@@ -87,17 +87,6 @@ class StepConfig:
 
 
 # ---------------------------------------------------------------- calling loss_fn
-
-
-def rows_of(batch: Any) -> int:
-    """The leading size of ``batch``'s first leaf (its rows)."""
-    leaves = jax.tree.leaves(batch)
-    if not leaves or not np.ndim(leaves[0]):
-        raise ShardingError(
-            "`batch` needs at least one array leaf with a leading batch axis; got "
-            f"{jax.tree.structure(batch)}."
-        )
-    return np.shape(leaves[0])[0]
 
 
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
