@@ -7,9 +7,11 @@ Tests that need another device count run in a subprocess (see
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 
@@ -81,6 +83,29 @@ def launch(
         text=True,
         timeout=timeout + 50,
     )
+
+
+def kill_when_ready(cmd: list[str], env: dict[str, str], ready: str, delay: float) -> None:
+    """Start ``cmd``; once a stdout line starts with ``ready``, wait ``delay`` s, SIGKILL it.
+
+    The child is killed by its own pid and always reaped (bounded waits);
+    its stderr is dropped.
+    """
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for line in proc.stdout:
+            if line.startswith(ready.encode()):
+                break
+        else:
+            raise AssertionError(f"{cmd[1:3]} exited before printing {ready!r}")
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)  # this child, by its own pid
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
 
 
 @pytest.fixture

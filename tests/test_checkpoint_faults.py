@@ -15,13 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, kill_when_ready
 
 import jaxdev
 from jaxdev import CheckpointError
@@ -66,21 +65,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, referen
 def test_sigkill_from_outside_at_a_random_moment_then_resume(tmp_path, reference):
     script = os.path.join(SCRIPTS, "demo_kill.py")
     args = [sys.executable, script, "0", *DEMO, "--checkpoint-dir", str(tmp_path)]
-    proc = subprocess.Popen(
-        args, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    try:
-        for line in proc.stdout:  # training starts after this line
-            if line.startswith(b"global batch"):
-                break
-        time.sleep(random.Random(3).uniform(0.0, 1.5))
-        os.kill(proc.pid, signal.SIGKILL)  # this child, by its own pid
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        proc.stdout.close()
+    kill_when_ready(args, clean_env(), "global batch", random.Random(3).uniform(0.0, 1.5))
     assert _fingerprint(_demo(tmp_path)) == reference
     # Once finished, a further start resumes at the end: nothing to train, same bits.
     again = _demo(tmp_path, extra=["--epochs", "2"])

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO, run_python
+from conftest import REPO, clean_env, kill_when_ready, run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,24 +78,10 @@ def test_overwrite_of_a_zero_size_or_scalar_tree_works(tmp_path):
 def test_sigkill_at_a_random_moment_of_overwrites_leaves_a_checkpoint(tmp_path, seed, exchange):
     """A process overwrites one path in a loop; SIGKILL at a random moment; it still restores."""
     path = tmp_path / "c"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    if not exchange:
-        env["JAXDEV_CHECKPOINT_NO_EXCHANGE"] = "1"  # the two-rename fallback
+    env = clean_env(**({} if exchange else {"JAXDEV_CHECKPOINT_NO_EXCHANGE": "1"}))  # fallback
     script = os.path.join(SCRIPTS, "ckpt_overwrite_loop.py")
-    proc = subprocess.Popen(
-        [sys.executable, script, str(path)], env=env, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout.readline().startswith("saved 0"), "the first save did not finish"
-        time.sleep(random.Random(seed).uniform(0.05, 1.5))
-        os.kill(proc.pid, signal.SIGKILL)  # this child, by its own id
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        proc.stdout.close()
+    delay = random.Random(seed).uniform(0.05, 1.5)
+    kill_when_ready([sys.executable, script, str(path)], env, "saved 0", delay)
     back = jaxdev.restore(path)  # old or new, never none (recovers a cut swap)
     step = ck.checkpoint_step(path)
     assert np.array_equal(np.asarray(back["w"]), np.full((256, 256), step, np.float32))
