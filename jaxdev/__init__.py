@@ -83,6 +83,7 @@ from ._metrics import Metric as Metric
 from ._metrics import Min as Min
 from ._metrics import NonFinite as NonFinite
 from ._metrics import Sum as Sum
+from ._metrics import WeightedMean as WeightedMean
 from ._metrics import fetch_metrics as fetch_metrics
 
 # --- train ---

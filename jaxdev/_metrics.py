@@ -48,6 +48,7 @@ __all__ = [
     "Min",
     "NonFinite",
     "Sum",
+    "WeightedMean",
     "fetch_metrics",
 ]
 
@@ -276,6 +277,85 @@ class Mean(Metric):
     def _compute(self, xp: Any) -> Any:
         mean = self.total / xp.maximum(self.count, 1)
         return xp.where(self.count > 0, mean, xp.nan).astype(xp.float32)
+
+
+@_metric
+class WeightedMean(Metric):
+    """Weighted mean ``sum(value * weight) / sum(weight)`` of the valid elements (e.g. per token).
+
+    A language model's loss and token accuracy: per-token values with weight 0
+    on padding tokens, normalised by the total weight of everything merged
+    (all devices, micro-batches and steps), never by a count of rows.
+
+    Attributes:
+      total: float32 sum of ``value * weight`` over the valid elements.
+      weight: float32 sum of the valid elements' weights.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev import WeightedMean
+      >>> tokens = jnp.array([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+      >>> weights = jnp.array([[1, 1, 0], [1, 0, 0]])
+      >>> WeightedMean.from_value(tokens, weights).fetch()
+      2.0
+    """
+
+    total: jax.Array
+    weight: jax.Array
+
+    @classmethod
+    def empty(cls) -> WeightedMean:
+        """Return a weighted mean of nothing (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), weight=jnp.zeros((), _F32))
+
+    @classmethod
+    def from_value(
+        cls, value: jax.typing.ArrayLike, weights: Any = None, mask: Any = None
+    ) -> WeightedMean:
+        """Return the accumulator of ``value`` weighted by ``weights`` (same shape).
+
+        Args:
+          value: array of any shape.
+          weights: numbers (or bools) of ``value``'s shape; ``None`` weighs every
+            element 1.
+          mask: optional boolean array over the leading (row) axes; inside a
+            jaxdev step the step's row mask applies by default.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` or ``weights`` is not numeric, or a shape does
+            not fit.
+        """
+        value, valid = _checked_value(cls, value, mask)
+        owner = f"{cls.__name__}.from_value"
+        if weights is None:
+            weights = jnp.ones(value.shape, _F32)
+        weights = _as_array(weights, "weights", owner)
+        if weights.shape != value.shape:
+            raise MetricError(
+                f"`{owner}` expects `weights` of `value`'s shape {value.shape}, got "
+                f"{weights.shape}."
+            )
+        if not (jnp.issubdtype(weights.dtype, jnp.number) or weights.dtype == jnp.bool_):
+            raise MetricError(f"`{owner}` expects numeric `weights`, got dtype {weights.dtype}.")
+        weights = _masked_fill(weights, valid, 0.0)
+        total = jnp.sum(jnp.where(weights != 0, _masked_fill(value, valid, 0.0) * weights, 0.0))
+        return cls(total=total, weight=jnp.sum(weights))
+
+    def merge(self, other: WeightedMean) -> WeightedMean:
+        """Return the weighted mean of both accumulators' elements."""
+        _check_partner(self, other)
+        return type(self)(total=self.total + other.total, weight=self.weight + other.weight)
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> WeightedMean:
+        """Return the weighted mean over every device on ``axis`` (``psum``)."""
+        return type(self)(total=lax.psum(self.total, axis), weight=lax.psum(self.weight, axis))
+
+    def _compute(self, xp: Any) -> Any:
+        safe = xp.where(self.weight != 0, self.weight, 1.0)
+        return xp.where(self.weight != 0, self.total / safe, xp.nan).astype(xp.float32)
 
 
 @_metric

@@ -541,6 +541,7 @@ def make_train_step(
     regularizer: Callable[[Any], jax.Array] | None = None,
     lr_fn: Callable[[jax.Array], jax.Array] | None = None,
     memory_limit: int | None = None,
+    weighted: bool = False,
 ) -> TrainStep:
     """Return a compiled train step for ``strategy``.
 
@@ -555,7 +556,8 @@ def make_train_step(
         key after ``batch``; with ``pass_mask`` the keyword ``mask=`` (bool,
         one per row: give it to ``nn.BatchNorm(...)(x, mask=...)``).
         ``Metric.from_value`` / ``from_logits`` called inside ``loss_fn``
-        leave the padded rows out by themselves.
+        leave the padded rows out by themselves. With ``weighted`` it
+        returns ``(losses, weights)`` where it returns ``losses`` otherwise.
       tx: any optax ``GradientTransformation`` (``optax.apply_if_finite``
         skips non-finite updates; ``optax.chain`` scales or clips gradients).
       strategy: a :class:`Strategy`; ``None`` is ``Strategy.single()``.
@@ -579,6 +581,12 @@ def make_train_step(
         - donated + temporaries) compared with this budget or, when
         ``None``, with the device's ``memory_stats()["bytes_limit"]``
         (backends that report none, such as CPU, are not checked).
+      weighted: ``loss_fn`` returns ``(losses, weights)`` of one shape
+        ``(B, ...)`` (per-token losses, weight 0 on padding tokens); the
+        objective is ``sum(loss * weight) / sum(weight)`` over the whole
+        step's global batch (every device, micro-batch and valid row), and
+        the ``loss`` metric, and every aux array of the weights' shape, are
+        :class:`jaxdev.WeightedMean` s.
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
@@ -612,6 +620,7 @@ def make_train_step(
         _check_count("accumulate", accumulate),
         regularizer,
         lr_fn,
+        bool(weighted),
     )
     k = _check_count("steps_per_call", steps_per_call)
     limit = _check_memory_limit(memory_limit)
@@ -625,13 +634,15 @@ def make_eval_step(
     has_aux: bool = False,
     has_state: bool = False,
     pass_mask: bool = False,
+    weighted: bool = False,
 ) -> EvalStep:
     """Return a compiled ``eval(state_or_params, batch, metrics=None) -> metrics``.
 
     Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no
     gradient, nothing donated, no rng. With ``has_state`` the model state of
     the :class:`TrainState` is passed and the one returned is dropped.
-    Padded rows never count.
+    Padded rows never count. With ``weighted`` the loss is the weighted mean
+    of ``(losses, weights)`` as in :func:`make_train_step`.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jaxdev
@@ -640,5 +651,7 @@ def make_eval_step(
       >>> ev(params, ev.put_batch({"x": np.ones((4, 2), np.float32)})).fetch()
       {'loss': 2.0}
     """
-    cfg = StepConfig(loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask))
+    cfg = StepConfig(
+        loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask), weighted=bool(weighted)
+    )
     return EvalStep(as_strategy(strategy), cfg)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from ._batches import rows_of
-from ._errors import MetricError, ShardingError
-from ._metrics import Collection, Last, Mean, Metric, row_mask
+from ._errors import MetricError, UsageError
+from ._metrics import Collection, Last, Mean, Metric, WeightedMean, row_mask
 
 LossFn = Callable[..., Any]
 """``loss_fn(params[, model_state], batch[, rng][, mask=]) -> losses[, aux][, new_state]``."""
@@ -84,36 +84,83 @@ class StepConfig:
     accumulate: int = 1
     regularizer: Callable[[Any], jax.Array] | None = None
     lr_fn: Callable[[jax.Array], jax.Array] | None = None
+    weighted: bool = False
 
 
 # ---------------------------------------------------------------- calling loss_fn
 
 
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
-    """Call ``loss_fn`` by its contract; return ``(losses, aux, new_model_state)``."""
+    """Call ``loss_fn`` by its contract; return ``(losses, weights, aux, new_model_state)``.
+
+    ``weights`` is ``None`` unless ``cfg.weighted``; then ``loss_fn`` returned
+    ``(losses, weights)`` where it returns ``losses`` otherwise.
+    """
     args = (params, model_state, batch) if cfg.has_state else (params, batch)
     if rng is not None:
         args += (rng,)
     kwargs = {"mask": mask} if cfg.pass_mask else {}
     with row_mask(mask):  # Metric.from_value inside loss_fn skips padded rows
         out = cfg.loss_fn(*args, **kwargs)
-    out = out if isinstance(out, tuple) else (out,)
     want = 1 + cfg.has_aux + cfg.has_state
+    if want == 1 and cfg.weighted:
+        out = (out,)  # (losses, weights) is the one thing returned
+    out = out if isinstance(out, tuple) else (out,)
     if len(out) != want:
-        raise ShardingError(
+        raise UsageError(
             f"`loss_fn` must return {_contract(cfg)}, got a tuple of {len(out)}: check "
             "`has_aux` and `has_state`."
         )
-    losses, aux = out[0], (out[1] if cfg.has_aux else {})
+    losses, weights = out[0], None
+    if cfg.weighted:
+        if not (isinstance(losses, (tuple, list)) and len(losses) == 2):
+            raise UsageError(
+                f"with `weighted=True`, `loss_fn` must return {_contract(cfg)} where "
+                f"`losses` is `(losses, weights)`, both of shape (batch, ...); got "
+                f"{type(losses).__name__} {_shape_text(losses)}."
+            )
+        losses, weights = losses
+    aux = out[1] if cfg.has_aux else {}
     new_state = out[-1] if cfg.has_state else None
-    rows = rows_of(batch)
-    if jnp.shape(losses) != (rows,):
-        raise ShardingError(
+    _check_losses(losses, weights, rows_of(batch))
+    return losses, weights, aux, new_state
+
+
+def _shape_text(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"of {len(x)} items"
+    return f"of shape {jnp.shape(x)}" if hasattr(x, "shape") else repr(x)[:80]
+
+
+def _check_losses(losses: Any, weights: Any, rows: int) -> None:
+    """Per-example (or, weighted, per-element) float losses; weights of the same shape."""
+    shape = jnp.shape(losses)
+    if weights is None and shape != (rows,):
+        raise UsageError(
             f"`loss_fn` must return one loss per example, shape ({rows},), got shape "
-            f"{jnp.shape(losses)}. Return per-example losses (no .mean()): jaxdev averages "
-            "over the valid rows so padded rows never count."
+            f"{shape}. Return per-example losses (no .mean()): jaxdev averages over the "
+            "valid rows so padded rows never count. Per-token losses with weights: "
+            "`weighted=True` and return `(losses, weights)`."
         )
-    return losses, aux, new_state
+    if weights is not None:
+        wshape = jnp.shape(weights)
+        if not shape or shape[0] != rows or wshape != shape:
+            raise UsageError(
+                f"with `weighted=True`, `loss_fn` must return `(losses, weights)` of one "
+                f"shape (batch={rows}, ...); got losses of shape {shape} and weights of "
+                f"shape {wshape}."
+            )
+        wdtype = jnp.result_type(weights)
+        if not (jnp.issubdtype(wdtype, jnp.number) or wdtype == jnp.bool_):
+            raise UsageError(f"`loss_fn`'s weights must be numbers or bools, got {wdtype}.")
+    dtype = jnp.result_type(losses)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise UsageError(
+            f"`loss_fn` returned losses of dtype {dtype}; they must be floating point "
+            "(jax.grad refuses integer outputs: an integer loss has zero gradient, so the "
+            "params would never change). Compute the loss in float, e.g. "
+            "`optax.softmax_cross_entropy_with_integer_labels(logits, labels)`."
+        )
 
 
 def _contract(cfg: StepConfig) -> str:
@@ -121,23 +168,30 @@ def _contract(cfg: StepConfig) -> str:
     return parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
 
 
-def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array) -> Collection:
+def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None) -> Collection:
     """Loss mean plus aux: per-example arrays become masked Means; Metrics stay as built.
 
-    Metrics built with ``from_value`` / ``from_logits`` inside ``loss_fn``
-    already skipped the padded rows (the step's row mask is ambient there).
+    With ``weights`` (a weighted step) the loss, and every aux array of the
+    weights' shape (per-token accuracy), are :class:`WeightedMean` s. Metrics
+    built with ``from_value`` / ``from_logits`` inside ``loss_fn`` already
+    skipped the padded rows (the step's row mask is ambient there).
     """
     if not isinstance(aux, dict):
         raise MetricError(
             "`loss_fn`'s aux must be a dict of per-example arrays, Metric objects or "
             f"Collections, got {type(aux).__name__}."
         )
-    items = {"loss": Mean.from_value(losses, mask)}
+    if weights is None:
+        items = {"loss": Mean.from_value(losses, mask)}
+    else:
+        items = {"loss": WeightedMean.from_value(losses, weights, mask)}
     for name, value in aux.items():
         if isinstance(value, Collection):
             items.update({f"{name}/{k}": v for k, v in value.items()})
         elif isinstance(value, Metric):
             items[name] = value
+        elif weights is not None and jnp.shape(value) == jnp.shape(weights):
+            items[name] = WeightedMean.from_value(value, weights, mask)
         else:
             items[name] = Mean.from_value(_per_row(name, value, mask), mask)
     return Collection(items)
@@ -172,15 +226,30 @@ def _valid_count(mask: jax.Array, axis: str | None) -> jax.Array:
 
 
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
-    """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, and its metrics."""
+    """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, its metrics and weight.
+
+    Weighted: the gradient of ``sum(loss * weight)`` over the valid elements,
+    and the sum of their weights (the caller divides by the whole step's).
+    """
 
     def objective(p):
-        losses, aux, new_state = _call_loss(cfg, p, model_state, batch, rng, mask)
-        return jnp.sum(jnp.where(mask, losses, 0.0)) / denom, (losses, aux, new_state)
+        losses, weights, aux, new_state = _call_loss(cfg, p, model_state, batch, rng, mask)
+        if weights is None:
+            total = jnp.sum(jnp.where(mask, losses, 0.0)) / denom
+            return total, (losses, weights, aux, new_state, None)
+        w = _valid_weights(jax.lax.stop_gradient(weights), mask)
+        total = jnp.sum(jnp.where(w != 0, losses * w, 0.0))
+        return total, (losses, weights, aux, new_state, jnp.sum(w))
 
-    grads, (losses, aux, new_state) = jax.grad(objective, has_aux=True)(params)
+    grads, (losses, weights, aux, new_state, weight) = jax.grad(objective, has_aux=True)(params)
     new_state = model_state if not cfg.has_state else new_state
-    return grads, new_state, metrics_of(losses, aux, mask)
+    return grads, new_state, metrics_of(losses, aux, mask, weights), weight
+
+
+def _valid_weights(weights: jax.Array, mask: jax.Array) -> jax.Array:
+    """float32 weights, 0 on padded rows."""
+    row = jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(weights) - mask.ndim))
+    return jnp.where(row, weights.astype(jnp.float32), 0.0)
 
 
 def fold_steps(
@@ -207,24 +276,34 @@ def fold_steps(
 
 
 def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
-    """Summed gradients over every micro-batch and device, the new model state, metrics."""
+    """Gradients over every micro-batch, the new model state, metrics, and the total weight.
+
+    Unweighted, the gradients are already divided by the global count of
+    valid rows; weighted, they are sums and the weight is this device's
+    (``train_body`` divides by the global weight).
+    """
     denom = jnp.maximum(_valid_count(mask, axis), 1).astype(jnp.float32)
     if cfg.accumulate == 1:
         return _micro_grads(cfg, state.params, state.model_state, batch, mask, rng, denom)
 
     def micro(carry, xs):
-        total, model_state = carry
+        total, model_state, weight = carry
         b, m, i = xs
         key = None if rng is None else jax.random.fold_in(rng, i)
-        g, model_state, metrics = _micro_grads(cfg, state.params, model_state, b, m, key, denom)
-        return (jax.tree.map(jnp.add, total, g), model_state), metrics
+        g, model_state, metrics, w = _micro_grads(cfg, state.params, model_state, b, m, key, denom)
+        weight = weight if w is None else weight + w
+        return (jax.tree.map(jnp.add, total, g), model_state, weight), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     xs = (batch, mask, jnp.arange(cfg.accumulate))
-    (grads, model_state), metrics = fold_steps(
-        micro, (zeros, state.model_state), xs, cfg.accumulate, unroll=True
+    (grads, model_state, weight), metrics = fold_steps(
+        micro,
+        (zeros, state.model_state, jnp.zeros((), jnp.float32)),
+        xs,
+        cfg.accumulate,
+        unroll=True,
     )
-    return grads, model_state, metrics
+    return grads, model_state, metrics, (weight if cfg.weighted else None)
 
 
 def _average_state(model_state: Any, axis: str) -> Any:
@@ -239,12 +318,16 @@ def _average_state(model_state: Any, axis: str) -> Any:
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
     """One update of ``state`` on this device's rows (all rows when ``axis`` is None)."""
     rng = _device_rng(state, axis)
-    grads, model_state, metrics = _grads(cfg, state, batch, mask, rng, axis)
+    grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
+        weight = None if weight is None else jax.lax.psum(weight, axis)
         metrics = metrics.reduce(axis)
         if cfg.has_state:
             model_state = _average_state(model_state, axis)
+    if weight is not None:  # sum(loss * w) / sum(w) over the whole step's global batch
+        safe = jnp.where(weight > 0, weight, 1.0)
+        grads = jax.tree.map(lambda g: (g / safe).astype(g.dtype), grads)
     extra = {}
     if cfg.regularizer is not None:  # once per batch, not once per device
         reg, reg_grads = jax.value_and_grad(cfg.regularizer)(state.params)
@@ -264,6 +347,6 @@ def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
         params, model_state = state.params, state.model_state
     else:
         params, model_state = state, None
-    losses, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)
-    metrics = metrics_of(losses, aux, mask)
+    losses, weights, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)
+    metrics = metrics_of(losses, aux, mask, weights)
     return metrics if axis is None else metrics.reduce(axis)

@@ -31,6 +31,7 @@ KEY_LINES = {
     "multihost_train.py": "processes=1 devices=8",
     "checkpoint_resume.py": "checkpoint resume: ok",
     "fsdp_train.py": "fsdp train: ok",
+    "language_model.py": "language model: ok",
 }
 
 

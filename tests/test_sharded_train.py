@@ -352,9 +352,7 @@ def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():
     for options in ({"min_size": 0}, {"min_size": 10**9}, {"fsdp_axis": "data"}):
         strategy = jaxdev.Strategy.sharded(mesh, rules="fsdp", **options)
         assert strategy.options == options
-        state = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True).init_state(
-            params, SGD
-        )
+        state = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True).init_state(params, SGD)
         want = jaxdev.param_shardings(params, mesh, "fsdp", **options)
         got = jax.tree.map(lambda x: x.sharding, state.params)
         assert jax.tree.leaves(got) == jax.tree.leaves(want), options  # the step obeys them

@@ -244,7 +244,7 @@ def test_bad_inputs():
 
     step = jaxdev.make_train_step(mean_loss, TX, jaxdev.Strategy.single())
     x, y = _data(steps=1)
-    with pytest.raises(jaxdev.ShardingError, match=r"one loss per example, shape \(32,\)"):
+    with pytest.raises(jaxdev.UsageError, match=r"one loss per example, shape \(32,\)"):
         step(step.init_state(_params(), TX), step.put_batch({"x": x[0], "y": y[0]}))
     k_step = jaxdev.make_train_step(
         loss_fn, TX, jaxdev.Strategy.sharded(), has_aux=True, steps_per_call=4
