@@ -527,7 +527,8 @@ def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     ``logical_axis_rules``) and that ``"fsdp"`` has an axis to shard over.
     ``Strategy.sharded`` calls it so that a typo fails where it is written,
     not at the first ``init_state``. Specs are checked against each leaf
-    later (a rule that matches no leaf is never an error).
+    later (one pattern that matches no leaf is fine; a list none of whose patterns
+    matches any param is refused when it is applied).
     """
     unknown = sorted(set(options) - {"min_size", "fsdp_axis", "logical_axis_rules"})
     if unknown:
@@ -561,9 +562,19 @@ def _check_min_size(min_size: Any) -> None:
         raise ShardingError(f"`min_size` must be an int >= 0 (elements), got {min_size!r}.")
 
 
-def _shardings(tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any], arg: str) -> Any:
+def _shardings(
+    tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any], arg: str, params: bool = True
+) -> Any:
     leaves = _leaves_of(tree, arg)
     specs = _specs(leaves, tree, mesh, rules, options)
+    if params and leaves and _regex_rules(rules) is not None and not any(src for _, src in specs):
+        paths = ", ".join(repr(x.path) for x in leaves[:4]) + (" ..." if len(leaves) > 4 else "")
+        raise ShardingError(
+            f"no pattern of `rules` matches any leaf of `{arg}`, so every leaf would be "
+            f"replicated: patterns {[p for p, _ in rules]}; leaf paths {paths}. Patterns are "
+            "`re.search`-ed against the path with '/' between keys (e.g. "
+            "'params/Dense_0/kernel'); write `rules='replicate'` if replication is meant."
+        )
     out = [named_sharding(mesh, _check_spec(x, s, src, mesh)) for x, (s, src) in zip(leaves, specs)]
     return jax.tree.structure(unbox(tree)).unflatten(out)
 
@@ -680,10 +691,12 @@ def state_shardings(
         "opt_state": follow_params(state.opt_state, state.params, params, mesh),
     }
     model_state = getattr(state, "model_state", None)
-    if model_state is not None:
+    if model_state is not None:  # the rules are written for the params: no match is fine here
         layout = not isinstance(rules, str) and _regex_rules(rules) is None
-        fields["model_state"] = param_shardings(
-            model_state, mesh, "replicate" if layout else rules, **options
+        full = {"min_size": DEFAULT_MIN_SIZE, "fsdp_axis": None, "logical_axis_rules": None}
+        full.update(options)
+        fields["model_state"] = _shardings(
+            model_state, mesh, "replicate" if layout else rules, full, "model_state", False
         )
     out = _replicated(state, mesh)  # step, rng and any other field
     return out._replace(**fields) if isinstance(out, tuple) else out.replace(**fields)

@@ -24,6 +24,7 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh
 
 from ._errors import UsageError
+from ._fingerprint import same_program
 from ._leaves import is_jax_array
 from ._mesh import check_mesh
 from ._rules import Rules, param_shardings, unbox
@@ -72,6 +73,9 @@ def init_sharded(
       ShardingError: a rule cannot apply to a leaf (the leaf, its shape, the
         spec and the mesh are named).
       UsageError: ``init_fn`` is not callable.
+      DistributedError: (several processes) the processes built different
+        programs, e.g. an ``init_fn`` that draws from ``np.random``: each would
+        hold other shards and replicas. The process that differs is named.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdev
@@ -103,7 +107,8 @@ def init_sharded(
         if graphlib.is_graph_node(abstract):
             return _init_nnx(call, dynamic, abstract, mesh, rules, options)
         shardings = param_shardings(abstract, mesh, rules, **options)
-        return jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)(*dynamic)
+        init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
+        return same_program(init, name="init_sharded's init_fn")(*dynamic)
 
 
 def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):
@@ -114,7 +119,8 @@ def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[s
     def build(*a: Any) -> Any:
         return nnx.state(call(*a))
 
-    state = jax.jit(build, out_shardings=shardings)(*dynamic)
+    init = jax.jit(build, out_shardings=shardings)
+    state = same_program(init, name="init_sharded's init_fn")(*dynamic)
     return nnx.merge(graphdef, state)
 
 

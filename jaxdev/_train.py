@@ -212,11 +212,12 @@ def _per_row(name: str, value: Any, mask: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- one update
 
 
-def _device_rng(state: TrainState, axis: str | None) -> jax.Array | None:
+def _device_rng(state: Any, axis: str | None) -> jax.Array | None:
     """``fold_in(rng, step)``, and the device index where each device draws for its rows."""
-    if state.rng is None:
+    rng = getattr(state, "rng", None)
+    if rng is None:
         return None
-    rng = jax.random.fold_in(state.rng, state.step)
+    rng = jax.random.fold_in(rng, state.step)
     return rng if axis is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
 
@@ -284,7 +285,7 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     """
     denom = jnp.maximum(_valid_count(mask, axis), 1).astype(jnp.float32)
     if cfg.accumulate == 1:
-        return _micro_grads(cfg, state.params, state.model_state, batch, mask, rng, denom)
+        return _micro_grads(cfg, state.params, _model_state(state), batch, mask, rng, denom)
 
     def micro(carry, xs):
         total, model_state, weight = carry
@@ -298,12 +299,17 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     xs = (batch, mask, jnp.arange(cfg.accumulate))
     (grads, model_state, weight), metrics = fold_steps(
         micro,
-        (zeros, state.model_state, jnp.zeros((), jnp.float32)),
+        (zeros, _model_state(state), jnp.zeros((), jnp.float32)),
         xs,
         cfg.accumulate,
         unroll=True,
     )
     return grads, model_state, metrics, (weight if cfg.weighted else None)
+
+
+def _model_state(state: Any) -> Any:
+    """jaxdev's ``model_state``; ``None`` for flax's ``TrainState`` (no such field)."""
+    return getattr(state, "model_state", None)
 
 
 def _average_state(model_state: Any, axis: str) -> Any:
@@ -337,14 +343,17 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
         extra["lr"] = Last.from_value(cfg.lr_fn(state.step))
     updates, opt_state = cfg.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
+    if isinstance(state, TrainState):
+        new = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
+    else:  # flax's train_state.TrainState (or a subclass): its own type back
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new, Collection({**metrics, **extra}) if extra else metrics
 
 
 def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
     """Metrics of ``state`` (or bare params) on this device's rows; nothing updated."""
-    if isinstance(state, TrainState):
-        params, model_state = state.params, state.model_state
+    if hasattr(state, "params") and hasattr(state, "opt_state"):  # jaxdev's or flax's
+        params, model_state = state.params, _model_state(state)
     else:
         params, model_state = state, None
     losses, weights, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)

@@ -53,3 +53,16 @@ def test_fsdp_two_processes_match_one_process_with_eight_devices():
     assert len(results) == 2 and all(r["processes"] == 2 for r in results)
     assert results[0] == results[1]  # both processes hold the same gathered numbers
     _close(results[0], single)
+
+
+@pytest.mark.timeout(240)
+def test_init_sharded_checks_every_process_built_the_same_program():
+    script = os.path.join(REPO, "tests", "mp_scripts", "init_diverge.py")
+    same = launch(2, 4, [sys.executable, script, "same"])
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    assert same.stdout.count("OK sum=") == 2
+    numpy = launch(2, 4, [sys.executable, script, "numpy"])
+    assert numpy.returncode != 0, numpy.stdout[-3000:]
+    refused = [line for line in numpy.stdout.splitlines() if "REFUSED:" in line]
+    assert len(refused) == 2, numpy.stdout[-3000:] + numpy.stderr[-3000:]
+    assert all("init_sharded's init_fn" in line for line in refused), refused

@@ -198,11 +198,17 @@ def test_regex_rules_first_match_wins_pad_and_default(dm):
             "Dense_1": {"kernel": P("model", None), "bias": P()},  # padded with None
         }
     }
-    got = specs(jaxdev.param_shardings(mlp_params(), dm, [("nothing_matches", P("model"))]))
-    assert all(s == P() for s in jax.tree.leaves(got))
-    assert all(
-        s == P() for s in jax.tree.leaves(specs(jaxdev.param_shardings(mlp_params(), dm, [])))
+    # rules of which no pattern matches any param: an error, not a silent full replication
+    for rules in ([("nothing_matches", P("model"))], []):
+        with pytest.raises(ShardingError, match="no pattern of `rules` matches any leaf") as e:
+            jaxdev.param_shardings(mlp_params(), dm, rules)
+        assert "'params/Dense_0/bias'" in str(e.value)
+    # a train state whose model_state no pattern matches is fine (rules are for the params)
+    state = jaxdev.TrainState.create(
+        mlp_params(), optax.sgd(0.1), model_state={"batch_stats": {"mean": jnp.zeros(8)}}
     )
+    got = jaxdev.param_shardings(state, dm, [("Dense_0/kernel", P(None, "model"))])
+    assert got.model_state["batch_stats"]["mean"].spec == P()
 
 
 def test_regex_paths_of_sequences_attributes_and_nnx(dm):

@@ -1,0 +1,152 @@
+"""Inputs that passed silently or failed with raw JAX errors (issue 19), on every strategy."""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jaxdev
+
+SGD = optax.sgd(0.1)
+STRATEGIES = {
+    "single": lambda: jaxdev.Strategy.single(),
+    "pmap": lambda: jaxdev.Strategy.pmap(8),
+    "sharded": lambda: jaxdev.Strategy.sharded(),
+    "shard_map": lambda: jaxdev.Strategy.sharded(shard_map=True),
+}
+
+
+def loss(params, batch):
+    return (batch["x"] @ params["w"] - batch["y"]) ** 2
+
+
+def _params():
+    return {"w": np.linspace(-1, 1, 4).astype(np.float32)}
+
+
+def _batch(rows=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(rows, 4)).astype(np.float32),
+        "y": rng.normal(size=rows).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_flax_train_state_just_works_and_matches_flax(name):
+    """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+    state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=SGD)
+    want = state
+    for i in range(3):
+        batch = _batch(seed=i)
+        grads = jax.grad(lambda p, b: loss(p, b).mean())(want.params, batch)
+        want = want.apply_gradients(grads=grads)
+        state, metrics = step(state, step.put_batch(_batch(seed=i)))
+    assert type(state) is train_state.TrainState and int(state.step) == 3
+    np.testing.assert_allclose(np.asarray(state.params["w"]), want.params["w"], rtol=1e-5)
+    ev = jaxdev.make_eval_step(loss, STRATEGIES[name]())
+    got = ev(state, ev.put_batch(_batch(rows=13))).fetch()["loss"]
+    np.testing.assert_allclose(got, loss(want.params, _batch(rows=13)).mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pmap", "sharded", "shard_map"])
+def test_an_uneven_raw_batch_is_named_with_the_fix(name):
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+    state = step.init_state(_params(), SGD)
+    with pytest.raises(jaxdev.UsageError, match=r"13 rows .* 8 devices .* `step.put_batch"):
+        step(state, _batch(rows=13))
+    step(state, step.put_batch(_batch(rows=13)))  # the fix works
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_eval_with_deleted_params_names_the_leaves(name):
+    ev = jaxdev.make_eval_step(loss, STRATEGIES[name]())
+    params = ev.init_state(_params())
+    jax.tree.map(lambda x: x.delete(), params)
+    with pytest.raises(jaxdev.DeletedArrayError, match=r"state\['w'\].*eval step never deletes"):
+        ev(params, ev.put_batch(_batch()))
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_typed_keys_drive_dropout_on_every_strategy(name):
+    def noisy(params, batch, rng):
+        keep = jax.random.bernoulli(rng, 0.5, batch["y"].shape)
+        return loss(params, batch) * keep
+
+    step = jaxdev.make_train_step(noisy, SGD, STRATEGIES[name]())
+    state = step.init_state(_params(), SGD, rng=jax.random.key(0))
+    assert jax.dtypes.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
+    state, _ = step(state, step.put_batch(_batch()))
+    again = step.init_state(_params(), SGD, rng=jax.random.key(1))
+    again, _ = step(again, step.put_batch(_batch()))
+    assert jax.dtypes.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
+    assert not np.allclose(np.asarray(state.params["w"]), np.asarray(again.params["w"]))
+
+
+class BNModel(nn.Module):
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+        x = nn.Dense(4)(x)
+        x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x, mask=mask)
+        return x.sum(-1)
+
+
+def _bn_step(strategy, pass_mask):
+    model = BNModel(axis_name=strategy.collective_axis)
+
+    def bn_loss(params, model_state, batch, **kw):
+        mask = kw.get("mask")
+        out, new = model.apply(
+            {"params": params, **model_state},
+            batch["x"],
+            mask=None if mask is None else mask[:, None],
+            mutable=["batch_stats"],
+        )
+        return (out - batch["y"]) ** 2, new
+
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4)))
+    step = jaxdev.make_train_step(bn_loss, SGD, strategy, has_state=True, pass_mask=pass_mask)
+    state = step.init_state(
+        variables["params"], SGD, model_state={"batch_stats": variables["batch_stats"]}
+    )
+    return step, state
+
+
+@pytest.mark.parametrize("name", ["pmap", "sharded", "shard_map"])  # one device pads nothing
+def test_padded_rows_reaching_batchnorm_warn_once_with_the_choices(name):
+    step, state = _bn_step(STRATEGIES[name](), pass_mask=False)
+    padded = step.put_batch(_batch(rows=13))
+    with pytest.warns(UserWarning, match=r"padded from 13 to 16 rows.*`pass_mask=True`"):
+        state, _ = step(state, padded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per step
+        state, _ = step(state, step.put_batch(_batch(rows=13)))
+        step(state, step.put_batch(_batch(rows=16)))  # an even batch never warns
+
+
+@pytest.mark.parametrize("name", ["pmap", "shard_map"])
+def test_masked_batchnorm_under_per_device_strategies_is_loud(name):
+    step, state = _bn_step(STRATEGIES[name](), pass_mask=True)
+    with pytest.warns(UserWarning, match="masked BatchNorm averages each device's masked mean"):
+        step(state, step.put_batch(_batch(rows=13)))
+
+
+def test_masked_batchnorm_under_jit_is_exact_and_silent():
+    step, state = _bn_step(jaxdev.Strategy.sharded(), pass_mask=True)
+    single, ref = _bn_step(jaxdev.Strategy.single(), pass_mask=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, _ = step(state, step.put_batch(_batch(rows=13)))
+    ref, _ = single(ref, single.put_batch(_batch(rows=13)))  # one device: nothing padded
+    for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(ref.model_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
