@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,7 +55,15 @@ from ._rules import (
     step_shardings,
 )
 from ._strategy import Strategy, as_strategy
-from ._train import LossFn, StepConfig, TrainState, eval_body, fold_steps, train_body
+from ._train import (
+    LossFn,
+    StepConfig,
+    TrainState,
+    eval_body,
+    fold_steps,
+    train_body,
+    warn_padded_model_state,
+)
 
 _MAX_INFLIGHT = 8
 
@@ -93,10 +100,12 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         check_donatable(state, metrics, self._donate)  # deleted leaves named, never run
         if mask is None:
-            self._check_even(inner)
+            axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
+            self.strategy.check_even(inner, axis if self._train else 0)
         elif self._train and not self._warned_padding:
-            self._warned_padding = _warn_padded_model_state(
-                self._cfg, self.strategy, batch, self.steps_per_call
+            strategy, k = self.strategy, self.steps_per_call
+            self._warned_padding = warn_padded_model_state(
+                self._cfg, strategy.collective_axis, strategy.shard_map, batch, k
             )
         if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
             metrics = to_device(metrics, self._target)  # or each placement compiles anew
@@ -117,23 +126,6 @@ class _Step:
         state, metrics, token = out
         self._bound_inflight(token)
         return state, metrics
-
-    def _check_even(self, batch: Any) -> None:
-        """Refuse a raw batch whose rows the devices do not divide (jit's IndivisibleError)."""
-        n = self.strategy.local_shards()
-        if n == 1 or jax.process_count() > 1:
-            return
-        axis = self.strategy.row_axis(self.steps_per_call, self.accumulate) if self._train else 0
-        leaves = jax.tree.leaves(batch)
-        shape = np.shape(leaves[0]) if leaves else ()
-        if len(shape) > axis and shape[axis] % n:
-            rows = shape[axis]
-            raise UsageError(
-                f"`batch` has {rows} rows (leaf shape {shape}), which the {n} devices of this "
-                f"step do not divide. Place it with `step.put_batch(batch)`: it pads to "
-                f"{rows + -rows % n} rows and masks the {-rows % n} padded rows, so they never "
-                f"count; or give a multiple of {n} rows."
-            )
 
     def _first_call(self, key: tuple, args: list[Any]) -> tuple[Callable, list[Any]]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
@@ -380,43 +372,6 @@ class EvalStep(_Step):
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
         return self._call(state, batch, metrics)
-
-
-def _warn_padded_model_state(cfg: StepConfig, strategy: Strategy, batch: Padded, k: int) -> bool:
-    """Warn (once per step) where padded rows reach a model state the mask cannot guard.
-
-    Returns whether it warned.
-    """
-    if not cfg.has_state:
-        return False
-    rows, padded = batch.size, int(np.size(batch.mask)) // k  # per step
-    if not cfg.pass_mask:
-        warnings.warn(
-            f"padded rows reach the model: the batch was padded from {rows} to {padded} rows "
-            "(copies of the last row) and this step has model state (`has_state=True`, e.g. "
-            "BatchNorm statistics) but does not give the model the mask (`pass_mask=False`), "
-            "so the padded rows change that state (losses and metrics never count them). "
-            "Choose: `pass_mask=True` and hand `mask` to `nn.BatchNorm(...)(x, mask=...)` "
-            "(exact); or drop the remainder yourself (give a row count the devices divide); "
-            "or silence this warning if the state ignores rows.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return True
-    if strategy.collective_axis is not None:
-        warnings.warn(
-            f"a padded batch ({rows} real of {padded} rows) under "
-            f"{'shard_map' if strategy.shard_map else 'pmap'}: flax's masked BatchNorm "
-            "averages each device's masked mean (`lax.pmean`), which is the global mean only "
-            "when every device holds as many real rows, so the statistics are slightly off "
-            "(losses and metrics are exact). For exact statistics train with sharded jit "
-            "(`Strategy.sharded(mesh)`, the step sees the whole batch), or give a row count "
-            "the devices divide.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return True
-    return False
 
 
 def _cpu_collectives(strategy: Strategy) -> bool:

@@ -286,6 +286,29 @@ class Strategy:
             return _put_grouped(self, batch, k, m)
         return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
 
+    def check_even(self, batch: Any, axis: int = 0) -> None:
+        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide.
+
+        ``jit`` would raise JAX's ``IndivisibleError``; this names the fix.
+
+        Example:
+          >>> import numpy as np, jaxdev
+          >>> jaxdev.Strategy.sharded().check_even({"x": np.zeros((16, 2))})
+        """
+        n = self.local_shards()
+        if n == 1 or jax.process_count() > 1:
+            return
+        leaves = jax.tree.leaves(batch)
+        shape = np.shape(leaves[0]) if leaves else ()
+        if len(shape) > axis and shape[axis] % n:
+            rows = shape[axis]
+            raise UsageError(
+                f"`batch` has {rows} rows (leaf shape {shape}), which the {n} devices of this "
+                f"step do not divide. Place it with `step.put_batch(batch)`: it pads to "
+                f"{rows + -rows % n} rows and masks the {-rows % n} padded rows, so they never "
+                f"count; or give a multiple of {n} rows."
+            )
+
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         """Split the row axis ``axis`` of ``x`` into ``(M, r)`` micro-batches."""
         shape = np.shape(x)

@@ -16,11 +16,13 @@ the gradient of the M-times-larger batch.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._batches import rows_of
@@ -348,6 +350,46 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
     else:  # flax's train_state.TrainState (or a subclass): its own type back
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new, Collection({**metrics, **extra}) if extra else metrics
+
+
+def warn_padded_model_state(
+    cfg: StepConfig, collective_axis: Any, shard_map: bool, batch: Any, k: int
+) -> bool:
+    """Warn (once per step) where padded rows reach a model state the mask cannot guard.
+
+    ``batch`` is a :class:`jaxdev.Padded` for a step of ``k`` steps per call.
+    Returns whether it warned.
+    """
+    if not cfg.has_state:
+        return False
+    rows, padded = batch.size, int(np.size(batch.mask)) // k  # per step
+    if not cfg.pass_mask:
+        warnings.warn(
+            f"padded rows reach the model: the batch was padded from {rows} to {padded} rows "
+            "(copies of the last row) and this step has model state (`has_state=True`, e.g. "
+            "BatchNorm statistics) but does not give the model the mask (`pass_mask=False`), "
+            "so the padded rows change that state (losses and metrics never count them). "
+            "Choose: `pass_mask=True` and hand `mask` to `nn.BatchNorm(...)(x, mask=...)` "
+            "(exact); or drop the remainder yourself (give a row count the devices divide); "
+            "or silence this warning if the state ignores rows.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return True
+    if collective_axis is not None:
+        warnings.warn(
+            f"a padded batch ({rows} real of {padded} rows) under "
+            f"{'shard_map' if shard_map else 'pmap'}: flax's masked BatchNorm "
+            "averages each device's masked mean (`lax.pmean`), which is the global mean only "
+            "when every device holds as many real rows, so the statistics are slightly off "
+            "(losses and metrics are exact). For exact statistics train with sharded jit "
+            "(`Strategy.sharded(mesh)`, the step sees the whole batch), or give a row count "
+            "the devices divide.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return True
+    return False
 
 
 def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
