@@ -135,11 +135,11 @@ class Loop:
         return out
 
 
-def hand_loop(step_fn, state, batches) -> Loop:
+def hand_loop(step_fn, state, batches, wait: bool = True) -> Loop:
     def run(s):
         for i, b in enumerate(batches):
             s, metrics = step_fn(s, b)
-            if i % INFLIGHT == INFLIGHT - 1:  # XLA:CPU deadlocks on deep collective queues
+            if wait and i % INFLIGHT == INFLIGHT - 1:  # XLA:CPU deadlocks on deep queues
                 jax.block_until_ready(metrics)
         return s, (s.params, metrics)
 
@@ -202,7 +202,13 @@ def pmap_loops(host: list[dict]) -> dict[str, Loop]:
         hand(), ours()
     check_same("pmap", jax_utils.unreplicate(hand.state.params), ours.state.params)
     n = step.strategy.n_devices
-    return {f"hand flax pmap train_step ({n} dev)": hand, f"jaxdev Strategy.pmap ({n} dev)": ours}
+    # as flax's example writes the loop: no wait at all (safe for --steps <= ~50 on CPU)
+    bare = hand_loop(p_train_step, jax_utils.replicate(flax_state("batch")), batches, wait=False)
+    return {
+        f"hand flax pmap train_step ({n} dev)": hand,
+        f"jaxdev Strategy.pmap ({n} dev)": ours,
+        f"hand flax pmap train_step, no waits ({n} dev)": bare,
+    }
 
 
 def sharded_loops(host: list[dict]) -> dict[str, Loop]:
@@ -265,14 +271,15 @@ def main(argv=None) -> int:
     host = host_batches(args.steps, BATCH)
     model = f"tiny ResNet [1, 1] x 8 filters, 32x32x3, batch {BATCH}, {jax.device_count()} dev"
     rows = []
-    within = ("<= 1.10", lambda r: r <= 1.10)
+    within = ("<= 1.05", lambda r: r <= 1.05)  # issue 19 (was 1.10)
 
     loops = pmap_loops(host)
     t = time_side_by_side(loops, args.repeats, warmup=1)
-    hand, ours = list(loops)
+    hand, ours, bare = list(loops)
     what = f"(i) {model}, pmap, BatchNorm synced"
     rows.append(_row(what, hand, t, hand, args.steps))
     rows.append(_row(what, ours, t, hand, args.steps, *within))
+    rows.append(_row(what, ours, t, bare, args.steps, *within))
 
     loops = sharded_loops(host)
     t = time_side_by_side(loops, args.repeats, warmup=1)
