@@ -435,6 +435,7 @@ def common_device(tree: Any) -> jax.Device | None:
       True
     """
     leaves, _ = jax.tree_util.tree_flatten(tree)
+    check_concrete(leaves, "common_device")
     check_live(tree, leaves, "tree")
     check_host_leaves(tree, leaves, "tree")
     committed = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]

@@ -193,6 +193,14 @@ def test_device_of_and_common_device(devices):
     b = jaxdev.to_device(jnp.ones(2), devices[1])
     assert common_device({"a": a, "h": np.ones(2), "u": jnp.ones(2)}) == devices[0]
     assert common_device({"u": jnp.ones(2)}) is None
+
+    @jax.jit
+    def traced(x):
+        with pytest.raises(jaxdev.PlacementError, match="`common_device` inside a jax.jit"):
+            common_device({"x": x})
+        return x
+
+    traced(jnp.ones(2))
     with pytest.raises(PlacementError) as err:
         common_device({"a": a, "b": b})
     assert "['a']: cpu:0" in str(err.value) and "['b']: cpu:1" in str(err.value)
