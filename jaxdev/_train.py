@@ -10,7 +10,10 @@ The objective is the mean per-example loss over the *valid* rows of the
 whole global batch (all devices, all micro-batches): padded rows
 (``Padded.mask == False``) never count, so an uneven last batch gives exactly
 the numbers of the unpadded data, and ``accumulate=M`` micro-batches give
-the gradient of the M-times-larger batch.
+the gradient of the M-times-larger batch. With ``weighted=True`` it is
+``sum(loss * weight) / sum(weight)`` over the same global batch (per-token
+losses of a language model): the gradients of the weighted sums are added
+over micro-batches and devices and divided once by the step's total weight.
 """
 
 from __future__ import annotations
