@@ -12,11 +12,18 @@ state inside the object. jaxdev's step trains pytrees, so:
 
 With an ``rng`` in the train state, every RNG stream of the module (dropout,
 ...) is reseeded from the step's key, which jaxdev derives per step and, under
-pmap / shard_map, per device: each device draws different masks for its rows.
+pmap / shard_map, per device: each device draws different masks for its rows;
+a ``loss_fn`` with an ``rngs`` parameter (the NNX tutorial's
+``loss_fn(model, batch, rngs)``, ``model(x, rngs=rngs)``) gets that key as an
+``nnx.Rngs``. Without an ``rng``, a module's own ``nnx.Rngs`` streams draw
+from their own keys, with the device index folded in under pmap / shard_map
+for the call only (so devices draw different masks and the stored streams
+stay equal on every device).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +31,7 @@ import jax
 from flax import nnx
 
 from ._errors import UsageError
+from ._train import current_device_axis
 
 
 def _check_module(model: Any, name: str) -> None:
@@ -87,6 +95,7 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     _check_module(model, "model")
     graphdef = nnx.graphdef(model)
     streams = _streams(model)
+    takes_rngs = _takes_rngs(loss_fn)
 
     def wrapped(params, model_state, batch, rng=None, **kwargs):
         # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
@@ -94,11 +103,38 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
         if rng is not None and streams:
             keys = jax.random.split(rng, len(streams))
             nnx.reseed(module, **dict(zip(streams, keys)))
+        if rng is not None and takes_rngs:
+            kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
+        axis = current_device_axis()
+        own = _fold_device_index(module, axis) if rng is None and axis is not None else []
         out = loss_fn(module, batch, **kwargs)
+        for key_var, key in own:  # the stored streams stay equal on every device
+            key_var[...] = key
         _, _, new_state = nnx.split(module, nnx.Param, ...)
         return (*out, new_state) if isinstance(out, tuple) else (out, new_state)
 
     return wrapped
+
+
+def _takes_rngs(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` names a parameter ``rngs`` (the NNX tutorial's ``loss_fn``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
+
+
+def _fold_device_index(module: nnx.Module, axis: str) -> list[tuple[Any, jax.Array]]:
+    """Fold this device's index into every RNG stream's key; return the keys to put back."""
+    index = jax.lax.axis_index(axis)
+    saved = []
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.RngStream):
+            key = node.key[...]
+            saved.append((node.key, key))
+            node.key[...] = jax.random.fold_in(key, index)
+    return saved
 
 
 def nnx_update(model: nnx.Module, state: Any) -> None:

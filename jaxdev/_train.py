@@ -18,9 +18,11 @@ over micro-batches and devices and divided once by the step's total weight.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -93,6 +95,37 @@ class StepConfig:
 
 
 # ---------------------------------------------------------------- calling loss_fn
+
+
+_AMBIENT = threading.local()
+
+
+@contextlib.contextmanager
+def device_axis(axis: str | None) -> Iterator[None]:
+    """Make ``axis`` the device axis that :func:`current_device_axis` reports in this block.
+
+    The step's body runs inside it: ``None`` where the step sees the whole
+    batch (one device, sharded ``jit``), the device axis under ``pmap`` /
+    ``shard_map``, where each device runs on its own rows.
+    """
+    stack = _AMBIENT.__dict__.setdefault("axes", [])
+    stack.append(axis)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_device_axis() -> str | None:
+    """The device axis of the enclosing jaxdev step's body (``None`` outside one).
+
+    Example:
+      >>> with device_axis("data"):
+      ...     current_device_axis()
+      'data'
+    """
+    stack = getattr(_AMBIENT, "axes", None)
+    return stack[-1] if stack else None
 
 
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
@@ -329,7 +362,8 @@ def _average_state(model_state: Any, axis: str) -> Any:
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
     """One update of ``state`` on this device's rows (all rows when ``axis`` is None)."""
     rng = _device_rng(state, axis)
-    grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
+    with device_axis(axis):
+        grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
         weight = None if weight is None else jax.lax.psum(weight, axis)
@@ -401,6 +435,7 @@ def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
         params, model_state = state.params, _model_state(state)
     else:
         params, model_state = state, None
-    losses, weights, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)
+    with device_axis(axis):
+        losses, weights, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)
     metrics = metrics_of(losses, aux, mask, weights)
     return metrics if axis is None else metrics.reduce(axis)

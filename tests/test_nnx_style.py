@@ -1,0 +1,184 @@
+"""NNX code as NNX users write it (issue 19): keys at call time, per-device dropout, masks.
+
+The first two tests check dropout masks row by row: the loss hands the mask it
+drew to ``jax.debug.callback``, which runs per device under ``pmap`` /
+``shard_map``; every row of the global batch must draw its own mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdev
+
+ROWS, WIDTH = 64, 32
+SGD = optax.sgd(0.1)
+STRATEGIES = {
+    "single": lambda: jaxdev.Strategy.single(),
+    "pmap": lambda: jaxdev.Strategy.pmap(8),
+    "sharded": lambda: jaxdev.Strategy.sharded(),
+    "shard_map": lambda: jaxdev.Strategy.sharded(shard_map=True),
+}
+
+
+class TutorialStyle(nnx.Module):
+    """The NNX MNIST tutorial's pattern: Dropout without rngs, keys given at call time."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.dropout = nnx.Dropout(rate=0.5)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        return self.dropout(self.linear(x), rngs=rngs)
+
+
+class OwnRngs(nnx.Module):
+    """A module that holds its own dropout stream (``nnx.Dropout(..., rngs=rngs)``)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.dropout = nnx.Dropout(rate=0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x))
+
+
+def _recorder():
+    seen: list[np.ndarray] = []
+
+    def record(kept):
+        seen.append(np.asarray(kept).reshape(-1, WIDTH))
+
+    return seen, record
+
+
+def _batch():
+    return {"x": np.ones((ROWS, WIDTH), np.float32)}
+
+
+def _distinct(seen: list[np.ndarray]) -> int:
+    rows = np.concatenate(seen)
+    assert rows.shape == (ROWS, WIDTH), rows.shape
+    return len({r.tobytes() for r in rows})
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_tutorial_loss_with_rngs_at_call_time_gets_the_steps_key(name):
+    model = TutorialStyle(rngs=nnx.Rngs(0))
+    seen, record = _recorder()
+
+    def loss_fn(model, batch, rngs=None):  # as the tutorial writes it
+        out = model(batch["x"], rngs=rngs)
+        jax.debug.callback(record, out != 0)
+        return jnp.mean(out**2, axis=-1)
+
+    step = jaxdev.make_train_step(
+        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+    )
+    params, rest = jaxdev.nnx_split(model)
+    state = step.init_state(params, SGD, rng=jax.random.key(1), model_state=rest)
+    state, metrics = step(state, step.put_batch(_batch()))
+    jax.block_until_ready(metrics)
+    jax.effects_barrier()
+    assert _distinct(seen) == ROWS  # every row, on every device, its own mask
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_modules_own_rngs_draw_per_device_masks_and_stay_replicated(name):
+    model = OwnRngs(rngs=nnx.Rngs(0))
+    seen, record = _recorder()
+
+    def loss_fn(model, batch):
+        out = model(batch["x"])
+        jax.debug.callback(record, out != 0)
+        return jnp.mean(out**2, axis=-1)
+
+    step = jaxdev.make_train_step(
+        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+    )
+    params, rest = jaxdev.nnx_split(model)
+    key_before = np.asarray(jax.random.key_data(rest["dropout"]["rngs"]["key"][...]))
+    state = step.init_state(params, SGD, model_state=rest)  # no rng=: the module's own stream
+    state, metrics = step(state, step.put_batch(_batch()))
+    jax.block_until_ready(metrics)
+    jax.effects_barrier()
+    assert _distinct(seen) == ROWS  # 8 distinct masks over 64 rows before the fix
+    stream = state.model_state["dropout"]["rngs"]
+    key = stream["key"][...]
+    assert key.sharding.is_fully_replicated
+    for shard in key.addressable_shards:  # the stored key is the module's, on every device
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(shard.data)), key_before)
+    assert int(stream["count"][...]) == 1
+
+
+class Classifier(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def test_nnx_optimizer_multimetric_and_nnx_jit_with_jaxdev_padding_are_exact():
+    """The user's own loop (nnx.Optimizer, nnx.MultiMetric, @nnx.jit), jaxdev for placement:
+    pass the Padded mask to ``metrics.update(..., mask=)`` and padded rows never count."""
+    mesh = jaxdev.data_mesh()
+    model = Classifier(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(61, 8)).astype(np.float32)  # 61 rows: padded to 64 on 8 devices
+    y = rng.integers(0, 4, size=61).astype(np.int32)
+
+    def losses_of(model, x, y):
+        logits = model(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y), logits
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y, mask):
+        def loss_fn(model):
+            losses, _ = losses_of(model, x, y)
+            return jnp.sum(losses * mask) / jnp.sum(mask)  # the masked mean
+
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, grads)
+
+    @nnx.jit
+    def eval_step(model, metrics, x, y, mask):
+        losses, logits = losses_of(model, x, y)
+        metrics.update(loss=losses, logits=logits, labels=y, mask=mask)
+
+    padded = jaxdev.shard_batch({"x": x, "y": y}, mesh, pad=True)
+    train_step(model, optimizer, padded.batch["x"], padded.batch["y"], padded.mask)
+
+    def fresh():
+        return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+    metrics = fresh()
+    eval_step(model, metrics, padded.batch["x"], padded.batch["y"], padded.mask)
+    got = metrics.compute()
+    # the unpadded truth, on the host
+    want_losses, logits = losses_of(model, jnp.asarray(x), jnp.asarray(y))
+    np.testing.assert_allclose(float(got["loss"]), float(np.mean(want_losses)), rtol=1e-6)
+    want_acc = float(np.mean(np.argmax(np.asarray(logits), -1) == y))
+    np.testing.assert_allclose(float(got["accuracy"]), want_acc, rtol=1e-6)
+    # and the one train step equals one step on the unpadded rows
+    ref = Classifier(rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.mean(losses_of(m, x, y)[0]))(ref)
+    ref_opt.update(ref, grads)
+    np.testing.assert_allclose(
+        np.asarray(model.linear.kernel[...]), np.asarray(ref.linear.kernel[...]), rtol=1e-5
+    )
+    # the control: the same metrics without the mask count the 3 padded rows
+    blind = fresh()
+    blind.update(
+        loss=losses_of(model, padded.batch["x"], padded.batch["y"])[0],
+        logits=model(padded.batch["x"]),
+        labels=padded.batch["y"],
+    )
+    assert abs(float(blind.compute()["loss"]) - float(np.mean(want_losses))) > 1e-4
