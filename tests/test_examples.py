@@ -25,6 +25,7 @@ KEY_LINES = {
     "flax_nnx.py": "flax nnx: ok",
     "flax_imagenet_step.py": "flax imagenet step: ok",
     "flax_nnx_cnn.py": "flax nnx cnn: ok",
+    "flax_nnx_tutorial.py": "flax nnx tutorial: ok",
     "pmap_data_parallel.py": "pmap data parallel: ok",
     "sharded_data_parallel.py": "sharded data parallel: ok",
     "metrics_on_device.py": "metrics on device: ok",
