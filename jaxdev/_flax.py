@@ -71,12 +71,29 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     same wrapper for :func:`jaxdev.make_eval_step`, calling ``model.eval()``
     inside ``loss_fn`` when it should not update batch statistics.
 
+    Randomness, in the two ways NNX code draws it:
+
+    * keys at call time (the NNX tutorial: ``nnx.Dropout(rate)`` without
+      ``rngs``, ``model(x, rngs=rngs)``): give ``loss_fn`` a parameter
+      named ``rngs``, ``loss_fn(model, batch, rngs=None)``, and the state an
+      ``rng`` (``step.init_state(..., rng=jax.random.key(0))``); it gets the
+      step's key as ``nnx.Rngs(key)``, new every step and, under pmap /
+      shard_map, on every device. Eval steps have no key: it gets ``None``.
+    * a module holding its own ``nnx.Rngs`` streams: with an ``rng`` in the
+      state they are reseeded from the step's key; without, they draw from
+      their own keys, with the device index folded in under pmap /
+      shard_map for the call only.
+
     Args:
       model: the module (its structure is captured; its values come from the state).
-      loss_fn: ``loss_fn(model, batch) -> losses`` or ``(losses, aux)``.
+      loss_fn: ``loss_fn(model, batch[, rngs]) -> losses`` or ``(losses, aux)``.
 
     Returns:
       The wrapped loss function.
+
+    Raises:
+      UsageError: (when the step runs) ``loss_fn`` takes ``rngs``, the state
+        has no ``rng``, and flax's ``Dropout`` found no key.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
@@ -91,6 +108,26 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
       >>> jaxdev.nnx_update(model, state)
       >>> bool(jnp.allclose(model.kernel[...], state.params["kernel"][...]))
       True
+
+      Keys at call time, as the NNX tutorial writes them:
+
+      >>> import jax
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.linear, self.dropout = nnx.Linear(2, 1, rngs=rngs), nnx.Dropout(0.5)
+      ...     def __call__(self, x, rngs=None):
+      ...         return self.dropout(self.linear(x), rngs=rngs)
+      >>> def loss_fn(model, batch, rngs=None):
+      ...     return (model(batch["x"], rngs)[:, 0] - batch["y"]) ** 2
+      >>> net = Net(nnx.Rngs(0))
+      >>> step = jaxdev.make_train_step(jaxdev.nnx_loss(net, loss_fn), optax.sgd(0.1),
+      ...                               has_state=True)
+      >>> params, model_state = jaxdev.nnx_split(net)
+      >>> state = step.init_state(params, optax.sgd(0.1), rng=jax.random.key(0),
+      ...                         model_state=model_state)
+      >>> state, metrics = step(state, step.put_batch(batch))
+      >>> int(state.step)
+      1
     """
     _check_module(model, "model")
     graphdef = nnx.graphdef(model)
@@ -107,13 +144,27 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         axis = current_device_axis()
         own = _fold_device_index(module, axis) if rng is None and axis is not None else []
-        out = loss_fn(module, batch, **kwargs)
+        try:
+            out = loss_fn(module, batch, **kwargs)
+        except ValueError as err:
+            if takes_rngs and rng is None and "no `rngs`" in str(err):
+                raise UsageError(_NO_KEY) from err
+            raise
         for key_var, key in own:  # the stored streams stay equal on every device
             key_var[...] = key
         _, _, new_state = nnx.split(module, nnx.Param, ...)
         return (*out, new_state) if isinstance(out, tuple) else (out, new_state)
 
     return wrapped
+
+
+_NO_KEY = (
+    "`loss_fn` takes `rngs` (keys at call time, the NNX tutorial's style) but the state has "
+    "no `rng`, so `nnx_loss` had no key to give it and flax's Dropout found none. Train "
+    "with one: `step.init_state(params, tx, rng=jax.random.key(0), model_state=...)`; "
+    "evaluate a deterministic view: `nnx.view(model, deterministic=True, "
+    "use_running_average=True)`."
+)
 
 
 def _takes_rngs(fn: Callable[..., Any]) -> bool:

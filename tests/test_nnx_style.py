@@ -182,3 +182,22 @@ def test_nnx_optimizer_multimetric_and_nnx_jit_with_jaxdev_padding_are_exact():
         labels=padded.batch["y"],
     )
     assert abs(float(blind.compute()["loss"]) - float(np.mean(want_losses))) > 1e-4
+
+
+def test_a_tutorial_loss_without_a_key_in_the_state_says_to_pass_rng():
+    """flax's Dropout error ("no `rngs` argument") becomes one that says what to do."""
+    model = TutorialStyle(rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch, rngs=None):
+        return jnp.mean(model(batch["x"], rngs=rngs) ** 2, axis=-1)
+
+    step = jaxdev.make_train_step(jaxdev.nnx_loss(model, loss_fn), SGD, has_state=True)
+    params, rest = jaxdev.nnx_split(model)
+    state = step.init_state(params, SGD, model_state=rest)  # no rng=
+    with pytest.raises(jaxdev.UsageError, match=r"rng=jax\.random\.key\(0\)"):
+        step(state, step.put_batch(_batch()))
+    # a deterministic view needs no key: the eval step runs
+    evaluate = jaxdev.make_eval_step(
+        jaxdev.nnx_loss(nnx.view(model, deterministic=True), loss_fn), has_state=True
+    )
+    assert np.isfinite(evaluate(state, evaluate.put_batch(_batch())).fetch()["loss"])
