@@ -32,7 +32,9 @@ class TinyLM(nn.Module):
         mask = nn.combine_masks(
             nn.make_causal_mask(tokens), nn.make_attention_mask(tokens > 0, tokens > 0)
         )
-        x = x + nn.SelfAttention(num_heads=4, qkv_features=DIM)(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=DIM)(
+            nn.LayerNorm()(x), mask=mask
+        )
         x = x + nn.Dense(DIM)(nn.gelu(nn.Dense(4 * DIM)(nn.LayerNorm()(x))))
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
@@ -122,9 +124,7 @@ def main() -> None:
         f"  accumulate=2: {max_diff(acc.params, want):.2e}; pmap: {max_diff(pmap.params, want):.2e}"
     )
     naive, _ = train(fsdp, per_row_mean, batches)
-    print(
-        f"per-row mean instead: max |params - global mean| = {max_diff(naive.params, want):.2e}"
-    )
+    print(f"per-row mean instead: max |params - global mean| = {max_diff(naive.params, want):.2e}")
     for s in (state, acc, pmap):
         assert max_diff(s.params, want) < 1e-4
     assert max_diff(naive.params, want) > 1e-3

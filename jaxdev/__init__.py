@@ -73,6 +73,9 @@ from ._plan import MemoryPlan as MemoryPlan
 from ._plan import plan as plan
 
 # --- metrics ---
+from ._memory import LedgerEntry as LedgerEntry
+from ._memory import MemoryLedger as MemoryLedger
+from ._memory import memory as memory
 from ._metrics import Accuracy as Accuracy
 from ._metrics import Collection as Collection
 from ._metrics import DeviceLog as DeviceLog

@@ -261,6 +261,23 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- memory
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop."""
+    note, _ = configure_devices(args.devices)
+    from ._demo import DemoConfig, memory_demo
+
+    ledger = memory_demo(DemoConfig(strategy=args.strategy, devices=args.devices))
+    if note:
+        print(note)
+    print(ledger)
+    if args.plot:
+        print(f"wrote {ledger.plot(args.plot)}")
+    return 0
+
+
 # ---------------------------------------------------------------- demo
 
 
@@ -409,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH.png", help="draw the ratios (needs matplotlib)")
     bench.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
+    mem = sub.add_parser(
+        "memory", help="what uses device memory, by pytree path, in a demo training loop"
+    )
+    mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
+    mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
+    mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger as a PNG")
     sub.add_parser(
         "launch",
         help="run a command as N local JAX processes: launch -n N -- cmd ...",
@@ -484,7 +507,7 @@ def _add_demo(sub: Any) -> None:
     demo.add_argument("--quiet", action="store_true", help="print only the final line")
 
 
-_COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench}
+_COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "memory": cmd_memory}
 
 
 _USAGE_ERRORS = (

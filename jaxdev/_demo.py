@@ -443,6 +443,33 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     )
 
 
+def memory_demo(config: DemoConfig, steps: int = 3) -> jaxdev.MemoryLedger:
+    """Train the demo's MLP for ``steps`` steps and return the live memory ledger.
+
+    What ``jaxdev memory`` prints: the state, the last batch and the running
+    metrics are named, so every live array of the loop is attributed.
+
+    Raises:
+      UsageError: as :func:`run_demo`.
+    """
+    check_config(config)
+    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
+    train, _ = load_data(config.seed, config.test_fraction)
+    batch_size = round_batch(config.batch_size, strategy.n_devices)
+    model = MLP(config.hidden)
+    tx = optax.adam(config.learning_rate)
+    step = jaxdev.make_train_step(make_loss(model), tx, strategy, has_aux=True)
+    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
+    state, metrics = step.init_state(params, tx), None
+    del params  # init_state copied them: the init output would show as unattributed
+    batches = epoch_batches(train, batch_size, epoch_rng(config.seed, 1))[:steps]
+    for host in batches:
+        batch = step.put_batch(host)
+        state, metrics = step(state, batch, metrics)
+    jax.block_until_ready(state)
+    return jaxdev.memory(state=state, batch=batch, metrics=metrics)
+
+
 def params_fingerprint(params: Any) -> str:
     """SHA-256 (first 16 hex digits) of the parameters' paths, dtypes, shapes and bytes."""
     h = hashlib.sha256()

@@ -1,0 +1,344 @@
+"""What is using device memory, by pytree path: a live ledger of every array.
+
+``jaxdev.memory(state=state, batch=batch)`` walks ``jax.live_arrays()`` once
+and counts, per device, the bytes of every live array's shards on it. Arrays
+reached from the named trees are attributed to their key path
+(``state.opt_state[0].mu['Dense_0']['kernel']``) and a category (params,
+optimizer state, model state, batch, other named trees); every other live
+array is listed as unattributed, largest first (old states that were never
+freed show up there, with their shapes). Where the backend reports it
+(``device.memory_stats()`` on GPU and TPU), the allocator's bytes in use, peak
+and limit stand beside jaxdev's count; CPU reports none.
+
+JAX's own answer to "what is using my memory?" is allocator totals without
+names; ``plan()`` predicts bytes per device from shapes, the ledger counts
+what is there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import UsageError
+from ._leaves import is_jax_array
+from ._report import human_bytes, text_table
+
+CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
+_STATE_FIELDS = {"params": "params", "opt_state": "opt_state", "model_state": "model_state"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """One live array: where it is named, what it is, and its bytes on each device.
+
+    Attributes:
+      path: ``'state.params['Dense_0']['kernel']'``, or ``'<unattributed>'``.
+      category: one of ``params``, ``opt_state``, ``model_state``, ``batch``,
+        ``other`` (another named tree, or a train state's ``step`` / ``rng``)
+        and ``unattributed``.
+      shape: the global shape.
+      dtype: the dtype's name.
+      bytes_per_device: ``{device: bytes}`` of its shards on each device.
+    """
+
+    path: str
+    category: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_device: Mapping[jax.Device, int]
+
+    @property
+    def total(self) -> int:
+        """Bytes over every device (replicas counted on each device)."""
+        return sum(self.bytes_per_device.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLedger:
+    """Every live array's bytes per device, attributed to named pytree paths.
+
+    Attributes:
+      entries: the attributed arrays, largest first.
+      unattributed: the other live arrays, largest first.
+      per_device: ``{device: bytes}`` of every live array's shards (attributed
+        or not): exactly the sum of their ``addressable_shards`` bytes.
+      device_stats: ``{device: memory_stats() or None}`` as the backend reports
+        them (``bytes_in_use``, ``peak_bytes_in_use``, ``bytes_limit``).
+    """
+
+    entries: tuple[LedgerEntry, ...]
+    unattributed: tuple[LedgerEntry, ...]
+    per_device: Mapping[jax.Device, int]
+    device_stats: Mapping[jax.Device, Any]
+
+    @property
+    def attributed(self) -> float:
+        """The share of live bytes attributed to a named tree (1.0 when nothing is live)."""
+        total = sum(self.per_device.values())
+        named = sum(e.total for e in self.entries)
+        return 1.0 if total == 0 else named / total
+
+    def by_category(self) -> dict[jax.Device, dict[str, int]]:
+        """``{device: {category: bytes}}`` over every live array."""
+        out = {d: dict.fromkeys(CATEGORIES, 0) for d in self.per_device}
+        for e in self.entries + self.unattributed:
+            for d, n in e.bytes_per_device.items():
+                out.setdefault(d, dict.fromkeys(CATEGORIES, 0))[e.category] += n
+        return out
+
+    def __str__(self) -> str:
+        return _format(self)
+
+    def plot(self, path: str, limit: int | None = None) -> str:
+        """Write a PNG of stacked bars, one per device, and return ``path``.
+
+        From the bottom: params (blue), optimizer state (orange), model state
+        (green), batch (purple), other named trees (grey), unattributed (red),
+        and, where a limit is known (``limit`` or the device's ``bytes_limit``),
+        the free bytes up to it (light grey). No plotting library is needed.
+
+        Example:
+          >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
+          >>> ledger = jaxdev.memory(params={"w": jnp.ones((256, 256))})
+          >>> path = ledger.plot(str(pathlib.Path(tempfile.mkdtemp()) / "memory.png"))
+          >>> pathlib.Path(path).read_bytes()[:4] == b"\\x89PNG"
+          True
+        """
+        _write_png(path, _bars(self, limit))
+        return path
+
+
+def memory(**trees: Any) -> MemoryLedger:
+    """Return the live device memory, per device, attributed to the named trees by key path.
+
+    Every live ``jax.Array`` (``jax.live_arrays()``) is counted once, on each
+    device holding a shard of it. Name the trees you hold
+    (``memory(state=state, batch=batch)``): a train state's fields become the
+    categories params / opt_state / model_state (``step`` and ``rng`` are
+    other); a tree named ``batch`` is the batch; any other name is other. An
+    array reached from two named trees counts once, under the first name.
+
+    Args:
+      **trees: the pytrees to attribute bytes to, by name.
+
+    Returns:
+      A :class:`MemoryLedger`; ``print(ledger)`` is a table, ``ledger.plot(path)``
+      a PNG.
+
+    Raises:
+      UsageError: a named tree is a tracer (inside ``jit``).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> params = {"w": jnp.ones((1024, 256))}
+      >>> ledger = jaxdev.memory(params=params)
+      >>> ledger.entries[0].path, ledger.entries[0].total
+      ("params['w']", 1048576)
+    """
+    names: dict[int, tuple[str, str]] = {}
+    for name, tree in trees.items():
+        for path, leaf, category in _named_leaves(name, tree):
+            if isinstance(leaf, jax.core.Tracer):
+                raise UsageError(
+                    f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
+                )
+            if is_jax_array(leaf):
+                names.setdefault(id(leaf), (path, category))
+                # a typed PRNG key is listed live as the uint32 array holding its data;
+                # no public API returns that array (jax.random.key_data makes a new one)
+                base = getattr(leaf, "_base_array", None)
+                if base is not None:
+                    names.setdefault(id(base), (path, category))
+    live = [x for x in jax.live_arrays() if not x.is_deleted()]
+    views = _shard_views(live)
+    per_device: dict[jax.Device, int] = {}
+    entries, others = [], []
+    for x in live:
+        if id(x) in views:
+            continue
+        counts = _bytes_per_device(x)
+        for d, n in counts.items():
+            per_device[d] = per_device.get(d, 0) + n
+        path, category = names.get(id(x), ("<unattributed>", "unattributed"))
+        entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts)
+        (others if category == "unattributed" else entries).append(entry)
+    entries.sort(key=lambda e: -e.total)
+    others.sort(key=lambda e: -e.total)
+    stats = {d: _stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
+    per_device = {d: per_device[d] for d in stats}
+    return MemoryLedger(tuple(entries), tuple(others), per_device, stats)
+
+
+def _named_leaves(name: str, tree: Any):
+    """``(path, leaf, category)`` of every leaf of a named tree."""
+    fields = _state_fields(tree)
+    if fields is None:
+        category = "batch" if name == "batch" else ("params" if name == "params" else "other")
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            yield f"{name}{jax.tree_util.keystr(keys)}", leaf, category
+        return
+    for field in fields:
+        sub = getattr(tree, field)
+        category = _STATE_FIELDS.get(field, "other")
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+            yield f"{name}.{field}{jax.tree_util.keystr(keys)}", leaf, category
+
+
+def _state_fields(tree: Any) -> list[str] | None:
+    """The fields of a train state (jaxdev's NamedTuple or flax's dataclass), else None."""
+    if not all(hasattr(tree, f) for f in ("step", "params", "opt_state")):
+        return None
+    if hasattr(tree, "_fields"):
+        return list(tree._fields)
+    if dataclasses.is_dataclass(tree):
+        return [f.name for f in dataclasses.fields(tree) if f.metadata.get("pytree_node", True)]
+    return ["step", "params", "opt_state"]
+
+
+def _bytes_per_device(x: jax.Array) -> dict[jax.Device, int]:
+    """The bytes of ``x``'s shard on each device holding one (nothing new is created).
+
+    ``x.addressable_shards[i].data`` would make a per-device view array that
+    JAX keeps for the life of ``x`` and lists in ``jax.live_arrays()``: reading
+    memory that way would change it. The shard shape gives the same bytes.
+    """
+    shard = x.sharding.shard_shape(x.shape)
+    n = int(np.prod(shard, dtype=np.int64)) * int(x.itemsize)
+    return dict.fromkeys(x.sharding.addressable_devices, n)
+
+
+def _shard_views(live: list[jax.Array]) -> set[int]:
+    """ids of the per-device views JAX made of multi-device arrays (they alias them).
+
+    JAX caches the shards it hands out in the array's ``__dict__`` (there is no
+    public way to tell a view from an array); counting a view again would count
+    its buffer twice.
+    """
+    views: set[int] = set()
+    for x in live:
+        cached = getattr(x, "__dict__", {}).get("addressable_shards")
+        if cached:
+            views.update(id(s.data) for s in cached)
+    return views
+
+
+def _stats(device: jax.Device) -> Any:
+    try:
+        return device.memory_stats()
+    except Exception:  # CPU and some backends report none
+        return None
+
+
+# ---------------------------------------------------------------- text
+
+
+def _format(ledger: MemoryLedger, top: int = 12) -> str:
+    lines = []
+    head = ("device", "live", "attributed", "allocator in use", "peak", "limit")
+    cats = ledger.by_category()
+    body = []
+    for d, total in ledger.per_device.items():
+        stats = ledger.device_stats.get(d) or {}
+        named = total - cats[d]["unattributed"]
+
+        def stat(key, stats=stats):
+            return human_bytes(stats[key]) if key in stats else "-"
+
+        body.append(
+            (
+                f"{d.platform}:{d.id}",
+                human_bytes(total),
+                human_bytes(named),
+                stat("bytes_in_use"),
+                stat("peak_bytes_in_use"),
+                stat("bytes_limit"),
+            )
+        )
+    lines.append(f"live device memory: {ledger.attributed:.1%} attributed to named trees")
+    lines += text_table(head, body, rstrip=True)
+    rows = [
+        (e.path, e.category, str(e.shape), e.dtype, human_bytes(max(e.bytes_per_device.values())))
+        for e in (ledger.entries + ledger.unattributed)[:top]
+        if e.bytes_per_device
+    ]
+    if rows:
+        lines.append("largest arrays (bytes on the device holding the most):")
+        lines += text_table(("path", "category", "shape", "dtype", "bytes"), rows, rstrip=True)
+    left = len(ledger.entries) + len(ledger.unattributed) - len(rows)
+    if left > 0:
+        lines.append(f"... and {left} smaller arrays")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- picture
+
+_COLORS = {
+    "params": (31, 119, 180),
+    "opt_state": (255, 127, 14),
+    "model_state": (44, 160, 44),
+    "batch": (148, 103, 189),
+    "other": (127, 127, 127),
+    "unattributed": (214, 39, 40),
+    "free": (220, 220, 220),
+}
+_BAR, _GAP, _HEIGHT, _MARGIN = 40, 16, 240, 16
+
+
+def _bars(ledger: MemoryLedger, limit: int | None) -> np.ndarray:
+    """An RGB image: one stacked bar per device, a colour legend at the bottom."""
+    cats = ledger.by_category()
+    devices = list(ledger.per_device) or [None]
+    limits = {}
+    for d in devices:
+        stats = ledger.device_stats.get(d) or {}
+        limits[d] = limit if limit is not None else stats.get("bytes_limit")
+    top = max([sum(cats.get(d, {}).values()) for d in devices] + [v or 0 for v in limits.values()])
+    top = max(top, 1)
+    width = _MARGIN * 2 + len(devices) * (_BAR + _GAP)
+    legend = 20
+    img = np.full((_HEIGHT + 2 * _MARGIN + legend, max(width, 7 * 20 + 2 * _MARGIN), 3), 255)
+    base = _MARGIN + _HEIGHT
+    for i, d in enumerate(devices):
+        x0 = _MARGIN + i * (_BAR + _GAP)
+        y = base
+        parts = [(c, cats.get(d, {}).get(c, 0)) for c in CATEGORIES]
+        used = sum(n for _, n in parts)
+        if limits[d]:
+            parts.append(("free", max(limits[d] - used, 0)))
+        for category, n in parts:
+            h = int(round(_HEIGHT * n / top))
+            if h:
+                img[y - h : y, x0 : x0 + _BAR] = _COLORS[category]
+                y -= h
+        img[base : base + 2, x0 : x0 + _BAR] = 0  # the axis under each bar
+    for j, category in enumerate(_COLORS):  # legend swatches in CATEGORIES order, then free
+        x0 = _MARGIN + j * 20
+        img[-legend + 4 : -4, x0 : x0 + 12] = _COLORS[category]
+    return img.astype(np.uint8)
+
+
+def _write_png(path: str, rgb: np.ndarray) -> None:
+    """Write an 8-bit RGB PNG (zlib + struct, no plotting library)."""
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[r].tobytes() for r in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    png = b"\x89PNG\r\n\x1a\n"
+    png += chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9))
+    png += chunk(b"IEND", b"")
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+__all__ = ["CATEGORIES", "LedgerEntry", "MemoryLedger", "memory"]
