@@ -97,6 +97,7 @@ from ._step import TrainStep as TrainStep
 from ._step import make_eval_step as make_eval_step
 from ._step import make_train_step as make_train_step
 from ._flax import nnx_loss as nnx_loss
+from ._flax import nnx_metrics_update as nnx_metrics_update
 from ._flax import nnx_split as nnx_split
 from ._flax import nnx_update as nnx_update
 

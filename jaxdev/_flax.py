@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ._errors import UsageError
@@ -205,3 +206,97 @@ def nnx_update(model: nnx.Module, state: Any) -> None:
     _check_module(model, "model")
     parts = [state.params] + ([state.model_state] if state.model_state is not None else [])
     nnx.update(model, *parts)
+
+
+def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
+    """``metrics.update(**values)`` counting only the real rows of a padded batch.
+
+    For a loop that keeps ``nnx.MultiMetric`` (``Average``, ``Accuracy``) and
+    ``@nnx.jit`` and uses jaxdev to place batches: ``jaxdev.shard_batch(batch,
+    mesh, pad=True)`` pads to a multiple of the device count with copies of
+    the last row, and a plain ``metrics.update`` counts those copies. Call it
+    where you would call ``metrics.update``, inside or outside ``nnx.jit``.
+
+    flax's own ``mask=`` is silent where this refuses: a scalar (a batch mean,
+    the tutorial's ``loss.mean()``) is counted once per real row, so the
+    padded rows stay in it; a ``(B,)`` mask of ``(B, T)`` per-token values
+    counts rows, not tokens; ``Welford`` and other metrics ignore it. Here
+    every value needs one entry per row, the mask is broadcast to the values'
+    per-element shape (``labels``'; ``logits`` may have one more axis), and a
+    metric other than ``Average`` / ``Accuracy`` is refused.
+
+    Args:
+      metrics: an ``nnx.MultiMetric`` or one ``nnx.metrics.Average`` /
+        ``Accuracy``, updated in place.
+      mask: a :class:`jaxdev.Padded` (its ``mask``), a boolean array with one
+        entry per row, or ``None`` (every row counts).
+      **values: what ``metrics.update`` takes (``loss=``, ``logits=``,
+        ``labels=``, ...), one entry per row (no ``.mean()``).
+
+    Raises:
+      UsageError: a value without one entry per row, values of different
+        per-element shapes, a mask that is not one entry per row, or a
+        metric that cannot leave rows out.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jaxdev
+      >>> from flax import nnx
+      >>> metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+      ...                           loss=nnx.metrics.Average("loss"))
+      >>> padded = jaxdev.shard_batch({"y": np.arange(5) % 2}, jaxdev.data_mesh(), pad=True)
+      >>> logits = jnp.stack([jnp.zeros(8), jnp.ones(8)], -1)  # predicts 1 for every row
+      >>> jaxdev.nnx_metrics_update(metrics, padded, loss=jnp.arange(8.0), logits=logits,
+      ...                           labels=padded.batch["y"])
+      >>> {k: round(float(v), 3) for k, v in metrics.compute().items()}  # rows 0..4 only
+      {'accuracy': 0.4, 'loss': 2.0}
+    """
+    mask = getattr(mask, "mask", mask)  # a Padded
+    if mask is None:
+        metrics.update(**values)
+        return
+    if jnp.ndim(mask) != 1:
+        raise UsageError(
+            f"`mask` must have one entry per row, shape (rows,), got shape {jnp.shape(mask)} "
+            "(the pmap layout?): give the batch laid out by `jaxdev.shard_batch`, or flatten "
+            "both with `jaxdev.unshard_from_pmap`."
+        )
+    _check_maskable(metrics)
+    shape = _element_shape(values, jnp.shape(mask)[0])
+    row = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (len(shape) - 1))
+    metrics.update(**values, mask=jnp.broadcast_to(row, shape))
+
+
+def _check_maskable(metrics: Any) -> None:
+    names = getattr(metrics, "_metric_names", None)  # nnx.MultiMetric's sub-metrics
+    parts = {n: getattr(metrics, n) for n in names} if names is not None else {"": metrics}
+    bad = [
+        f"{n or 'metrics'}: {type(m).__name__}"
+        for n, m in parts.items()
+        if not isinstance(m, nnx.metrics.Average)
+    ]
+    if bad:
+        raise UsageError(
+            "`metrics` can leave padded rows out only through nnx.metrics.Average and its "
+            f"subclasses (Accuracy); these would count them: {', '.join(bad)}. Update them "
+            "with the real rows only (`jaxdev.unpad`), outside the masked call."
+        )
+
+
+def _element_shape(values: dict[str, Any], rows: int) -> tuple[int, ...]:
+    """The per-element shape of ``values`` (the shortest; ``logits`` may add one axis)."""
+    shapes = {name: jnp.shape(v) for name, v in values.items()}
+    for name, s in shapes.items():
+        if not s or s[0] != rows:
+            raise UsageError(
+                f"`{name}` has shape {s}; with a mask every value needs one entry per row, "
+                f"shape ({rows}, ...). A scalar (a batch mean: `loss.mean()`) already counts "
+                "the padded rows: pass per-example values (no `.mean()`)."
+            )
+    shape = min(shapes.values(), key=len)
+    odd = {n: s for n, s in shapes.items() if s != shape and s[:-1] != shape}
+    if odd:
+        raise UsageError(
+            f"values of different per-element shapes: {shapes}; each must be {shape} (or, "
+            "for logits, one more axis). Update the metrics of each shape in its own call."
+        )
+    return shape

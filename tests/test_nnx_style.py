@@ -201,3 +201,67 @@ def test_a_tutorial_loss_without_a_key_in_the_state_says_to_pass_rng():
         jaxdev.nnx_loss(nnx.view(model, deterministic=True), loss_fn), has_state=True
     )
     assert np.isfinite(evaluate(state, evaluate.put_batch(_batch())).fetch()["loss"])
+
+
+def _multimetric():
+    return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+
+def test_nnx_metrics_update_counts_only_the_real_rows_inside_nnx_jit():
+    """A Padded handed whole to an @nnx.jit eval step: exact on 61 rows padded to 64,
+    per row and per token (a (B,) row mask over (B, T) values counts tokens)."""
+    model = Classifier(rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(61, 3, 8)).astype(np.float32)  # 3 "tokens" per row
+    y = rng.integers(0, 4, size=(61, 3)).astype(np.int32)
+
+    @nnx.jit
+    def eval_step(model, rows, tokens, padded):
+        logits = model(padded.batch["x"])  # (B, 3, 4)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, padded.batch["y"])
+        first = {"loss": losses[:, 0], "logits": logits[:, 0], "labels": padded.batch["y"][:, 0]}
+        jaxdev.nnx_metrics_update(rows, padded, **first)
+        jaxdev.nnx_metrics_update(
+            tokens, padded, loss=losses, logits=logits, labels=padded.batch["y"]
+        )
+
+    rows, tokens = _multimetric(), _multimetric()
+    padded = jaxdev.shard_batch({"x": x, "y": y}, jaxdev.data_mesh(), pad=True)
+    assert padded.mask.shape == (64,)
+    eval_step(model, rows, tokens, padded)
+    logits = np.asarray(model(jnp.asarray(x)))
+    losses = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    right = np.argmax(logits, -1) == y
+    got_rows, got_tokens = rows.compute(), tokens.compute()
+    assert float(got_rows["accuracy"]) == pytest.approx(np.mean(right[:, 0]), abs=1e-7)
+    np.testing.assert_allclose(float(got_rows["loss"]), np.mean(losses[:, 0]), rtol=1e-6)
+    assert float(got_tokens["accuracy"]) == pytest.approx(np.mean(right), abs=1e-7)
+    np.testing.assert_allclose(float(got_tokens["loss"]), np.mean(losses), rtol=1e-6)
+    assert int(tokens.loss.count[...]) == 61 * 3  # tokens, not rows
+
+
+def test_nnx_metrics_update_refuses_what_flaxs_mask_gets_wrong_silently():
+    mask = jnp.arange(8) < 5
+    losses, labels = jnp.arange(8.0), jnp.zeros(8, jnp.int32)
+    logits = jnp.zeros((8, 2))
+    # the tutorial's scalar loss.mean(): flax's mask= counts it once per real row
+    with pytest.raises(jaxdev.UsageError, match=r"`loss` has shape \(\); .*no `.mean\(\)`"):
+        jaxdev.nnx_metrics_update(
+            _multimetric(), mask, loss=losses.mean(), logits=logits, labels=labels
+        )
+    blind = _multimetric()
+    blind.update(loss=losses.mean(), logits=logits, labels=labels, mask=mask)
+    assert float(blind.compute()["loss"]) == 3.5  # all 8 rows: the silent case refused above
+    with pytest.raises(jaxdev.UsageError, match="Welford"):
+        jaxdev.nnx_metrics_update(nnx.metrics.Welford(), mask, values=losses)
+    with pytest.raises(jaxdev.UsageError, match=r"shape \(2, 4\)"):
+        jaxdev.nnx_metrics_update(nnx.metrics.Average(), mask.reshape(2, 4), values=losses)
+    with pytest.raises(jaxdev.UsageError, match="different per-element shapes"):
+        jaxdev.nnx_metrics_update(
+            _multimetric(), mask, loss=losses, logits=jnp.zeros((8, 3, 2)), labels=jnp.zeros((8, 3))
+        )
+    one = nnx.metrics.Average()  # one metric, and no mask: every row counts
+    jaxdev.nnx_metrics_update(one, None, values=losses)
+    assert float(one.compute()) == 3.5
+    jaxdev.nnx_metrics_update(one, mask, values=losses)
+    assert float(one.compute()) == pytest.approx((28 + 10) / 13)
