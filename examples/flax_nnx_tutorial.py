@@ -12,8 +12,9 @@ padded to 360 rows, and the 3 padded rows must never count.
    and, under pmap / shard_map, per device.
 2. **The tutorial's own loop.** ``nnx.Optimizer``, ``nnx.MultiMetric`` and
    ``@nnx.jit`` as written; jaxdev only places (``replicate`` the model and
-   optimizer, ``shard_batch`` the batches) and, for the padded test set, hands
-   the mask to ``metrics.update(..., mask=...)``.
+   optimizer, ``shard_batch`` the batches) and, for the padded test set,
+   ``jaxdev.nnx_metrics_update(metrics, mask, ...)`` stands in for
+   ``metrics.update(...)`` so the padded rows are not counted.
 
 Both are checked against the unpadded truth: the eval-mode module run on the
 357 unpadded test rows in one call.
@@ -149,11 +150,12 @@ def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, r
 
 
 @nnx.jit
-def eval_step(model: CNN, metrics: nnx.MultiMetric, batch, mask):
-    """The tutorial's eval_step given the padded batch's mask (per-example losses)."""
+def eval_step(model: CNN, metrics: nnx.MultiMetric, batch, mask=None):
+    """The tutorial's eval_step, with per-example losses and the padded batch's mask."""
     logits = model(batch["image"], None)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    metrics.update(loss=losses, logits=logits, labels=batch["label"], mask=mask)
+    # metrics.update(loss=..., logits=..., labels=...) counting only the real rows
+    jaxdev.nnx_metrics_update(metrics, mask, loss=losses, logits=logits, labels=batch["label"])
 
 
 def with_own_loop(train_data, test):
@@ -179,12 +181,12 @@ def with_own_loop(train_data, test):
     eval_step(eval_model, metrics, padded.batch, padded.mask)
     got = {k: float(v) for k, v in metrics.compute().items()}
     want_loss, want_acc = truth(model, test)
-    print(f"2. own loop, eval with mask=padded.mask: {got}")
+    print(f"2. own loop, eval with jaxdev.nnx_metrics_update: {got}")
     np.testing.assert_allclose(got["loss"], want_loss, rtol=1e-5)
     assert abs(got["accuracy"] - want_acc) < 1e-6, (got, want_acc)
 
     metrics.reset()  # what the tutorial's eval_step counts without the mask
-    eval_step(eval_model, metrics, padded.batch, jnp.ones_like(padded.mask))
+    eval_step(eval_model, metrics, padded.batch)
     blind = {k: float(v) for k, v in metrics.compute().items()}
     print(f"   without the mask (3 copies of the last row counted): {blind}")
     return want_acc
