@@ -140,7 +140,9 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
         module = nnx.merge(graphdef, params, model_state, copy=True)
         if rng is not None and streams:
             keys = jax.random.split(rng, len(streams))
-            nnx.reseed(module, **dict(zip(streams, keys)))
+            # match_shape: a stream with a key per layer (nnx.vmap / scan over layers) gets
+            # one key per layer split from the step's key (flax's default policy raises)
+            nnx.reseed(module, policy="match_shape", **dict(zip(streams, keys)))
         if rng is not None and takes_rngs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         axis = current_device_axis()
@@ -185,8 +187,16 @@ def _fold_device_index(module: nnx.Module, axis: str) -> list[tuple[Any, jax.Arr
         if isinstance(node, nnx.RngStream):
             key = node.key[...]
             saved.append((node.key, key))
-            node.key[...] = jax.random.fold_in(key, index)
+            node.key[...] = _fold_in(key, index)
     return saved
+
+
+def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+    """``jax.random.fold_in`` of every key in ``key`` (a key per layer under nnx.vmap)."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    flat = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
+    return flat.reshape(key.shape)
 
 
 def nnx_update(model: nnx.Module, state: Any) -> None:

@@ -265,3 +265,61 @@ def test_nnx_metrics_update_refuses_what_flaxs_mask_gets_wrong_silently():
     assert float(one.compute()) == 3.5
     jaxdev.nnx_metrics_update(one, mask, values=losses)
     assert float(one.compute()) == pytest.approx((28 + 10) / 13)
+
+
+class Block(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x))
+
+
+class ScanLayers(nnx.Module):
+    """Flax's examples/nnx_toy_examples/06_scan_over_layers.py: a dropout key per layer."""
+
+    def __init__(self, *, n_layers: int, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs: nnx.Rngs):
+            return Block(rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x):
+        @nnx.scan
+        def scan_fn(x, block):
+            return block(x), None
+
+        return scan_fn(x, self.layers)[0]
+
+
+@pytest.mark.parametrize("with_rng", [False, True], ids=["own-keys", "rng"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_scan_over_layers_with_a_dropout_key_per_layer_trains_with_distinct_rows(name, with_rng):
+    """Keys of shape (layers,): the device index is folded into each (was: fold_in's
+    ValueError under pmap / shard_map), and ``rng=`` reseeds them all (was: flax's
+    "Cannot reseed stream ... non-scalar key" on every strategy)."""
+    model = ScanLayers(n_layers=3, rngs=nnx.Rngs(0))
+    seen: list[np.ndarray] = []
+
+    def loss_fn(model, batch):
+        losses = jnp.mean(model(batch["x"]) ** 2, axis=-1)
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), losses)
+        return losses
+
+    step = jaxdev.make_train_step(
+        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+    )
+    params, rest = jaxdev.nnx_split(model)
+    rng = jax.random.key(1) if with_rng else None
+    state = step.init_state(params, SGD, rng=rng, model_state=rest)
+    state, metrics = step(state, step.put_batch(_batch()))
+    assert np.isfinite(metrics.fetch()["loss"])
+    jax.effects_barrier()
+    losses = np.concatenate(seen)
+    assert losses.shape == (ROWS,)
+    assert len(np.unique(losses)) == ROWS  # identical rows: every row its own masks
+    key = state.model_state["layers"]["dropout"]["rngs"]["key"][...]
+    assert key.shape == (3,)
