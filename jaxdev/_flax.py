@@ -138,7 +138,8 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     def wrapped(params, model_state, batch, rng=None, **kwargs):
         # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
         module = nnx.merge(graphdef, params, model_state, copy=True)
-        if rng is not None and streams:
+        saved = _stream_keys(module)  # put back after the call: the stored state stays
+        if rng is not None and streams:  # replicated although each device drew its own keys
             keys = jax.random.split(rng, len(streams))
             # match_shape: a stream with a key per layer (nnx.vmap / scan over layers) gets
             # one key per layer split from the step's key (flax's default policy raises)
@@ -146,14 +147,15 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
         if rng is not None and takes_rngs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         axis = current_device_axis()
-        own = _fold_device_index(module, axis) if rng is None and axis is not None else []
+        if rng is None and axis is not None:
+            _fold_device_index(module, axis)
         try:
             out = loss_fn(module, batch, **kwargs)
         except ValueError as err:
             if takes_rngs and rng is None and "no `rngs`" in str(err):
                 raise UsageError(_NO_KEY) from err
             raise
-        for key_var, key in own:  # the stored streams stay equal on every device
+        for key_var, key in saved:  # the stored streams stay equal on every device
             key_var[...] = key
         _, _, new_state = nnx.split(module, nnx.Param, ...)
         return (*out, new_state) if isinstance(out, tuple) else (out, new_state)
@@ -179,16 +181,20 @@ def _takes_rngs(fn: Callable[..., Any]) -> bool:
     return any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
 
 
-def _fold_device_index(module: nnx.Module, axis: str) -> list[tuple[Any, jax.Array]]:
-    """Fold this device's index into every RNG stream's key; return the keys to put back."""
+def _stream_keys(module: nnx.Module) -> list[tuple[Any, jax.Array]]:
+    """``(key variable, key)`` of every RNG stream of ``module``."""
+    return [
+        (node.key, node.key[...])
+        for _, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.RngStream)
+    ]
+
+
+def _fold_device_index(module: nnx.Module, axis: str) -> None:
+    """Fold this device's index into every RNG stream's key."""
     index = jax.lax.axis_index(axis)
-    saved = []
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.RngStream):
-            key = node.key[...]
-            saved.append((node.key, key))
-            node.key[...] = _fold_in(key, index)
-    return saved
+    for key_var, key in _stream_keys(module):
+        key_var[...] = _fold_in(key, index)
 
 
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:

@@ -323,3 +323,24 @@ def test_scan_over_layers_with_a_dropout_key_per_layer_trains_with_distinct_rows
     assert len(np.unique(losses)) == ROWS  # identical rows: every row its own masks
     key = state.model_state["layers"]["dropout"]["rngs"]["key"][...]
     assert key.shape == (3,)
+
+
+@pytest.mark.parametrize("name", ["pmap", "shard_map"])
+def test_with_rng_the_stored_streams_stay_replicated(name):
+    """rng= reseeds the module's streams per device for the call; the stored keys are the
+    module's own on every device (a replicated state must hold one value)."""
+    model = OwnRngs(rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        return jnp.mean(model(batch["x"]) ** 2, axis=-1)
+
+    step = jaxdev.make_train_step(
+        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+    )
+    params, rest = jaxdev.nnx_split(model)
+    before = np.asarray(jax.random.key_data(rest["dropout"]["rngs"]["key"][...]))
+    state = step.init_state(params, SGD, rng=jax.random.key(3), model_state=rest)
+    state, _ = step(state, step.put_batch(_batch()))
+    key = state.model_state["dropout"]["rngs"]["key"][...]
+    for shard in key.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(shard.data)), before)
