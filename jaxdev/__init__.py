@@ -18,6 +18,7 @@ from ._errors import LeafTypeError as LeafTypeError
 from ._errors import LeafValueError as LeafValueError
 from ._errors import MemoryPlanError as MemoryPlanError
 from ._errors import MetricError as MetricError
+from ._errors import OutOfMemoryError as OutOfMemoryError
 from ._errors import PlacementAssertionError as PlacementAssertionError
 from ._errors import PlacementError as PlacementError
 from ._errors import ShardingError as ShardingError
@@ -76,6 +77,7 @@ from ._plan import plan as plan
 from ._memory import LedgerEntry as LedgerEntry
 from ._memory import MemoryLedger as MemoryLedger
 from ._memory import memory as memory
+from ._explain import MemoryExplanation as MemoryExplanation
 from ._metrics import Accuracy as Accuracy
 from ._metrics import Collection as Collection
 from ._metrics import DeviceLog as DeviceLog

@@ -84,6 +84,7 @@ from ._errors import CheckpointError, join_failures, short
 from ._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
 from ._mesh import mesh_of, replicated_sharding
 from ._multihost import exchange
+from ._oom import explained_oom, is_resource_exhausted
 from ._placement import as_sharding
 
 FORMAT = "jaxdev-checkpoint"
@@ -1075,6 +1076,8 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     try:
         out = reader(ocp.args.Composite(**{item: item_args}))[item]
     except Exception as err:  # a damaged or truncated data file
+        if is_resource_exhausted(err):  # not damage: explained by restore_item
+            raise
         failure = f"{type(err).__name__}: {short(str(err), 400)}"
     if failure is not None:
         with _quiet_leftovers():
@@ -1205,9 +1208,10 @@ def restore_item(path, reader, meta, item, target, rules, what):
     wants, build = _resolve(path, entries, skeleton, target, rules, what)
     reads = _plan(path, entries, wants, what)
     _same_everywhere(path, meta)
-    arrays = _orbax_restore(path, reader, item, entries, reads, what)
-    version = meta.get("version", 1)
-    return build(_finish(path, entries, wants, reads, arrays, version, what))
+    with explained_oom(f"restore of {path} ({what})", lambda: {"target": target}):
+        arrays = _orbax_restore(path, reader, item, entries, reads, what)
+        version = meta.get("version", 1)
+        return build(_finish(path, entries, wants, reads, arrays, version, what))
 
 
 def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:

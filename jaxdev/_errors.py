@@ -52,7 +52,25 @@ class DistributedError(JaxdevError, RuntimeError):
 
 
 class MemoryPlanError(JaxdevError, MemoryError):
-    """A state or step would not fit in device memory (raised before allocating)."""
+    """A state or step would not fit in device memory (raised before allocating).
+
+    Attributes:
+      explanation: the :class:`jaxdev.MemoryExplanation` behind the message
+        (what the compiled step needs, what is live, which compiled changes
+        fit), or ``None`` when the check had no step to compile.
+    """
+
+    explanation: Any = None
+
+
+class OutOfMemoryError(MemoryPlanError):
+    """A device ran out of memory (XLA's ``RESOURCE_EXHAUSTED``) in a jaxdev call.
+
+    The message names what the call needed, what was live on the devices by
+    pytree path (old states still referenced included), the device limit and,
+    for a train step, the changes that fit (each compiled, none run); the
+    XLA error is chained as ``__cause__``.
+    """
 
 
 class CheckpointError(JaxdevError, RuntimeError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -522,6 +522,7 @@ def check_fits(
     *,
     source: str | None = None,
     subject: str | None = None,
+    explain: Callable[[int, str], Any] | None = None,
 ) -> None:
     """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
 
@@ -540,6 +541,10 @@ def check_fits(
       source: where ``limit`` came from, for the message (default: ``limit``).
       subject: what needs the memory, to start the message (e.g. ``the
         train step``).
+      explain: ``explain(limit, source)`` -> a
+        :class:`jaxdev.MemoryExplanation`, called only when the plan does
+        not fit: its details (live arrays by path, compiled options) are
+        added to the message and it is kept as the error's ``explanation``.
 
     Raises:
       MemoryPlanError: the plan needs more than ``limit``.
@@ -576,12 +581,23 @@ def check_fits(
         else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
         "`rules='fsdp'` in `jaxdev.plan`), "
     )
-    raise MemoryPlanError(
+    message = (
         f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
         f"({source}){fsdp_alternative(plan_)}.{' Nothing ran.' if subject else ''} Fix: "
         f"{advice}use more devices, "
         "a smaller batch or `accumulate=`, or raise the limit if it is wrong."
     )
+    explanation = None
+    if explain is not None:
+        try:
+            explanation = explain(limit_, source)
+        except Exception as e:  # advice only: the check's own message stands
+            message += f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
+    if explanation is not None:
+        message += "\n" + explanation.details()
+    err = MemoryPlanError(message)
+    err.explanation = explanation
+    raise err
 
 
 def _no_fsdp_advice(plan_: MemoryPlan) -> bool:

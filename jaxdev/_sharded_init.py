@@ -27,6 +27,7 @@ from ._errors import UsageError
 from ._fingerprint import same_program
 from ._leaves import is_jax_array
 from ._mesh import check_mesh
+from ._oom import explained_oom, plan_lines
 from ._rules import Rules, param_shardings, unbox
 
 
@@ -102,13 +103,15 @@ def init_sharded(
     # no sharding constraint without a mesh in context, and NNX none with eager
     # sharding off. An annotation naming an axis the mesh lacks is then named
     # by the rules (leaf path, spec, mesh), not by a JAX error deep in flax.
-    with nnx.use_eager_sharding(False):
+    needs = lambda: plan_lines(abstract, mesh, rules, options)  # noqa: E731
+    with nnx.use_eager_sharding(False), explained_oom("init_sharded", extra=needs):
         abstract = nnx.eval_shape(call, *dynamic)
         if graphlib.is_graph_node(abstract):
             return _init_nnx(call, dynamic, abstract, mesh, rules, options)
         shardings = param_shardings(abstract, mesh, rules, **options)
         init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
-        return same_program(init, name="init_sharded's init_fn")(*dynamic)
+        out = same_program(init, name="init_sharded's init_fn")(*dynamic)
+        return jax.block_until_ready(out)  # an out-of-memory is raised (and explained) here
 
 
 def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):
@@ -121,7 +124,7 @@ def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[s
 
     init = jax.jit(build, out_shardings=shardings)
     state = same_program(init, name="init_sharded's init_fn")(*dynamic)
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, jax.block_until_ready(state))
 
 
 def _is_dynamic(x: Any) -> bool:

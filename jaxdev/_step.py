@@ -44,10 +44,12 @@ from ._donation import check_donatable
 from ._errors import (
     UsageError,
 )
+from ._explain import MemoryExplanation, explain_args, explain_memory, init_lines, raise_if_oom
 from ._fingerprint import same_program
 from ._init_state import init_by_rules
 from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
+from ._oom import explained_oom
 from ._placement import copy_to, put_leaves, to_device
 from ._plan import check_fits, device_memory_limit, step_plan
 from ._prefetch import Prefetcher
@@ -119,13 +121,13 @@ class _Step:
             fn, args = self._first_call(key, args)
         elif key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
             args = self._relayout(key, args) or args
-        out = fn(*args)
-        if not self._train:
-            self._bound_inflight(out)
-            return out
-        state, metrics, token = out
-        self._bound_inflight(token)
-        return state, metrics
+        try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
+            out = fn(*args)
+            self._bound_inflight(out[2] if self._train else out)
+        except Exception as err:
+            raise_if_oom(self, err, args)
+            raise
+        return out[:2] if self._train else out
 
     def _first_call(self, key: tuple, args: list[Any]) -> tuple[Callable, list[Any]]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
@@ -227,6 +229,38 @@ class _Step:
             args = [treedef.unflatten(flat) for flat, treedef in leaves]
         return jitted.lower(*args)
 
+    def explain_memory(
+        self, state: Any, batch: Any, limit: int | None = None, metrics: Any = None
+    ) -> MemoryExplanation:
+        """What ``step(state, batch)`` needs per device, what is live, and which change fits.
+
+        Nothing runs: the step and each option (``rules='fsdp'``,
+        ``accumulate=M``, ``remat=True``, offloading, half the batch) are
+        compiled for the shapes of ``state`` and ``batch`` (see
+        :class:`jaxdev.MemoryExplanation`). ``str()`` of the result is the
+        text the step's memory errors carry.
+
+        Args:
+          state: the state, or its shapes.
+          batch: the batch as the step takes it, or its shapes.
+          limit: bytes per device (default: the devices' ``bytes_limit``; CPU
+            reports none, and the options then come without a verdict).
+          metrics: the running metrics the call would get.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jaxdev
+          >>> tx = optax.adam(1e-3)
+          >>> step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]).sum(-1), tx,
+          ...                               jaxdev.Strategy.sharded())
+          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create(
+          ...     {"w": jnp.ones((1024, 512))}, tx))
+          >>> why = step.explain_memory(state, jax.ShapeDtypeStruct((64, 1024), "float32"),
+          ...                           limit=6 * 2**20)
+          >>> why.fits, [o.change for o in why.options if o.fits][0]
+          (False, "Strategy.sharded(mesh, rules='fsdp')")
+        """
+        return explain_memory(self, state, batch, limit, metrics=metrics)
+
     def _bound_inflight(self, token: Any) -> None:
         """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
 
@@ -284,15 +318,19 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
-        if self._by_rules:
-            return init_by_rules(self.strategy, params, tx, rng, model_state)
-        if tx is not None:
-            state = TrainState.create(params, tx, rng, model_state)
-        elif model_state is not None or rng is not None:
-            state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
-        else:
-            state = params
-        return copy_to(state, self._target)
+        needs = lambda: init_lines(self, params, tx, rng, model_state)  # noqa: E731
+        with explained_oom("init_state", lambda: {"params": params}, needs):
+            if self._by_rules:
+                return jax.block_until_ready(
+                    init_by_rules(self.strategy, params, tx, rng, model_state)
+                )
+            if tx is not None:
+                state = TrainState.create(params, tx, rng, model_state)
+            elif model_state is not None or rng is not None:
+                state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
+            else:
+                state = params
+            return jax.block_until_ready(copy_to(state, self._target))  # its OOM raised here
 
     def put_batch(self, batch: Any) -> Any:
         """Place a host batch for this strategy; uneven sizes are padded and masked.
@@ -511,7 +549,13 @@ def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
     if plan_.compiled is None:  # the backend does not analyse memory
         return
     kind = "train" if step._train else "eval"
-    check_fits(plan_, limit, source=source, subject=f"the {kind} step")
+    check_fits(
+        plan_,
+        limit,
+        source=source,
+        subject=f"the {kind} step",
+        explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
+    )
 
 
 def _memory_budget(step: TrainStep) -> tuple[int | None, str]:

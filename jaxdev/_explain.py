@@ -1,0 +1,545 @@
+"""Why a step does not fit in device memory, and which change would: every figure compiled.
+
+:func:`explain_memory` (``step.explain_memory(state, batch, limit=...)``)
+returns a :class:`MemoryExplanation`: what the compiled step needs per device
+(``memory_analysis()``: arguments, outputs, donated, temporaries; by
+:func:`jaxdev.plan`, the one owner of those figures), what is live on the
+devices now by pytree path (:func:`jaxdev.memory`, with old copies of the
+state marked), the device limit, and options, each a variant of the step
+*compiled* for the same state and batch, never run: ``rules='fsdp'`` over
+the mesh, ``accumulate=M``, ``remat=True``, the optimizer state (and params)
+offloaded to host memory, half the batch. ``str()`` of it is the text the
+step's memory errors carry: the ``memory_limit`` check before the first run
+(:func:`jaxdev._plan.check_fits`) and :class:`jaxdev.OutOfMemoryError` when
+XLA runs out (``RESOURCE_EXHAUSTED``) during a call.
+
+The batch of a variant is the same global batch laid out for the variant
+(:func:`batch_rows` / :func:`batch_for`: steps-per-call and micro-batch group
+axes, pmap's device axis), so :func:`jaxdev.fit_memory` builds on the same
+functions to search batch sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ._batches import Padded
+from ._errors import OutOfMemoryError, UsageError, short
+from ._memory import MemoryLedger, memory
+from ._mesh import check_mesh
+from ._oom import first_line, is_resource_exhausted, limit_line, live_lines, plan_lines
+from ._plan import (
+    MemoryPlan,
+    device_memory_limit,
+    plan,
+    resolve_limit,
+    step_plan,
+)
+from ._report import human_bytes, text_table
+from ._rules import fsdp_axis_of
+from ._strategy import Strategy
+from ._train import TrainState
+
+# ---------------------------------------------------------------- batches of a layout
+
+
+class BatchRows(NamedTuple):
+    """A batch as rows: what stays when the step's group axes are taken off.
+
+    Attributes:
+      treedef: the batch's structure.
+      leaves: ``(trailing shape, dtype)`` per leaf (the shape of one row).
+      rows: global rows per update (every device, every micro-batch).
+      k: the ``steps_per_call`` axis (1: none).
+    """
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], Any], ...]
+    rows: int
+    k: int
+
+
+def _lead(step: Any) -> tuple[int, int]:
+    """``(steps_per_call, accumulate)`` of the batch a step takes (eval steps: 1, 1)."""
+    if not getattr(step, "_train", True):
+        return 1, 1
+    return step.steps_per_call, step.accumulate
+
+
+def batch_rows(step: Any, batch: Any, arg: str = "batch") -> BatchRows:
+    """Read ``batch`` (as ``step`` takes it: placed, Padded, or shapes) as rows per update.
+
+    Raises:
+      UsageError: a leaf has too few axes for the step's layout, or the
+        leaves disagree on the rows.
+
+    Example:
+      >>> import jax, optax, jaxdev
+      >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
+      >>> batch_rows(step, jax.ShapeDtypeStruct((2, 8, 3), "float32")).rows
+      16
+    """
+    inner = batch.batch if isinstance(batch, Padded) else batch
+    leaves, treedef = jax.tree.flatten(inner)
+    k, m = _lead(step)
+    pmap = step.strategy.kind == "pmap"
+    lead = (k > 1) + (m > 1) + pmap
+    want = ("(devices, " if pmap else "(") + ("K, " if k > 1 else "") + ("M, " if m > 1 else "")
+    out, rows = [], set()
+    for x in leaves:
+        shape = tuple(np.shape(x))
+        if len(shape) <= lead:
+            raise UsageError(
+                f"`{arg}` leaf of shape {shape} has no row axis: this step takes leaves of "
+                f"shape {want}rows, ...) (steps_per_call={k}, accumulate={m})."
+            )
+        n = shape[0] if pmap else 1
+        rows.add(n * m * shape[lead])
+        out.append((shape[lead + 1 :], _dtype(x)))
+    if len(rows) != 1:
+        raise UsageError(f"`{arg}` leaves disagree on their rows: {sorted(rows)}.")
+    k_axis = shape[pmap] if k > 1 else 1
+    return BatchRows(treedef, tuple(out), rows.pop(), k_axis)
+
+
+def _dtype(x: Any) -> Any:
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except Exception:  # typed PRNG keys: no numpy dtype
+        return dtype
+
+
+def batch_for(step: Any, rows: BatchRows, n_rows: int) -> Any:
+    """``ShapeDtypeStruct`` s of a batch of ``n_rows`` global rows per update laid out for ``step``.
+
+    ``n_rows`` should divide by ``accumulate`` (and, under pmap, by
+    ``accumulate`` times the devices); a sharded step pads uneven rows
+    itself when lowered.
+
+    Example:
+      >>> import jax, optax, jaxdev
+      >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
+      >>> r = batch_rows(step, jax.ShapeDtypeStruct((2, 4, 3), "float32"))
+      >>> r.rows, batch_for(step, r, 32).shape
+      (8, (2, 16, 3))
+    """
+    k, m = _lead(step)
+    group = ((rows.k,) if k > 1 else ()) + ((m,) if m > 1 else ())
+    if step.strategy.kind == "pmap":
+        n = step.strategy.n_devices
+        lead = (n,) + group + (n_rows // (m * n),)
+    else:
+        lead = group + (n_rows // m,)
+    leaves = [jax.ShapeDtypeStruct(lead + trailing, dtype) for trailing, dtype in rows.leaves]
+    return rows.treedef.unflatten(leaves)
+
+
+def state_shapes(tree: Any, keep_sharding: bool = True) -> Any:
+    """``tree`` with each array (deleted ones too) as a ``ShapeDtypeStruct``; nothing is read."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x if keep_sharding else jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if isinstance(x, jax.Array):
+            sharding = x.sharding if keep_sharding else None
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, np.ndarray):
+            return jax.ShapeDtypeStruct(x.shape, _dtype(x))
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+# ---------------------------------------------------------------- variants
+
+
+def variant(step: Any, strategy: Strategy | None = None, **config: Any) -> Any:
+    """A step like ``step`` with another strategy or step options (``accumulate``, ``remat``).
+
+    Never called: it is lowered and compiled to read its memory. It has no
+    ``memory_limit`` (the figures are what is asked).
+    """
+    cfg = dataclasses.replace(step._cfg, **config) if config else step._cfg
+    return type(step)(strategy or step.strategy, cfg, step.steps_per_call, step._donate)
+
+
+def sharded_like(strategy: Strategy, **changes: Any) -> Strategy:
+    """``Strategy.sharded`` on ``strategy``'s devices and mesh, its rules and options, changed.
+
+    A ``single`` or ``pmap`` strategy becomes a sharded one over the same
+    devices (the batch split the same way).
+    """
+    kwargs: dict[str, Any] = {"rules": strategy.rules, **strategy.options}
+    offload = getattr(strategy, "offload", ())
+    if offload:
+        kwargs["offload"] = offload
+    kwargs.update(changes)
+    if kwargs.get("rules") == "fsdp":
+        kwargs.pop("logical_axis_rules", None)
+    axis = strategy.axis if strategy.kind == "sharded" else None
+    return Strategy.sharded(check_mesh(strategy.mesh), axis, **kwargs)
+
+
+class MemoryOption(NamedTuple):
+    """One change of a step and what its compiled program needs per device.
+
+    Attributes:
+      change: the change, as code (``"Strategy.sharded(mesh, rules='fsdp')"``).
+      what: a few words on it (``"fsdp over 8 devices"``).
+      peak: compiled bytes per device (arguments + outputs - donated +
+        temporaries), or ``None`` when the variant does not compile.
+      temp: its temporaries.
+      fits: ``peak <= limit`` (``None`` without a limit or a figure).
+      note: why it has no figure, or a remark.
+    """
+
+    change: str
+    what: str
+    peak: int | None
+    temp: int | None
+    fits: bool | None
+    note: str = ""
+
+
+def _compiled(step: Any, state: Any, batch: Any) -> MemoryPlan:
+    return plan(state, step=step, batch=batch)
+
+
+def option(change: str, what: str, step: Any, state: Any, batch: Any, limit: int | None):
+    """Compile ``step`` for ``(state, batch)`` shapes and return its :class:`MemoryOption`."""
+    try:
+        p = _compiled(step, state, batch)
+    except Exception as err:  # an option that does not compile is shown as such
+        return MemoryOption(change, what, None, None, None, f"does not compile: {short(err, 160)}")
+    if p.compiled is None:
+        return MemoryOption(change, what, None, None, None, "the backend gives no memory analysis")
+    fits = None if limit is None else p.peak <= limit
+    return MemoryOption(change, what, p.peak, p.compiled.temp, fits)
+
+
+def _is_fsdp(rules: Any) -> bool:
+    return isinstance(rules, str) and rules == "fsdp"
+
+
+def fsdp_option(step: Any, state: Any, rows: BatchRows, limit: int | None) -> MemoryOption | None:
+    """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply."""
+    strategy = step.strategy
+    if strategy.mesh.size < 2 or _is_fsdp(strategy.rules):
+        return None
+    try:
+        fsdp = sharded_like(strategy, rules="fsdp")
+        axis = fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis"))
+    except Exception:  # a mesh fsdp cannot use: no option
+        return None
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    n = math.prod(fsdp.mesh.shape[a] for a in names)
+    change = "Strategy.sharded(mesh, rules='fsdp')"
+    s = variant(step, fsdp)
+    return option(
+        change, f"fsdp over {n} devices", s, state_shapes(state, False), _same(s, rows), limit
+    )
+
+
+def _same(step: Any, rows: BatchRows) -> Any:
+    return batch_for(step, rows, rows.rows)
+
+
+def accumulate_options(step, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
+    """``accumulate=M`` for M = 2, 4, ... times the step's, until one fits (4 compiles at most)."""
+    m, n = step.accumulate, _row_devices(step)
+    out = []
+    for factor in (2, 4, 8, 16):
+        big = m * factor
+        if rows.rows % (big * n):  # micro-batches the devices split evenly
+            break
+        s = variant(step, accumulate=big)
+        micro = rows.rows // big
+        what = f"{big} micro-batches of {micro} row{'s' if micro != 1 else ''}"
+        out.append(option(f"accumulate={big}", what, s, state, _same(s, rows), limit))
+        if out[-1].fits:
+            break
+    return out
+
+
+def _row_devices(step: Any) -> int:
+    """How many ways a step splits the batch rows."""
+    return step.strategy.n_devices
+
+
+def remat_option(step, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
+    """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
+    if not hasattr(step._cfg, "remat") or step._cfg.remat:
+        return None
+    s = variant(step, remat=True)
+    return option("remat=True", "loss rematerialised", s, state, _same(s, rows), limit)
+
+
+def offload_options(step, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
+    """The optimizer state (then params too) kept in host memory, streamed in by the step."""
+    if not hasattr(step.strategy, "offload"):
+        return []
+    have = set(getattr(step.strategy, "offload", ()))
+    if getattr(state, "opt_state", None) is None or step.strategy.shard_map:
+        return []
+    out = []
+    for fields in (("opt_state",), ("params", "opt_state")):
+        if set(fields) <= have:
+            continue
+        try:
+            strategy = sharded_like(step.strategy, offload=tuple(sorted(have | set(fields))))
+        except Exception:  # a strategy offload does not apply to
+            return out
+        s = variant(step, strategy)
+        text = fields[0] if len(fields) == 1 else fields
+        what = "opt_state in pinned_host" if len(fields) == 1 else "params + opt_state in host"
+        keep = step.strategy.kind == "sharded"
+        out.append(
+            option(
+                f"Strategy.sharded(mesh, offload={text!r})",
+                what,
+                s,
+                state_shapes(state, keep),
+                _same(s, rows),
+                limit,
+            )
+        )
+        if out[-1].fits:
+            break
+    return out
+
+
+def half_batch_option(step, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
+    """Half the global batch (rows that still split over the devices and micro-batches)."""
+    k, m = _lead(step)
+    unit = m * _row_devices(step)
+    half = (rows.rows // 2) // unit * unit
+    if half < unit or half == rows.rows:
+        return None
+    what = f"now {rows.rows} rows per step"
+    return option(f"a batch of {half} rows", what, step, state, batch_for(step, rows, half), limit)
+
+
+def memory_options(step: Any, state: Any, batch: Any, limit: int | None) -> list[MemoryOption]:
+    """Every option for ``step`` on ``(state, batch)``, each compiled (none run)."""
+    rows = batch_rows(step, batch)
+    shapes = state_shapes(state)
+    out: list[MemoryOption | None] = [fsdp_option(step, shapes, rows, limit)]
+    if getattr(step, "_train", False):
+        out += accumulate_options(step, shapes, rows, limit)
+        out.append(remat_option(step, shapes, rows, limit))
+        out += offload_options(step, shapes, rows, limit)
+    out.append(half_batch_option(step, shapes, rows, limit))
+    return [o for o in out if o is not None]
+
+
+# ---------------------------------------------------------------- explanation
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryExplanation:
+    """What a step needs in device memory, what is live, and which compiled change fits.
+
+    ``str(explanation)`` is the text of the step's memory errors.
+
+    Attributes:
+      subject: what needs the memory (``'the train step'``).
+      plan: the :class:`jaxdev.MemoryPlan` of the step as it is (compiled:
+        ``plan.compiled`` holds ``memory_analysis()``'s figures).
+      limit: bytes per device available, or ``None`` when neither given nor
+        reported by the backend (CPU).
+      source: where ``limit`` came from.
+      ledger: the live arrays when it was made (:func:`jaxdev.memory`).
+      options: one :class:`MemoryOption` per change, each compiled.
+      live: the "live now" lines (largest arrays by path, old copies).
+      error: XLA's message when a call ran out of memory.
+    """
+
+    subject: str
+    plan: MemoryPlan
+    limit: int | None
+    source: str
+    ledger: MemoryLedger | None
+    options: tuple[MemoryOption, ...]
+    live: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def needed(self) -> int:
+        """Bytes per device the step needs (the compiled peak)."""
+        return self.plan.peak
+
+    @property
+    def fits(self) -> bool | None:
+        """``needed <= limit`` (``None`` without a limit)."""
+        return None if self.limit is None else self.needed <= self.limit
+
+    def headline(self) -> str:
+        """The first line: what ran out, or what is needed against what is available."""
+        if self.error is not None:
+            return f"{self.subject} ran out of device memory ({self.error})"
+        if self.limit is None:
+            return f"{self.subject} needs {human_bytes(self.needed)} per device ({self.source})"
+        return (
+            f"{self.subject} needs {human_bytes(self.needed)} per device, "
+            f"{human_bytes(self.limit)} available ({self.source})"
+        )
+
+    def details(self) -> str:
+        """Everything after the headline: compiled figures, live arrays, limit, options."""
+        lines = []
+        c = self.plan.compiled
+        if c is not None:
+            lines.append(
+                f"compiled step (memory_analysis, per device): arguments "
+                f"{human_bytes(c.argument)} + outputs {human_bytes(c.output)} - donated "
+                f"{human_bytes(c.alias)} + temporaries {human_bytes(c.temp)} = "
+                f"{human_bytes(c.peak)}"
+            )
+        rows = ", ".join(f"{r.category} {human_bytes(r.bytes_per_device)}" for r in self.plan.rows)
+        lines.append(f"state and batch per device (jaxdev.plan): {rows}")
+        lines += self.live
+        if self.error is not None or self.limit is None:
+            lines.append(limit_line(self.plan.mesh.devices.flat))
+        if self.options:
+            lines.append("options, each compiled for this state and batch (none run):")
+            lines += ["  " + line for line in self.option_table()]
+        return "\n".join(lines)
+
+    def option_table(self) -> list[str]:
+        """The options as table lines."""
+        head = ("change", "what", "peak/device", "temporaries", "fits")
+        body = [
+            (
+                o.change,
+                o.what,
+                "-" if o.peak is None else human_bytes(o.peak),
+                "-" if o.temp is None else human_bytes(o.temp),
+                o.note or ("?" if o.fits is None else "yes" if o.fits else "no"),
+            )
+            for o in self.options
+        ]
+        return text_table(head, body, rstrip=True)
+
+    def __str__(self) -> str:
+        return self.headline() + "\n" + self.details()
+
+
+def explain_memory(
+    step: Any,
+    state: Any,
+    batch: Any,
+    limit: int | None = None,
+    *,
+    metrics: Any = None,
+    source: str | None = None,
+    plan_: MemoryPlan | None = None,
+    error: str | None = None,
+) -> MemoryExplanation:
+    """What ``step(state, batch)`` needs, what is live, and which compiled change fits.
+
+    Nothing runs and nothing is allocated: the step and every option are
+    lowered and compiled for the shapes of ``state`` and ``batch``.
+    ``TrainStep.explain_memory`` calls it.
+
+    Args:
+      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep`.
+      state: the state (arrays, deleted ones too, or ``ShapeDtypeStruct`` s).
+      batch: the batch as the step takes it (placed, :class:`jaxdev.Padded`,
+        or shapes).
+      limit: bytes per device; ``None``: the devices' ``bytes_limit`` where
+        the backend reports one (CPU reports none: the options are then
+        listed without a verdict).
+      metrics: the running metrics the call gets, if any.
+      source: where ``limit`` came from, for the text.
+      plan_: the step's plan, when the caller compiled it already.
+      error: XLA's message, when a call ran out of memory.
+
+    Returns:
+      A :class:`MemoryExplanation`.
+    """
+    mesh = check_mesh(step.strategy.mesh)
+    if limit is None:
+        devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        limit = device_memory_limit(devices)
+        found = "bytes_limit of the devices" if limit is not None else "no limit known"
+    else:
+        limit, found = resolve_limit(limit, mesh)
+    batch_rows(step, batch)  # a batch the step cannot take is named before compiling
+    shapes = state_shapes(state)
+    batch_shapes = state_shapes(batch)
+    if plan_ is None:
+        lowered = step.lower(shapes, batch_shapes, state_shapes(metrics))
+        plan_ = step_plan(step, shapes, batch_shapes, lowered)
+    trees = {"state": state, "batch": batch}
+    ledger, live = _live(trees)
+    options = memory_options(step, shapes, batch_shapes, limit)
+    subject = f"the {'train' if getattr(step, '_train', True) else 'eval'} step"
+    return MemoryExplanation(
+        subject, plan_, limit, source or found, ledger, tuple(options), live, error
+    )
+
+
+def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
+    try:
+        ledger = memory(**trees)
+        return ledger, tuple(live_lines(ledger, trees))
+    except Exception as e:  # the explanation never fails on the ledger
+        return None, (f"live now: could not read the ledger ({type(e).__name__}: {e})",)
+
+
+# ---------------------------------------------------------------- out of memory
+
+
+def split_args(args: list[Any]) -> tuple[Any, Any, Any]:
+    """``(state, batch, metrics)`` of a compiled step's ``[state, batch, (mask), (metrics)]``.
+
+    A mask makes the batch a :class:`jaxdev.Padded` again.
+    """
+    state, batch, rest = args[0], args[1], list(args[2:])
+    if rest and isinstance(rest[0], jax.Array):
+        batch = Padded(batch, rest.pop(0), 0)
+    return state, batch, (rest[0] if rest else None)
+
+
+def explain_args(step: Any, args: list[Any], **kwargs: Any) -> MemoryExplanation:
+    """:func:`explain_memory` of a compiled step's arguments (see :func:`split_args`)."""
+    state, batch, metrics = split_args(args)
+    return explain_memory(step, state, batch, metrics=metrics, **kwargs)
+
+
+def raise_if_oom(step: Any, err: BaseException, args: list[Any]) -> None:
+    """Raise :class:`OutOfMemoryError` (from ``err``) when a call ran out of memory; else return.
+
+    ``args`` are the call's ``[state, batch, (mask), (metrics)]``; donated
+    arrays among them may be deleted (their shapes are all that is read).
+    """
+    if not is_resource_exhausted(err):
+        return
+    try:
+        explanation = explain_args(step, args, error=first_line(err))
+        text = str(explanation)
+    except Exception as e:  # never hide the out-of-memory behind a second error
+        explanation = None
+        text = (
+            f"the step ran out of device memory ({first_line(err)}); explaining it failed "
+            f"({type(e).__name__}: {short(e, 200)})"
+        )
+    exc = OutOfMemoryError(text)
+    exc.explanation = explanation
+    raise exc from err
+
+
+def init_lines(step: Any, params: Any, tx: Any, rng: Any, model_state: Any) -> list[str]:
+    """What ``init_state`` needed (the plan of the state it builds), for its OOM message."""
+    if tx is not None:
+        shapes = jax.eval_shape(lambda: TrainState.create(params, tx, rng, model_state))
+    else:
+        shapes = state_shapes(params)
+    strategy = step.strategy
+    return plan_lines(shapes, strategy.mesh, strategy.rules, strategy.options)

@@ -1,0 +1,211 @@
+"""Memory errors that explain themselves (issue 20): compiled needs, live arrays, options.
+
+Every option an explanation prints is followed here: the changed step is
+built as the option says and compiled (its peak is the option's figure), and
+each option marked as fitting runs one real step under ``memory_limit``.
+On CPU a real ``RESOURCE_EXHAUSTED`` comes from a step whose temporaries
+need 1 TiB (malloc refuses it at once; nothing is touched).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdev
+from jaxdev._explain import batch_for, batch_rows
+
+TX = optax.adam(1e-3)
+
+
+def loss_fn(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w0"])
+    h = jnp.tanh(h @ params["w1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    shapes = {"w0": (128, 512), "w1": (512, 512), "w2": (512, 8)}
+    return {k: jnp.asarray(rng.normal(0, 0.05, s), jnp.float32) for k, s in shapes.items()}
+
+
+def _host_batch(rows: int = 1024) -> dict:
+    rng = np.random.default_rng(1)
+    return {
+        "x": rng.normal(size=(rows, 128)).astype(np.float32),
+        "y": rng.normal(size=(rows, 8)).astype(np.float32),
+    }
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _followed(change: str, mesh) -> tuple[jaxdev.Strategy, dict, int | None]:
+    """The strategy, step options and batch rows an option's text asks for."""
+    if change == "Strategy.sharded(mesh, rules='fsdp')":
+        return jaxdev.Strategy.sharded(mesh, rules="fsdp"), {}, None
+    if m := re.fullmatch(r"accumulate=(\d+)", change):
+        return jaxdev.Strategy.sharded(mesh), {"accumulate": int(m.group(1))}, None
+    if m := re.fullmatch(r"a batch of (\d+) rows", change):
+        return jaxdev.Strategy.sharded(mesh), {}, int(m.group(1))
+    if change == "remat=True":
+        return jaxdev.Strategy.sharded(mesh), {"remat": True}, None
+    if m := re.fullmatch(r"Strategy\.sharded\(mesh, offload=(.+)\)", change):
+        offload = eval(m.group(1))  # the option's own repr: 'opt_state' or a tuple
+        return jaxdev.Strategy.sharded(mesh, offload=offload), {}, None
+    raise AssertionError(f"an option this test cannot follow: {change}")
+
+
+def test_every_option_is_compiled_and_each_that_fits_runs_under_the_limit():
+    mesh = jaxdev.data_mesh()
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+    batch = _shapes(_host_batch())
+    need = jaxdev.plan(state, step=step, batch=batch).peak
+    limit = need - 1
+    why = step.explain_memory(state, batch, limit=limit)
+    assert isinstance(why, jaxdev.MemoryExplanation)
+    assert why.needed == need and why.limit == limit and why.fits is False
+    text = str(why)
+    assert text.startswith(f"the train step needs {jaxdev._report.human_bytes(need)} per device")
+    assert "compiled step (memory_analysis, per device): arguments" in text
+    assert "options, each compiled for this state and batch (none run):" in text
+    changes = [o.change for o in why.options]
+    assert changes[0] == "Strategy.sharded(mesh, rules='fsdp')" and "a batch of 512 rows" in changes
+    fitting = [o for o in why.options if o.fits]
+    assert len(fitting) >= 2, text
+    for o in why.options:  # the figure is the followed change's compiled peak
+        strategy, options, rows = _followed(o.change, mesh)
+        followed = jaxdev.make_train_step(loss_fn, TX, strategy, **options)
+        shapes = batch_for(followed, batch_rows(step, batch), rows or 1024)
+        assert jaxdev.plan(state, step=followed, batch=shapes).peak == o.peak, o
+        assert o.fits == (o.peak <= limit)
+    for o in fitting:  # and it runs under the limit (the step checks before running)
+        strategy, options, rows = _followed(o.change, mesh)
+        run = jaxdev.make_train_step(loss_fn, TX, strategy, memory_limit=limit, **options)
+        new, metrics = run(run.init_state(_params(), TX), run.put_batch(_host_batch(rows or 1024)))
+        assert int(new.step) == 1 and np.isfinite(metrics.fetch()["loss"]), o
+
+
+def test_the_memory_limit_error_carries_the_same_explanation():
+    mesh = jaxdev.data_mesh()
+    loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    state = loose.init_state(_params(), TX)
+    history = [jax.tree.map(jnp.copy, state.params) for _ in range(2)]  # a leak
+    batch = loose.put_batch(_host_batch())
+    need = jaxdev.plan(jax.eval_shape(lambda: state), step=loose, batch=batch).peak
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=need - 1)
+    with pytest.raises(jaxdev.MemoryPlanError) as err:
+        step(state, batch)
+    text = str(err.value)
+    # the check's own sentence first (one owner: _plan.check_fits), then the explanation
+    assert text.startswith("the train step needs ") and "available (memory_limit)" in text
+    assert "Nothing ran." in text
+    why = err.value.explanation
+    assert isinstance(why, jaxdev.MemoryExplanation) and why.limit == need - 1
+    assert why.source == "memory_limit" and why.details() in text
+    assert "state.opt_state[0].mu['w1']" in text  # live now, by path
+    assert "2 unattributed arrays shaped like state.params['w1'] (old copies" in text
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing ran
+    assert [o.change for o in why.options] == [
+        o.change for o in step.explain_memory(state, batch, limit=need - 1).options
+    ]
+    del history
+
+
+REAL_OOM = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # the allocation fails in the call
+import jax.numpy as jnp, numpy as np, optax, jaxdev
+
+def huge_loss(params, batch):  # temporaries of 8 x 4 x 2**33 float32 (1 TiB): malloc refuses
+    h = batch @ params["w"]
+    big = h[:, :, None] * jnp.arange(2**33, dtype=jnp.float32)[None, None]
+    return jnp.sort(big, axis=-1)[..., -3:].sum((-1, -2))
+
+tx = optax.sgd(0.1)
+step = jaxdev.make_train_step(huge_loss, tx, jaxdev.Strategy.single())
+state = step.init_state({"w": jnp.ones((4, 4))}, tx)
+batch = step.put_batch(np.ones((8, 4), np.float32))
+try:
+    step(state, batch)
+except jaxdev.OutOfMemoryError as e:
+    assert isinstance(e, jaxdev.MemoryPlanError) and isinstance(e, MemoryError)
+    assert isinstance(e.__cause__, jax.errors.JaxRuntimeError), repr(e.__cause__)
+    assert e.explanation.error.startswith("RESOURCE_EXHAUSTED")
+    print(e)
+"""
+
+
+def test_a_real_resource_exhausted_becomes_an_explained_out_of_memory_error():
+    """A real XLA out-of-memory on CPU, raised in the call (synchronous dispatch, as a GPU's
+    allocation at launch): the step raises OutOfMemoryError with the whole explanation."""
+    from conftest import run_python
+
+    proc = run_python(REAL_OOM, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert text.startswith("the train step ran out of device memory (RESOURCE_EXHAUSTED: ")
+    assert "temporaries 6144.0 GiB" in text  # what the compiled step needed
+    assert "live now on cpu:0" in text and "batch  8x4" in text  # the donated state is gone
+    assert "device limit: not reported by the cpu backend" in text
+    assert "a batch of 4 rows" in text and "3072.0 GiB" in text  # an option, compiled
+
+
+def test_init_sharded_runs_out_of_memory_with_an_explanation():
+    mesh = jaxdev.make_mesh({"fsdp": 8})
+
+    def init(key):  # 2 TiB of params, 256 GiB per device once sharded: malloc refuses
+        return {"w": jax.random.normal(key, (2**39,), jnp.float32)}
+
+    with pytest.raises(jaxdev.OutOfMemoryError) as err:
+        jaxdev.init_sharded(init, jax.random.key(0), mesh=mesh, rules="fsdp")
+    text = str(err.value)
+    assert text.startswith("init_sharded ran out of device memory (RESOURCE_EXHAUSTED")
+    assert "it needs 256.0 GiB per device (jaxdev.plan)" in text
+    assert "device limit: not reported by the cpu backend" in text
+
+
+def test_init_state_and_restore_name_what_they_needed(monkeypatch, tmp_path):
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4194304 bytes.")
+
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded())
+    monkeypatch.setattr(jaxdev._step, "copy_to", exhausted)
+    with pytest.raises(jaxdev.OutOfMemoryError) as err:
+        step.init_state(_params(), TX)
+    text = str(err.value)
+    assert text.startswith("init_state ran out of device memory (RESOURCE_EXHAUSTED: Out of ")
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+    full = jaxdev.plan(state, jaxdev.data_mesh()).total
+    assert f"it needs {jaxdev._report.human_bytes(full)} per device (jaxdev.plan); " in text
+    assert "with rules='fsdp' over 8 devices: " in text
+    monkeypatch.undo()
+
+    jaxdev.save(tmp_path / "c", {"w": jnp.ones(8)})
+    monkeypatch.setattr(jaxdev._checkpoint, "_orbax_restore", exhausted)
+    with pytest.raises(jaxdev.OutOfMemoryError, match=r"^restore of .* ran out of device memory"):
+        jaxdev.restore(tmp_path / "c", "cpu:0")
+    # anything else is still the checkpoint's own error
+    monkeypatch.setattr(
+        jaxdev._checkpoint, "_orbax_restore", lambda *a: (_ for _ in ()).throw(OSError("gone"))
+    )
+    with pytest.raises(OSError, match="gone"):
+        jaxdev.restore(tmp_path / "c", "cpu:0")
+
+
+def test_explain_memory_bad_inputs_are_named():
+    step = jaxdev.make_train_step(loss_fn, TX)
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+    with pytest.raises(jaxdev.UsageError, match="`limit` must be a number of bytes"):
+        step.explain_memory(state, _shapes(_host_batch(8)), limit="16GB")
+    with pytest.raises(jaxdev.UsageError, match="`batch` leaf of shape \\(\\) has no row axis"):
+        step.explain_memory(state, {"x": jax.ShapeDtypeStruct((), jnp.float32)}, limit=2**30)
