@@ -78,6 +78,8 @@ from ._memory import LedgerEntry as LedgerEntry
 from ._memory import MemoryLedger as MemoryLedger
 from ._memory import memory as memory
 from ._explain import MemoryExplanation as MemoryExplanation
+from ._fit import MemoryFit as MemoryFit
+from ._fit import fit_memory as fit_memory
 from ._metrics import Accuracy as Accuracy
 from ._metrics import Collection as Collection
 from ._metrics import DeviceLog as DeviceLog

@@ -227,7 +227,24 @@ def _is_fsdp(rules: Any) -> bool:
     return isinstance(rules, str) and rules == "fsdp"
 
 
-def fsdp_option(step: Any, state: Any, rows: BatchRows, limit: int | None) -> MemoryOption | None:
+class Variant(NamedTuple):
+    """A changed step, not yet compiled.
+
+    Attributes:
+      change: the change, as code.
+      what: a few words on it.
+      step: the changed step.
+      keep_sharding: whether the state's own shardings stay those of the
+        changed step's inputs (``False``: lower it from plain shapes).
+    """
+
+    change: str
+    what: str
+    step: Any
+    keep_sharding: bool
+
+
+def fsdp_variant(step: Any) -> Variant | None:
     """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply."""
     strategy = step.strategy
     if strategy.mesh.size < 2 or _is_fsdp(strategy.rules):
@@ -240,10 +257,61 @@ def fsdp_option(step: Any, state: Any, rows: BatchRows, limit: int | None) -> Me
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     n = math.prod(fsdp.mesh.shape[a] for a in names)
     change = "Strategy.sharded(mesh, rules='fsdp')"
-    s = variant(step, fsdp)
-    return option(
-        change, f"fsdp over {n} devices", s, state_shapes(state, False), _same(s, rows), limit
-    )
+    return Variant(change, f"fsdp over {n} devices", variant(step, fsdp), False)
+
+
+def remat_variant(step: Any) -> Variant | None:
+    """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
+    if not getattr(step, "_train", False) or getattr(step._cfg, "remat", True):
+        return None
+    return Variant("remat=True", "loss rematerialised", variant(step, remat=True), True)
+
+
+def offload_variants(step: Any, state: Any) -> list[Variant]:
+    """The optimizer state, then params too, kept in host memory and streamed in by the step."""
+    strategy = step.strategy
+    if not hasattr(strategy, "offload") or strategy.shard_map:
+        return []
+    if not getattr(step, "_train", False) or getattr(state, "opt_state", None) is None:
+        return []
+    have, out = set(strategy.offload), []
+    for fields in (("opt_state",), ("params", "opt_state")):
+        if set(fields) <= have:
+            continue
+        try:
+            changed = sharded_like(strategy, offload=tuple(sorted(have | set(fields))))
+        except Exception:  # a strategy offload does not apply to
+            break
+        text = fields[0] if len(fields) == 1 else fields
+        what = "opt_state in pinned_host" if len(fields) == 1 else "params + opt_state in host"
+        change = f"Strategy.sharded(mesh, offload={text!r})"
+        out.append(Variant(change, what, variant(step, changed), strategy.kind == "sharded"))
+    return out
+
+
+def all_variant(step: Any, state: Any) -> Variant | None:
+    """fsdp, remat and params + optimizer state offloaded, together (what can apply)."""
+    strategy, changes, config = step.strategy, {}, {}
+    if fsdp_variant(step) is not None:
+        changes["rules"] = "fsdp"
+    if offload_variants(step, state):
+        changes["offload"] = ("opt_state", "params")
+    if remat_variant(step) is not None:
+        config["remat"] = True
+    if len(changes) + len(config) < 2:
+        return None
+    try:
+        changed = sharded_like(strategy, **changes) if changes else strategy
+    except Exception:  # advice only
+        return None
+    parts = [f"{k}={v!r}" for k, v in changes.items()] + [f"{k}=True" for k in config]
+    keep = not changes or ("rules" not in changes and strategy.kind == "sharded")
+    return Variant(", ".join(parts), "all together", variant(step, changed, **config), keep)
+
+
+def option_of(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOption:
+    """Compile the variant ``v`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
+    return option(v.change, v.what, v.step, state_shapes(state, v.keep_sharding), batch, limit)
 
 
 def _same(step: Any, rows: BatchRows) -> Any:
@@ -272,48 +340,6 @@ def _row_devices(step: Any) -> int:
     return step.strategy.n_devices
 
 
-def remat_option(step, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
-    """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
-    if not hasattr(step._cfg, "remat") or step._cfg.remat:
-        return None
-    s = variant(step, remat=True)
-    return option("remat=True", "loss rematerialised", s, state, _same(s, rows), limit)
-
-
-def offload_options(step, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
-    """The optimizer state (then params too) kept in host memory, streamed in by the step."""
-    if not hasattr(step.strategy, "offload"):
-        return []
-    have = set(getattr(step.strategy, "offload", ()))
-    if getattr(state, "opt_state", None) is None or step.strategy.shard_map:
-        return []
-    out = []
-    for fields in (("opt_state",), ("params", "opt_state")):
-        if set(fields) <= have:
-            continue
-        try:
-            strategy = sharded_like(step.strategy, offload=tuple(sorted(have | set(fields))))
-        except Exception:  # a strategy offload does not apply to
-            return out
-        s = variant(step, strategy)
-        text = fields[0] if len(fields) == 1 else fields
-        what = "opt_state in pinned_host" if len(fields) == 1 else "params + opt_state in host"
-        keep = step.strategy.kind == "sharded"
-        out.append(
-            option(
-                f"Strategy.sharded(mesh, offload={text!r})",
-                what,
-                s,
-                state_shapes(state, keep),
-                _same(s, rows),
-                limit,
-            )
-        )
-        if out[-1].fits:
-            break
-    return out
-
-
 def half_batch_option(step, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
     """Half the global batch (rows that still split over the devices and micro-batches)."""
     k, m = _lead(step)
@@ -329,11 +355,19 @@ def memory_options(step: Any, state: Any, batch: Any, limit: int | None) -> list
     """Every option for ``step`` on ``(state, batch)``, each compiled (none run)."""
     rows = batch_rows(step, batch)
     shapes = state_shapes(state)
-    out: list[MemoryOption | None] = [fsdp_option(step, shapes, rows, limit)]
+    out: list[MemoryOption | None] = []
+    fsdp = fsdp_variant(step)
+    if fsdp is not None:
+        out.append(option_of(fsdp, shapes, _same(fsdp.step, rows), limit))
     if getattr(step, "_train", False):
         out += accumulate_options(step, shapes, rows, limit)
-        out.append(remat_option(step, shapes, rows, limit))
-        out += offload_options(step, shapes, rows, limit)
+        remat = remat_variant(step)
+        if remat is not None:
+            out.append(option_of(remat, shapes, _same(remat.step, rows), limit))
+        for v in offload_variants(step, shapes):
+            out.append(option_of(v, shapes, _same(v.step, rows), limit))
+            if out[-1].fits:
+                break
     out.append(half_batch_option(step, shapes, rows, limit))
     return [o for o in out if o is not None]
 

@@ -490,8 +490,13 @@ def device_memory_limit(devices: Any) -> int | None:
     return min(limits, default=None)
 
 
-def resolve_limit(limit: Any, mesh: Mesh) -> tuple[int, str]:
-    """``(bytes, where it came from)`` for a ``limit`` argument (None = the devices' limit)."""
+def resolve_limit(
+    limit: Any, mesh: Mesh, example: str = "plan.fits(limit=16 * 2**30)"
+) -> tuple[int, str]:
+    """``(bytes, where it came from)`` for a ``limit`` argument (None = the devices' limit).
+
+    ``example`` is the call shown when the backend reports no limit.
+    """
     if limit is None:
         devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         found = device_memory_limit(devices)
@@ -500,7 +505,7 @@ def resolve_limit(limit: Any, mesh: Mesh) -> tuple[int, str]:
             raise UsageError(
                 f"the {platform} backend reports no memory limit (`memory_stats()` has no "
                 "'bytes_limit'), so there is nothing to compare with: pass `limit=` in bytes "
-                "per device, e.g. `plan.fits(limit=16 * 2**30)`."
+                f"per device, e.g. `{example}`."
             )
         return found, "bytes_limit of the devices"
     if (

@@ -1,0 +1,143 @@
+"""The largest batch that fits (issue 20), found by compiling, never by running.
+
+For every result: the configuration returned compiles with a peak within the
+limit, the next larger batch (one more row per device, ``accumulate`` more
+under gradient accumulation) compiles above it, and the batch found really
+trains under ``memory_limit``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdev
+from jaxdev._explain import batch_for, batch_rows
+
+TX = optax.adam(1e-3)
+MiB = 2**20
+
+
+def loss_fn(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w0"])
+    return jnp.mean((h @ params["w1"] - batch["y"]) ** 2, axis=-1)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w0": jnp.asarray(rng.normal(0, 0.05, (64, 256)), jnp.float32),
+        "w1": jnp.asarray(rng.normal(0, 0.05, (256, 4)), jnp.float32),
+    }
+
+
+def _state():
+    return jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+
+
+def _example(rows: int = 16, lead: tuple[int, ...] = ()) -> dict:
+    return {
+        "x": jax.ShapeDtypeStruct(lead + (rows, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct(lead + (rows, 4), jnp.float32),
+    }
+
+
+def _peak(step, rows_of, per_device: int) -> int:
+    batch = batch_for(step, rows_of, per_device * step.strategy.n_devices)
+    return jaxdev.plan(_state(), step=step, batch=batch).peak
+
+
+def _host(rows: int) -> dict:
+    rng = np.random.default_rng(rows)
+    return {
+        "x": rng.normal(size=(rows, 64)).astype(np.float32),
+        "y": rng.normal(size=(rows, 4)).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy, options, example",
+    [
+        (lambda: jaxdev.Strategy.sharded(), {}, _example()),
+        (lambda: jaxdev.Strategy.single(), {}, _example()),
+        (lambda: jaxdev.Strategy.pmap(), {}, _example(2, (8,))),
+        (lambda: jaxdev.Strategy.sharded(), {"accumulate": 2}, _example(8, (2,))),
+    ],
+    ids=["sharded", "single", "pmap", "accumulate2"],
+)
+def test_the_batch_found_fits_and_the_next_larger_does_not(strategy, options, example):
+    step = jaxdev.make_train_step(loss_fn, TX, strategy(), **options)
+    limit = 2 * MiB
+    fit = jaxdev.fit_memory(step, _state(), example, limit=limit)
+    assert fit.change is None and fit.step is step and not fit.capped
+    unit = step.accumulate
+    assert fit.batch_size % unit == 0 and fit.batch_size > unit
+    assert fit.rows == fit.batch_size * step.strategy.n_devices
+    rows_of = batch_rows(step, example)
+    assert _peak(step, rows_of, fit.batch_size) == fit.peak <= limit
+    assert _peak(step, rows_of, fit.batch_size + unit) > limit
+    assert jaxdev.plan(_state(), step=step, batch=fit.batch).peak == fit.peak
+    trials = {(t.batch_size, t.fits) for t in fit.tried}
+    assert (fit.batch_size, True) in trials and (fit.batch_size + unit, False) in trials
+    assert len(fit.tried) <= 2 * (fit.batch_size + unit).bit_length() + 1  # doubling, bisection
+    text = str(fit)
+    assert text.startswith(f"largest batch that fits: {fit.batch_size} rows per device")
+    assert "change  batch/device  rows/step  peak/device  fits" in text
+    # it really trains at that size under the limit (the step checks before it runs)
+    run = jaxdev.make_train_step(loss_fn, TX, strategy(), memory_limit=limit, **options)
+    state, metrics = run(run.init_state(_params(), TX), run.put_batch(_host(fit.rows)))
+    assert int(state.step) == 1 and np.isfinite(metrics.fetch()["loss"])
+
+
+def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
+    mesh = jaxdev.data_mesh()
+    big = {"w0": jnp.zeros((64, 2048)), "w1": jnp.zeros((2048, 4))}  # adam: 1.5 MiB replicated
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(big, TX))
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    limit = MiB
+    fit = jaxdev.fit_memory(step, state, _example(), limit=limit)
+    assert fit.tried[0].change == "as is" and not fit.tried[0].fits
+    assert fit.tried[0].batch_size == 1
+    assert fit.change == "Strategy.sharded(mesh, rules='fsdp')"
+    assert fit.step.strategy.rules == "fsdp" and fit.step.strategy.mesh == mesh
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    rows_of = batch_rows(step, _example())
+    at = lambda b: (
+        jaxdev.plan(  # noqa: E731
+            shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)
+        ).peak
+    )
+    assert at(fit.batch_size) == fit.peak <= limit < at(fit.batch_size + 1)
+    assert str(fit).startswith(
+        f"largest batch that fits with Strategy.sharded(mesh, rules='fsdp'): {fit.batch_size} "
+    )
+
+
+def test_nothing_fits_and_the_search_stops_at_max_batch_size():
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())
+    none = jaxdev.fit_memory(step, _state(), _example(), limit=1024)
+    assert none.batch_size is None and none.step is step and none.batch is None
+    assert str(none).startswith("nothing fits in 1.0 KiB (limit)")
+    assert all(not t.fits for t in none.tried)
+    capped = jaxdev.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=40)
+    assert capped.batch_size == 40 and capped.capped
+    assert [t.batch_size for t in capped.tried] == [1, 2, 4, 8, 16, 32, 40]
+    assert "larger batches may fit too" in str(capped)
+
+
+def test_bad_inputs_are_named():
+    step = jaxdev.make_train_step(loss_fn, TX)
+    with pytest.raises(jaxdev.UsageError, match=r"pass `limit=` .* `jaxdev.fit_memory\(step"):
+        jaxdev.fit_memory(step, _state(), _example())
+    with pytest.raises(jaxdev.UsageError, match="`limit` must be a number of bytes"):
+        jaxdev.fit_memory(step, _state(), _example(), limit="1GB")
+    for bad in (0, 2.5, True):
+        with pytest.raises(jaxdev.UsageError, match="`max_batch_size` must be an int >= 1"):
+            jaxdev.fit_memory(step, _state(), _example(), limit=MiB, max_batch_size=bad)
+    with pytest.raises(jaxdev.UsageError, match="`step` must be a jaxdev step"):
+        jaxdev.fit_memory(loss_fn, _state(), _example(), limit=MiB)
+    with pytest.raises(jaxdev.UsageError, match="`example_batch` leaf of shape \\(\\) has no row"):
+        jaxdev.fit_memory(step, _state(), {"x": jnp.float32(1)}, limit=MiB)
