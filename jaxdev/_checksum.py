@@ -77,6 +77,8 @@ def host_words(x: np.ndarray | np.generic) -> np.ndarray:
 
 def words(x: jax.Array) -> jax.Array:
     """The bits of ``x`` as a flat uint32 array (inside jit)."""
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded state: read on device
+        x = jax.device_put(x, jax.memory.Space.Device)
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32).ravel()
     if (wide := _widened(x.dtype)) is not None:

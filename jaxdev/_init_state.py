@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._leaves import is_jax_array
 from ._mesh import named_sharding
+from ._offload import offloaded
 from ._placement import place_tree
 from ._rules import follow_params, param_shardings, state_shardings, unbox
 from ._strategy import Strategy
@@ -44,7 +45,7 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
         shardings = jax.tree.map(lambda x: x.sharding, unbox(params))
     params = _copy(unbox(params), shardings)
     if tx is None and model_state is None and rng is None:
-        return params
+        return _to_host(params, strategy.offload)
     replicated = named_sharding(mesh, P())
     step = _copy(jnp.zeros((), jnp.int32), replicated)
     rng = None if rng is None else _copy(rng, replicated, "rng")
@@ -57,7 +58,19 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
     if tx is not None:
         follow = follow_params(jax.eval_shape(tx.init, params), params, shardings, mesh)
         opt_state = _own_buffers(jax.jit(tx.init, out_shardings=follow)(params), params)
-    return TrainState(step, params, opt_state, rng, model_state)
+    return _to_host(TrainState(step, params, opt_state, rng, model_state), strategy.offload)
+
+
+def _to_host(state: Any, fields: tuple[str, ...]) -> Any:
+    """``state`` with the offloaded ``fields`` moved to host memory (the device copies freed)."""
+    if not fields:
+        return state
+    layout = offloaded(jax.tree.map(lambda x: x.sharding, state), state, fields)
+    if not isinstance(state, TrainState):  # bare params
+        return jax.device_put(state, layout)  # the device copies go with the last reference
+    return state._replace(
+        **{f: jax.device_put(getattr(state, f), getattr(layout, f)) for f in fields}
+    )
 
 
 def _copy(tree: Any, shardings: Any, arg: str = "params") -> Any:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ._errors import UsageError
 from ._leaves import is_jax_array
+from ._offload import HOST_KINDS
 from ._report import human_bytes, text_table
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
@@ -71,12 +72,19 @@ class MemoryLedger:
         or not): exactly the sum of their ``addressable_shards`` bytes.
       device_stats: ``{device: memory_stats() or None}`` as the backend reports
         them (``bytes_in_use``, ``peak_bytes_in_use``, ``bytes_limit``).
+      host_per_device: ``{device: bytes}`` of arrays in the device's host
+        memory (``pinned_host`` / ``unpinned_host``: state a strategy
+        offloads); they are 0 in ``per_device``.
+      offloaded: the arrays in host memory, largest first (not in
+        ``entries`` / ``unattributed``).
     """
 
     entries: tuple[LedgerEntry, ...]
     unattributed: tuple[LedgerEntry, ...]
     per_device: Mapping[jax.Device, int]
     device_stats: Mapping[jax.Device, Any]
+    host_per_device: Mapping[jax.Device, int] = dataclasses.field(default_factory=dict)
+    offloaded: tuple[LedgerEntry, ...] = ()
 
     @property
     def attributed(self) -> float:
@@ -159,21 +167,31 @@ def memory(**trees: Any) -> MemoryLedger:
     live = [x for x in jax.live_arrays() if not x.is_deleted()]
     views = _shard_views(live)
     per_device: dict[jax.Device, int] = {}
-    entries, others = [], []
+    host: dict[jax.Device, int] = {}
+    entries, others, offloaded = [], [], []
     for x in live:
         if id(x) in views:
             continue
         counts = _bytes_per_device(x)
+        in_host = x.sharding.memory_kind in HOST_KINDS  # offloaded: 0 on the device
+        bucket = host if in_host else per_device
         for d, n in counts.items():
-            per_device[d] = per_device.get(d, 0) + n
+            bucket[d] = bucket.get(d, 0) + n
         path, category = names.get(id(x), ("<unattributed>", "unattributed"))
         entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts)
+        if in_host:
+            offloaded.append(entry)
+            continue
         (others if category == "unattributed" else entries).append(entry)
     entries.sort(key=lambda e: -e.total)
     others.sort(key=lambda e: -e.total)
+    offloaded.sort(key=lambda e: -e.total)
+    for d in host:  # a device holding only offloaded arrays is listed with 0
+        per_device.setdefault(d, 0)
     stats = {d: _stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
     per_device = {d: per_device[d] for d in stats}
-    return MemoryLedger(tuple(entries), tuple(others), per_device, stats)
+    host = {d: host[d] for d in stats if d in host}
+    return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
 
 
 def _named_leaves(name: str, tree: Any):
@@ -274,6 +292,12 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
     left = len(ledger.entries) + len(ledger.unattributed) - len(rows)
     if left > 0:
         lines.append(f"... and {left} smaller arrays")
+    if ledger.host_per_device:
+        top = max(ledger.host_per_device.values())
+        lines.append(
+            f"in host memory (offloaded, 0 on the devices): {len(ledger.offloaded)} arrays, "
+            f"{human_bytes(top)} on the fullest device's host memory"
+        )
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ._errors import MemoryPlanError, UsageError, device_name, short
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import batch_axis, check_mesh, named_sharding
+from ._offload import host_bytes, is_host, offloaded
 from ._report import human_bytes, text_table
 from ._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 
@@ -52,6 +53,13 @@ class CompiledMemory(NamedTuple):
       alias: output bytes that reuse donated input buffers.
       temp: temporaries (activations, gradients, gathered params).
       generated_code: size of the generated code.
+      host: bytes of arguments and outputs kept in host memory (offloaded
+        state, ``pinned_host``), net of donation. They are not in the
+        figures above, whether the backend reports them apart (GPU, TPU) or
+        counts them with the device's (XLA:CPU, where jaxdev takes them out
+        by the program's shardings). XLA:CPU also keeps one memory for both
+        kinds, so its temporaries do not hold the streamed-in copies a GPU's
+        do.
     """
 
     argument: int
@@ -59,6 +67,7 @@ class CompiledMemory(NamedTuple):
     alias: int
     temp: int
     generated_code: int
+    host: int = 0
 
     @property
     def peak(self) -> int:
@@ -115,6 +124,9 @@ class MemoryPlan:
       rules: the rules that placed the state.
       compiled: the compiled step's ``memory_analysis()`` (with ``step`` and
         ``batch``), else ``None``.
+      host_by_device: bytes per device name kept in host memory (fields a
+        strategy offloads); they are 0 on the devices, in no row's
+        ``bytes_per_device`` and not in ``total``.
     """
 
     rows: tuple[PlanRow, ...]
@@ -124,6 +136,12 @@ class MemoryPlan:
     rules: Any
     compiled: CompiledMemory | None = None
     _inputs: _Inputs | None = dataclasses.field(default=None, compare=False)
+    host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def host(self) -> int:
+        """Bytes the fullest device's host memory keeps of the offloaded fields (0: none)."""
+        return max(self.host_by_device.values(), default=0)
 
     def __getitem__(self, category: str) -> int:
         """Bytes per device of ``category`` (0 when the plan has none of it)."""
@@ -218,6 +236,7 @@ class _Tally:
         self.logical = dict.fromkeys(CATEGORIES, 0)
         self.sharded = dict.fromkeys(CATEGORIES, 0)
         self.count = dict.fromkeys(CATEGORIES, 0)
+        self.host = dict.fromkeys(names, 0)  # offloaded: host memory, 0 on the devices
         self._cache: dict[Any, tuple[int, tuple[str, ...], bool]] = {}
 
     def add(self, category: str, shape: tuple[int, ...], dtype: Any, s: Sharding) -> None:
@@ -229,7 +248,7 @@ class _Tally:
             hit = self._cache[key] = (per, names, _is_sharded(s))
         per, names, sharded = hit
         logical = math.prod(shape) * dtype.itemsize
-        row = self.per_device[category]
+        row = self.host if is_host(s) else self.per_device[category]
         for name in names:
             row[name] = row.get(name, 0) + per
         self.logical[category] += logical
@@ -294,13 +313,14 @@ def _add_batch(tally: _Tally, batch: Any, layout: tuple[Mesh, Any, int]) -> None
 
 def _build(
     state: Any, shardings: Any, batch: Any, layout: Any, mesh: Mesh
-) -> tuple[tuple[PlanRow, ...], int, dict[str, int]]:
+) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
+    """``(rows, total, bytes by device, host bytes by device)``."""
     tally = _Tally(list(mesh.devices.flat))
     _add_state(tally, state, shardings, is_train_state(state))
     if batch is not None:
         _add_batch(tally, batch, layout)
     by_device = tally.by_device()
-    return tally.rows(), max(by_device.values(), default=0), by_device
+    return tally.rows(), max(by_device.values(), default=0), by_device, tally.host
 
 
 # ---------------------------------------------------------------- plan
@@ -401,11 +421,14 @@ def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> Memory
         options = {**step.strategy.options, **options}
     # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
     shardings = step_shardings(state_or_shapes, mesh, rules, **options)
+    if step is not None:  # fields the step keeps in host memory count there
+        shardings = offloaded(shardings, state_or_shapes, step.strategy.offload)
     state = unbox(state_or_shapes)
-    rows, total, by_device = _build(state, shardings, batch, layout, mesh)
+    rows, total, by_device, host = _build(state, shardings, batch, layout, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)
     inputs = _Inputs(state, batch, layout, dict(options))
-    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs)
+    host = host if any(host.values()) else {}
+    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
 
 
 def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Mesh, Any, Any]:
@@ -453,15 +476,29 @@ def _batch_layout(mesh: Mesh) -> tuple[Mesh, Any, int]:
 
 
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:
-    analysis = lowered.compile().memory_analysis()
+    compiled = lowered.compile()
+    analysis = compiled.memory_analysis()
     if analysis is None:  # the backend does not analyse memory
         return None
+    argument, output = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
+    alias = int(analysis.alias_size_in_bytes)
+    h_arg, h_out, h_alias = host_bytes(lowered, compiled)
+    reported = [
+        int(getattr(analysis, f"host_{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias")
+    ]
+    if any(reported):  # the backend counts host memory apart
+        host = reported[0] + reported[1] - reported[2]
+    else:  # XLA:CPU counts offloaded arguments with the device's: take them out
+        argument, output, alias = argument - h_arg, output - h_out, max(alias - h_alias, 0)
+        host = h_arg + h_out - h_alias
     return CompiledMemory(
-        int(analysis.argument_size_in_bytes),
-        int(analysis.output_size_in_bytes),
-        int(analysis.alias_size_in_bytes),
+        argument,
+        output,
+        alias,
         int(analysis.temp_size_in_bytes),
         int(analysis.generated_code_size_in_bytes),
+        host,
     )
 
 
@@ -629,7 +666,7 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
     n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     if n <= 1:
         return ""
-    _, total, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
+    _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
     note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""
     return f"; with rules='fsdp' over {n} devices: {human_bytes(total)}{note}"
 
@@ -655,12 +692,18 @@ def _format(p: MemoryPlan) -> str:
         else f"memory plan: mesh({mesh}), rules={rules}"
     ]
     lines += text_table(head, body, rstrip=True)
+    if p.host:
+        lines.append(
+            f"offloaded to host memory (pinned_host): {human_bytes(p.host)} per device "
+            "(0 on the devices: not in the rows above)"
+        )
     c = p.compiled
     if c is not None:
         lines.append(
             f"compiled step (memory_analysis, per device): arguments {human_bytes(c.argument)}, "
             f"outputs {human_bytes(c.output)}, donated {human_bytes(c.alias)}, temporaries "
             f"{human_bytes(c.temp)}, code {human_bytes(c.generated_code)}"
+            + (f"; in host memory: {human_bytes(c.host)}" if c.host else "")
         )
         lines.append(
             f"peak per device ~ {human_bytes(c.peak)} (arguments + outputs - donated + temporaries)"

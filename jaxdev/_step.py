@@ -49,6 +49,7 @@ from ._fingerprint import same_program
 from ._init_state import init_by_rules
 from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
+from ._offload import offloaded
 from ._oom import explained_oom
 from ._placement import copy_to, put_leaves, to_device
 from ._plan import check_fits, device_memory_limit, step_plan
@@ -527,8 +528,10 @@ def _state_layout(strategy: Strategy, state: Any) -> Any:
     :func:`jaxdev.init_sharded`), so for ``"flax"`` params already laid out
     on the mesh keep the layout they carry, and the optimizer state follows
     (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.plan` uses too).
+    Fields the strategy offloads are laid out in host memory (:func:`offloaded`).
     """
-    return step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
+    layout = step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
+    return offloaded(layout, state, strategy.offload)
 
 
 # ---------------------------------------------------------------- memory
@@ -587,6 +590,17 @@ def _check_count(name: str, value: Any) -> int:
     return value
 
 
+def _check_remat(value: Any) -> Any:
+    if value is None or value is False:
+        return False
+    if value is True or (callable(value) and not isinstance(value, type)):
+        return value
+    raise UsageError(
+        "`remat` must be True, False or a policy from `jax.checkpoint_policies` (e.g. "
+        f"`jax.checkpoint_policies.dots_saveable`), got {value!r}."
+    )
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -602,6 +616,7 @@ def make_train_step(
     lr_fn: Callable[[jax.Array], jax.Array] | None = None,
     memory_limit: int | None = None,
     weighted: bool = False,
+    remat: bool | Callable[..., Any] = False,
 ) -> TrainStep:
     """Return a compiled train step for ``strategy``.
 
@@ -647,17 +662,27 @@ def make_train_step(
         step's global batch (every device, micro-batch and valid row), and
         the ``loss`` metric, and every aux array of the weights' shape, are
         :class:`jaxdev.WeightedMean` s.
+      remat: ``True``, or a policy from ``jax.checkpoint_policies``
+        (``dots_saveable``, ...): the loss runs under ``jax.checkpoint``, so
+        the backward pass recomputes the forward pass instead of keeping its
+        activations (the same numbers). The compiled temporaries show what
+        it saves (``jaxdev.plan(..., step=step)``, ``step.explain_memory``):
+        on the whole loss XLA may keep as much as before; checkpoint the
+        blocks (``nn.remat``) for more.
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
 
     Raises:
-      UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1, or
-        ``memory_limit`` is not a positive number.
+      UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1,
+        ``memory_limit`` is not a positive number, or ``remat`` is not
+        ``True`` / ``False`` / a checkpoint policy.
       MemoryPlanError: (at the first call) the compiled step needs more
         bytes per device than the budget; nothing ran. The message gives
-        both figures and, for replicated params, what ``rules='fsdp'``
-        would need.
+        both figures, what is live by path and the changes that fit, each
+        compiled (:meth:`TrainStep.explain_memory`'s text).
+      OutOfMemoryError: (at a call) XLA ran out of device memory
+        (``RESOURCE_EXHAUSTED``); the message explains it the same way.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
@@ -681,6 +706,7 @@ def make_train_step(
         regularizer,
         lr_fn,
         bool(weighted),
+        _check_remat(remat),
     )
     k = _check_count("steps_per_call", steps_per_call)
     limit = _check_memory_limit(memory_limit)

@@ -37,6 +37,7 @@ from ._mesh import (
     mesh_of,
     named_sharding,
 )
+from ._offload import check_offload, streamed
 from ._placement import to_device
 from ._pmap_layout import shard_for_pmap
 from ._rules import check_rules
@@ -67,6 +68,8 @@ class Strategy:
       rule_options: the options the rules are applied with (``min_size``,
         ``fsdp_axis``, ``logical_axis_rules``), as sorted ``(name, value)``
         pairs; :attr:`options` gives them as a dict.
+      offload: the train-state fields kept in host memory between steps
+        (``('opt_state',)``, ``('opt_state', 'params')``; ``()``: none).
     """
 
     kind: str
@@ -76,6 +79,7 @@ class Strategy:
     shard_map: bool = False
     rules: Any = dataclasses.field(default="replicate", hash=False)
     rule_options: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), hash=False)
+    offload: tuple[str, ...] = ()
 
     @classmethod
     def single(cls, device: DeviceSpec | None = None) -> Strategy:
@@ -122,6 +126,7 @@ class Strategy:
         min_size: int | None = None,
         fsdp_axis: AxisName | None = None,
         logical_axis_rules: Any = None,
+        offload: Any = None,
         params: Any = None,
     ) -> Strategy:
         """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``rules``.
@@ -153,6 +158,10 @@ class Strategy:
             (default: the ``'fsdp'`` axis, else the batch axes).
           logical_axis_rules: under ``"flax"``, flax's logical-to-mesh rules
             for params whose metadata names logical axes.
+          offload: ``"opt_state"``, ``"params"`` or both as a tuple: keep
+            those fields of the train state in host memory (``pinned_host``)
+            between steps and stream them to the devices inside the compiled
+            step (the same numbers; host transfers every step).
           params: the old name of ``rules`` (deprecated, warns).
 
         Raises:
@@ -193,6 +202,11 @@ class Strategy:
             if v is not None
         }
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
+        offload = check_offload(offload, mesh.devices.flat)
+        if shard_map and offload:
+            raise UsageError(
+                f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
+            )
         if shard_map and not (isinstance(params, str) and params == "replicate"):
             raise UsageError(
                 f"`shard_map`=True trains replicated params only, got `rules`={short(params)}. "
@@ -208,9 +222,8 @@ class Strategy:
             )
         axis = batch_axis(mesh, axis)
         devices = tuple(mesh.devices.flat)
-        return _Sharded(
-            "sharded", devices, mesh, axis, bool(shard_map), params, tuple(sorted(options.items()))
-        )
+        options = tuple(sorted(options.items()))
+        return _Sharded("sharded", devices, mesh, axis, bool(shard_map), params, options, offload)
 
     @property
     def replicated(self) -> bool:
@@ -415,7 +428,7 @@ class _Sharded(Strategy):
 
     @property
     def by_rules(self) -> bool:
-        return not self.replicated
+        return not self.replicated or bool(self.offload)  # offloading has a layout too
 
     def local_shards(self) -> int:
         if jax.process_count() == 1:
@@ -446,6 +459,7 @@ class _Sharded(Strategy):
         specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
         out_specs = (P(), P(), P()) if train else P()
         if layout is not None:  # sharded params: jit only (sharded() refuses shard_map)
+            run = streamed(run, layout, train)  # offloaded fields: to the devices and back
             shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
             outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
             return jax.jit(

@@ -92,6 +92,7 @@ class StepConfig:
     regularizer: Callable[[Any], jax.Array] | None = None
     lr_fn: Callable[[jax.Array], jax.Array] | None = None
     weighted: bool = False
+    remat: Any = False  # True, or a jax.checkpoint policy: the loss under jax.checkpoint
 
 
 # ---------------------------------------------------------------- calling loss_fn
@@ -280,6 +281,8 @@ def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
         total = jnp.sum(jnp.where(w != 0, losses * w, 0.0))
         return total, (losses, weights, aux, new_state, jnp.sum(w))
 
+    if cfg.remat:  # the forward pass is recomputed in the backward one, as the policy says
+        objective = jax.checkpoint(objective, policy=None if cfg.remat is True else cfg.remat)
     grads, (losses, weights, aux, new_state, weight) = jax.grad(objective, has_aux=True)(params)
     new_state = model_state if not cfg.has_state else new_state
     return grads, new_state, metrics_of(losses, aux, mask, weights), weight
