@@ -25,8 +25,14 @@ Host-to-device: explicit ``jax.device_put`` of host data (numpy arrays,
 Python numbers) is wrapped; implicit transfers (a numpy array or Python
 scalar passed to a jitted function or a ``jnp`` operation) are seen through
 ``jax.transfer_guard_host_to_device("log")``. For the block, fd 2 is a pipe
-read by a thread that counts JAX's log lines and writes every other byte to
-the real stderr as it arrives, unchanged.
+read by a small relay process (:mod:`jaxdev._stderr_relay`) that reports
+JAX's log lines and writes every other byte to the real stderr as it
+arrives, unchanged. The relay outlives a guarded process that crashes: its
+last lines, Python's ``faulthandler`` report and XLA's fatal log line
+reach the real stderr after a segfault, ``abort()``, ``os._exit`` or
+SIGKILL inside the block. Entering the outermost block starts the relay
+(about 20 ms); where no process can be started, a thread relays instead
+and a crash can lose the bytes written just before it.
 
 Compiles and traces are counted with ``jax.monitoring`` listeners on
 ``/jax/core/compile/backend_compile_duration`` and
@@ -66,7 +72,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -76,6 +82,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _stderr_relay
 from ._errors import GuardArgumentError, GuardError
 from ._leaves import array_type
 
@@ -386,81 +393,76 @@ def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
 
 # ------------------------------------------ implicit host-to-device (stderr)
 
-_IMPLICIT_LINE = re.compile(
-    rb"(?:[IWEF]\d{4} [\d:.]+ +\d+ [^\]\n]*\] )?"  # absl's header: W1123 10:58:06.5 9493 x.cc:1]
-    rb"host-to-device transfer:(?: aval=(?:ShapedArray\()?([^,)\s]*))?"
-)
-_LINES = re.compile(rb"[^\n]*\n|[^\n]+")  # split at newlines only: "\r" belongs to progress bars
-_SYNC = b"\x00jaxdev-stderr-sync\x00"  # written by _Pump.take, never passed on
-_READ_SIZE = 1 << 20  # >= the pipe's capacity: a read never splits one small write
+_RELAY_FILE = _stderr_relay.__file__
 
 
-class _Pump(threading.Thread):
-    """Copy a pipe to ``out_fd`` as bytes arrive, counting JAX's transfer-guard lines.
+class _Relay:
+    """The far end of the stderr pipe (see :mod:`jaxdev._stderr_relay`) and its reports.
 
-    Guard lines are recorded (their kinds wait for :meth:`take`) and, when
-    ``swallow``, not passed on; every other byte is, at once and unchanged,
-    partial lines (progress bars) included. Runs until every write end of
-    the pipe is closed, so child processes started in the block still get
-    their stderr through.
+    A relay process when one can be started, so that bytes written just
+    before this process dies still reach the real stderr; else a thread.
+    Takes ownership of ``read_fd`` and ``out_fd``.
     """
 
-    def __init__(self, read_fd: int, out_fd: int, swallow: bool):
-        super().__init__(name="jaxdev-stderr", daemon=True)
-        self.read_fd, self.out_fd, self.swallow = read_fd, out_fd, swallow
-        self.cond = threading.Condition()
-        self.order = threading.Lock()
-        self.kinds: list[str] = []
-        self.asked = self.answered = 0
-        self.done = False
+    def __init__(self, read_fd: int, out_fd: int, swallow: bool, on_gone: Callable):
+        self.reports, report_w = os.pipe()
+        self.pending, self.done = b"", False
+        self.order = threading.Lock()  # one SYNC in flight: answers come back in order
+        self.process = _spawn_relay(read_fd, out_fd, report_w, swallow)
+        if self.process is None:
+            args = (read_fd, out_fd, report_w, swallow)
+            threading.Thread(
+                target=_stderr_relay.relay, args=args, name="jaxdev-stderr", daemon=True
+            ).start()
+            return
+        for fd in (read_fd, out_fd, report_w):
+            os.close(fd)
+        threading.Thread(  # reaps it; a relay gone early gives fd 2 back (no EPIPE)
+            target=self._reap, args=(on_gone,), name="jaxdev-stderr-reaper", daemon=True
+        ).start()
 
-    def run(self) -> None:
-        try:
-            while data := os.read(self.read_fd, _READ_SIZE):
-                *before_syncs, rest = data.split(_SYNC)
-                for part in before_syncs:
-                    self._pass_on(part)
-                    with self.cond:
-                        self.answered += 1
-                        self.cond.notify_all()
-                self._pass_on(rest)
-        except OSError:
-            pass
-        finally:
-            with self.cond:
-                self.done = True
-                self.cond.notify_all()
-            os.close(self.read_fd)
-            os.close(self.out_fd)
-
-    def _pass_on(self, data: bytes) -> None:
-        kinds, out = [], []
-        for line in _LINES.findall(data):
-            found = _IMPLICIT_LINE.search(line)
-            if found:
-                aval = (found.group(1) or b"").decode(errors="replace")
-                kinds.append(f"implicit {aval}".strip())
-                if self.swallow:  # keep what came before the record, e.g. "\r 50%"
-                    line = line[: found.start()]
-            out.append(line)
-        if kinds:
-            with self.cond:
-                self.kinds.extend(kinds)
-        _write_all(self.out_fd, b"".join(out))
+    def _reap(self, on_gone: Callable) -> None:
+        self.process.wait()
+        on_gone(self)
 
     def take(self, write_fd: int) -> list[str]:
-        """Return (and forget) the kinds of every guard line written before this call."""
-        with self.order:  # tickets in the order the markers enter the pipe
-            self.asked += 1
-            ticket = self.asked
-            try:
-                os.write(write_fd, _SYNC)
-            except OSError:  # the pump is gone; what it passed on is all there is
-                ticket = 0
-        with self.cond:
-            self.cond.wait_for(lambda: self.answered >= ticket or self.done)
-            kinds, self.kinds = self.kinds, []
+        """Return the kinds of every guard line written before this call."""
+        with self.order:
+            if not self.done and not _stderr_relay.write_all(write_fd, _stderr_relay.SYNC):
+                self.done = True  # the relay is gone; what it passed on is all there is
+            kinds, answered = [], self.done
+            while not answered:
+                while b"\n" not in self.pending and not self.done:
+                    chunk = os.read(self.reports, 1 << 16)
+                    self.pending += chunk
+                    self.done = not chunk
+                line, _, self.pending = self.pending.partition(b"\n")
+                if line.startswith(b"K"):
+                    kinds.append(f"implicit {line[2:].decode(errors='replace')}".strip())
+                answered = line == b"S" or self.done
         return kinds
+
+    def close(self) -> None:
+        """Stop reading reports (the relay itself ends when the pipe has no writer)."""
+        with self.order:
+            self.done = True
+            os.close(self.reports)
+
+
+def _spawn_relay(read_fd: int, out_fd: int, report_w: int, swallow: bool):
+    """Start ``python -I -S _stderr_relay.py`` on the pipe; ``None`` if it cannot start."""
+    if not sys.executable:
+        return None
+    try:  # its own session: a Ctrl-C in the terminal never reaches it
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", _RELAY_FILE, "1" if swallow else "0"],
+            stdin=read_fd,
+            stdout=report_w,
+            stderr=out_fd,
+            start_new_session=True,
+        )
+    except (OSError, ValueError):
+        return None
 
 
 def _flush_stderr() -> None:
@@ -469,64 +471,65 @@ def _flush_stderr() -> None:
         sys.stderr.flush()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` to ``fd``; drop it if the real stderr is gone."""
-    while data:
-        try:
-            data = data[os.write(fd, data) :]
-        except OSError:
-            return
-
-
 class _StderrTap:
-    """Points fd 2 at a :class:`_Pump` while some counter needs JAX's transfer-guard log."""
+    """Points fd 2 at a :class:`_Relay` while some counter needs JAX's transfer-guard log."""
 
     def __init__(self) -> None:
         self.users = 0
-        self.pump: _Pump | None = None
+        self.relay: _Relay | None = None
         self.saved = self.write_fd = -1
+        self.lock = threading.RLock()
 
     def start(self, swallow: bool) -> None:
-        """Route fd 2 through a new pump (first user); raise OSError without a usable fd 2."""
-        if self.users == 0:
-            _flush_stderr()
-            saved = os.dup(2)
-            read_fd, write_fd = os.pipe()
-            with contextlib.suppress(ImportError, AttributeError, OSError):
-                import fcntl  # a larger pipe: writers rarely wait for the pump
+        """Route fd 2 through a new relay (first user); raise OSError without a usable fd 2."""
+        with self.lock:
+            if self.users == 0:
+                _flush_stderr()
+                saved = os.dup(2)
+                read_fd, write_fd = os.pipe()
+                with contextlib.suppress(ImportError, AttributeError, OSError):
+                    import fcntl  # a larger pipe: writers rarely wait for the relay
 
-                fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _READ_SIZE)
-            self.pump = _Pump(read_fd, os.dup(saved), swallow)
-            self.pump.start()
-            self.saved, self.write_fd = saved, write_fd
-            os.dup2(write_fd, 2)
-        self.users += 1
+                    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _stderr_relay.READ_SIZE)
+                self.relay = _Relay(read_fd, os.dup(saved), swallow, self._relay_gone)
+                self.saved, self.write_fd = saved, write_fd
+                os.dup2(write_fd, 2)
+            self.users += 1
+
+    def _relay_gone(self, relay: _Relay) -> None:
+        """A relay process ended while fd 2 still pointed at it: give fd 2 back."""
+        with self.lock:
+            if relay is self.relay and self.users:
+                os.dup2(self.saved, 2)
 
     def drain(self) -> list[str]:
         """Return the kinds of the transfer-guard lines logged since the last drain."""
-        if self.pump is None:
-            return []
-        _flush_stderr()
-        return self.pump.take(self.write_fd)
+        with self.lock:
+            if self.relay is None:
+                return []
+            _flush_stderr()
+            return self.relay.take(self.write_fd)
 
     def stop(self) -> list[str]:
         """Drop one user; the last one restores fd 2. Return the kinds not yet drained."""
-        if self.pump is None:
-            return []
-        self.users -= 1
-        if self.users:
-            return self.drain()
-        _flush_stderr()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        kinds = self.pump.take(self.write_fd)
-        os.close(self.write_fd)  # the pump ends when no child process holds the pipe either
-        self.pump, self.saved, self.write_fd = None, -1, -1
-        return kinds
+        with self.lock:
+            if self.relay is None:
+                return []
+            self.users -= 1
+            if self.users:
+                return self.drain()
+            _flush_stderr()
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+            kinds = self.relay.take(self.write_fd)
+            os.close(self.write_fd)  # the relay ends once no child process holds the pipe
+            self.relay.close()
+            self.relay, self.saved, self.write_fd = None, -1, -1
+            return kinds
 
     def forget(self) -> None:
-        """In a forked child: no pump thread came along; fd 2 stays the parent's pipe."""
-        self.users, self.pump = 0, None
+        """In a forked child: the relay is the parent's; fd 2 stays the parent's pipe."""
+        self.users, self.relay, self.lock = 0, None, threading.RLock()
 
 
 _tap = _StderrTap()
@@ -563,9 +566,9 @@ def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
         transfer-guard log on stderr: for the block, fd 2 is a pipe whose
         other output reaches the real stderr as it is written, unchanged.
         The log lines themselves are left out unless a ``"log"`` transfer
-        guard was already on. A process killed outright (``SIGKILL``,
-        ``abort()``) can lose the last bytes written just before; pass
-        ``False`` to leave fd 2 alone.
+        guard was already on. Output written before a crash in the block
+        (segfault, ``abort()``, ``os._exit``, SIGKILL) still arrives: a
+        relay process passes it on. Pass ``False`` to leave fd 2 alone.
 
     Yields:
       A :class:`TransferCounter`, readable during and after the block.

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,64 @@ def test_stderr_written_before_a_hard_crash_in_the_block_is_not_lost():
     )
     assert proc.returncode == -signal.SIGKILL
     assert "last words" in proc.stderr
+
+
+_CRASH_IN_BLOCK = """
+    import ctypes, faulthandler, os, sys
+    import jax.numpy as jnp, numpy as np
+    import jaxdev
+    faulthandler.enable()
+    with jaxdev.count_transfers() as c:
+        jnp.asarray(np.zeros(2, np.float32))  # its transfer-guard log line is left out
+        print("last words 1", file=sys.stderr)
+        os.write(2, b"last words 2, from C\\n")
+        CRASH
+"""
+
+
+@pytest.mark.parametrize(
+    ("crash", "returncode", "report"),
+    [
+        ("ctypes.string_at(0)", -signal.SIGSEGV, "Fatal Python error: Segmentation fault"),
+        ("os.abort()", -signal.SIGABRT, "Fatal Python error: Aborted"),
+        ("os._exit(3)", 3, None),
+    ],
+)
+def test_a_crash_inside_the_block_keeps_its_last_words(crash, returncode, report):
+    proc = run_python(_CRASH_IN_BLOCK.replace("CRASH", crash), {"JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == returncode, proc.stderr
+    assert "last words 1\nlast words 2, from C\n" in proc.stderr
+    if report:  # faulthandler's report, with the line that crashed
+        assert report in proc.stderr and 'File "<string>", line 10 in <module>' in proc.stderr
+    assert "host-to-device transfer" not in proc.stderr
+
+
+def test_stderr_comes_back_when_the_relay_process_dies(x):
+    with _stderr_pipe() as stderr:
+        with count_transfers() as c:
+            relay = _guards._tap.relay.process
+            assert relay is not None  # a relay process, not the thread fallback
+            os.kill(relay.pid, signal.SIGKILL)  # the relay jaxdev started, by its own pid
+            relay.wait(timeout=30)
+            for _ in range(500):  # its reaper gives fd 2 back
+                if os.path.samestat(os.fstat(2), os.fstat(_guards._tap.saved)):
+                    break
+                time.sleep(0.01)
+            os.write(2, b"after the relay\n")
+            assert _read_until(stderr, b"relay\n") == b"after the relay\n"
+            float(x[0])
+        assert c.device_to_host == 1
+
+
+def test_a_thread_relays_where_no_process_can_start(monkeypatch, x):
+    monkeypatch.setattr(_guards, "_spawn_relay", lambda *args: None)
+    with _stderr_pipe() as stderr:
+        with count_transfers() as c:
+            os.write(2, b"line\n")
+            jnp.asarray(np.zeros(3, np.float32))
+            assert _read_until(stderr, b"line\n") == b"line\n"
+        assert c.host_to_device == 1
+    assert _guards._tap.relay is None
 
 
 def test_stderr_of_a_child_process_started_in_the_block_still_arrives():

@@ -1,0 +1,145 @@
+"""The far end of ``count_transfers``'s stderr pipe: copy it to the real stderr at once.
+
+Inside a :func:`jaxdev.count_transfers` block fd 2 is a pipe, so that JAX's
+transfer-guard log (the only trace of an implicit host-to-device transfer)
+can be counted. :func:`relay` is the other end of that pipe: every byte is
+passed on to the real stderr as it arrives, unchanged, except the guard
+lines (left out unless the user had asked for that log), which are
+reported back instead.
+
+It runs as its own small process (``python -I -S _stderr_relay.py 0|1``:
+it imports nothing from jaxdev or JAX, fd 0 is the pipe, fd 1 the report
+pipe, fd 2 the real stderr). So what a guarded process wrote just before it
+died (a segfault, ``abort()``, ``os._exit``, SIGKILL) still reaches the real
+stderr: its last lines, Python's ``faulthandler`` report, XLA's fatal log
+line. The relay outlives the writer, passes on what is left in the pipe,
+and exits when the last write end closes. Where no process can be started,
+jaxdev runs :func:`relay` in a thread instead (then a crash can lose the
+bytes written just before it).
+
+Reports, one per line on the report pipe: ``K <aval>`` for each guard
+line (``aval`` as JAX's log names it, possibly empty) and ``S`` once
+everything written before a :data:`SYNC` marker has been handled. The marker
+itself is never passed on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+
+SYNC = b"\x00jaxdev-stderr-sync\x00"  # written by the guarded process, answered with b"S\n"
+READ_SIZE = 1 << 20  # >= the pipe's capacity: a read never splits one small write
+GUARD_LINE = re.compile(
+    rb"(?:[IWEF]\d{4} [\d:.]+ +\d+ [^\]\n]*\] )?"  # absl's header: W1123 10:58:06.5 9493 x.cc:1]
+    rb"host-to-device transfer:(?: aval=(?:ShapedArray\()?([^,)\s]*))?"
+)
+_LINES = re.compile(rb"[^\n]*\n|[^\n]+")  # split at newlines only: "\r" belongs to progress bars
+
+
+def write_all(fd: int, data: bytes) -> bool:
+    """Write all of ``data`` to ``fd``; return ``False`` (data dropped) if ``fd`` is gone.
+
+    Example:
+      >>> r, w = os.pipe()
+      >>> write_all(w, b"hi"), os.read(r, 2)
+      (True, b'hi')
+      >>> os.close(r); os.close(w)
+    """
+    while data:
+        try:
+            data = data[os.write(fd, data) :]
+        except OSError:
+            return False
+    return True
+
+
+def split_guard_lines(data: bytes, swallow: bool) -> tuple[bytes, list[bytes]]:
+    """Return ``data`` to pass on (guard lines cut when ``swallow``) and their avals.
+
+    Args:
+      data: bytes read from the pipe.
+      swallow: leave JAX's transfer-guard records out of what is passed on
+        (the text before a record on its line, e.g. ``"\\r 50%"``, stays).
+
+    Returns:
+      ``(passed_on, avals)``: one aval per guard line, ``b""`` when the line
+      names none.
+
+    Example:
+      >>> split_guard_lines(b"a\\nhost-to-device transfer: aval=f32[3]\\nb", True)
+      (b'a\\nb', [b'f32[3]'])
+    """
+    out, avals = [], []
+    for line in _LINES.findall(data):
+        found = GUARD_LINE.search(line)
+        if found:
+            avals.append(found.group(1) or b"")
+            if swallow:
+                line = line[: found.start()]
+        out.append(line)
+    return b"".join(out), avals
+
+
+def relay(in_fd: int, out_fd: int, report_fd: int, swallow: bool) -> None:
+    """Copy ``in_fd`` to ``out_fd`` until every write end is closed; report on ``report_fd``.
+
+    Closes the three descriptors when done. A closed ``out_fd`` or
+    ``report_fd`` never stops the copy (the writer must never block on a
+    full pipe).
+
+    Args:
+      in_fd: the read end of the stderr pipe.
+      out_fd: the real stderr.
+      report_fd: where guard lines (``K <aval>``) and answers to
+        :data:`SYNC` markers (``S``) go.
+      swallow: leave the guard lines out of what reaches ``out_fd``.
+
+    Example:
+      >>> r, w = os.pipe(); out_r, out_w = os.pipe(); rep_r, rep_w = os.pipe()
+      >>> _ = os.write(w, b"hello\\n" + SYNC); os.close(w)
+      >>> relay(r, out_w, rep_w, True)
+      >>> os.read(out_r, 100), os.read(rep_r, 100)
+      (b'hello\\n', b'S\\n')
+      >>> os.close(out_r); os.close(rep_r)
+    """
+    try:
+        while data := os.read(in_fd, READ_SIZE):
+            *before_syncs, rest = data.split(SYNC)
+            for part in before_syncs:
+                _pass_on(part, out_fd, report_fd, swallow)
+                write_all(report_fd, b"S\n")
+            _pass_on(rest, out_fd, report_fd, swallow)
+    except OSError:
+        pass
+    finally:
+        for fd in (in_fd, out_fd, report_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _pass_on(data: bytes, out_fd: int, report_fd: int, swallow: bool) -> None:
+    text, avals = split_guard_lines(data, swallow)
+    write_all(out_fd, text)
+    if avals:
+        write_all(report_fd, b"".join(b"K " + a + b"\n" for a in avals))
+
+
+def main(argv: list[str]) -> None:
+    """Process entry: relay fd 0 to fd 2, report on fd 1 (``argv[1]``: ``'1'`` swallows).
+
+    Terminal signals are ignored: the relay ends when the pipe closes, never
+    before its writer (a Ctrl-C must not cut the guarded process's stderr).
+    """
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    relay(0, 2, 1, swallow=argv[1:2] == ["1"])
+
+
+if __name__ == "__main__":
+    main(sys.argv)
