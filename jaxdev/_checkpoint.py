@@ -81,6 +81,7 @@ from jax.sharding import PartitionSpec as P
 from . import _ckpt_files as files
 from ._checksum import by_devices, checksums, legacy_checksums, words
 from ._errors import CheckpointError, join_failures, short
+from ._hang import beat
 from ._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
 from ._mesh import mesh_of, replicated_sharding
 from ._multihost import exchange
@@ -340,6 +341,7 @@ def _leaf_problem(x: Any) -> str | None:
 
 def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     """Check ``tree``'s leaves and build what orbax writes plus jaxdev's metadata."""
+    beat("checkpoint")  # every save starts here: progress for the hang watchdog
     flat = _flat(tree, arg)
     bad = [f"{name}: {why}" for _, name, x in flat if (why := _leaf_problem(x))]
     if bad:
@@ -647,6 +649,7 @@ def _write(path: str, args: Any, previous: str) -> None:
 
 
 def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
+    beat("checkpoint")  # every restore starts here: progress for the hang watchdog
     ocp = orbax()
     if not os.path.isdir(path):
         raise CheckpointError(_missing_message(path))

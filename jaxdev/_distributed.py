@@ -28,6 +28,11 @@ Initialization, heartbeat and shutdown timeouts are bounded (60 s, 30 s and
 30 s by default instead of JAX's 300 s, 100 s and 300 s) and overridable by
 argument or by the ``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` /
 ``JAXDEV_SHUTDOWN_TIMEOUT`` variables.
+
+With ``hang_timeout_s`` (or ``JAXDEV_HANG_TIMEOUT``) a hang watchdog
+(:mod:`jaxdev._hang`) names the process that stops making progress, with
+every process's stacks, and ends the run. ``SIGUSR1`` prints a process's
+stacks at any time, and Python's ``faulthandler`` reports fatal signals.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import NamedTuple
 
 import jax
 
+from . import _hang
 from ._devices import backend_started
 from ._errors import DistributedError
 from ._multihost import barrier
@@ -59,6 +65,8 @@ ENV_INIT_TIMEOUT = "JAXDEV_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAXDEV_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "JAXDEV_SHUTDOWN_TIMEOUT"
 ENV_JOIN_MARKER = "JAXDEV_JOIN_MARKER"
+ENV_HANG_TIMEOUT = _hang.ENV_HANG_TIMEOUT
+ENV_HANG_ACTION = _hang.ENV_HANG_ACTION
 
 DEFAULT_INIT_TIMEOUT_S = 60
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
@@ -78,6 +86,10 @@ class DistributedConfig(NamedTuple):
       init_timeout_s: seconds JAX waits for every process to register.
       heartbeat_timeout_s: seconds without heartbeat before a peer is dead.
       shutdown_timeout_s: seconds a finishing process waits for the others.
+      hang_timeout_s: seconds without progress on every process before the
+        hang watchdog reports; ``None``: no watchdog.
+      hang_action: what the watchdog does after its report, ``"exit"`` or
+        ``"wait"``.
 
     Example:
       >>> from jaxdev.distributed import DistributedConfig
@@ -92,6 +104,8 @@ class DistributedConfig(NamedTuple):
     init_timeout_s: int
     heartbeat_timeout_s: int
     shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S
+    hang_timeout_s: float | None = None
+    hang_action: str = "exit"
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
@@ -129,6 +143,8 @@ def resolve_config(
     heartbeat_timeout_s: int | None = None,
     env: Mapping[str, str] | None = None,
     shutdown_timeout_s: int | None = None,
+    hang_timeout_s: float | None = None,
+    hang_action: str | None = None,
 ) -> DistributedConfig:
     """Merge arguments with the ``JAXDEV_*`` environment; arguments win.
 
@@ -141,6 +157,8 @@ def resolve_config(
       heartbeat_timeout_s: else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
       env: the environment to read (default ``os.environ``).
       shutdown_timeout_s: else ``$JAXDEV_SHUTDOWN_TIMEOUT``, else 30.
+      hang_timeout_s: else ``$JAXDEV_HANG_TIMEOUT``, else ``None`` (off).
+      hang_action: else ``$JAXDEV_HANG_ACTION``, else ``"exit"``.
 
     Returns:
       The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
@@ -148,6 +166,8 @@ def resolve_config(
     Raises:
       DistributedError: a value is malformed, or ``process_id`` is not in
         ``[0, num_processes)``.
+      UsageError: ``hang_timeout_s`` is not a number of seconds > 0 or
+        ``hang_action`` not ``"exit"``/``"wait"`` (argument or variable).
 
     Example:
       >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
@@ -171,6 +191,11 @@ def resolve_config(
         _check_int("shutdown_timeout_s", shutdown_timeout_s, 1)
         or _env_int(env, ENV_SHUTDOWN_TIMEOUT, 1)
         or DEFAULT_SHUTDOWN_TIMEOUT_S,
+        _hang.check_timeout(hang_timeout_s)
+        or _hang.check_timeout(env.get(ENV_HANG_TIMEOUT), f"${ENV_HANG_TIMEOUT}"),
+        _hang.check_action(hang_action)
+        if hang_action is not None
+        else _hang.check_action(env.get(ENV_HANG_ACTION), f"${ENV_HANG_ACTION}"),
     )
     _check_ids(cfg)
     return cfg
@@ -477,6 +502,8 @@ def initialize(
     shutdown_timeout_s: int | None = None,
     cpu_collectives: str | None = "gloo",
     fail_fast: bool = True,
+    hang_timeout_s: float | None = None,
+    hang_action: str | None = None,
 ) -> DistributedConfig:
     """Start ``jax.distributed`` after preflight checks; check the job afterwards.
 
@@ -504,6 +531,23 @@ def initialize(
         makes cross-process computations work on CPU); ``None`` keeps JAX's.
       fail_fast: end this process at once on an uncaught exception instead
         of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
+      hang_timeout_s: start the hang watchdog: when no process has made
+        progress (a jaxdev step call, a checkpoint, a
+        :func:`~jaxdev.distributed.heartbeat`) for this many seconds, every
+        process prints its threads' stacks and process 0 prints a summary
+        naming the process that is behind, its step and where it is (else
+        ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout`` sets;
+        default ``None``: no watchdog). Compiling and checkpointing count
+        as progress for up to 10 times as long. See :mod:`jaxdev._hang`.
+      hang_action: after that report, ``"exit"`` (default, or
+        ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, within
+        about ``hang_timeout_s + 5`` s of the last progress; ``"wait"``
+        keeps them running (report only).
+
+    Every process also prints the Python stacks of all its threads on
+    ``SIGUSR1`` (``kill -USR1 <pid>``; ``jaxdev launch`` forwards it to every
+    process) without stopping, and Python's ``faulthandler`` is enabled for
+    fatal signals (segfault, abort) unless it already was.
 
     Returns:
       The :class:`DistributedConfig` that was used.
@@ -514,6 +558,7 @@ def initialize(
         its port is taken on process 0; the process count differs from
         ``num_processes``; or the local device counts differ (each process
         and its count named).
+      UsageError: ``hang_timeout_s`` or ``hang_action`` is invalid.
 
     Example:
       >>> import jaxdev
@@ -521,11 +566,16 @@ def initialize(
       DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
     """
     leave_join_marker()
-    _check_can_start()
     job = (coordinator_address, num_processes, process_id, local_device_count)
     cfg = resolve_config(
-        *job, timeout_s, heartbeat_timeout_s, shutdown_timeout_s=shutdown_timeout_s
+        *job,
+        timeout_s,
+        heartbeat_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        hang_timeout_s=hang_timeout_s,
+        hang_action=hang_action,
     )
+    _check_can_start()
     _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
     _preflight(cfg, deadline)
@@ -535,6 +585,9 @@ def initialize(
     if fail_fast:
         install_fail_fast()
     _check_job(cfg.num_processes)
+    _hang.install_stack_dumps()
+    if cfg.hang_timeout_s is not None:
+        _hang.start(cfg.hang_timeout_s, cfg.hang_action, _exit_now)
     _log.info(
         "process %d of %d joined the coordinator at %s",
         jax.process_index(),
@@ -606,10 +659,14 @@ def _unfinished() -> list[int]:
     if _FINISH.get("done", True) or not is_initialized():
         return []
     _FINISH["done"] = True
+    _hang.beat("finished")  # waiting for the others is not being behind
     try:
-        return barrier("finished", float(_FINISH["timeout_s"]))
+        missing = barrier("finished", float(_FINISH["timeout_s"]))
     except Exception:  # noqa: BLE001 - coordinator gone: JAX's own shutdown reports it
-        return []
+        missing = []
+    if not missing:
+        _hang.stop()  # before JAX shuts its client down
+    return missing
 
 
 def _finish_at_exit() -> None:
@@ -645,4 +702,5 @@ def shutdown() -> None:
         raise DistributedError(
             _not_finished_message(missing, float(_FINISH["timeout_s"])).removeprefix("jaxdev: ")
         )
+    _hang.stop()
     jax.distributed.shutdown()

@@ -18,17 +18,24 @@ jaxdev.distributed.initialize") instead of blaming the process that gave up
 waiting. Commands that never call ``initialize`` (no marker anywhere) are
 not affected.
 
+``--hang-timeout S`` sets ``JAXDEV_HANG_TIMEOUT=S`` for every process: its
+``initialize`` starts the hang watchdog (see :mod:`jaxdev._hang`). A
+``SIGUSR1`` sent to the launcher is forwarded to every live process, which
+prints the Python stacks of all its threads without stopping (one command
+to see where a live run is: ``kill -USR1 <launcher pid>``).
+
 Environment of process ``i``: ``JAXDEV_COORDINATOR=127.0.0.1:<port>``,
 ``JAXDEV_NUM_PROCESSES=N``, ``JAXDEV_PROCESS_ID=i``, ``JAXDEV_LOCAL_DEVICES=M``,
 ``JAXDEV_JOIN_MARKER=<launcher temp dir>/joined-i``, ``JAX_PLATFORMS=cpu``,
 ``JAX_NUM_CPU_DEVICES=M``, ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``,
-``PYTHONUNBUFFERED=1``.
+``PYTHONUNBUFFERED=1`` (and ``JAXDEV_HANG_TIMEOUT=S`` with ``--hang-timeout``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import os
 import re
@@ -39,11 +46,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, NamedTuple
 
+from . import _hang
 from ._distributed import (
     ENV_COORDINATOR,
+    ENV_HANG_TIMEOUT,
     ENV_JOIN_MARKER,
     ENV_LOCAL_DEVICES,
     ENV_NUM_PROCESSES,
@@ -422,6 +431,26 @@ def _check_launch_args(
         raise UsageError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
 
 
+@contextlib.contextmanager
+def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
+    """While supervising: a ``SIGUSR1`` to the launcher goes to every live child (by pid)."""
+    sig = getattr(signal, "SIGUSR1", None)
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        yield  # no such signal here, or not the main thread (handlers can't be set)
+        return
+
+    def forward(signum, frame):
+        for p in list(procs):
+            with contextlib.suppress(OSError):
+                p.popen.send_signal(signum)  # does nothing once the child was reaped
+
+    previous = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous)
+
+
 def launch(
     cmd: Sequence[str],
     num_processes: int,
@@ -432,8 +461,13 @@ def launch(
     *,
     grace_s: float = DEFAULT_GRACE_S,
     out: IO[str] | None = None,
+    hang_timeout_s: float | None = None,
 ) -> int:
     """Run ``cmd`` as ``num_processes`` local JAX processes; return an exit code.
+
+    While it runs, a ``SIGUSR1`` sent to this process is forwarded to every
+    live child (each prints its threads' stacks when it called
+    :func:`jaxdev.distributed.initialize`).
 
     Args:
       cmd: the command every process runs, e.g. ``["python", "train.py"]``.
@@ -444,6 +478,8 @@ def launch(
       env: extra environment for every process (over ``os.environ``).
       grace_s: seconds between SIGTERM and SIGKILL when ending processes.
       out: where prefixed output and the summary go (default stdout/stderr).
+      hang_timeout_s: start each process's hang watchdog with this timeout
+        (sets ``JAXDEV_HANG_TIMEOUT``); ``None`` leaves the environment's.
 
     Returns:
       0 when every process exits 0; else the failed process's exit code
@@ -452,7 +488,8 @@ def launch(
       while others did.
 
     Raises:
-      UsageError: an argument is invalid (the CLI turns it into exit 2).
+      UsageError: an argument is invalid (the CLI turns it into exit 2),
+        e.g. ``hang_timeout_s`` <= 0.
       OSError: the command cannot be started (processes already started are
         ended first).
 
@@ -463,16 +500,21 @@ def launch(
       0
     """
     _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
-    port = free_port() if port is None else port
     base = {**os.environ, **(env or {})}
+    if hang_timeout_s is not None:
+        base[ENV_HANG_TIMEOUT] = f"{_hang.check_timeout(hang_timeout_s):g}"
+    port = free_port() if port is None else port
     lock, start = threading.Lock(), time.monotonic()
     procs: list[_Proc] = []
     with tempfile.TemporaryDirectory(prefix="jaxdev-launch-") as join_dir:
         try:  # processes already started are ended however this block is left
-            for i in range(num_processes):
-                child_env = process_env(i, num_processes, devices_per_process, port, base, join_dir)
-                procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
-            result = _supervise(procs, timeout_s)
+            with _forward_stack_signal(procs):
+                for i in range(num_processes):
+                    child_env = process_env(
+                        i, num_processes, devices_per_process, port, base, join_dir
+                    )
+                    procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
+                result = _supervise(procs, timeout_s)
         finally:
             _end(procs, grace_s)
         outcomes = [p.outcome() for p in procs]  # also drains every output pump
@@ -515,6 +557,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-process", type=int, default=1)
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="start every process's hang watchdog: when no process makes progress for this "
+        "many seconds, name the one behind, print every stack, and end the run "
+        "(sets JAXDEV_HANG_TIMEOUT)",
+    )
     p.add_argument(
         "--grace",
         type=float,
@@ -562,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.port,
             args.timeout,
             grace_s=args.grace,
+            hang_timeout_s=args.hang_timeout,
         )
     except UsageError as e:
         print(f"jaxdev launch: error: {e}", file=sys.stderr)

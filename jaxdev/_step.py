@@ -46,6 +46,7 @@ from ._errors import (
 )
 from ._explain import MemoryExplanation, explain_args, explain_memory, init_lines, raise_if_oom
 from ._fingerprint import same_program
+from ._hang import step_call
 from ._init_state import init_by_rules
 from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
@@ -118,6 +119,7 @@ class _Step:
         if self._by_rules:  # the state's shardings depend on its structure
             key += (jax.tree.structure(state),)
         fn = self._compiled.get(key)
+        step_call(self._train, compiling=fn is None)  # the hang watchdog's heartbeat
         if fn is None:
             fn, args = self._first_call(key, args)
         elif key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise

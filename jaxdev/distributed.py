@@ -14,6 +14,7 @@ from ._distributed import DistributedConfig as DistributedConfig
 from ._distributed import initialize as initialize
 from ._distributed import is_initialized as is_initialized
 from ._distributed import shutdown as shutdown
+from ._hang import heartbeat as heartbeat
 from ._multihost import assert_same_across_processes as assert_same_across_processes
 from ._fingerprint import check_same_program as check_same_program
 from ._fingerprint import same_program as same_program
@@ -23,6 +24,7 @@ __all__ = [
     "DistributedConfig",
     "assert_same_across_processes",
     "check_same_program",
+    "heartbeat",
     "initialize",
     "is_initialized",
     "launch",

@@ -83,6 +83,7 @@ def test_public_module_exposes_only_the_multi_process_api():
         "DistributedConfig",
         "assert_same_across_processes",
         "check_same_program",
+        "heartbeat",
         "initialize",
         "is_initialized",
         "launch",

@@ -1,0 +1,481 @@
+"""The hang watchdog, stacks on demand (SIGUSR1), and the launcher's part in both.
+
+Pure parts (options, the verdict, the report, a watchdog over an in-memory
+key-value store) are tested in-process. The multi-process scenarios run
+``tests/mp_scripts/hang.py`` as 2 processes x 4 fake CPU devices, all at
+once (they mostly sleep), under ``jaxdev launch --hang-timeout S`` and as
+plain processes started with the ``JAXDEV_*`` environment set by hand; every
+process is ended by its own pid if it outlives its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from typing import NamedTuple
+
+import pytest
+from conftest import REPO, clean_env
+
+import jaxdev
+from jaxdev import _distributed, _hang, _launch
+
+MAIN = threading.main_thread().ident
+HANG = os.path.join(REPO, "tests", "mp_scripts", "hang.py")
+PY = sys.executable
+S = 6  # hang timeout of the stall scenarios
+S_SLOW = 10  # of the no-false-alarm scenario (15 s compile, 3 s steps)
+DEADLINE_S = 100  # backstop per scenario (processes killed by pid after it)
+
+
+# --- options ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "x", True, float("nan"), float("inf"), [5]])
+def test_bad_hang_timeout_is_a_usage_error_naming_the_argument(bad):
+    with pytest.raises(jaxdev.UsageError, match="`hang_timeout_s` must be a number of seconds > 0"):
+        _distributed.resolve_config(hang_timeout_s=bad, env={})
+
+
+def test_hang_options_come_from_the_environment_and_arguments_win():
+    env = {"JAXDEV_HANG_TIMEOUT": "7.5", "JAXDEV_HANG_ACTION": "wait"}
+    cfg = _distributed.resolve_config(env=env)
+    assert (cfg.hang_timeout_s, cfg.hang_action) == (7.5, "wait")
+    cfg = _distributed.resolve_config(env=env, hang_timeout_s=3, hang_action="exit")
+    assert (cfg.hang_timeout_s, cfg.hang_action) == (3.0, "exit")
+    assert _distributed.resolve_config(env={}).hang_timeout_s is None  # off by default
+    with pytest.raises(jaxdev.UsageError, match=r"`\$JAXDEV_HANG_TIMEOUT` must be .* got 'soon'"):
+        _distributed.resolve_config(env={"JAXDEV_HANG_TIMEOUT": "soon"})
+    with pytest.raises(jaxdev.UsageError, match="`hang_action` must be 'exit' or 'wait'"):
+        _distributed.resolve_config(env={}, hang_action="kill")
+
+
+def test_bad_hang_timeout_is_refused_before_anything_starts():
+    with pytest.raises(jaxdev.UsageError, match="`hang_timeout_s`"):
+        jaxdev.distributed.initialize("127.0.0.1:1", 2, 1, hang_timeout_s=-1)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("",), "`label` must be a non-empty string"),
+        ((3,), "`label` must be a non-empty string"),
+        (("finished",), "other than 'start' and 'finished'"),
+        (("data", -1), "`step` must be None or an int >= 0, got -1"),
+        (("data", 2.5), "`step` must be None or an int >= 0"),
+    ],
+)
+def test_heartbeat_refuses_bad_arguments_even_when_off(args, match):
+    with pytest.raises(jaxdev.UsageError, match=match):
+        jaxdev.distributed.heartbeat(*args)
+
+
+def test_launcher_passes_the_hang_timeout_and_refuses_a_bad_one(capsys):
+    code = "import os; print(os.environ['JAXDEV_HANG_TIMEOUT'])"
+    assert _launch.main(["-n", "1", "--hang-timeout", "7", "--", PY, "-c", code]) == 0
+    assert "[p0] 7" in capsys.readouterr().out
+    assert _launch.main(["-n", "1", "--hang-timeout", "-1", "--", PY, "-c", "0"]) == 2
+    assert "`hang_timeout_s` must be a number of seconds > 0" in capsys.readouterr().err
+
+
+# --- the verdict ----------------------------------------------------------------------
+
+
+def _rec(process, step, phase="step", idle=8.0, **kw):
+    return {"process": process, "step": step, "phase": phase, "idle": idle, **kw}
+
+
+def test_behind_is_the_lowest_step_then_not_waiting_then_silent_then_oldest():
+    assert _hang.behind([_rec(0, 6), _rec(1, 5, idle=1.0), _rec(2, 6)])["process"] == 1
+    both_at_4 = [_rec(0, 4, waiting=True, idle=9.0), _rec(1, 4, idle=8.0)]
+    assert _hang.behind(both_at_4)["process"] == 1  # process 0 waits for the others
+    dead = [_rec(0, 5, idle=9.0), _rec(1, 5, idle=8.0, answers=False)]
+    assert _hang.behind(dead)["process"] == 1
+    assert _hang.behind([_rec(0, 5, idle=9.0), _rec(1, 5, idle=8.0)])["process"] == 0
+    assert _hang.behind([_rec(0, 5, phase="finished"), _rec(1, 2)])["process"] == 1
+    assert _hang.behind([_rec(0, 5, phase="finished")]) is None
+
+
+def test_verdict_names_the_step_not_started_or_not_finished():
+    stuck_in_step = [
+        _rec(0, 5, in_step=True, where="a.py:3"),
+        _rec(1, 5, in_step=True, where="b.py:4", idle=30.0),
+        _rec(2, 5, in_step=True, where="a.py:3"),
+    ]
+    text = _hang.verdict(stuck_in_step, 10)
+    assert text.startswith(
+        "no progress for 10 s: process 1 has not finished step 5: 30 s in step 5"
+    )
+    assert "processes 0, 2 wait in step 5" in text
+    loader = [
+        _rec(0, 4, phase="data", waiting=True, where="t.py:9"),
+        _rec(1, 4, phase="data", where="loader.py:41 in next: `q.get()`"),
+    ]
+    text = _hang.verdict(loader, 10)
+    assert "process 1 has not started step 5: 8 s after step 4 (data), at loader.py:41" in text
+    assert "process 0 waits after step 4 (data) in a jaxdev cross-process check" in text
+    silent = [_rec(0, 5, in_step=True), _rec(1, 3, answers=False, where="t.py:2")]
+    expected = (
+        "process 1 does not answer (dead, or stuck in C code holding the GIL); its last "
+        "heartbeat, 8 s ago: after step 3, at t.py:2"
+    )
+    assert expected in _hang.verdict(silent, 10)
+
+
+def test_report_puts_the_process_behind_first_and_says_which_stacks_are_missing():
+    recs = [_rec(0, 6, where="t.py:9"), _rec(1, 5, answers=False), _rec(2, 6)]
+    text = _hang.report(recs, {0: "Thread MainThread A", 2: "Thread MainThread C"}, 6)
+    lines = text.splitlines()
+    assert lines[0].startswith("jaxdev: hang watchdog: no progress for 6 s: process 1")
+    assert "  process 1: after step 5, 8.0 s since its last heartbeat, at ?, its watchdog" in text
+    order = [ln for ln in lines if ln.startswith("--- process")]
+    assert order == [
+        "--- process 1: no stacks (behind): its watchdog did not answer",
+        "--- process 0: stacks ---",
+        "--- process 2: stacks ---",
+    ]
+
+
+def test_where_names_the_innermost_user_frame_with_its_code(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text("import sys\n\ndef load():\n    return sys._getframe()  # the loader\n")
+    ns: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), ns)
+    assert _hang.where(ns["load"]()) == "loop.py:4 in load: `return sys._getframe()  # the loader`"
+
+
+def test_thread_stacks_list_every_thread_main_first():
+    ready, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (ready.set(), done.wait(10)), name="loader-thread")
+    t.start()
+    ready.wait(10)
+    try:
+        text = _hang.thread_stacks()
+    finally:
+        done.set()
+        t.join(10)
+    assert text.startswith("Thread MainThread (most recent call last):")
+    assert "Thread loader-thread (most recent call last):" in text and "done.wait(10)" in text
+
+
+def test_beat_costs_nothing_when_the_watchdog_is_off():
+    assert _hang._WATCH is None
+    start = time.perf_counter()
+    for _ in range(100_000):
+        _hang.beat("data")
+    assert (time.perf_counter() - start) / 100_000 < 2e-6  # one global check (~50 ns)
+
+
+# --- a watchdog over an in-memory key-value store -------------------------------------
+
+
+class FakeStore:
+    """The three calls of the coordination client the watchdog uses."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if key in self.kv and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def _peer(store, process, step, phase="step", idle=0.0, pub=1, **kw):
+    rec = {
+        "process": process,
+        "pub": pub,
+        "seq": step,
+        "phase": phase,
+        "step": step,
+        "idle": idle,
+        "quiet": idle,
+        "where": "peer.py:1",
+        "in_step": False,
+        "waiting": False,
+        **kw,
+    }
+    store.key_value_set(f"jaxdev/hang/beat/{process}", json.dumps(rec), True)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(_hang, "_GATHER_S", 0.3)
+    monkeypatch.setattr(_hang, "_ACK_S", 0.3)
+
+
+def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd):
+    store, exits = FakeStore(), []
+    watch = _hang._Watchdog(store, 0, 5.0, "exit", exits.append)
+    watch.record("data", 4)
+    _peer(store, 1, 4, "data", idle=1.0)
+    watch._tick()  # everyone recent: nothing happens
+    assert exits == [] and "jaxdev/hang/beat/0" in store.kv
+    watch.last = (7, "step", 5, time.monotonic() - 6.0, MAIN)  # process 0 waits in step 5 since 6 s
+    _peer(store, 1, 4, "data", idle=6.5, pub=2)
+    watch._tick()
+    assert len(exits) == 1
+    assert exits[0].startswith("jaxdev: hang watchdog: no progress for 5 s: process 1 has not")
+    assert "started step 5" in exits[0] and exits[0].endswith(
+        "(`hang_action`='exit'; 'wait' keeps it running)."
+    )
+    err = capfd.readouterr().err
+    assert "jaxdev: hang watchdog: process 0 stacks (after step 5, 6 s since" in err
+    assert "test_watchdog_reports_and_exits_once_no_process_progressed" in err  # its own stack
+    assert "--- process 1: no stacks (behind): its watchdog did not answer" in err
+    assert {"jaxdev/hang/fired/0", "jaxdev/hang/reported/0", "jaxdev/hang/ack/0/0"} <= set(store.kv)
+
+
+def test_compiling_counts_as_progress_until_ten_times_the_timeout(monkeypatch):
+    watch = _hang._Watchdog(FakeStore(), 1, 5.0, "exit", pytest.fail)
+    watch.last = (1, "compile", 1, time.monotonic() - 30.0, MAIN)
+    # while compiling, the main thread is inside jaxdev's _step.py:
+    monkeypatch.setattr(_hang, "_in_files", lambda frame, names: "_step.py" in names)
+    assert watch._heartbeat()["quiet"] == 0.0  # 30 s < 10 * 5 s
+    watch.last = (1, "compile", 1, time.monotonic() - 48.0, MAIN)
+    assert watch._heartbeat()["quiet"] == pytest.approx(3.0, abs=0.5)  # 48 s: 3 s over
+    monkeypatch.setattr(_hang, "_in_files", lambda frame, names: False)  # the call returned
+    assert watch._heartbeat()["quiet"] < 0.5  # its end is progress
+    watch.last = (2, "checkpoint", 1, time.monotonic() - 30.0, MAIN)  # a save, seen over at once
+    assert watch._heartbeat()["quiet"] < 0.5
+    watch.last = (3, "data", 1, time.monotonic() - 30.0, MAIN)  # a user label: no grace
+    assert watch._heartbeat()["quiet"] == pytest.approx(30.0, abs=0.5)
+
+
+def test_wait_action_reports_then_rearms_after_progress(fast, capfd):
+    store, exits = FakeStore(), []
+    watch = _hang._Watchdog(store, 0, 5.0, "wait", exits.append)
+    watch.last = (3, "step", 2, time.monotonic() - 6.0, MAIN)
+    watch._tick()
+    assert exits == [] and watch.resume_after == {0: 3}
+    assert "(`hang_action`='wait': process 0 keeps waiting)" in capfd.readouterr().err
+    watch._tick()  # no progress: no second report
+    assert watch.incident == 0
+    watch.record("step", 3)
+    watch._tick()
+    assert (watch.incident, watch.resume_after) == (1, None)
+
+
+def test_a_finished_process_is_never_behind_and_all_finished_never_fires(fast):
+    store = FakeStore()
+    watch = _hang._Watchdog(store, 0, 5.0, "exit", pytest.fail)
+    watch.last = (9, "finished", 8, time.monotonic() - 60.0, MAIN)
+    _peer(store, 1, 8, "finished", idle=60.0)
+    watch._tick()
+    assert "jaxdev/hang/fired/0" not in store.kv
+
+
+# --- stacks on demand ---------------------------------------------------------------
+
+
+_SIGNALLED = """
+    import signal, sys, time
+    from jaxdev._hang import install_stack_dumps
+    install_stack_dumps()
+    def waiting_for_data():
+        for _ in range(100):
+            time.sleep(0.02)
+    print("ready", flush=True)
+    waiting_for_data()
+    print("still running", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_prints_every_stack_without_stopping():
+    proc = subprocess.Popen(
+        [PY, "-c", textwrap.dedent(_SIGNALLED)],
+        env=clean_env(JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        os.kill(proc.pid, signal.SIGUSR1)  # this child, by its own pid
+        out, err = proc.communicate(timeout=50)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "still running\n", err
+    assert "Current thread" in err and "in waiting_for_data" in err
+
+
+@pytest.mark.timeout(60)
+def test_launch_forwards_sigusr1_to_every_process():
+    launcher = [PY, "-m", "jaxdev", "launch", "-n", "2", "--timeout", "50", "--"]
+    proc = subprocess.Popen(
+        [*launcher, PY, "-c", textwrap.dedent(_SIGNALLED)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        ready = 0
+        while ready < 2:
+            line = proc.stdout.readline()
+            assert line, "the launcher ended before both processes were ready"
+            ready += line.endswith("] ready\n")
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher, by its own pid
+        out, _ = proc.communicate(timeout=50)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    for p in (0, 1):
+        assert f"[p{p}] Current thread" in out and f"[p{p}] still running" in out
+
+
+# --- real processes: 2 x 4 fake CPU devices, all scenarios at once ---------------------
+
+
+class Run(NamedTuple):
+    returncodes: list[int]
+    output: str
+    started: float  # time.time() when it started
+    ended: float  # time.time() when its last process ended
+
+    def after_stall(self) -> float:
+        """Seconds from the stalled process's ``STALL`` line to the end of the run."""
+        stall = float(re.search(r"STALL ([\d.]+)", self.output).group(1))
+        return self.ended - stall
+
+
+def _launched(scenario: str, process: int, hang_timeout: float) -> list[list[str]]:
+    options = ["-n", "2", "--devices-per-process", "4", "--timeout", str(DEADLINE_S - 10)]
+    options += ["--hang-timeout", f"{hang_timeout:g}", "--"]
+    return [[PY, "-m", "jaxdev", "launch", *options, PY, HANG, scenario, str(process)]]
+
+
+SCENARIOS = {  # name: (commands, environments); plain: JAXDEV_* set by hand, no launcher
+    "step": ("launch", "step", 1, S),
+    "loader": ("launch", "loader", 1, S),
+    "coordinator": ("launch", "step", 0, S),
+    "slow": ("launch", "slow", 1, S_SLOW),
+    "kill": ("launch", "kill", 1, S),
+    "plain_step": ("plain", "step", 1, S),
+    "plain_kill": ("plain", "kill", 1, S),
+}
+
+
+def _start(name: str, folder: str) -> list[tuple[subprocess.Popen, object]]:
+    how, scenario, process, hang_timeout = SCENARIOS[name]
+    if how == "launch":
+        commands = [(_launched(scenario, process, hang_timeout)[0], clean_env())]
+    else:
+        port = _launch.free_port()
+        base = clean_env(JAXDEV_HANG_TIMEOUT=f"{hang_timeout:g}")
+        commands = [
+            ([PY, HANG, scenario, str(process)], _launch.process_env(i, 2, 4, port, base))
+            for i in range(2)
+        ]
+    started = []
+    for i, (cmd, env) in enumerate(commands):
+        out = open(os.path.join(folder, f"{name}-{i}.txt"), "w+")
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        started.append((proc, out))
+    return started
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Run]:
+    """Every scenario, started at once; each process ended by its own pid after the deadline."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.time()
+        started = {name: _start(name, folder) for name in SCENARIOS}
+        ended: dict[str, float] = {}
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while len(ended) < len(started) and time.monotonic() < deadline:
+                for name, procs in started.items():
+                    if name not in ended and all(p.poll() is not None for p, _ in procs):
+                        ended[name] = time.time()
+                time.sleep(0.1)
+        finally:
+            for procs in started.values():
+                for proc, _ in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait(timeout=30)
+        result = {}
+        for name, procs in started.items():
+            text = []
+            for _, out in procs:
+                out.seek(0)
+                text.append(out.read())
+                out.close()
+            codes = [p.returncode for p, _ in procs]
+            result[name] = Run(codes, "\n".join(text), start, ended.get(name, time.time()))
+        return result
+
+
+def _show(runs: dict[str, Run], name: str) -> Run:
+    """Print a run's timing (``-s`` shows it) and output (shown on failure); return it."""
+    run = runs[name]
+    stall = f", ended {run.after_stall():.1f} s after the stall" if "STALL" in run.output else ""
+    print(f"TIMING {name}: {run.ended - run.started:.1f} s from start to end{stall}")
+    print(run.output)
+    return run
+
+
+STALLS = [("step", 1), ("loader", 1), ("coordinator", 0), ("plain_step", 1)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+@pytest.mark.parametrize(("name", "culprit"), STALLS)
+def test_a_stalled_process_is_named_with_its_step_and_stack(runs, name, culprit):
+    run = _show(runs, name)
+    assert all(code != 0 for code in run.returncodes), run.returncodes
+    assert f"process {culprit} has not started step 5" in run.output
+    stacks = run.output.split(f"--- process {culprit}: stacks (behind) ---", 1)[1]
+    sleeping = "# the loader hangs" if name == "loader" else "# the stalled process"
+    assert f"time.sleep(120)  {sleeping}" in stacks.split("--- process", 1)[0]
+    other = 1 - culprit
+    assert f"process {other} waits" in run.output
+    assert f"jaxdev: hang watchdog: process {culprit} stacks" in run.output  # its own dump
+    assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
+    assert "DONE" not in run.output
+    if name != "plain_step":  # the launcher's summary quotes the watchdog's verdict
+        summary = run.output.split("jaxdev launch: process", 1)[1]
+        assert f"process {culprit} has not started step 5" in summary
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_slow_compile_and_slow_steps_are_not_a_hang(runs):
+    run = _show(runs, "slow")
+    assert run.returncodes == [0], run.returncodes
+    assert run.output.count("DONE") == 2 and "hang watchdog" not in run.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_a_killed_process_is_still_named_under_the_launcher(runs):
+    run = _show(runs, "kill")
+    assert run.returncodes == [137], run.returncodes
+    assert "jaxdev launch: process 1 failed (signal SIGKILL)" in run.output
+    assert run.after_stall() < 10
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_a_killed_process_is_named_by_the_watchdog_without_a_launcher(runs):
+    run = _show(runs, "plain_kill")
+    assert run.returncodes == [1, -signal.SIGKILL], run.returncodes
+    assert "process 1 does not answer (dead, or stuck in C code holding the GIL)" in run.output
+    assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
