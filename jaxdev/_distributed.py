@@ -540,9 +540,10 @@ def initialize(
         default ``None``: no watchdog). Compiling and checkpointing count
         as progress for up to 10 times as long. See :mod:`jaxdev._hang`.
       hang_action: after that report, ``"exit"`` (default, or
-        ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, within
-        about ``hang_timeout_s + 5`` s of the last progress; ``"wait"``
-        keeps them running (report only).
+        ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, about
+        ``hang_timeout_s + 1`` s after the last progress (at most
+        ``hang_timeout_s + 18`` s); ``"wait"`` keeps them running (report
+        only).
 
     Every process also prints the Python stacks of all its threads on
     ``SIGUSR1`` (``kill -USR1 <pid>``; ``jaxdev launch`` forwards it to every

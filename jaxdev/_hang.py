@@ -21,10 +21,12 @@ every process runs a daemon thread that:
   then not answering, then the longest without progress), its step and
   where it is, what the others wait in, and every stack;
 * then, with ``hang_action="exit"`` (the default), every process ends with
-  exit code 1 (process 0, which hosts the coordination service, last)
-  about ``S + 5`` seconds after the last progress, so a cluster's
-  restart-from-checkpoint can take over; ``hang_action="wait"`` only
-  reports and reports again at the next stall.
+  exit code 1 (process 0, which hosts the coordination service, last),
+  so a cluster's restart-from-checkpoint can take over: about ``S + 1.2`` s
+  after the last progress when every watchdog answers (measured, S = 10),
+  at most ``S`` + one interval + 13 s (waiting for stacks that never come,
+  then for the others to exit). ``hang_action="wait"`` only reports, and
+  reports again at the next stall.
 
 Progress is any heartbeat: jaxdev's train and eval step calls (a train step
 call counts as the next step, 1, 2, ...), :func:`jaxdev.save` /
@@ -718,8 +720,9 @@ def heartbeat(label: str, step: int | None = None) -> None:
     jaxdev's train and eval steps and checkpoints record progress by
     themselves; call this in your own loop, e.g. before fetching a batch, so
     that a stall is reported as ``process 1 has not started step 5: 62 s
-    after step 4 (data), at loader.py:41 ...``. It costs one global check when
-    the watchdog is off and a tuple assignment when on.
+    after step 4 (data), at loader.py:41 ...``. It costs one global check
+    (~40 ns) when the watchdog is off and ~0.25 us when on (a tuple
+    assignment: no lock, no I/O; the watchdog thread publishes).
 
     Args:
       label: what this process does now (``"data"``, ``"eval"``,
