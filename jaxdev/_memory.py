@@ -291,11 +291,12 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
         lines += text_table(("path", "category", "shape", "dtype", "bytes"), rows, rstrip=True)
     left = len(ledger.entries) + len(ledger.unattributed) - len(rows)
     if left > 0:
-        lines.append(f"... and {left} smaller arrays")
+        lines.append(f"... and {left} smaller array{'s' if left > 1 else ''}")
     if ledger.host_per_device:
         top = max(ledger.host_per_device.values())
         lines.append(
-            f"in host memory (offloaded, 0 on the devices): {len(ledger.offloaded)} arrays, "
+            f"in host memory (offloaded, 0 on the devices): {len(ledger.offloaded)} "
+            f"array{'s' if len(ledger.offloaded) > 1 else ''}, "
             f"{human_bytes(top)} on the fullest device's host memory"
         )
     return "\n".join(lines)

@@ -96,6 +96,33 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     return layout.replace(**changes)
 
 
+def kept_host(layout: Any, state: Any) -> Any:
+    """``layout`` with the leaves of ``state`` that live in host memory kept there.
+
+    A state already offloaded (arrays, or ``ShapeDtypeStruct`` s with a
+    ``pinned_host`` sharding) is counted where it is, whatever the rules say.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> host = jax.device_put(jnp.ones(8), jaxdev.as_sharding(mesh).with_memory_kind(HOST))
+      >>> kept_host(jaxdev.param_shardings({"w": host}, mesh), {"w": host})["w"].memory_kind
+      'pinned_host'
+    """
+    shardings, treedef = jax.tree.flatten(layout, is_leaf=lambda x: isinstance(x, Sharding))
+    leaves = jax.tree.leaves(state)
+    if len(shardings) != len(leaves):
+        return layout
+    kinds = [getattr(x, "sharding", None) for x in leaves]
+    if not any(is_host(k) for k in kinds):
+        return layout
+    out = [
+        s.with_memory_kind(k.memory_kind) if is_host(k) and isinstance(s, Sharding) else s
+        for s, k in zip(shardings, kinds)
+    ]
+    return treedef.unflatten(out)
+
+
 def _moved(tree: Any, layout: Any, kind: Callable[[Sharding], Sharding | None]) -> Any:
     shardings = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, Sharding))
     leaves, treedef = jax.tree.flatten(tree)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ._errors import MemoryPlanError, UsageError, device_name, short
 from ._leaves import PY_SCALARS, device_key, is_jax_array
 from ._mesh import batch_axis, check_mesh, named_sharding
-from ._offload import host_bytes, is_host, offloaded
+from ._offload import host_bytes, is_host, kept_host, offloaded
 from ._report import human_bytes, text_table
 from ._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 
@@ -423,6 +423,7 @@ def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> Memory
     shardings = step_shardings(state_or_shapes, mesh, rules, **options)
     if step is not None:  # fields the step keeps in host memory count there
         shardings = offloaded(shardings, state_or_shapes, step.strategy.offload)
+    shardings = kept_host(shardings, state_or_shapes)  # already offloaded leaves count there
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, layout, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)

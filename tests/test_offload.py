@@ -109,6 +109,16 @@ def test_plan_and_ledger_count_offloaded_bytes_on_the_host_not_the_devices():
     assert "in host memory (offloaded, 0 on the devices)" in str(ledger)
 
 
+def test_plan_of_an_offloaded_state_alone_counts_it_on_the_host():
+    """``plan(state, mesh)`` without the step reads where the leaves are (was: on the devices)."""
+    mesh = jaxdev.data_mesh()
+    _, state, _ = _train(jaxdev.Strategy.sharded(mesh))
+    _, host_state, _ = _train(jaxdev.Strategy.sharded(mesh, offload="opt_state"))
+    before, after = jaxdev.plan(state, mesh), jaxdev.plan(host_state, mesh)
+    assert before["opt_state"] > 0 and after["opt_state"] == 0
+    assert after.host == before["opt_state"] and after["params"] == before["params"]
+
+
 def test_an_eval_step_and_a_checkpoint_of_an_offloaded_state(tmp_path):
     step, state, _ = _train(jaxdev.Strategy.sharded(offload=("opt_state", "params")))
     ev = jaxdev.make_eval_step(loss_fn, jaxdev.Strategy.sharded(offload="params"))
