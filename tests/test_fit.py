@@ -105,11 +105,10 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
     assert fit.step.strategy.rules == "fsdp" and fit.step.strategy.mesh == mesh
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     rows_of = batch_rows(step, _example())
-    at = lambda b: (
-        jaxdev.plan(  # noqa: E731
-            shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)
-        ).peak
-    )
+
+    def at(b):
+        return jaxdev.plan(shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)).peak
+
     assert at(fit.batch_size) == fit.peak <= limit < at(fit.batch_size + 1)
     assert str(fit).startswith(
         f"largest batch that fits with Strategy.sharded(mesh, rules='fsdp'): {fit.batch_size} "

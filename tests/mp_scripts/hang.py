@@ -13,7 +13,8 @@ Scenarios (``PROCESS``: the one that stalls, default 1):
   ``heartbeat("data")``;
 * ``kill``: ``PROCESS`` is SIGKILLed before its step 5 (its batch is built);
 * ``slow``: no stall: the first call traces for 15 s (a slow compile), then
-  5 steps of 3 s each.
+  5 steps of 3 s each; ``slow30``: the same with 30 steps of 3 s (the
+  issue's case, ~105 s: ``benchmarks/hang_faults.py`` runs it).
 
 Each process prints ``STALL <time.time()>`` just before it stalls and
 ``DONE`` at the end.
@@ -50,7 +51,8 @@ def main(scenario: str, stalled: int) -> int:
     import optax
 
     pid = jax.process_index()
-    slow_compile = [scenario == "slow"]
+    slow = scenario in ("slow", "slow30")
+    slow_compile = [slow]
 
     def loss_fn(w, batch):
         if slow_compile[0]:  # tracing is part of the first call: a 15 s compile
@@ -61,7 +63,8 @@ def main(scenario: str, stalled: int) -> int:
     tx = optax.sgd(0.01)
     step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded())
     state, metrics = step.init_state(np.float32(0.0), tx), None
-    for i in range(1, (6 if scenario == "slow" else 8) + 1):
+    steps = {"slow": 6, "slow30": 31}.get(scenario, 8)  # slow: the first call, then 3 s steps
+    for i in range(1, steps + 1):
         stall = pid == stalled and i == STALL_STEP
         batch = step.put_batch(load(i, pid, stall and scenario == "loader"))
         if stall and scenario == "step":
@@ -73,7 +76,7 @@ def main(scenario: str, stalled: int) -> int:
         state, metrics = step(state, batch, metrics)
         jax.block_until_ready(state)
         print(f"step {i} done", flush=True)
-        if scenario == "slow" and i > 1:
+        if slow and i > 1:
             time.sleep(3)  # a slow step: 3 s of host work, no heartbeat
     print(f"loss {float(metrics.fetch()['loss']):.4f}")
     print("DONE", flush=True)
