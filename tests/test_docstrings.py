@@ -38,6 +38,10 @@ ADDED_SINCE_THE_REDESIGN: set[str] = {
     "MemoryLedger",
     "LedgerEntry",
     "nnx_metrics_update",
+    "OutOfMemoryError",
+    "MemoryExplanation",
+    "fit_memory",
+    "MemoryFit",
 }
 
 
