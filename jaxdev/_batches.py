@@ -229,6 +229,35 @@ def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
     return out
 
 
+def padded_shapes(batch: Any, n: int, n_lead: int = 0) -> tuple[Any, Any]:
+    """``(batch, mask)`` shapes of a batch padded as a step's ``put_batch`` pads it.
+
+    Rows (axis ``n_lead``, behind ``steps_per_call`` / ``accumulate`` group
+    axes) that ``n`` devices do not divide are padded up to the next multiple
+    and a bool row mask is added; otherwise ``(batch, None)``. Lowering and
+    :func:`jaxdev.plan` then accept the shapes of a raw batch.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> batch, mask = padded_shapes(jax.ShapeDtypeStruct((30, 256), jnp.float32), 8)
+      >>> batch.shape, mask.shape
+      ((32, 256), (32,))
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    if not leaves or any(np.ndim(x) <= n_lead for x in leaves):
+        return batch, None
+    rows = {np.shape(x)[n_lead] for x in leaves}
+    if len(rows) != 1 or rows.pop() % n == 0:
+        return batch, None
+
+    def pad(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[:n_lead] + (shape[n_lead] + -shape[n_lead] % n,) + shape[n_lead + 1 :]
+
+    out = [jax.ShapeDtypeStruct(pad(np.shape(x)), x.dtype) for x in leaves]
+    mask = jax.ShapeDtypeStruct(pad(np.shape(leaves[0]))[: n_lead + 1], np.bool_)
+    return treedef.unflatten(out), mask
+
+
 def row_multiple(sharding: NamedSharding, n: int) -> int:
     """Rows this process's batch must be a multiple of (the batch shards it holds)."""
     if jax.process_count() == 1:

@@ -33,13 +33,7 @@ from ._errors import OutOfMemoryError, UsageError, short
 from ._memory import MemoryLedger, memory
 from ._mesh import check_mesh
 from ._oom import first_line, is_resource_exhausted, limit_line, live_lines, plan_lines
-from ._plan import (
-    MemoryPlan,
-    device_memory_limit,
-    plan,
-    resolve_limit,
-    step_plan,
-)
+from ._plan import MemoryPlan, check_fits, plan, resolve_limit, step_plan
 from ._report import human_bytes, text_table
 from ._rules import fsdp_axis_of
 from ._strategy import Strategy
@@ -66,8 +60,6 @@ class BatchRows(NamedTuple):
 
 def _lead(step: Any) -> tuple[int, int]:
     """``(steps_per_call, accumulate)`` of the batch a step takes (eval steps: 1, 1)."""
-    if not getattr(step, "_train", True):
-        return 1, 1
     return step.steps_per_call, step.accumulate
 
 
@@ -497,13 +489,7 @@ def explain_memory(
     Returns:
       A :class:`MemoryExplanation`.
     """
-    mesh = check_mesh(step.strategy.mesh)
-    if limit is None:
-        devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-        limit = device_memory_limit(devices)
-        found = "bytes_limit of the devices" if limit is not None else "no limit known"
-    else:
-        limit, found = resolve_limit(limit, mesh)
+    limit, found = resolve_limit(limit, check_mesh(step.strategy.mesh), required=False)
     batch_rows(step, batch)  # a batch the step cannot take is named before compiling
     shapes = state_shapes(state)
     batch_shapes = state_shapes(batch)
@@ -545,6 +531,33 @@ def explain_args(step: Any, args: list[Any], **kwargs: Any) -> MemoryExplanation
     """:func:`explain_memory` of a compiled step's arguments (see :func:`split_args`)."""
     state, batch, metrics = split_args(args)
     return explain_memory(step, state, batch, metrics=metrics, **kwargs)
+
+
+def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
+    """Raise MemoryPlanError when the compiled step needs more than its budget.
+
+    Runs once per variant, before its first call: lowers ``jitted`` for
+    ``args`` (JAX caches the executable, so the call that follows does not
+    compile again) and hands its plan to :func:`jaxdev._plan.check_fits`, the
+    one memory check (the same figures and advice as :func:`jaxdev.plan`).
+    The budget is ``memory_limit``, else the devices' own (none on CPU:
+    nothing to check).
+    """
+    limit, source = resolve_limit(
+        step.memory_limit, step.strategy.devices, required=False, arg="memory_limit"
+    )
+    if limit is None:
+        return
+    plan_ = step_plan(step, args[0], args[1], jitted.lower(*args))
+    if plan_.compiled is None:  # the backend does not analyse memory
+        return
+    check_fits(
+        plan_,
+        limit,
+        source=source,
+        subject=f"the {'train' if step._train else 'eval'} step",
+        explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
+    )
 
 
 def raise_if_oom(step: Any, err: BaseException, args: list[Any]) -> None:

@@ -219,8 +219,23 @@ def _metric(cls: type) -> type:
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
+class _Sums(Metric):
+    """A metric whose every field is a sum: merging adds them, reducing ``psum`` s them."""
+
+    def merge(self, other: Metric) -> Metric:
+        """Return the accumulator of both metrics' elements (fields added)."""
+        _check_partner(self, other)
+        names = [f.name for f in dataclasses.fields(self)]
+        return type(self)(**{n: getattr(self, n) + getattr(other, n) for n in names})
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
+        """Return the accumulator over every device on ``axis`` (``psum`` of each field)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return type(self)(**{n: lax.psum(getattr(self, n), axis) for n in names})
+
+
 @_metric
-class Mean(Metric):
+class Mean(_Sums):
     """Mean of every valid element seen: ``total / count``.
 
     Attributes:
@@ -265,22 +280,13 @@ class Mean(Metric):
         value, valid = _checked_value(cls, value, mask)
         return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid))
 
-    def merge(self, other: Mean) -> Mean:
-        """Return the mean of both accumulators' elements."""
-        _check_partner(self, other)
-        return type(self)(total=self.total + other.total, count=self.count + other.count)
-
-    def reduce(self, axis: Any = DEFAULT_AXIS) -> Mean:
-        """Return the mean over every device on ``axis`` (``psum``)."""
-        return type(self)(total=lax.psum(self.total, axis), count=lax.psum(self.count, axis))
-
     def _compute(self, xp: Any) -> Any:
         mean = self.total / xp.maximum(self.count, 1)
         return xp.where(self.count > 0, mean, xp.nan).astype(xp.float32)
 
 
 @_metric
-class WeightedMean(Metric):
+class WeightedMean(_Sums):
     """Weighted mean ``sum(value * weight) / sum(weight)`` of the valid elements (e.g. per token).
 
     A language model's loss and token accuracy: per-token values with weight 0
@@ -343,15 +349,6 @@ class WeightedMean(Metric):
         weights = _masked_fill(weights, valid, 0.0)
         total = jnp.sum(jnp.where(weights != 0, _masked_fill(value, valid, 0.0) * weights, 0.0))
         return cls(total=total, weight=jnp.sum(weights))
-
-    def merge(self, other: WeightedMean) -> WeightedMean:
-        """Return the weighted mean of both accumulators' elements."""
-        _check_partner(self, other)
-        return type(self)(total=self.total + other.total, weight=self.weight + other.weight)
-
-    def reduce(self, axis: Any = DEFAULT_AXIS) -> WeightedMean:
-        """Return the weighted mean over every device on ``axis`` (``psum``)."""
-        return type(self)(total=lax.psum(self.total, axis), weight=lax.psum(self.weight, axis))
 
     def _compute(self, xp: Any) -> Any:
         safe = xp.where(self.weight != 0, self.weight, 1.0)

@@ -529,34 +529,53 @@ def device_memory_limit(devices: Any) -> int | None:
 
 
 def resolve_limit(
-    limit: Any, mesh: Mesh, example: str = "plan.fits(limit=16 * 2**30)"
-) -> tuple[int, str]:
-    """``(bytes, where it came from)`` for a ``limit`` argument (None = the devices' limit).
+    limit: Any,
+    devices: Any,
+    example: str = "plan.fits(limit=16 * 2**30)",
+    *,
+    required: bool = True,
+    arg: str = "limit",
+) -> tuple[int | None, str]:
+    """``(bytes per device, where it came from)`` for a memory budget: the one owner.
 
-    ``example`` is the call shown when the backend reports no limit.
+    ``limit`` given: checked and taken (``arg`` names it in errors and as the
+    source). ``None``: the smallest ``bytes_limit`` of this process's
+    ``devices`` (a mesh or devices); a backend that reports none (CPU)
+    raises naming ``example`` when ``required``, else gives ``None``.
+
+    Example:
+      >>> import jaxdev
+      >>> from jaxdev._plan import resolve_limit
+      >>> resolve_limit(2**20, jaxdev.data_mesh())
+      (1048576, 'limit')
+      >>> resolve_limit(None, jaxdev.data_mesh(), required=False)  # CPU reports none
+      (None, 'no limit known')
     """
     if limit is None:
-        devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-        found = device_memory_limit(devices)
-        if found is None:
-            platform = devices[0].platform if devices else "?"
-            raise UsageError(
-                f"the {platform} backend reports no memory limit (`memory_stats()` has no "
-                "'bytes_limit'), so there is nothing to compare with: pass `limit=` in bytes "
-                f"per device, e.g. `{example}`."
-            )
-        return found, "bytes_limit of the devices"
+        flat = devices.devices.flat if isinstance(devices, Mesh) else devices
+        local = [d for d in flat if d.process_index == jax.process_index()]
+        found = device_memory_limit(local)
+        if found is not None:
+            return found, "bytes_limit of the devices"
+        if not required:
+            return None, "no limit known"
+        platform = local[0].platform if local else "?"
+        raise UsageError(
+            f"the {platform} backend reports no memory limit (`memory_stats()` has no "
+            f"'bytes_limit'), so there is nothing to compare with: pass `{arg}=` in bytes "
+            f"per device, e.g. `{example}`."
+        )
     if (
         isinstance(limit, bool)
         or not isinstance(limit, (int, float, np.integer, np.floating))
         or not math.isfinite(limit)
-        or limit < 0
+        or limit <= 0
     ):
         raise UsageError(
-            f"`limit` must be a number of bytes per device >= 0 (e.g. 16 * 2**30) or None for "
+            f"`{arg}` must be a number of bytes per device > 0 (e.g. 16 * 2**30) or None for "
             f"the devices' own limit, got {limit!r}."
         )
-    return int(limit), "limit"
+    return int(limit), arg
 
 
 def check_fits(

@@ -35,16 +35,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from ._batches import Padded
+from ._batches import Padded, padded_shapes
 from ._donation import check_donatable
 from ._errors import (
     UsageError,
 )
-from ._explain import MemoryExplanation, explain_args, explain_memory, init_lines, raise_if_oom
+from ._explain import (
+    MemoryExplanation,
+    check_step_memory,
+    explain_memory,
+    init_lines,
+    raise_if_oom,
+)
 from ._fingerprint import same_program
 from ._hang import step_call
 from ._init_state import init_by_rules
@@ -53,7 +58,7 @@ from ._metrics import Collection
 from ._offload import offloaded
 from ._oom import explained_oom
 from ._placement import copy_to, put_leaves, to_device
-from ._plan import check_fits, device_memory_limit, step_plan
+from ._plan import resolve_limit
 from ._prefetch import Prefetcher
 from ._rules import (
     step_shardings,
@@ -90,6 +95,7 @@ class _Step:
         self.steps_per_call = k
         self.accumulate = cfg.accumulate
         self.memory_limit = memory_limit
+        self.n_lead = (k > 1) + (cfg.accumulate > 1)  # group axes before a batch's rows
         self._cfg, self._donate, self._train = cfg, donate and train, train
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
@@ -136,7 +142,7 @@ class _Step:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
-        _check_memory(self, jitted, args)  # before anything runs (or is donated)
+        check_step_memory(self, jitted, args)  # before anything runs (or is donated)
         kind = "train" if self._train else "eval"
         name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
         # its first call checks every process compiled the same program
@@ -148,8 +154,7 @@ class _Step:
         if jitted is None:
             layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
             jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
-            n_lead = (self.steps_per_call > 1) + (self.accumulate > 1) if self._train else 0
-            expected = self.strategy.input_shardings(n_lead, key[0], key[1], layout)
+            expected = self.strategy.input_shardings(self.n_lead, key[0], key[1], layout)
             if expected is not None:
                 self._in_shardings[key] = expected
         return jitted
@@ -215,7 +220,7 @@ class _Step:
         """
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
-            inner, mask = _padded_shapes(self, inner)
+            inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args = [state, inner] + ([mask] if mask is not None else [])
         args += [metrics] if metrics is not None else []
         key = (mask is not None, metrics is not None)
@@ -421,31 +426,6 @@ def _cpu_collectives(strategy: Strategy) -> bool:
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
-def _padded_shapes(step: TrainStep, batch: Any) -> tuple[Any, Any]:
-    """``(batch, mask)`` shapes of an uneven batch padded as ``put_batch`` would; else as is.
-
-    Rows (behind the ``steps_per_call`` / ``accumulate`` group axes) that the
-    batch shards do not divide are padded up to the next multiple and a row
-    mask is added, so ``lower`` (and :func:`jaxdev.plan`) accept the shapes
-    of a raw batch: ``jax.ShapeDtypeStruct((30, 256), ...)`` on 8 devices.
-    """
-    n_lead = (step.steps_per_call > 1) + (step.accumulate > 1) if step._train else 0
-    leaves, treedef = jax.tree.flatten(batch)
-    if not leaves or any(np.ndim(x) <= n_lead for x in leaves):
-        return batch, None
-    rows = {np.shape(x)[n_lead] for x in leaves}
-    n = step.strategy.n_devices
-    if len(rows) != 1 or rows.pop() % n == 0:
-        return batch, None
-
-    def pad(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return shape[:n_lead] + (shape[n_lead] + -shape[n_lead] % n,) + shape[n_lead + 1 :]
-
-    out = [jax.ShapeDtypeStruct(pad(np.shape(x)), x.dtype) for x in leaves]
-    mask = jax.ShapeDtypeStruct(pad(np.shape(leaves[0]))[: n_lead + 1], np.bool_)
-    return treedef.unflatten(out), mask
-
-
 def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any]]:
     """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
 
@@ -492,7 +472,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
     the state's shardings under sharded params (``None``: replicated).
     """
     strategy, cfg, k, train = step.strategy, step._cfg, step.steps_per_call, step._train
-    n_lead = (k > 1) + (cfg.accumulate > 1) if train else 0
+    n_lead = step.n_lead
 
     def run(axis, *args):
         state, batch = args[0], args[1]
@@ -534,51 +514,6 @@ def _state_layout(strategy: Strategy, state: Any) -> Any:
     """
     layout = step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
     return offloaded(layout, state, strategy.offload)
-
-
-# ---------------------------------------------------------------- memory
-
-
-def _check_memory(step: TrainStep, jitted: Any, args: list[Any]) -> None:
-    """Raise MemoryPlanError when the compiled step needs more than the device has.
-
-    Runs once per variant, before its first call: lowers ``jitted`` for
-    ``args`` (JAX caches the executable, so the call that follows does not
-    compile again) and hands its plan to :func:`jaxdev._plan.check_fits`, the
-    one memory check (the same figures and advice as :func:`jaxdev.plan`).
-    """
-    limit, source = _memory_budget(step)
-    if limit is None:
-        return
-    plan_ = step_plan(step, args[0], args[1], jitted.lower(*args))
-    if plan_.compiled is None:  # the backend does not analyse memory
-        return
-    kind = "train" if step._train else "eval"
-    check_fits(
-        plan_,
-        limit,
-        source=source,
-        subject=f"the {kind} step",
-        explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
-    )
-
-
-def _memory_budget(step: TrainStep) -> tuple[int | None, str]:
-    if step.memory_limit is not None:
-        return step.memory_limit, "memory_limit"
-    limit = device_memory_limit(step.strategy.devices)  # None on CPU: nothing to compare
-    return limit, "bytes_limit of the devices"
-
-
-def _check_memory_limit(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
-        raise UsageError(
-            f"`memory_limit` must be a number of bytes > 0 (e.g. 40 * 2**30), or None for the "
-            f"device's own limit, got {value!r}."
-        )
-    return int(value)
 
 
 # ---------------------------------------------------------------- factories
@@ -711,7 +646,7 @@ def make_train_step(
         _check_remat(remat),
     )
     k = _check_count("steps_per_call", steps_per_call)
-    limit = _check_memory_limit(memory_limit)
+    limit = None if memory_limit is None else resolve_limit(memory_limit, (), arg="memory_limit")[0]
     return TrainStep(as_strategy(strategy), cfg, k, donate, memory_limit=limit)
 
 
