@@ -26,62 +26,24 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HANG = os.path.join(REPO, "tests", "mp_scripts", "hang.py")
-PY = sys.executable
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from mp_scripts.hang_runs import Scenario, run_all  # noqa: E402
+
 S = 10
 DEADLINE_S = 180
 
-# name: (how, hang.py scenario, the process that stalls, what it must end with)
-SCENARIOS = {
-    "step": ("launch", "step", 1, "exit 1, names process 1 and step 5"),
-    "loader": ("launch", "loader", 1, "exit 1, names process 1 in its loader"),
-    "coordinator": ("launch", "step", 0, "exit 1, names process 0"),
-    "plain_step": ("plain", "step", 1, "both exit 1, process 1 named"),
-    "kill": ("launch", "kill", 1, "137, the launcher names process 1"),
-    "plain_kill": ("plain", "kill", 1, "process 0 exits 1, names process 1"),
-    "slow30": ("launch", "slow30", 1, "exit 0, no report"),
+SCENARIOS = {  # name: (the scenario, what it must end with)
+    "step": (Scenario("launch", "step", 1, S), "exit 1, names process 1 and step 5"),
+    "loader": (Scenario("launch", "loader", 1, S), "exit 1, names process 1 in its loader"),
+    "coordinator": (Scenario("launch", "step", 0, S), "exit 1, names process 0"),
+    "plain_step": (Scenario("plain", "step", 1, S), "both exit 1, process 1 named"),
+    "kill": (Scenario("launch", "kill", 1, S), "137, the launcher names process 1"),
+    "plain_kill": (Scenario("plain", "kill", 1, S), "process 0 exits 1, names process 1"),
+    "slow30": (Scenario("launch", "slow30", 1, S), "exit 0, no report"),
 }
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _commands(name: str) -> list[tuple[list[str], dict[str, str]]]:
-    how, scenario, process, _ = SCENARIOS[name]
-    args = [HANG, scenario, str(process)]
-    if how == "launch":
-        launch = ["-m", "jaxdev", "launch", "-n", "2", "--devices-per-process", "4"]
-        launch += ["--timeout", str(DEADLINE_S - 10), "--hang-timeout", str(S), "--"]
-        return [([PY, *launch, PY, *args], _env())]
-    port = _port()
-    base = {
-        "JAXDEV_COORDINATOR": f"127.0.0.1:{port}",
-        "JAXDEV_NUM_PROCESSES": "2",
-        "JAXDEV_LOCAL_DEVICES": "4",
-        "JAX_NUM_CPU_DEVICES": "4",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-        "PYTHONUNBUFFERED": "1",
-        "JAXDEV_HANG_TIMEOUT": str(S),
-    }
-    return [([PY, *args], _env(**base, JAXDEV_PROCESS_ID=str(i))) for i in range(2)]
 
 
 def _verdict(output: str) -> str:
@@ -95,46 +57,18 @@ def _verdict(output: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    chosen = [n for n in SCENARIOS if not argv or n in argv]
-    with tempfile.TemporaryDirectory() as folder:
-        started, procs = time.time(), {}
-        for name in chosen:
-            procs[name] = []
-            for i, (cmd, env) in enumerate(_commands(name)):
-                out = open(os.path.join(folder, f"{name}-{i}.txt"), "w+")
-                p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-                procs[name].append((p, out))
-        ended: dict[str, float] = {}
-        deadline = time.monotonic() + DEADLINE_S
-        try:
-            while len(ended) < len(procs) and time.monotonic() < deadline:
-                for name, ps in procs.items():
-                    if name not in ended and all(p.poll() is not None for p, _ in ps):
-                        ended[name] = time.time()
-                time.sleep(0.1)
-        finally:
-            for ps in procs.values():
-                for p, _ in ps:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait(timeout=30)
-        print(f"S = {S} s, 2 processes x 4 CPU devices, {len(chosen)} scenarios at once\n")
-        print("| scenario | expected | exit codes | s from launch | s after the stall | verdict |")
-        print("|---|---|---|---|---|---|")
-        for name, ps in procs.items():
-            text = ""
-            for _, out in ps:
-                out.seek(0)
-                text += out.read()
-                out.close()
-            end = ended.get(name, time.time())
-            stall = re.search(r"STALL ([\d.]+)", text)
-            after = f"{end - float(stall.group(1)):.1f}" if stall else "-"
-            codes = ", ".join(str(p.returncode) for p, _ in ps)
-            print(
-                f"| {name} | {SCENARIOS[name][3]} | {codes} | {end - started:.1f} | {after} "
-                f"| {_verdict(text)} |"
-            )
+    chosen = {n: s for n, (s, _) in SCENARIOS.items() if not argv or n in argv}
+    runs = run_all(chosen, DEADLINE_S)
+    print(f"S = {S} s, 2 processes x 4 CPU devices, {len(chosen)} scenarios at once\n")
+    print("| scenario | expected | exit codes | s from launch | s after the stall | verdict |")
+    print("|---|---|---|---|---|---|")
+    for name, run in runs.items():
+        after = f"{run.after_stall():.1f}" if "STALL" in run.output else "-"
+        codes = ", ".join(str(c) for c in run.returncodes)
+        print(
+            f"| {name} | {SCENARIOS[name][1]} | {codes} | {run.ended - run.started:.1f} "
+            f"| {after} | {_verdict(run.output)} |"
+        )
     return 0
 
 

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-from typing import NamedTuple
 
 import pytest
 from conftest import REPO, clean_env
+from mp_scripts.hang_runs import Run, Scenario, run_all
 
 import jaxdev
 from jaxdev import _distributed, _hang, _launch
@@ -343,84 +341,21 @@ def test_launch_forwards_sigusr1_to_every_process():
 # --- real processes: 2 x 4 fake CPU devices, all scenarios at once ---------------------
 
 
-class Run(NamedTuple):
-    returncodes: list[int]
-    output: str
-    started: float  # time.time() when it started
-    ended: float  # time.time() when its last process ended
-
-    def after_stall(self) -> float:
-        """Seconds from the stalled process's ``STALL`` line to the end of the run."""
-        stall = float(re.search(r"STALL ([\d.]+)", self.output).group(1))
-        return self.ended - stall
-
-
-def _launched(scenario: str, process: int, hang_timeout: float) -> list[list[str]]:
-    options = ["-n", "2", "--devices-per-process", "4", "--timeout", str(DEADLINE_S - 10)]
-    options += ["--hang-timeout", f"{hang_timeout:g}", "--"]
-    return [[PY, "-m", "jaxdev", "launch", *options, PY, HANG, scenario, str(process)]]
-
-
-SCENARIOS = {  # name: (commands, environments); plain: JAXDEV_* set by hand, no launcher
-    "step": ("launch", "step", 1, S),
-    "loader": ("launch", "loader", 1, S),
-    "coordinator": ("launch", "step", 0, S),
-    "slow": ("launch", "slow", 1, S_SLOW),
-    "kill": ("launch", "kill", 1, S),
-    "plain_step": ("plain", "step", 1, S),
-    "plain_kill": ("plain", "kill", 1, S),
+SCENARIOS = {  # plain: JAXDEV_* set by hand, no launcher
+    "step": Scenario("launch", "step", 1, S),
+    "loader": Scenario("launch", "loader", 1, S),
+    "coordinator": Scenario("launch", "step", 0, S),
+    "slow": Scenario("launch", "slow", 1, S_SLOW),
+    "kill": Scenario("launch", "kill", 1, S),
+    "plain_step": Scenario("plain", "step", 1, S),
+    "plain_kill": Scenario("plain", "kill", 1, S),
 }
-
-
-def _start(name: str, folder: str) -> list[tuple[subprocess.Popen, object]]:
-    how, scenario, process, hang_timeout = SCENARIOS[name]
-    if how == "launch":
-        commands = [(_launched(scenario, process, hang_timeout)[0], clean_env())]
-    else:
-        port = _launch.free_port()
-        base = clean_env(JAXDEV_HANG_TIMEOUT=f"{hang_timeout:g}")
-        commands = [
-            ([PY, HANG, scenario, str(process)], _launch.process_env(i, 2, 4, port, base))
-            for i in range(2)
-        ]
-    started = []
-    for i, (cmd, env) in enumerate(commands):
-        out = open(os.path.join(folder, f"{name}-{i}.txt"), "w+")
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        started.append((proc, out))
-    return started
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Run]:
     """Every scenario, started at once; each process ended by its own pid after the deadline."""
-    with tempfile.TemporaryDirectory() as folder:
-        start = time.time()
-        started = {name: _start(name, folder) for name in SCENARIOS}
-        ended: dict[str, float] = {}
-        deadline = time.monotonic() + DEADLINE_S
-        try:
-            while len(ended) < len(started) and time.monotonic() < deadline:
-                for name, procs in started.items():
-                    if name not in ended and all(p.poll() is not None for p, _ in procs):
-                        ended[name] = time.time()
-                time.sleep(0.1)
-        finally:
-            for procs in started.values():
-                for proc, _ in procs:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait(timeout=30)
-        result = {}
-        for name, procs in started.items():
-            text = []
-            for _, out in procs:
-                out.seek(0)
-                text.append(out.read())
-                out.close()
-            codes = [p.returncode for p, _ in procs]
-            result[name] = Run(codes, "\n".join(text), start, ended.get(name, time.time()))
-        return result
+    return run_all(SCENARIOS, DEADLINE_S)
 
 
 def _show(runs: dict[str, Run], name: str) -> Run:

@@ -322,7 +322,7 @@ def test_memory_limit_raises_before_anything_runs():
     roomy = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True, memory_limit=2**30)
     new, _ = roomy(state, roomy.put_batch(_data(steps=1)[0]))
     assert int(new.step) == 1
-    with pytest.raises(jaxdev.UsageError, match="`memory_limit` must be a number of bytes per device > 0"):
+    with pytest.raises(jaxdev.UsageError, match="`memory_limit` must be a number of bytes per"):
         jaxdev.make_train_step(loss_fn, SGD, memory_limit=-1)
 
 
