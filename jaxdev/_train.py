@@ -297,23 +297,20 @@ def _valid_weights(weights: jax.Array, mask: jax.Array) -> jax.Array:
 def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collection]:
     """Run ``fn(carry, x_i) -> (carry, metrics_i)`` for ``i < n`` and merge the metrics.
 
-    The first call is peeled (it gives the metrics' structure), the rest run
-    in one rolled ``lax.scan``: K steps per call and M micro-batches both use
-    it. Rolled, one iteration's temporaries are live at a time (unrolled, XLA
-    scheduled M micro-batches' forward passes together: ``accumulate=8``
-    needed 4.3x the temporaries of one big batch; a rolled body may run
-    slower on XLA:CPU, a price accumulation pays for its memory).
+    One rolled ``lax.scan`` over all ``n``: K steps per call and M
+    micro-batches both use it, and the body is traced once. Rolled, one
+    iteration's temporaries are live at a time (unrolled, XLA scheduled M
+    micro-batches' forward passes together: ``accumulate=8`` needed 4.3x the
+    temporaries of one big batch; with the first call peeled out of the scan,
+    ``accumulate=2`` needed more than no accumulation). The per-iteration
+    metrics come out stacked and are merged in order, as one running merge
+    would.
     """
-    carry, metrics = fn(carry, jax.tree.map(lambda x: x[0], xs))
+    carry, stacked = jax.lax.scan(fn, carry, xs)
+    metrics = jax.tree.map(lambda x: x[0], stacked)
     if n > 1:
-
-        def scan_fn(acc, x):
-            c, m = acc
-            c, new = fn(c, x)
-            return (c, m.merge(new)), None
-
-        rest = jax.tree.map(lambda x: x[1:], xs)
-        (carry, metrics), _ = jax.lax.scan(scan_fn, (carry, metrics), rest)
+        rest = jax.tree.map(lambda x: x[1:], stacked)
+        metrics, _ = jax.lax.scan(lambda m, new: (m.merge(new), None), metrics, rest)
     return carry, metrics
 
 
