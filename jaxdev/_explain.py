@@ -157,8 +157,8 @@ def variant(step: Any, strategy: Strategy | None = None, **config: Any) -> Any:
     Never called: it is lowered and compiled to read its memory. It has no
     ``memory_limit`` (the figures are what is asked).
     """
-    cfg = dataclasses.replace(step._cfg, **config) if config else step._cfg
-    return type(step)(strategy or step.strategy, cfg, step.steps_per_call, step._donate)
+    cfg = dataclasses.replace(step.config, **config) if config else step.config
+    return type(step)(strategy or step.strategy, cfg, step.steps_per_call, step.donate)
 
 
 def sharded_like(strategy: Strategy, **changes: Any) -> Strategy:
@@ -254,7 +254,7 @@ def fsdp_variant(step: Any) -> Variant | None:
 
 def remat_variant(step: Any) -> Variant | None:
     """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
-    if not getattr(step, "_train", False) or getattr(step._cfg, "remat", True):
+    if not getattr(step, "is_train", False) or step.config.remat:
         return None
     return Variant("remat=True", "loss rematerialised", variant(step, remat=True), True)
 
@@ -264,7 +264,7 @@ def offload_variants(step: Any, state: Any) -> list[Variant]:
     strategy = step.strategy
     if not hasattr(strategy, "offload") or strategy.shard_map:
         return []
-    if not getattr(step, "_train", False) or getattr(state, "opt_state", None) is None:
+    if not getattr(step, "is_train", False) or getattr(state, "opt_state", None) is None:
         return []
     have, out = set(strategy.offload), []
     for fields in (("opt_state",), ("params", "opt_state")):
@@ -351,7 +351,7 @@ def memory_options(step: Any, state: Any, batch: Any, limit: int | None) -> list
     fsdp = fsdp_variant(step)
     if fsdp is not None:
         out.append(option_of(fsdp, shapes, _same(fsdp.step, rows), limit))
-    if getattr(step, "_train", False):
+    if getattr(step, "is_train", False):
         out += accumulate_options(step, shapes, rows, limit)
         remat = remat_variant(step)
         if remat is not None:
@@ -555,7 +555,7 @@ def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
         plan_,
         limit,
         source=source,
-        subject=f"the {'train' if step._train else 'eval'} step",
+        subject=f"the {'train' if step.is_train else 'eval'} step",
         explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
     )
 

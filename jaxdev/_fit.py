@@ -252,7 +252,7 @@ def fit_memory(
       >>> fit.change, fit.batch_size, fit.step.strategy.rules
       ("Strategy.sharded(mesh, rules='fsdp')", 63, 'fsdp')
     """
-    if not (callable(getattr(step, "lower", None)) and hasattr(step, "_cfg")):
+    if not (callable(getattr(step, "lower", None)) and hasattr(step, "config")):
         raise UsageError(
             f"`step` must be a jaxdev step (from `jaxdev.make_train_step` or "
             f"`make_eval_step`), got {type(step).__name__}."
@@ -267,7 +267,7 @@ def fit_memory(
     tried: list[FitTrial] = []
     search = _Search(rows, state, limit_, tried)
     for v in _candidates(step, state):
-        unit = v.step.accumulate if getattr(v.step, "_train", False) else 1
+        unit = v.step.accumulate if getattr(v.step, "is_train", False) else 1
         if unit > max_batch_size or not search.fits(v, unit):
             continue
         b, capped = search.largest(v, unit, max_batch_size)

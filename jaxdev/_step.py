@@ -96,7 +96,7 @@ class _Step:
         self.accumulate = cfg.accumulate
         self.memory_limit = memory_limit
         self.n_lead = (k > 1) + (cfg.accumulate > 1)  # group axes before a batch's rows
-        self._cfg, self._donate, self._train = cfg, donate and train, train
+        self.config, self.donate, self.is_train = cfg, donate and train, train
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
         self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
@@ -108,14 +108,14 @@ class _Step:
 
     def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
-        check_donatable(state, metrics, self._donate)  # deleted leaves named, never run
+        check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
         if mask is None:
             axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
-            self.strategy.check_even(inner, axis if self._train else 0)
-        elif self._train and not self._warned_padding:
+            self.strategy.check_even(inner, axis if self.is_train else 0)
+        elif self.is_train and not self._warned_padding:
             strategy, k = self.strategy, self.steps_per_call
             self._warned_padding = warn_padded_model_state(
-                self._cfg, strategy.collective_axis, strategy.shard_map, batch, k
+                self.config, strategy.collective_axis, strategy.shard_map, batch, k
             )
         if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
             metrics = to_device(metrics, self._target)  # or each placement compiles anew
@@ -125,25 +125,25 @@ class _Step:
         if self._by_rules:  # the state's shardings depend on its structure
             key += (jax.tree.structure(state),)
         fn = self._compiled.get(key)
-        step_call(self._train, compiling=fn is None)  # the hang watchdog's heartbeat
+        step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
         if fn is None:
             fn, args = self._first_call(key, args)
         elif key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
             args = self._relayout(key, args) or args
         try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
             out = fn(*args)
-            self._bound_inflight(out[2] if self._train else out)
+            self._bound_inflight(out[2] if self.is_train else out)
         except Exception as err:
             raise_if_oom(self, err, args)
             raise
-        return out[:2] if self._train else out
+        return out[:2] if self.is_train else out
 
     def _first_call(self, key: tuple, args: list[Any]) -> tuple[Callable, list[Any]]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
         check_step_memory(self, jitted, args)  # before anything runs (or is donated)
-        kind = "train" if self._train else "eval"
+        kind = "train" if self.is_train else "eval"
         name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
         # its first call checks every process compiled the same program
         fn = self._compiled[key] = same_program(jitted, name=name)
@@ -398,6 +398,10 @@ class TrainStep(_Step):
       accumulate: micro-batches per update (``M``).
       memory_limit: bytes per device the compiled step may use (``None``:
         the device's ``bytes_limit`` where the backend reports one).
+      config: the ``loss_fn`` contract and options it was made with.
+      donate: whether a call donates the state and the running metrics.
+      n_lead: the group axes (``steps_per_call``, ``accumulate``) before a
+        batch's rows.
     """
 
     def __call__(
@@ -471,7 +475,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
     ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments. ``layout`` is
     the state's shardings under sharded params (``None``: replicated).
     """
-    strategy, cfg, k, train = step.strategy, step._cfg, step.steps_per_call, step._train
+    strategy, cfg, k, train = step.strategy, step.config, step.steps_per_call, step.is_train
     n_lead = step.n_lead
 
     def run(axis, *args):
@@ -490,7 +494,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         return state, metrics, state.step + 0  # an undonated token to wait on
 
     n_args = 2 + has_mask + has_acc
-    donate = tuple(i for i in (0, n_args - 1) if step._donate and (i == 0 or has_acc))
+    donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
     return strategy.compile(run, n_lead, has_mask, has_acc, train, donate, layout)
 
 
