@@ -45,7 +45,7 @@ by ``jaxdev launch``. ``SIGUSR1`` prints a live process's stacks at any time
 (see :func:`install_stack_dumps`).
 
 The key-value store is reached through ``jax._src.distributed.global_state``
-(see :func:`jaxdev._multihost._client`): JAX has no public API for its
+(see :func:`jaxdev._multihost.kv_client`): JAX has no public API for its
 coordination service's key-value store.
 """
 
@@ -687,9 +687,9 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
     import jax
 
     from ._errors import DistributedError
-    from ._multihost import _client
+    from ._multihost import kv_client
 
-    client = _client()
+    client = kv_client()
     if client is None:
         raise DistributedError(
             "the hang watchdog needs jax.distributed's coordination service, and this process "

@@ -73,8 +73,8 @@ def default_timeout_s() -> float:
     return value
 
 
-def _client():
-    """Return the coordinator client of ``jax.distributed``, or ``None``."""
+def kv_client():
+    """Return the coordinator client of ``jax.distributed`` (its key-value store), or ``None``."""
     from jax._src import distributed  # the client is not re-exported publicly
 
     return distributed.global_state.client
@@ -124,7 +124,7 @@ def barrier(tag: str, timeout_s: float) -> list[int]:
       >>> barrier("demo", 1.0)  # one process
       []
     """
-    client = _client() if jax.process_count() > 1 else None
+    client = kv_client() if jax.process_count() > 1 else None
     if client is None:
         return []
     me, n = jax.process_index(), jax.process_count()
@@ -198,7 +198,7 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
     if jax.process_count() == 1:
         return [payload]
     timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-    client = _client()
+    client = kv_client()
     if client is None:
         return _digest_exchange(payload)
     return _kv_exchange(client, tag, payload, timeout_s)
@@ -268,7 +268,7 @@ def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
 def _gathered_tables(tag: str, table: dict[str, str], timeout_s: float | None):
     """Exchange ``table`` and return one table per process (digests as fallback)."""
     payloads = exchange(tag, json.dumps(table, sort_keys=True), timeout_s)
-    if _client() is None and jax.process_count() > 1:
+    if kv_client() is None and jax.process_count() > 1:
         return [{"<tree>": p} for p in payloads]
     return [json.loads(p) for p in payloads]
 

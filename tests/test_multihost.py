@@ -160,7 +160,7 @@ def test_single_process_checks_skip_the_exchange(monkeypatch, devices):
     def no_client():
         raise AssertionError("a single process must not talk to a coordinator")
 
-    monkeypatch.setattr(_multihost, "_client", no_client)
+    monkeypatch.setattr(_multihost, "kv_client", no_client)
     assert _multihost.exchange("t", "payload") == ["payload"]
     _multihost.check_same_local_shapes({"x": np.zeros(3)})
     jaxdev.distributed.assert_same_across_processes({"w": np.zeros(3), "step": 1})
@@ -179,7 +179,7 @@ def test_global_batch_builds_arrays_with_the_given_sharding(devices):
 
 
 def test_single_process_barrier_and_shutdown_do_nothing(monkeypatch):
-    monkeypatch.setattr(_multihost, "_client", lambda: 1 / 0)  # never asked
+    monkeypatch.setattr(_multihost, "kv_client", lambda: 1 / 0)  # never asked
     assert _multihost.barrier("finished", 1.0) == []
     jaxdev.distributed.shutdown()  # not initialized
 
