@@ -254,7 +254,7 @@ def fsdp_variant(step: Any) -> Variant | None:
 
 def remat_variant(step: Any) -> Variant | None:
     """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
-    if not getattr(step, "is_train", False) or step.config.remat:
+    if not step.is_train or step.config.remat:
         return None
     return Variant("remat=True", "loss rematerialised", variant(step, remat=True), True)
 
@@ -264,7 +264,7 @@ def offload_variants(step: Any, state: Any) -> list[Variant]:
     strategy = step.strategy
     if not hasattr(strategy, "offload") or strategy.shard_map:
         return []
-    if not getattr(step, "is_train", False) or getattr(state, "opt_state", None) is None:
+    if not step.is_train or getattr(state, "opt_state", None) is None:
         return []
     have, out = set(strategy.offload), []
     for fields in (("opt_state",), ("params", "opt_state")):
@@ -351,7 +351,7 @@ def memory_options(step: Any, state: Any, batch: Any, limit: int | None) -> list
     fsdp = fsdp_variant(step)
     if fsdp is not None:
         out.append(option_of(fsdp, shapes, _same(fsdp.step, rows), limit))
-    if getattr(step, "is_train", False):
+    if step.is_train:
         out += accumulate_options(step, shapes, rows, limit)
         remat = remat_variant(step)
         if remat is not None:
@@ -499,9 +499,8 @@ def explain_memory(
     trees = {"state": state, "batch": batch}
     ledger, live = _live(trees)
     options = memory_options(step, shapes, batch_shapes, limit)
-    subject = f"the {'train' if getattr(step, '_train', True) else 'eval'} step"
     return MemoryExplanation(
-        subject, plan_, limit, source or found, ledger, tuple(options), live, error
+        _subject(step), plan_, limit, source or found, ledger, tuple(options), live, error
     )
 
 
@@ -525,6 +524,11 @@ def split_args(args: list[Any]) -> tuple[Any, Any, Any]:
     if rest and isinstance(rest[0], jax.Array):
         batch = Padded(batch, rest.pop(0), 0)
     return state, batch, (rest[0] if rest else None)
+
+
+def _subject(step: Any) -> str:
+    """What needs the memory, for the text: ``'the train step'`` or ``'the eval step'``."""
+    return f"the {'train' if step.is_train else 'eval'} step"
 
 
 def explain_args(step: Any, args: list[Any], **kwargs: Any) -> MemoryExplanation:
@@ -555,7 +559,7 @@ def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
         plan_,
         limit,
         source=source,
-        subject=f"the {'train' if step.is_train else 'eval'} step",
+        subject=_subject(step),
         explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
     )
 

@@ -267,7 +267,7 @@ def fit_memory(
     tried: list[FitTrial] = []
     search = _Search(rows, state, limit_, tried)
     for v in _candidates(step, state):
-        unit = v.step.accumulate if getattr(v.step, "is_train", False) else 1
+        unit = v.step.accumulate  # 1 for an eval step
         if unit > max_batch_size or not search.fits(v, unit):
             continue
         b, capped = search.largest(v, unit, max_batch_size)

@@ -239,3 +239,16 @@ def test_accumulation_lowers_the_temporaries_where_activations_dominate():
         }
         temps[m] = jaxdev.plan(state, step=step, batch=batch).compiled.temp
     assert temps[8] < temps[1] and temps[2] < temps[1], temps  # M=2 too: nothing peeled
+
+
+def test_an_eval_step_explains_itself_as_the_eval_step():
+    """The explanation names the step it is about (it said "the train step" for both)."""
+    ev = jaxdev.make_eval_step(loss_fn)
+    params = _shapes(_params())
+    why = ev.explain_memory(params, _shapes(_host_batch(64)), limit=2**30)
+    assert why.subject == "the eval step" and str(why).startswith("the eval step needs")
+    train = jaxdev.make_train_step(loss_fn, TX)
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+    assert train.explain_memory(state, _shapes(_host_batch(64)), limit=2**30).subject == (
+        "the train step"
+    )
