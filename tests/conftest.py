@@ -25,8 +25,7 @@ if not GPU_RUN:
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 
 import pytest  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mp_scripts.child_env import REPO, clean_env  # noqa: E402, F401 - re-exported to the tests
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,19 +34,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process: this one's, less JAX/XLA/jaxdev settings.
-
-    Drops every ``XLA_*``, ``JAX_*`` and ``JAXDEV_*`` variable (so the child
-    neither inherits a device count nor believes it is a launched process),
-    puts the repository on ``PYTHONPATH`` and adds ``extra``.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120.0):

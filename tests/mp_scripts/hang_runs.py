@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 from jaxdev import _launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .child_env import REPO, clean_env
+
 HANG = os.path.join(REPO, "tests", "mp_scripts", "hang.py")
 PY = sys.executable
 
@@ -43,22 +44,14 @@ class Run(NamedTuple):
         return self.ended - stall
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment less JAX/XLA/jaxdev settings, the repository on the path, ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
 def _commands(s: Scenario, deadline_s: float) -> list[tuple[list[str], dict[str, str]]]:
     script = [PY, HANG, s.script, str(s.process)]
     if s.how == "launch":
         options = ["-n", "2", "--devices-per-process", "4", "--timeout", str(deadline_s - 10)]
         options += ["--hang-timeout", f"{s.timeout_s:g}", "--"]
-        return [([PY, "-m", "jaxdev", "launch", *options, *script], child_env())]
+        return [([PY, "-m", "jaxdev", "launch", *options, *script], clean_env())]
     port = _launch.free_port()
-    base = child_env(JAXDEV_HANG_TIMEOUT=f"{s.timeout_s:g}")
+    base = clean_env(JAXDEV_HANG_TIMEOUT=f"{s.timeout_s:g}")
     return [(script, _launch.process_env(i, 2, 4, port, base)) for i in range(2)]
 
 

@@ -15,8 +15,9 @@ import sys
 import time
 from typing import NamedTuple
 
+from child_env import REPO, clean_env  # matrix is imported with mp_scripts/ on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "worker.py")
 
 INIT_TIMEOUT_S = 10
@@ -148,15 +149,12 @@ class Result(NamedTuple):
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXDEV_"))}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(
+    return clean_env(
         JAXDEV_INIT_TIMEOUT=str(INIT_TIMEOUT_S),
         JAXDEV_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S),
         JAXDEV_SYNC_TIMEOUT=str(SYNC_TIMEOUT_S),
         JAXDEV_SHUTDOWN_TIMEOUT=str(SHUTDOWN_TIMEOUT_S),
     )
-    return env
 
 
 def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
