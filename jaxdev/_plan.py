@@ -421,9 +421,10 @@ def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> Memory
         options = {**step.strategy.options, **options}
     # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
     shardings = step_shardings(state_or_shapes, mesh, rules, **options)
-    if step is not None:  # fields the step keeps in host memory count there
+    if step is not None:  # the step's layout: the fields it keeps in host memory count there
         shardings = offloaded(shardings, state_or_shapes, step.strategy.offload)
-    shardings = kept_host(shardings, state_or_shapes)  # already offloaded leaves count there
+    else:  # the state as it is: leaves already offloaded count there
+        shardings = kept_host(shardings, state_or_shapes)
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, layout, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)

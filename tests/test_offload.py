@@ -190,3 +190,15 @@ def test_remat_bad_values_are_named():
     for bad in ("yes", 1, object):
         with pytest.raises(jaxdev.UsageError, match="`remat` must be True, False or a policy"):
             jaxdev.make_train_step(loss_fn, TX, remat=bad)
+
+
+def test_plan_with_a_step_counts_the_steps_layout_not_where_the_state_is_now():
+    """An offloaded state given to a step that does not offload is planned on the devices."""
+    mesh = jaxdev.data_mesh()
+    plain, state, _ = _train(jaxdev.Strategy.sharded(mesh))
+    _, host_state, _ = _train(jaxdev.Strategy.sharded(mesh, offload="opt_state"))
+    batch = plain.put_batch(_batches(1)[0])
+    assert jaxdev.plan(host_state, mesh)["opt_state"] == 0  # as it is
+    p = jaxdev.plan(host_state, step=plain, batch=batch)  # as the step would hold it
+    assert p["opt_state"] == jaxdev.plan(state, step=plain, batch=batch)["opt_state"] > 0
+    assert not p.host
