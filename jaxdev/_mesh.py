@@ -8,6 +8,7 @@ every jaxdev function that takes ``axis``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -181,6 +182,66 @@ def _check_distinct_devices(mesh: Mesh) -> None:
             f"[{format_devices(devices)}]. Each device may appear once in a mesh; build it "
             "with `jaxdev.data_mesh(devices)`, which checks this."
         )
+
+
+def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """The context jaxdev traces and runs user code in for ``mesh``: ``jax.set_mesh(mesh)``.
+
+    Model code written for sharding in types (``out_sharding=P(...)``,
+    ``jax.sharding.reshard(x, P(...))``, ``with_sharding_constraint(x, P(...))``
+    with a bare ``PartitionSpec``) needs a mesh in context; every jaxdev call
+    that traces or runs user code under a sharded strategy enters this one.
+    A mesh the caller already set with ``jax.set_mesh`` is kept when it is
+    ``mesh``; another mesh is refused (the program would be traced for one
+    mesh and laid out on the other).
+
+    Args:
+      mesh: the strategy's mesh.
+
+    Returns:
+      A context manager.
+
+    Raises:
+      ShardingError: another mesh is already set with ``jax.set_mesh``.
+
+    Example:
+      >>> import jax, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> with under_mesh(mesh):
+      ...     jax.sharding.get_mesh() == mesh
+      True
+    """
+    current = jax.sharding.get_mesh()
+    if current.empty:
+        return jax.set_mesh(mesh)
+    if current == mesh:
+        return contextlib.nullcontext()
+    raise ShardingError(
+        f"a mesh is already set with `jax.set_mesh`: {_describe(current)}, but the strategy's "
+        f"mesh is {_describe(mesh)}. Call jaxdev under the strategy's own mesh "
+        "(`with jax.set_mesh(strategy.mesh):`) or build the strategy on the mesh you set."
+    )
+
+
+def _describe(mesh: Mesh) -> str:
+    axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
+    types = ", ".join(t.name for t in mesh.axis_types)
+    return f"Mesh({{{axes}}}, axis types {types}, devices {format_devices(list(mesh.devices.flat))})"
+
+
+class MeshBound:
+    """A jitted function whose calls and ``lower`` run :func:`under_mesh` of its mesh."""
+
+    def __init__(self, fn: Any, mesh: Mesh) -> None:
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        with under_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with under_mesh(self.mesh):
+            return self.fn.lower(*args)
 
 
 MODEL_AXES = ("model", "tensor")

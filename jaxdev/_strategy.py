@@ -30,6 +30,7 @@ from ._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
     AxisName,
+    MeshBound,
     axis_size,
     batch_axis,
     batch_layout,
@@ -462,12 +463,13 @@ class _Sharded(Strategy):
             run = streamed(run, layout, train)  # offloaded fields: to the devices and back
             shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
             outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
-            return jax.jit(
+            jitted = jax.jit(
                 functools.partial(run, None),
                 in_shardings=(layout, *shardings[1:]),
                 out_shardings=outs,
                 donate_argnums=donate,
             )
+            return MeshBound(jitted, mesh)
         if self.shard_map:
             # check_vma=False: gradients of replicated params are summed by the
             # step's own psum, as under pmap (with vma checks JAX would already
@@ -481,12 +483,13 @@ class _Sharded(Strategy):
             )
         else:
             inner = functools.partial(run, None)
-        return jax.jit(
+        jitted = jax.jit(
             inner,
             in_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
             out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
             donate_argnums=donate,
         )
+        return MeshBound(jitted, mesh)  # model code may name bare PartitionSpecs
 
 
 # ---------------------------------------------------------------- grouped batches

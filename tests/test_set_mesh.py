@@ -1,0 +1,76 @@
+"""Sharding in types: jaxdev traces and runs user code under the strategy's mesh.
+
+Model code written the way JAX's sharding guide and Flax's current examples
+write it (``out_sharding=P(...)``, ``jax.sharding.reshard(x, P(...))``,
+``with_sharding_constraint(x, P(...))`` with a bare ``PartitionSpec``) needs a
+mesh in context; jaxdev enters ``jax.set_mesh(strategy.mesh)`` itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxdev
+
+
+def _mesh(kind: AxisType):
+    return jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(kind, kind))
+
+
+def _loss(explicit: bool):
+    def loss_fn(p, b):
+        if explicit:
+            h = jnp.einsum("bd,df->bf", b["x"], p["w"], out_sharding=P("fsdp", "tensor"))
+            h = jax.sharding.reshard(h, P("fsdp", None))
+        else:
+            h = jax.lax.with_sharding_constraint(b["x"] @ p["w"], P("fsdp", "tensor"))
+        return (h.sum(-1) - b["y"]) ** 2
+
+    return loss_fn
+
+
+def _batch():
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    return {"x": x, "y": x.sum(-1)}
+
+
+def _reference(batch, steps):  # plain jax.jit under the user's own set_mesh
+    w = np.full((8, 4), 0.1, np.float32)
+    for _ in range(steps):
+        g = jax.grad(lambda w: ((batch["x"] @ w).sum(-1) - batch["y"]) ** 2 @ np.ones(16) / 16)(w)
+        w = w - 0.01 * np.asarray(g)
+    return w
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_bare_partition_specs_in_the_loss_work_without_user_set_mesh(kind):
+    mesh = _mesh(kind)
+    tx = optax.sgd(0.01)
+    strategy = jaxdev.Strategy.sharded(mesh, axis="fsdp")
+    step = jaxdev.make_train_step(_loss(kind == AxisType.Explicit), tx, strategy)
+    state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+    batch = _batch()
+    for _ in range(3):
+        state, metrics = step(state, step.put_batch(batch))
+    assert jax.sharding.get_mesh().empty  # nothing left set behind the user's back
+    np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(batch, 3), rtol=1e-5)
+    assert np.isfinite(metrics.fetch()["loss"])
+
+
+def test_the_users_own_set_mesh_same_mesh_works_other_mesh_is_named():
+    mesh = _mesh(AxisType.Explicit)
+    tx = optax.sgd(0.01)
+    step = jaxdev.make_train_step(_loss(True), tx, jaxdev.Strategy.sharded(mesh, axis="fsdp"))
+    with jax.set_mesh(mesh):
+        state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+        state, _ = step(state, step.put_batch(_batch()))
+    other = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(other), pytest.raises(jaxdev.ShardingError, match="already set") as err:
+        step(state, step.put_batch(_batch()))
+    assert "'fsdp': 4" in str(err.value) and "'fsdp': 2" in str(err.value)
