@@ -719,14 +719,19 @@ def _same_everywhere(path: str, meta: dict) -> None:
 
 
 def _missing_message(path: str) -> str:
-    return f"No checkpoint at {path}: the directory does not exist. " + _steps_hint(path)
+    left = ", ".join(files.leftovers(path))
+    note = (
+        f"{left} beside it was left by an interrupted save and is not restored: it may hold "
+        f"a checkpoint that was deleted from {path} (move it there yourself to restore it). "
+        if left
+        else ""
+    )
+    return f"No checkpoint at {path}: the directory does not exist. {note}" + _steps_hint(path)
 
 
 def _recover_for_read(path: str) -> None:
-    """A replacement cut between its two renames: put a checkpoint back (under the lock)."""
-    if os.path.lexists(path) or jax.process_index() != 0:
-        return
-    if not any(files.is_checkpoint(files.sibling(path, r)) for r in ("new", "old")):
+    """A replacement cut between its two renames: put the new checkpoint back (under the lock)."""
+    if jax.process_index() != 0 or not files.was_cut(path):
         return
     with (
         contextlib.suppress(CheckpointError),

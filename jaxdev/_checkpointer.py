@@ -12,6 +12,10 @@ What jaxdev decides on top of orbax (each tested in
   (``.jaxdev-lock``, dropped by the kernel if the process dies) and holds it
   until :meth:`Checkpointer.close`; a second ``Checkpointer`` or process
   saving there is refused with the holder named. Restoring needs no lock.
+* **a kill while ``keep`` deletes a step blocks nothing**: orbax renames the
+  step into ``.jaxdev-deleted/`` first (its ``todelete_subdir``, one atomic
+  rename), jaxdev deletes it there after each save; the writer of a restarted
+  run finishes what a kill interrupted (``_ckpt_files.remove_tombstones``).
 * orbax's options keep their orbax names underneath: ``keep`` is
   ``max_to_keep``, ``every`` is ``save_interval_steps``, ``async_`` is
   ``enable_async_checkpointing``.
@@ -78,6 +82,7 @@ class Checkpointer:
             save_interval_steps=every,
             enable_async_checkpointing=async_,
             create=True,
+            todelete_subdir=files.TOMBSTONES,
         )
         try:  # item handlers follow the args of each save / restore (Composite)
             self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -138,6 +143,8 @@ class Checkpointer:
             raise self._failed(path, err) from err
         if started:
             self._started.add(step)
+        if self._lock.held:  # the steps the previous save (or this one, if sync) dropped
+            files.remove_tombstones(self.directory, folder=False)
         return bool(started)
 
     def _become_writer(self) -> None:
@@ -145,6 +152,8 @@ class Checkpointer:
         lock_path = os.path.join(self.directory, ckpt.MANAGER_LOCK)
         self._lock = ckpt.take_writer_lock(lock_path, f"Checkpoint directory {self.directory}")
         weakref.finalize(self, _abandon, self._manager, self._lock)
+        if self._lock.held:
+            files.remove_tombstones(self.directory)  # a kill cut a deletion short
         self._manager.reload()
         foreign = [s for s in self._manager.all_steps() if not self._is_ours(s)]
         if foreign:
@@ -292,6 +301,8 @@ class Checkpointer:
         finally:
             self._manager.close()
             if self._lock is not None:
+                if self._lock.held:
+                    files.remove_tombstones(self.directory)
                 self._lock.release()
                 self._lock = None
 

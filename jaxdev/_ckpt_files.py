@@ -13,12 +13,19 @@ Three promises, each kept by one function here:
   aside, the new one in, then deletes the old one; a crash between those
   two renames is undone by :func:`recover`, which the next ``save`` or
   ``restore`` of the path runs. Either way a checkpoint is at ``path`` (old
-  or new) or recoverable beside it at every instant.
+  or new) or recoverable beside it at every instant. A leftover is put back
+  only in that one state (both renamed-aside names present, ``path``
+  missing): any other leftover beside a missing ``path`` may be a checkpoint
+  its user deleted, and is never brought back.
 * **never delete what is not ours**: :func:`check_replaceable` refuses to
   replace a folder that is not a jaxdev checkpoint (naming what is in it);
-  :func:`remove_leftovers` removes only the reserved names
-  ``.<name>.jaxdev-new`` / ``.<name>.jaxdev-old`` (and orbax's temporary
-  folders of those) that an interrupted save of the same path left.
+  :func:`remove_leftovers` removes only the exact reserved names
+  ``.<name>.jaxdev-new`` / ``.<name>.jaxdev-old`` and orbax's temporary
+  folders of ``<name>`` and ``.<name>.jaxdev-new`` (:func:`leftovers`).
+* **recoverable deletion of old steps**: a ``Checkpointer``'s ``keep`` has
+  orbax rename a step it drops into ``.jaxdev-deleted/`` (one atomic
+  rename, orbax's ``todelete_subdir``); :func:`remove_tombstones` deletes it
+  there, and again after a kill. A half-deleted step is never a numbered folder.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import json
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -43,6 +50,7 @@ _log = logging.getLogger("jaxdev")
 META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
 ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at the top
+TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside its directory
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -219,19 +227,47 @@ def check_replaceable(path: str) -> None:
     )
 
 
-def remove_leftovers(path: str) -> None:
-    """Delete what an interrupted save of ``path`` left beside it (our reserved names only)."""
-    parent, _ = os.path.split(path)
-    prefixes = (os.path.basename(sibling(path, "new")), os.path.basename(sibling(path, "old")))
-    name = os.path.basename(path)
+def leftovers(path: str) -> list[str]:
+    """The names beside ``path`` that an interrupted save of it left (exact reserved names).
+
+    ``.<name>.jaxdev-new``, ``.<name>.jaxdev-old``, and orbax's temporary
+    folders of the two it writes, ``<name>`` and ``.<name>.jaxdev-new``:
+    ``<that>.orbax-checkpoint-tmp`` (older orbax: ``-<timestamp>`` after it).
+
+    Example:
+      >>> leftovers("/nonexistent/ckpt")
+      []
+    """
+    parent, name = os.path.split(path)
+    new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
+    ours = re.compile(rf"{new}|{old}|({re.escape(name)}|{new})\.orbax-checkpoint-tmp(-\d+)?")
     try:
-        names = os.listdir(parent)
+        return sorted(n for n in os.listdir(parent or ".") if ours.fullmatch(n))
     except OSError:
-        return
-    for n in names:
-        if n.startswith(prefixes) or n.startswith(name + ".orbax-checkpoint-tmp"):
-            _log.info("removing %s, left by an interrupted save of %s", n, path)
-            _remove(os.path.join(parent, n))
+        return []
+
+
+def remove_leftovers(path: str) -> None:
+    """Delete what an interrupted save of ``path`` left beside it (:func:`leftovers` only)."""
+    for n in leftovers(path):
+        _log.info("removing %s, left by an interrupted save of %s", n, path)
+        _remove(os.path.join(os.path.dirname(path), n))
+
+
+def remove_tombstones(directory: str, folder: bool = True) -> None:
+    """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
+
+    Only numbered entries there (orbax's step names) are deleted; with
+    ``folder``, then ``.jaxdev-deleted`` itself if empty (not while an
+    asynchronous save may still rename a step into it).
+    """
+    graves = os.path.join(directory, TOMBSTONES)
+    with contextlib.suppress(OSError):
+        for n in os.listdir(graves):
+            if n.isdigit():
+                _remove(os.path.join(graves, n))
+        if folder:
+            os.rmdir(graves)
 
 
 def _remove(path: str) -> None:
@@ -269,12 +305,7 @@ def replace(new: str, path: str) -> None:
     """
     old = sibling(path, "old")
     if _exchange(new, path):
-        swapped_out = new  # it now holds the old checkpoint: give it the old one's name
-        if not os.path.lexists(old):
-            with contextlib.suppress(OSError):
-                os.rename(new, old)
-                swapped_out = old
-        _remove(swapped_out)
+        _remove(new)  # it now holds the old checkpoint
         return
     os.rename(path, old)
     try:
@@ -285,35 +316,38 @@ def replace(new: str, path: str) -> None:
     _remove(old)
 
 
-def recover(path: str) -> bool:
-    """If a replacement was cut between its two renames, put a checkpoint back at ``path``.
+def was_cut(path: str) -> bool:
+    """True in the one state :func:`recover` repairs: the fallback swap cut between its renames.
 
-    Of the complete checkpoints left beside ``path``, the one orbax committed
-    last is put back (the new one, unless a kill left the old one under the
-    new name). Returns True if something was put back.
+    ``path`` is missing, the old checkpoint was renamed aside
+    (``.<name>.jaxdev-old`` exists) and the complete new one is at
+    ``.<name>.jaxdev-new``. Only :func:`replace`'s first rename makes that
+    state (a save removes every leftover before writing); the exchange never
+    leaves ``path`` missing. Any other leftover beside a missing ``path``
+    may be a checkpoint its user deleted after a crash, so it is not evidence.
     """
-    if os.path.lexists(path):
+    return (
+        not os.path.lexists(path)
+        and os.path.lexists(sibling(path, "old"))
+        and is_checkpoint(sibling(path, "new"))
+    )
+
+
+def recover(path: str) -> bool:
+    """If the fallback swap was cut between its two renames, put the new checkpoint at ``path``.
+
+    Returns True if it was put back (see :func:`was_cut`); the old one is
+    left to the next save's :func:`remove_leftovers`.
+    """
+    if not was_cut(path):
         return False
-    found = [sibling(path, r) for r in ("new", "old") if is_checkpoint(sibling(path, r))]
-    if not found:
-        return False
-    chosen = max(found, key=_committed_at)
-    os.rename(chosen, path)
+    os.rename(sibling(path, "new"), path)
     _log.warning(
-        "a save of %s was cut between its two renames; put back %s (committed last)",
+        "a save of %s was cut between its two renames; put back %s (the new checkpoint)",
         path,
-        os.path.basename(chosen),
+        os.path.basename(sibling(path, "new")),
     )
     return True
-
-
-def _committed_at(path: str) -> int:
-    """Orbax's commit time of a checkpoint (0 if unreadable)."""
-    try:
-        with open(os.path.join(path, _ORBAX_FILES[0])) as f:
-            return int(json.load(f).get("commit_timestamp_nsecs") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
 
 
 __all__ = [
@@ -323,8 +357,11 @@ __all__ = [
     "check_replaceable",
     "holder",
     "is_checkpoint",
+    "leftovers",
     "recover",
     "remove_leftovers",
+    "remove_tombstones",
     "replace",
     "sibling",
+    "was_cut",
 ]
