@@ -1,7 +1,8 @@
 """What is using device memory, by pytree path: a live ledger of every array.
 
 ``jaxdev.memory(state=state, batch=batch)`` walks ``jax.live_arrays()`` once
-and counts, per device, the bytes of every live array's shards on it. Arrays
+and counts, per device, the bytes of every device buffer once (an array and
+the views or aliases JAX keeps of it share their buffers). Arrays
 reached from the named trees are attributed to their key path
 (``state.opt_state[0].mu['Dense_0']['kernel']``) and a category (params,
 optimizer state, model state, batch, other named trees); every other live
@@ -18,6 +19,7 @@ what is there.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import zlib
 from collections.abc import Mapping
@@ -69,7 +71,8 @@ class MemoryLedger:
       entries: the attributed arrays, largest first.
       unattributed: the other live arrays, largest first.
       per_device: ``{device: bytes}`` of every live array's shards (attributed
-        or not): exactly the sum of their ``addressable_shards`` bytes.
+        or not): exactly the sum of their ``addressable_shards`` bytes, each
+        buffer once.
       device_stats: ``{device: memory_stats() or None}`` as the backend reports
         them (``bytes_in_use``, ``peak_bytes_in_use``, ``bytes_limit``).
       host_per_device: ``{device: bytes}`` of arrays in the device's host
@@ -126,12 +129,13 @@ class MemoryLedger:
 def memory(**trees: Any) -> MemoryLedger:
     """Return the live device memory, per device, attributed to the named trees by key path.
 
-    Every live ``jax.Array`` (``jax.live_arrays()``) is counted once, on each
-    device holding a shard of it. Name the trees you hold
-    (``memory(state=state, batch=batch)``): a train state's fields become the
-    categories params / opt_state / model_state (``step`` and ``rng`` are
-    other); a tree named ``batch`` is the batch; any other name is other. An
-    array reached from two named trees counts once, under the first name.
+    Every buffer of a live ``jax.Array`` (``jax.live_arrays()``) is counted
+    once, on its device: a view or alias of a named array adds nothing. Name
+    the trees you hold (``memory(state=state, batch=batch)``): a train state's
+    fields become the categories params / opt_state / model_state (``step``
+    and ``rng`` are other); a tree named ``batch`` is the batch; any other
+    name is other. An array reached from two named trees counts once, under
+    the first name.
 
     Args:
       **trees: the pytrees to attribute bytes to, by name.
@@ -150,34 +154,36 @@ def memory(**trees: Any) -> MemoryLedger:
       >>> ledger.entries[0].path, ledger.entries[0].total
       ("params['w']", 1048576)
     """
-    names: dict[int, tuple[str, str]] = {}
+    names: dict[tuple[jax.Device, int], tuple[str, str]] = {}  # by buffer
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
             if isinstance(leaf, jax.core.Tracer):
                 raise UsageError(
                     f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
                 )
-            if is_jax_array(leaf):
-                names.setdefault(id(leaf), (path, category))
-                # a typed PRNG key is listed live as the uint32 array holding its data;
-                # no public API returns that array (jax.random.key_data makes a new one)
-                base = getattr(leaf, "_base_array", None)
-                if base is not None:
-                    names.setdefault(id(base), (path, category))
-    live = [x for x in jax.live_arrays() if not x.is_deleted()]
-    views = _shard_views(live)
+            if is_jax_array(leaf) and not leaf.is_deleted():
+                # a typed PRNG key is listed live as the uint32 array on its buffer
+                for key in _buffers(leaf):
+                    names.setdefault(key, (path, category))
+    live = [(x, _buffers(x)) for x in jax.live_arrays() if not x.is_deleted()]
+    # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
+    live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
+    seen: set[tuple[jax.Device, int]] = set()
     per_device: dict[jax.Device, int] = {}
     host: dict[jax.Device, int] = {}
     entries, others, offloaded = [], [], []
-    for x in live:
-        if id(x) in views:
+    for x, keys in live:
+        fresh = [d for d, p in keys if (d, p) not in seen or not p]
+        seen.update(keys)
+        if not fresh:
             continue
-        counts = _bytes_per_device(x)
+        counts = dict.fromkeys(fresh, math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize)
         in_host = x.sharding.memory_kind in HOST_KINDS  # offloaded: 0 on the device
         bucket = host if in_host else per_device
         for d, n in counts.items():
             bucket[d] = bucket.get(d, 0) + n
-        path, category = names.get(id(x), ("<unattributed>", "unattributed"))
+        named = [names[k] for k in keys if k in names]
+        path, category = named[0] if named else ("<unattributed>", "unattributed")
         entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts)
         if in_host:
             offloaded.append(entry)
@@ -220,31 +226,15 @@ def _state_fields(tree: Any) -> list[str] | None:
     return ["step", "params", "opt_state"]
 
 
-def _bytes_per_device(x: jax.Array) -> dict[jax.Device, int]:
-    """The bytes of ``x``'s shard on each device holding one (nothing new is created).
+def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
+    """``(device, unsafe_buffer_pointer())`` of each of ``x``'s addressable shards.
 
-    ``x.addressable_shards[i].data`` would make a per-device view array that
-    JAX keeps for the life of ``x`` and lists in ``jax.live_arrays()``: reading
-    memory that way would change it. The shard shape gives the same bytes.
+    Arrays are told apart by buffer: JAX keeps per-device views of arrays
+    (after ``jax.device_get``, ``addressable_shards``) and ``jax.device_put``
+    to the same device makes a new array on the same buffer; each is listed in
+    ``jax.live_arrays()``.
     """
-    shard = x.sharding.shard_shape(x.shape)
-    n = int(np.prod(shard, dtype=np.int64)) * int(x.itemsize)
-    return dict.fromkeys(x.sharding.addressable_devices, n)
-
-
-def _shard_views(live: list[jax.Array]) -> set[int]:
-    """ids of the per-device views JAX made of multi-device arrays (they alias them).
-
-    JAX caches the shards it hands out in the array's ``__dict__`` (there is no
-    public way to tell a view from an array); counting a view again would count
-    its buffer twice.
-    """
-    views: set[int] = set()
-    for x in live:
-        cached = getattr(x, "__dict__", {}).get("addressable_shards")
-        if cached:
-            views.update(id(s.data) for s in cached)
-    return views
+    return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
 
 
 def _stats(device: jax.Device) -> Any:

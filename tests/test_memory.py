@@ -93,6 +93,17 @@ def test_totals_are_exact_and_a_training_loop_is_attributed(strategy):
     assert "attributed to named trees" in text and "largest arrays" in text
 
 
+def test_a_buffer_is_counted_once_after_to_host_and_an_aliasing_device_put():
+    x = jnp.ones((256, 256))  # one device
+    jaxdev.to_host(x)  # JAX keeps a per-shard view of x alive: the same buffer
+    y = jax.device_put(x, x.devices().pop())  # a new object, the same buffer
+    ledger = jaxdev.memory(params={"x": x})
+    assert ledger.per_device == _expected_per_device()  # was 3x x.nbytes, 33% attributed
+    assert [e.total for e in ledger.entries if e.path == "params['x']"] == [x.nbytes]
+    assert not [e for e in ledger.unattributed if e.shape == x.shape], str(ledger)
+    del y
+
+
 def test_a_leaked_old_state_is_unattributed_with_its_shapes():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]) ** 2, tx, donate=False)
