@@ -41,7 +41,13 @@ from jax.sharding import NamedSharding
 
 from ._errors import DistributedError, join_failures
 from ._leaves import keystr
-from ._multihost import compare_leaf_tables, describe_groups, exchange, group_processes
+from ._multihost import (
+    compare_leaf_tables,
+    describe_groups,
+    exchange,
+    group_processes,
+    shape_dtype,
+)
 
 ENV_SAME_PROGRAM = "JAXDEV_SAME_PROGRAM"
 _TAG = "same_program"
@@ -132,13 +138,10 @@ def op_counts(text: str) -> dict[str, int]:
 
 def _describe_input(leaf: Any) -> str:
     """``'shape dtype sharding-spec'`` of one argument leaf (no device ids)."""
-    shape = tuple(np.shape(leaf))
-    dtype = getattr(leaf, "dtype", None)
-    dtype = np.result_type(leaf) if dtype is None else np.dtype(dtype)
     sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
     if isinstance(sharding, NamedSharding):
-        return f"{shape} {dtype} {sharding.spec}"
-    return f"{shape} {dtype} {type(sharding).__name__ if sharding is not None else 'host'}"
+        return f"{shape_dtype(leaf)} {sharding.spec}"
+    return f"{shape_dtype(leaf)} {type(sharding).__name__ if sharding is not None else 'host'}"
 
 
 def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> dict[str, str]:

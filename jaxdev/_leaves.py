@@ -5,7 +5,7 @@ once, here. Nothing in this module imports another jaxdev module except
 :mod:`jaxdev._errors`.
 
 * leaf kinds: :func:`is_jax_array` (with an exact-type fast path),
-  :func:`is_tracer`, :func:`is_concrete`, :func:`deleted`,
+  :func:`is_tracer`, :func:`is_concrete`, :func:`deleted`, :func:`is_prng_key`,
   :func:`is_host_value`, :func:`host_problem` (the dtype rules);
 * key paths: :func:`keystr`, :func:`path_of`, :func:`key_strings` (cached per
   treedef);
@@ -90,6 +90,12 @@ def deleted(x: jax.Array) -> bool:
         return x.is_deleted()
     except Exception:  # tracers and exotic arrays have no buffers to delete
         return False
+
+
+def is_prng_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``key<fry>``, ``key<rbg>``: no numpy dtype)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def is_ml_dtype(dtype: np.dtype) -> bool:

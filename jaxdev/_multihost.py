@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
 from ._errors import DistributedError, PlacementAssertionError, join_failures
-from ._leaves import asserts_disabled, keystr
+from ._leaves import asserts_disabled, is_prng_key, keystr
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "JAXDEV_SYNC_TIMEOUT"
@@ -273,14 +273,24 @@ def _gathered_tables(tag: str, table: dict[str, str], timeout_s: float | None):
     return [json.loads(p) for p in payloads]
 
 
+def shape_dtype(leaf: Any) -> str:
+    """``'(4, 3) float32'``: a leaf's shape and dtype, as every cross-process check describes it.
+
+    Typed PRNG keys keep their JAX dtype, which numpy cannot read.
+
+    Example:
+      >>> shape_dtype(np.zeros((4, 3), np.float32)), shape_dtype(2.0)
+      ('(4, 3) float32', '() float64')
+      >>> shape_dtype(jax.random.split(jax.random.key(0), 4))
+      '(4,) key<fry>'
+    """
+    dtype = getattr(leaf, "dtype", None)
+    return f"{tuple(np.shape(leaf))} {np.result_type(leaf) if dtype is None else dtype}"
+
+
 def _shape_table(leaves_with_path) -> dict[str, str]:
     """Return ``{path: 'shape dtype'}`` for the leaves of a local batch."""
-    table = {}
-    for path, leaf in leaves_with_path:
-        shape, dtype = np.shape(leaf), getattr(leaf, "dtype", None)
-        dtype = np.result_type(leaf) if dtype is None else np.dtype(dtype)
-        table[keystr(path)] = f"{tuple(shape)} {dtype}"
-    return table
+    return {keystr(path): shape_dtype(leaf) for path, leaf in leaves_with_path}
 
 
 def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) -> None:
@@ -364,7 +374,8 @@ def leaf_checksum(leaf: Any) -> str:
     its shape and dtype are described (marked ``global``).
 
     Args:
-      leaf: an array or Python number.
+      leaf: an array or Python number; a typed PRNG key is hashed by its
+        ``jax.random.key_data``.
 
     Returns:
       A short string equal across processes iff the values are equal.
@@ -375,12 +386,11 @@ def leaf_checksum(leaf: Any) -> str:
       >>> leaf_checksum(np.zeros(3)) == leaf_checksum(np.ones(3))
       False
     """
-    value = _host_value(leaf)
+    value = _host_value(jax.random.key_data(leaf) if is_prng_key(leaf) else leaf)
     if value is None:
-        return f"{tuple(leaf.shape)} {leaf.dtype} global"
-    value = np.ascontiguousarray(value)
-    digest = hashlib.sha256(value.tobytes()).hexdigest()[:16]
-    return f"{value.shape} {value.dtype} {digest}"
+        return f"{shape_dtype(leaf)} global"
+    digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+    return f"{shape_dtype(leaf)} {digest}"
 
 
 def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -> None:

@@ -153,6 +153,29 @@ def test_leaf_checksum_changes_with_value_not_with_placement(devices):
     assert _multihost.leaf_checksum(x) != _multihost.leaf_checksum(x.astype(np.float64))
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_pass_every_cross_process_description(monkeypatch, impl):
+    keys = jax.random.split(jax.random.key(0, impl=impl), 8)
+    kind = str(keys.dtype)  # key<fry> / key<rbg>: no numpy dtype
+    sent = []
+
+    def echo(tag, payload, timeout_s=None):  # two processes that agree
+        sent.append(payload)
+        return [payload, payload]
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_multihost, "kv_client", lambda: object())
+    monkeypatch.setattr(_multihost, "exchange", echo)
+    monkeypatch.setattr(_fingerprint, "exchange", echo)
+    monkeypatch.setattr(_fingerprint, "spans_processes", lambda *a: True)
+    _multihost.check_same_local_shapes({"k": keys})  # the batch check
+    jaxdev.distributed.assert_same_across_processes({"k": keys, "one": keys[0]})
+    assert jaxdev.distributed.check_same_program(jax.jit(jax.random.key_data), keys)
+    assert len(sent) == 3 and all(f"(8,) {kind}" in p for p in sent)
+    other = jax.random.split(jax.random.key(1, impl=impl), 8)
+    assert _multihost.leaf_checksum(keys) != _multihost.leaf_checksum(other)  # by key_data
+
+
 # --- single process: cheap, no communication ----------------------------------------
 
 
