@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import UsageError
+from ._errors import UsageError, device_name
 from ._leaves import is_jax_array
 from ._offload import HOST_KINDS
 from ._report import human_bytes, text_table
@@ -261,7 +261,7 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
 
         body.append(
             (
-                f"{d.platform}:{d.id}",
+                device_name(d),
                 human_bytes(total),
                 human_bytes(named),
                 stat("bytes_in_use"),
@@ -271,17 +271,13 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
         )
     lines.append(f"live device memory: {ledger.attributed:.1%} attributed to named trees")
     lines += text_table(head, body, rstrip=True)
-    rows = [
-        (e.path, e.category, str(e.shape), e.dtype, human_bytes(max(e.bytes_per_device.values())))
-        for e in (ledger.entries + ledger.unattributed)[:top]
-        if e.bytes_per_device
-    ]
-    if rows:
-        lines.append("largest arrays (bytes on the device holding the most):")
-        lines += text_table(("path", "category", "shape", "dtype", "bytes"), rows, rstrip=True)
-    left = len(ledger.entries) + len(ledger.unattributed) - len(rows)
-    if left > 0:
-        lines.append(f"... and {left} smaller array{'s' if left > 1 else ''}")
+    most = lambda e: human_bytes(max(e.bytes_per_device.values()))  # noqa: E731
+    rows = [(e.path, e.category, str(e.shape), e.dtype, most(e)) for e in ledger.entries]
+    head = ("path", "category", "shape", "dtype", "bytes")
+    lines += _largest("largest arrays (bytes on the device holding the most):", head, rows, top)
+    rows = [(str(e.shape), e.dtype, most(e), _where(e)) for e in ledger.unattributed]
+    title = f"unattributed arrays (the other {1 - ledger.attributed:.1%} of live bytes), largest"
+    lines += _largest(title + " first:", ("shape", "dtype", "bytes", "device"), rows, top)
     if ledger.host_per_device:
         top = max(ledger.host_per_device.values())
         lines.append(
@@ -290,6 +286,21 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
             f"{human_bytes(top)} on the fullest device's host memory"
         )
     return "\n".join(lines)
+
+
+def _largest(title: str, head: tuple[str, ...], rows: list[tuple], top: int) -> list[str]:
+    """``title``, then a table of the first ``top`` rows and how many were left out."""
+    if not rows:
+        return []
+    left = len(rows) - top
+    more = [f"... and {left} smaller array{'s' if left > 1 else ''}"] if left > 0 else []
+    return [title, *text_table(head, rows[:top], rstrip=True), *more]
+
+
+def _where(e: LedgerEntry) -> str:
+    """``cpu:3`` for an array on one device, ``8 devices`` for one on several."""
+    devices = list(e.bytes_per_device)
+    return device_name(devices[0]) if len(devices) == 1 else f"{len(devices)} devices"
 
 
 # ---------------------------------------------------------------- picture

@@ -118,6 +118,17 @@ def test_a_leaked_old_state_is_unattributed_with_its_shapes():
     assert ledger.attributed < 0.5
 
 
+def test_print_lists_the_unattributed_arrays_with_shape_dtype_bytes_device():
+    params = {f"w{i}": jnp.ones((64, 64)) for i in range(13)}  # 13 named arrays, larger
+    stray = jax.device_put(jnp.ones((300, 7)), jax.devices()[3])
+    text = str(jaxdev.memory(params=params))
+    title, *rows = text.split("unattributed arrays")[1].splitlines()
+    assert "of live bytes" in title
+    row = next(r.split() for r in rows if r.startswith("(300, 7)"))
+    assert row[:5] == ["(300,", "7)", "float32", "8.2", "KiB"] and row[5] == "cpu:3", text
+    del stray
+
+
 def test_plot_writes_a_valid_png_with_one_bar_per_device(tmp_path):
     state, batch, metrics = _transformer_loop(jaxdev.Strategy.sharded(), steps=1)
     ledger = jaxdev.memory(state=state, batch=batch)
