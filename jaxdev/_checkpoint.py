@@ -53,7 +53,8 @@ Decisions:
   :class:`jaxdev.Collection`; any other node comes back as a dict of its
   children. Arrays come back with their saved sharding when every saved
   device exists here, else on ``jax.devices()[0]`` (replicated over every
-  device when several processes run). Numpy leaves come back as numpy.
+  device when several processes run). Numpy leaves come back as numpy, and numpy
+  scalars (``np.float64(1e-3)``) as numpy scalars on any target but a tree asking another type.
 """
 
 from __future__ import annotations
@@ -349,7 +350,7 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     entries: list[dict] = []
     for key, name, x in flat:
         entry: dict[str, Any] = {"key": list(key), "path": name}
-        if isinstance(x, PY_SCALARS):
+        if isinstance(x, PY_SCALARS) and not isinstance(x, np.generic):  # np.float64 is a float
             entry.update(kind="scalar", type=type(x).__name__, value=_scalar_json(x))
         elif _is_key(x):
             entry["key_impl"] = str(jax.random.key_impl(x))
@@ -367,8 +368,8 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
             mesh = stacked[i]
             entry["stacked"] = {"n": x.shape[0], "devices": [d.id for d in mesh.devices.flat]}
             x = _row0(x)
-        if isinstance(x, np.generic):
-            x = np.asarray(x)
+        if isinstance(x, np.generic):  # written as a 0-d array, read back as a numpy scalar
+            x, entry["item"] = np.asarray(x), True
         entry.update(
             kind="jax" if isinstance(x, jax.Array) else "numpy",
             shape=list(np.shape(x)),
@@ -424,11 +425,15 @@ def _scalar_json(x: Any) -> Any:
 
 
 def _scalar_value(kind: str, value: Any) -> Any:
-    if kind == "complex":
-        return complex(float(value[0]), float(value[1]))
-    if kind == "float":
-        return float(value)
-    return {"bool": bool, "int": int}[kind](value)
+    """A saved Python scalar; kinds ``float64`` / ``complex128`` are numpy scalars that
+    earlier jaxdev saved as Python ones, in numpy's repr (``np.float64(0.1)``)."""
+    num = lambda v: float(v.removeprefix("np.float64(").removesuffix(")"))  # noqa: E731
+    if kind in ("complex", "complex128"):
+        value = complex(num(value[0]), num(value[1]))
+    elif kind in ("float", "float64"):
+        value = num(value)
+    types = {"float64": np.float64, "complex128": np.complex128}
+    return {"bool": bool, "int": int, "float": float, "complex": complex, **types}[kind](value)
 
 
 def _digest(meta: dict) -> str:
@@ -763,6 +768,7 @@ class _Want(NamedTuple):
     shape: tuple[int, ...] | None  # None: as saved
     dtype: Any  # None: as saved
     key_impl: str | None = None  # wrap the read uint32 data as typed PRNG keys of this impl
+    item: bool = False  # a numpy scalar (the 0-d array's item), not a 0-d array
 
 
 def _is_target_leaf(x: Any) -> bool:
@@ -792,6 +798,8 @@ def _as_target_sharding(path: str, target: Any) -> Sharding:
 def _want_common(e: dict, common: Sharding | None) -> _Want:
     if e["kind"] == "scalar":
         return _Want("scalar", None, None, None)
+    if e.get("item"):  # a numpy scalar stays one, on the host, as a Python scalar does
+        return _Want("numpy", None, None, None, item=True)
     impl = e.get("key_impl")
     if common is None:
         if e["kind"] == "numpy":
@@ -833,7 +841,7 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
         )
     shapes = [
         None
-        if e["kind"] == "scalar"
+        if e["kind"] == "scalar" or e.get("item")
         else jax.ShapeDtypeStruct(_full_shape(e), np.dtype(e["dtype"]))
         for e in entries
     ]  # typed keys are ruled as their uint32 data
@@ -847,8 +855,8 @@ def _resolve_rules(path, entries, skeleton, mesh, rules):
     flat = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     it = iter(flat)
     wants = [
-        _Want("scalar", None, None, None)
-        if e["kind"] == "scalar"
+        _want_common(e, None)  # Python and numpy scalars: as saved
+        if e["kind"] == "scalar" or e.get("item")
         else _Want("jax", next(it), _stacked_shape(e), None, e.get("key_impl"))
         for e in entries
     ]
@@ -907,14 +915,15 @@ def _want_of(e: dict, leaf: Any) -> _Want:
         s = s if isinstance(s, Sharding) else _want_common(e, None).sharding
         impl = str(jax.random.key_impl(leaf)) if isinstance(leaf, jax.Array) else _sds_impl(e, leaf)
         return _Want("jax", s, data.shape, np.dtype(data.dtype), impl)
+    if isinstance(leaf, np.ndarray | np.generic):  # first: np.float64 is a Python float too
+        item = isinstance(leaf, np.generic)
+        return _Want("numpy", None, np.shape(leaf), np.dtype(leaf.dtype), item=item)
     if isinstance(leaf, PY_SCALARS):
         return _Want("pytype", None, None, type(leaf))
     if isinstance(leaf, Sharding):
         return _Want("jax", leaf, _stacked_shape(e), None, e.get("key_impl"))
     if isinstance(leaf, (jax.Device, Mesh)):
         return _Want("jax", as_sharding(leaf), _stacked_shape(e), None, e.get("key_impl"))
-    if isinstance(leaf, np.ndarray | np.generic):
-        return _Want("numpy", None, np.shape(leaf), np.dtype(leaf.dtype))
     if isinstance(leaf, jax.ShapeDtypeStruct):
         s = leaf.sharding if isinstance(leaf.sharding, Sharding) else None
         return _Want("jax", s or _want_common(e, None).sharding, leaf.shape, np.dtype(leaf.dtype))
@@ -962,6 +971,9 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
                 bad.append(f"{e['path']}: {why}")
             continue
         saved_shape, saved_dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+        if w.kind == "pytype" and saved_shape == ():  # cast exactly once read (_finish)
+            reads.append(_Read(None, "none", None))
+            continue
         if w.kind == "pytype":
             bad.append(
                 f"{e['path']}: saved an array {saved_dtype}{list(saved_shape)}, asked a "
@@ -1185,8 +1197,12 @@ def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
                 value = _cast_scalar(value, _scalar_target_type(w, value))
                 if w.kind == "jax":
                     value = jax.device_put(value, w.sharding)
-            out.append(value)
+            out.append(value[()] if w.item else value)
             continue
+        if w.kind == "pytype":
+            x = _cast_read(path, e, x.item(), w.dtype, what)
+        if w.item:
+            x = x[()]
         if r.empty:
             x = _empty(e, w, r)
         if r.post == "stack":
@@ -1195,6 +1211,18 @@ def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
             x = jax.random.wrap_key_data(x, impl=w.key_impl)
         out.append(x)
     return out
+
+
+def _cast_read(path: str, e: dict, value: Any, to: type, what: str) -> Any:
+    """A read 0-d array's ``value`` as the Python type ``to`` of its target leaf, exactly."""
+    try:
+        return _cast_scalar(value, to)
+    except ValueError as err:
+        raise CheckpointError(
+            f"Checkpoint {path} ({what}) cannot be restored onto `target`: {e['path']}: saved "
+            f"{e['dtype']} {value!r}, asked a Python {to.__name__}, which cannot hold it exactly "
+            f"({err}); restore it onto a numpy or wider target leaf"
+        ) from err
 
 
 def _stack(x: Any, n: int, s: Sharding | None) -> Any:
