@@ -30,10 +30,12 @@ every process runs a daemon thread that:
 
 Progress is any heartbeat: jaxdev's train and eval step calls (a train step
 call counts as the next step, 1, 2, ...), :func:`jaxdev.save` /
-:func:`jaxdev.restore`, and :func:`heartbeat` in your own loop. The first
-call of a step (it compiles), a save or restore, and the start-up before the
-first heartbeat count as progress for up to ``10 * S`` while they run, so a
-slow compile or checkpoint never fires it.
+:func:`jaxdev.restore`, and :func:`heartbeat` in your own loop. Any compile
+(a step's first call, a later call for a new batch shape, your own jitted
+function: the main thread is seen in JAX's tracing, lowering or compiling),
+a save or restore, and the start-up before the first heartbeat count as
+progress for up to ``10 * S`` while they run, so a slow compile or
+checkpoint never fires it.
 
 Limits: the watchdog is a Python thread. A process stalled in Python
 (``time.sleep``, a lock, a queue, a loader) or in a C call that releases the
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib.util
 import json
 import linecache
 import logging
@@ -65,7 +68,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ._errors import UsageError
@@ -75,17 +78,38 @@ ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
 ENV_HANG_ACTION = "JAXDEV_HANG_ACTION"
 ACTIONS = ("exit", "wait")
 LONG_FACTOR = 10  # compile, checkpoint and start-up count as progress for up to 10 * S
-_LONG_PHASES = {  # phase: the jaxdev files the main thread is in while it lasts
-    "start": (),
-    "compile": ("_step.py",),
-    "checkpoint": ("_checkpoint.py", "_checkpointer.py", "_ckpt_files.py"),
+ALLOWANCE = {  # state: how long (x S) it counts as progress; "finished" never stalls
+    "start": LONG_FACTOR,
+    "compile": LONG_FACTOR,
+    "checkpoint": LONG_FACTOR,
+    "step": 1,
+    "host": 1,
 }
 _IN_CALL = ("compile", "step", "eval")  # phases of a jaxdev step call
+_OWN_FILES = {  # jaxdev's files: what the main thread does while inside them
+    "_step.py": "step",
+    "_multihost.py": "check",
+    "_checkpoint.py": "checkpoint",
+    "_checkpointer.py": "checkpoint",
+    "_ckpt_files.py": "checkpoint",
+}
+# JAX's tracing, lowering and compiling: any compile, a step's first or a later one (a new shape)
+_JAX_COMPILE = (
+    os.path.join("_src", "compiler.py"),
+    os.path.join("_src", "interpreters", "partial_eval.py"),
+    os.path.join("_src", "interpreters", "mlir.py"),
+)
 _KEY = "jaxdev/hang/"
 _STACK_CHARS = 60_000  # per process, in the key-value store
 _GATHER_S = 5.0  # the reporter waits this long for every answering process's stacks
 _ACK_S = 3.0  # process 0 waits this long for the others to exit first
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_JAX = tuple(  # JAX's own Python files (found without importing JAX)
+    d + os.sep
+    for name in ("jax", "jaxlib")
+    if (spec := importlib.util.find_spec(name)) is not None
+    for d in spec.submodule_search_locations or ()
+)
 
 
 # ---------------------------------------------------------------- options
@@ -246,14 +270,63 @@ def where(frame: Any) -> str:
     return f"{site}: `{code}`" if code else site
 
 
-def _in_files(frame: Any, names: Sequence[str]) -> bool:
-    """Whether a frame of ``frame``'s stack is in one of jaxdev's files ``names``."""
-    paths = tuple(_PACKAGE + n for n in names)
+def inside(frame: Any) -> frozenset[str]:
+    """What a stack is inside: JAX's compiler or other JAX code, jaxdev's steps and checks.
+
+    Args:
+      frame: the innermost frame (``None``: nothing).
+
+    Returns:
+      The tags of its frames: ``compile`` (JAX tracing, lowering or
+      compiling), ``jax`` (other JAX code: a dispatch, a fetch,
+      ``jax.block_until_ready``), and jaxdev's ``step`` (a step call),
+      ``check`` (a cross-process check), ``checkpoint`` (save, restore).
+
+    Example:
+      >>> import sys
+      >>> inside(sys._getframe())
+      frozenset()
+    """
+    tags = set()
     while frame is not None:
-        if frame.f_code.co_filename.startswith(paths):
-            return True
+        name = frame.f_code.co_filename
+        if name.startswith(_PACKAGE) and name[len(_PACKAGE) :] in _OWN_FILES:
+            tags.add(_OWN_FILES[name[len(_PACKAGE) :]])
+        elif name.startswith(_JAX):
+            tags.add("compile" if name.endswith(_JAX_COMPILE) else "jax")
         frame = frame.f_back
-    return False
+    return frozenset(tags)
+
+
+def state_of(phase: str, where_in: Collection[str]) -> str:
+    """The state of a process: its last heartbeat's phase and what its main thread is inside.
+
+    Args:
+      phase: the phase of its last heartbeat (``"start"``, ``"compile"``,
+        ``"step"``, ``"eval"``, ``"checkpoint"``, ``"finished"`` or a label
+        of :func:`heartbeat`).
+      where_in: see :func:`inside`.
+
+    Returns:
+      ``"start"``, ``"compile"``, ``"checkpoint"``, ``"step"`` (in a step or
+      waiting on the others), ``"host"`` (between steps) or ``"finished"``:
+      the model's states, each with its allowance (:data:`ALLOWANCE`).
+
+    Example:
+      >>> state_of("step", {"step", "compile"})  # a later call compiles (a new shape)
+      'compile'
+      >>> state_of("step", set()), state_of("data", {"jax"})
+      ('host', 'step')
+    """
+    if phase in ("start", "finished"):
+        return phase
+    if "compile" in where_in or (
+        phase == "compile" and "step" in where_in and "check" not in where_in
+    ):
+        return "compile"
+    if "checkpoint" in where_in:
+        return "checkpoint"
+    return "step" if any(t in where_in for t in ("step", "check", "jax")) else "host"
 
 
 def thread_stacks(skip: int | None = None, limit: int = _STACK_CHARS) -> str:
@@ -306,6 +379,27 @@ def install_stack_dumps() -> None:
 # --------------------------------------------------------------- verdict
 
 
+def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
+    """Whether the job is stalled: every unfinished process is over its state's allowance.
+
+    Args:
+      records: one heartbeat per process: ``state`` (see :func:`state_of`)
+        and ``quiet``, seconds since its last progress (a heartbeat or a new
+        state).
+      timeout_s: the hang timeout ``S``; a state counts as progress for
+        ``ALLOWANCE[state] * S``.
+
+    Returns:
+      ``True`` when the watchdog must report.
+
+    Example:
+      >>> stalled([{"state": "compile", "quiet": 30}, {"state": "step", "quiet": 30}], 5)
+      False
+    """
+    running = [r for r in records if r["state"] != "finished"]
+    return bool(running) and all(r["quiet"] >= ALLOWANCE[r["state"]] * timeout_s for r in running)
+
+
 def _order(rec: Mapping[str, Any]) -> tuple:
     """Sort key: the first record is the one most behind."""
     step = rec.get("step")
@@ -344,11 +438,12 @@ def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
 def _state(rec: Mapping[str, Any]) -> str:
     """``in step 5`` / ``in step 1 (compile)`` / ``after step 4 (data)``: where a process is."""
     step, phase = rec.get("step"), rec.get("phase", "")
+    label = "compile" if rec.get("state") == "compile" else phase  # any compile
     if rec.get("in_step") and phase in _IN_CALL:
         name = f"in step {step}" if step is not None else "in its first step"
-        return name if phase == "step" else f"{name} ({phase})"
+        return name if label == "step" else f"{name} ({label})"
     after = f"after step {step}" if step is not None else "before step 1"
-    return after if phase in ("step", "start", "") else f"{after} ({phase})"
+    return after if label in ("step", "start", "") else f"{after} ({label})"
 
 
 def _blame(rec: Mapping[str, Any]) -> str:
@@ -482,7 +577,7 @@ class _Watchdog:
         self.interval = interval_s(timeout_s)
         # (seq, phase, step, when, thread): the latest heartbeat, replaced whole (no lock)
         self.last: tuple = (0, "start", None, time.monotonic(), threading.main_thread().ident)
-        self.long_end: tuple[int, float] = (-1, 0.0)  # (seq, when) a long phase was seen over
+        self.mark: tuple = (0, "start", self.last[3])  # (seq, state, since): the last progress
         self.published = 0
         self.seen: dict[int, tuple[Any, float]] = {}  # process: (its publication, seen at)
         self.incident, self.resume_after = 0, None  # resume_after: seqs at a reported stall
@@ -515,31 +610,28 @@ class _Watchdog:
                 return
 
     def _heartbeat(self) -> dict[str, Any]:
-        """This process's heartbeat now, with where its main thread is."""
+        """This process's heartbeat now: its state, and where its main thread is."""
         now = time.monotonic()
         seq, phase, step, t, thread = self.last
         frames = sys._current_frames()
-        frame = frames.get(threading.main_thread().ident)
-        idle = quiet = now - t
-        if phase in _LONG_PHASES:
-            files = _LONG_PHASES[phase]  # the thread that started it is still inside it:
-            if not files or _in_files(frames.get(thread), files):  # compiling / checkpointing
-                quiet = max(0.0, idle - (LONG_FACTOR - 1) * self.timeout_s)
-            else:  # it ended since: that is progress
-                if self.long_end[0] != seq:
-                    self.long_end = (seq, now)
-                quiet = now - self.long_end[1]
+        main = threading.main_thread().ident
+        frame = frames.get(main)
+        tags = inside(frame) | (inside(frames.get(thread)) if thread != main else frozenset())
+        state = state_of(phase, tags)
+        if (seq, state) != self.mark[:2]:  # a heartbeat (at t), or a new state (seen now)
+            self.mark = (seq, state, t if seq != self.mark[0] else now)
         return {
             "process": self.process,
             "pub": self.published,
             "seq": seq,
             "phase": phase,
+            "state": state,
             "step": step,
-            "idle": round(idle, 3),
-            "quiet": round(quiet, 3),
+            "idle": round(now - t, 3),
+            "quiet": round(now - self.mark[2], 3),  # seconds since its last progress
             "where": where(frame) if frame is not None else "",
-            "in_step": _in_files(frame, ("_step.py",)),
-            "waiting": _in_files(frame, ("_multihost.py",)),
+            "in_step": "step" in tags,
+            "waiting": "check" in tags,
         }
 
     def _set(self, key: str, value: str, overwrite: bool = True) -> None:
@@ -571,10 +663,6 @@ class _Watchdog:
             )
         return out
 
-    def _stalled(self, records: Sequence[Mapping[str, Any]]) -> bool:
-        running = [r for r in records if r["phase"] != "finished"]
-        return bool(running) and all(r["quiet"] >= self.timeout_s for r in running)
-
     def _tick(self) -> None:
         self._publish()
         entries = self._entries()
@@ -584,7 +672,7 @@ class _Watchdog:
                 return
             self.resume_after, self.incident = None, self.incident + 1
             return
-        if f"fired/{self.incident}" in entries or self._stalled(records):
+        if f"fired/{self.incident}" in entries or stalled(records, self.timeout_s):
             self._handle(records)
 
     def _handle(self, records: list[dict[str, Any]]) -> None:

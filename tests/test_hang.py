@@ -18,7 +18,10 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import REPO, clean_env
 from mp_scripts.hang_runs import Run, Scenario, run_all
@@ -190,12 +193,13 @@ class FakeStore:
         return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
 
-def _peer(store, process, step, phase="step", idle=0.0, pub=1, **kw):
+def _peer(store, process, step, phase="step", idle=0.0, pub=1, state="host", **kw):
     rec = {
         "process": process,
         "pub": pub,
         "seq": step,
         "phase": phase,
+        "state": state,
         "step": step,
         "idle": idle,
         "quiet": idle,
@@ -213,7 +217,8 @@ def fast(monkeypatch):
     monkeypatch.setattr(_hang, "_ACK_S", 0.3)
 
 
-def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd):
+def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd, monkeypatch):
+    monkeypatch.setattr(_hang, "inside", lambda frame: frozenset({"step"}))  # in a step call
     store, exits = FakeStore(), []
     watch = _hang._Watchdog(store, 0, 5.0, "exit", exits.append)
     watch.record("data", 4)
@@ -229,26 +234,70 @@ def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd):
         "(`hang_action`='exit'; 'wait' keeps it running)."
     )
     err = capfd.readouterr().err
-    assert "jaxdev: hang watchdog: process 0 stacks (after step 5, 6 s since" in err
+    assert "jaxdev: hang watchdog: process 0 stacks (in step 5, 6 s since" in err
     assert "test_watchdog_reports_and_exits_once_no_process_progressed" in err  # its own stack
     assert "--- process 1: no stacks (behind): its watchdog did not answer" in err
     assert {"jaxdev/hang/fired/0", "jaxdev/hang/reported/0", "jaxdev/hang/ack/0/0"} <= set(store.kv)
 
 
-def test_compiling_counts_as_progress_until_ten_times_the_timeout(monkeypatch):
-    watch = _hang._Watchdog(FakeStore(), 1, 5.0, "exit", pytest.fail)
-    watch.last = (1, "compile", 1, time.monotonic() - 30.0, MAIN)
-    # while compiling, the main thread is inside jaxdev's _step.py:
-    monkeypatch.setattr(_hang, "_in_files", lambda frame, names: "_step.py" in names)
-    assert watch._heartbeat()["quiet"] == 0.0  # 30 s < 10 * 5 s
-    watch.last = (1, "compile", 1, time.monotonic() - 48.0, MAIN)
-    assert watch._heartbeat()["quiet"] == pytest.approx(3.0, abs=0.5)  # 48 s: 3 s over
-    monkeypatch.setattr(_hang, "_in_files", lambda frame, names: False)  # the call returned
-    assert watch._heartbeat()["quiet"] < 0.5  # its end is progress
-    watch.last = (2, "checkpoint", 1, time.monotonic() - 30.0, MAIN)  # a save, seen over at once
-    assert watch._heartbeat()["quiet"] < 0.5
-    watch.last = (3, "data", 1, time.monotonic() - 30.0, MAIN)  # a user label: no grace
-    assert watch._heartbeat()["quiet"] == pytest.approx(30.0, abs=0.5)
+def _stack(*files):
+    """A fake stack of frames in ``files`` (outermost first); returns the innermost."""
+    frame = None
+    for name in files:
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=name), f_back=frame)
+    return frame
+
+
+def test_inside_tags_jax_compiling_other_jax_code_and_jaxdev_files():
+    jax_dir, own = _hang._JAX[0], _hang._PACKAGE
+    compiling = _stack("train.py", own + "_step.py", jax_dir + "_src/compiler.py")
+    assert _hang.inside(compiling) == {"step", "compile"}
+    assert _hang.inside(_stack("train.py", jax_dir + "_src/interpreters/mlir.py")) == {"compile"}
+    assert _hang.inside(_stack("train.py", jax_dir + "_src/api.py")) == {"jax"}  # a wait
+    assert _hang.inside(_stack("train.py", own + "_multihost.py")) == {"check"}
+    assert _hang.inside(_stack(own + "_checkpoint.py", "orbax.py")) == {"checkpoint"}
+    assert _hang.inside(_stack("train.py", "loader.py")) == set()
+
+
+@pytest.mark.parametrize(
+    ("phase", "tags", "state"),
+    [
+        ("start", {"jax"}, "start"),  # before the first heartbeat, whatever it does
+        ("finished", {"check"}, "finished"),  # in the shutdown barrier
+        ("compile", {"step"}, "compile"),  # a jaxdev step's first call
+        ("compile", {"step", "check"}, "step"),  # ... waiting for the others' compile check
+        ("step", {"step", "compile"}, "compile"),  # a later call compiles (a new shape)
+        ("data", {"compile"}, "compile"),  # your own jitted function compiles
+        ("checkpoint", {"checkpoint", "jax"}, "checkpoint"),
+        ("step", {"step"}, "step"),
+        ("eval", {"step"}, "step"),
+        ("data", {"check"}, "step"),  # a cross-process check waits for the others
+        ("data", {"jax"}, "step"),  # jax.block_until_ready, a fetch
+        ("step", set(), "host"),  # the step call returned: your code runs
+        ("checkpoint", set(), "host"),  # the save returned
+        ("data", set(), "host"),
+    ],
+)
+def test_state_of_a_process(phase, tags, state):
+    assert _hang.state_of(phase, frozenset(tags)) == state
+
+
+def test_a_later_call_that_compiles_counts_as_compile():
+    watch = _hang._Watchdog(FakeStore(), 0, 5.0, "exit", pytest.fail)
+    watch.last = (4, "step", 3, time.monotonic() - 30.0, MAIN)  # step 3's call, not its first
+    seen = []
+
+    def traced(x):  # a new shape: the same step traces and compiles again
+        seen.append(watch._heartbeat())
+        return x
+
+    jax.jit(traced)(jnp.ones(3))
+    rec, waits = seen[0], {"state": "step", "quiet": 30.0}  # the other process waits in it
+    assert rec["state"] == "compile" and rec["quiet"] == pytest.approx(30.0, abs=1.0)
+    assert not _hang.stalled([rec, waits], 5.0)  # a compile has 10 * S
+    assert _hang.stalled([{**rec, "quiet": 51.0}, waits], 5.0)
+    after = watch._heartbeat()  # the compile ended: a new state is progress
+    assert after["state"] == "host" and after["quiet"] < 1.0
 
 
 def test_wait_action_reports_then_rearms_after_progress(fast, capfd):
@@ -269,7 +318,7 @@ def test_a_finished_process_is_never_behind_and_all_finished_never_fires(fast):
     store = FakeStore()
     watch = _hang._Watchdog(store, 0, 5.0, "exit", pytest.fail)
     watch.last = (9, "finished", 8, time.monotonic() - 60.0, MAIN)
-    _peer(store, 1, 8, "finished", idle=60.0)
+    _peer(store, 1, 8, "finished", idle=60.0, state="finished")
     watch._tick()
     assert "jaxdev/hang/fired/0" not in store.kv
 
