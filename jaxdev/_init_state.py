@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ._errors import UsageError
 from ._leaves import is_jax_array
 from ._mesh import named_sharding
 from ._offload import offloaded
@@ -61,6 +62,39 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
     return _to_host(TrainState(step, params, opt_state, rng, model_state), strategy.offload)
 
 
+def is_state(tree: Any) -> bool:
+    """A whole train state (jaxdev's or flax's ``TrainState``), not params."""
+    return all(hasattr(tree, f) for f in ("step", "params", "opt_state"))
+
+
+def check_tx(step_tx: Any, tx: Any, params: Any, opt_state: Any = None) -> None:
+    """Refuse an optimizer state that the step's own ``tx`` could not update.
+
+    ``make_train_step(loss_fn, optax.sgd(...))`` then ``init_state(params,
+    optax.adam(...))`` built an adam state that the sgd step trained on
+    without a word. ``tx`` (given to ``init_state``) or ``opt_state`` (of a
+    state given whole) must have the structure ``step_tx.init(params)`` has;
+    the same ``tx`` object, or ``None``, always passes.
+    """
+    if step_tx is None or (tx is None and opt_state is None) or tx is step_tx:
+        return
+    want = jax.tree.structure(jax.eval_shape(step_tx.init, _shapes(params)))
+    got = opt_state if tx is None else jax.eval_shape(tx.init, _shapes(params))
+    if jax.tree.structure(got) != want:
+        what = "the state's `opt_state`" if tx is None else "`tx`"
+        raise UsageError(
+            f"{what} does not match the step's optimizer: the step updates with the `tx` given "
+            f"to `make_train_step`, whose state is {_describe(want)}, but {what} makes "
+            f"{_describe(jax.tree.structure(got))}. Build the state with the step's own `tx` "
+            "(`step.init_state(params)` uses it) or make the step with this one."
+        )
+
+
+def _describe(treedef: Any) -> str:
+    text = str(treedef)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def _to_host(state: Any, fields: tuple[str, ...]) -> Any:
     """``state`` with the offloaded ``fields`` moved to host memory (the device copies freed)."""
     if not fields:
@@ -95,4 +129,4 @@ def _own_buffers(tree: Any, others: Any) -> Any:
     return jax.tree.map(own, tree)
 
 
-__all__ = ["init_by_rules"]
+__all__ = ["check_tx", "init_by_rules", "is_state"]

@@ -52,7 +52,7 @@ from ._explain import (
 )
 from ._fingerprint import same_program
 from ._hang import step_call
-from ._init_state import init_by_rules
+from ._init_state import check_tx, init_by_rules, is_state
 from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
 from ._offload import offloaded
@@ -62,6 +62,7 @@ from ._plan import resolve_limit
 from ._prefetch import Prefetcher
 from ._rules import (
     step_shardings,
+    unbox,
 )
 from ._strategy import Strategy, as_strategy
 from ._train import (
@@ -298,12 +299,17 @@ class _Step:
 
         Args:
           params: the model parameters.
-          tx: the optax transform (the same as the step's); ``None`` for an
-            eval step, which then gets ``params`` (or, with ``model_state``,
-            a ``TrainState`` without optimizer state).
+          tx: the optax transform; ``None`` (the default) uses the step's own
+            (an eval step then gets ``params``, or, with ``model_state``, a
+            ``TrainState`` without optimizer state). One whose state differs
+            from the step's ``tx`` is refused: the step could not update it.
           rng: optional PRNG key for ``loss_fn``'s ``rng`` argument (dropout).
           model_state: optional state the forward pass updates (BatchNorm's
             ``batch_stats``), placed like the params.
+
+        A whole train state (flax's ``train_state.TrainState`` as Flax's
+        examples build it, or jaxdev's) given as ``params`` is taken as the
+        state: copied and laid out for the step, its type kept.
 
         Under sharded params (``Strategy.sharded(rules=rules)``) the params
         (and ``model_state``) are placed by the rules (a copy: the caller's
@@ -326,6 +332,10 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
+        if is_state(params):  # a whole state (flax's TrainState): placed as the step lays it out
+            return self._adopt(params, tx, rng, model_state)
+        tx = self.config.tx if tx is None and self.is_train else tx
+        check_tx(self.config.tx, tx, unbox(params))
         needs = lambda: init_lines(self, params, tx, rng, model_state)  # noqa: E731
         with explained_oom("init_state", lambda: {"params": params}, needs):
             if self._by_rules:
@@ -339,6 +349,21 @@ class _Step:
             else:
                 state = params
             return jax.block_until_ready(copy_to(state, self._target))  # its OOM raised here
+
+    def _adopt(self, state: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+        """A copy of a whole train state, laid out for this step (its optimizer checked)."""
+        for name, value in (("rng", rng), ("model_state", model_state)):
+            if value is not None:
+                raise UsageError(
+                    f"`{name}` was given with a whole {type(state).__name__} as `params`: a "
+                    f"state carries its own fields. Pass `state.params` with `{name}=`, or put "
+                    f"`{name}` in the state."
+                )
+        check_tx(self.config.tx, tx, unbox(state.params))
+        check_tx(self.config.tx, None, unbox(state.params), state.opt_state)
+        layout = _state_layout(self.strategy, state) if self._by_rules else self._target
+        with explained_oom("init_state", lambda: {"state": state}, lambda: []):
+            return jax.block_until_ready(copy_to(state, layout))
 
     def put_batch(self, batch: Any) -> Any:
         """Place a host batch for this strategy; uneven sizes are padded and masked.

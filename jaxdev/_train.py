@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -139,6 +140,14 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
     if rng is not None:
         args += (rng,)
     kwargs = {"mask": mask} if cfg.pass_mask else {}
+    if rng is None and _wants_one_more(cfg.loss_fn, args, kwargs):
+        raise UsageError(
+            "`loss_fn` takes an `rng` argument, but the state holds no key. jaxdev's "
+            "TrainState gets one from `step.init_state(params, rng=jax.random.key(0))`; "
+            "flax's `train_state.TrainState` has no `rng` field: subclass it with "
+            "`rng: jax.Array` (the step folds in the step number, as Flax's examples do), "
+            "or build jaxdev's state from `state.params`."
+        )
     with row_mask(mask):  # Metric.from_value inside loss_fn skips padded rows
         out = cfg.loss_fn(*args, **kwargs)
     want = 1 + cfg.has_aux + cfg.has_state
@@ -163,6 +172,23 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
     new_state = out[-1] if cfg.has_state else None
     _check_losses(losses, weights, rows_of(batch))
     return losses, weights, aux, new_state
+
+
+def _wants_one_more(fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """``fn`` cannot be called with ``args`` but could with one more positional argument."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return False
+
+    def binds(*a: Any) -> bool:
+        try:
+            sig.bind(*a, **kwargs)
+        except TypeError:
+            return False
+        return True
+
+    return not binds(*args) and binds(*args, None)
 
 
 def _shape_text(x: Any) -> str:

@@ -179,7 +179,11 @@ def test_shard_params_and_init_state_of_replicated_params_stay_on_device(mesh):
     replicated = jaxdev.to_device(_params(), mesh)
     with jaxdev.count_transfers() as c:
         sharded = jaxdev.shard_params(replicated, mesh, "fsdp")
-        state = _step(mesh).init_state(replicated, optax.adam(1e-3))
+        adam = optax.adam(1e-3)  # the step's own tx (another is refused)
+        strategy = jaxdev.Strategy.sharded(mesh, rules="fsdp")
+        state = jaxdev.make_train_step(loss_fn, adam, strategy, has_aux=True).init_state(
+            replicated, adam
+        )
     assert c.device_to_host == 0
     assert sharded["Dense_0"]["kernel"].sharding.spec == P(None, "fsdp")
     assert state.opt_state[0].mu["Dense_0"]["kernel"].sharding.spec == P(None, "fsdp")
