@@ -81,7 +81,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _ckpt_files as files
 from ._checksum import by_devices, checksums, legacy_checksums, words
-from ._errors import CheckpointError, join_failures, short
+from ._errors import CheckpointError, UsageError, join_failures, short
 from ._hang import beat
 from ._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
 from ._mesh import mesh_of, replicated_sharding
@@ -436,6 +436,20 @@ def _scalar_value(kind: str, value: Any) -> Any:
     return {"bool": bool, "int": int, "float": float, "complex": complex, **types}[kind](value)
 
 
+def check_step(step: Any) -> int:
+    """``step`` as an int: a non-negative int or numpy integer, never a bool, float or str.
+
+    Raises:
+      UsageError: anything else, named with its type.
+    """
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise UsageError(
+            f"`step` must be a non-negative int (a numpy integer too), got {step!r} "
+            f"({type(step).__name__})."
+        )
+    return int(step)
+
+
 def _digest(meta: dict) -> str:
     """SHA-256 of the metadata without its digest (canonical JSON)."""
     body = {k: v for k, v in meta.items() if k != "digest"}
@@ -577,7 +591,8 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
         jaxdev checkpoint or an empty folder).
       tree: a pytree of ``jax.Array`` (typed PRNG keys included), numpy
         arrays, Python numbers and None.
-      step: a step number to record (read back with :func:`checkpoint_step`).
+      step: a step number to record, a non-negative int (read back with
+        :func:`checkpoint_step`).
       overwrite: replace the jaxdev checkpoint at ``path``.
 
     Raises:
@@ -586,6 +601,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
         another writer is saving to ``path``; a leaf cannot be saved (its
         key path named); the write failed (disk full, not writable): the
         previous checkpoint and ``tree`` are unchanged.
+      UsageError: ``step`` is not a non-negative int.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxdev
@@ -597,7 +613,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
     """
     path = os.path.realpath(os.fspath(path))  # a link: its target is what is replaced
     prepared = prepare(tree)
-    args = composite(prepared, step, None)
+    args = composite(prepared, None if step is None else check_step(step), None)
     with _writer(files.sibling(path, "lock"), f"Checkpoint {path}"):
         if jax.process_index() == 0:
             _refuse_managed(path)
@@ -1327,6 +1343,7 @@ def checkpoint_step(path: Any) -> int | None:
 
 
 __all__ = [
+    "check_step",
     "checkpoint_step",
     "composite",
     "orbax",

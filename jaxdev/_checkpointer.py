@@ -93,7 +93,8 @@ class Checkpointer:
         """Save ``state`` (and ``metrics``: a ``Collection``, ``DeviceLog``, any tree) as ``step``.
 
         Args:
-          step: the step number (the directory name); not below the latest.
+          step: the step number (the directory name): a non-negative int (or numpy
+            integer), not below the latest.
           state: the tree to save (e.g. a ``TrainState``).
           metrics: an optional second tree saved alongside.
           force: save even when ``step`` is not a multiple of ``every``.
@@ -109,6 +110,7 @@ class Checkpointer:
             write failed (disk full, not writable; an asynchronous write that
             failed earlier is reported by the next ``save``, ``wait`` or
             ``close``). ``state`` and the earlier checkpoints are never changed.
+          UsageError: ``step`` is not a non-negative int (a bool, float, str).
 
         Example:
           >>> import tempfile, jax.numpy as jnp, jaxdev
@@ -116,7 +118,7 @@ class Checkpointer:
           ...     ckpt.save(1, {"w": jnp.ones(2)})
           True
         """
-        step = int(step)
+        step = ckpt.check_step(step)
         if self._lock is None:  # first save: become the one writer, then see the folder anew
             self._become_writer()
         if step in self._started or step in self._manager.all_steps():
@@ -217,7 +219,7 @@ class Checkpointer:
                     f"No checkpoint in {self.directory}: nothing has been saved there yet "
                     "(check the directory; `latest_step()` is None)."
                 )
-        elif step not in self._steps():
+        elif ckpt.check_step(step) not in self._steps():
             raise CheckpointError(
                 f"No checkpoint for step {step} in {self.directory}; complete steps: "
                 f"{self.all_steps()}."

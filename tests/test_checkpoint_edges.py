@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxdev
-from jaxdev import CheckpointError
+from jaxdev import CheckpointError, UsageError
 from jaxdev import _checkpoint as ck
 
 # ---------------------------------------------------------------- numpy scalar leaves
@@ -63,3 +64,23 @@ def test_numpy_scalars_saved_before_the_fix_restore(tmp_path):
     meta_file.write_text(json.dumps(meta))
     back = jaxdev.restore(path)
     assert _same(back["lr"], np.float64(0.1)) and _same(back["z"], np.complex128(1j))
+
+
+# ---------------------------------------------------------------- step numbers
+
+
+@pytest.mark.parametrize("bad", [7.9, "9", True, -1, np.float32(3), None])
+def test_a_step_must_be_a_non_negative_int(tmp_path, bad):
+    """save(7.9) saved step 7, save('9') step 9, save(True) step 1; restore(step=True) step 1."""
+    got = rf"got {re.escape(repr(bad))} \({type(bad).__name__}\)"
+    with jaxdev.Checkpointer(tmp_path / "m", async_=False) as ckpt:
+        with pytest.raises(UsageError, match=rf"`step` must be a non-negative int .*, {got}"):
+            ckpt.save(bad, {"w": np.ones(2)})
+        assert ckpt.save(np.int64(1), {"w": np.ones(2)}) and ckpt.all_steps() == [1]
+        if bad is not None:  # restore(step=None): the latest
+            with pytest.raises(UsageError, match=got):
+                ckpt.restore(step=bad)
+            with pytest.raises(UsageError, match=got):
+                jaxdev.save(tmp_path / "c", {"w": np.ones(2)}, step=bad)
+    jaxdev.save(tmp_path / "d", {"w": np.ones(2)}, step=np.int64(5))  # was TypeError from json
+    assert type(ck.checkpoint_step(tmp_path / "d")) is int
