@@ -126,5 +126,6 @@ from ._guards import no_host_sync as no_host_sync
 
 # --- multi-process ---
 from . import distributed as distributed
+from . import testing as testing
 
 __version__ = "0.1.0"

@@ -1,0 +1,134 @@
+"""``assert_strategies_agree``: one training run on every strategy the devices allow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from .._errors import UsageError
+from .._mesh import data_mesh
+from .._step import make_train_step
+from .._strategy import Strategy
+
+
+def _strategies() -> dict[str, Strategy]:
+    """Every strategy the local devices allow, ``single`` first (the reference)."""
+    found = {"single": Strategy.single()}
+    if jax.local_device_count() > 1:
+        mesh = data_mesh()
+        found["pmap"] = Strategy.pmap()
+        found["sharded"] = Strategy.sharded(mesh)
+        found["shard_map"] = Strategy.sharded(mesh, shard_map=True)
+        found["fsdp"] = Strategy.sharded(mesh, rules="fsdp", min_size=0)
+    return found
+
+
+def _train(strategy: Strategy, loss_fn, tx, params, batches, options) -> list[Any]:
+    """The params after each step, on the host."""
+    step = make_train_step(loss_fn, tx, strategy, donate=False, **options)
+    state, trail = step.init_state(params, tx), []
+    for batch in batches:
+        state, _ = step(state, step.put_batch(batch))
+        trail.append(jax.device_get(state.params))
+    return trail
+
+
+def _first_difference(got: Any, want: Any, rtol: float, atol: float) -> str | None:
+    """``path[index]: got vs want`` for the first leaf element beyond the tolerance."""
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        bad = ~np.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        if bad.any():
+            i = tuple(int(k) for k in np.argwhere(bad)[0])
+            worst = float(np.nanmax(np.abs(a - b)))
+            return (
+                f"params{jax.tree_util.keystr(path)}{list(i) if i else ''} = {a[i]:.7g} vs "
+                f"{b[i]:.7g} on 'single' (largest difference in this leaf {worst:.3g})"
+            )
+    return None
+
+
+def assert_strategies_agree(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation | None,
+    params: Any,
+    batches: Sequence[Any],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    **step_options: Any,
+) -> tuple[str, ...]:
+    """Train a few steps on every strategy the devices allow; raise where one differs.
+
+    The same ``params`` are trained on ``batches`` (one step each) under
+    ``Strategy.single()`` (the reference) and, with more than one local
+    device, ``pmap``, sharded data parallel ``jit``, ``shard_map`` and
+    ``fsdp`` (``Strategy.sharded(rules="fsdp", min_size=0)``), all over every
+    local device. After every step the params of each must match the
+    reference's: ``|x - ref| <= atol + rtol * |ref|``. It catches a loss that
+    depends on how many rows one call sees, e.g. divided by a hard-coded
+    global batch size: right on one device, wrong by the device count per
+    device under ``pmap`` and ``shard_map``.
+
+    Args:
+      loss_fn: the step's loss, as for :func:`jaxdev.make_train_step`
+        (per-example losses).
+      tx: the optimizer; ``None`` is plain SGD (``optax.sgd(0.1)``). Prefer
+        SGD: a scale-free optimizer (adam) hides a loss off by a constant
+        factor.
+      params: the initial params.
+      batches: host batches, one per step (rows a multiple of the device
+        count, or padded as ``put_batch`` pads).
+      rtol: relative tolerance.
+      atol: absolute tolerance.
+      **step_options: passed to :func:`jaxdev.make_train_step` (``has_aux``,
+        ``weighted``, ``accumulate``, ...).
+
+    Returns:
+      The names of the strategies that were compared, reference first.
+
+    Raises:
+      AssertionError: a strategy's params differ from the reference's; names
+        the strategy, the step, the first differing leaf path and both values.
+      UsageError: ``batches`` is empty, or a tolerance is negative.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jaxdev
+      >>> def loss_fn(params, batch):
+      ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
+      >>> batch = {"x": np.ones((16, 2), np.float32), "y": np.ones(16, np.float32)}
+      >>> jaxdev.testing.assert_strategies_agree(loss_fn, None, {"w": jnp.zeros(2)}, [batch] * 2)
+      ('single', 'pmap', 'sharded', 'shard_map', 'fsdp')
+    """
+    batches = list(batches)
+    if not batches:
+        raise UsageError("`batches` is empty: give at least one batch (one step each).")
+    if not (rtol >= 0 and atol >= 0):
+        raise UsageError(f"`rtol` and `atol` must be >= 0, got rtol={rtol!r}, atol={atol!r}.")
+    tx = optax.sgd(0.1) if tx is None else tx
+    strategies = _strategies()
+    trails = {
+        n: _train(s, loss_fn, tx, params, batches, step_options) for n, s in strategies.items()
+    }
+    for i, ref in enumerate(trails["single"]):
+        for name, trail in trails.items():
+            where = _first_difference(trail[i], ref, rtol, atol)
+            if where is None:
+                continue
+            hint = (
+                " A loss that depends on how many rows one call sees (e.g. divided by a "
+                "hard-coded global batch size) is right on one device and wrong per device "
+                "under pmap and shard_map."
+                if name in ("pmap", "shard_map")
+                else ""
+            )
+            raise AssertionError(
+                f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
+                f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
+                f"atol={atol:g} + rtol={rtol:g} * |single|.{hint}"
+            )
+    return tuple(strategies)

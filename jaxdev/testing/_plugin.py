@@ -1,0 +1,625 @@
+"""jaxdev's pytest plugin: one test on several device counts, or as several JAX processes.
+
+Inert unless a test or the command line asks for it:
+
+* ``@pytest.mark.devices(1, 2, 8)`` runs the test once per count (ids
+  ``test_x[devices=2]``), each in a worker process whose JAX backend starts
+  with that many CPU devices (``platform="gpu"``: that many real GPUs). As
+  with pytest-xdist, a worker is one pytest session that collects the same
+  files and runs the items it is sent, reporting pytest's own reports back
+  over a pipe: fixtures, rewritten asserts and tracebacks work as usual. One
+  worker per count, started at the first such test and reused; a worker
+  that dies fails its test (the signal, its last stderr lines), and the next
+  test gets a fresh one. A test that leaves threads running (an open
+  ``Prefetcher``) fails at teardown and its worker is replaced.
+* ``@pytest.mark.processes(2, devices=4, timeout=60)`` runs the test as 2
+  processes of a ``jax.distributed`` job on 127.0.0.1 (``jaxdev launch``,
+  ``jaxdev.distributed.initialize``), 4 fake CPU devices each (or a
+  ``devices(8)`` marker split over them). It passes when every process
+  passes; a failure names the process. The hang watchdog ends processes that
+  make no progress (jaxdev steps, ``heartbeat``) for ``timeout`` seconds,
+  printing every stack.
+* ``--jaxdev-devices N`` (ini ``jaxdev_devices``) gives this process N CPU
+  devices, re-applied after each conftest so that a conftest's own setting
+  does not win; if something started the backend first, pytest stops with
+  an error naming that call.
+
+The plugin imports only the standard library and pytest at start-up
+(``_jaxdev_pytest`` loads this file without ``import jaxdev``).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import pytest
+
+ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
+DEFAULT_TIMEOUT_S = 60.0
+_WORKER = json.loads(os.environ.pop(ENV, "null"))
+_TAIL = 30  # stderr lines shown for a dead worker
+_PINS = None  # the JAX start-up settings this process asks for (a _Pins)
+
+
+@pytest.fixture
+def jaxdev_devices(request):
+    """The device count of this run of a ``@pytest.mark.devices`` test (``None`` otherwise)."""
+    return getattr(request, "param", None)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--jaxdev-devices",
+        type=int,
+        metavar="N",
+        help="jaxdev: start JAX's backend in this process with N CPU devices (applied after "
+        "every conftest, so a conftest's own count does not win).",
+    )
+    parser.addini("jaxdev_devices", "jaxdev: as --jaxdev-devices N", default="")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    global _PINS
+    if _WORKER is not None:
+        _PINS = _Pins(_WORKER["pins"], _WORKER["platform"], _WORKER["count"], _WORKER["what"])
+        return
+    n = early_config.known_args_namespace.jaxdev_devices or early_config.getini("jaxdev_devices")
+    if n:
+        what = f"--jaxdev-devices {n}"
+        if not str(n).isdigit() or int(n) < 1:
+            raise pytest.UsageError(f"{what}: N must be an int >= 1.")
+        _PINS = _Pins({"jax_num_cpu_devices": int(n)}, "cpu", int(n), what)
+
+
+def pytest_plugin_registered(plugin):
+    if _PINS is not None and os.path.basename(getattr(plugin, "__file__", "")) == "conftest.py":
+        _PINS.apply(plugin.__file__)  # a conftest may have set its own count
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "devices(*counts, platform='cpu'): jaxdev: run the test once per count, each in a "
+        "worker process whose JAX backend has that many devices",
+    )
+    config.addinivalue_line(
+        "markers",
+        "processes(n, devices=m, timeout=60): jaxdev: run the test as n jax.distributed "
+        "processes with m fake CPU devices each",
+    )
+    if _WORKER is not None:
+        config.pluginmanager.register(_Worker(config), "jaxdev-worker")
+    elif not hasattr(config, "workerinput"):  # not under pytest-xdist either
+        config.pluginmanager.register(_Controller(config), "jaxdev-controller")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    if _WORKER is None:
+        return None
+    config.workerinput = {"workerid": _WORKER["what"]}  # pytest's plugins act as in xdist
+    config.args = _WORKER["files"]
+    base = _WORKER["basetemp"]
+    pid = os.environ.get("JAXDEV_PROCESS_ID")
+    overrides = dict(lf=False, failedfirst=False, newfirst=False, stepwise=False, maxfail=0)
+    overrides.update(usepdb=False, keyword="", markexpr="", deselect=[])
+    overrides["basetemp"] = base and (f"{base}-p{pid}" if pid else base)
+    for name, value in overrides.items():
+        if hasattr(config.option, name):
+            setattr(config.option, name, value)
+    return None
+
+
+def pytest_generate_tests(metafunc):
+    mark = metafunc.definition.get_closest_marker("devices")
+    counts = None if mark is None else _counts(mark)
+    if isinstance(counts, list):
+        if "jaxdev_devices" not in metafunc.fixturenames:
+            metafunc.fixturenames.append("jaxdev_devices")
+        ids = [f"devices={n}" for n in counts]
+        metafunc.parametrize("jaxdev_devices", counts, indirect=True, ids=ids)
+
+
+# ---------------------------------------------------------------- markers
+
+
+def _counts(mark) -> list[int] | str:
+    """The counts of a ``devices`` marker, or what is wrong with it."""
+    bad = [a for a in mark.args if isinstance(a, bool) or not isinstance(a, int) or a < 1]
+    extra = set(mark.kwargs) - {"platform"}
+    if not mark.args or bad or extra:
+        why = f"got {bad[0]!r}" if bad else f"unknown {sorted(extra)}" if extra else "got none"
+        return f"device counts must be ints >= 1 and `platform=`, {why}. E.g. devices(1, 2, 8)."
+    if mark.kwargs.get("platform", "cpu") not in ("cpu", "gpu"):
+        return f"`platform` must be 'cpu' or 'gpu', got {mark.kwargs['platform']!r}."
+    return list(mark.args)
+
+
+def _plan(item) -> tuple | str | None:
+    """``('devices', platform, n)``, ``('processes', n, m, timeout)``, an error, or None."""
+    dev, proc = item.get_closest_marker("devices"), item.get_closest_marker("processes")
+    if dev is None and proc is None:
+        return None
+    count = getattr(item, "callspec", None) and item.callspec.params.get("jaxdev_devices")
+    if dev is not None and isinstance(why := _counts(dev), str):
+        return f"{item.nodeid}: @pytest.mark.{_shown(dev)}: {why}"
+    if proc is None:
+        return ("devices", dev.kwargs.get("platform", "cpu"), count)
+    why = _processes(proc, count)
+    if isinstance(why, str):
+        return f"{item.nodeid}: @pytest.mark.{_shown(proc)}: {why}"
+    return ("processes", *why)
+
+
+def _processes(mark, total: int | None) -> tuple | str:
+    n, m = (mark.args or (None,))[0], mark.kwargs.get("devices")
+    timeout = mark.kwargs.get("timeout", DEFAULT_TIMEOUT_S)
+    if len(mark.args) != 1 or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return "give one process count, an int >= 1, e.g. processes(2, devices=4)."
+    if set(mark.kwargs) - {"devices", "timeout"}:
+        return f"unknown arguments {sorted(set(mark.kwargs) - {'devices', 'timeout'})}."
+    if total is not None and m is not None:
+        return "give the devices once: `devices=` per process, or a devices(...) marker in all."
+    if total is not None and total % n:
+        return f"devices({total}) in all do not divide over {n} processes; use a multiple of {n}."
+    m = total // n if total is not None else m
+    if m is None:
+        return "`devices=` is missing: the fake CPU devices per process, e.g. devices=4."
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        return f"`devices=` must be an int >= 1 (devices per process), got {m!r}."
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        return f"`timeout=` must be a number of seconds > 0, got {timeout!r}."
+    return n, m, float(timeout)
+
+
+def _shown(mark) -> str:
+    args = [repr(a) for a in mark.args] + [f"{k}={v!r}" for k, v in mark.kwargs.items()]
+    return f"{mark.name}({', '.join(args)})"
+
+
+def _failed(item, when: str, text: str) -> pytest.TestReport:
+    keywords = {k: 1 for k in item.keywords}
+    return pytest.TestReport(item.nodeid, item.location, keywords, "failed", text, when)
+
+
+def _describe(rc: int) -> str:
+    from jaxdev._launch import describe_returncode
+
+    oom = " (the kernel's OOM killer sends SIGKILL)" if rc == -9 else ""
+    return describe_returncode(rc) + oom
+
+
+# ------------------------------------------------------ JAX start-up settings
+
+
+class _Pins:
+    """JAX settings this process asks for, applied until the backend starts, then checked."""
+
+    def __init__(self, settings: dict, platform: str, n: int, what: str):
+        self.settings, self.platform, self.n, self.what = settings, platform, n, what
+        self.started_by, self.hooked = None, False
+        env = {"jax_platforms": "JAX_PLATFORMS", "jax_num_cpu_devices": "JAX_NUM_CPU_DEVICES"}
+        for name, value in settings.items():  # read when jax is imported
+            if name in env:
+                os.environ[env[name]] = str(value)
+        self.apply(None)
+
+    def apply(self, where: str | None) -> None:
+        if "jax" not in sys.modules:
+            return
+        import jax
+        from jax._src import xla_bridge  # no public API tells whether the backend started
+
+        if xla_bridge.backends_are_initialized():
+            if self.started_by is None:
+                self.started_by = f"while pytest imported {where}" if where else "before pytest"
+            return
+        for name, value in self.settings.items():
+            jax.config.update(name, value)
+        if not self.hooked:
+            self.hooked = True
+            xla_bridge.register_backend_initialization_hook(self._record)
+
+    def _record(self, backend) -> None:
+        if self.started_by is None:
+            self.started_by = traceback.extract_stack()
+
+    def check(self) -> str | None:
+        """Start the backend; return what is wrong with its devices, or None."""
+        self.apply(None)
+        import jax
+
+        try:
+            have = len(jax.devices(self.platform))
+        except (RuntimeError, AssertionError) as e:  # JAX could not start that platform
+            why = f"{type(e).__name__}: {e}" if str(e) else "no device visible"
+            return f"{self.what} asks for {self.n} {self.platform} device(s); JAX has none ({why})."
+        if have == self.n:
+            return None
+        return (
+            f"{self.what} asks JAX for {self.n} {self.platform} device(s), but its backend "
+            f"already started with {have} {_call(self.started_by)}. Fix: nothing may touch a "
+            "device (jax.devices(), an array, device_put) at import of a conftest or test "
+            "module: move that call into a fixture or the test."
+        )
+
+
+def _call(started_by) -> str:
+    """The user's call that started JAX's backend (innermost frame outside libraries)."""
+    if not isinstance(started_by, list):
+        return started_by or ""
+    from jaxdev._hang import _is_user_file
+
+    frames = [f for f in started_by if _is_user_file(f.filename) and f.filename != __file__]
+    return f"at {frames[-1].filename}:{frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
+
+
+# ------------------------------------------------------------- controller
+
+
+class _Controller:
+    """In the pytest process: sends marked tests to workers or processes, logs their reports."""
+
+    def __init__(self, config):
+        self.config = config
+        self.files: dict[tuple, set[str]] = {}  # worker key: the files of its tests
+        self.next: dict[str, str | None] = {}  # nodeid: the next test of the same worker
+        self.workers: dict[tuple, _Handle] = {}
+        self.broken: dict[tuple, str] = {}  # worker key: why it never started
+        self.started = 0
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session):
+        last: dict[tuple, str] = {}
+        for item in session.items:
+            key = _plan(item)
+            if isinstance(key, tuple) and key[0] == "devices":
+                self.files.setdefault(key, set()).add(str(item.path))
+                self.next[last.get(key, "")] = item.nodeid
+                last[key] = item.nodeid
+        if _PINS is not None and "jax" in sys.modules:
+            from jax._src import xla_bridge
+
+            if xla_bridge.backends_are_initialized() and (why := _PINS.check()):
+                raise pytest.UsageError(why)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        plan = _plan(item)
+        if plan is None:
+            return None
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        if isinstance(plan, str):
+            reports = [_failed(item, "setup", plan)]
+        elif plan[0] == "devices":
+            reports = self._on_worker(item, plan)
+        else:
+            reports = _as_processes(self.config, item, *plan[1:])
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def pytest_sessionfinish(self):
+        for key in list(self.workers):
+            self._close(key)
+
+    def _on_worker(self, item, key: tuple) -> list:
+        if key in self.broken:
+            return [_failed(item, "setup", self.broken[key])]
+        if not self.workers:  # start every worker this session needs at once
+            for k in self.files:
+                self.workers.setdefault(k, self._start(k))
+        worker = self.workers.get(key) or self.workers.setdefault(key, self._start(key))
+        reports, msg = [], None
+        try:
+            if not worker.ready and (why := worker.wait_ready()):
+                self.broken[key] = why
+                self._close(key)
+                return [_failed(item, "setup", f"{item.nodeid}: {why}")]
+            worker.send(run=item.nodeid, next=self.next.get(item.nodeid))
+            while (msg := worker.recv()) is not None and "report" in msg:
+                reports.append(_report(self.config, msg["report"]))
+            if msg is not None and "missing" in msg:
+                reports.append(_failed(item, "setup", msg["missing"]))
+        except (Exception, pytest.fail.Exception) as e:  # pytest-timeout's alarm; a dead pipe
+            msg = None
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+                msg, why = {"restart": True}, f"stopped waiting for its worker ({worker.what}): {e}"
+                reports.append(_failed(item, _next_phase(reports), why + "; it was killed."))
+        if msg is None:
+            rc = worker.proc.wait()
+            why = f"the jaxdev worker for {worker.what} (pid {worker.proc.pid}) died running "
+            why += f"this test: {_describe(rc)}. Its last stderr lines:\n{worker.tail()}\n"
+            why += "The next test gets a new worker."
+            reports.append(_failed(item, _next_phase(reports), why))
+        if msg is None or msg.get("restart"):
+            self._close(key)
+        return reports
+
+    def _start(self, key: tuple) -> _Handle:
+        self.started += 1
+        return _Handle(self.config, key, sorted(self.files.get(key, ())), self.started)
+
+    def _close(self, key: tuple) -> None:
+        worker = self.workers.pop(key, None)
+        if worker is not None:
+            worker.close()
+
+
+def _next_phase(reports: list) -> str:
+    return ("setup", "call", "teardown")[min(len(reports), 2)]
+
+
+def _report(config, data: dict):
+    data["location"] = tuple(data["location"])
+    if isinstance(data.get("longrepr"), list):
+        data["longrepr"] = tuple(data["longrepr"])
+    return config.hook.pytest_report_from_serializable(config=config, data=data)
+
+
+class _Handle:
+    """A worker process of one device count and the pipes to it."""
+
+    def __init__(self, config, key: tuple, files: list[str], number: int):
+        _, platform, n = key
+        self.what, self.ready = f"devices={n}" + (", platform='gpu'" * (platform == "gpu")), False
+        pins = {"jax_platforms": "cpu", "jax_num_cpu_devices": n}
+        if platform == "gpu":  # the first n GPUs
+            gpus = ",".join(map(str, range(n)))
+            pins = {"jax_platforms": "cuda", "jax_cuda_visible_devices": gpus}
+        cmd_r, self._cmd = os.pipe()
+        self._res, res_w = os.pipe()
+        orders = dict(pins=pins, platform=platform, count=n, what=f"the worker for {self.what}")
+        orders.update(files=files, fds=[cmd_r, res_w])
+        orders["basetemp"] = _basetemp(config, f"{platform}{n}-{number}")
+        env = {**os.environ, ENV: json.dumps(orders)}
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *config.invocation_params.args],
+            cwd=config.invocation_params.dir,
+            env=env,
+            pass_fds=(cmd_r, res_w),
+            stdin=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+        os.close(cmd_r)
+        os.close(res_w)
+        self.cmd, self.res = os.fdopen(self._cmd, "w"), os.fdopen(self._res, "r")
+
+    def send(self, **msg) -> None:
+        self.cmd.write(json.dumps(msg) + "\n")
+        self.cmd.flush()
+
+    def recv(self) -> dict | None:
+        line = self.res.readline()
+        return json.loads(line) if line else None
+
+    def wait_ready(self) -> str | None:
+        """Wait until the worker collected its files; return why it did not start, or None."""
+        msg = self.recv()
+        self.ready = msg is not None and "ready" in msg
+        if self.ready:
+            return None
+        if msg is not None:
+            return msg["error"]
+        rc = self.proc.wait()
+        return f"the jaxdev worker for {self.what} never started ({_describe(rc)}):\n{self.tail()}"
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return _quiet(self.log.read().decode(errors="replace"), _TAIL) or "(none)"
+
+    def close(self) -> None:
+        """End the worker: EOF on its commands (it tears down and exits), killed after 30 s."""
+        try:
+            self.cmd.close()
+        except OSError:  # it died: the pipe is broken
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.res.close()
+        self.log.close()
+
+
+def _quiet(text: str, limit: int) -> str:
+    """The last ``limit`` lines of ``text`` without pytest's, pluggy's and runpy's stack frames."""
+    noise = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}", "<frozen runpy>", __file__)
+    noise += (os.path.join("pytest", "__main__.py"),)
+    kept, dropped = [], False
+    for line in text.splitlines():
+        code = re.sub(r"^\[p\d+\] ", "", line).startswith("    ")  # a frame's source line
+        dropped = any(n in line for n in noise) or (dropped and code)
+        if not dropped:
+            kept.append(line)
+    return "\n".join(kept[-limit:])
+
+
+def _basetemp(config, name: str) -> str | None:
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's own (as xdist uses it)
+    return None if factory is None else str(factory.getbasetemp() / f"jaxdev-{name}")
+
+
+def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
+    """Run ``item`` as ``n`` processes x ``m`` devices under the launcher; its reports."""
+    from jaxdev.distributed import launch
+
+    head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s without progress)"
+    with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
+        orders = dict(pins={"jax_platforms": "cpu", "jax_num_cpu_devices": m}, platform="cpu")
+        orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid)
+        orders.update(run_dir=run_dir, files=[str(item.path)])
+        orders["basetemp"] = _basetemp(config, os.path.basename(run_dir))
+        out = io.StringIO()
+        cmd = [sys.executable, "-m", "pytest", *config.invocation_params.args]
+        try:
+            env, backstop = {ENV: json.dumps(orders)}, 120 + 10 * timeout
+            rc = launch(cmd, n, m, timeout_s=backstop, env=env, out=out, hang_timeout_s=timeout)
+        except (Exception, pytest.fail.Exception) as e:  # the processes were ended
+            rc = f"stopped: {type(e).__name__}: {e}"
+        per = [_read(config, os.path.join(run_dir, f"p{i}.jsonl")) for i in range(n)]
+    tail = _quiet(out.getvalue(), 200)
+    done = []
+    for when in ("setup", "call", "teardown"):
+        got = [next((r for r in reports if r.when == when), None) for reports in per]
+        failed = [(i, r) for i, r in enumerate(got) if r is not None and r.failed]
+        if failed:
+            return [*done, _name_process(failed[0][1], f"process {failed[0][0]} of {n}", tail)]
+        if None not in got:
+            done.append(got[0])
+        elif rc != 0 or any(got):
+            missing = [i for i, r in enumerate(got) if r is None]
+            why = f"{head}: process(es) {missing} did not finish the {when} (launcher: {rc})"
+            return [*done, _failed(item, when, f"{why}. The processes' output:\n{tail}")]
+    if rc != 0:
+        why = f"{head}: every process passed, but the launcher returned {rc}:\n{tail}"
+        done.append(_failed(item, "teardown", why))
+    return done
+
+
+def _read(config, path: str) -> list:
+    try:
+        with open(path) as f:
+            return [_report(config, json.loads(line)["report"]) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def _name_process(report, who: str, output: str):
+    """Name the failing process in a report: its crash line and a section with every output."""
+    longrepr = report.longrepr
+    if hasattr(longrepr, "addsection"):
+        if getattr(longrepr, "reprcrash", None) is not None:
+            longrepr.reprcrash.message = f"{who}: {longrepr.reprcrash.message}"
+        longrepr.addsection(f"{who} failed; the processes' output", output)
+    else:
+        report.longrepr = f"{who} failed:\n{longrepr}\n\nThe processes' output:\n{output}"
+    return report
+
+
+# ----------------------------------------------------------- worker side
+
+
+class _Worker:
+    """In a worker: runs the tests it is sent and reports back; flags threads left behind."""
+
+    def __init__(self, config):
+        self.config, self.tainted, self.before, self.errors = config, False, None, {}
+        self.out = None
+        quiet = pytest.TerminalReporter(config, open(os.devnull, "w"))  # the controller prints
+        config.pluginmanager.unregister(name="terminalreporter")
+        config.pluginmanager.register(quiet, "terminalreporter")
+
+    def send(self, **msg) -> None:
+        self.out.write(json.dumps(msg, default=repr) + "\n")
+        self.out.flush()
+
+    def pytest_sessionstart(self, session):
+        if "run" in _WORKER:
+            from jaxdev.distributed import initialize
+
+            initialize()
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.errors[report.nodeid] = report.longreprtext
+
+    def pytest_runtest_logreport(self, report):
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        self.send(report=data)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session):
+        items = {item.nodeid: item for item in session.items}
+        if "run" in _WORKER:
+            return self._run_once(session, items.get(_WORKER["run"]))
+        commands, self.out = os.fdopen(_WORKER["fds"][0]), os.fdopen(_WORKER["fds"][1], "w")
+        why = _PINS.check()
+        self.send(**({"error": why} if why else {"ready": len(items)}))
+        for line in () if why else commands:
+            msg = json.loads(line)
+            item = items.get(msg["run"])
+            if item is None:
+                self.send(missing=self._missing(msg["run"]))
+                continue
+            item.ihook.pytest_runtest_protocol(item=item, nextitem=items.get(msg["next"]))
+            self.send(done=True, restart=self.tainted)
+        return True
+
+    def _run_once(self, session, item) -> bool:
+        import jax
+
+        from jaxdev.distributed import heartbeat
+
+        self.out = open(os.path.join(_WORKER["run_dir"], f"p{jax.process_index()}.jsonl"), "w")
+        if item is None:
+            print(self._missing(_WORKER["run"]), file=sys.stderr)
+        else:
+            heartbeat("test")  # the hang watchdog's timeout counts from here
+            item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
+        self.out.close()
+        if item is None or session.testsfailed:  # the others may wait for this one forever
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # now: the launcher ends them (JAX's shutdown would wait)
+        return True
+
+    def _missing(self, nodeid: str) -> str:
+        why = [text for prefix, text in self.errors.items() if prefix and nodeid.startswith(prefix)]
+        return f"{nodeid}: {_WORKER['what']} did not collect this test" + (
+            f":\n{why[0]}" if why else " (its collection differs from this session's)."
+        )
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        self.before = set(threading.enumerate())
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        result = yield
+        before, self.before = self.before, None
+        left = [] if before is None else _left_running(before)
+        if left:
+            self.tainted = True
+            names = ", ".join(repr(t.name) for t in left)
+            hint = (
+                " ('jaxdev-prefetch' is an open jaxdev Prefetcher: close it, or use "
+                "`with jaxdev.prefetch_to_device(...) as batches:`)"
+                if any(t.name == "jaxdev-prefetch" for t in left)
+                else ""
+            )
+            pytest.fail(
+                f"{item.nodeid} left {len(left)} thread(s) running after its teardown: {names}"
+                f"{hint}. Stop and join them in the test or its fixtures; {_WORKER['what']} is "
+                "replaced so that the next test starts clean.",
+                pytrace=False,
+            )
+        return result
+
+
+def _left_running(before: set) -> list:
+    """Threads started since ``before`` still alive after a collection and up to 1 s."""
+    new = [t for t in threading.enumerate() if t not in before]
+    if new:
+        gc.collect()  # a Prefetcher nobody holds closes itself
+        deadline = time.monotonic() + 1.0
+        for t in new:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in new if t.is_alive()]
