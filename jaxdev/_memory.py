@@ -49,6 +49,9 @@ class LedgerEntry:
       shape: the global shape.
       dtype: the dtype's name.
       bytes_per_device: ``{device: bytes}`` of its shards on each device.
+      like: an unattributed array's look-alike: the path of a named leaf
+        with its shape and dtype (not a scalar); it may be an old copy of
+        that leaf still referenced somewhere. Otherwise None.
     """
 
     path: str
@@ -56,6 +59,7 @@ class LedgerEntry:
     shape: tuple[int, ...]
     dtype: str
     bytes_per_device: Mapping[jax.Device, int]
+    like: str | None = None
 
     @property
     def total(self) -> int:
@@ -155,12 +159,15 @@ def memory(**trees: Any) -> MemoryLedger:
       ("params['w']", 1048576)
     """
     names: dict[tuple[jax.Device, int], tuple[str, str]] = {}  # by buffer
+    shapes: dict[tuple[tuple[int, ...], str], str] = {}  # the first leaf of each shape
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
             if isinstance(leaf, jax.core.Tracer):
                 raise UsageError(
                     f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
                 )
+            if np.ndim(leaf) > 0 and hasattr(leaf, "dtype"):
+                shapes.setdefault((tuple(leaf.shape), str(leaf.dtype)), path)
             if is_jax_array(leaf) and not leaf.is_deleted():
                 # a typed PRNG key is listed live as the uint32 array on its buffer
                 for key in _buffers(leaf):
@@ -184,7 +191,8 @@ def memory(**trees: Any) -> MemoryLedger:
             bucket[d] = bucket.get(d, 0) + n
         named = [names[k] for k in keys if k in names]
         path, category = named[0] if named else ("<unattributed>", "unattributed")
-        entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts)
+        like = None if named else shapes.get((tuple(x.shape), str(x.dtype)))
+        entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts, like)
         if in_host:
             offloaded.append(entry)
             continue
@@ -275,9 +283,10 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
     rows = [(e.path, e.category, str(e.shape), e.dtype, most(e)) for e in ledger.entries]
     head = ("path", "category", "shape", "dtype", "bytes")
     lines += _largest("largest arrays (bytes on the device holding the most):", head, rows, top)
-    rows = [(str(e.shape), e.dtype, most(e), _where(e)) for e in ledger.unattributed]
+    old = lambda e: f"looks like an old copy of {e.like}" if e.like else ""  # noqa: E731
+    rows = [(str(e.shape), e.dtype, most(e), _where(e), old(e)) for e in ledger.unattributed]
     title = f"unattributed arrays (the other {1 - ledger.attributed:.1%} of live bytes), largest"
-    lines += _largest(title + " first:", ("shape", "dtype", "bytes", "device"), rows, top)
+    lines += _largest(title + " first:", ("shape", "dtype", "bytes", "device", "note"), rows, top)
     if ledger.host_per_device:
         top = max(ledger.host_per_device.values())
         lines.append(

@@ -116,6 +116,10 @@ def test_a_leaked_old_state_is_unattributed_with_its_shapes():
     leaked = [e for e in ledger.unattributed if e.shape == (1000,)]
     assert len(leaked) == 3  # the three old params, each named by its shape
     assert ledger.attributed < 0.5
+    assert {e.like for e in leaked} == {"state.params['w']"}  # flagged as old copies
+    rows = [r for r in str(ledger).splitlines() if r.startswith("(1000,)")]
+    note = "looks like an old copy of state.params['w']"
+    assert len(rows) == 3 and all(r.endswith(note) for r in rows), str(ledger)
 
 
 def test_print_lists_the_unattributed_arrays_with_shape_dtype_bytes_device():
