@@ -51,6 +51,7 @@ META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
 ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at the top
 TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside its directory
+_ORBAX_TMP = r"\.orbax-checkpoint-tmp(-\d+)?"  # orbax's temporary folder: <final name><this>
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -240,9 +241,13 @@ def leftovers(path: str) -> list[str]:
     """
     parent, name = os.path.split(path)
     new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
-    ours = re.compile(rf"{new}|{old}|({re.escape(name)}|{new})\.orbax-checkpoint-tmp(-\d+)?")
+    return _names(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
+
+
+def _names(folder: str, pattern: str) -> list[str]:
+    """The entries of ``folder`` whose whole name matches ``pattern`` ([] if unreadable)."""
     try:
-        return sorted(n for n in os.listdir(parent or ".") if ours.fullmatch(n))
+        return sorted(n for n in os.listdir(folder or ".") if re.fullmatch(pattern, n))
     except OSError:
         return []
 
@@ -257,17 +262,19 @@ def remove_leftovers(path: str) -> None:
 def remove_tombstones(directory: str, folder: bool = True) -> None:
     """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
 
-    Only numbered entries there (orbax's step names) are deleted; with
-    ``folder``, then ``.jaxdev-deleted`` itself if empty (not while an
-    asynchronous save may still rename a step into it).
+    Only numbered entries there (orbax's step names) are deleted. With
+    ``folder`` (no save running: the writer starts or closes), then
+    ``.jaxdev-deleted`` itself if empty, and the temporary folders of steps
+    whose save was killed (exactly ``<step>.orbax-checkpoint-tmp``).
     """
     graves = os.path.join(directory, TOMBSTONES)
-    with contextlib.suppress(OSError):
-        for n in os.listdir(graves):
-            if n.isdigit():
-                _remove(os.path.join(graves, n))
-        if folder:
+    for n in _names(graves, r"\d+"):
+        _remove(os.path.join(graves, n))
+    if folder:
+        with contextlib.suppress(OSError):
             os.rmdir(graves)
+        for n in _names(directory, rf"\d+{_ORBAX_TMP}"):
+            _remove(os.path.join(directory, n))
 
 
 def _remove(path: str) -> None:

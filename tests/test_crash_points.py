@@ -55,7 +55,8 @@ def test_a_deleted_checkpoint_is_never_brought_back(tmp_path, monkeypatch, excha
     assert jaxdev.restore(path) == {"v": 2}
     shutil.rmtree(path)  # the user deletes the checkpoint
     [left] = [n for n in os.listdir(tmp_path) if "jaxdev-" in n and not n.endswith("lock")]
-    with pytest.raises(CheckpointError, match=rf"No checkpoint at {re.escape(str(path))}.*{re.escape(left)}.*not restored"):
+    said = rf"No checkpoint at {re.escape(str(path))}.*{re.escape(left)} .*is not restored"
+    with pytest.raises(CheckpointError, match=said):
         jaxdev.restore(path)
     assert not path.exists()
     jaxdev.save(path, {"v": 3})  # a new first save cleans the leftover
@@ -75,6 +76,21 @@ def test_a_kill_while_keep_deletes_a_step_blocks_no_later_save(tmp_path, monkeyp
         assert again.save(3, {"w": np.full(3, 3.0)})
         assert again.restore()["w"].tolist() == [3.0] * 3
     assert sorted(os.listdir(tmp_path)) == ["3"]
+
+
+def test_a_restart_removes_the_temporary_folder_of_a_killed_step(tmp_path, monkeypatch):
+    ckpt = jaxdev.Checkpointer(tmp_path, keep=2, async_=False)
+    ckpt.save(1, {"w": np.ones(3)})
+    _kill_at(monkeypatch, "rename", 1)  # orbax is writing 2.orbax-checkpoint-tmp
+    with pytest.raises(Killed):
+        ckpt.save(2, {"w": np.full(3, 2.0)})
+    monkeypatch.undo()
+    ckpt._lock.release()  # what the kernel does for a killed process
+    assert "2.orbax-checkpoint-tmp" in os.listdir(tmp_path)
+    (tmp_path / "2.orbax-checkpoint-tmp-mine").mkdir()  # a look-alike name: not ours
+    with jaxdev.Checkpointer(tmp_path, keep=2, async_=False) as again:
+        assert again.save(3, {"w": np.full(3, 3.0)}) and again.all_steps() == [1, 3]
+    assert sorted(os.listdir(tmp_path)) == ["1", "2.orbax-checkpoint-tmp-mine", "3"]
 
 
 def test_save_removes_only_its_own_exact_leftover_names(tmp_path):
