@@ -10,7 +10,8 @@ limit, with the table of what it compiled. When even the smallest batch does
 not fit, it tries the changes of :mod:`jaxdev._explain` in order of their
 cost per step (``rules='fsdp'``: collectives only; ``remat=True``: the
 forward pass again; offloading: host transfers every step; then all
-together) and searches the batch of the first that fits.
+together) and searches the batch of the first that fits. When nothing
+fits, it raises :class:`jaxdev.MemoryPlanError` with the table.
 
 Accelerate's ``find_executable_batch_size`` finds a batch by running and
 catching out-of-memory errors; this never allocates anything but the
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import UsageError
+from ._errors import MemoryPlanError, UsageError
 from ._explain import (
     BatchRows,
     Variant,
@@ -71,7 +72,7 @@ class MemoryFit:
 
     Attributes:
       batch_size: the largest rows per device per update whose compiled
-        peak is within ``limit`` (``None``: not even the smallest fits).
+        peak is within ``limit``.
       rows: the global rows per update of that batch (what ``put_batch``
         takes per step).
       change: ``None`` when the step fits as it is, else the change that
@@ -86,12 +87,12 @@ class MemoryFit:
         (larger batches were not tried).
     """
 
-    batch_size: int | None
-    rows: int | None
+    batch_size: int
+    rows: int
     change: str | None
     step: Any
     batch: Any
-    peak: int | None
+    peak: int
     limit: int
     source: str
     tried: tuple[FitTrial, ...]
@@ -116,31 +117,33 @@ class MemoryFit:
           ------  ------------  ---------  -----------  ----
           as is   1             1          259.1 KiB    yes
         """
-        lines = [self.headline()]
-        head = ("change", "batch/device", "rows/step", "peak/device", "fits")
-        body = [
-            (
-                t.change,
-                t.batch_size,
-                t.rows,
-                "-" if t.peak is None else human_bytes(t.peak),
-                t.note or ("yes" if t.fits else "no"),
-            )
-            for t in self.tried
-        ]
-        return "\n".join(lines + text_table(head, body, rstrip=True))
+        return "\n".join([self.headline(), *_table(self.tried)])
 
     def headline(self) -> str:
-        """``largest batch that fits: ...`` or why nothing fits."""
+        """``largest batch that fits: ...``."""
         budget = f"{human_bytes(self.limit)} ({self.source})"
-        if self.batch_size is None:
-            return f"nothing fits in {budget}, not even the smallest batch with every change"
         how = "" if self.change is None else f" with {self.change}"
         more = " (the largest tried: larger batches may fit too)" if self.capped else ""
         return (
             f"largest batch that fits{how}: {self.batch_size} rows per device ({self.rows} rows "
             f"per step), peak {human_bytes(self.peak)} of {budget}{more}"
         )
+
+
+def _table(tried: tuple[FitTrial, ...]) -> list[str]:
+    """The trials as table lines."""
+    head = ("change", "batch/device", "rows/step", "peak/device", "fits")
+    body = [
+        (
+            t.change,
+            t.batch_size,
+            t.rows,
+            "-" if t.peak is None else human_bytes(t.peak),
+            t.note or ("yes" if t.fits else "no"),
+        )
+        for t in tried
+    ]
+    return text_table(head, body, rstrip=True)
 
 
 class _Search:
@@ -233,6 +236,8 @@ def fit_memory(
       A :class:`MemoryFit`; ``print`` it for the table of trials.
 
     Raises:
+      MemoryPlanError: nothing fits: not even the smallest batch, as the
+        step is or with any change; the message has the table of trials.
       UsageError: ``step`` is not a jaxdev step; ``limit`` is missing on a
         backend without a limit, or not a number of bytes;
         ``max_batch_size`` is not an int >= 1; ``example_batch`` has no row
@@ -278,7 +283,18 @@ def fit_memory(
         return MemoryFit(
             b, rows_found, change, v.step, batch, peak, limit_, source, tuple(tried), capped
         )
-    return MemoryFit(None, None, None, step, None, None, limit_, source, tuple(tried))
+    unit = step.accumulate
+    raise MemoryPlanError(
+        "\n".join(
+            [
+                f"nothing fits in {human_bytes(limit_)} ({source}): not even {unit} "
+                f"row{'s' if unit > 1 else ''} per device, as the step is or with any change "
+                "below (each compiled, none run). Use more devices, a smaller model, or raise "
+                "the limit if it is wrong.",
+                *_table(tuple(tried)),
+            ]
+        )
+    )
 
 
 def _candidates(step: Any, state: Any):

@@ -8,6 +8,8 @@ trains under ``memory_limit``.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,11 +118,14 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
 
 
 def test_nothing_fits_and_the_search_stops_at_max_batch_size():
+    """Nothing fitting is an error with the table, never a result whose ``rows`` is None."""
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())
-    none = jaxdev.fit_memory(step, _state(), _example(), limit=1024)
-    assert none.batch_size is None and none.step is step and none.batch is None
-    assert str(none).startswith("nothing fits in 1.0 KiB (limit)")
-    assert all(not t.fits for t in none.tried)
+    with pytest.raises(jaxdev.MemoryPlanError) as err:
+        jaxdev.fit_memory(step, _state(), _example(), limit=1024)
+    text = str(err.value)
+    assert text.startswith("nothing fits in 1.0 KiB (limit): not even 1 row per device")
+    assert re.search(r"\nchange +batch/device +rows/step +peak/device +fits\n", text)
+    assert re.search(r"\nas is +1 +1 +[\d.]+ KiB +no\n", text) and "yes" not in text
     capped = jaxdev.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=40)
     assert capped.batch_size == 40 and capped.capped
     assert [t.batch_size for t in capped.tried] == [1, 2, 4, 8, 16, 32, 40]
