@@ -266,6 +266,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop."""
+    _check_writable(args.plot, "--plot")
+    if args.plot:
+        from ._bench import check_plotting
+
+        check_plotting()  # fail before the run, not after it
     note, _ = configure_devices(args.devices)
     from ._demo import DemoConfig, memory_demo
 
@@ -431,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
     mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
-    mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger as a PNG")
+    mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger (needs matplotlib)")
     sub.add_parser(
         "launch",
         help="run a command as N local JAX processes: launch -n N -- cmd ...",

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,12 +110,20 @@ class MemoryLedger:
         return _format(self)
 
     def plot(self, path: str, limit: int | None = None) -> str:
-        """Write a PNG of stacked bars, one per device, and return ``path``.
+        """Draw the ledger as a stacked bar chart, one bar per device, into ``path``.
 
-        From the bottom: params (blue), optimizer state (orange), model state
-        (green), batch (purple), other named trees (grey), unattributed (red),
-        and, where a limit is known (``limit`` or the device's ``bytes_limit``),
-        the free bytes up to it (light grey). No plotting library is needed.
+        From the bottom: params, optimizer state, model state, batch, other
+        named trees, unattributed, and, where a limit is known (``limit`` or
+        the device's ``bytes_limit``), the free bytes up to it; a legend names
+        the parts drawn, the axis is in KiB / MiB / GiB. The format follows
+        ``path``'s suffix (``.png``, ``.svg``, ``.pdf``). Needs matplotlib
+        (``pip install 'jaxdev[plot]'``); pyplot and its backend are left alone.
+
+        Returns:
+          ``path``.
+
+        Raises:
+          UsageError: matplotlib is not installed.
 
         Example:
           >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
@@ -126,7 +132,12 @@ class MemoryLedger:
           >>> pathlib.Path(path).read_bytes()[:4] == b"\\x89PNG"
           True
         """
-        _write_png(path, _bars(self, limit))
+        try:
+            from matplotlib.figure import Figure  # no pyplot: the user's backend is untouched
+        except ImportError:
+            raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+        fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(self.per_device)), 4.5))
+        _draw(self, fig, limit).savefig(path, dpi=100)
         return path
 
 
@@ -314,66 +325,40 @@ def _where(e: LedgerEntry) -> str:
 
 # ---------------------------------------------------------------- picture
 
-_COLORS = {
-    "params": (31, 119, 180),
-    "opt_state": (255, 127, 14),
-    "model_state": (44, 160, 44),
-    "batch": (148, 103, 189),
-    "other": (127, 127, 127),
-    "unattributed": (214, 39, 40),
-    "free": (220, 220, 220),
+_LABELS = {
+    "params": ("params", "tab:blue"),
+    "opt_state": ("optimizer state", "tab:orange"),
+    "model_state": ("model state", "tab:green"),
+    "batch": ("batch", "tab:purple"),
+    "other": ("other named trees", "tab:gray"),
+    "unattributed": ("unattributed", "tab:red"),
+    "free": ("free (up to the limit)", "whitesmoke"),
 }
-_BAR, _GAP, _HEIGHT, _MARGIN = 40, 16, 240, 16
 
 
-def _bars(ledger: MemoryLedger, limit: int | None) -> np.ndarray:
-    """An RGB image: one stacked bar per device, a colour legend at the bottom."""
-    cats = ledger.by_category()
-    devices = list(ledger.per_device) or [None]
-    limits = {}
-    for d in devices:
-        stats = ledger.device_stats.get(d) or {}
-        limits[d] = limit if limit is not None else stats.get("bytes_limit")
-    top = max([sum(cats.get(d, {}).values()) for d in devices] + [v or 0 for v in limits.values()])
-    top = max(top, 1)
-    width = _MARGIN * 2 + len(devices) * (_BAR + _GAP)
-    legend = 20
-    img = np.full((_HEIGHT + 2 * _MARGIN + legend, max(width, 7 * 20 + 2 * _MARGIN), 3), 255)
-    base = _MARGIN + _HEIGHT
-    for i, d in enumerate(devices):
-        x0 = _MARGIN + i * (_BAR + _GAP)
-        y = base
-        parts = [(c, cats.get(d, {}).get(c, 0)) for c in CATEGORIES]
-        used = sum(n for _, n in parts)
-        if limits[d]:
-            parts.append(("free", max(limits[d] - used, 0)))
-        for category, n in parts:
-            h = int(round(_HEIGHT * n / top))
-            if h:
-                img[y - h : y, x0 : x0 + _BAR] = _COLORS[category]
-                y -= h
-        img[base : base + 2, x0 : x0 + _BAR] = 0  # the axis under each bar
-    for j, category in enumerate(_COLORS):  # legend swatches in CATEGORIES order, then free
-        x0 = _MARGIN + j * 20
-        img[-legend + 4 : -4, x0 : x0 + 12] = _COLORS[category]
-    return img.astype(np.uint8)
-
-
-def _write_png(path: str, rgb: np.ndarray) -> None:
-    """Write an 8-bit RGB PNG (zlib + struct, no plotting library)."""
-    h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[r].tobytes() for r in range(h))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    png = b"\x89PNG\r\n\x1a\n"
-    png += chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9))
-    png += chunk(b"IEND", b"")
-    with open(path, "wb") as f:
-        f.write(png)
+def _draw(ledger: MemoryLedger, fig: Any, limit: int | None) -> Any:
+    """Draw ``ledger`` on ``fig``: one stacked bar per device, in one binary unit."""
+    cats, devices = ledger.by_category(), list(ledger.per_device)
+    parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
+    limits = [limit or (ledger.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
+    if any(limits):
+        parts["free"] = [max((m or 0) - sum(cats[d].values()), 0) for d, m in zip(devices, limits)]
+    top = max([sum(col) for col in zip(*parts.values())] + [1])
+    unit = human_bytes(top).split()[1]
+    scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
+    ax, x, bottom = fig.subplots(), np.arange(len(devices)), np.zeros(len(devices))
+    for c, values in parts.items():
+        if any(values):
+            label, color = _LABELS[c]
+            ax.bar(x, np.array(values) / scale, 0.6, bottom, label=label, color=color, ec="k")
+            bottom += np.array(values) / scale
+    ax.set_xticks(x, [device_name(d) for d in devices], rotation=90 if len(x) > 16 else 0)
+    ax.set(xlabel="device", ylabel=f"bytes per device ({unit})")
+    ax.set_title(f"live device memory (jaxdev.memory): {ledger.attributed:.1%} attributed")
+    handles, labels = ax.get_legend_handles_labels()  # listed top-down, as stacked
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
 
 
 __all__ = ["CATEGORIES", "LedgerEntry", "MemoryLedger", "memory"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import struct
-import zlib
+import pathlib
+import sys
 
 import flax.linen as nn
 import jax
@@ -133,24 +133,33 @@ def test_print_lists_the_unattributed_arrays_with_shape_dtype_bytes_device():
     del stray
 
 
-def test_plot_writes_a_valid_png_with_one_bar_per_device(tmp_path):
+def test_plot_is_a_labelled_chart_a_person_can_read(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
     state, batch, metrics = _transformer_loop(jaxdev.Strategy.sharded(), steps=1)
+    stray = jnp.ones((300, 7))  # unattributed
     ledger = jaxdev.memory(state=state, batch=batch)
-    path = ledger.plot(str(tmp_path / "memory.png"), limit=4 * max(ledger.per_device.values()))
-    with open(path, "rb") as f:
-        data = f.read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    width, height, depth, color = struct.unpack(">IIBB", data[16:26])
-    assert kind == b"IHDR" and depth == 8 and color == 2
-    assert width >= 8 * 40  # 8 devices, one bar each
-    idat = data.index(b"IDAT")
-    (n,) = struct.unpack(">I", data[idat - 4 : idat])
-    raw = zlib.decompress(data[idat + 4 : idat + 4 + n])
-    assert len(raw) == height * (1 + 3 * width)
-    pixels = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)[:, 1:]
-    blue = np.all(pixels.reshape(height, width, 3) == (31, 119, 180), axis=-1)
-    assert blue.any()  # params are drawn
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    ledger.plot(str(tmp_path / "memory.png"), limit=4 * max(ledger.per_device.values()))
+    (ax,) = figures[0].axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"cpu:{i}" for i in range(8)]
+    assert "KiB" in ax.get_ylabel() and "memory" in ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [  # top-down, as stacked
+        *("free (up to the limit)", "unattributed", "other named trees"),
+        *("batch", "optimizer state", "params"),
+    ]
+    monkeypatch.undo()
+    path = pathlib.Path(ledger.plot(str(tmp_path / "memory.png")))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    del stray
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    with pytest.raises(jaxdev.UsageError, match=r"pip install 'jaxdev\[plot\]'"):
+        jaxdev.memory().plot(str(tmp_path / "m.png"))
 
 
 def test_memory_refuses_tracers():
