@@ -13,6 +13,10 @@ stall to the last exit, and the watchdog's (or the launcher's) verdict.
   ``JAXDEV_*`` environment (no launcher: as under Slurm);
 * ``kill`` / ``plain_kill``: process 1 is SIGKILLed before its step 5;
 * ``slow30``: no stall: a 15 s first compile, then 30 steps of 3 s (the
+  watchdog must stay silent and the run exit 0);
+* ``healthy``: no stall: a 12.5 s first compile, a 12.5 s recompile at
+  step 4 (a new batch shape), 3 more steps on process 1 alone (it finishes
+  first), 20 s of post-processing on process 0 after its last step (the
   watchdog must stay silent and the run exit 0).
 
 Every process is ended by its own pid after 180 s.
@@ -43,6 +47,7 @@ SCENARIOS = {  # name: (the scenario, what it must end with)
     "kill": (Scenario("launch", "kill", 1, S), "137, the launcher names process 1"),
     "plain_kill": (Scenario("plain", "kill", 1, S), "process 0 exits 1, names process 1"),
     "slow30": (Scenario("launch", "slow30", 1, S), "exit 0, no report"),
+    "healthy": (Scenario("launch", "healthy", 1, S), "exit 0, no report"),
 }
 
 

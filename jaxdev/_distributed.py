@@ -531,14 +531,21 @@ def initialize(
         makes cross-process computations work on CPU); ``None`` keeps JAX's.
       fail_fast: end this process at once on an uncaught exception instead
         of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
-      hang_timeout_s: start the hang watchdog: when no process has made
-        progress (a jaxdev step call, a checkpoint, a
-        :func:`~jaxdev.distributed.heartbeat`) for this many seconds, every
-        process prints its threads' stacks and process 0 prints a summary
-        naming the process that is behind, its step and where it is (else
-        ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout`` sets;
-        default ``None``: no watchdog). Compiling and checkpointing count
-        as progress for up to 10 times as long. See :mod:`jaxdev._hang`.
+      hang_timeout_s: ``S`` seconds: start the hang watchdog (else
+        ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout``
+        sets; default ``None``: no watchdog). Progress is a jaxdev step
+        call, a checkpoint, a :func:`~jaxdev.distributed.heartbeat`, or a
+        change of phase, and each phase counts as progress for its
+        allowance: start-up (before the first heartbeat), any compile
+        (first or later: a new batch shape recompiles) and a checkpoint
+        ``10 * S``; a step (in a jaxdev step call or cross-process check,
+        or waiting in JAX) ``S``; host work between steps ``S``, and only
+        while another process waits in a step; finished (at exit or
+        :func:`shutdown`, bounded by ``shutdown_timeout_s``) and shutdown
+        never. When every unfinished process is over its allowance and one
+        is not in host work, every process prints its threads' stacks and
+        process 0 prints a summary naming the process that is behind, its
+        step and where it is. See :mod:`jaxdev._hang`.
       hang_action: after that report, ``"exit"`` (default, or
         ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, about
         ``hang_timeout_s + 1`` s after the last progress (at most

@@ -10,16 +10,17 @@ every process runs a daemon thread that:
 * publishes this process's latest heartbeat to the coordinator's key-value
   store every ``clamp(S / 10, 0.5 s, 5 s)``: step number, phase
   (``compile``, ``step``, ``eval``, ``checkpoint``, a label of
-  :func:`heartbeat`), seconds since, and where the main thread is (its
-  innermost frame outside the standard library, site-packages and jaxdev);
-* reads every other process's heartbeat, and when none of the processes
-  that have not finished made progress for ``S`` seconds, every process
-  whose watchdog can still run prints the Python stacks of all its threads
-  and publishes them; one summary (printed by process 0, or by the lowest
-  process whose watchdog still answers) names the process that is behind
-  (lowest step; among equals, not waiting in a jaxdev cross-process check,
-  then not answering, then the longest without progress), its step and
-  where it is, what the others wait in, and every stack;
+  :func:`heartbeat`), its state in the model below and seconds since its
+  last progress, and where the main thread is (its innermost frame outside
+  the standard library, site-packages and jaxdev);
+* reads every other process's heartbeat, and when the model says the job is
+  stalled, every process whose watchdog can still run prints the Python
+  stacks of all its threads and publishes them; one summary (printed by
+  process 0, or by the lowest process whose watchdog still answers) names
+  the process that is behind (one not in a step before one that waits in
+  it; then the lowest step, then not answering, then the longest without
+  progress), its step and where it is, what the others wait in, and every
+  stack;
 * then, with ``hang_action="exit"`` (the default), every process ends with
   exit code 1 (process 0, which hosts the coordination service, last),
   so a cluster's restart-from-checkpoint can take over: about ``S + 1.2`` s
@@ -28,23 +29,60 @@ every process runs a daemon thread that:
   then for the others to exit). ``hang_action="wait"`` only reports, and
   reports again at the next stall.
 
-Progress is any heartbeat: jaxdev's train and eval step calls (a train step
-call counts as the next step, 1, 2, ...), :func:`jaxdev.save` /
-:func:`jaxdev.restore`, and :func:`heartbeat` in your own loop. Any compile
-(a step's first call, a later call for a new batch shape, your own jitted
-function: the main thread is seen in JAX's tracing, lowering or compiling),
-a save or restore, and the start-up before the first heartbeat count as
-progress for up to ``10 * S`` while they run, so a slow compile or
-checkpoint never fires it.
+The model. Heartbeats come from jaxdev's train and eval step calls (a train
+step call counts as the next step, 1, 2, ...), :func:`jaxdev.save` /
+:func:`jaxdev.restore`, and :func:`heartbeat` in your own loop. Each process
+is in one state (:func:`state_of`: its last heartbeat's phase and what its
+main thread is inside, seen every interval); a heartbeat or a change of state
+is progress, and ``quiet`` is the time since. A state counts as progress for
+its allowance (:data:`ALLOWANCE`, times ``S``):
 
-Limits: the watchdog is a Python thread. A process stalled in Python
-(``time.sleep``, a lock, a queue, a loader) or in a C call that releases the
-GIL (every JAX wait) is seen and dumps its own stack. A process stuck in a C
-call that holds the GIL (or dead) cannot answer: it is named from its last
-heartbeat ("its watchdog does not answer"), without a stack, and is ended by
-JAX's own heartbeat check (``heartbeat_timeout_s``) after the others exit, or
-by ``jaxdev launch``. ``SIGUSR1`` prints a live process's stacks at any time
-(see :func:`install_stack_dumps`).
+============  ================================================  =========  ==========
+state         recognised by                                     allowance  can fire
+============  ================================================  =========  ==========
+start-up      no heartbeat yet                                  10 S       yes
+compile       the main thread in JAX's tracing, lowering or     10 S       yes
+              compiling: any compile (a step's first call, a
+              later call for a new batch shape, your own jit),
+              and the rest of a jaxdev step's first call
+checkpoint    inside jaxdev's save, restore or Checkpointer     10 S       yes
+step          inside a jaxdev step call or cross-process        S          yes
+              check, or other JAX code (a dispatch,
+              ``jax.block_until_ready``, a fetch): computing,
+              or waiting on the others in a collective
+host work     anything else: your code between steps (a         S          no: only
+              loader, logging, post-processing after the last              as the one
+              step)                                                        behind
+finished      reached jaxdev's shutdown (at exit or             never      no
+              ``shutdown()``), waiting in its barrier (bounded
+              by ``shutdown_timeout_s``, which names the late)
+shutdown      past that barrier: its watchdog stopped, its      never      no
+              last heartbeat says finished
+============  ================================================  =========  ==========
+
+The verdict (:func:`stalled`, a pure function of every process's state and
+quiet time): the job is stalled when every unfinished process is over its
+allowance and one of them can fire. So a process doing host work for more
+than ``S`` while another waits in a step for more than ``S`` is the stall
+(the one in host work is named), but host work alone never is: a process
+that finished its steps and post-processes while the others finished, or
+work on the host too, is not waited for by anyone. Step counts may differ
+(the one behind is chosen by state first). A process that does not answer
+counts in its last state, aging.
+
+Limits: a hang where no process waits in JAX (every process stuck in host
+code at once, e.g. every loader on one dead filesystem) is not reported. A
+wait that JAX does in C++ right from your line (``x.block_until_ready()``,
+``np.asarray(x)``) looks like host work; jaxdev's steps, ``jax.device_get``
+and ``jax.block_until_ready`` are seen. The watchdog is a Python thread: a
+process stalled in Python (``time.sleep``, a lock, a queue, a loader) or in
+a C call that releases the GIL (every JAX wait) is seen and dumps its own
+stack. A process stuck in a C call that holds the GIL (or dead) cannot
+answer: it is named from its last heartbeat ("its watchdog does not
+answer"), without a stack, and is ended by JAX's own heartbeat check
+(``heartbeat_timeout_s``) after the others exit, or by ``jaxdev launch``.
+``SIGUSR1`` prints a live process's stacks at any time (see
+:func:`install_stack_dumps`).
 
 The key-value store is reached through ``jax._src.distributed.global_state``
 (see :func:`jaxdev._multihost.kv_client`): JAX has no public API for its
@@ -380,12 +418,17 @@ def install_stack_dumps() -> None:
 
 
 def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
-    """Whether the job is stalled: every unfinished process is over its state's allowance.
+    """The model's verdict: every unfinished process is over its allowance, one not in host work.
+
+    A pure function of every process's state and quiet time (see the table
+    of the module docstring): host work never fires alone (post-processing
+    after the last step, while the others finished or work on the host
+    too), and a finished process is never stalled.
 
     Args:
       records: one heartbeat per process: ``state`` (see :func:`state_of`)
         and ``quiet``, seconds since its last progress (a heartbeat or a new
-        state).
+        state), now.
       timeout_s: the hang timeout ``S``; a state counts as progress for
         ``ALLOWANCE[state] * S``.
 
@@ -393,19 +436,22 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
       ``True`` when the watchdog must report.
 
     Example:
-      >>> stalled([{"state": "compile", "quiet": 30}, {"state": "step", "quiet": 30}], 5)
+      >>> stalled([{"state": "host", "quiet": 30}, {"state": "step", "quiet": 30}], 5)
+      True
+      >>> stalled([{"state": "host", "quiet": 30}, {"state": "finished", "quiet": 30}], 5)
       False
     """
     running = [r for r in records if r["state"] != "finished"]
-    return bool(running) and all(r["quiet"] >= ALLOWANCE[r["state"]] * timeout_s for r in running)
+    over = [r for r in running if r["quiet"] >= ALLOWANCE[r["state"]] * timeout_s]
+    return len(over) == len(running) and any(r["state"] != "host" for r in over)
 
 
 def _order(rec: Mapping[str, Any]) -> tuple:
     """Sort key: the first record is the one most behind."""
     step = rec.get("step")
     return (
+        rec.get("state") == "step",  # waits on the others (or computes)
         -1 if step is None else step,
-        bool(rec.get("waiting")),
         bool(rec.get("answers", True)),
         -float(rec.get("idle", 0.0)),
         rec["process"],
@@ -415,19 +461,19 @@ def _order(rec: Mapping[str, Any]) -> tuple:
 def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """Return the heartbeat of the process most behind, among those not finished.
 
-    Lowest step first; among equals, one not waiting in a jaxdev cross-process
-    check, then one whose watchdog does not answer, then the one longest
-    without progress.
+    One not in a step (host work, compiling, ...) before one in a step (it
+    waits on the others); then the lowest step; among equals, one whose
+    watchdog does not answer, then the one longest without progress.
 
     Args:
       records: one heartbeat per process (``process``, ``step``, ``phase``,
-        ``idle``, ``waiting``, ``answers``).
+        ``state``, ``idle``, ``answers``).
 
     Returns:
       That heartbeat, or ``None`` when every process finished.
 
     Example:
-      >>> recs = [{"process": 0, "step": 5, "idle": 9.0}, {"process": 1, "step": 4, "idle": 9.5}]
+      >>> recs = [{"process": 0, "step": 5, "state": "step"}, {"process": 1, "step": 6}]
       >>> behind(recs)["process"]
       1
     """

@@ -12,9 +12,15 @@ Scenarios (``PROCESS``: the one that stalls, default 1):
 * ``loader``: ``PROCESS`` sleeps 120 s in its data loader for step 5, after
   ``heartbeat("data")``;
 * ``kill``: ``PROCESS`` is SIGKILLed before its step 5 (its batch is built);
-* ``slow``: no stall: the first call traces for 15 s (a slow compile), then
-  5 steps of 3 s each; ``slow30``: the same with 30 steps of 3 s (the
-  issue's case, ~105 s: ``benchmarks/hang_faults.py`` runs it).
+* ``healthy``: no stall, none of the watchdog's phases over its allowance
+  (``S`` is ``$JAXDEV_HANG_TIMEOUT``): the first call traces for ``1.25 S``
+  (a slow compile); step 4 brings a batch of another shape, whose trace
+  takes ``1.25 S`` too (a recompile mid-run); after the last shared step 5,
+  process 1 runs 3 more steps on its own device (uneven step counts) and
+  finishes first, while process 0 does ``2 S`` of host work
+  (post-processing, no heartbeat);
+* ``slow30``: no stall: the first call traces for 15 s, then 30 steps of
+  3 s (issue 21's case, ~105 s: ``benchmarks/hang_faults.py`` runs it).
 
 Each process prints ``STALL <time.time()>`` just before it stalls and
 ``DONE`` at the end.
@@ -35,13 +41,13 @@ STALL_STEP = 5
 ROWS = 4  # local rows per process: one per local device
 
 
-def load(i: int, pid: int, stall: bool) -> dict:
-    """The data loader: 4 rows per process, under a ``data`` heartbeat."""
+def load(i: int, pid: int, stall: bool = False, rows: int = ROWS) -> dict:
+    """The data loader: ``rows`` rows per process, under a ``data`` heartbeat."""
     jaxdev.distributed.heartbeat("data")
     if stall:
         print(f"STALL {time.time()}", flush=True)
         time.sleep(120)  # the loader hangs
-    x = np.arange(ROWS, dtype=np.float32) + ROWS * pid + i
+    x = np.arange(rows, dtype=np.float32) + rows * pid + i
     return {"x": x, "y": 2 * x}
 
 
@@ -51,22 +57,25 @@ def main(scenario: str, stalled: int) -> int:
     import optax
 
     pid = jax.process_index()
-    slow = scenario in ("slow", "slow30")
-    slow_compile = [slow]
+    s = float(os.environ.get("JAXDEV_HANG_TIMEOUT", "10"))
+    healthy, slow = scenario == "healthy", scenario == "slow30"
+    trace_s = [1.25 * s if healthy else 15.0 if slow else 0.0]  # the next trace's time
 
     def loss_fn(w, batch):
-        if slow_compile[0]:  # tracing is part of the first call: a 15 s compile
-            slow_compile[0] = False
-            time.sleep(15)
+        time.sleep(trace_s[0])  # tracing is part of a call that compiles: a slow compile
+        trace_s[0] = 0.0
         return (batch["x"] * w - batch["y"]) ** 2
 
     tx = optax.sgd(0.01)
     step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded())
     state, metrics = step.init_state(np.float32(0.0), tx), None
-    steps = {"slow": 6, "slow30": 31}.get(scenario, 8)  # slow: the first call, then 3 s steps
+    steps = {"healthy": 5, "slow30": 31}.get(scenario, 8)  # slow30: the first call, 3 s steps
     for i in range(1, steps + 1):
         stall = pid == stalled and i == STALL_STEP
-        batch = step.put_batch(load(i, pid, stall and scenario == "loader"))
+        if healthy and i == 4:  # a batch of another shape: the same step recompiles
+            trace_s[0] = 1.25 * s
+        rows = 2 * ROWS if healthy and i == 4 else ROWS
+        batch = step.put_batch(load(i, pid, stall and scenario == "loader", rows))
         if stall and scenario == "step":
             print(f"STALL {time.time()}", flush=True)
             time.sleep(120)  # the stalled process, before its step 5
@@ -79,6 +88,14 @@ def main(scenario: str, stalled: int) -> int:
         if slow and i > 1:
             time.sleep(3)  # a slow step: 3 s of host work, no heartbeat
     print(f"loss {float(metrics.fetch()['loss']):.4f}")
+    if healthy and pid == 1:  # 3 more steps on its own device, then it finishes first
+        mine = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.single(jax.local_devices()[0]))
+        own = mine.init_state(np.float32(0.0), tx)
+        for i in range(3):
+            own, _ = mine(own, mine.put_batch(load(i, pid)))
+        jax.block_until_ready(own)
+    if healthy and pid == 0:
+        time.sleep(2 * s)  # post-processing after its last step: host work, no heartbeat
     print("DONE", flush=True)
     return 0
 
