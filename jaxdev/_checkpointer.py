@@ -100,12 +100,13 @@ class Checkpointer:
           force: save even when ``step`` is not a multiple of ``every``.
 
         Returns:
-          True if a save started; False when ``step`` was skipped (not a
-          multiple of ``every``, or a checkpoint of that step exists: one is
-          never overwritten).
+          True if a save started; False when ``step`` was skipped: not a
+          multiple of ``every``, or already saved by this ``Checkpointer``.
 
         Raises:
-          CheckpointError: ``step`` is below the latest checkpoint's; another
+          CheckpointError: a checkpoint of ``step`` written before this
+            ``Checkpointer`` exists (another run's: one is never overwritten),
+            or ``step`` is below the latest checkpoint's; another
             writer saves into this directory; a leaf cannot be saved; the
             write failed (disk full, not writable; an asynchronous write that
             failed earlier is reported by the next ``save``, ``wait`` or
@@ -121,9 +122,18 @@ class Checkpointer:
         step = ckpt.check_step(step)
         if self._lock is None:  # first save: become the one writer, then see the folder anew
             self._become_writer()
-        if step in self._started or step in self._manager.all_steps():
-            return False  # never overwrite a checkpoint
-        latest = max([*self._started, *self._manager.all_steps()], default=None)
+        if step in self._started:
+            return False  # this run saved it already: the same state (e.g. epoch end and finish)
+        done = {*self._started, *self._manager.all_steps()}
+        latest = max(done, default=None)
+        if step in done:  # a silent skip here lost every checkpoint of a second run
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: a checkpoint of step {step} is "
+                f"already there (steps {sorted(done)[-5:]}), written before this Checkpointer, "
+                "and a checkpoint is never overwritten (`force` only skips the `every` check). "
+                f"A run that goes on from this folder restores first (restore() gives step "
+                f"{latest}) and saves the steps after it; a new run saves into a new directory."
+            )
         if latest is not None and step < latest:
             raise CheckpointError(
                 f"Cannot save step {step} in {self.directory}: step {latest} is already there, "

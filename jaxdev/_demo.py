@@ -428,7 +428,8 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             if ckpt is not None:
                 ckpt.save(base + per_epoch, state, {"epoch": metrics, "history": history})
     if ckpt is not None:
-        ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
+        if resumed < total:  # else the run resumed at its end: that step is saved
+            ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
         ckpt.close()
     return DemoResult(
         history[-1].test_accuracy,

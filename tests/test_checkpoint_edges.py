@@ -84,3 +84,21 @@ def test_a_step_must_be_a_non_negative_int(tmp_path, bad):
                 jaxdev.save(tmp_path / "c", {"w": np.ones(2)}, step=bad)
     jaxdev.save(tmp_path / "d", {"w": np.ones(2)}, step=np.int64(5))  # was TypeError from json
     assert type(ck.checkpoint_step(tmp_path / "d")) is int
+
+
+# ---------------------------------------------------------------- a step that exists
+
+
+def test_saving_a_step_that_exists_is_an_error_not_a_silent_skip(tmp_path):
+    """A second run in the same folder 'saved' every step (False) and kept none of them."""
+    with jaxdev.Checkpointer(tmp_path, async_=False) as first:
+        for step in (1, 2):
+            first.save(step, {"w": np.full(2, step)})
+        assert first.save(2, {"w": np.full(2, 2)}) is False  # this run's own step: the same state
+    with jaxdev.Checkpointer(tmp_path) as second:  # a new run that did not restore
+        with pytest.raises(CheckpointError) as err:
+            second.save(1, {"w": np.zeros(2)})
+    msg = str(err.value)
+    assert f"Cannot save step 1 in {tmp_path}: a checkpoint of step 1 is already there" in msg
+    assert "restore()" in msg and "new directory" in msg
+    assert np.array_equal(jaxdev.Checkpointer(tmp_path).restore()["w"], [2, 2])
