@@ -372,13 +372,16 @@ def test_a_finished_process_is_never_behind_and_all_finished_never_fires(fast):
 _SIGNALLED = """
     import signal, sys, time
     from jaxdev._hang import install_stack_dumps
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *a: got.append(1))  # yours: runs after the dump
     install_stack_dumps()
     def waiting_for_data():
-        for _ in range(100):
+        print("ready", flush=True)
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
             time.sleep(0.02)
-    print("ready", flush=True)
     waiting_for_data()
-    print("still running", flush=True)
+    print("still running" if got else "no signal", flush=True)
 """
 
 
