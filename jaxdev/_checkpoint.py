@@ -597,7 +597,8 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
 
     Raises:
       CheckpointError: ``path`` exists (and not ``overwrite``), or is not a
-        jaxdev checkpoint (a folder of other files is never replaced);
+        jaxdev checkpoint (a folder of other files, the working directory, its
+        parents and the home directory are never replaced);
         another writer is saving to ``path``; a leaf cannot be saved (its
         key path named); the write failed (disk full, not writable): the
         previous checkpoint and ``tree`` are unchanged.

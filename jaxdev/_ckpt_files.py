@@ -196,13 +196,25 @@ def check_replaceable(path: str) -> None:
     """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder.
 
     Raises:
-      CheckpointError: ``path`` is a file, or a folder jaxdev did not write;
-        the message lists what is in it.
+      CheckpointError: ``path`` is a file, or a folder jaxdev did not write
+        (the message lists what is in it), or the working directory, one of
+        its parents, the home directory or ``/`` (even empty).
 
     Example:
       >>> import tempfile
       >>> check_replaceable(tempfile.mkdtemp())  # empty: nothing to lose
     """
+    here = os.path.realpath(os.getcwd())
+    home = os.path.realpath(os.path.expanduser("~"))
+    what = {home: "the home directory", here: "the working directory"}.get(path)
+    if what is None and os.path.commonpath([path, here]) == path:  # "/" among them
+        what = "a parent of the working directory"
+    if what is not None:
+        raise CheckpointError(
+            f"`path` {path} is {what}: `overwrite=True` would delete it and put a checkpoint "
+            "in its place, so it is never replaced. Save into a subfolder (e.g. "
+            f"{os.path.join(path, 'ckpt')})."
+        )
     if not os.path.isdir(path):
         raise CheckpointError(
             f"`path` {path} exists and is a file, not a checkpoint: jaxdev never deletes "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jax
@@ -102,3 +103,27 @@ def test_saving_a_step_that_exists_is_an_error_not_a_silent_skip(tmp_path):
     assert f"Cannot save step 1 in {tmp_path}: a checkpoint of step 1 is already there" in msg
     assert "restore()" in msg and "new directory" in msg
     assert np.array_equal(jaxdev.Checkpointer(tmp_path).restore()["w"], [2, 2])
+
+
+# ---------------------------------------------------------------- protected folders
+
+
+def test_overwrite_never_replaces_the_working_directory_its_parents_or_home(tmp_path, monkeypatch):
+    """save('.', overwrite=True) in an empty working directory deleted it."""
+    here, home = tmp_path / "a" / "work", tmp_path / "home"
+    here.mkdir(parents=True)
+    home.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(home))
+    for path, what in [(".", "the working directory"), ("..", "a parent of the working")]:
+        with pytest.raises(CheckpointError, match=f"is {what}"):
+            jaxdev.save(path, {"w": np.ones(2)}, overwrite=True)
+    with pytest.raises(CheckpointError, match=f"{home} is the home directory"):
+        jaxdev.save(home, {"w": np.ones(2)}, overwrite=True)
+    assert here.is_dir() and home.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "a",
+        "home",
+    ]
+    jaxdev.save("ckpt", {"w": np.ones(2)})  # a subfolder is fine
+    jaxdev.save("ckpt", {"w": np.zeros(2)}, overwrite=True)
+    assert jaxdev.restore("ckpt")["w"].tolist() == [0, 0] and os.getcwd() == str(here)
