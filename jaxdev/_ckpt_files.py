@@ -4,9 +4,10 @@ Three promises, each kept by one function here:
 
 * **one writer**: :class:`WriterLock` is an exclusive ``flock`` on a lock
   file beside (or inside) what is written. The kernel drops it when its
-  process dies, so a killed writer never leaves a stale lock; a second
-  writer (another process, another ``Checkpointer``, another thread) is
-  refused at once with the holder's pid, host and start time.
+  process dies (a forked child closes its copy of the fd), so a killed
+  writer never leaves a stale lock; a second writer (another process,
+  another ``Checkpointer``, another thread) is refused at once with the
+  holder's pid, host and start time.
 * **atomic overwrite**: :func:`replace` swaps a complete new checkpoint with
   the old one in one ``renameat2(RENAME_EXCHANGE)`` (Linux), then deletes
   the old one. Where the exchange is not available it renames the old one
@@ -41,6 +42,7 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from ._errors import CheckpointError
@@ -139,6 +141,7 @@ class WriterLock:
         os.ftruncate(fd, 0)
         os.write(fd, owner.encode())
         self._fd = fd
+        _HELD.add(self)
         return self
 
     def release(self) -> None:
@@ -150,6 +153,7 @@ class WriterLock:
             pass
         os.close(self._fd)
         self._fd = None
+        _HELD.discard(self)
 
     @property
     def held(self) -> bool:
@@ -160,6 +164,27 @@ class WriterLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def _drop_in_child() -> None:
+    """A forked child (a data-loader worker) closes its copy of every lock fd, unlocking nothing.
+
+    A ``flock`` belongs to the open file description, which ``fork`` shares:
+    a child that kept the fd kept the lock held after its parent's SIGKILL,
+    and every restarted writer was refused. The lock stays the parent's; the
+    child neither unlocks nor removes it.
+    """
+    for lock in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(lock._fd)
+        lock._fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def holder(lock_path: str) -> str | None:

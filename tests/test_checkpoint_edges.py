@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import clean_env
 
 import jaxdev
 from jaxdev import CheckpointError, UsageError
@@ -127,3 +131,41 @@ def test_overwrite_never_replaces_the_working_directory_its_parents_or_home(tmp_
     jaxdev.save("ckpt", {"w": np.ones(2)})  # a subfolder is fine
     jaxdev.save("ckpt", {"w": np.zeros(2)}, overwrite=True)
     assert jaxdev.restore("ckpt")["w"].tolist() == [0, 0] and os.getcwd() == str(here)
+
+
+# ---------------------------------------------------------------- the writer lock and fork
+
+_FORKING_TRAINER = """
+import os, sys, time
+import numpy as np, jaxdev
+ckpt = jaxdev.Checkpointer(sys.argv[1], async_=False)
+ckpt.save(1, {"w": np.ones(2)})
+child = os.fork()  # a data-loader worker
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print("worker", child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_worker_does_not_keep_a_killed_writers_lock(tmp_path):
+    """The child shared the lock's open file description: after a SIGKILL of the trainer
+    the restarted run was refused, naming the dead trainer's pid."""
+    cmd = [sys.executable, "-c", _FORKING_TRAINER, str(tmp_path)]
+    trainer = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(trainer.stdout.readline().split()[1])
+        os.kill(trainer.pid, signal.SIGKILL)  # the trainer, by its own pid
+        trainer.wait(timeout=30)
+        with jaxdev.Checkpointer(tmp_path) as again:  # the restarted run
+            assert again.save(2, {"w": np.zeros(2)})
+        assert os.path.exists(f"/proc/{worker}")  # the worker lived on meanwhile
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)  # the worker, by its own pid
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+        trainer.stdout.close()
