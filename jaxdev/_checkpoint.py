@@ -67,6 +67,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -88,6 +89,7 @@ from ._mesh import mesh_of, replicated_sharding
 from ._multihost import exchange
 from ._oom import explained_oom, is_resource_exhausted
 from ._placement import as_sharding
+from ._report import human_bytes
 
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
@@ -520,13 +522,20 @@ def release_waiters() -> None:
     threading.Thread(target=keep_sending, name="jaxdev-release-waiters", daemon=True).start()
 
 
-def write_error(path: Any, err: BaseException, *, previous: str) -> CheckpointError:
-    """A failed write as a CheckpointError; ``previous`` says what became of the old state."""
+def write_error(
+    path: Any, err: BaseException, *, previous: str, need: int | None = None
+) -> CheckpointError:
+    """A failed write as a CheckpointError; ``previous`` says what became of the old state.
+
+    A full disk is named as such with ``path``, the bytes ``need`` ed (if
+    known) and the free space, whether it came as an ``OSError`` (ENOSPC) or
+    only in the message of an error orbax or tensorstore raised or chained.
+    """
     release_waiters()
     why = f"{type(err).__name__}: {err}"
     hint = ""
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        hint = " The disk is full: free space or write elsewhere."
+    if _no_space(err):
+        hint = f" The disk is full{_space(str(path), need)}: free space or write elsewhere."
     elif isinstance(err, PermissionError) or (
         isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EROFS, errno.EPERM)
     ):
@@ -535,6 +544,33 @@ def write_error(path: Any, err: BaseException, *, previous: str) -> CheckpointEr
         f"Could not write the checkpoint {path}: {why}.{hint} Nothing was committed: "
         f"{previous}, and the state in memory is unchanged."
     )
+
+
+def _no_space(err: BaseException | None) -> bool:
+    """ENOSPC in ``err`` or an error it chains: its errno, or tensorstore's message."""
+    for _ in range(8):
+        if err is None:
+            return False
+        text = str(err)
+        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _space(path: str, need: int | None) -> str:
+    """`` (the arrays take N before compression; M free in DIR)``: what is known."""
+    known = [] if need is None else [f"the arrays take {human_bytes(need)} before compression"]
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    with contextlib.suppress(OSError):
+        known.append(f"{human_bytes(shutil.disk_usage(path).free)} free in {path}")
+    return f" ({'; '.join(known)})" if known else ""
+
+
+def nbytes(*parts: _Prepared | None) -> int:
+    """The bytes of the arrays that ``parts`` write (before orbax compresses them)."""
+    return sum(x.nbytes for p in parts if p is not None for x in jax.tree.leaves(p.arrays))
 
 
 def _sync(tag: str) -> None:
@@ -636,7 +672,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
         if jax.process_index() == 0:
             files.remove_leftovers(path)
         _sync("cleaned")
-        _write(target, args, previous)
+        _write(target, args, previous, nbytes(prepared))
         if exists:
             if jax.process_index() == 0:
                 try:
@@ -658,13 +694,13 @@ def _refuse_managed(path: str) -> None:
         )
 
 
-def _write(path: str, args: Any, previous: str) -> None:
+def _write(path: str, args: Any, previous: str, need: int) -> None:
     ocp = orbax()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
             ckptr.save(path, args=args)
     except (OSError, ValueError, RuntimeError) as err:
-        raise write_error(path, err, previous=previous) from err
+        raise write_error(path, err, previous=previous, need=need) from err
 
 
 # ---------------------------------------------------------------- reading

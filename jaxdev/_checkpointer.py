@@ -152,7 +152,7 @@ class Checkpointer:
                 step, args=ckpt.composite(prepared, step, extra), force=True
             )
         except (OSError, ValueError, RuntimeError) as err:
-            raise self._failed(path, err) from err
+            raise self._failed(path, err, ckpt.nbytes(prepared, extra)) from err
         if started:
             self._started.add(step)
         if self._lock.held:  # the steps the previous save (or this one, if sync) dropped
@@ -180,7 +180,7 @@ class Checkpointer:
     def _is_ours(self, step: int) -> bool:
         return files.is_checkpoint(os.path.join(self.directory, str(step)))
 
-    def _failed(self, path: str, err: BaseException) -> CheckpointError:
+    def _failed(self, path: str, err: BaseException, need: int | None = None) -> CheckpointError:
         """A write error; steps whose asynchronous save never completed may be saved again."""
         self._manager.reload()
         done = set(self._manager.all_steps())
@@ -188,7 +188,7 @@ class Checkpointer:
         self._started &= done
         if lost and str(lost[-1]) not in path:
             path = f"{path} (the failure was in the background save of step(s) {lost})"
-        return ckpt.write_error(path, err, previous=self._previous())
+        return ckpt.write_error(path, err, previous=self._previous(), need=need)
 
     def _previous(self) -> str:
         steps = self.all_steps()

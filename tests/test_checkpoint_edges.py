@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from conftest import clean_env
 import jaxdev
 from jaxdev import CheckpointError, UsageError
 from jaxdev import _checkpoint as ck
+from jaxdev import _ckpt_files as files
 
 # ---------------------------------------------------------------- numpy scalar leaves
 
@@ -169,3 +171,40 @@ def test_a_forked_worker_does_not_keep_a_killed_writers_lock(tmp_path):
             trainer.kill()
             trainer.wait(timeout=30)
         trainer.stdout.close()
+
+
+# ---------------------------------------------------------------- a full disk
+
+# What tensorstore raises on a full disk (measured on a 200 KiB tmpfs): no OSError, no errno.
+_TENSORSTORE_ENOSPC = (
+    'RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database at local file "{}": Failed to '
+    "write 1318669 bytes to file 15: No space left on device [os_error_code='28']"
+)
+
+
+@pytest.mark.parametrize("how", ["save", "sync", "async", "replace"])
+def test_a_full_disk_says_so_with_the_path_and_the_bytes(tmp_path, monkeypatch, how):
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    async def full(self, *args, **kwargs):
+        raise ValueError(_TENSORSTORE_ENOSPC.format(tmp_path))
+
+    def no_room(new, path):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    tree = {"w": jnp.ones((256, 4)), "n": np.zeros(64, np.int8)}  # 4 KiB + 64 B
+    if how == "replace":  # jaxdev's own file operation
+        jaxdev.save(tmp_path / "c", tree)
+        monkeypatch.setattr(files, "replace", no_room)
+    else:
+        monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", full)
+    with pytest.raises(CheckpointError) as err:
+        if how in ("save", "replace"):
+            jaxdev.save(tmp_path / "c", tree, overwrite=how == "replace")
+        else:
+            with jaxdev.Checkpointer(tmp_path / "m", async_=how == "async") as ckpt:
+                ckpt.save(3, tree)
+    msg = str(err.value)
+    assert "The disk is full (" in msg and re.search(rf" free in {tmp_path}\b", msg), msg
+    if how in ("save", "sync"):  # known when the save fails in the call
+        assert "the arrays take 4.1 KiB before compression" in msg
