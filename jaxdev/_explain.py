@@ -172,8 +172,6 @@ def sharded_like(strategy: Strategy, **changes: Any) -> Strategy:
     if offload:
         kwargs["offload"] = offload
     kwargs.update(changes)
-    if kwargs.get("rules") == "fsdp":
-        kwargs.pop("logical_axis_rules", None)
     axis = strategy.axis if strategy.kind == "sharded" else None
     return Strategy.sharded(check_mesh(strategy.mesh), axis, **kwargs)
 
@@ -215,10 +213,6 @@ def option(change: str, what: str, step: Any, state: Any, batch: Any, limit: int
     return MemoryOption(change, what, p.peak, p.compiled.temp, fits)
 
 
-def _is_fsdp(rules: Any) -> bool:
-    return isinstance(rules, str) and rules == "fsdp"
-
-
 class Variant(NamedTuple):
     """A changed step, not yet compiled.
 
@@ -237,9 +231,14 @@ class Variant(NamedTuple):
 
 
 def fsdp_variant(step: Any) -> Variant | None:
-    """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply."""
-    strategy = step.strategy
-    if strategy.mesh.size < 2 or _is_fsdp(strategy.rules):
+    """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply.
+
+    Only for replicated params (``rules='replicate'``): ``'fsdp'`` replaces the
+    rules, so it would drop a user's own layout (tensor parallelism by flax's
+    logical rules, regex rules, ``'fsdp'`` itself). The other options keep it.
+    """
+    strategy, rules = step.strategy, step.strategy.rules
+    if strategy.mesh.size < 2 or not (isinstance(rules, str) and rules == "replicate"):
         return None
     try:
         fsdp = sharded_like(strategy, rules="fsdp")
@@ -406,14 +405,37 @@ class MemoryExplanation:
         return None if self.limit is None else self.needed <= self.limit
 
     def headline(self) -> str:
-        """The first line: what ran out, or what is needed against what is available."""
+        """The first line: what ran out, or what is needed against what is available; the fix."""
+        fix = f"; fix: {self.advice()}" if self.advice() else ""
         if self.error is not None:
-            return f"{self.subject} ran out of device memory ({self.error})"
+            return f"{self.subject} ran out of device memory ({self.error}){fix}"
         if self.limit is None:
             return f"{self.subject} needs {human_bytes(self.needed)} per device ({self.source})"
         return (
             f"{self.subject} needs {human_bytes(self.needed)} per device, "
-            f"{human_bytes(self.limit)} available ({self.source})"
+            f"{human_bytes(self.limit)} available ({self.source}){fix}"
+        )
+
+    def advice(self) -> str:
+        """The cheapest compiled option that fits, or that none does (``""``: no limit or options).
+
+        The options are listed cheapest per step first (fsdp: collectives;
+        accumulation: smaller passes; remat: the forward pass again;
+        offloading: host transfers; half the batch: another update), so the
+        advice is the first that fits.
+        """
+        if self.limit is None or not self.options:
+            return ""
+        best = next((o for o in self.options if o.fits), None)
+        if best is None:
+            return (
+                f"none of the changes compiled below fits in {human_bytes(self.limit)}: a "
+                "smaller batch (`jaxdev.fit_memory` finds the largest), more devices, or a "
+                "larger limit if it is wrong"
+            )
+        return (
+            f"{best.change} ({best.what}, {human_bytes(best.peak)} per device: the cheapest "
+            "change compiled below that fits)"
         )
 
     def details(self) -> str:

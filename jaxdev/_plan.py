@@ -589,9 +589,11 @@ def check_fits(
 ) -> None:
     """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
 
-    The message says what is needed and what is available and, when the plan
-    does not already shard the params with ``rules='fsdp'`` and the mesh has
-    several devices, what ``'fsdp'`` would need instead.
+    The message says what is needed and what is available, and the fix:
+    with ``explain``, the cheapest of its compiled options that fits (or that
+    none does); without, when the params are replicated
+    (``rules='replicate'``) over several devices, what ``'fsdp'`` would need
+    instead.
 
     This is the one memory check: :func:`jaxdev.make_train_step` with
     ``memory_limit`` (or a device limit) calls it with the plan of its first
@@ -637,25 +639,27 @@ def check_fits(
             f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
             f"{human_bytes(c.temp)})"
         )
-    lead = f"{subject} needs" if subject else "needs"
-    advice = (
-        ""
-        if _no_fsdp_advice(plan_)
-        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
-        "`rules='fsdp'` in `jaxdev.plan`), "
-    )
-    message = (
-        f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
-        f"({source}){fsdp_alternative(plan_)}.{' Nothing ran.' if subject else ''} Fix: "
-        f"{advice}use more devices, "
-        "a smaller batch or `accumulate=`, or raise the limit if it is wrong."
-    )
-    explanation = None
+    explanation, failed = None, ""
     if explain is not None:
         try:
             explanation = explain(limit_, source)
         except Exception as e:  # advice only: the check's own message stands
-            message += f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
+            failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
+    if explanation is not None and explanation.advice():  # what the compiled options show
+        alternative, fix = "", explanation.advice() + "."
+    else:
+        alternative = fsdp_alternative(plan_)
+        fix = (
+            ""
+            if _no_fsdp_advice(plan_)
+            else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
+            "`rules='fsdp'` in `jaxdev.plan`), "
+        ) + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    lead = f"{subject} needs" if subject else "needs"
+    message = (
+        f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
+        f"({source}){alternative}.{' Nothing ran.' if subject else ''} Fix: {fix}{failed}"
+    )
     if explanation is not None:
         message += "\n" + explanation.details()
     err = MemoryPlanError(message)
@@ -664,7 +668,8 @@ def check_fits(
 
 
 def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
-    return plan_.mesh.size == 1 or _same_rules(plan_.rules, "fsdp")
+    """One device, or params the rules already lay out ('fsdp' would replace the user's rules)."""
+    return plan_.mesh.size == 1 or not _same_rules(plan_.rules, "replicate")
 
 
 def fsdp_alternative(plan_: MemoryPlan) -> str:
@@ -672,8 +677,9 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
 
     ``'fsdp'`` shards over its default axis (:func:`fsdp_axis_of`: the
     ``'fsdp'`` axis, else the batch axes), exactly what
-    ``Strategy.sharded(mesh, rules='fsdp')`` does. Not offered when the plan
-    already uses ``'fsdp'``, the axis has one device, or the rules cannot apply.
+    ``Strategy.sharded(mesh, rules='fsdp')`` does. Offered only for
+    replicated params (``rules='replicate'``: ``'fsdp'`` would replace other
+    rules), and not when the axis has one device or the rules cannot apply.
     """
     mesh, inputs = plan_.mesh, plan_._inputs
     if inputs is None or _no_fsdp_advice(plan_):

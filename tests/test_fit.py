@@ -117,6 +117,32 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
     )
 
 
+def test_the_users_own_rules_are_kept_in_the_change_found():
+    """Tensor parallelism by flax's logical rules on data x tensor: fit_memory proposed
+    ``rules='fsdp'`` (over 'data' only), silently dropping the rules and tensor parallelism."""
+    import flax.linen as nn
+
+    rules = [("embed", None), ("mlp", "tensor")]
+    mesh = jaxdev.make_mesh({"data": 4, "tensor": 2})
+    strategy = jaxdev.Strategy.sharded(mesh, rules="flax", logical_axis_rules=rules)
+    step = jaxdev.make_train_step(loss_fn, TX, strategy)
+    boxed = {
+        "w0": nn.LogicallyPartitioned(jnp.zeros((64, 2048)), ("embed", "mlp")),
+        "w1": nn.LogicallyPartitioned(jnp.zeros((2048, 4)), ("mlp", None)),
+    }
+    state = step.init_state(boxed, TX)
+    assert state.params["w0"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    fit = jaxdev.fit_memory(step, state, _example(), limit=900 * 1024)
+    assert fit.tried[0].change == "as is" and not fit.tried[0].fits
+    assert "rules=" not in fit.change, fit.change  # offloading fits and keeps the rules
+    assert fit.step.strategy.rules == "flax" and fit.step.strategy.mesh == mesh
+    assert fit.step.strategy.options == strategy.options  # logical_axis_rules kept
+    batch = batch_for(step, batch_rows(step, _example()), 16 * 8)
+    why = step.explain_memory(state, batch, limit=900 * 1024)
+    assert not [o.change for o in why.options if "rules=" in o.change]
+    assert "fsdp" not in why.headline()
+
+
 def test_nothing_fits_and_the_search_stops_at_max_batch_size():
     """Nothing fitting is an error with the table, never a result whose ``rows`` is None."""
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())

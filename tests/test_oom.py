@@ -120,6 +120,33 @@ def test_the_memory_limit_error_carries_the_same_explanation():
     del history
 
 
+def test_the_advice_is_the_cheapest_compiled_option_that_fits_or_that_none_does():
+    """The first line advised ``rules='fsdp'`` where the compiled table showed it not fitting."""
+    mesh = jaxdev.data_mesh()
+    loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    state = loose.init_state(_params(), TX)
+    batch = loose.put_batch(_host_batch())
+    fitting = {}
+    for limit in (3 * 2**20, 2 * 2**20):  # fsdp (3.1 MiB) fits neither
+        strategy = jaxdev.Strategy.sharded(mesh)
+        step = jaxdev.make_train_step(loss_fn, TX, strategy, memory_limit=limit)
+        with pytest.raises(jaxdev.MemoryPlanError) as err:
+            step(state, batch)
+        head, why = str(err.value).splitlines()[0], err.value.explanation
+        assert why.options[0].change == "Strategy.sharded(mesh, rules='fsdp')", why.options[0]
+        assert why.options[0].fits is False and "fsdp" not in head, head
+        fitting[limit] = [o for o in why.options if o.fits]
+        if fitting[limit]:  # the first in the table: they are listed cheapest per step first
+            best = fitting[limit][0]
+            peak = jaxdev._report.human_bytes(best.peak)
+            assert f"Fix: {best.change} ({best.what}, {peak} per device: the cheapest" in head
+            assert f"; fix: {best.change} (" in why.headline()
+        else:
+            assert "Fix: none of the changes compiled below fits in 2.0 MiB" in head, head
+            assert "; fix: none of the changes compiled below fits" in why.headline()
+    assert fitting[3 * 2**20] and not fitting[2 * 2**20]
+
+
 REAL_OOM = """
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
