@@ -251,8 +251,13 @@ def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
     Arrays are told apart by buffer: JAX keeps per-device views of arrays
     (after ``jax.device_get``, ``addressable_shards``) and ``jax.device_put``
     to the same device makes a new array on the same buffer; each is listed in
-    ``jax.live_arrays()``.
+    ``jax.live_arrays()``. An array whose computation failed (out of memory)
+    has no buffer: none (asking its pointer would abort the process).
     """
+    try:
+        x.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        return []
     return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
 
 

@@ -104,6 +104,13 @@ def test_a_buffer_is_counted_once_after_to_host_and_an_aliasing_device_put():
     del y
 
 
+def test_an_array_whose_computation_ran_out_of_memory_counts_nothing():
+    sharded = jax.NamedSharding(jaxdev.data_mesh(), jax.P("data"))
+    out = jax.jit(lambda: jnp.ones((2**39,)), out_shardings=sharded)()  # 256 GiB per device
+    ledger = jaxdev.memory(out=out)  # asking its buffer's pointer aborted the process
+    assert not [e for e in ledger.entries + ledger.unattributed if e.shape == out.shape]
+
+
 def test_a_leaked_old_state_is_unattributed_with_its_shapes():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]) ** 2, tx, donate=False)
