@@ -22,7 +22,9 @@ functions to search batch sizes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +40,11 @@ from ._report import human_bytes, text_table
 from ._rules import fsdp_axis_of
 from ._strategy import Strategy
 from ._train import TrainState
+
+_log = logging.getLogger("jaxdev")
+
+OPTIONS = ("fsdp", "accumulate", "remat", "offload", "half_batch")
+"""The options :func:`explain_memory` may compile, cheapest per step first."""
 
 # ---------------------------------------------------------------- batches of a layout
 
@@ -203,10 +210,13 @@ def _compiled(step: Any, state: Any, batch: Any) -> MemoryPlan:
 
 def option(change: str, what: str, step: Any, state: Any, batch: Any, limit: int | None):
     """Compile ``step`` for ``(state, batch)`` shapes and return its :class:`MemoryOption`."""
+    start = time.perf_counter()
     try:
         p = _compiled(step, state, batch)
     except Exception as err:  # an option that does not compile is shown as such
         return MemoryOption(change, what, None, None, None, f"does not compile: {short(err, 160)}")
+    finally:
+        _log.info("explain_memory: compiled %s (%s) in %.1f s", change, what, _since(start))
     if p.compiled is None:
         return MemoryOption(change, what, None, None, None, "the backend gives no memory analysis")
     fits = None if limit is None else p.peak <= limit
@@ -342,25 +352,47 @@ def half_batch_option(step, state, rows: BatchRows, limit: int | None) -> Memory
     return option(f"a batch of {half} rows", what, step, state, batch_for(step, rows, half), limit)
 
 
-def memory_options(step: Any, state: Any, batch: Any, limit: int | None) -> list[MemoryOption]:
-    """Every option for ``step`` on ``(state, batch)``, each compiled (none run)."""
+def memory_options(
+    step: Any, state: Any, batch: Any, limit: int | None, names: tuple[str, ...] = OPTIONS
+) -> list[MemoryOption]:
+    """The options ``names`` (of :data:`OPTIONS`) for ``step`` on ``(state, batch)``, compiled."""
     rows = batch_rows(step, batch)
     shapes = state_shapes(state)
     out: list[MemoryOption | None] = []
-    fsdp = fsdp_variant(step)
+    fsdp = fsdp_variant(step) if "fsdp" in names else None
     if fsdp is not None:
         out.append(option_of(fsdp, shapes, _same(fsdp.step, rows), limit))
     if step.is_train:
-        out += accumulate_options(step, shapes, rows, limit)
-        remat = remat_variant(step)
+        if "accumulate" in names:
+            out += accumulate_options(step, shapes, rows, limit)
+        remat = remat_variant(step) if "remat" in names else None
         if remat is not None:
             out.append(option_of(remat, shapes, _same(remat.step, rows), limit))
-        for v in offload_variants(step, shapes):
+        for v in offload_variants(step, shapes) if "offload" in names else ():
             out.append(option_of(v, shapes, _same(v.step, rows), limit))
             if out[-1].fits:
                 break
-    out.append(half_batch_option(step, shapes, rows, limit))
+    if "half_batch" in names:
+        out.append(half_batch_option(step, shapes, rows, limit))
     return [o for o in out if o is not None]
+
+
+def check_options(options: Any) -> tuple[str, ...]:
+    """``options`` as a tuple of names of :data:`OPTIONS` (one name alone is allowed)."""
+    names = (options,) if isinstance(options, str) else options
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = (names,)
+    if any(n not in OPTIONS for n in names):
+        raise UsageError(
+            f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
+        )
+    return names
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- explanation
@@ -383,6 +415,9 @@ class MemoryExplanation:
       options: one :class:`MemoryOption` per change, each compiled.
       live: the "live now" lines (largest arrays by path, old copies).
       error: XLA's message when a call ran out of memory.
+      compiles: programs compiled to make it (the step, unless its plan was
+        given, and each option).
+      seconds: the time those compiles took.
     """
 
     subject: str
@@ -393,6 +428,8 @@ class MemoryExplanation:
     options: tuple[MemoryOption, ...]
     live: tuple[str, ...] = ()
     error: str | None = None
+    compiles: int = 0
+    seconds: float = 0.0
 
     @property
     def needed(self) -> int:
@@ -455,7 +492,10 @@ class MemoryExplanation:
         if self.error is not None or self.limit is None:
             lines.append(limit_line(self.plan.mesh.devices.flat))
         if self.options:
-            lines.append("options, each compiled for this state and batch (none run):")
+            lines.append(
+                "options, each compiled for this state and batch (none run; "
+                f"{self.compiles} programs compiled in {self.seconds:.1f} s):"
+            )
             lines += ["  " + line for line in self.option_table()]
         return "\n".join(lines)
 
@@ -485,6 +525,7 @@ def explain_memory(
     limit: int | None = None,
     *,
     metrics: Any = None,
+    options: Any = OPTIONS,
     source: str | None = None,
     plan_: MemoryPlan | None = None,
     error: str | None = None,
@@ -492,8 +533,9 @@ def explain_memory(
     """What ``step(state, batch)`` needs, what is live, and which compiled change fits.
 
     Nothing runs and nothing is allocated: the step and every option are
-    lowered and compiled for the shapes of ``state`` and ``batch``.
-    ``TrainStep.explain_memory`` calls it.
+    lowered and compiled for the shapes of ``state`` and ``batch``, each
+    compile logged (``logging.getLogger("jaxdev")``, INFO) and the count and
+    time given in the text. ``TrainStep.explain_memory`` calls it.
 
     Args:
       step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep`.
@@ -504,15 +546,27 @@ def explain_memory(
         the backend reports one (CPU reports none: the options are then
         listed without a verdict).
       metrics: the running metrics the call gets, if any.
+      options: which changes to compile, some of :data:`OPTIONS`:
+        ``"fsdp"``, ``"accumulate"`` (up to 4 compiles), ``"remat"``,
+        ``"offload"`` (up to 2), ``"half_batch"``; ``()`` for none.
       source: where ``limit`` came from, for the text.
       plan_: the step's plan, when the caller compiled it already.
       error: XLA's message, when a call ran out of memory.
 
     Returns:
       A :class:`MemoryExplanation`.
+
+    Raises:
+      UsageError: ``options`` names another change, ``limit`` is not a
+        number of bytes, or ``batch`` has no row axis where the step needs one.
     """
+    names = check_options(options)
     limit, found = resolve_limit(limit, check_mesh(step.strategy.mesh), required=False)
     batch_rows(step, batch)  # a batch the step cannot take is named before compiling
+    subject = _subject(step)
+    what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
+    _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
+    start, compiles = time.perf_counter(), int(plan_ is None)
     shapes = state_shapes(state)
     batch_shapes = state_shapes(batch)
     if plan_ is None:
@@ -520,9 +574,21 @@ def explain_memory(
         plan_ = step_plan(step, shapes, batch_shapes, lowered)
     trees = {"state": state, "batch": batch}
     ledger, live = _live(trees)
-    options = memory_options(step, shapes, batch_shapes, limit)
+    found_options = memory_options(step, shapes, batch_shapes, limit, names)
+    compiles += len(found_options)
+    seconds = _since(start)
+    _log.info("explain_memory: %d programs compiled in %.1f s", compiles, seconds)
     return MemoryExplanation(
-        _subject(step), plan_, limit, source or found, ledger, tuple(options), live, error
+        subject,
+        plan_,
+        limit,
+        source or found,
+        ledger,
+        tuple(found_options),
+        live,
+        error,
+        compiles,
+        seconds,
     )
 
 

@@ -44,6 +44,7 @@ from ._errors import (
     UsageError,
 )
 from ._explain import (
+    OPTIONS,
     MemoryExplanation,
     check_step_memory,
     explain_memory,
@@ -239,15 +240,21 @@ class _Step:
         return jitted.lower(*args)
 
     def explain_memory(
-        self, state: Any, batch: Any, limit: int | None = None, metrics: Any = None
+        self,
+        state: Any,
+        batch: Any,
+        limit: int | None = None,
+        metrics: Any = None,
+        options: Any = OPTIONS,
     ) -> MemoryExplanation:
         """What ``step(state, batch)`` needs per device, what is live, and which change fits.
 
         Nothing runs: the step and each option (``rules='fsdp'``,
         ``accumulate=M``, ``remat=True``, offloading, half the batch) are
         compiled for the shapes of ``state`` and ``batch`` (see
-        :class:`jaxdev.MemoryExplanation`). ``str()`` of the result is the
-        text the step's memory errors carry.
+        :class:`jaxdev.MemoryExplanation`), each compile logged by the
+        ``jaxdev`` logger (INFO) and their count and time given in the text.
+        ``str()`` of the result is the text the step's memory errors carry.
 
         Args:
           state: the state, or its shapes.
@@ -255,6 +262,10 @@ class _Step:
           limit: bytes per device (default: the devices' ``bytes_limit``; CPU
             reports none, and the options then come without a verdict).
           metrics: the running metrics the call would get.
+          options: the changes to compile (each may take as long as the step
+            itself): some of ``("fsdp", "accumulate", "remat", "offload",
+            "half_batch")``, all by default; ``accumulate`` compiles up to 4
+            programs and ``offload`` up to 2.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -268,7 +279,7 @@ class _Step:
           >>> why.fits, [o.change for o in why.options if o.fits][0]
           (False, "Strategy.sharded(mesh, rules='fsdp')")
         """
-        return explain_memory(self, state, batch, limit, metrics=metrics)
+        return explain_memory(self, state, batch, limit, metrics=metrics, options=options)
 
     def _bound_inflight(self, token: Any) -> None:
         """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
