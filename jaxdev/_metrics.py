@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from ._errors import MetricError
+from ._leaves import check_live
 from ._mesh import DEFAULT_AXIS
 
 __all__ = [
@@ -825,12 +826,17 @@ def fetch_metrics(tree: Any) -> Any:
     Returns:
       The same structure with every metric replaced by its value.
 
+    Raises:
+      DeletedArrayError: a leaf was deleted or donated (metrics passed to a
+        donating step: fetch the metrics it returned), naming each leaf.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev import Max, Mean, fetch_metrics
       >>> fetch_metrics({"loss": Mean.from_value(jnp.array([1.0, 2.0])), "top": Max.from_value(3)})
       {'loss': 1.5, 'top': 3.0}
     """
+    check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
     return _compute_host(jax.device_get(tree))
 
 

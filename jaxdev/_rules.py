@@ -175,9 +175,11 @@ def _mesh_text(mesh: Mesh) -> str:
 def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
     """The mesh axis (or axes) ``rules='fsdp'`` shards over: the one owner of that default.
 
-    ``fsdp_axis`` when given; else the ``'fsdp'`` axis if the mesh has one;
-    else the batch axes (:func:`jaxdev.batch_sharding`'s default: every axis
-    but ``'model'``/``'tensor'``), the data-parallel devices FSDP shards over.
+    ``fsdp_axis`` when given (of size > 1); else the ``'fsdp'`` axis if the
+    mesh has one of size > 1; else the batch axes (:func:`jaxdev.batch_sharding`'s
+    default: every axis but ``'model'``/``'tensor'``), the data-parallel
+    devices FSDP shards over (lm1b's ``{'data': 2, 'fsdp': 1, 'tensor': 4}``
+    shards over ``('data', 'fsdp')``: 2 ways, not 1).
 
     Example:
       >>> import jaxdev
@@ -186,7 +188,7 @@ def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
     """
     names = mesh.axis_names
     if fsdp_axis is None:
-        if "fsdp" in names:
+        if "fsdp" in names and mesh.shape["fsdp"] > 1:
             return "fsdp"
         try:
             return batch_axis(mesh, None)
@@ -203,6 +205,12 @@ def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
         raise ShardingError(
             f"`fsdp_axis`={fsdp_axis!r} is not an axis of the mesh ({_mesh_text(mesh)}); "
             f"pick one of {names}."
+        )
+    if all(mesh.shape[a] == 1 for a in wanted):
+        raise ShardingError(
+            f"`fsdp_axis`={fsdp_axis!r} has size 1 on the mesh ({_mesh_text(mesh)}): "
+            "`rules`='fsdp' over it would shard nothing. Pick an axis of size > 1, or leave "
+            "`fsdp_axis` out to shard over the batch axes."
         )
     return fsdp_axis if isinstance(fsdp_axis, str) else wanted
 
@@ -356,8 +364,7 @@ def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: di
             return [(P(), "`rules`='replicate'")] * len(leaves)
         if rules == "fsdp":
             axis = fsdp_axis_of(mesh, options["fsdp_axis"])
-            names = (axis,) if isinstance(axis, str) else axis
-            n = int(np.prod([mesh.shape[a] for a in names]))
+            n = int(np.prod([mesh.shape[a] for a in _names(axis)]))
             return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
         if rules == "flax":
             lar = options["logical_axis_rules"]
@@ -575,8 +582,22 @@ def _shardings(
             "`re.search`-ed against the path with '/' between keys (e.g. "
             "'params/Dense_0/kernel'); write `rules='replicate'` if replication is meant."
         )
+    if params and leaves and rules == "fsdp" and all(s == P() for s, _ in specs):
+        big = max(leaves, key=lambda x: int(np.prod(x.shape, dtype=np.int64)))
+        n = int(np.prod([mesh.shape[a] for a in _names(fsdp_axis_of(mesh, options["fsdp_axis"]))]))
+        raise ShardingError(
+            f"`rules`='fsdp' shards no leaf of `{arg}` over {n} devices, so every device would "
+            f"hold the whole model: each leaf has fewer than `min_size`={options['min_size']} "
+            f"elements or no dimension divisible by {n} (the largest, {big.path!r}, has shape "
+            f"{big.shape}). Lower `min_size=`, or write `rules='replicate'` if replication is "
+            "meant."
+        )
     out = [named_sharding(mesh, _check_spec(x, s, src, mesh)) for x, (s, src) in zip(leaves, specs)]
     return jax.tree.structure(unbox(tree)).unflatten(out)
+
+
+def _names(axis: Any) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def shard_params(

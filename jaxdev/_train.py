@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -100,6 +101,7 @@ class StepConfig:
 
 
 _AMBIENT = threading.local()
+_log = logging.getLogger("jaxdev")
 
 
 @contextlib.contextmanager
@@ -149,7 +151,12 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
             "or build jaxdev's state from `state.params`."
         )
     with row_mask(mask):  # Metric.from_value inside loss_fn skips padded rows
-        out = cfg.loss_fn(*args, **kwargs)
+        try:
+            out = cfg.loss_fn(*args, **kwargs)
+        except NameError as err:  # a collective (BatchNorm's axis_name) over an axis not here
+            if "unbound axis name" not in str(err):
+                raise
+            raise UsageError(_unbound_axis_text(err)) from err
     want = 1 + cfg.has_aux + cfg.has_state
     if want == 1 and cfg.weighted:
         out = (out,)  # (losses, weights) is the one thing returned
@@ -172,6 +179,19 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
     new_state = out[-1] if cfg.has_state else None
     _check_losses(losses, weights, rows_of(batch))
     return losses, weights, aux, new_state
+
+
+def _unbound_axis_text(err: NameError) -> str:
+    axis = current_device_axis()
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = f"; the mesh's axes are {tuple(mesh.axis_names)}" if not mesh.empty else ""
+    return (
+        f"`loss_fn` runs a collective over an axis this step does not have ({err}). The "
+        f"step's device axis is {axis!r}{axes}. Build the model with "
+        "`axis_name=strategy.collective_axis` (a BatchNorm's `axis_name`): None under "
+        "`single` and sharded `jit`, where the step sees the whole batch; the device axis "
+        "under `pmap` and `shard_map`."
+    )
 
 
 def _wants_one_more(fn: Callable, args: tuple, kwargs: dict) -> bool:
@@ -384,9 +404,32 @@ def _average_state(model_state: Any, axis: str) -> Any:
     return jax.tree.map(avg, model_state)
 
 
+_KEYS_TOLD: set[int] = set()
+
+
+def _tell_keys_once(cfg: StepConfig, axis: str | None) -> None:
+    """Log once per step that its keys are not a plain ``jit`` step's (README: Dropout keys)."""
+    if id(cfg) in _KEYS_TOLD:
+        return
+    _KEYS_TOLD.add(id(cfg))
+    folds = ([f"the device index over {axis!r}"] if axis is not None else []) + (
+        [f"the micro-batch index (accumulate={cfg.accumulate})"] if cfg.accumulate > 1 else []
+    )
+    _log.warning(
+        "the train step's keys differ from a plain `jax.jit` step's: step t draws from "
+        "fold_in(rng, t) and then folds in %s, so a model that samples follows another "
+        "trajectory than Flax's own step (statistically equivalent). For Flax's exact keys "
+        "use Strategy.single() or Strategy.sharded(mesh) (jit, no shard_map) without "
+        "accumulate.",
+        " and ".join(folds),
+    )
+
+
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
     """One update of ``state`` on this device's rows (all rows when ``axis`` is None)."""
     rng = _device_rng(state, axis)
+    if rng is not None and (axis is not None or cfg.accumulate > 1):
+        _tell_keys_once(cfg, axis)
     with device_axis(axis):
         grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:

@@ -19,13 +19,13 @@ def _loss(p, b):
 
 
 def _batch():
-    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
-    return {"x": x, "y": x @ np.float32([1, -2, 0.5])}
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    return {"x": x, "y": x @ np.float32([1, -2, 0.5, 0.25])}
 
 
 def _flax_state(tx=SGD):  # as Flax's examples build it (seq2seq's create_train_state)
     return train_state.TrainState.create(
-        apply_fn=lambda p, x: x @ p["w"], params={"w": jnp.zeros(3)}, tx=tx
+        apply_fn=lambda p, x: x @ p["w"], params={"w": jnp.zeros(4)}, tx=tx
     )
 
 
@@ -63,14 +63,14 @@ def test_init_state_takes_a_flax_train_state_as_the_state(name):
 def test_a_state_or_tx_the_steps_optimizer_cannot_update_is_refused():
     step = jaxdev.make_train_step(_loss, SGD)
     with pytest.raises(jaxdev.UsageError, match="`tx` does not match the step's optimizer"):
-        step.init_state({"w": jnp.zeros(3)}, optax.adam(0.1))  # was: trained adam's state by sgd
+        step.init_state({"w": jnp.zeros(4)}, optax.adam(0.1))  # was: trained adam's state by sgd
     with pytest.raises(jaxdev.UsageError, match="the state's `opt_state` does not match"):
         step.init_state(_flax_state(optax.adam(0.1)))
     with pytest.raises(jaxdev.UsageError, match="`rng` was given with a whole TrainState"):
         step.init_state(_flax_state(), rng=jax.random.key(0))
-    state = step.init_state({"w": jnp.zeros(3)})  # no tx: the step's own
+    state = step.init_state({"w": jnp.zeros(4)})  # no tx: the step's own
     assert isinstance(state, jaxdev.TrainState) and state.opt_state is not None
-    assert step.init_state({"w": jnp.zeros(3)}, optax.sgd(0.5)).opt_state is not None  # same shape
+    assert step.init_state({"w": jnp.zeros(4)}, optax.sgd(0.5)).opt_state is not None  # same shape
 
 
 def _loss_rng(p, b, rng):
@@ -86,7 +86,61 @@ def test_an_rng_loss_with_a_state_without_a_key_says_where_the_key_goes():
         rng: jax.Array
 
     state = RngState.create(
-        apply_fn=None, params={"w": jnp.zeros(3)}, tx=SGD, rng=jax.random.key(0)
+        apply_fn=None, params={"w": jnp.zeros(4)}, tx=SGD, rng=jax.random.key(0)
     )
     state, metrics = step(step.init_state(state), step.put_batch(_batch()))
     assert isinstance(state, RngState) and np.isfinite(metrics.fetch()["loss"])
+
+
+def test_fetch_of_metrics_donated_to_the_next_step_names_the_leaves():
+    step = jaxdev.make_train_step(_loss, SGD)
+    state = step.init_state({"w": jnp.zeros(4)})
+    state, first = step(state, step.put_batch(_batch()))
+    state, running = step(state, step.put_batch(_batch()), first)  # donates `first`
+    with pytest.raises(jaxdev.DeletedArrayError, match="`metrics` has .* deleted or donated"):
+        first.fetch()  # was: bare RuntimeError 'Array has been deleted'
+    assert np.isfinite(running.fetch()["loss"])
+
+
+class _BatchNormed(__import__("flax.linen", fromlist=["Module"]).Module):
+    axis_name: str | None = "batch"  # as Flax's imagenet writes it, for its pmap axis 'batch'
+
+    @__import__("flax.linen", fromlist=["compact"]).compact
+    def __call__(self, x):
+        import flax.linen as nn
+
+        return nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x).sum(-1)
+
+
+@pytest.mark.parametrize("name", ["pmap", "sharded"])
+def test_a_collective_axis_the_step_does_not_have_is_named_with_the_axes(name):
+    model = _BatchNormed()
+    x = _batch()["x"]
+    variables = model.init(jax.random.key(0), x)
+
+    def loss_fn(p, ms, b):
+        y, new = model.apply({"params": p, **ms}, b["x"], mutable=["batch_stats"])
+        return (y - b["y"]) ** 2, new
+
+    step = jaxdev.make_train_step(loss_fn, SGD, STRATEGIES[name](), has_state=True)
+    state = step.init_state(variables.get("params", {}), model_state={"batch_stats": variables["batch_stats"]})
+    axis = step.strategy.collective_axis
+    with pytest.raises(jaxdev.UsageError, match=f"unbound axis name: batch.*device axis is {axis!r}"):
+        step(state, step.put_batch(_batch()))  # was: flax's bare NameError
+
+
+@pytest.mark.parametrize("name", ["pmap", "sharded", "accumulate"])
+def test_the_step_says_once_when_its_keys_are_not_a_plain_jit_steps(name, caplog):
+    strategy = STRATEGIES["single" if name == "accumulate" else name]()
+    kw = {"accumulate": 2} if name == "accumulate" else {}
+    step = jaxdev.make_train_step(_loss_rng, SGD, strategy, **kw)
+    state = step.init_state({"w": jnp.zeros(4)}, rng=jax.random.key(0))
+    with caplog.at_level("WARNING", logger="jaxdev"):
+        for _ in range(2):
+            state, _ = step(state, step.put_batch(_batch()))
+    told = [r.getMessage() for r in caplog.records if "keys differ" in r.getMessage()]
+    if name == "sharded":  # jit over the whole batch: Flax's keys, nothing to say
+        assert told == []
+    else:
+        assert len(told) == 1 and ("device index" in told[0] or "accumulate=2" in told[0])
+        assert "Strategy.single()" in told[0]

@@ -122,14 +122,19 @@ def test_small_dtypes(dtype, itemsize):
 
 def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     shapes = {"odd": jax.ShapeDtypeStruct((1001, 3), jnp.float32)}  # no dim divisible by 4
-    p = jaxdev.plan(shapes, mesh24, "fsdp", min_size=1)
-    assert p["params"] == 1001 * 3 * 4 and p.rows[0].sharded_bytes == 0
+    with pytest.raises(jaxdev.ShardingError, match="shards no leaf.*'odd', has shape"):
+        jaxdev.plan(shapes, mesh24, "fsdp", min_size=1)  # the whole model on every device
+    even = {**shapes, "w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    p = jaxdev.plan(even, mesh24, "fsdp", min_size=1)
+    rows = {r.category: r for r in p.rows}
+    assert p["params"] == 1001 * 3 * 4 + 8 * 4 * 4 // 4  # per device: 'w' over fsdp=4
+    assert rows["params"].sharded_bytes == 8 * 4 * 4  # 'w' split, 'odd' whole
     # 13 rows over data x fsdp (8 devices): 2 rows per device, as put_batch pads.
     batch = {
         "x": jax.ShapeDtypeStruct((13, 5), jnp.float32),
         "n": jax.ShapeDtypeStruct((), "int32"),
     }
-    p = jaxdev.plan(shapes, mesh24, "fsdp", batch=batch)
+    p = jaxdev.plan(even, mesh24, "fsdp", min_size=1, batch=batch)
     row = {r.category: r for r in p.rows}["batch"]
     assert row.bytes_per_device == 2 * 5 * 4 + 4 and row.total_bytes == 13 * 5 * 4 + 4
     assert row.sharded_bytes == 13 * 5 * 4  # the scalar is replicated

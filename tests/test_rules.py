@@ -282,8 +282,8 @@ def test_bad_mesh_is_rejected():
 
 
 def test_none_leaves_and_empty_trees(dm):
-    s = jaxdev.param_shardings({"a": None, "b": sds(4)}, dm, "fsdp", fsdp_axis="model")
-    assert s["a"] is None and s["b"].spec == P()
+    s = jaxdev.param_shardings({"a": None, "b": sds(4)}, dm, "fsdp", fsdp_axis="model", min_size=0)
+    assert s["a"] is None and s["b"].spec == P("model")
     assert jaxdev.param_shardings({}, dm) == {}
 
 
@@ -577,3 +577,16 @@ def test_nnx_module_itself_is_a_tree(fsdp8):
     assert isinstance(placed, nnx.Linear)
     assert placed.kernel[...].sharding.spec == P("fsdp", None)
     np.testing.assert_array_equal(np.asarray(placed.kernel[...]), np.asarray(model.kernel[...]))
+
+
+def test_fsdp_that_would_shard_nothing_is_named_or_falls_back_to_the_batch_axes():
+    lm1b = jaxdev.make_mesh({"data": 2, "fsdp": 1, "tensor": 4})  # lm1b's data x tensor config
+    big = {"w": sds(4096, 64), "b": sds(64)}
+    got = specs(jaxdev.param_shardings(big, lm1b, "fsdp"))  # was: all P(), the whole model
+    assert got == {"w": P(("data", "fsdp"), None), "b": P()}
+    with pytest.raises(jaxdev.ShardingError, match="`fsdp_axis`='fsdp' has size 1"):
+        jaxdev.Strategy.sharded(lm1b, rules="fsdp", fsdp_axis="fsdp")
+    with pytest.raises(jaxdev.ShardingError, match="shards no leaf.*'w', has shape \\(8, 4\\)"):
+        jaxdev.param_shardings({"w": sds(8, 4), "b": sds(4)}, lm1b, "fsdp")  # all < min_size
+    small = jaxdev.param_shardings({"w": sds(8, 4)}, lm1b, "fsdp", min_size=0)
+    assert small["w"].spec == P(("data", "fsdp"), None)

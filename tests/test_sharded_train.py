@@ -349,7 +349,11 @@ def test_bad_inputs():
 def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():
     mesh = _mesh({"data": 2, "fsdp": 4})
     params = _params()
-    for options in ({"min_size": 0}, {"min_size": 10**9}, {"fsdp_axis": "data"}):
+    with pytest.raises(jaxdev.ShardingError, match="shards no leaf"):  # replication is 'replicate'
+        jaxdev.make_train_step(
+            loss_fn, SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=10**9), has_aux=True
+        ).init_state(params, SGD)
+    for options in ({"min_size": 0}, {"min_size": 64}, {"fsdp_axis": "data"}):
         strategy = jaxdev.Strategy.sharded(mesh, rules="fsdp", **options)
         assert strategy.options == options
         state = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True).init_state(params, SGD)
