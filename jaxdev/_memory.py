@@ -170,15 +170,15 @@ def memory(**trees: Any) -> MemoryLedger:
       ("params['w']", 1048576)
     """
     names: dict[tuple[jax.Device, int], tuple[str, str]] = {}  # by buffer
-    shapes: dict[tuple[tuple[int, ...], str], str] = {}  # the first leaf of each shape
+    shapes: dict[tuple[tuple[int, ...], Any], str] = {}  # the first leaf of each shape
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
             if isinstance(leaf, jax.core.Tracer):
                 raise UsageError(
                     f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
                 )
-            if np.ndim(leaf) > 0 and hasattr(leaf, "dtype"):
-                shapes.setdefault((tuple(leaf.shape), str(leaf.dtype)), path)
+            if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
+                shapes.setdefault((tuple(leaf.shape), leaf.dtype), path)
             if is_jax_array(leaf) and not leaf.is_deleted():
                 # a typed PRNG key is listed live as the uint32 array on its buffer
                 for key in _buffers(leaf):
@@ -202,7 +202,7 @@ def memory(**trees: Any) -> MemoryLedger:
             bucket[d] = bucket.get(d, 0) + n
         named = [names[k] for k in keys if k in names]
         path, category = named[0] if named else ("<unattributed>", "unattributed")
-        like = None if named else shapes.get((tuple(x.shape), str(x.dtype)))
+        like = None if named else shapes.get((tuple(x.shape), x.dtype))
         entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts, like)
         if in_host:
             offloaded.append(entry)
@@ -258,6 +258,8 @@ def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
         x.block_until_ready()
     except jax.errors.JaxRuntimeError:
         return []
+    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):  # no Shard to build
+        return [(x.device, x.unsafe_buffer_pointer())]
     return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
 
 
