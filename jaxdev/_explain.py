@@ -628,10 +628,11 @@ def explain_args(step: Any, args: list[Any], **kwargs: Any) -> MemoryExplanation
 def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
     """Raise MemoryPlanError when the compiled step needs more than its budget.
 
-    Runs once per variant, before its first call: lowers ``jitted`` for
-    ``args`` (JAX caches the executable, so the call that follows does not
-    compile again) and hands its plan to :func:`jaxdev._plan.check_fits`, the
-    one memory check (the same figures and advice as :func:`jaxdev.plan`).
+    Runs once per program (variant and batch shape), before its first
+    call: lowers ``jitted`` for ``args`` (JAX caches the executable, so the
+    call that follows does not compile again) and hands its plan to
+    :func:`jaxdev._plan.check_fits`, the one memory check (the same figures
+    and advice as :func:`jaxdev.plan`).
     The budget is ``memory_limit``, else the devices' own (none on CPU:
     nothing to check).
     """

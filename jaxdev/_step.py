@@ -107,6 +107,9 @@ class _Step:
         self._target = strategy.state_target
         self._inflight: collections.deque = collections.deque()
         self._warned_padding = False
+        # with a budget, each program (variant, batch shape) checked before it first runs
+        budget = resolve_limit(memory_limit, strategy.devices, required=False)[0]
+        self._checked: set[tuple] | None = None if budget is None else set()
 
     def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
@@ -130,8 +133,10 @@ class _Step:
         step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
         if fn is None:
             fn, args = self._first_call(key, args)
-        elif key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
-            args = self._relayout(key, args) or args
+        else:
+            if key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
+                args = self._relayout(key, args) or args
+            self._check_memory(key, args)
         try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
             out = fn(*args)
             self._bound_inflight(out[2] if self.is_train else out)
@@ -144,12 +149,27 @@ class _Step:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
-        check_step_memory(self, jitted, args)  # before anything runs (or is donated)
+        self._check_memory(key, args)
         kind = "train" if self.is_train else "eval"
         name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
         # its first call checks every process compiled the same program
         fn = self._compiled[key] = same_program(jitted, name=name)
         return fn, args
+
+    def _check_memory(self, key: tuple, args: list[Any]) -> None:
+        """Check the memory budget of the program ``args`` run, before it first runs.
+
+        ``jax.jit`` compiles a program per variant ``key`` and per batch
+        shape: with a budget (``memory_limit``, or the devices' own) each is
+        checked once, before anything runs or is donated; then a set lookup.
+        """
+        if self._checked is None:
+            return
+        leaves = jax.tree.leaves(args[1])
+        shapes = (key, *((jnp.shape(x), getattr(x, "dtype", None)) for x in leaves))
+        if shapes not in self._checked:
+            check_step_memory(self, self._jitted[key], args)
+            self._checked.add(shapes)
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
         jitted = self._jitted.get(key)
@@ -628,7 +648,8 @@ def make_train_step(
       lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
         reported as the metric ``lr``.
       memory_limit: bytes per device the step may use. Before the first
-        call of each program (padded or not, running metrics or not) the
+        call of each program (padded or not, running metrics or not, and
+        each batch shape: ``jit`` compiles one program per shape) the
         step is compiled and its ``memory_analysis()`` (arguments + outputs
         - donated + temporaries) compared with this budget or, when
         ``None``, with the device's ``memory_stats()["bytes_limit"]``
@@ -654,8 +675,8 @@ def make_train_step(
       UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1,
         ``memory_limit`` is not a positive number, or ``remat`` is not
         ``True`` / ``False`` / a checkpoint policy.
-      MemoryPlanError: (at the first call) the compiled step needs more
-        bytes per device than the budget; nothing ran. The message gives
+      MemoryPlanError: (at the first call of a program) the compiled step
+        needs more bytes per device than the budget; nothing ran. The message gives
         both figures, what is live by path and the changes that fit, each
         compiled (:meth:`TrainStep.explain_memory`'s text).
       OutOfMemoryError: (at a call) XLA ran out of device memory

@@ -122,6 +122,28 @@ def test_the_memory_limit_error_carries_the_same_explanation():
     del history
 
 
+def test_the_memory_limit_holds_for_every_batch_shape_the_step_compiles():
+    """Checked at a program's first call only, 16x the rows compiled a new program that ran
+    over the limit without a word."""
+    mesh = jaxdev.data_mesh()
+    loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
+    small, big = (
+        jaxdev.plan(shapes, step=loose, batch=_shapes(_host_batch(n))).peak for n in (64, 1024)
+    )
+    limit = (small + big) // 2
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=limit)
+    state, metrics = step(step.init_state(_params(), TX), step.put_batch(_host_batch(64)))
+    state, metrics = step(state, step.put_batch(_host_batch(64)), metrics)  # both programs
+    with pytest.raises(jaxdev.MemoryPlanError) as err:
+        step(state, step.put_batch(_host_batch(1024)), metrics)
+    assert str(err.value).startswith(f"the train step needs {jaxdev._report.human_bytes(big)} ")
+    assert "Nothing ran." in str(err.value)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((state, metrics)))  # not donated
+    state, metrics = step(state, step.put_batch(_host_batch(64)), metrics)  # checked: runs
+    assert int(state.step) == 3 and np.isfinite(metrics.fetch()["loss"])
+
+
 def test_the_advice_is_the_cheapest_compiled_option_that_fits_or_that_none_does():
     """The first line advised ``rules='fsdp'`` where the compiled table showed it not fitting."""
     mesh = jaxdev.data_mesh()
