@@ -34,6 +34,8 @@ Promises (each with a regression test in ``tests/test_checkpoint_safety.py``):
   Python scalar restored onto an array target of a dtype that cannot hold
   it exactly is refused; several processes must restore the same step of
   the same checkpoint (one small exchange), the one that differs is named.
+* **a reader racing a writer** gets one whole checkpoint, or an error saying
+  it is being written, never "damaged" (:func:`read_unchanged`).
 
 Decisions:
 
@@ -268,6 +270,7 @@ def _describe(s: Any) -> dict | None:
             "kind": "named",
             "devices": ids.tolist(),
             "axes": list(s.mesh.axis_names),
+            "types": [t.name for t in s.mesh.axis_types],  # Explicit axes type the arrays
             "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
         }
     if isinstance(s, SingleDeviceSharding):
@@ -288,7 +291,8 @@ def _saved_sharding(desc: dict | None) -> Sharding | None:
         return None
     devs = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     spec = P(*[tuple(e) if isinstance(e, list) else e for e in desc["spec"]])
-    return NamedSharding(Mesh(devs, tuple(desc["axes"])), spec)
+    types = tuple(AxisType[t] for t in desc.get("types", ())) or None  # older saves: Auto
+    return NamedSharding(Mesh(devs, tuple(desc["axes"]), axis_types=types), spec)
 
 
 def _default_sharding() -> Sharding:
@@ -1348,15 +1352,61 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
       P('data',)
     """
     path = os.path.realpath(os.fspath(path))
-    _recover_for_read(path)
     ocp = orbax()
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
 
-        def reader(args: Any) -> Any:
-            return ckptr.restore(path, args=args)
+    def read(path: str) -> Any:
+        _recover_for_read(path)
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
 
-        meta = read_meta(path, reader)
-        return restore_item(path, reader, meta, STATE, target, rules, "state")
+            def reader(args: Any) -> Any:
+                return ckptr.restore(path, args=args)
+
+            meta = read_meta(path, reader)
+            return restore_item(path, reader, meta, STATE, target, rules, "state")
+
+    return read_unchanged(lambda: path, read)
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    """What tells the folder at ``path`` from one put there later (None: nothing there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def read_unchanged(locate: Callable[[], str], read: Callable[[str], Any], tries: int = 5) -> Any:
+    """``read(locate())``, again while a writer replaced or deleted that checkpoint meanwhile.
+
+    A reader racing a writer (``save(..., overwrite=True)``, a Checkpointer's
+    ``keep``) can read the old metadata with the new arrays, or lose files
+    mid-read: that is not damage, so a failed read is repeated when the
+    folder at the path is no longer the one it started with (or is missing
+    while a writer holds its lock). A successful read is always one whole
+    checkpoint: each array matched the checksums of the metadata read.
+
+    Raises:
+      CheckpointError: as ``read`` when nothing changed; after ``tries``
+        reads that each saw a change, one saying the checkpoint is being
+        written or replaced (never that it is damaged).
+    """
+    for attempt in range(tries):
+        path = locate()
+        seen = _identity(path)
+        try:
+            return read(path)
+        except (CheckpointError, OSError) as err:
+            now = _identity(path)
+            if now == seen and (now or not files.holder(files.sibling(path, "lock"))):
+                raise
+            last = err
+        time.sleep(0.02 * attempt)
+    raise CheckpointError(
+        f"Checkpoint {path} changed while it was read, {tries} times in a row: a writer is "
+        "saving over it (`overwrite=True`) or deleting it (a Checkpointer's `keep`). The "
+        "checkpoint is not damaged: read it again when the writer pauses."
+    ) from last
 
 
 def checkpoint_step(path: Any) -> int | None:
@@ -1386,6 +1436,7 @@ __all__ = [
     "orbax",
     "prepare",
     "read_meta",
+    "read_unchanged",
     "release_waiters",
     "restore",
     "restore_item",

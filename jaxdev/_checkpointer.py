@@ -23,7 +23,9 @@ What jaxdev decides on top of orbax (each tested in
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import weakref
 from typing import Any
 
@@ -215,10 +217,24 @@ class Checkpointer:
         return sorted(self._steps())
 
     def _steps(self) -> list[int]:
-        """Complete jaxdev checkpoints; read from the folder again unless this is its writer."""
-        if self._lock is None:
-            self._manager.reload()
-        return [s for s in self._manager.all_steps() if self._is_ours(s)]
+        """Complete jaxdev checkpoints; read from the folder again unless this is its writer.
+
+        A reader lists again (5 tries) when its listing raced the writer: orbax
+        failed on a step that ``keep`` deleted meanwhile, or it listed steps
+        but none complete (the newest being committed, the one before deleted).
+        """
+        if self._lock is not None:
+            return [s for s in self._manager.all_steps() if self._is_ours(s)]
+        ours: list[int] = []
+        for _ in range(5):
+            with contextlib.suppress(OSError):
+                self._manager.reload()
+                listed = self._manager.all_steps()
+                ours = [s for s in listed if self._is_ours(s)]
+                if ours or not listed:
+                    return ours
+            time.sleep(0.02)
+        return ours
 
     def _step(self, step: int | None) -> int:
         if step is None:
@@ -236,16 +252,19 @@ class Checkpointer:
             )
         return int(step)
 
-    def _read(self, step: int, item: str, target: Any, rules: Any) -> Any:
-        path = os.path.join(self.directory, str(step))
+    def _read(self, step: int | None, item: str, target: Any, rules: Any) -> Any:
+        def read(path: str) -> Any:
+            def reader(args: Any) -> Any:
+                return self._manager.restore(int(os.path.basename(path)), args=args)
 
-        def reader(args: Any) -> Any:
-            return self._manager.restore(step, args=args)
+            meta = ckpt.read_meta(path, reader)
+            if item not in meta:
+                return None
+            return ckpt.restore_item(path, reader, meta, item, target, rules, item)
 
-        meta = ckpt.read_meta(path, reader)
-        if item not in meta:
-            return None
-        return ckpt.restore_item(path, reader, meta, item, target, rules, item)
+        # the latest step again if `keep` deleted it mid-read; a step asked for: its error
+        locate = lambda: os.path.join(self.directory, str(self._step(step)))  # noqa: E731
+        return ckpt.read_unchanged(locate, read)
 
     def restore(self, target: Any = None, step: int | None = None, *, rules: Any = None) -> Any:
         """Restore the state of ``step`` (default: the latest) onto ``target``.
@@ -271,7 +290,7 @@ class Checkpointer:
           ...     ckpt.restore("cpu:1")["w"].devices() == {jaxdev.cpu(1)}
           True
         """
-        return self._read(self._step(step), ckpt.STATE, target, rules)
+        return self._read(step, ckpt.STATE, target, rules)
 
     def restore_metrics(self, target: Any = None, step: int | None = None) -> Any:
         """Restore the metrics saved with ``step`` (default: the latest); None if none were.
@@ -284,7 +303,7 @@ class Checkpointer:
           ...     float(ckpt.restore_metrics()["loss"].compute())
           1.0
         """
-        return self._read(self._step(step), ckpt.METRICS, target, None)
+        return self._read(step, ckpt.METRICS, target, None)
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished (and report its failure).

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clean_env
+from conftest import REPO, clean_env
 
 import jaxdev
 from jaxdev import CheckpointError, UsageError
@@ -208,3 +208,24 @@ def test_a_full_disk_says_so_with_the_path_and_the_bytes(tmp_path, monkeypatch, 
     assert "The disk is full (" in msg and re.search(rf" free in {tmp_path}\b", msg), msg
     if how in ("save", "sync"):  # known when the save fails in the call
         assert "the arrays take 4.1 KiB before compression" in msg
+
+
+# ---------------------------------------------------------------- a reader racing a writer
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_a_named_error(tmp_path):
+    """Reads racing save(overwrite=True) said 'corrupted' of a healthy checkpoint (4 in 100),
+    and racing a Checkpointer's `keep` raised a raw FileNotFoundError (1 in 100)."""
+    script = os.path.join(REPO, "tests", "mp_scripts", "ckpt_race.py")
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path), "60"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for way, seen in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert set(seen) <= {"complete", "being written"}, (way, seen)
+        assert seen["complete"] >= 30, (way, seen)
