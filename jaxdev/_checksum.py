@@ -75,21 +75,38 @@ def host_words(x: np.ndarray | np.generic) -> np.ndarray:
     return flat.view(_UNSIGNED[size] if size in _UNSIGNED else np.uint32)
 
 
-def words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as a flat uint32 array (inside jit)."""
+def bits(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as uint32 words, in ``x``'s shape (+ a trailing axis for wide dtypes).
+
+    Not flattened: on a mesh with ``Explicit`` axes, flattening an array split
+    over two axes is a reshape JAX refuses (``ShardingTypeError``).
+    """
     if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded state: read on device
         x = jax.device_put(x, jax.memory.Space.Device)
     if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32).ravel()
+        return x.astype(jnp.uint32)
     if (wide := _widened(x.dtype)) is not None:
         x = x.astype(wide)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.stack([jnp.real(x), jnp.imag(x)], -1)
     size = x.dtype.itemsize
     if size >= 4:  # 8-byte elements become two words (a trailing axis)
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
     unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as a flat uint32 array (inside jit)."""
+    return bits(x).ravel()
+
+
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major (flat) index mod 2**32, in ``shape``: no reshape needed."""
+    i = jnp.zeros((), jnp.uint32)
+    for d, n in enumerate(shape):
+        i = i * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+    return i
 
 
 def _fmix(h: jax.Array) -> jax.Array:
@@ -120,8 +137,8 @@ def _lanes(b: jax.Array, i: jax.Array, valid: jax.Array | None = None) -> jax.Ar
 
 
 def _one(x: jax.Array) -> jax.Array:
-    b = words(x)
-    return _lanes(b, jnp.arange(b.size, dtype=jnp.uint32))
+    b = bits(x)
+    return _lanes(b, _positions(b.shape))
 
 
 @jax.jit
@@ -231,8 +248,8 @@ def checksums(arrays: Sequence[Any]) -> list[int]:
 def _legacy(xs: list[jax.Array]) -> jax.Array:
     out = []
     for x in xs:
-        b = words(x)
-        i = jnp.arange(b.size, dtype=jnp.uint32)
+        b = bits(x)
+        i = _positions(b.shape)
         w = (i * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
         out.append(jnp.sum(b * w, dtype=jnp.uint32))
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 
 from ._errors import (
     DeletedArrayError,
@@ -341,10 +341,23 @@ def same_layout(have: Sharding, want: Sharding, ndim: int) -> bool:
         return True
     if type(have) is type(want) and not isinstance(want, NamedSharding):
         return False
+    if _typed_apart(have, want):
+        return False
     try:
         return bool(have.is_equivalent_to(want, ndim))
     except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
         return False
+
+
+def _typed_apart(have: Sharding, want: Sharding) -> bool:
+    """Named shardings on meshes that ``jit`` types apart: an ``Explicit`` axis on either
+    and another abstract mesh (names, sizes, axis types). Equivalent shards or not, an
+    array keeps its own mesh in its type, and JAX refuses it under the other mesh."""
+    meshes = [getattr(s, "mesh", None) for s in (have, want)]
+    if not all(isinstance(m, Mesh) for m in meshes):
+        return False
+    explicit = any(AxisType.Explicit in m.axis_types for m in meshes)
+    return explicit and meshes[0].abstract_mesh != meshes[1].abstract_mesh
 
 
 def is_placed(leaf: Any, s: Sharding) -> bool:
