@@ -193,7 +193,8 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     that traces or runs user code under a sharded strategy enters this one.
     A mesh the caller already set with ``jax.set_mesh`` is kept when it is
     ``mesh``; another mesh is refused (the program would be traced for one
-    mesh and laid out on the other).
+    mesh and laid out on the other). Call it in a ``with`` statement:
+    ``jax.set_mesh`` sets the mesh when called, not when entered.
 
     Args:
       mesh: the strategy's mesh.
@@ -226,7 +227,8 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
 def _describe(mesh: Mesh) -> str:
     axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
     types = ", ".join(t.name for t in mesh.axis_types)
-    return f"Mesh({{{axes}}}, axis types {types}, devices {format_devices(list(mesh.devices.flat))})"
+    devices = format_devices(list(mesh.devices.flat))
+    return f"Mesh({{{axes}}}, axis types {types}, devices {devices})"
 
 
 class MeshBound:

@@ -14,6 +14,7 @@ an unsharded init.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from jax.sharding import Mesh
 from ._errors import UsageError
 from ._fingerprint import same_program
 from ._leaves import is_jax_array
-from ._mesh import check_mesh
+from ._mesh import check_mesh, under_mesh
 from ._oom import explained_oom, plan_lines
 from ._rules import Rules, param_shardings, unbox
 
@@ -56,7 +57,9 @@ def init_sharded(
     Array arguments (keys, example inputs) are traced; any other argument
     (Python numbers, strings, flags) is passed as a constant, so
     ``init_sharded(model.init, key, x, False, mesh=...)`` works. Pass keyword
-    arguments with ``functools.partial``.
+    arguments with ``functools.partial``. The init is traced under
+    ``jax.set_mesh(mesh)``, so init code may name bare ``PartitionSpec`` s
+    (linen inits whose boxes' constraints the mesh refuses: without it).
 
     Args:
       init_fn: the function to call.
@@ -72,7 +75,7 @@ def init_sharded(
 
     Raises:
       ShardingError: a rule cannot apply to a leaf (the leaf, its shape, the
-        spec and the mesh are named).
+        spec and the mesh are named); another mesh is set with ``jax.set_mesh``.
       UsageError: ``init_fn`` is not callable.
       DistributedError: (several processes) the processes built different
         programs, e.g. an ``init_fn`` that draws from ``np.random``: each would
@@ -99,19 +102,38 @@ def init_sharded(
         )
     mesh = check_mesh(mesh)
     call, dynamic = _split_args(init_fn, args)
-    # Shapes first, with flax's annotations kept as metadata only: linen applies
-    # no sharding constraint without a mesh in context, and NNX none with eager
-    # sharding off. An annotation naming an axis the mesh lacks is then named
-    # by the rules (leaf path, spec, mesh), not by a JAX error deep in flax.
+    # Shapes first, NNX's annotations kept as metadata only (eager sharding off).
     needs = lambda: plan_lines(abstract, mesh, rules, options)  # noqa: E731
     with nnx.use_eager_sharding(False), explained_oom("init_sharded", extra=needs):
-        abstract = nnx.eval_shape(call, *dynamic)
-        if graphlib.is_graph_node(abstract):
-            return _init_nnx(call, dynamic, abstract, mesh, rules, options)
-        shardings = param_shardings(abstract, mesh, rules, **options)
-        init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
-        out = same_program(init, name="init_sharded's init_fn")(*dynamic)
+        in_mesh, abstract = _shapes(call, dynamic, mesh)
+        with under_mesh(mesh) if in_mesh else contextlib.nullcontext():
+            if graphlib.is_graph_node(abstract):
+                return _init_nnx(call, dynamic, abstract, mesh, rules, options)
+            shardings = param_shardings(abstract, mesh, rules, **options)
+            init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
+            out = same_program(init, name="init_sharded's init_fn")(*dynamic)
         return jax.block_until_ready(out)  # an out-of-memory is raised (and explained) here
+
+
+def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> tuple[bool, Any]:
+    """``(under the mesh?, shapes)`` of the init, traced under the mesh where it can be.
+
+    Init code may name bare PartitionSpecs, which need the mesh in context. But
+    linen's ``nn.with_partitioning`` boxes apply their specs as sharding
+    constraints whenever a mesh is set: ``Explicit`` axes refuse that on a
+    fresh value (``AssertionError``), and an axis the mesh lacks is better
+    named by the rules (leaf path, spec, mesh) than by JAX deep in flax. Such
+    an init is traced without the mesh, where linen applies no constraint.
+    """
+    with under_mesh(mesh):
+        try:
+            return True, nnx.eval_shape(call, *dynamic)
+        except (ValueError, AssertionError) as err:
+            under = err
+    try:
+        return False, nnx.eval_shape(call, *dynamic)
+    except Exception:
+        raise under from None
 
 
 def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):

@@ -368,7 +368,8 @@ class _Step:
         tx = self.config.tx if tx is None and self.is_train else tx
         check_tx(self.config.tx, tx, unbox(params))
         needs = lambda: init_lines(self, params, tx, rng, model_state)  # noqa: E731
-        with explained_oom("init_state", lambda: {"params": params}, needs):
+        oom = explained_oom("init_state", lambda: {"params": params}, needs)
+        with oom, self.strategy.mesh_context():  # tx.init traced under the strategy's mesh
             if self._by_rules:
                 return jax.block_until_ready(
                     init_by_rules(self.strategy, params, tx, rng, model_state)

@@ -10,6 +10,7 @@ state lives (:attr:`Strategy.state_target`), how a batch is placed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -37,6 +38,7 @@ from ._mesh import (
     check_mesh,
     mesh_of,
     named_sharding,
+    under_mesh,
 )
 from ._offload import check_offload, streamed
 from ._placement import to_device
@@ -277,6 +279,11 @@ class Strategy:
         """Where an unsharded state lives: the device, or the mesh (replicated)."""
         return self.mesh
 
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """The context user code is traced in: ``jax.set_mesh(mesh)`` under ``sharded``
+        (:func:`jaxdev._mesh.under_mesh`), nothing under ``single`` and ``pmap``."""
+        return contextlib.nullcontext()
+
     def local_shards(self) -> int:
         """How many batch shards this process's rows are split into."""
         return self.n_devices
@@ -430,6 +437,9 @@ class _Sharded(Strategy):
     @property
     def by_rules(self) -> bool:
         return not self.replicated or bool(self.offload)  # offloading has a layout too
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        return under_mesh(self.mesh)
 
     def local_shards(self) -> int:
         if jax.process_count() == 1:

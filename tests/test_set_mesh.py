@@ -8,11 +8,13 @@ mesh in context; jaxdev enters ``jax.set_mesh(strategy.mesh)`` itself.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -99,3 +101,34 @@ def test_a_state_on_another_mesh_of_the_same_devices_moves_onto_the_explicit_mes
     state, _ = step(jaxdev.replicate(state, jaxdev.data_mesh()), step.put_batch(_batch()))
     assert state.params["w"].sharding.mesh == mesh
     np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(_batch(), 1), rtol=1e-5)
+
+
+class _Reshards(nnx.Module):  # init code that names a bare PartitionSpec
+    def __init__(self, rngs):
+        w = jax.random.normal(rngs.params(), (8, 4))
+        self.w = nnx.Param(jax.sharding.reshard(w, P("fsdp", "tensor")))
+
+
+def test_init_sharded_traces_init_code_under_the_mesh_and_linen_boxes_without():
+    mesh = _mesh(AxisType.Explicit)  # was: 'Using PartitionSpec when you are not under a mesh'
+    model = jaxdev.init_sharded(lambda: _Reshards(nnx.Rngs(0)), mesh=mesh, rules="fsdp", min_size=1)
+    assert model.w[...].sharding.mesh == mesh and jax.sharding.get_mesh().empty
+    # linen's boxes would apply their spec as a constraint under the mesh (Explicit refuses)
+    dense = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.ones, (None, "tensor")))
+    variables = jaxdev.init_sharded(
+        dense.init, jax.random.key(0), jnp.ones((1, 8)), mesh=mesh, rules="flax"
+    )
+    assert variables["params"]["kernel"].sharding.spec == P(None, "tensor")
+
+
+def test_init_state_and_init_sharded_under_another_users_mesh_are_named():
+    mesh, tx = _mesh(AxisType.Explicit), optax.adam(0.01)
+    other = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    step = jaxdev.make_train_step(
+        _loss(True), tx, jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=1)
+    )
+    with jax.set_mesh(other):  # was: JAX's 'Context mesh ... should match the mesh of sharding'
+        with pytest.raises(jaxdev.ShardingError, match="already set"):
+            step.init_state({"w": jnp.ones((8, 4))}, tx)
+        with pytest.raises(jaxdev.ShardingError, match="already set"):
+            jaxdev.init_sharded(lambda: _Reshards(nnx.Rngs(0)), mesh=mesh)
