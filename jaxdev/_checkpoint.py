@@ -61,6 +61,7 @@ Decisions:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -498,7 +499,8 @@ def release_waiters() -> None:
     Under load a writer thread can start waiting only after the failure is
     reported (a CI run held the exit past 100 s once), so every directory
     signal is sent now and again from a daemon thread for 20 s (a daemon
-    never holds the exit itself).
+    never holds the exit itself). That thread ends at exit, once Python has
+    joined the non-daemon threads (:func:`_stop_sending`).
     """
     try:
         from orbax.checkpoint._src.futures import future, synchronization
@@ -519,11 +521,31 @@ def release_waiters() -> None:
 
     def keep_sending() -> None:
         for _ in range(40):
-            time.sleep(0.5)
+            if _STOP.wait(0.5):
+                return
             send()
 
     send()
-    threading.Thread(target=keep_sending, name="jaxdev-release-waiters", daemon=True).start()
+    atexit.unregister(_stop_sending)
+    atexit.register(_stop_sending)  # the latest: it runs before jax's own exit handlers
+    threading.Thread(target=keep_sending, name=_SENDER, daemon=True).start()
+
+
+_SENDER, _STOP = "jaxdev-release-waiters", threading.Event()
+
+
+def _stop_sending() -> None:
+    """At exit, end :func:`release_waiters`' threads and wait for them (atexit).
+
+    A daemon thread left calling into jax while the interpreter finalizes
+    aborted the process at a normal exit ("terminate called after throwing
+    ...", SIGABRT, 1 run in 6). atexit runs after the non-daemon threads are
+    joined, so orbax's waiters were released by then.
+    """
+    _STOP.set()
+    for t in threading.enumerate():
+        if t.name == _SENDER:
+            t.join(timeout=5)
 
 
 def write_error(

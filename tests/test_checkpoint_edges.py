@@ -229,3 +229,45 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_a_named_error(tmp_p
     for way, seen in json.loads(proc.stdout.splitlines()[-1]).items():
         assert set(seen) <= {"complete", "being written"}, (way, seen)
         assert seen["complete"] >= 30, (way, seen)
+
+
+# ---------------------------------------------------------------- exit after a failed save
+
+_FAILED_SAVE_THEN_EXIT = """
+import atexit, errno, sys, tempfile, threading
+def no_thread_left():  # registered first: runs after every other atexit handler
+    if any(t.name == "jaxdev-release-waiters" for t in threading.enumerate()):
+        sys.stdout.flush()
+        import os; os._exit(3)
+atexit.register(no_thread_left)
+import jax.numpy as jnp, jaxdev
+from orbax.checkpoint._src.serialization import jax_array_handlers
+async def no_space(self, *args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+jax_array_handlers.ArrayHandler.serialize = no_space
+d = tempfile.mkdtemp()
+for save in (lambda: jaxdev.save(d + "/c", {"w": jnp.ones(4)}),
+             lambda: jaxdev.Checkpointer(d + "/m", async_=False).save(1, {"w": jnp.ones(4)})):
+    try:
+        save()
+    except jaxdev.CheckpointError:
+        print("caught", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_process_that_caught_a_failed_save_exits_cleanly(tmp_path):
+    """The daemon thread re-signalling orbax's waiters for 20 s still ran, calling into jax,
+    while the interpreter finalized: SIGABRT at a normal exit, 1 run in 6."""
+    cmd = [sys.executable, "-c", _FAILED_SAVE_THEN_EXIT]
+    env = clean_env()
+    runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    try:
+        results = [(p.wait(timeout=150), p.stdout.read()) for p in runs]
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            p.stdout.close()
+    assert results == [(0, "caught\ncaught\n")] * 6, results
