@@ -191,7 +191,7 @@ def _rebuild(sk: Any, leaves: Sequence[Any]) -> Any:
 
 
 def _typed_key(k: str, kind: str) -> Any:
-    return int(k) if kind == "int" else k
+    return int(k) if kind.startswith(("int", "uint")) else k  # numpy integer keys too
 
 
 def _rebuild_node(cls: type, children: dict) -> Any:

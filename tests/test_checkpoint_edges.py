@@ -58,6 +58,12 @@ def test_a_python_target_refuses_a_numpy_scalar_it_cannot_hold(tmp_path):
         jaxdev.restore(tmp_path / "c", {"lr": 0})
 
 
+def test_numpy_integer_dict_keys_come_back_as_integers(tmp_path):
+    """They came back as the strings '0', '1' (only Python int keys were typed)."""
+    jaxdev.save(tmp_path / "c", {np.int64(0): np.ones(2), np.uint8(1): np.zeros(2)})
+    assert list(jaxdev.restore(tmp_path / "c")) == [0, 1]
+
+
 def test_numpy_scalars_saved_before_the_fix_restore(tmp_path):
     """The old format named np.float64 / complex128 scalars 'float64' with numpy's repr."""
     path = tmp_path / "c"
