@@ -46,6 +46,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._leaves import typed_mesh
+from ._mesh import outside_mesh
+
 # (position multiplier K, offset C) per lane; K_0 - K_1 = 2 (mod 4): see the module notes.
 _LANES = ((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3F, 0x27D4EB2F))
 assert (_LANES[0][0] - _LANES[1][0]) % 4 == 2
@@ -183,15 +186,17 @@ def _split_here(x: jax.Array) -> bool:
 
 
 def by_devices(xs: Sequence[jax.Array]) -> dict[Any, list[int]]:
-    """Indices of ``xs`` grouped by the set of devices each array lives on.
+    """Indices of ``xs`` grouped by the set of devices each array lives on (and the
+    ``Explicit`` mesh its type names: one program cannot take two).
 
     Example:
       >>> by_devices([jnp.ones(2), jnp.zeros(3)])
-      {frozenset({CpuDevice(id=0)}): [0, 1]}
+      {(frozenset({CpuDevice(id=0)}), None): [0, 1]}
     """
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(xs):
-        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+        key = (frozenset(x.sharding.device_set), typed_mesh(x.sharding))
+        groups.setdefault(key, []).append(i)
     return groups
 
 
@@ -234,13 +239,14 @@ def checksums(arrays: Sequence[Any]) -> list[int]:
     """
     if not arrays:
         return []
-    xs = [_as_device_words(x) for x in arrays]
-    out = np.zeros((len(xs), 2), np.uint32)
-    for devices, idx in by_devices(xs).items():  # one program per set of devices
-        group = [xs[i] for i in idx]
-        split = len(devices) > 1 and all(_split_here(x) for x in group)
-        fn = _split_checksums(_checksum_mesh(devices)) if split else _checksums
-        out[idx] = _fetch(fn(group))
+    with outside_mesh():  # jaxdev's own programs: not under a user's jax.set_mesh
+        xs = [_as_device_words(x) for x in arrays]
+        out = np.zeros((len(xs), 2), np.uint32)
+        for (devices, _), idx in by_devices(xs).items():  # one program per group
+            group = [xs[i] for i in idx]
+            split = len(devices) > 1 and all(_split_here(x) for x in group)
+            fn = _split_checksums(_checksum_mesh(devices)) if split else _checksums
+            out[idx] = _fetch(fn(group))
     return [(int(hi) << 32) | int(lo) for hi, lo in out]
 
 

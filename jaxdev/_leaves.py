@@ -341,23 +341,22 @@ def same_layout(have: Sharding, want: Sharding, ndim: int) -> bool:
         return True
     if type(have) is type(want) and not isinstance(want, NamedSharding):
         return False
-    if _typed_apart(have, want):
-        return False
+    named = isinstance(have, NamedSharding) and isinstance(want, NamedSharding)
+    if named and typed_mesh(have) != typed_mesh(want):
+        return False  # jit types them apart: an array keeps its own Explicit mesh in its type
     try:
         return bool(have.is_equivalent_to(want, ndim))
     except Exception:  # JAX raises ValueError/IndexError for a spec longer than ndim
         return False
 
 
-def _typed_apart(have: Sharding, want: Sharding) -> bool:
-    """Named shardings on meshes that ``jit`` types apart: an ``Explicit`` axis on either
-    and another abstract mesh (names, sizes, axis types). Equivalent shards or not, an
-    array keeps its own mesh in its type, and JAX refuses it under the other mesh."""
-    meshes = [getattr(s, "mesh", None) for s in (have, want)]
-    if not all(isinstance(m, Mesh) for m in meshes):
-        return False
-    explicit = any(AxisType.Explicit in m.axis_types for m in meshes)
-    return explicit and meshes[0].abstract_mesh != meshes[1].abstract_mesh
+def typed_mesh(s: Sharding) -> Any:
+    """The mesh ``jit`` types an array laid out by ``s`` with, where it matters: the
+    abstract mesh of a mesh with an ``Explicit`` axis (JAX refuses such an array under
+    another mesh, or beside arrays of another mesh in one program), else None."""
+    mesh = getattr(s, "mesh", None)
+    explicit = isinstance(mesh, Mesh) and AxisType.Explicit in mesh.axis_types
+    return mesh.abstract_mesh if explicit else None
 
 
 def is_placed(leaf: Any, s: Sharding) -> bool:

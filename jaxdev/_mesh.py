@@ -224,6 +224,13 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     )
 
 
+def outside_mesh() -> contextlib.AbstractContextManager:
+    """No mesh in context (``jax.set_mesh(None)``), for jaxdev's own programs (checksums)
+    over arrays that carry their meshes: a user's ``jax.set_mesh`` of another mesh would
+    make JAX refuse them. Call it in a ``with`` statement, as :func:`under_mesh`."""
+    return jax.set_mesh(None)
+
+
 def _describe(mesh: Mesh) -> str:
     axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
     types = ", ".join(t.name for t in mesh.axis_types)

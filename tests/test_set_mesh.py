@@ -132,3 +132,16 @@ def test_init_state_and_init_sharded_under_another_users_mesh_are_named():
             step.init_state({"w": jnp.ones((8, 4))}, tx)
         with pytest.raises(jaxdev.ShardingError, match="already set"):
             jaxdev.init_sharded(lambda: _Reshards(nnx.Rngs(0)), mesh=mesh)
+
+
+def test_save_restore_under_another_users_mesh_of_a_tree_on_two_meshes(tmp_path):
+    mesh, data = _mesh(AxisType.Explicit), jaxdev.data_mesh()
+    other = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    w = jax.device_put(jnp.arange(32.0).reshape(8, 4), jax.NamedSharding(mesh, P("fsdp", "tensor")))
+    tree = {"w": w, "r": jaxdev.replicate(jnp.ones(8), data)}  # the same devices, two meshes
+    # were: 'Mesh for all inputs should be equal' / 'context mesh ... should match the aval
+    # mesh' from the checksum, which is jaxdev's own program
+    with jax.set_mesh(other):
+        jaxdev.save(tmp_path / "ckpt", tree)
+        back = jaxdev.restore(tmp_path / "ckpt", tree)
+    assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, tree)
