@@ -186,9 +186,10 @@ class Checkpointer:
         """A write error; steps whose asynchronous save never completed may be saved again."""
         self._manager.reload()
         done = set(self._manager.all_steps())
-        lost = sorted(self._started - done)
+        newest = max(done, default=-1)  # a step below it that is gone was deleted by `keep`
+        lost = sorted(s for s in self._started - done if s > newest)
         self._started &= done
-        if lost and str(lost[-1]) not in path:
+        if lost and path != os.path.join(self.directory, str(lost[-1])):
             path = f"{path} (the failure was in the background save of step(s) {lost})"
         return ckpt.write_error(path, err, previous=self._previous(), need=need)
 

@@ -277,3 +277,32 @@ def test_a_process_that_caught_a_failed_save_exits_cleanly(tmp_path):
                 p.wait(timeout=30)
             p.stdout.close()
     assert results == [(0, "caught\ncaught\n")] * 6, results
+
+
+# ---------------------------------------------------------------- which background save failed
+
+
+def test_a_failed_background_save_names_only_the_step_that_failed(tmp_path, monkeypatch):
+    """On a full disk, wait() blamed 'the background save of step(s) [1, 3]': step 1 had been
+    saved and then deleted by `keep`."""
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    class NoSpace:  # the write fails in orbax's background thread, as on a full tmpfs
+        def result(self, timeout=None):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def full_later(self, *args, **kwargs):
+        return [NoSpace()]
+
+    with jaxdev.Checkpointer(tmp_path, keep=1) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.full(2, step)})
+            ckpt.wait()
+        monkeypatch.setattr(jax_array_handlers.ArrayHandler, "serialize", full_later)
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(3, {"w": jnp.full(2, 3)})
+            ckpt.wait()
+        msg = str(err.value)
+        assert "(the failure was in the background save of step(s) [3])" in msg, msg
+        assert "the checkpoints of steps [2] are intact" in msg, msg
+        assert ckpt.all_steps() == [2]
