@@ -53,7 +53,8 @@ META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
 ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
 _ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at the top
 TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside its directory
-_ORBAX_TMP = r"\.orbax-checkpoint-tmp(-\d+)?"  # orbax's temporary folder: <final name><this>
+_ORBAX_TMP = r"\.orbax-checkpoint-tmp(-[0-9]+)?"  # orbax's temporary folder: <final name><this>
+_STEP = "(0|[1-9][0-9]*)"  # orbax's step names (its standard format: no prefix, no padding)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -299,18 +300,18 @@ def remove_leftovers(path: str) -> None:
 def remove_tombstones(directory: str, folder: bool = True) -> None:
     """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
 
-    Only numbered entries there (orbax's step names) are deleted. With
+    Only orbax's step names there (``0``, ``17``: ASCII digits, no padding) are deleted. With
     ``folder`` (no save running: the writer starts or closes), then
     ``.jaxdev-deleted`` itself if empty, and the temporary folders of steps
     whose save was killed (exactly ``<step>.orbax-checkpoint-tmp``).
     """
     graves = os.path.join(directory, TOMBSTONES)
-    for n in _names(graves, r"\d+"):
+    for n in _names(graves, _STEP):
         _remove(os.path.join(graves, n))
     if folder:
         with contextlib.suppress(OSError):
             os.rmdir(graves)
-        for n in _names(directory, rf"\d+{_ORBAX_TMP}"):
+        for n in _names(directory, rf"{_STEP}{_ORBAX_TMP}"):
             _remove(os.path.join(directory, n))
 
 

@@ -306,3 +306,20 @@ def test_a_failed_background_save_names_only_the_step_that_failed(tmp_path, monk
         assert "(the failure was in the background save of step(s) [3])" in msg, msg
         assert "the checkpoints of steps [2] are intact" in msg, msg
         assert ckpt.all_steps() == [2]
+
+
+# ---------------------------------------------------------------- exact names only
+
+
+def test_only_orbax_step_names_count_as_tombstones_and_leftovers(tmp_path):
+    """remove_tombstones' `\\d` matched Arabic-Indic digits (.jaxdev-deleted/٣,
+    ٣.orbax-checkpoint-tmp) and deleted 01.orbax-checkpoint-tmp, which orbax never writes."""
+    theirs = [".jaxdev-deleted/٣", "٣.orbax-checkpoint-tmp", "01.orbax-checkpoint-tmp"]
+    for name in theirs:
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "notes.txt").write_text("mine")
+    with jaxdev.Checkpointer(tmp_path, keep=1, async_=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": np.full(2, step)})
+    assert all((tmp_path / n / "notes.txt").read_text() == "mine" for n in theirs)
+    assert sorted(os.listdir(tmp_path)) == sorted([".jaxdev-deleted", "2", *theirs[1:]])
