@@ -109,7 +109,9 @@ class Checkpointer:
           CheckpointError: a checkpoint of ``step`` written before this
             ``Checkpointer`` exists (another run's: one is never overwritten),
             or ``step`` is below the latest checkpoint's; another
-            writer saves into this directory; a leaf cannot be saved; the
+            writer saves into this directory; a folder of the user's there
+            has a name orbax would delete in place of a step
+            (``<step>.orbax-checkpoint-tmp.bak``); a leaf cannot be saved; the
             write failed (disk full, not writable; an asynchronous write that
             failed earlier is reported by the next ``save``, ``wait`` or
             ``close``). ``state`` and the earlier checkpoints are never changed.
@@ -146,6 +148,12 @@ class Checkpointer:
             )
         if not force and not self._manager.should_save(step):
             return False
+        if theirs := files.lookalikes(self.directory, {step, *done}):
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: it holds {theirs[:10]}, which orbax "
+                "takes for a step's unfinished save and deletes in place of that step when `keep` "
+                "drops it. Rename them or move them out, or use another directory."
+            )
         prepared = ckpt.prepare(state, "state")
         extra = None if metrics is None else ckpt.prepare(metrics, "metrics")
         path = os.path.join(self.directory, str(step))

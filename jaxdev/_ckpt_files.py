@@ -282,6 +282,18 @@ def leftovers(path: str) -> list[str]:
     return _names(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
 
 
+def lookalikes(directory: str, steps: set[int]) -> list[str]:
+    """Names in ``directory`` that orbax's ``keep`` would delete instead of one of ``steps``.
+
+    Orbax takes any name that starts with ``<step>.orbax-checkpoint-tmp`` for
+    the temporary folder of that step's unfinished save, and deletes it in
+    place of the step. Its exact names (:func:`remove_tombstones`) are not counted.
+    """
+    names = _names(directory, rf"{_STEP}\.orbax-checkpoint-tmp(?s:.+)")
+    own = rf"{_STEP}{_ORBAX_TMP}"
+    return [n for n in names if int(n.split(".")[0]) in steps and not re.fullmatch(own, n)]
+
+
 def _names(folder: str, pattern: str) -> list[str]:
     """The entries of ``folder`` whose whole name matches ``pattern`` ([] if unreadable)."""
     try:
@@ -403,6 +415,7 @@ __all__ = [
     "holder",
     "is_checkpoint",
     "leftovers",
+    "lookalikes",
     "recover",
     "remove_leftovers",
     "remove_tombstones",

@@ -323,3 +323,18 @@ def test_only_orbax_step_names_count_as_tombstones_and_leftovers(tmp_path):
             ckpt.save(step, {"w": np.full(2, step)})
     assert all((tmp_path / n / "notes.txt").read_text() == "mine" for n in theirs)
     assert sorted(os.listdir(tmp_path)) == sorted([".jaxdev-deleted", "2", *theirs[1:]])
+
+
+def test_keep_never_deletes_a_look_alike_of_a_steps_temporary_folder(tmp_path):
+    """keep=1 deleted the user's 1.orbax-checkpoint-tmp.bak (orbax took it for step 1's
+    unfinished save) and left the real 1/ on disk, unlisted."""
+    theirs = ["1.orbax-checkpoint-tmp.bak", "1.orbax-checkpoint-tmp-x"]
+    for name in theirs:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    with jaxdev.Checkpointer(tmp_path, keep=1, async_=False) as ckpt:
+        with pytest.raises(CheckpointError, match=re.escape(f"holds {theirs[::-1]}, which orbax")):
+            ckpt.save(1, {"w": np.ones(2)})
+        assert ckpt.save(2, {"w": np.ones(2)}) and ckpt.save(3, {"w": np.ones(2)})
+    assert sorted(os.listdir(tmp_path)) == sorted(["3", *theirs])
+    assert all((tmp_path / n / "notes.txt").read_text() == "mine" for n in theirs)
