@@ -230,10 +230,13 @@ def check_replaceable(path: str) -> None:
       >>> import tempfile
       >>> check_replaceable(tempfile.mkdtemp())  # empty: nothing to lose
     """
-    here = os.path.realpath(os.getcwd())
+    try:
+        here = os.path.realpath(os.getcwd())
+    except FileNotFoundError:  # the working directory was deleted: nothing of it to protect
+        here = None
     home = os.path.realpath(os.path.expanduser("~"))
     what = {home: "the home directory", here: "the working directory"}.get(path)
-    if what is None and os.path.commonpath([path, here]) == path:  # "/" among them
+    if what is None and here and os.path.commonpath([path, here]) == path:  # "/" among them
         what = "a parent of the working directory"
     if what is not None:
         raise CheckpointError(

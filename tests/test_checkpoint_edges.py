@@ -141,6 +141,18 @@ def test_overwrite_never_replaces_the_working_directory_its_parents_or_home(tmp_
     assert jaxdev.restore("ckpt")["w"].tolist() == [0, 0] and os.getcwd() == str(here)
 
 
+def test_overwrite_of_an_absolute_path_works_when_the_working_directory_was_deleted(
+    tmp_path, monkeypatch
+):
+    """check_replaceable raised a raw FileNotFoundError from os.getcwd()."""
+    jaxdev.save(tmp_path / "ckpt", {"w": np.ones(2)})
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    jaxdev.save(tmp_path / "ckpt", {"w": np.zeros(2)}, overwrite=True)
+    assert jaxdev.restore(tmp_path / "ckpt")["w"].tolist() == [0, 0]
+
+
 # ---------------------------------------------------------------- the writer lock and fork
 
 _FORKING_TRAINER = """
