@@ -674,7 +674,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
       >>> jaxdev.restore(f"{d}/ckpt")
       {'n': 8, 'w': Array([0., 0., 0.], dtype=float32)}
     """
-    path = os.path.realpath(os.fspath(path))  # a link: its target is what is replaced
+    path = os.path.realpath(os.fsdecode(path))  # a link: its target is what is replaced
     prepared = prepare(tree)
     args = composite(prepared, None if step is None else check_step(step), None)
     with _writer(files.sibling(path, "lock"), f"Checkpoint {path}"):
@@ -1373,7 +1373,7 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
       >>> split["w"].sharding.spec
       P('data',)
     """
-    path = os.path.realpath(os.fspath(path))
+    path = os.path.realpath(os.fsdecode(path))
     ocp = orbax()
 
     def read(path: str) -> Any:
@@ -1445,7 +1445,7 @@ def checkpoint_step(path: Any) -> int | None:
       >>> checkpoint_step(f"{d}/c")
       12
     """
-    path = os.path.realpath(os.fspath(path))
+    path = os.path.realpath(os.fsdecode(path))
     ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         return read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")

@@ -75,7 +75,7 @@ class Checkpointer:
             raise CheckpointError(f"`keep` must be a positive int or None, got {keep!r}.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise CheckpointError(f"`every` must be a positive int, got {every!r}.")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(os.fsdecode(directory))
         self._started: set[int] = set()
         self._lock = None
         ocp = ckpt.orbax()

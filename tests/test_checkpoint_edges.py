@@ -350,3 +350,13 @@ def test_keep_never_deletes_a_look_alike_of_a_steps_temporary_folder(tmp_path):
         assert ckpt.save(2, {"w": np.ones(2)}) and ckpt.save(3, {"w": np.ones(2)})
     assert sorted(os.listdir(tmp_path)) == sorted(["3", *theirs])
     assert all((tmp_path / n / "notes.txt").read_text() == "mine" for n in theirs)
+
+
+def test_bytes_paths_save_and_restore(tmp_path):
+    """save(b"/tmp/x", ...) raised TypeError: Can't mix strings and bytes in path components."""
+    path = os.fsencode(tmp_path / "c")
+    jaxdev.save(path, {"w": np.ones(2)}, step=4)
+    jaxdev.save(path, {"w": np.zeros(2)}, step=5, overwrite=True)
+    assert jaxdev.restore(path)["w"].tolist() == [0, 0] and ck.checkpoint_step(path) == 5
+    with jaxdev.Checkpointer(os.fsencode(tmp_path / "m"), async_=False) as ckpt:
+        assert ckpt.save(1, {"w": np.ones(2)}) and ckpt.restore()["w"].tolist() == [1, 1]
