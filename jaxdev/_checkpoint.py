@@ -335,6 +335,12 @@ def _flat(tree: Any, arg: str) -> list[tuple[tuple[str, ...], str, Any]]:
     return out
 
 
+_LONG_DOUBLES = {np.dtype(np.longdouble), np.dtype(np.clongdouble)} - {
+    np.dtype(np.float64),
+    np.dtype(np.complex128),
+}  # float128 / complex256 where the platform has them: orbax writes neither
+
+
 def _leaf_problem(x: Any) -> str | None:
     if is_tracer(x):
         return "a tracer (checkpoints are written outside jit)"
@@ -344,6 +350,8 @@ def _leaf_problem(x: Any) -> str | None:
         return f"{type(x).__name__} (only arrays, Python numbers and None)"
     if isinstance(x, (np.ndarray, np.generic)) and not is_host_value(x):
         return f"numpy array of dtype {x.dtype} (only numeric and bool arrays)"
+    if isinstance(x, (np.ndarray, np.generic)) and x.dtype in _LONG_DOUBLES:
+        return f"dtype {x.dtype} (orbax cannot write long doubles: cast it to float64/complex128)"
     return None
 
 

@@ -360,3 +360,17 @@ def test_bytes_paths_save_and_restore(tmp_path):
     assert jaxdev.restore(path)["w"].tolist() == [0, 0] and ck.checkpoint_step(path) == 5
     with jaxdev.Checkpointer(os.fsencode(tmp_path / "m"), async_=False) as ckpt:
         assert ckpt.save(1, {"w": np.ones(2)}) and ckpt.restore()["w"].tolist() == [1, 1]
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="long double is float64 here")
+def test_long_double_leaves_are_refused_before_writing_naming_the_leaf(tmp_path):
+    """orbax's thread logged a traceback, then 'Could not write the checkpoint ...: Unsupported
+    data type float128', naming no leaf."""
+    tree = {"a": {"x": np.longdouble(1.1)}, "y": np.ones(2, np.clongdouble), "ok": np.ones(2)}
+    with pytest.raises(CheckpointError) as err:
+        jaxdev.save(tmp_path / "c", tree)
+    msg = str(err.value)
+    assert "leaves that cannot be saved" in msg, msg
+    for leaf in (f"['a']['x']: dtype {np.dtype(np.longdouble)}", "['y']: dtype complex"):
+        assert leaf in msg, msg
+    assert "['ok']" not in msg and os.listdir(tmp_path) == []
