@@ -452,17 +452,21 @@ def _scalar_value(kind: str, value: Any) -> Any:
 
 
 def check_step(step: Any) -> int:
-    """``step`` as an int: a non-negative int or numpy integer, never a bool, float or str.
+    """``step`` as an int: a non-negative int, numpy integer or 0-d integer array (a
+    ``TrainState``'s ``step``), never a bool, float or str.
 
     Raises:
       UsageError: anything else, named with its type.
     """
-    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+    value = step
+    if isinstance(step, (jax.Array, np.ndarray)) and jnp.issubdtype(step.dtype, jnp.integer):
+        value = int(step) if step.ndim == 0 else step
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise UsageError(
-            f"`step` must be a non-negative int (a numpy integer too), got {step!r} "
-            f"({type(step).__name__})."
+            f"`step` must be a non-negative int (a numpy integer or 0-d integer array too), "
+            f"got {step!r} ({type(step).__name__})."
         )
-    return int(step)
+    return int(value)
 
 
 def _digest(meta: dict) -> str:

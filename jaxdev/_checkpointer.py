@@ -95,8 +95,8 @@ class Checkpointer:
         """Save ``state`` (and ``metrics``: a ``Collection``, ``DeviceLog``, any tree) as ``step``.
 
         Args:
-          step: the step number (the directory name): a non-negative int (or numpy
-            integer), not below the latest.
+          step: the step number (the directory name): a non-negative int (a numpy
+            integer, or a 0-d integer array such as ``state.step``), not below the latest.
           state: the tree to save (e.g. a ``TrainState``).
           metrics: an optional second tree saved alongside.
           force: save even when ``step`` is not a multiple of ``every``.

@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import REPO, clean_env
 
@@ -82,7 +83,10 @@ def test_numpy_scalars_saved_before_the_fix_restore(tmp_path):
 # ---------------------------------------------------------------- step numbers
 
 
-@pytest.mark.parametrize("bad", [7.9, "9", True, -1, np.float32(3), None])
+_BAD_STEPS = [7.9, "9", True, -1, np.float32(3), None, np.array(True), jax.random.key(0)]
+
+
+@pytest.mark.parametrize("bad", [*_BAD_STEPS, jnp.asarray(2.0), jnp.asarray(-1), jnp.ones(1, int)])
 def test_a_step_must_be_a_non_negative_int(tmp_path, bad):
     """save(7.9) saved step 7, save('9') step 9, save(True) step 1; restore(step=True) step 1."""
     got = rf"got {re.escape(repr(bad))} \({type(bad).__name__}\)"
@@ -97,6 +101,16 @@ def test_a_step_must_be_a_non_negative_int(tmp_path, bad):
                 jaxdev.save(tmp_path / "c", {"w": np.ones(2)}, step=bad)
     jaxdev.save(tmp_path / "d", {"w": np.ones(2)}, step=np.int64(5))  # was TypeError from json
     assert type(ck.checkpoint_step(tmp_path / "d")) is int
+
+
+def test_a_0d_integer_array_step_is_a_step_like_flax_state_step(tmp_path):
+    """ckpt.save(state.step, state), the Flax idiom, was refused with a UsageError."""
+    state = jaxdev.TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1))  # step: Array(0)
+    with jaxdev.Checkpointer(tmp_path / "m", async_=False) as ckpt:
+        assert ckpt.save(state.step, state) and ckpt.save(np.array(4, np.uint8), state)
+        assert ckpt.all_steps() == [0, 4] and ckpt.restore(step=jnp.asarray(4)).step == 0
+    jaxdev.save(tmp_path / "c", {"w": np.ones(2)}, step=jnp.asarray(5))
+    assert type(ck.checkpoint_step(tmp_path / "c")) is int
 
 
 # ---------------------------------------------------------------- a step that exists
