@@ -242,6 +242,7 @@ def fit_memory(
         backend without a limit, or not a number of bytes;
         ``max_batch_size`` is not an int >= 1; ``example_batch`` has no row
         axis where the step needs one.
+      ShardingError: another mesh than the step's is set with ``jax.set_mesh``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -268,21 +269,24 @@ def fit_memory(
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {max_batch_size}.")
     example = "jaxdev.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = resolve_limit(limit, check_mesh(step.strategy.mesh), example)
-    rows = batch_rows(step, example_batch, "example_batch")
-    tried: list[FitTrial] = []
-    search = _Search(rows, state, limit_, tried)
-    for v in _candidates(step, state):
-        unit = v.step.accumulate  # 1 for an eval step
-        if unit > max_batch_size or not search.fits(v, unit):
-            continue
-        b, capped = search.largest(v, unit, max_batch_size)
-        batch = batch_for(v.step, rows, b * v.step.strategy.n_devices)
-        change = None if v.change == "as is" else v.change
-        rows_found = b * v.step.strategy.n_devices
-        peak = search.peak(v, b)
-        return MemoryFit(
-            b, rows_found, change, v.step, batch, peak, limit_, source, tuple(tried), capped
-        )
+    # under the strategy's mesh: a user's jax.set_mesh of another mesh is named here
+    # (ShardingError), not taken for candidates that do not compile ('nothing fits')
+    with step.strategy.mesh_context():
+        rows = batch_rows(step, example_batch, "example_batch")
+        tried: list[FitTrial] = []
+        search = _Search(rows, state, limit_, tried)
+        for v in _candidates(step, state):
+            unit = v.step.accumulate  # 1 for an eval step
+            if unit > max_batch_size or not search.fits(v, unit):
+                continue
+            b, capped = search.largest(v, unit, max_batch_size)
+            batch = batch_for(v.step, rows, b * v.step.strategy.n_devices)
+            change = None if v.change == "as is" else v.change
+            rows_found = b * v.step.strategy.n_devices
+            peak = search.peak(v, b)
+            return MemoryFit(
+                b, rows_found, change, v.step, batch, peak, limit_, source, tuple(tried), capped
+            )
     unit = step.accumulate
     raise MemoryPlanError(
         "\n".join(

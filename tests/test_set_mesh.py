@@ -145,3 +145,19 @@ def test_save_restore_under_another_users_mesh_of_a_tree_on_two_meshes(tmp_path)
         jaxdev.save(tmp_path / "ckpt", tree)
         back = jaxdev.restore(tmp_path / "ckpt", tree)
     assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, tree)
+
+
+def test_memory_calls_under_another_users_mesh_are_named():
+    mesh, tx = _mesh(AxisType.Explicit), optax.sgd(0.01)
+    other = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    step = jaxdev.make_train_step(_loss(True), tx, jaxdev.Strategy.sharded(mesh, axis="fsdp"))
+    state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+    batch = step.put_batch(_batch())
+    assert jaxdev.fit_memory(step, state, batch, limit=2**20, max_batch_size=2).batch_size > 0
+    with jax.set_mesh(other):  # fit_memory said 'nothing fits' (each candidate 'did not compile')
+        for call in (
+            lambda: jaxdev.fit_memory(step, state, batch, limit=2**20, max_batch_size=2),
+            lambda: step.explain_memory(state, batch, limit=2**20),
+        ):
+            with pytest.raises(jaxdev.ShardingError, match="already set"):
+                call()
