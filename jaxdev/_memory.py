@@ -48,8 +48,10 @@ class LedgerEntry:
       dtype: the dtype's name.
       bytes_per_device: ``{device: bytes}`` of its shards on each device.
       like: an unattributed array's look-alike: the path of a named leaf
-        with its shape and dtype (not a scalar); it may be an old copy of
-        that leaf still referenced somewhere. Otherwise None.
+        with its shape and dtype (not a scalar), device arrays on its
+        sharding first, then ``' (or 2 others of that shape)'`` when more
+        match; it may be an old copy of that leaf still referenced
+        somewhere. Otherwise None.
     """
 
     path: str
@@ -170,7 +172,7 @@ def memory(**trees: Any) -> MemoryLedger:
       ("params['w']", 1048576)
     """
     names: dict[tuple[jax.Device, int], tuple[str, str]] = {}  # by buffer
-    shapes: dict[tuple[tuple[int, ...], Any], str] = {}  # the first leaf of each shape
+    shapes: dict[tuple[tuple[int, ...], Any], list] = {}  # (path, sharding) of each shape
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
             if isinstance(leaf, jax.core.Tracer):
@@ -178,7 +180,8 @@ def memory(**trees: Any) -> MemoryLedger:
                     f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
                 )
             if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
-                shapes.setdefault((tuple(leaf.shape), leaf.dtype), path)
+                like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
+                shapes.setdefault((tuple(leaf.shape), leaf.dtype), []).append(like)
             if is_jax_array(leaf) and not leaf.is_deleted():
                 # a typed PRNG key is listed live as the uint32 array on its buffer
                 for key in _buffers(leaf):
@@ -202,7 +205,7 @@ def memory(**trees: Any) -> MemoryLedger:
             bucket[d] = bucket.get(d, 0) + n
         named = [names[k] for k in keys if k in names]
         path, category = named[0] if named else ("<unattributed>", "unattributed")
-        like = None if named else shapes.get((tuple(x.shape), x.dtype))
+        like = None if named else _like(x, shapes.get((tuple(x.shape), x.dtype)))
         entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts, like)
         if in_host:
             offloaded.append(entry)
@@ -217,6 +220,15 @@ def memory(**trees: Any) -> MemoryLedger:
     per_device = {d: per_device[d] for d in stats}
     host = {d: host[d] for d in stats if d in host}
     return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
+
+
+def _like(x: jax.Array, leaves: list | None) -> str | None:
+    """The named leaf ``x`` may be an old copy of: device arrays on its sharding first."""
+    if not leaves:
+        return None
+    path, _ = min(leaves, key=lambda pl: (pl[1] is None, pl[1] != x.sharding))
+    more = len(leaves) - 1
+    return f"{path} (or {more} other{'s' * (more > 1)} of that shape)" if more else path
 
 
 def _named_leaves(name: str, tree: Any):

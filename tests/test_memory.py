@@ -200,3 +200,18 @@ def test_jaxdev_memory_command_prints_the_ledger_and_draws_it(tmp_path):
     assert share >= 90.0, proc.stdout
     assert "state.params['Dense_0']['kernel']" in proc.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_old_copy_is_named_after_a_device_leaf_on_its_sharding_and_others_are_counted():
+    sharded = jax.NamedSharding(jaxdev.data_mesh(), jax.P("data"))
+    state = {"b": np.ones((96, 8), np.float32), "w": jnp.ones((96, 8))}
+    old = state["w"] + 1
+    (like,) = [e.like for e in jaxdev.memory(state=state).unattributed if e.shape == (96, 8)]
+    assert like == "state['w'] (or 1 other of that shape)"  # was state['b'], a numpy leaf
+    tree = {"a": old, "s": jax.device_put(state["w"], sharded)}
+    old_s = tree["s"] + 1
+    ledger = jaxdev.memory(tree=tree)
+    likes = {len(e.bytes_per_device): e.like for e in ledger.unattributed if e.shape == (96, 8)}
+    assert likes[8] == "tree['s'] (or 1 other of that shape)", str(ledger)  # was tree['a']
+    del old, old_s
+
