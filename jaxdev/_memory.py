@@ -44,8 +44,9 @@ class LedgerEntry:
       category: one of ``params``, ``opt_state``, ``model_state``, ``batch``,
         ``other`` (another named tree, or a train state's ``step`` / ``rng``)
         and ``unattributed``.
-      shape: the global shape.
-      dtype: the dtype's name.
+      shape: the global shape (a typed PRNG key's as the user sees it).
+      dtype: the dtype's name (``key<fry>`` for a named typed key; an
+        unattributed one is listed as the ``uint32`` data on its buffer).
       bytes_per_device: ``{device: bytes}`` of its shards on each device.
       like: an unattributed array's look-alike: the path of a named leaf
         with its shape and dtype (not a scalar), device arrays on its
@@ -171,7 +172,7 @@ def memory(**trees: Any) -> MemoryLedger:
       >>> ledger.entries[0].path, ledger.entries[0].total
       ("params['w']", 1048576)
     """
-    names: dict[tuple[jax.Device, int], tuple[str, str]] = {}  # by buffer
+    names: dict[tuple[jax.Device, int], tuple[str, str, tuple, str]] = {}  # by buffer
     shapes: dict[tuple[tuple[int, ...], Any], list] = {}  # (path, sharding) of each shape
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
@@ -181,15 +182,16 @@ def memory(**trees: Any) -> MemoryLedger:
                 )
             if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
                 like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
-                shapes.setdefault((tuple(leaf.shape), leaf.dtype), []).append(like)
+                stored = _stored(leaf)
+                shapes.setdefault((tuple(stored.shape), stored.dtype), []).append(like)
             if is_jax_array(leaf) and not leaf.is_deleted():
-                # a typed PRNG key is listed live as the uint32 array on its buffer
                 for key in _buffers(leaf):
-                    names.setdefault(key, (path, category))
+                    names.setdefault(key, (path, category, tuple(leaf.shape), str(leaf.dtype)))
     live = [(x, _buffers(x)) for x in jax.live_arrays() if not x.is_deleted()]
     # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
     live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
     seen: set[tuple[jax.Device, int]] = set()
+    likes: dict[tuple[Any, ...], str | None] = {}
     per_device: dict[jax.Device, int] = {}
     host: dict[jax.Device, int] = {}
     entries, others, offloaded = [], [], []
@@ -204,9 +206,13 @@ def memory(**trees: Any) -> MemoryLedger:
         for d, n in counts.items():
             bucket[d] = bucket.get(d, 0) + n
         named = [names[k] for k in keys if k in names]
-        path, category = named[0] if named else ("<unattributed>", "unattributed")
-        like = None if named else _like(x, shapes.get((tuple(x.shape), x.dtype)))
-        entry = LedgerEntry(path, category, tuple(x.shape), str(x.dtype), counts, like)
+        kind = (tuple(x.shape), x.dtype, x.sharding)  # one look-up per kind of array
+        if not named and kind not in likes:
+            likes[kind] = _like(x, shapes.get(kind[:2]))
+        unnamed = ("<unattributed>", "unattributed", kind[0], str(x.dtype))
+        path, category, shape, dtype = named[0] if named else unnamed
+        like = None if named else likes[kind]
+        entry = LedgerEntry(path, category, shape, dtype, counts, like)
         if in_host:
             offloaded.append(entry)
             continue
@@ -229,6 +235,13 @@ def _like(x: jax.Array, leaves: list | None) -> str | None:
     path, _ = min(leaves, key=lambda pl: (pl[1] is None, pl[1] != x.sharding))
     more = len(leaves) - 1
     return f"{path} (or {more} other{'s' * (more > 1)} of that shape)" if more else path
+
+
+def _stored(leaf: Any) -> Any:
+    """``leaf``, or the shape of a typed PRNG key's uint32 data (what JAX lists live)."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, leaf)
+    return leaf
 
 
 def _named_leaves(name: str, tree: Any):

@@ -215,3 +215,11 @@ def test_an_old_copy_is_named_after_a_device_leaf_on_its_sharding_and_others_are
     assert likes[8] == "tree['s'] (or 1 other of that shape)", str(ledger)  # was tree['a']
     del old, old_s
 
+
+def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagged():
+    rng, old = jax.random.split(jax.random.key(0), 8), jax.random.split(jax.random.key(1), 8)
+    ledger = jaxdev.memory(state={"rng": rng})
+    (entry,) = [e for e in ledger.entries if e.path == "state['rng']"]
+    assert (entry.shape, entry.dtype) == ((8,), "key<fry>")  # was (8, 2) uint32
+    assert "state['rng']" in {e.like for e in ledger.unattributed}, str(ledger)
+    del old
