@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,13 +103,11 @@ def test_fetch_of_metrics_donated_to_the_next_step_names_the_leaves():
     assert np.isfinite(running.fetch()["loss"])
 
 
-class _BatchNormed(__import__("flax.linen", fromlist=["Module"]).Module):
+class _BatchNormed(nn.Module):
     axis_name: str | None = "batch"  # as Flax's imagenet writes it, for its pmap axis 'batch'
 
-    @__import__("flax.linen", fromlist=["compact"]).compact
+    @nn.compact
     def __call__(self, x):
-        import flax.linen as nn
-
         return nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x).sum(-1)
 
 
@@ -123,9 +122,13 @@ def test_a_collective_axis_the_step_does_not_have_is_named_with_the_axes(name):
         return (y - b["y"]) ** 2, new
 
     step = jaxdev.make_train_step(loss_fn, SGD, STRATEGIES[name](), has_state=True)
-    state = step.init_state(variables.get("params", {}), model_state={"batch_stats": variables["batch_stats"]})
+    state = step.init_state(
+        variables.get("params", {}), model_state={"batch_stats": variables["batch_stats"]}
+    )
     axis = step.strategy.collective_axis
-    with pytest.raises(jaxdev.UsageError, match=f"unbound axis name: batch.*device axis is {axis!r}"):
+    with pytest.raises(
+        jaxdev.UsageError, match=f"unbound axis name: batch.*device axis is {axis!r}"
+    ):
         step(state, step.put_batch(_batch()))  # was: flax's bare NameError
 
 
