@@ -67,13 +67,18 @@ class LedgerEntry:
         """Bytes over every device (replicas counted on each device)."""
         return sum(self.bytes_per_device.values())
 
+    @property
+    def fullest(self) -> int:
+        """Bytes on the device holding the most of it (what ``print(ledger)`` shows)."""
+        return max(self.bytes_per_device.values())
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryLedger:
     """Every live array's bytes per device, attributed to named pytree paths.
 
     Attributes:
-      entries: the attributed arrays, largest first.
+      entries: the attributed arrays, largest first (by ``fullest``, then ``total``).
       unattributed: the other live arrays, largest first.
       per_device: ``{device: bytes}`` of every live array's shards (attributed
         or not): exactly the sum of their ``addressable_shards`` bytes, each
@@ -217,9 +222,8 @@ def memory(**trees: Any) -> MemoryLedger:
             offloaded.append(entry)
             continue
         (others if category == "unattributed" else entries).append(entry)
-    entries.sort(key=lambda e: -e.total)
-    others.sort(key=lambda e: -e.total)
-    offloaded.sort(key=lambda e: -e.total)
+    for rows in (entries, others, offloaded):
+        rows.sort(key=lambda e: (-e.fullest, -e.total))
     for d in host:  # a device holding only offloaded arrays is listed with 0
         per_device.setdefault(d, 0)
     stats = {d: _stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
@@ -322,7 +326,7 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
         )
     lines.append(f"live device memory: {ledger.attributed:.1%} attributed to named trees")
     lines += text_table(head, body, rstrip=True)
-    most = lambda e: human_bytes(max(e.bytes_per_device.values()))  # noqa: E731
+    most = lambda e: human_bytes(e.fullest)  # noqa: E731
     rows = [(e.path, e.category, str(e.shape), e.dtype, most(e)) for e in ledger.entries]
     head = ("path", "category", "shape", "dtype", "bytes")
     lines += _largest("largest arrays (bytes on the device holding the most):", head, rows, top)

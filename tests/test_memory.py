@@ -216,6 +216,18 @@ def test_an_old_copy_is_named_after_a_device_leaf_on_its_sharding_and_others_are
     del old, old_s
 
 
+def test_the_tables_are_largest_first_by_the_bytes_they_show():
+    replicated = jax.NamedSharding(jaxdev.data_mesh(), jax.P())
+    wide = jax.device_put(jnp.ones(100), replicated)  # 400 B on each of 8 devices
+    tall = jax.device_put(jnp.ones(150), jax.devices()[1])  # 600 B on one
+    strays = jax.device_put(jnp.ones(101), replicated), jax.device_put(jnp.ones(151), jax.devices()[2])
+    ledger = jaxdev.memory(params={"wide": wide, "tall": tall})
+    assert [e.path for e in ledger.entries] == ["params['tall']", "params['wide']"]
+    shown = [e.shape for e in ledger.unattributed if e.shape in ((101,), (151,))]
+    assert shown == [(151,), (101,)], str(ledger)  # was by bytes summed over devices
+    del strays
+
+
 def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagged():
     rng, old = jax.random.split(jax.random.key(0), 8), jax.random.split(jax.random.key(1), 8)
     ledger = jaxdev.memory(state={"rng": rng})
