@@ -15,8 +15,8 @@ import sys
 
 _NAME = "jaxdev.testing._plugin"
 if _NAME not in sys.modules:
-    _dir = importlib.util.find_spec("jaxdev").submodule_search_locations[0]  # not imported
-    _spec = importlib.util.spec_from_file_location(_NAME, os.path.join(_dir, "testing/_plugin.py"))
+    _file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jaxdev/testing/_plugin.py")
+    _spec = importlib.util.spec_from_file_location(_NAME, _file)  # installed beside jaxdev/
     sys.modules[_NAME] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_NAME])
 sys.modules[__name__] = sys.modules[_NAME]  # what `import _jaxdev_pytest` returns

@@ -1,7 +1,10 @@
 """Test set-up: 8 fake CPU devices, configured before JAX's backend starts.
 
-Tests that need another device count run in a subprocess (see
-``run_python`` and ``launch`` below, both with ``clean_env()``).
+Tests that need another device count are marked ``@pytest.mark.devices(n)``
+or ``@pytest.mark.processes(n, devices=m)`` (jaxdev's pytest plugin, which
+re-applies its own count after this file). ``run_python`` and ``launch``
+below, both with ``clean_env()``, run code that needs a process of its own
+(environment variables, crashes, the launcher itself).
 """
 
 from __future__ import annotations

@@ -60,9 +60,7 @@ def test_the_readme_api_section_names_every_public_name():
         r"^\| `([A-Za-z_][A-Za-z0-9_]*)` \| (.+?) \| \[[^\]]+\]\(([^)]+)\) \|$", api, re.M
     )
     names = [n for n, _, _ in rows]
-    # pytest rewrites the asserts of a plugin's distribution (jaxdev's pytest11 entry
-    # point), which adds `@py_builtins` and `@pytest_ar` to jaxdev's namespace
-    public = {n for n in dir(jaxdev) if not n.startswith(("_", "@"))}
+    public = {n for n in dir(jaxdev) if not n.startswith("_")}
     assert len(names) == len(set(names)), "a name has two rows"
     assert not public - set(names), f"public names without a row: {sorted(public - set(names))}"
     assert not set(names) - public, (

@@ -14,9 +14,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, clean_env, launch
+
+import jaxdev
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,14 +59,32 @@ def test_fsdp_two_processes_match_one_process_with_eight_devices():
     _close(results[0], single)
 
 
-@pytest.mark.timeout(240)
-def test_init_sharded_checks_every_process_built_the_same_program():
-    script = os.path.join(REPO, "tests", "mp_scripts", "init_diverge.py")
-    same = launch(2, 4, [sys.executable, script, "same"])
-    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
-    assert same.stdout.count("OK sum=") == 2
-    numpy = launch(2, 4, [sys.executable, script, "numpy"])
-    assert numpy.returncode != 0, numpy.stdout[-3000:]
-    refused = [line for line in numpy.stdout.splitlines() if "REFUSED:" in line]
-    assert len(refused) == 2, numpy.stdout[-3000:] + numpy.stderr[-3000:]
-    assert all("init_sharded's init_fn" in line for line in refused), refused
+@pytest.mark.processes(2, devices=4, timeout=120)
+@pytest.mark.parametrize("mode", ["same", "numpy"])
+def test_init_sharded_checks_every_process_built_the_same_program(mode):
+    """``same``: a deterministic init from typed keys (threefry and rbg), checked across
+    processes (``assert_same_across_processes``, ``shard_batch``'s shape check); ``numpy``:
+    an ``init_fn`` drawing from ``np.random`` seeded per process is refused everywhere."""
+    mesh = jaxdev.make_mesh({"fsdp": 8})
+    keys = {"fry": jax.random.key(0), "rbg": jax.random.key(0, impl="rbg")}
+    if mode == "numpy":
+        rng = np.random.default_rng(jax.process_index())
+        with pytest.raises(jaxdev.DistributedError, match="init_sharded's init_fn"):
+            jaxdev.init_sharded(
+                lambda keys: {"w": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)},
+                keys,
+                mesh=mesh,
+                rules="fsdp",
+                min_size=0,
+            )
+        return
+    jaxdev.distributed.assert_same_across_processes(keys)
+    jaxdev.shard_batch({k: jax.random.split(v, 4) for k, v in keys.items()}, mesh)
+
+    def init_fn(keys):
+        return {"w": jax.random.normal(keys["fry"], (64, 8)) + jax.random.normal(keys["rbg"])}
+
+    params = jaxdev.init_sharded(init_fn, keys, mesh=mesh, rules="fsdp", min_size=0)
+    total = jax.jit(jnp.sum, out_shardings=jaxdev.as_sharding(mesh))(params["w"])
+    jaxdev.distributed.assert_same_across_processes(total)
+    assert np.isfinite(float(total)) and jax.process_count() == 2

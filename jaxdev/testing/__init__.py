@@ -10,8 +10,8 @@ Example:
   >>> import jax.numpy as jnp, numpy as np, jaxdev
   >>> def loss_fn(params, batch):  # per-example losses, as make_train_step takes them
   ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
-  >>> batch = {"x": np.ones((16, 2), np.float32), "y": np.ones(16, np.float32)}
-  >>> jaxdev.testing.assert_strategies_agree(loss_fn, None, {"w": jnp.zeros(2)}, [batch] * 2)
+  >>> batch = {"x": np.ones((16, 8), np.float32), "y": np.ones(16, np.float32)}
+  >>> jaxdev.testing.assert_strategies_agree(loss_fn, None, {"w": jnp.zeros(8)}, [batch] * 2)
   ('single', 'pmap', 'sharded', 'shard_map', 'fsdp')
 """
 

@@ -16,9 +16,8 @@ Inert unless a test or the command line asks for it:
   processes of a ``jax.distributed`` job on 127.0.0.1 (``jaxdev launch``,
   ``jaxdev.distributed.initialize``), 4 fake CPU devices each (or a
   ``devices(8)`` marker split over them). It passes when every process
-  passes; a failure names the process. The hang watchdog ends processes that
-  make no progress (jaxdev steps, ``heartbeat``) for ``timeout`` seconds,
-  printing every stack.
+  passes; a failure names the process. Processes still running ``timeout``
+  seconds after the test started print every thread's stack and end.
 * ``--jaxdev-devices N`` (ini ``jaxdev_devices``) gives this process N CPU
   devices, re-applied after each conftest so that a conftest's own setting
   does not win; if something started the backend first, pytest stops with
@@ -30,7 +29,9 @@ The plugin imports only the standard library and pytest at start-up
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import importlib.util
 import io
 import json
 import os
@@ -47,6 +48,8 @@ import pytest
 ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
 DEFAULT_TIMEOUT_S = 60.0
 _WORKER = json.loads(os.environ.pop(ENV, "null"))
+_STDERR = _WORKER and open(os.dup(2), "w")  # the real stderr, before pytest captures fd 2
+_START_S = 120  # start-up allowance of a processes test (launch + initialize + collection)
 _TAIL = 30  # stderr lines shown for a dead worker
 _PINS = None  # the JAX start-up settings this process asks for (a _Pins)
 
@@ -57,7 +60,12 @@ def jaxdev_devices(request):
     return getattr(request, "param", None)
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser, pluginmanager):
+    # pytest rewrites the asserts of every module of a distribution with a pytest11 entry
+    # point, meant for a plugin's helpers: jaxdev is a library, so its modules stay as they
+    # are (rewriting them cost ~2 s per session where bytecode is not cached, and added
+    # `@py_builtins` to `dir(jaxdev)`). pytest has no public way to unmark a name.
+    getattr(getattr(pluginmanager, "rewrite_hook", None), "_must_rewrite", set()).discard("jaxdev")
     parser.addoption(
         "--jaxdev-devices",
         type=int,
@@ -74,8 +82,9 @@ def pytest_load_initial_conftests(early_config, parser, args):
     if _WORKER is not None:
         _PINS = _Pins(_WORKER["pins"], _WORKER["platform"], _WORKER["count"], _WORKER["what"])
         return
-    n = early_config.known_args_namespace.jaxdev_devices or early_config.getini("jaxdev_devices")
-    if n:
+    n = early_config.known_args_namespace.jaxdev_devices
+    n = early_config.getini("jaxdev_devices") if n is None else n
+    if n != "":
         what = f"--jaxdev-devices {n}"
         if not str(n).isdigit() or int(n) < 1:
             raise pytest.UsageError(f"{what}: N must be an int >= 1.")
@@ -99,17 +108,15 @@ def pytest_configure(config):
         "processes(n, devices=m, timeout=60): jaxdev: run the test as n jax.distributed "
         "processes with m fake CPU devices each",
     )
-    if _WORKER is not None:
-        config.pluginmanager.register(_Worker(config), "jaxdev-worker")
-    elif not hasattr(config, "workerinput"):  # not under pytest-xdist either
-        config.pluginmanager.register(_Controller(config), "jaxdev-controller")
+    session = _Worker(config) if _WORKER is not None else _Controller(config)
+    config.pluginmanager.register(session, "jaxdev-session")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     if _WORKER is None:
         return None
-    config.workerinput = {"workerid": _WORKER["what"]}  # pytest's plugins act as in xdist
+    config.workerinput = {"workerid": _WORKER["id"]}  # pytest's plugins act as under xdist
     config.args = _WORKER["files"]
     base = _WORKER["basetemp"]
     pid = os.environ.get("JAXDEV_PROCESS_ID")
@@ -214,7 +221,26 @@ class _Pins:
         for name, value in settings.items():  # read when jax is imported
             if name in env:
                 os.environ[env[name]] = str(value)
-        self.apply(None)
+        if "jax" in sys.modules:
+            self.apply(None)
+        else:  # hook the backend's start as soon as jax is imported, to name who starts it
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name, path, target=None):
+        """Import hook: once ``jax._src.xla_bridge`` runs, record who starts the backend."""
+        if name != "jax._src.xla_bridge":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.register_backend_initialization_hook(self._record)
+            self.hooked = True
+
+        spec.loader.exec_module = exec_module
+        return spec
 
     def apply(self, where: str | None) -> None:
         if "jax" not in sys.modules:
@@ -224,7 +250,7 @@ class _Pins:
 
         if xla_bridge.backends_are_initialized():
             if self.started_by is None:
-                self.started_by = f"while pytest imported {where}" if where else "before pytest"
+                self.started_by = f"while pytest imported {where}" if where else "before pytest ran"
             return
         for name, value in self.settings.items():
             jax.config.update(name, value)
@@ -277,6 +303,7 @@ class _Controller:
         self.files: dict[tuple, set[str]] = {}  # worker key: the files of its tests
         self.next: dict[str, str | None] = {}  # nodeid: the next test of the same worker
         self.workers: dict[tuple, _Handle] = {}
+        self.ending: list[_Handle] = []  # told to end, not yet waited for
         self.broken: dict[tuple, str] = {}  # worker key: why it never started
         self.started = 0
 
@@ -315,11 +342,13 @@ class _Controller:
     def pytest_sessionfinish(self):
         for key in list(self.workers):
             self._close(key)
+        for worker in self.ending:  # they tear down and exit in parallel
+            worker.wait(30)
 
     def _on_worker(self, item, key: tuple) -> list:
         if key in self.broken:
-            return [_failed(item, "setup", self.broken[key])]
-        if not self.workers:  # start every worker this session needs at once
+            return [_failed(item, "setup", f"{item.nodeid}: {self.broken[key]}")]
+        if not self.started:  # start every worker this session needs at once
             for k in self.files:
                 self.workers.setdefault(k, self._start(k))
         worker = self.workers.get(key) or self.workers.setdefault(key, self._start(key))
@@ -348,6 +377,9 @@ class _Controller:
             reports.append(_failed(item, _next_phase(reports), why))
         if msg is None or msg.get("restart"):
             self._close(key)
+            worker.wait(5)
+        elif self.next.get(item.nodeid) is None:  # its last test: it ends while others run
+            self._close(key)
         return reports
 
     def _start(self, key: tuple) -> _Handle:
@@ -357,7 +389,8 @@ class _Controller:
     def _close(self, key: tuple) -> None:
         worker = self.workers.pop(key, None)
         if worker is not None:
-            worker.close()
+            worker.end()
+            self.ending.append(worker)
 
 
 def _next_phase(reports: list) -> str:
@@ -381,10 +414,9 @@ class _Handle:
         if platform == "gpu":  # the first n GPUs
             gpus = ",".join(map(str, range(n)))
             pins = {"jax_platforms": "cuda", "jax_cuda_visible_devices": gpus}
-        cmd_r, self._cmd = os.pipe()
-        self._res, res_w = os.pipe()
+        (cmd_r, cmd_w), (res_r, res_w) = os.pipe(), os.pipe()
         orders = dict(pins=pins, platform=platform, count=n, what=f"the worker for {self.what}")
-        orders.update(files=files, fds=[cmd_r, res_w])
+        orders.update(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
         orders["basetemp"] = _basetemp(config, f"{platform}{n}-{number}")
         env = {**os.environ, ENV: json.dumps(orders)}
         self.log = tempfile.TemporaryFile()
@@ -398,7 +430,7 @@ class _Handle:
         )
         os.close(cmd_r)
         os.close(res_w)
-        self.cmd, self.res = os.fdopen(self._cmd, "w"), os.fdopen(self._res, "r")
+        self.cmd, self.res = os.fdopen(cmd_w, "w"), os.fdopen(res_r, "r")
 
     def send(self, **msg) -> None:
         self.cmd.write(json.dumps(msg) + "\n")
@@ -423,14 +455,19 @@ class _Handle:
         self.log.seek(0)
         return _quiet(self.log.read().decode(errors="replace"), _TAIL) or "(none)"
 
-    def close(self) -> None:
-        """End the worker: EOF on its commands (it tears down and exits), killed after 30 s."""
+    def end(self) -> None:
+        """EOF on its commands: it tears its fixtures down and exits."""
         try:
             self.cmd.close()
         except OSError:  # it died: the pipe is broken
             pass
+
+    def wait(self, wait_s: float) -> None:
+        """Wait for its exit; kill it after ``wait_s``."""
+        if self.res.closed:
+            return
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -460,17 +497,17 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
     """Run ``item`` as ``n`` processes x ``m`` devices under the launcher; its reports."""
     from jaxdev.distributed import launch
 
-    head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s without progress)"
+    head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
     with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
         orders = dict(pins={"jax_platforms": "cpu", "jax_num_cpu_devices": m}, platform="cpu")
-        orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid)
-        orders.update(run_dir=run_dir, files=[str(item.path)])
+        orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid, id="jaxdev-p")
+        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout)
         orders["basetemp"] = _basetemp(config, os.path.basename(run_dir))
-        out = io.StringIO()
-        cmd = [sys.executable, "-m", "pytest", *config.invocation_params.args]
-        try:
-            env, backstop = {ENV: json.dumps(orders)}, 120 + 10 * timeout
-            rc = launch(cmd, n, m, timeout_s=backstop, env=env, out=out, hang_timeout_s=timeout)
+        # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
+        env = {ENV: json.dumps(orders), "JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
+        out, cmd = io.StringIO(), [sys.executable, "-m", "pytest", *config.invocation_params.args]
+        try:  # the launcher's own timeout is a backstop: start-up, then the test's
+            rc = launch(cmd, n, m, timeout_s=_START_S + timeout + 30, env=env, out=out)
         except (Exception, pytest.fail.Exception) as e:  # the processes were ended
             rc = f"stopped: {type(e).__name__}: {e}"
         per = [_read(config, os.path.join(run_dir, f"p{i}.jsonl")) for i in range(n)]
@@ -522,9 +559,8 @@ class _Worker:
     def __init__(self, config):
         self.config, self.tainted, self.before, self.errors = config, False, None, {}
         self.out = None
-        quiet = pytest.TerminalReporter(config, open(os.devnull, "w"))  # the controller prints
-        config.pluginmanager.unregister(name="terminalreporter")
-        config.pluginmanager.register(quiet, "terminalreporter")
+        config.pluginmanager.unregister(name="terminalreporter")  # the controller prints
+        config.pluginmanager.register(_Quiet(config, open(os.devnull, "w")), "terminalreporter")
 
     def send(self, **msg) -> None:
         self.out.write(json.dumps(msg, default=repr) + "\n")
@@ -565,13 +601,11 @@ class _Worker:
     def _run_once(self, session, item) -> bool:
         import jax
 
-        from jaxdev.distributed import heartbeat
-
         self.out = open(os.path.join(_WORKER["run_dir"], f"p{jax.process_index()}.jsonl"), "w")
         if item is None:
-            print(self._missing(_WORKER["run"]), file=sys.stderr)
+            print(self._missing(_WORKER["run"]), file=_STDERR)
         else:
-            heartbeat("test")  # the hang watchdog's timeout counts from here
+            _end_after(_WORKER["timeout"], f"{item.nodeid} in process {jax.process_index()}")
             item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
         self.out.close()
         if item is None or session.testsfailed:  # the others may wait for this one forever
@@ -605,13 +639,42 @@ class _Worker:
                 if any(t.name == "jaxdev-prefetch" for t in left)
                 else ""
             )
+            then = "" if "run" in _WORKER else f"; {_WORKER['what']} is replaced"
             pytest.fail(
                 f"{item.nodeid} left {len(left)} thread(s) running after its teardown: {names}"
-                f"{hint}. Stop and join them in the test or its fixtures; {_WORKER['what']} is "
-                "replaced so that the next test starts clean.",
+                f"{hint}. Stop and join them in the test or its fixtures{then}.",
                 pytrace=False,
             )
         return result
+
+
+class _Quiet(pytest.TerminalReporter):
+    """A worker's terminal: nothing shown, and no summary at the end (hypothesis's plugin
+    imports hypothesis for its summary: seconds where bytecode is not cached)."""
+
+    pytest_sessionfinish = None
+
+
+def _end_after(seconds: float, what: str) -> None:
+    """Print every thread's stack after ``seconds`` (even with the GIL held); exit 2 s later.
+
+    Each process of a ``processes`` test arms it when the test starts, so
+    every one still running prints its stacks at about the same time.
+    """
+
+    def end():
+        print(
+            f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
+            "above); ending it.",
+            file=_STDERR,
+            flush=True,
+        )
+        os._exit(1)
+
+    faulthandler.dump_traceback_later(seconds, file=_STDERR)
+    timer = threading.Timer(seconds + 2, end)
+    timer.daemon = True
+    timer.start()
 
 
 def _left_running(before: set) -> list:

@@ -1,0 +1,293 @@
+"""jaxdev.testing: the pytest plugin in inner pytest sessions (pytester), assert_strategies_agree.
+
+Each inner session runs in its own process (``runpytest_subprocess``) with a
+clean environment; its conftest lists the processes still children of that
+pytest when it unconfigures, and its tests record the worker pids, so every
+session also checks that no worker or process outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdev
+from jaxdev.testing import assert_strategies_agree
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = """
+import os, jax, pytest
+jax.config.update("jax_num_cpu_devices", 8)  # the markers' counts must still win
+if os.environ.get("BREAK_WORKERS"):  # a broken import, in the workers only
+    os.environ.setdefault("PARENT_PID", str(os.getpid()))
+    if os.environ["PARENT_PID"] != str(os.getpid()):
+        import a_module_that_does_not_exist
+if os.environ.get("START_EARLY"):
+    DEVICES = jax.devices()
+
+@pytest.fixture
+def answer():
+    return 42
+
+def record_pid():
+    with open(os.path.join(os.environ["INNER_DIR"], "pids.txt"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the controller: who is still our child?
+        me = str(os.getpid())
+        kids = [p for p in os.listdir("/proc") if p.isdigit() and _ppid(p) == me]
+        with open(os.path.join(os.environ["INNER_DIR"], "children.txt"), "w") as f:
+            f.write(" ".join(kids))
+
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[1]
+    except OSError:
+        return None
+"""
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    """A pytester directory with the conftest above and a clean environment."""
+    for name in list(os.environ):
+        if name.startswith(("XLA_", "JAX_", "JAXDEV_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("INNER_DIR", str(pytester.path))
+    pytester.makeconftest(CONFTEST)
+    return pytester
+
+
+def run(pytester, *args, timeout=240):
+    """``runpytest_subprocess``; then check no child outlived it and the workers are gone."""
+    result = pytester.runpytest_subprocess(*args, timeout=timeout)
+    assert (pytester.path / "children.txt").read_text() == "", "a child outlived the session"
+    pids = pytester.path / "pids.txt"
+    for pid in set(pids.read_text().split()) if pids.exists() else ():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_markers_workers_processes_and_faults(inner):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = readme.split("<!-- testing-example -->\n```python\n", 1)[1].split("```", 1)[0]
+    inner.makepyfile(test_readme=example)
+    inner.makepyfile(
+        test_dev="""
+        import ctypes, os, signal, threading
+        import jax, jax.numpy as jnp, numpy as np, pytest
+        from conftest import record_pid
+
+        KEPT = []
+
+        @pytest.mark.devices(1, 2, 8)
+        @pytest.mark.parametrize("k", [1, 2])
+        def test_count(jaxdev_devices, k, answer, tmp_path):
+            record_pid()
+            assert len(jax.devices()) == jaxdev_devices and answer == 42
+            doubled = jax.jit(lambda x: x * k)(jnp.ones(jaxdev_devices))
+            assert int(doubled.sum()) == k * jaxdev_devices
+            (tmp_path / "f").write_text("ok")
+
+        @pytest.mark.devices(2)
+        def test_wrong():
+            assert int(jnp.arange(4).sum()) == 7
+
+        @pytest.mark.devices(2)
+        @pytest.mark.parametrize("how", ["segv", "abort", "exit", "kill"])
+        def test_dies(how):
+            record_pid()
+            if how == "segv":
+                ctypes.string_at(0)
+            if how == "abort":
+                os.abort()
+            if how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
+
+        @pytest.mark.devices(2)
+        def test_threads_left():
+            record_pid()
+            threading.Thread(target=threading.Event().wait, name="left-behind", daemon=True).start()
+            import jaxdev
+            KEPT.append(jaxdev.prefetch_to_device(iter([np.ones(2)] * 50), size=2))
+
+        @pytest.mark.devices(2)
+        def test_after_faults():
+            record_pid()
+            assert len(jax.devices()) == 2
+
+        @pytest.mark.devices(0)
+        def test_zero(): pass
+
+        @pytest.mark.devices(-1)
+        def test_negative(): pass
+
+        @pytest.mark.devices(2.0)
+        def test_float(): pass
+
+        @pytest.mark.processes(2)
+        def test_no_devices(): pass
+
+        @pytest.mark.processes(3)
+        @pytest.mark.devices(8)
+        def test_not_dividing(): pass
+
+        @pytest.mark.devices(1, platform="gpu")
+        def test_gpu(): pass
+
+        def test_not_selected():
+            assert False
+        """
+    )
+    inner.makepyfile(
+        test_proc="""
+        import time, jax, pytest
+        from conftest import record_pid
+
+        @pytest.mark.processes(2, devices=1)
+        def test_fails_on_1():
+            record_pid()
+            assert jax.process_index() == 0, "only process 0 passes"
+
+        @pytest.mark.processes(2, devices=1, timeout=4)
+        def test_hangs_on_1():
+            record_pid()
+            if jax.process_index() == 1:
+                time.sleep(600)
+        """
+    )
+    result = run(inner, "-v", "-k", "not not_selected")
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+    # 1 passed, then left threads behind; the README example: 3 + 1
+    result.assert_outcomes(passed=8 + 4, failed=5 + 2, errors=7 - gpu)
+    out = result.stdout.str()
+    assert "test_dev.py::test_count[devices=8-2] PASSED" in out
+    assert "assert 6 == 7" in out and re.search(r"test_dev.py:\d+: AssertionError", out)
+    for how, why in [
+        ("segv", "signal SIGSEGV"),
+        ("abort", "signal SIGABRT"),
+        ("exit", "exit code 3"),
+    ]:
+        assert re.search(rf"test_dies\[devices=2-{how}\] _+\n.*died running this test: {why}", out)
+    assert "signal SIGKILL (the kernel's OOM killer sends SIGKILL)" in out
+    assert "Fatal Python error: Segmentation fault" in out
+    assert re.search(r'test_dev.py", line \d+ in test_dies', out)  # the dead worker's stack
+    assert (
+        "test_threads_left[devices=2] left 2 thread(s) running after its teardown: "
+        "'left-behind', 'jaxdev-prefetch' ('jaxdev-prefetch' is an open jaxdev Prefetcher"
+    ) in out
+    for name, why in [
+        ("test_zero", "devices(0): device counts must be ints >= 1"),
+        ("test_negative", "devices(-1): device counts must be ints >= 1"),
+        ("test_float", "devices(2.0): device counts must be ints >= 1"),
+        ("test_no_devices", "processes(2): `devices=` is missing"),
+        ("test_not_dividing[devices=8]", "processes(3): devices(8) in all do not divide over 3"),
+    ]:
+        assert f"test_dev.py::{name}: @pytest.mark.{why}" in out, name
+    if not gpu:
+        assert "test_gpu[devices=1]: the worker for devices=1, platform='gpu' asks for 1 gpu" in out
+    # one worker per count (1, 2, 8), a fresh one after each of 5 faults, 2 x 2 processes
+    assert len(set((inner.path / "pids.txt").read_text().split())) == 3 + 5 + 4
+
+    assert "FAILED test_proc.py::test_fails_on_1 - process 1 of 2: AssertionError" in out
+    assert "AssertionError: only process 0 passes" in out  # its traceback
+    assert "process 1 of 2 failed; the processes' output" in out
+    # the hang: every process prints its stacks at the timeout, then all end
+    assert "process(es) [1] did not finish the call" in out
+    assert re.search(r'\[p1\]   File ".*test_proc.py", line \d+ in test_hangs_on_1', out)
+    assert re.search(r"\[p0\]   File .*_distributed.py", out)  # waiting for process 1 at exit
+    assert re.search(r"test_hangs_on_1 in process \d did not finish within timeout=4 s", out)
+
+    # --lf re-runs only the failures, -x stops at the first
+    result = run(inner, "--lf", "-x", "-q", "-k", "not not_selected", timeout=120)
+    assert "stopping after 1 failures" in result.stdout.str()
+    result.assert_outcomes(failed=1)
+
+
+def test_inert_unless_asked(pytester):
+    """Installed, the plugin imports neither jax nor jaxdev into a session that does not ask."""
+    pytester.makepyfile(
+        "import sys\ndef test_no_jax():\n    assert not {'jax', 'jaxdev'} & set(sys.modules)\n"
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_jaxdev_devices_option(inner, monkeypatch):
+    inner.makepyfile(test_n="import jax\ndef test_n():\n    assert len(jax.devices()) == 3\n")
+    run(inner, "--jaxdev-devices", "3").assert_outcomes(passed=1)  # over the conftest's 8
+    inner.makeini("[pytest]\njaxdev_devices = 3\n")
+    monkeypatch.setenv("START_EARLY", "1")  # the conftest starts the backend (8 devices)
+    result = run(inner)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--jaxdev-devices 3 asks JAX for 3 cpu device(s), but its backend already started" in (
+        result.stderr.str()
+    )
+    assert re.search(r"conftest.py:\d+: `DEVICES = jax.devices\(\)`", result.stderr.str())
+
+
+def test_a_worker_that_never_starts(inner, monkeypatch):
+    monkeypatch.setenv("BREAK_WORKERS", "1")
+    inner.makepyfile(
+        test_w="""
+        import pytest
+
+        @pytest.mark.devices(2)
+        @pytest.mark.parametrize("k", [1, 2])
+        def test_w(k): pass
+
+        def test_here(): pass
+        """
+    )
+    result = run(inner, "-q")
+    result.assert_outcomes(passed=1, errors=2)
+    out = result.stdout.str()
+    assert "test_w.py::test_w[devices=2-1]: the jaxdev worker for devices=2 never started" in out
+    assert "No module named 'a_module_that_does_not_exist'" in out
+
+
+def _loss(params, batch):
+    return (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+
+
+def _per_call_mean(params, batch):  # the classic bug: a hard-coded global batch size
+    err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+    return jnp.full(err.shape, jnp.sum(err) / 64)
+
+
+def test_assert_strategies_agree():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}  # fsdp splits w over 8 devices
+    batches = [
+        {
+            "x": rng.normal(size=(64, 8)).astype(np.float32),
+            "y": rng.normal(size=64).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    names = assert_strategies_agree(_loss, None, params, batches)
+    assert names == ("single", "pmap", "sharded", "shard_map", "fsdp")
+    with pytest.raises(AssertionError) as err:
+        assert_strategies_agree(_per_call_mean, None, params, batches)
+    assert re.search(
+        r"strategy 'pmap' disagrees with 'single' after step 1 of 2 \(8 devices\): "
+        r"params\['b'\] = (\S+) vs (\S+) on 'single'",
+        str(err.value),
+    )
+    got, want = map(float, re.search(r"= (\S+) vs (\S+) on", str(err.value)).groups())
+    assert want == pytest.approx(8 * got, rel=1e-3)  # 8x too small per device
+    assert "hard-coded global batch size" in str(err.value)
+    with pytest.raises(jaxdev.UsageError, match="`batches` is empty"):
+        assert_strategies_agree(_loss, None, params, [])
