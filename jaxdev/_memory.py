@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,14 +125,20 @@ class MemoryLedger:
         named trees, unattributed, and, where a limit is known (``limit`` or
         the device's ``bytes_limit``), the free bytes up to it; a legend names
         the parts drawn, the axis is in KiB / MiB / GiB. The format follows
-        ``path``'s suffix (``.png``, ``.svg``, ``.pdf``). Needs matplotlib
-        (``pip install 'jaxdev[plot]'``); pyplot and its backend are left alone.
+        ``path``'s suffix (``.png``, ``.svg``, ``.pdf``; none: ``.png`` is
+        added). Needs matplotlib (``pip install 'jaxdev[plot]'``); pyplot and
+        its backend are left alone.
+
+        Args:
+          path: the file to write; its folder must exist.
+          limit: bytes per device to draw the free part up to (positive).
 
         Returns:
-          ``path``.
+          The path written.
 
         Raises:
-          UsageError: matplotlib is not installed.
+          UsageError: matplotlib is not installed, ``path``'s folder does not
+            exist, or ``limit`` is not positive.
 
         Example:
           >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
@@ -144,6 +151,12 @@ class MemoryLedger:
             from matplotlib.figure import Figure  # no pyplot: the user's backend is untouched
         except ImportError:
             raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+        if limit is not None and not limit > 0:
+            raise UsageError(f"`limit` is bytes per device and must be positive, got {limit!r}.")
+        folder = pathlib.Path(path).parent
+        if not folder.is_dir():
+            raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
+        path = str(path) if pathlib.Path(path).suffix else f"{path}.png"  # what matplotlib writes
         fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(self.per_device)), 4.5))
         _draw(self, fig, limit).savefig(path, dpi=100)
         return path

@@ -220,12 +220,23 @@ def test_the_tables_are_largest_first_by_the_bytes_they_show():
     replicated = jax.NamedSharding(jaxdev.data_mesh(), jax.P())
     wide = jax.device_put(jnp.ones(100), replicated)  # 400 B on each of 8 devices
     tall = jax.device_put(jnp.ones(150), jax.devices()[1])  # 600 B on one
-    strays = jax.device_put(jnp.ones(101), replicated), jax.device_put(jnp.ones(151), jax.devices()[2])
+    strays = jax.device_put(jnp.ones(101), replicated), jnp.ones(151, device=jax.devices()[2])
     ledger = jaxdev.memory(params={"wide": wide, "tall": tall})
     assert [e.path for e in ledger.entries] == ["params['tall']", "params['wide']"]
     shown = [e.shape for e in ledger.unattributed if e.shape in ((101,), (151,))]
     assert shown == [(151,), (101,)], str(ledger)  # was by bytes summed over devices
     del strays
+
+
+def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_limit(tmp_path):
+    ledger = jaxdev.memory(params={"w": jnp.ones(4)})
+    path = ledger.plot(str(tmp_path / "noext"))
+    assert path == str(tmp_path / "noext.png") and pathlib.Path(path).is_file()
+    with pytest.raises(jaxdev.UsageError, match=r"`path`.*'[^']*missing' does not exist"):
+        ledger.plot(str(tmp_path / "missing" / "m.png"))  # was a raw FileNotFoundError
+    for bad in (0, -5):  # were drawn as if no limit were given
+        with pytest.raises(jaxdev.UsageError, match=f"`limit`.*got {bad}"):
+            ledger.plot(str(tmp_path / "m.png"), limit=bad)
 
 
 def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagged():
