@@ -1,34 +1,20 @@
 """jaxdev's pytest plugin: one test on several device counts, or as several JAX processes.
 
-Inert unless a test or the command line asks for it:
-
-* ``@pytest.mark.devices(1, 2, 8)`` runs the test once per count (ids
-  ``test_x[devices=2]``), each in a worker process whose JAX backend starts
-  with that many CPU devices (``platform="gpu"``: that many real GPUs). As
-  with pytest-xdist, a worker is one pytest session that collects the same
-  files and runs the items it is sent, reporting pytest's own reports back
-  over a pipe: fixtures, rewritten asserts and tracebacks work as usual. One
-  worker per count, started at the first such test and reused; a worker
-  that dies fails its test (the signal, its last stderr lines), and the next
-  test gets a fresh one. A test that leaves threads running (an open
-  ``Prefetcher``) fails at teardown and its worker is replaced.
-* ``@pytest.mark.processes(2, devices=4, timeout=60)`` runs the test as 2
-  processes of a ``jax.distributed`` job on 127.0.0.1 (``jaxdev launch``,
-  ``jaxdev.distributed.initialize``), 4 fake CPU devices each (or a
-  ``devices(8)`` marker split over them). It passes when every process
-  passes; a failure names the process. Processes still running ``timeout``
-  seconds after the test started print every thread's stack and end.
-* ``--jaxdev-devices N`` (ini ``jaxdev_devices``) gives this process N CPU
-  devices, re-applied after each conftest so that a conftest's own setting
-  does not win; if something started the backend first, pytest stops with
-  an error naming that call.
-
-The plugin imports only the standard library and pytest at start-up
-(``_jaxdev_pytest`` loads this file without ``import jaxdev``).
+Inert unless asked (README, "Testing your own code"). ``devices(1, 2, 8)``:
+one worker process per count, as in pytest-xdist a pytest session of its own
+that collects the same files, runs the items it is sent and reports pytest's
+own reports back over a pipe; reused, replaced when it dies or a test leaves
+threads behind. ``processes(n, devices=m)``: ``jaxdev.distributed.launch``
+of ``n`` such sessions, each running the one test after
+``jaxdev.distributed.initialize``. ``--jaxdev-devices N``: this process's
+count, re-applied after each conftest. Only the standard library and pytest
+are imported at start-up (``_jaxdev_pytest`` loads this file without
+``import jaxdev``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import importlib.util
@@ -144,7 +130,7 @@ def pytest_generate_tests(metafunc):
 
 def _counts(mark) -> list[int] | str:
     """The counts of a ``devices`` marker, or what is wrong with it."""
-    bad = [a for a in mark.args if isinstance(a, bool) or not isinstance(a, int) or a < 1]
+    bad = [a for a in mark.args if not _is_count(a)]
     extra = set(mark.kwargs) - {"platform"}
     if not mark.args or bad or extra:
         why = f"got {bad[0]!r}" if bad else f"unknown {sorted(extra)}" if extra else "got none"
@@ -170,13 +156,15 @@ def _plan(item) -> tuple | str | None:
     return ("processes", *why)
 
 
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
 def _processes(mark, total: int | None) -> tuple | str:
     n, m = (mark.args or (None,))[0], mark.kwargs.get("devices")
     timeout = mark.kwargs.get("timeout", DEFAULT_TIMEOUT_S)
-    if len(mark.args) != 1 or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        return "give one process count, an int >= 1, e.g. processes(2, devices=4)."
-    if set(mark.kwargs) - {"devices", "timeout"}:
-        return f"unknown arguments {sorted(set(mark.kwargs) - {'devices', 'timeout'})}."
+    if len(mark.args) != 1 or not _is_count(n) or set(mark.kwargs) - {"devices", "timeout"}:
+        return "give one process count >= 1, `devices=`, `timeout=`: processes(2, devices=4)."
     if total is not None and m is not None:
         return "give the devices once: `devices=` per process, or a devices(...) marker in all."
     if total is not None and total % n:
@@ -184,7 +172,7 @@ def _processes(mark, total: int | None) -> tuple | str:
     m = total // n if total is not None else m
     if m is None:
         return "`devices=` is missing: the fake CPU devices per process, e.g. devices=4."
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    if not _is_count(m):
         return f"`devices=` must be an int >= 1 (devices per process), got {m!r}."
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         return f"`timeout=` must be a number of seconds > 0, got {timeout!r}."
@@ -233,14 +221,13 @@ class _Pins:
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.register_backend_initialization_hook(self._record)
-            self.hooked = True
-
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = lambda module: (run(module), self._hook(module))
         return spec
+
+    def _hook(self, xla_bridge) -> None:
+        if not self.hooked:
+            self.hooked = True
+            xla_bridge.register_backend_initialization_hook(self._record)
 
     def apply(self, where: str | None) -> None:
         if "jax" not in sys.modules:
@@ -254,9 +241,7 @@ class _Pins:
             return
         for name, value in self.settings.items():
             jax.config.update(name, value)
-        if not self.hooked:
-            self.hooked = True
-            xla_bridge.register_backend_initialization_hook(self._record)
+        self._hook(xla_bridge)
 
     def _record(self, backend) -> None:
         if self.started_by is None:
@@ -457,10 +442,8 @@ class _Handle:
 
     def end(self) -> None:
         """EOF on its commands: it tears its fixtures down and exits."""
-        try:
+        with contextlib.suppress(OSError):  # it died: the pipe is broken
             self.cmd.close()
-        except OSError:  # it died: the pipe is broken
-            pass
 
     def wait(self, wait_s: float) -> None:
         """Wait for its exit; kill it after ``wait_s``."""
