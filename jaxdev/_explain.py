@@ -32,6 +32,7 @@ import numpy as np
 
 from ._batches import Padded
 from ._errors import OutOfMemoryError, UsageError, short
+from ._leaves import is_jax_array
 from ._memory import MemoryLedger, memory
 from ._mesh import check_mesh
 from ._oom import first_line, is_resource_exhausted, limit_line, live_lines, plan_lines
@@ -593,6 +594,12 @@ def explain_memory(
 
 
 def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
+    """The ledger and its "live now" lines, naming the trees that hold arrays.
+
+    A tree of shapes names nothing: given to the ledger, every live array
+    shaped like one of its leaves would be flagged as an old copy.
+    """
+    trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
     try:
         ledger = memory(**trees)
         return ledger, tuple(live_lines(ledger, trees))
@@ -653,14 +660,18 @@ def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
     )
 
 
-def raise_if_oom(step: Any, err: BaseException, args: list[Any]) -> None:
-    """Raise :class:`OutOfMemoryError` (from ``err``) when a call ran out of memory; else return.
+def oom_error(
+    step: Any, args: list[Any], err: BaseException, where: str | None = None
+) -> OutOfMemoryError | None:
+    """The explained :class:`OutOfMemoryError` of a step call's ``err`` (``None``: not an OOM).
 
     ``args`` are the call's ``[state, batch, (mask), (metrics)]``; donated
     arrays among them may be deleted (their shapes are all that is read).
+    ``where``: where an error of an asynchronous call surfaced (a read, the
+    next call), said on the second line.
     """
     if not is_resource_exhausted(err):
-        return
+        return None
     try:
         explanation = explain_args(step, args, error=first_line(err))
         text = str(explanation)
@@ -670,9 +681,15 @@ def raise_if_oom(step: Any, err: BaseException, args: list[Any]) -> None:
             f"the step ran out of device memory ({first_line(err)}); explaining it failed "
             f"({type(e).__name__}: {short(e, 200)})"
         )
+    if where is not None:
+        head, _, rest = text.partition("\n")
+        text = (
+            f"{head}\nit surfaced at {where}: JAX runs a step asynchronously, and its error "
+            f"appears where its outputs are read\n{rest}"
+        )
     exc = OutOfMemoryError(text)
     exc.explanation = explanation
-    raise exc from err
+    return exc
 
 
 def init_lines(step: Any, params: Any, tx: Any, rng: Any, model_state: Any) -> list[str]:

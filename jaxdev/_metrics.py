@@ -37,6 +37,7 @@ from jax import lax
 from ._errors import MetricError
 from ._leaves import check_live
 from ._mesh import DEFAULT_AXIS
+from ._pending import explained_reads
 
 __all__ = [
     "Accuracy",
@@ -829,6 +830,8 @@ def fetch_metrics(tree: Any) -> Any:
     Raises:
       DeletedArrayError: a leaf was deleted or donated (metrics passed to a
         donating step: fetch the metrics it returned), naming each leaf.
+      OutOfMemoryError: the jaxdev step that made them ran out of device
+        memory (an error JAX raises only when its outputs are read), explained.
 
     Example:
       >>> import jax.numpy as jnp
@@ -837,7 +840,9 @@ def fetch_metrics(tree: Any) -> Any:
       {'loss': 1.5, 'top': 3.0}
     """
     check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
-    return _compute_host(jax.device_get(tree))
+    named = isinstance(tree, (Metric, Collection))
+    with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
+        return _compute_host(jax.device_get(tree))
 
 
 def _compute_host(tree: Any) -> Any:
@@ -972,7 +977,8 @@ class DeviceLog:
           A numpy array of ``min(count, capacity)`` records, or
           ``(steps, values)`` when ``with_steps`` is true.
         """
-        buffer, count = jax.device_get((self.buffer, self.count))
+        with explained_reads("DeviceLog.fetch"):
+            buffer, count = jax.device_get((self.buffer, self.count))
         count = int(count)
         kept = min(count, self.capacity)
         start = count % self.capacity if count > self.capacity else 0

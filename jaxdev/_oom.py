@@ -27,18 +27,26 @@ from ._memory import MemoryLedger, memory
 from ._report import human_bytes, text_table
 
 _MARK = "RESOURCE_EXHAUSTED"
+_SAID = "Out of memory"  # XLA's words, also where the status is INTERNAL (a queued call's)
 
 
 def is_resource_exhausted(err: BaseException) -> bool:
     """Whether ``err`` is XLA's out-of-memory (``RESOURCE_EXHAUSTED``), not a jaxdev error.
 
+    The output of a call that ran out of memory, read later, raises
+    ``INTERNAL: Error dispatching computation: Out of memory ...``: that is one too.
+
     Example:
       >>> is_resource_exhausted(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 B"))
+      True
+      >>> is_resource_exhausted(RuntimeError("INTERNAL: Error dispatching computation: "
+      ...                                    "Out of memory allocating 8 bytes."))
       True
       >>> is_resource_exhausted(ValueError("shapes differ"))
       False
     """
-    return not isinstance(err, JaxdevError) and _MARK in str(err)
+    text = str(err)
+    return not isinstance(err, JaxdevError) and (_MARK in text or _SAID in text)
 
 
 def first_line(err: BaseException) -> str:

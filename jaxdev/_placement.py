@@ -51,6 +51,7 @@ from ._leaves import (
     x64,
 )
 from ._mesh import replicated_sharding
+from ._pending import explained_reads
 
 Target = DeviceSpec | Sharding | Mesh
 
@@ -348,6 +349,8 @@ def to_host(tree: Any) -> Any:
       DeletedArrayError: a leaf was deleted or donated.
       LeafTypeError: a leaf is not an array or number.
       PlacementError: called inside ``jit`` on traced values.
+      OutOfMemoryError: the jaxdev step that made a leaf ran out of device
+        memory (an error JAX raises only when its outputs are read), explained.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -358,7 +361,8 @@ def to_host(tree: Any) -> Any:
     check_concrete(leaves, "to_host")
     check_live(tree, leaves, "tree")
     check_host_leaves(tree, leaves, "tree")
-    return jax.device_get(tree)
+    with explained_reads("to_host"):  # a step's out-of-memory, named
+        return jax.device_get(tree)
 
 
 def device_of(x: Any) -> jax.Device | None:

@@ -49,7 +49,8 @@ from ._explain import (
     check_step_memory,
     explain_memory,
     init_lines,
-    raise_if_oom,
+    oom_error,
+    state_shapes,
 )
 from ._fingerprint import same_program
 from ._hang import step_call
@@ -58,6 +59,7 @@ from ._leaves import deleted, is_jax_array, same_layout
 from ._metrics import Collection
 from ._offload import offloaded
 from ._oom import explained_oom
+from ._pending import failed, record
 from ._placement import copy_to, put_leaves, to_device
 from ._plan import resolve_limit
 from ._prefetch import Prefetcher
@@ -110,8 +112,12 @@ class _Step:
         # with a budget, each program (variant, batch shape) checked before it first runs
         budget = resolve_limit(memory_limit, strategy.devices, required=False)[0]
         self._checked: set[tuple] | None = None if budget is None else set()
+        self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
 
     def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
+        explained = failed("the next call of the step", self)  # the last call ran out of memory
+        if explained is not None:
+            raise explained
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
         if mask is None:
@@ -129,47 +135,67 @@ class _Step:
         key = (mask is not None, metrics is not None)
         if self._by_rules:  # the state's shardings depend on its structure
             key += (jax.tree.structure(state),)
+        leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
+        shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
         fn = self._compiled.get(key)
         step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
         if fn is None:
-            fn, args = self._first_call(key, args)
+            fn, args = self._first_call(key, args, shapes)
         else:
             if key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
                 args = self._relayout(key, args) or args
-            self._check_memory(key, args)
+            self._check_memory(key, args, shapes)
         try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
             out = fn(*args)
             self._bound_inflight(out[2] if self.is_train else out)
         except Exception as err:
-            raise_if_oom(self, err, args)
-            raise
+            explained = failed("the next call of the step") or oom_error(self, args, err)
+            if explained is None:
+                raise
+            raise explained from err
+        # its error surfaces later, where its outputs are read: explained there (_pending)
+        token = out[2] if self.is_train else jax.tree.leaves(out)[0]
+        record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
         return out[:2] if self.is_train else out
 
-    def _first_call(self, key: tuple, args: list[Any]) -> tuple[Callable, list[Any]]:
+    def _oom_later(self, key: tuple, treedef: Any, shapes: list, err: Any, where: str) -> Any:
+        """:func:`oom_error` of a call that failed after it returned, from shapes only.
+
+        Its arrays are not kept (they would outlive the loop as unnamed old
+        copies): the state and metrics are the variant's shapes, the batch's
+        were noted at the call.
+        """
+        state, metrics = self._arg_shapes[key]
+        sds = [s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes]  # None: a number
+        batch = treedef.unflatten(sds)
+        return oom_error(self, [state, *batch, *([metrics] if key[1] else [])], err, where)
+
+    def _first_call(self, key: tuple, args: list[Any], shapes: list) -> tuple[Callable, list]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
-        self._check_memory(key, args)
+        self._check_memory(key, args, shapes)
+        self._arg_shapes[key] = (state_shapes(args[0]), state_shapes(args[-1]) if key[1] else None)
         kind = "train" if self.is_train else "eval"
         name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
         # its first call checks every process compiled the same program
         fn = self._compiled[key] = same_program(jitted, name=name)
         return fn, args
 
-    def _check_memory(self, key: tuple, args: list[Any]) -> None:
+    def _check_memory(self, key: tuple, args: list[Any], shapes: list) -> None:
         """Check the memory budget of the program ``args`` run, before it first runs.
 
         ``jax.jit`` compiles a program per variant ``key`` and per batch
-        shape: with a budget (``memory_limit``, or the devices' own) each is
-        checked once, before anything runs or is donated; then a set lookup.
+        ``shapes`` (with dtypes): with a budget (``memory_limit``, or the
+        devices' own) each is checked once, before anything runs or is
+        donated; then a set lookup.
         """
         if self._checked is None:
             return
-        leaves = jax.tree.leaves(args[1])
-        shapes = (key, *((jnp.shape(x), getattr(x, "dtype", None)) for x in leaves))
-        if shapes not in self._checked:
+        program = (key, *shapes)
+        if program not in self._checked:
             check_step_memory(self, self._jitted[key], args)
-            self._checked.add(shapes)
+            self._checked.add(program)
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
         jitted = self._jitted.get(key)
@@ -680,8 +706,10 @@ def make_train_step(
         needs more bytes per device than the budget; nothing ran. The message gives
         both figures, what is live by path and the changes that fit, each
         compiled (:meth:`TrainStep.explain_memory`'s text).
-      OutOfMemoryError: (at a call) XLA ran out of device memory
-        (``RESOURCE_EXHAUSTED``); the message explains it the same way.
+      OutOfMemoryError: XLA ran out of device memory (``RESOURCE_EXHAUSTED``),
+        raised at the call or, as JAX runs the step asynchronously, where its
+        outputs are read (``metrics.fetch()``, :func:`jaxdev.to_host`, the
+        next call); the message explains it the same way.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev

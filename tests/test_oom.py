@@ -171,21 +171,27 @@ def test_the_advice_is_the_cheapest_compiled_option_that_fits_or_that_none_does(
     assert fitting[3 * 2**20] and not fitting[2 * 2**20]
 
 
-REAL_OOM = """
-import jax
+HUGE = """
+import os, jax
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_cpu_enable_async_dispatch", False)  # the allocation fails in the call
+if os.environ.get("SYNC_DISPATCH"):  # the allocation fails in the call
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
 import jax.numpy as jnp, numpy as np, optax, jaxdev
 
-def huge_loss(params, batch):  # temporaries of 8 x 4 x 2**33 float32 (1 TiB): malloc refuses
-    h = batch @ params["w"]
-    big = h[:, :, None] * jnp.arange(2**33, dtype=jnp.float32)[None, None]
-    return jnp.sort(big, axis=-1)[..., -3:].sum((-1, -2))
+def huge_loss(params, batch):  # temporaries of 8 x 4 x 2**31 float32 (256 GiB): malloc refuses
+    h = batch @ params["w"]  # (a cumsum: no axis of 2**31 or more, which jax 0.12 dies on)
+    i, j = jnp.arange(2**15, dtype=jnp.float32), jnp.arange(2**16, dtype=jnp.float32)
+    return jnp.cumsum(h[:, :, None, None] * i[:, None] * j, axis=-1).max((-1, -2, -3))
 
 tx = optax.sgd(0.1)
 step = jaxdev.make_train_step(huge_loss, tx, jaxdev.Strategy.single())
-state = step.init_state({"w": jnp.ones((4, 4))}, tx)
 batch = step.put_batch(np.ones((8, 4), np.float32))
+"""
+
+REAL_OOM = (
+    HUGE
+    + """
+state = step.init_state({"w": jnp.ones((4, 4))}, tx)
 try:
     step(state, batch)
 except jaxdev.OutOfMemoryError as e:
@@ -194,6 +200,7 @@ except jaxdev.OutOfMemoryError as e:
     assert e.explanation.error.startswith("RESOURCE_EXHAUSTED")
     print(e)
 """
+)
 
 
 def test_a_real_resource_exhausted_becomes_an_explained_out_of_memory_error():
@@ -201,14 +208,59 @@ def test_a_real_resource_exhausted_becomes_an_explained_out_of_memory_error():
     allocation at launch): the step raises OutOfMemoryError with the whole explanation."""
     from conftest import run_python
 
-    proc = run_python(REAL_OOM, timeout=300)
+    proc = run_python(REAL_OOM, env={"SYNC_DISPATCH": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     assert text.startswith("the train step ran out of device memory (RESOURCE_EXHAUSTED: ")
-    assert "temporaries 6144.0 GiB" in text  # what the compiled step needed
+    assert "temporaries 528.0 GiB" in text  # what the compiled step needed
     assert "live now on cpu:0" in text and "batch  8x4" in text  # the donated state is gone
     assert "device limit: not reported by the cpu backend" in text
-    assert "a batch of 4 rows" in text and "3072.0 GiB" in text  # an option, compiled
+    assert "a batch of 4 rows" in text and "264.0 GiB" in text  # an option, compiled
+
+
+ASYNC_OOM = (
+    HUGE
+    + """
+def step_once():  # returns at once (asynchronous dispatch): the error is raised later
+    return step(step.init_state({"w": jnp.ones((4, 4))}, tx), batch)
+
+def named(read, where):
+    try:
+        read()
+    except jaxdev.OutOfMemoryError as e:
+        assert isinstance(e.__cause__, jax.errors.JaxRuntimeError), repr(e.__cause__)
+        assert "Out of memory" in e.explanation.error, e.explanation.error
+        print(where, "|", " | ".join(str(e).splitlines()[:2]))
+    else:
+        raise AssertionError(f"{where}: no OutOfMemoryError")
+
+state, metrics = step_once()
+named(metrics.fetch, "fetch")
+state, metrics = step_once()
+named(lambda: jaxdev.to_host(state.params), "to_host")
+state, metrics = step_once()
+try:
+    jax.block_until_ready(metrics)  # JAX's own wait raises JAX's own error,
+except jax.errors.JaxRuntimeError:
+    pass
+named(lambda: step(state, batch, metrics), "next call")  # and the step's next call names it
+"""
+)
+
+
+def test_an_out_of_memory_raised_later_is_the_same_explained_error():
+    """JAX dispatches asynchronously: a step's real out-of-memory surfaced as a bare
+    ``JaxRuntimeError`` where its outputs were read. Each jaxdev read raises the step's
+    explanation, saying where it surfaced."""
+    from conftest import run_python
+
+    proc = run_python(ASYNC_OOM, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["fetch", "to_host", "next call"], lines
+    for line, where in zip(lines, ("Collection.fetch", "to_host", "the next call of the step")):
+        assert " | the train step ran out of device memory (" in line, line
+        assert f" | it surfaced at {where}: " in line, line
 
 
 def test_init_sharded_runs_out_of_memory_with_an_explanation():

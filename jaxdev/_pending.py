@@ -1,0 +1,103 @@
+"""Errors of calls that ran asynchronously, explained where they surface.
+
+JAX dispatches a compiled call and returns at once; an error of the
+computation (XLA's out-of-memory) surfaces later, wherever its outputs are
+read. A jaxdev step records each call here (:func:`record`) with a function
+that explains such an error; jaxdev's reads (``metrics.fetch()``,
+:func:`jaxdev.to_host`) run under :func:`explained_reads`, and the step's next
+call asks :func:`failed` first, so each raises the explanation instead of
+JAX's bare error. A user's own ``jax.block_until_ready`` raises JAX's error;
+the next jaxdev read or step call then raises the explained one.
+
+A core module: the memory subsystem's explanation comes in as a callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._errors import JaxdevError
+from ._guards import not_counted
+
+Explain = Callable[[BaseException, str], "BaseException | None"]
+"""``explain(error, where) -> the error to raise instead`` (``None``: not one it explains)."""
+
+_PENDING: dict[Any, tuple[Any, Explain]] = {}  # owner -> (an output, explain); oldest first
+_KEEP = 8  # owners remembered
+
+
+def record(owner: Any, token: Any, explain: Explain) -> None:
+    """Remember ``owner``'s latest call: ``token`` (an output array) and how to explain it.
+
+    ``explain`` holds what the call's explanation needs (its outputs and
+    batch), so the calls known to have succeeded are forgotten here and after
+    each read: a finished loop keeps nothing alive once jaxdev runs or reads again.
+    """
+    _PENDING.pop(owner, None)
+    _forget_finished()
+    _PENDING[owner] = (token, explain)
+    if len(_PENDING) > _KEEP:
+        _PENDING.pop(next(iter(_PENDING)), None)
+
+
+def _forget_finished() -> None:
+    for key, (token, _) in list(_PENDING.items()):
+        if token.is_ready() and _error(token) is None:
+            _PENDING.pop(key, None)
+
+
+def _error(token: Any) -> BaseException | None:
+    """The error ``token``'s computation ended with (``None``: still running, or fine)."""
+    if not token.is_ready():  # never waits: a failed computation is ready
+        return None
+    try:
+        with not_counted():  # ready: not a wait (count_transfers / no_host_sync)
+            token.block_until_ready()
+    except Exception as err:
+        return err
+    return None
+
+
+def failed(where: str, owner: Any = None) -> BaseException | None:
+    """The explained error of the oldest recorded call (of ``owner``) that failed, or ``None``.
+
+    A failed call is forgotten once asked about.
+    """
+    if owner is not None:  # the fast path, at every step call
+        pending = _PENDING.get(owner)
+        if pending is None or not pending[0].is_ready():
+            return None
+    for key in list(_PENDING) if owner is None else [owner]:
+        token, explain = _PENDING.get(key, (None, None))
+        err = None if token is None else _error(token)
+        if err is not None:
+            _PENDING.pop(key, None)
+            explained = explain(err, where)
+            if explained is not None:
+                explained.__cause__ = err
+                return explained
+    return None
+
+
+@contextlib.contextmanager
+def explained_reads(where: str) -> Iterator[None]:
+    """Reading device values in this block, a recorded call's error is raised explained.
+
+    Args:
+      where: the read, for the message (``'Collection.fetch'``).
+
+    After a read that succeeded, the calls known to have succeeded are
+    forgotten (what they held is freed).
+    """
+    try:
+        yield
+    except JaxdevError:
+        raise
+    except Exception as err:
+        explained = failed(where)
+        if explained is None:
+            raise
+        raise explained from err
+    _forget_finished()
