@@ -239,17 +239,22 @@ def _describe(mesh: Mesh) -> str:
 
 
 class MeshBound:
-    """A jitted function whose calls and ``lower`` run :func:`under_mesh` of its mesh."""
+    """A jitted function whose calls and ``lower`` run :func:`under_mesh` of its mesh
+    (``mesh=None``: :func:`outside_mesh`, for one device and ``pmap``, which take no
+    mesh of the user's: under one, JAX refuses their committed inputs)."""
 
-    def __init__(self, fn: Any, mesh: Mesh) -> None:
+    def __init__(self, fn: Any, mesh: Mesh | None) -> None:
         self.fn, self.mesh = fn, mesh
 
+    def _context(self) -> contextlib.AbstractContextManager:
+        return outside_mesh() if self.mesh is None else under_mesh(self.mesh)
+
     def __call__(self, *args: Any) -> Any:
-        with under_mesh(self.mesh):
+        with self._context():
             return self.fn(*args)
 
     def lower(self, *args: Any) -> Any:
-        with under_mesh(self.mesh):
+        with self._context():
             return self.fn.lower(*args)
 
 

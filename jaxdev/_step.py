@@ -276,8 +276,8 @@ class _Step:
             key += (jax.tree.structure(state),)
         jitted = self._jit(key, args)
         expected = self._in_shardings.get(key)
-        moves = [] if expected is None else _misplaced(args, expected)
-        if moves:  # as the call would move them: their shapes in the program's layout
+        moves = [] if expected is None else _misplaced(args, expected, unplaced=True)
+        if moves:  # as the call would place them: their shapes in the program's layout
             leaves = [jax.tree.flatten(a) for a in args]
             for a, i, target in moves:
                 x = leaves[a][0][i]
@@ -513,13 +513,18 @@ def _cpu_collectives(strategy: Strategy) -> bool:
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
-def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any]]:
+def _misplaced(
+    args: list[Any], expected: list[Any], unplaced: bool = False
+) -> list[tuple[int, int, Any]]:
     """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
 
     Committed arrays (and ``ShapeDtypeStruct`` s with a sharding) laid out
     otherwise than the program's inputs; uncommitted arrays and host values
     are placed by ``jit`` itself. Deleted arrays are left to the call's own
-    error.
+    error. With ``unplaced`` (lowering), also the leaves with no layout of
+    their own (host arrays, shapes without a sharding): traced without one,
+    they would be typed replicated on an ``Explicit`` mesh, not as the call
+    places them.
     """
     out = []
     for a, (arg, want) in enumerate(zip(args, expected)):
@@ -538,6 +543,10 @@ def _misplaced(args: list[Any], expected: list[Any]) -> list[tuple[int, int, Any
                 have = getattr(x, "sharding", None)
                 if isinstance(have, jax.sharding.Sharding) and not same_layout(have, s, x.ndim):
                     out.append((a, i, s))
+                elif have is None and unplaced:
+                    out.append((a, i, s))
+            elif unplaced and not is_jax_array(x) and hasattr(x, "shape"):
+                out.append((a, i, s))
             elif (
                 is_jax_array(x)
                 and not deleted(x)

@@ -38,6 +38,7 @@ from ._mesh import (
     check_mesh,
     mesh_of,
     named_sharding,
+    outside_mesh,
     under_mesh,
 )
 from ._offload import check_offload, streamed
@@ -281,8 +282,9 @@ class Strategy:
 
     def mesh_context(self) -> contextlib.AbstractContextManager:
         """The context user code is traced in: ``jax.set_mesh(mesh)`` under ``sharded``
-        (:func:`jaxdev._mesh.under_mesh`), nothing under ``single`` and ``pmap``."""
-        return contextlib.nullcontext()
+        (:func:`jaxdev._mesh.under_mesh`); no mesh under ``single`` and ``pmap``
+        (:func:`jaxdev._mesh.outside_mesh`: a user's mesh is not theirs)."""
+        return outside_mesh()
 
     def local_shards(self) -> int:
         """How many batch shards this process's rows are split into."""
@@ -391,7 +393,7 @@ class _Single(Strategy):
         return self.devices[0]
 
     def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
-        return jax.jit(functools.partial(run, None), donate_argnums=donate)
+        return MeshBound(jax.jit(functools.partial(run, None), donate_argnums=donate), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +422,7 @@ class _Pmap(Strategy):
 
     def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
         in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
-        return jax.pmap(
+        pmapped = jax.pmap(
             functools.partial(run, self.axis),
             axis_name=self.axis,
             devices=list(self.devices),
@@ -428,6 +430,7 @@ class _Pmap(Strategy):
             out_axes=(None, None, None) if train else None,
             donate_argnums=donate,
         )
+        return MeshBound(pmapped, None)  # a user's jax.set_mesh is not pmap's
 
 
 @dataclasses.dataclass(frozen=True)
