@@ -8,8 +8,13 @@ session also checks that no worker or process outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -256,6 +261,49 @@ def test_a_worker_that_never_starts(inner, monkeypatch):
     out = result.stdout.str()
     assert "test_w.py::test_w[devices=2-1]: the jaxdev worker for devices=2 never started" in out
     assert "No module named 'a_module_that_does_not_exist'" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_a_worker_ends_with_its_pytest(inner, sig):
+    inner.makepyfile(
+        test_s="""
+        import time, pytest
+        from conftest import record_pid
+
+        @pytest.mark.devices(2)
+        def test_sleeps():
+            record_pid()
+            time.sleep(60)
+        """
+    )
+    pids, parent = inner.path / "pids.txt", None
+    try:
+        cmd, out = [sys.executable, "-m", "pytest", "-q"], subprocess.DEVNULL
+        parent = inner.popen(cmd, stdout=out, stderr=out)
+        deadline = time.monotonic() + 120
+        while not pids.exists() and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker = int(pids.read_text())  # it runs its test
+        os.kill(parent.pid, sig)  # Ctrl-C, or what `timeout -s KILL` and a CI cancel send
+        parent.wait(15)  # SIGINT: pytest ends promptly
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.1)
+        assert not _alive(worker), f"worker {worker} outlived its pytest"
+    finally:
+        if parent is not None:
+            parent.kill()
+            parent.wait()
+        for pid in pids.read_text().split() if pids.exists() else ():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:  # a zombie is dead, whoever reaps it
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _loss(params, batch):

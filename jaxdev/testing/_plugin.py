@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,12 @@ _STDERR = _WORKER and open(os.dup(2), "w")  # the real stderr, before pytest cap
 _START_S = 120  # start-up allowance of a processes test (launch + initialize + collection)
 _TAIL = 30  # stderr lines shown for a dead worker
 _PINS = None  # the JAX start-up settings this process asks for (a _Pins)
+if _WORKER and sys.platform == "linux":  # die with the pytest that started it (SIGKILL, timeout)
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _WORKER["parent"]:  # its pytest died before the prctl
+        os._exit(1)
 
 
 @pytest.fixture
@@ -348,6 +355,10 @@ class _Controller:
                 reports.append(_report(self.config, msg["report"]))
             if msg is not None and "missing" in msg:
                 reports.append(_failed(item, "setup", msg["missing"]))
+        except KeyboardInterrupt:  # Ctrl-C ends its test now, not when the test returns
+            worker.proc.send_signal(signal.SIGINT)
+            worker.wait(5)
+            raise
         except (Exception, pytest.fail.Exception) as e:  # pytest-timeout's alarm; a dead pipe
             msg = None
             if worker.proc.poll() is None:
@@ -402,6 +413,7 @@ class _Handle:
         (cmd_r, cmd_w), (res_r, res_w) = os.pipe(), os.pipe()
         orders = dict(pins=pins, platform=platform, count=n, what=f"the worker for {self.what}")
         orders.update(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
+        orders["parent"] = os.getpid()
         orders["basetemp"] = _basetemp(config, f"{platform}{n}-{number}")
         env = {**os.environ, ENV: json.dumps(orders)}
         self.log = tempfile.TemporaryFile()
@@ -484,7 +496,7 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
     with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
         orders = dict(pins={"jax_platforms": "cpu", "jax_num_cpu_devices": m}, platform="cpu")
         orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid, id="jaxdev-p")
-        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout)
+        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout, parent=os.getpid())
         orders["basetemp"] = _basetemp(config, os.path.basename(run_dir))
         # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
         env = {ENV: json.dumps(orders), "JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
