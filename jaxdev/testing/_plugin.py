@@ -43,7 +43,7 @@ if _WORKER and sys.platform == "linux":  # die with the pytest that started it (
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != _WORKER["parent"]:  # its pytest died before the prctl
+    if os.getppid() != _WORKER.get("parent", os.getppid()):  # its pytest died before the prctl
         os._exit(1)
 
 
