@@ -232,9 +232,10 @@ class _Pins:
         return spec
 
     def _hook(self, xla_bridge) -> None:
-        if not self.hooked:
+        register = getattr(xla_bridge, "register_backend_initialization_hook", None)
+        if not self.hooked and register is not None:  # (jax 0.12 imports it partway first)
             self.hooked = True
-            xla_bridge.register_backend_initialization_hook(self._record)
+            register(self._record)
 
     def apply(self, where: str | None) -> None:
         if "jax" not in sys.modules:
