@@ -8,11 +8,10 @@ import importlib.metadata
 import os
 import re
 import sys
+import tomllib
 
-import pytest
 from conftest import REPO
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+from packaging.version import Version
 
 SOURCES = sorted(glob.glob(os.path.join(REPO, "jaxdev", "*.py")))
 
@@ -58,9 +57,13 @@ def _declared(requirements: list[str]) -> set[str]:
     return {re.sub(r"[-_.]+", "-", n).lower() for n in names}
 
 
-def test_every_imported_package_is_declared():
+def _project() -> dict:
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
+        return tomllib.load(f)["project"]
+
+
+def test_every_imported_package_is_declared():
+    project = _project()
     required = _declared(project["dependencies"])
     optional = _declared([r for reqs in project["optional-dependencies"].values() for r in reqs])
     undeclared = []
@@ -79,3 +82,15 @@ def test_every_imported_package_is_declared():
 def test_no_private_chex_imports():
     offenders = [p for p in SOURCES if "chex._src" in _read(p)]
     assert not offenders, offenders
+
+
+def test_every_floor_is_the_version_ci_tests():
+    """pyproject's `>=` floors are .ci/minimum.txt's pins, the versions CI's second venv tests."""
+    project = _project()
+    floors = {}
+    for r in project["dependencies"] + project["optional-dependencies"]["test"]:
+        name, _, version = r.partition(">=")
+        floors[_declared([name]).pop()] = Version(version)
+    pins = [line.split("==") for line in _read(os.path.join(REPO, ".ci", "minimum.txt")).split()]
+    pinned = {_declared([p[0]]).pop(): Version(p[1]) for p in pins if len(p) == 2}
+    assert floors == {n: v for n, v in pinned.items() if n in floors}, (floors, pinned)
