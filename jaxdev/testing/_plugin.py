@@ -31,6 +31,7 @@ import time
 import traceback
 
 import pytest
+from _pytest.terminal import TerminalReporter  # pytest.TerminalReporter only from 8.4
 
 ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
 DEFAULT_TIMEOUT_S = 60.0
@@ -329,6 +330,9 @@ class _Controller:
             reports = _as_processes(self.config, item, *plan[1:])
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
+        # what pytest's own protocol does after each item: tear down the in-process
+        # collectors (module, class) the next item does not share (pytest has no public API)
+        item.session._setupstate.teardown_exact(nextitem)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
@@ -644,7 +648,7 @@ class _Worker:
         return result
 
 
-class _Quiet(pytest.TerminalReporter):
+class _Quiet(TerminalReporter):
     """A worker's terminal: nothing shown, and no summary at the end (hypothesis's plugin
     imports hypothesis for its summary: seconds where bytecode is not cached)."""
 
