@@ -533,19 +533,21 @@ def initialize(
         of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
       hang_timeout_s: ``S`` seconds: start the hang watchdog (else
         ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout``
-        sets; default ``None``: no watchdog). Progress is a jaxdev step
-        call, a checkpoint, a :func:`~jaxdev.distributed.heartbeat`, or a
-        change of phase, and each phase counts as progress for its
-        allowance: start-up (before the first heartbeat), any compile
-        (first or later: a new batch shape recompiles) and a checkpoint
-        ``10 * S``; a step (in a jaxdev step call or cross-process check,
-        or waiting in JAX) ``S``; host work between steps ``S``, and only
-        while another process waits in a step; finished (at exit or
-        :func:`shutdown`, bounded by ``shutdown_timeout_s``) and shutdown
-        never. When every unfinished process is over its allowance and one
-        is not in host work, every process prints its threads' stacks and
-        process 0 prints a summary naming the process that is behind, its
-        step and where it is. See :mod:`jaxdev._hang`.
+        sets; default ``None``: no watchdog). Progress is a jaxdev step call,
+        a checkpoint, a :func:`~jaxdev.distributed.heartbeat`, a change of
+        phase, or a main thread in JAX code that moved (your own jit in a
+        loop), and each phase counts as progress for its allowance: start-up
+        (before the first heartbeat), any compile (first or later: a new batch
+        shape recompiles), a checkpoint and a barrier outside any step (JAX's
+        ``sync_global_devices``) ``10 * S``; a step (in a jaxdev step call or
+        cross-process check, or waiting in JAX) ``S``; host work between steps
+        only while another process waits, ``S`` in a step, ``10 * S`` at a
+        barrier; finished (at exit or :func:`shutdown`, bounded by
+        ``shutdown_timeout_s``) and shutdown never. When every unfinished
+        process is over its allowance and one is not in host work, every
+        process prints its threads' stacks and process 0 prints a summary
+        naming the process that is behind, its step and where it is. See
+        :mod:`jaxdev._hang`.
       hang_action: after that report, ``"exit"`` (default, or
         ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, about
         ``hang_timeout_s + 1`` s after the last progress (at most

@@ -33,9 +33,13 @@ The model. Heartbeats come from jaxdev's train and eval step calls (a train
 step call counts as the next step, 1, 2, ...), :func:`jaxdev.save` /
 :func:`jaxdev.restore`, and :func:`heartbeat` in your own loop. Each process
 is in one state (:func:`state_of`: its last heartbeat's phase and what its
-main thread is inside, seen every interval); a heartbeat or a change of state
-is progress, and ``quiet`` is the time since. A state counts as progress for
-its allowance (:data:`ALLOWANCE`, times ``S``):
+main thread is inside, seen every interval). Progress (:func:`progressed`)
+is a heartbeat, a change of state, or, in JAX code (compile, step,
+barrier), a main thread that moved since the last sample (another innermost
+frame, e.g. a new call of your own jitted function in an evaluation loop,
+or another instruction in it; a thread blocked in C++, in a collective or a
+sleep, stays put). ``quiet`` is the time since. A state counts as progress
+for its allowance (:data:`ALLOWANCE`, times ``S``):
 
 ============  ================================================  =========  ==========
 state         recognised by                                     allowance  can fire
@@ -48,11 +52,20 @@ compile       the main thread in JAX's tracing, lowering or     10 S       yes
 checkpoint    inside jaxdev's save, restore or Checkpointer     10 S       yes
 step          inside a jaxdev step call or cross-process        S          yes
               check, or other JAX code (a dispatch,
-              ``jax.block_until_ready``, a fetch): computing,
-              or waiting on the others in a collective
-host work     anything else: your code between steps (a         S          no: only
-              loader, logging, post-processing after the last              as the one
-              step)                                                        behind
+              ``jax.block_until_ready``, a fetch, your own
+              jit): computing, or waiting on the others in a
+              collective
+barrier       outside a jaxdev step or check, in JAX's          10 S       yes
+              ``multihost_utils`` (``sync_global_devices``,
+              ``process_allgather``) or calling the
+              coordination service's ``wait_at_barrier``:
+              waiting for the others outside any step (e.g.
+              JAX's end barrier)
+host work     anything else: your code between steps (a         S; 10 S    no: only
+              loader, logging, post-processing after the last   while the  as the one
+              step)                                             others     behind
+                                                                wait at a
+                                                                barrier
 finished      reached jaxdev's shutdown (at exit or             never      no
               ``shutdown()``), waiting in its barrier (bounded
               by ``shutdown_timeout_s``, which names the late)
@@ -64,25 +77,28 @@ The verdict (:func:`stalled`, a pure function of every process's state and
 quiet time): the job is stalled when every unfinished process is over its
 allowance and one of them can fire. So a process doing host work for more
 than ``S`` while another waits in a step for more than ``S`` is the stall
-(the one in host work is named), but host work alone never is: a process
+(the one in host work is named), and for more than ``10 S`` while the
+others wait at a barrier (post-processing before JAX's end barrier: call
+:func:`heartbeat` in longer host work); host work alone never is: a process
 that finished its steps and post-processes while the others finished, or
 work on the host too, is not waited for by anyone. Step counts may differ
 (the one behind is chosen by state first). A process that does not answer
 counts in its last state, aging.
 
 Limits: a hang where no process waits in JAX (every process stuck in host
-code at once, e.g. every loader on one dead filesystem) is not reported. A
-wait that JAX does in C++ right from your line (``x.block_until_ready()``,
-``np.asarray(x)``) looks like host work; jaxdev's steps, ``jax.device_get``
-and ``jax.block_until_ready`` are seen. The watchdog is a Python thread: a
-process stalled in Python (``time.sleep``, a lock, a queue, a loader) or in
-a C call that releases the GIL (every JAX wait) is seen and dumps its own
-stack. A process stuck in a C call that holds the GIL (or dead) cannot
-answer: it is named from its last heartbeat ("its watchdog does not
-answer"), without a stack, and is ended by JAX's own heartbeat check
-(``heartbeat_timeout_s``) after the others exit, or by ``jaxdev launch``.
-``SIGUSR1`` prints a live process's stacks at any time (see
-:func:`install_stack_dumps`).
+code at once, e.g. every loader on one dead filesystem) is not reported, nor
+one whose main thread keeps moving in JAX code (a host callback spinning in
+Python). A wait that JAX does in C++ right from your line
+(``x.block_until_ready()``, ``np.asarray(x)``) looks like host work;
+jaxdev's steps, ``jax.device_get`` and ``jax.block_until_ready`` are seen.
+The watchdog is a Python thread: a process stalled in Python
+(``time.sleep``, a lock, a queue, a loader) or in a C call that releases the
+GIL (every JAX wait) is seen and dumps its own stack. A process stuck in a C
+call that holds the GIL (or dead) cannot answer: it is named from its last
+heartbeat ("its watchdog does not answer"), without a stack, and is ended by
+JAX's own heartbeat check (``heartbeat_timeout_s``) after the others exit,
+or by ``jaxdev launch``. ``SIGUSR1`` prints a live process's stacks at any
+time (see :func:`install_stack_dumps`).
 
 The key-value store is reached through ``jax._src.distributed.global_state``
 (see :func:`jaxdev._multihost.kv_client`): JAX has no public API for its
@@ -115,14 +131,16 @@ _log = logging.getLogger("jaxdev")
 ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
 ENV_HANG_ACTION = "JAXDEV_HANG_ACTION"
 ACTIONS = ("exit", "wait")
-LONG_FACTOR = 10  # compile, checkpoint and start-up count as progress for up to 10 * S
+LONG_FACTOR = 10  # compile, checkpoint, a barrier and start-up count as progress for up to 10 * S
 ALLOWANCE = {  # state: how long (x S) it counts as progress; "finished" never stalls
     "start": LONG_FACTOR,
     "compile": LONG_FACTOR,
     "checkpoint": LONG_FACTOR,
+    "barrier": LONG_FACTOR,
     "step": 1,
     "host": 1,
 }
+_MOVES = ("compile", "step", "barrier")  # in JAX code, a main thread that moved made progress
 _IN_CALL = ("compile", "step", "eval")  # phases of a jaxdev step call
 _OWN_FILES = {  # jaxdev's files: what the main thread does while inside them
     "_step.py": "step",
@@ -137,6 +155,7 @@ _JAX_COMPILE = (
     os.path.join("_src", "interpreters", "partial_eval.py"),
     os.path.join("_src", "interpreters", "mlir.py"),
 )
+_JAX_BARRIER = os.path.join("experimental", "multihost_utils.py")  # sync_global_devices, ...
 _KEY = "jaxdev/hang/"
 _STACK_CHARS = 60_000  # per process, in the key-value store
 _GATHER_S = 5.0  # the reporter waits this long for every answering process's stacks
@@ -309,16 +328,19 @@ def where(frame: Any) -> str:
 
 
 def inside(frame: Any) -> frozenset[str]:
-    """What a stack is inside: JAX's compiler or other JAX code, jaxdev's steps and checks.
+    """What a stack is inside: JAX's compiler, a barrier or other JAX code, jaxdev's own files.
 
     Args:
       frame: the innermost frame (``None``: nothing).
 
     Returns:
       The tags of its frames: ``compile`` (JAX tracing, lowering or
-      compiling), ``jax`` (other JAX code: a dispatch, a fetch,
-      ``jax.block_until_ready``), and jaxdev's ``step`` (a step call),
-      ``check`` (a cross-process check), ``checkpoint`` (save, restore).
+      compiling), ``barrier`` (JAX's ``multihost_utils``:
+      ``sync_global_devices``, ``process_allgather``, ...; or the innermost
+      frame calling the coordination service's ``wait_at_barrier``), ``jax``
+      (other JAX code: a dispatch, a fetch, ``jax.block_until_ready``), and
+      jaxdev's ``step`` (a step call), ``check`` (a cross-process check),
+      ``checkpoint`` (save, restore).
 
     Example:
       >>> import sys
@@ -326,12 +348,17 @@ def inside(frame: Any) -> frozenset[str]:
       frozenset()
     """
     tags = set()
+    if frame is not None and "wait_at_barrier" in linecache.getline(
+        frame.f_code.co_filename, frame.f_lineno
+    ):
+        tags.add("barrier")
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_PACKAGE) and name[len(_PACKAGE) :] in _OWN_FILES:
             tags.add(_OWN_FILES[name[len(_PACKAGE) :]])
         elif name.startswith(_JAX):
-            tags.add("compile" if name.endswith(_JAX_COMPILE) else "jax")
+            jax_tag = "barrier" if name.endswith(_JAX_BARRIER) else "jax"
+            tags.add("compile" if name.endswith(_JAX_COMPILE) else jax_tag)
         frame = frame.f_back
     return frozenset(tags)
 
@@ -347,14 +374,16 @@ def state_of(phase: str, where_in: Collection[str]) -> str:
 
     Returns:
       ``"start"``, ``"compile"``, ``"checkpoint"``, ``"step"`` (in a step or
-      waiting on the others), ``"host"`` (between steps) or ``"finished"``:
-      the model's states, each with its allowance (:data:`ALLOWANCE`).
+      waiting on the others), ``"barrier"`` (waiting on the others outside
+      any jaxdev step or check), ``"host"`` (between steps) or
+      ``"finished"``: the model's states, each with its allowance
+      (:data:`ALLOWANCE`).
 
     Example:
       >>> state_of("step", {"step", "compile"})  # a later call compiles (a new shape)
       'compile'
-      >>> state_of("step", set()), state_of("data", {"jax"})
-      ('host', 'step')
+      >>> state_of("step", set()), state_of("data", {"jax"}), state_of("step", {"barrier"})
+      ('host', 'step', 'barrier')
     """
     if phase in ("start", "finished"):
         return phase
@@ -364,7 +393,39 @@ def state_of(phase: str, where_in: Collection[str]) -> str:
         return "compile"
     if "checkpoint" in where_in:
         return "checkpoint"
-    return "step" if any(t in where_in for t in ("step", "check", "jax")) else "host"
+    if "step" in where_in or "check" in where_in:
+        return "step"
+    return "barrier" if "barrier" in where_in else "step" if "jax" in where_in else "host"
+
+
+def progressed(before: tuple, now: tuple) -> bool:
+    """Whether a process made progress between two samples ``(seq, state, frame, lasti)``.
+
+    A heartbeat (a new ``seq``) or a new state is progress; so is, in JAX
+    code (``compile``, ``step``, ``barrier``), a main thread that moved: its
+    innermost frame is another object (a new call, e.g. of your own jitted
+    function in an evaluation loop) or at another instruction. A thread
+    blocked in C++ (a collective, a sleep) stays at the same frame and
+    instruction. Host work needs a heartbeat (a loader that retries forever
+    moves too).
+
+    Args:
+      before: the previous sample: heartbeat number, state, the main
+        thread's innermost frame and its ``f_lasti``.
+      now: this sample.
+
+    Returns:
+      ``True`` when the process made progress.
+
+    Example:
+      >>> frame = object()
+      >>> progressed((3, "step", frame, 8), (3, "step", frame, 8))
+      False
+      >>> progressed((3, "step", frame, 8), (3, "step", object(), 8))
+      True
+    """
+    moved = before[2] is not now[2] or before[3] != now[3]
+    return before[:2] != now[:2] or (now[1] in _MOVES and moved)
 
 
 def thread_stacks(skip: int | None = None, limit: int = _STACK_CHARS) -> str:
@@ -423,12 +484,13 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
     A pure function of every process's state and quiet time (see the table
     of the module docstring): host work never fires alone (post-processing
     after the last step, while the others finished or work on the host
-    too), and a finished process is never stalled.
+    too), host work before a barrier has the barrier's ``10 S``, and a
+    finished process is never stalled.
 
     Args:
       records: one heartbeat per process: ``state`` (see :func:`state_of`)
-        and ``quiet``, seconds since its last progress (a heartbeat or a new
-        state), now.
+        and ``quiet``, seconds since its last progress (see
+        :func:`progressed`), now.
       timeout_s: the hang timeout ``S``; a state counts as progress for
         ``ALLOWANCE[state] * S``.
 
@@ -450,7 +512,7 @@ def _order(rec: Mapping[str, Any]) -> tuple:
     """Sort key: the first record is the one most behind."""
     step = rec.get("step")
     return (
-        rec.get("state") == "step",  # waits on the others (or computes)
+        rec.get("state") in ("step", "barrier"),  # waits on the others (or computes)
         -1 if step is None else step,
         bool(rec.get("answers", True)),
         -float(rec.get("idle", 0.0)),
@@ -461,9 +523,10 @@ def _order(rec: Mapping[str, Any]) -> tuple:
 def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """Return the heartbeat of the process most behind, among those not finished.
 
-    One not in a step (host work, compiling, ...) before one in a step (it
-    waits on the others); then the lowest step; among equals, one whose
-    watchdog does not answer, then the one longest without progress.
+    One not in a step or barrier (host work, compiling, ...) before one in
+    a step or barrier (it waits on the others); then the lowest step; among
+    equals, one whose watchdog does not answer, then the one longest
+    without progress.
 
     Args:
       records: one heartbeat per process (``process``, ``step``, ``phase``,
@@ -492,11 +555,16 @@ def _state(rec: Mapping[str, Any]) -> str:
     return after if label in ("step", "start", "") else f"{after} ({label})"
 
 
-def _blame(rec: Mapping[str, Any]) -> str:
-    """``has not finished step 5`` (stuck inside it) or ``has not started step 5``."""
+def _blame(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> str:
+    """``has not finished step 5`` (stuck inside it), ``has not started step 5``, or a barrier."""
     step, phase = rec.get("step"), rec.get("phase", "")
     if rec.get("in_step") and phase in ("compile", "step"):
         return f"has not finished step {step}"
+    if rec.get("state") == "barrier":
+        return "waits in a barrier outside any step"
+    others = {r.get("state") for r in records if r is not rec and r.get("phase") != "finished"}
+    if others == {"barrier"}:
+        return "has not reached the barrier the others wait in"
     return f"has not started step {(step or 0) + 1}"
 
 
@@ -517,6 +585,8 @@ def _others(records: Sequence[Mapping[str, Any]], late: Mapping[str, Any]) -> li
         text = f"{ids} wait{'s' if one else ''} {state}"
         if one and recs[0].get("waiting"):
             text += " in a jaxdev cross-process check"
+        elif one and recs[0].get("state") == "barrier":
+            text += " in a barrier"
         out.append(text + (f", at {recs[0].get('where')}" if one and recs[0].get("where") else ""))
     return out
 
@@ -551,7 +621,8 @@ def verdict(records: Sequence[Mapping[str, Any]], timeout_s: float) -> str:
         return head + ": every process finished"
     where, idle = late.get("where") or "?", float(late.get("idle", 0.0))
     if late.get("answers", True):
-        text = f"{head}: process {late['process']} {_blame(late)}: {idle:.0f} s {_state(late)}"
+        blame = _blame(late, records)
+        text = f"{head}: process {late['process']} {blame}: {idle:.0f} s {_state(late)}"
     else:  # what it published last may be older than its last step
         text = (
             f"{head}: process {late['process']} does not answer (dead, or stuck in C code "
@@ -623,7 +694,9 @@ class _Watchdog:
         self.interval = interval_s(timeout_s)
         # (seq, phase, step, when, thread): the latest heartbeat, replaced whole (no lock)
         self.last: tuple = (0, "start", None, time.monotonic(), threading.main_thread().ident)
-        self.mark: tuple = (0, "start", self.last[3])  # (seq, state, since): the last progress
+        # the last sample (seq, state, frame, lasti; holding the frame, no new one takes its id)
+        self.sample: tuple = (0, "start", None, None)
+        self.since = self.last[3]  # the last progress
         self.published = 0
         self.seen: dict[int, tuple[Any, float]] = {}  # process: (its publication, seen at)
         self.incident, self.resume_after = 0, None  # resume_after: seqs at a reported stall
@@ -664,8 +737,10 @@ class _Watchdog:
         frame = frames.get(main)
         tags = inside(frame) | (inside(frames.get(thread)) if thread != main else frozenset())
         state = state_of(phase, tags)
-        if (seq, state) != self.mark[:2]:  # a heartbeat (at t), or a new state (seen now)
-            self.mark = (seq, state, t if seq != self.mark[0] else now)
+        sample = (seq, state, frame, getattr(frame, "f_lasti", None))
+        if progressed(self.sample, sample):  # a heartbeat (at t), or seen now
+            self.since = t if seq != self.sample[0] else now
+        self.sample = sample
         return {
             "process": self.process,
             "pub": self.published,
@@ -674,7 +749,7 @@ class _Watchdog:
             "state": state,
             "step": step,
             "idle": round(now - t, 3),
-            "quiet": round(now - self.mark[2], 3),  # seconds since its last progress
+            "quiet": round(now - self.since, 3),  # seconds since its last progress
             "where": where(frame) if frame is not None else "",
             "in_step": "step" in tags,
             "waiting": "check" in tags,

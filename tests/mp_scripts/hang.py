@@ -19,6 +19,11 @@ Scenarios (``PROCESS``: the one that stalls, default 1):
   process 1 runs 3 more steps on its own device (uneven step counts) and
   finishes first, while process 0 does ``2 S`` of host work
   (post-processing, no heartbeat);
+* ``end``: no stall, the end of a run: after 5 steps, an evaluation loop of
+  your own ``jax.jit`` (a cross-process mean) on both processes for about
+  ``1.5 S`` (the same number of calls) with no heartbeat, then ``1.5 S`` of
+  post-processing on process 0 while process 1 waits in JAX's
+  ``multihost_utils.sync_global_devices``;
 * ``slow30``: no stall: the first call traces for 15 s, then 30 steps of
   3 s (issue 21's case, ~105 s: ``benchmarks/hang_faults.py`` runs it).
 
@@ -51,6 +56,30 @@ def load(i: int, pid: int, stall: bool = False, rows: int = ROWS) -> dict:
     return {"x": x, "y": 2 * x}
 
 
+def end_of_run(jax, pid: int, s: float, w, x) -> None:
+    """Your own jit's evaluation loop for ``1.5 S``, then post-processing and JAX's end barrier."""
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    @jax.jit
+    def evaluate(w, x):  # ~1 GFLOP per device (the wait dominates), then a mean over both
+        y, m = x[:, None, None] * w * jnp.ones((1, 256, 64)), jnp.full((64, 64), 1 / 64)
+        return jnp.mean(jax.lax.fori_loop(0, 500, lambda _, y: jnp.tanh(y @ m), y))
+
+    float(evaluate(w, x))  # compiles
+    start = time.monotonic()
+    for _ in range(10):
+        float(evaluate(w, x))
+    calls = 1.5 * s * 10 / (time.monotonic() - start)  # ~1.5 S of calls, process 0's count
+    calls = int(multihost_utils.broadcast_one_to_all(np.int32(calls)))  # one count for all
+    for _ in range(calls):  # (a loop by each one's clock can call once more: a real hang)
+        float(evaluate(w, x))
+    print(f"evaluated {calls + 10} times in {time.monotonic() - start:.1f} s", flush=True)
+    if pid == 0:
+        time.sleep(1.5 * s)  # post-processing: host work, no heartbeat
+    multihost_utils.sync_global_devices("end")  # process 1 waits here for 1.5 S
+
+
 def main(scenario: str, stalled: int) -> int:
     jaxdev.distributed.initialize()  # JAXDEV_HANG_TIMEOUT starts the watchdog
     import jax
@@ -69,7 +98,7 @@ def main(scenario: str, stalled: int) -> int:
     tx = optax.sgd(0.01)
     step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded())
     state, metrics = step.init_state(np.float32(0.0), tx), None
-    steps = {"healthy": 5, "slow30": 31}.get(scenario, 8)  # slow30: the first call, 3 s steps
+    steps = {"healthy": 5, "end": 5, "slow30": 31}.get(scenario, 8)  # slow30: 1 + 30 steps of 3 s
     for i in range(1, steps + 1):
         stall = pid == stalled and i == STALL_STEP
         if healthy and i == 4:  # a batch of another shape: the same step recompiles
@@ -88,6 +117,8 @@ def main(scenario: str, stalled: int) -> int:
         if slow and i > 1:
             time.sleep(3)  # a slow step: 3 s of host work, no heartbeat
     print(f"loss {float(metrics.fetch()['loss']):.4f}")
+    if scenario == "end":
+        end_of_run(jax, pid, s, state.params, batch["x"])
     if healthy and pid == 1:  # 3 more steps on its own device, then it finishes first
         mine = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.single(jax.local_devices()[0]))
         own = mine.init_state(np.float32(0.0), tx)
