@@ -83,7 +83,9 @@ others wait at a barrier (post-processing before JAX's end barrier: call
 that finished its steps and post-processes while the others finished, or
 work on the host too, is not waited for by anyone. Step counts may differ
 (the one behind is chosen by state first). A process that does not answer
-counts in its last state, aging.
+(dead, or holding the GIL in C) shows no progress whatever its last state:
+it has ``S`` (a process killed just after a compile is named after ``S``,
+before JAX's own heartbeat timeout ends the others).
 
 Limits: a hang where no process waits in JAX (every process stuck in host
 code at once, e.g. every loader on one dead filesystem) is not reported, nor
@@ -504,7 +506,12 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
       False
     """
     running = [r for r in records if r["state"] != "finished"]
-    over = [r for r in running if r["quiet"] >= ALLOWANCE[r["state"]] * timeout_s]
+    # a silent process (dead, or holding the GIL in C) shows no progress: S, whatever its state
+    over = [
+        r
+        for r in running
+        if r["quiet"] >= (ALLOWANCE[r["state"]] if r.get("answers", True) else 1) * timeout_s
+    ]
     return len(over) == len(running) and any(r["state"] != "host" for r in over)
 
 

@@ -328,6 +328,8 @@ def _in(state, quiet, **kw):
         pytest.param([_in("finished", 999), _in("finished", 999)], False, id="all-finished"),
         pytest.param([_in("host", 20, answers=False), _in("step", 11)], True, id="silent-host"),
         pytest.param([_in("step", 20, answers=False), _in("host", 20)], True, id="silent-step"),
+        pytest.param([_in("compile", 11, answers=False), _in("step", 11)], True, id="dead>S"),
+        pytest.param([_in("compile", 9, answers=False), _in("step", 11)], False, id="dead<S"),
     ],
 )
 def test_the_model_fires_only_when_no_state_is_within_its_allowance(records, fires):
@@ -551,12 +553,6 @@ def test_a_killed_process_is_still_named_under_the_launcher(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(DEADLINE_S + 60)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known regression (2026-11-26): in the full suite on 2 cores JAX's coordination "
-    "service aborts the survivor (SIGABRT, ~25-28 s after the kill) before the watchdog "
-    "names the dead process; it failed in 3 full runs, with and without ee6fc4d. Open.",
-)
 def test_a_killed_process_is_named_by_the_watchdog_without_a_launcher(runs):
     run = _show(runs, "plain_kill")
     assert run.returncodes == [1, -signal.SIGKILL], run.returncodes
