@@ -36,7 +36,7 @@ def time_side_by_side(
     drifts of the machine hit all of them alike. Each timing waits for the
     result with ``jax.block_until_ready``; ``after()`` runs untimed after each call.
     """
-    from jaxdev._bench import sample_side_by_side
+    from jaxdev.cli._bench import sample_side_by_side
 
     return Timings(sample_side_by_side(fns, repeats, warmup=warmup, after=after))
 

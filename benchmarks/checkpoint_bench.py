@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +43,7 @@ from _timing import Timings, time_side_by_side  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxdev._checksum import checksums  # noqa: E402
+from jaxdev.checkpoint._checksum import checksums  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -213,7 +213,7 @@ def bench_layouts(state, mesh, root: str, repeats: int) -> list[dict]:
     """Restore across layouts, each against a same-layout restore of the same checkpoint."""
     devices = jax.devices()
     four = jaxdev.data_mesh(devices[:4])
-    stacked = jaxdev.stack_for_pmap(state.params)
+    stacked = jaxdev.pmap.stack_for_pmap(state.params)
     split = NamedSharding(mesh, P("data"))
     sharded = jaxdev.to_device(state.params, split)
     jaxdev.save(os.path.join(root, "rep"), state)

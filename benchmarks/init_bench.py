@@ -65,7 +65,7 @@ def child(method: str, widths: list[int]) -> dict:
     sys.path.insert(0, REPO)
     import jaxdev
 
-    jaxdev.use_fake_cpu_devices(8)
+    jaxdev.testing.use_fake_cpu_devices(8)
     import flax.linen as nn
     import jax
     import jax.numpy as jnp

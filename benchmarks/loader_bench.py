@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
                 "copy + device_put": lambda x=x: jax.device_put(np.array(x), sharding),
                 "aligned copy + device_put": lambda x=x: jax.device_put(detach_host(x), sharding),
                 "jaxdev.shard_batch": lambda x=x: jaxdev.shard_batch(x, mesh),
-                "jaxdev.shard_for_pmap": lambda x=x: jaxdev.shard_for_pmap(x),
+                "jaxdev.pmap.shard_for_pmap": lambda x=x: jaxdev.pmap.shard_for_pmap(x),
             }
             pairs = []
             if base is not None:

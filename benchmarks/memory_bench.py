@@ -5,7 +5,7 @@ Run: ``python benchmarks/memory_bench.py [--repeats N] [--json PATH]`` (8 fake C
 1. Prediction vs measurement, three models (the demo's MLP on digits,
    replicated; an MLP of ~1.6M params under ``rules='fsdp'`` on ``data=2 x
    fsdp=4``; Flax's lm1b ``TransformerLM``, small, under ``rules='fsdp'``):
-   :func:`jaxdev.plan` of the state and batch (``total``: from shapes) and
+   :func:`jaxdev.memory.plan` of the state and batch (``total``: from shapes) and
    of the compiled step (``peak``: ``memory_analysis()``'s arguments +
    outputs - donated + temporaries) against :func:`jaxdev.memory` after one
    step (state, batch and running metrics named): the live bytes on the
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -44,9 +44,9 @@ import optax  # noqa: E402
 from _timing import report, time_side_by_side  # noqa: E402
 from flax_lm1b_models import TransformerConfig, TransformerLM  # noqa: E402
 
-from jaxdev._demo import MLP as DemoMLP  # noqa: E402
-from jaxdev._demo import make_loss  # noqa: E402
 from jaxdev._report import human_bytes  # noqa: E402
+from jaxdev.cli._demo import MLP as DemoMLP  # noqa: E402
+from jaxdev.cli._demo import make_loss  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 TX = optax.adam(1e-3)
@@ -126,10 +126,10 @@ def prediction_rows() -> list[dict]:
         del params
         batch = step.put_batch(host)
         shapes = jax.eval_shape(lambda s=state: s)
-        p = jaxdev.plan(shapes, step=step, batch=batch)
+        p = jaxdev.memory.plan(shapes, step=step, batch=batch)
         state, metrics = step(state, batch)
         jax.block_until_ready(state)
-        ledger = jaxdev.memory(state=state, batch=batch, metrics=metrics)
+        ledger = jaxdev.memory.ledger(state=state, batch=batch, metrics=metrics)
         live = max(ledger.per_device.values())
         rows.append(
             {
@@ -176,7 +176,9 @@ def offload_rows(repeats: int) -> list[dict]:
         step = jaxdev.make_train_step(_classifier_loss(mlp), TX, strategy)
         held[name] = step.init_state(params, TX)
         batch = step.put_batch(host)
-        peaks[name] = jaxdev.plan(jax.eval_shape(lambda n=name: held[n]), step=step, batch=batch)
+        peaks[name] = jaxdev.memory.plan(
+            jax.eval_shape(lambda n=name: held[n]), step=step, batch=batch
+        )
 
         def run(name=name, step=step, batch=batch):
             held[name], metrics = step(held[name], batch)
@@ -219,7 +221,7 @@ def fit_row() -> dict:
         "y": jax.ShapeDtypeStruct((8,), jnp.int32),
     }
     t0 = time.perf_counter()
-    fit = jaxdev.fit_memory(step, shapes, example, limit=32 * 2**20)
+    fit = jaxdev.memory.fit_memory(step, shapes, example, limit=32 * 2**20)
     seconds = time.perf_counter() - t0
     return {
         "limit": 32 * 2**20,

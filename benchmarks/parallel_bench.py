@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -54,7 +54,7 @@ def bench_replicate(mesh, repeats: int) -> list[dict]:
         fns["flax.jax_utils.replicate"] = lambda: jax_utils.replicate(tree)
         flax_name = "flax.jax_utils.replicate"
     except ImportError:  # flax removed jax_utils: compare to the same stacked copy
-        fns["stacked copy"] = lambda: jaxdev.stack_for_pmap(tree)
+        fns["stacked copy"] = lambda: jaxdev.pmap.stack_for_pmap(tree)
         flax_name = "stacked copy"
     t = time_side_by_side(fns, repeats)
     what = f"replicate {len(jax.tree_util.tree_leaves(tree))} leaves, {n_params / 1e6:.2f}M params"

@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

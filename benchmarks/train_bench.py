@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jaxdev  # noqa: E402
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -86,7 +86,7 @@ class Loop:
 
 
 def single_device_loops(x, y) -> dict[str, Loop]:
-    dev = jaxdev.cpu(0)
+    dev = jaxdev.d2l.cpu(0)
     batches = [jaxdev.to_device({"x": a, "y": b}, dev) for a, b in zip(x, y)]
     params = jaxdev.to_device(init_params(), dev)
 
@@ -145,7 +145,7 @@ def _k_loop(step, batches):
 
 def k_steps_loops(x, y) -> dict[str, Loop]:
     """1 step per dispatch vs K per dispatch, on a batch small enough to be dispatch-bound."""
-    dev = jaxdev.cpu(0)
+    dev = jaxdev.d2l.cpu(0)
     params = init_params()
     step = jaxdev.make_train_step(per_example_loss, TX, jaxdev.Strategy.single(dev))
     stepk = jaxdev.make_train_step(
@@ -164,7 +164,7 @@ def k_steps_loops(x, y) -> dict[str, Loop]:
 
 def _unchecked(run):
     """``run`` with the step's per-call donation check (deleted/shared leaves) switched off."""
-    import jaxdev._step as step_module
+    import jaxdev.train._step as step_module
 
     def go(state):
         check, step_module.check_donatable = step_module.check_donatable, lambda *a: None
@@ -184,7 +184,7 @@ def data_parallel_loops(x, y) -> dict[str, Loop]:
 
     # Hand-written jax.pmap, classic stacked params.
     pstep = jax.pmap(_hand_step("i"), axis_name="i", donate_argnums=(0, 1))
-    stacked_batches = [jaxdev.shard_for_pmap({"x": a, "y": b}) for a, b in zip(x, y)]
+    stacked_batches = [jaxdev.pmap.shard_for_pmap({"x": a, "y": b}) for a, b in zip(x, y)]
 
     def run_pmap(s):
         p, o = s
@@ -224,7 +224,7 @@ def data_parallel_loops(x, y) -> dict[str, Loop]:
 
         return Loop(step.init_state(params, TX), run)
 
-    stacked_params = jaxdev.stack_for_pmap(params)
+    stacked_params = jaxdev.pmap.stack_for_pmap(params)
     return {
         f"hand jax.pmap ({n} dev)": Loop(
             (stacked_params, jax.pmap(TX.init)(stacked_params)), run_pmap
@@ -252,7 +252,7 @@ def _norm_step(x, w):
 
 def d2l_exercise_3(steps: int = 1000) -> dict[str, Loop]:
     """1000 chained 100x100 matmuls, Frobenius norm logged each step: host vs device log."""
-    dev = jaxdev.cpu(0)
+    dev = jaxdev.d2l.cpu(0)
     x0 = jaxdev.to_device(jax.random.normal(jax.random.key(0), (100, 100)) / 10, dev)
     w = jaxdev.to_device(jax.random.normal(jax.random.key(1), (100, 100)) / 10, dev)
     step = jax.jit(_norm_step)
@@ -285,13 +285,13 @@ def d2l_exercise_3(steps: int = 1000) -> dict[str, Loop]:
         return None, norms[-1]
 
     def device_log(_):
-        x, log = x0, jaxdev.DeviceLog.create(steps)
+        x, log = x0, jaxdev.metrics.DeviceLog.create(steps)
         for _ in range(steps):
             x, log = step_log(x, w, log)
         return None, log.fetch()  # one transfer at the end
 
     def device_scan(_):
-        return None, scanned(x0, w, jaxdev.DeviceLog.create(steps)).fetch()
+        return None, scanned(x0, w, jaxdev.metrics.DeviceLog.create(steps)).fetch()
 
     np.testing.assert_allclose(host_log(None)[1], device_log(None)[1][-1], rtol=1e-4)
     np.testing.assert_allclose(device_log(None)[1], device_scan(None)[1], rtol=1e-4)

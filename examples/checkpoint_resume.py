@@ -16,7 +16,7 @@ import tempfile
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -80,9 +80,9 @@ def main() -> None:
 
     one = jaxdev.Checkpointer(directory).restore("cpu:0")  # e.g. for evaluation
     jaxdev.assert_on_device(one, "cpu:0")
-    like_pmap = a._replace(params=jaxdev.stack_for_pmap(a.params))  # a leading device axis
+    like_pmap = a._replace(params=jaxdev.pmap.stack_for_pmap(a.params))  # a leading device axis
     pmap_params = jaxdev.restore(f"{directory}/{STEPS}", like_pmap).params
-    assert same_bits(jaxdev.unstack_from_pmap(pmap_params, check=True), a.params)
+    assert same_bits(jaxdev.pmap.unstack_from_pmap(pmap_params, check=True), a.params)
     print(f"restored on cpu:0, and in the pmap layout: w {pmap_params['w'].shape}")
     print("checkpoint resume: ok")
 

@@ -7,7 +7,7 @@ code uses the GPUs (the fake count only affects JAX's CPU backend).
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -16,9 +16,9 @@ import jax.numpy as jnp  # noqa: E402
 
 def main() -> None:
     # 6.7.1 Computing devices: d2l's cpu(), gpu(i), num_gpus(), try_gpu(), try_all_gpus().
-    print("cpu():", jaxdev.cpu(), "| num_gpus():", jaxdev.num_gpus())
-    print("try_gpu():", jaxdev.try_gpu(), "| try_gpu(10):", jaxdev.try_gpu(10))
-    print("try_all_gpus():", jaxdev.try_all_gpus())
+    print("cpu():", jaxdev.d2l.cpu(), "| num_gpus():", jaxdev.d2l.num_gpus())
+    print("try_gpu():", jaxdev.d2l.try_gpu(), "| try_gpu(10):", jaxdev.d2l.try_gpu(10))
+    print("try_all_gpus():", jaxdev.d2l.try_all_gpus())
     try:
         jaxdev.device("cpu:-1")  # JAX would silently give the last device
     except jaxdev.UsageError as err:

@@ -15,7 +15,7 @@ compute its statistics over the global batch under every strategy.
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import functools  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -99,7 +99,11 @@ def make_loss(model: TinyResNet):
             {"params": params, **model_state}, batch["image"], mutable=["batch_stats"]
         )
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-        return losses, {"accuracy": jaxdev.Accuracy.from_logits(logits, batch["label"])}, new_state
+        return (
+            losses,
+            {"accuracy": jaxdev.metrics.Accuracy.from_logits(logits, batch["label"])},
+            new_state,
+        )
 
     return loss_fn
 
@@ -108,7 +112,7 @@ def make_eval_loss(model: TinyResNet):
     def eval_loss(params, model_state, batch):
         logits = model.apply({"params": params, **model_state}, batch["image"], train=False)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-        acc = jaxdev.Accuracy.from_logits(logits, batch["label"])
+        acc = jaxdev.metrics.Accuracy.from_logits(logits, batch["label"])
         return losses, {"accuracy": acc}, model_state
 
     return eval_loss

@@ -8,7 +8,7 @@ that check each layout (and fail with every bad leaf listed).
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

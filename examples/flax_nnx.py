@@ -8,7 +8,7 @@ there is no accelerator).
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -6,19 +6,19 @@ images, 10 classes), 8 fake CPU devices when there is no accelerator,
 statistics and its dropout RNG inside the object; jaxdev's step trains
 pytrees, so:
 
-* ``jaxdev.nnx_split(model)`` gives ``(params, model_state)``: the
+* ``jaxdev.nnx.split(model)`` gives ``(params, model_state)``: the
   ``nnx.Param`` s for the optimizer, and the ``BatchStat`` s and RNG state
   that the forward pass updates;
-* ``jaxdev.nnx_loss(model, loss_fn)`` turns ``loss_fn(model, batch)`` into the
+* ``jaxdev.nnx.loss(model, loss_fn)`` turns ``loss_fn(model, batch)`` into the
   step's ``has_state`` contract; with ``rng=`` in ``init_state`` dropout draws
   new masks every step (and, under pmap / shard_map, on every device);
-* ``jaxdev.nnx_update(model, state)`` writes the trained params and batch
+* ``jaxdev.nnx.update(model, state)`` writes the trained params and batch
   statistics back, and the module is then used as plain NNX.
 """
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -68,7 +68,7 @@ def train_loss(model: CNN, batch):
     """Train mode: BatchNorm uses (and updates) batch statistics, Dropout draws masks."""
     logits = model(batch["image"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-    return losses, {"accuracy": jaxdev.Accuracy.from_logits(logits, batch["label"])}
+    return losses, {"accuracy": jaxdev.metrics.Accuracy.from_logits(logits, batch["label"])}
 
 
 def eval_loss(model: CNN, batch):
@@ -92,9 +92,9 @@ def train(strategy: jaxdev.Strategy, train_data, *, epochs: int = 8, batch_size:
     model = CNN(axis_name=strategy.collective_axis, rngs=nnx.Rngs(0))
     tx = optax.adam(3e-3)
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(model, train_loss), tx, strategy, has_state=True, has_aux=True
+        jaxdev.nnx.loss(model, train_loss), tx, strategy, has_state=True, has_aux=True
     )
-    params, model_state = jaxdev.nnx_split(model)
+    params, model_state = jaxdev.nnx.split(model)
     state = step.init_state(params, tx, rng=jax.random.key(1), model_state=model_state)
     metrics = None
     with step.prefetch(batches(train_data, batch_size, epochs)) as placed:
@@ -115,13 +115,13 @@ def main() -> None:
     jaxdev.assert_replicated((state.params, state.model_state), strategy.mesh)
 
     evaluate = jaxdev.make_eval_step(
-        jaxdev.nnx_loss(model, eval_loss), strategy, has_state=True, has_aux=True
+        jaxdev.nnx.loss(model, eval_loss), strategy, has_state=True, has_aux=True
     )
     result = evaluate(state, evaluate.put_batch(test)).fetch()
     print(f"jaxdev eval on {len(test['label'])} held-out digits: {result}")
 
     before = nnx.clone(model)  # still the untrained module: the step never mutates it
-    jaxdev.nnx_update(model, state)
+    jaxdev.nnx.update(model, state)
     model.eval()
     logits = model(test["image"])  # plain NNX from here on
     test_acc = accuracy(logits, test["label"])

@@ -7,13 +7,13 @@ accelerator. A 357-row test set: the 8 devices do not divide it, so it is
 padded to 360 rows, and the 3 padded rows must never count.
 
 1. **jaxdev's step.** The tutorial's ``loss_fn(model, batch, rngs=None)``
-   (per-example losses: no ``.mean()``) through ``jaxdev.nnx_loss``: it sees
+   (per-example losses: no ``.mean()``) through ``jaxdev.nnx.loss``: it sees
    the ``rngs`` parameter and passes the step's key as ``nnx.Rngs``, per step
    and, under pmap / shard_map, per device.
 2. **The tutorial's own loop.** ``nnx.Optimizer``, ``nnx.MultiMetric`` and
    ``@nnx.jit`` as written; jaxdev only places (``replicate`` the model and
    optimizer, ``shard_batch`` the batches) and, for the padded test set,
-   ``jaxdev.nnx_metrics_update(metrics, mask, ...)`` stands in for
+   ``jaxdev.nnx.metrics_update(metrics, mask, ...)`` stands in for
    ``metrics.update(...)`` so the padded rows are not counted.
 
 Both are checked against the unpadded truth: the eval-mode module run on the
@@ -22,7 +22,7 @@ Both are checked against the unpadded truth: the eval-mode module run on the
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 from functools import partial  # noqa: E402
 
@@ -96,7 +96,7 @@ def loss_fn(model: CNN, batch, rngs: nnx.Rngs | None = None):
     """The tutorial's loss_fn: per-example losses (no ``.mean()``), accuracy as aux."""
     logits = model(batch["image"], rngs)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=batch["label"])
-    return losses, {"accuracy": jaxdev.Accuracy.from_logits(logits, batch["label"])}
+    return losses, {"accuracy": jaxdev.metrics.Accuracy.from_logits(logits, batch["label"])}
 
 
 def with_jaxdev_step(train_data, test):
@@ -106,9 +106,9 @@ def with_jaxdev_step(train_data, test):
     strategy = jaxdev.Strategy.sharded()
     tx = optax.adamw(0.005, 0.9)
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(train_model, loss_fn), tx, strategy, has_state=True, has_aux=True
+        jaxdev.nnx.loss(train_model, loss_fn), tx, strategy, has_state=True, has_aux=True
     )
-    params, model_state = jaxdev.nnx_split(model)
+    params, model_state = jaxdev.nnx.split(model)
     # rng=: the key nnx_loss hands to loss_fn as nnx.Rngs (new every step, every device)
     state = step.init_state(params, tx, rng=jax.random.key(0), model_state=model_state)
     metrics = None
@@ -118,11 +118,11 @@ def with_jaxdev_step(train_data, test):
     print(f"1. jaxdev step, train (all steps): {metrics.fetch()}")
 
     evaluate = jaxdev.make_eval_step(
-        jaxdev.nnx_loss(eval_model, loss_fn), strategy, has_state=True, has_aux=True
+        jaxdev.nnx.loss(eval_model, loss_fn), strategy, has_state=True, has_aux=True
     )
     padded = evaluate.put_batch(test)  # 357 rows -> 360, with a mask: padded rows never count
     result = evaluate(state, padded).fetch()
-    jaxdev.nnx_update(model, state)  # the views share the module's variables
+    jaxdev.nnx.update(model, state)  # the views share the module's variables
     want_loss, want_acc = truth(model, test)
     print(f"1. jaxdev eval on {padded.size} of {padded.mask.shape[0]} rows: {result}")
     np.testing.assert_allclose(result["loss"], want_loss, rtol=1e-5)
@@ -155,7 +155,7 @@ def eval_step(model: CNN, metrics: nnx.MultiMetric, batch, mask=None):
     logits = model(batch["image"], None)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     # metrics.update(loss=..., logits=..., labels=...) counting only the real rows
-    jaxdev.nnx_metrics_update(metrics, mask, loss=losses, logits=logits, labels=batch["label"])
+    jaxdev.nnx.metrics_update(metrics, mask, loss=losses, logits=logits, labels=batch["label"])
 
 
 def with_own_loop(train_data, test):
@@ -181,7 +181,7 @@ def with_own_loop(train_data, test):
     eval_step(eval_model, metrics, padded.batch, padded.mask)
     got = {k: float(v) for k, v in metrics.compute().items()}
     want_loss, want_acc = truth(model, test)
-    print(f"2. own loop, eval with jaxdev.nnx_metrics_update: {got}")
+    print(f"2. own loop, eval with jaxdev.nnx.metrics_update: {got}")
     np.testing.assert_allclose(got["loss"], want_loss, rtol=1e-5)
     assert abs(got["accuracy"] - want_acc) < 1e-6, (got, want_acc)
 

@@ -11,7 +11,7 @@ on the same data gives the same loss.
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -12,7 +12,7 @@ per-row mean of its tokens (what a per-example step gives) ends elsewhere.
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -3,14 +3,14 @@
 Run: ``python examples/metrics_on_device.py``. 1000 matrix products of
 100x100 matrices, logging the Frobenius norm of each result: first with a
 ``float()`` per step (a host sync every step), then with a
-``jaxdev.DeviceLog`` fetched once, and a ``jaxdev.Collection`` of running
+``jaxdev.metrics.DeviceLog`` fetched once, and a ``jaxdev.metrics.Collection`` of running
 metrics (mean, max, non-finite count) merged on device. ``count_transfers``
 shows the difference in host syncs.
 """
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import time  # noqa: E402
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 STEPS, N = 1000, 100
-SPEC = {"norm": jaxdev.Mean, "largest": jaxdev.Max, "bad": jaxdev.NonFinite}
+SPEC = {"norm": jaxdev.metrics.Mean, "largest": jaxdev.metrics.Max, "bad": jaxdev.metrics.NonFinite}
 
 
 @jax.jit
@@ -32,7 +32,9 @@ def matmul_norm(x, w):
 @jax.jit
 def logged_step(x, w, log, metrics):
     x, norm = matmul_norm(x, w)
-    batch = jaxdev.Collection.from_values(SPEC, {"norm": norm, "largest": norm, "bad": norm})
+    batch = jaxdev.metrics.Collection.from_values(
+        SPEC, {"norm": norm, "largest": norm, "bad": norm}
+    )
     return x, log.record(norm), metrics.merge(batch)
 
 
@@ -45,7 +47,7 @@ def on_host(x, w):
 
 
 def on_device(x, w):
-    log, metrics = jaxdev.DeviceLog.create(STEPS), jaxdev.Collection.empty(SPEC)
+    log, metrics = jaxdev.metrics.DeviceLog.create(STEPS), jaxdev.metrics.Collection.empty(SPEC)
     for _ in range(STEPS):
         x, log, metrics = logged_step(x, w, log, metrics)
     return log.fetch(), metrics.fetch()  # the only two transfers

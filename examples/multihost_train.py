@@ -35,7 +35,7 @@ MULTI = "JAXDEV_COORDINATOR" in os.environ or any(
 if MULTI:
     jaxdev.distributed.initialize()
 elif not os.environ.get("JAX_PLATFORMS", "").replace("cpu", "").strip(","):
-    jaxdev.use_fake_cpu_devices(8)
+    jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

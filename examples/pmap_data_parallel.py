@@ -9,7 +9,7 @@ accelerator).
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,14 +40,14 @@ def by_hand(params, data, steps):
         return optax.apply_updates(params, updates), opt_state
 
     pstep = jax.pmap(step, axis_name="batch")
-    params = jaxdev.stack_for_pmap(params)  # flax's replicate: (n, ...) with row i on device i
-    opt_state = jaxdev.stack_for_pmap(TX.init(jaxdev.unstack_from_pmap(params)))
-    batch = jaxdev.shard_for_pmap(data)  # (B, ...) -> (n, B/n, ...)
+    params = jaxdev.pmap.stack_for_pmap(params)  # flax's replicate: (n, ...) with row i on device i
+    opt_state = jaxdev.pmap.stack_for_pmap(TX.init(jaxdev.pmap.unstack_from_pmap(params)))
+    batch = jaxdev.pmap.shard_for_pmap(data)  # (B, ...) -> (n, B/n, ...)
     for _ in range(steps):
         # Waiting each step: on a host with few cores, XLA's CPU all-reduce between fake
         # devices can deadlock when several pmap steps are queued (JAX 0.10.2, 2 cores).
         params, opt_state = jax.block_until_ready(pstep(params, opt_state, batch))
-    return jaxdev.unstack_from_pmap(params, check=True)  # check: every replica identical
+    return jaxdev.pmap.unstack_from_pmap(params, check=True)  # check: every replica identical
 
 
 def with_jaxdev(params, data, steps):

@@ -10,7 +10,7 @@ call. Every local device is used (8 fake CPUs without an accelerator).
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
+jaxdev.testing.use_fake_cpu_devices(8)  # before JAX starts; only touches the CPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,7 +1,12 @@
 """jaxdev: pure-JAX, functional device placement.
 
-This module only re-exports; every name lives in a small private module.
-``jaxdev.distributed`` is the multi-process surface.
+This module only re-exports. The core (devices, placement, meshes, batches,
+asserts, errors) lives in ``jaxdev/_*.py``; each subsystem in its folder
+(``train/``, ``memory/``, ``checkpoint/``, ``distributed/``, ``cli/``,
+``testing/``). Namespaces: ``jaxdev.distributed`` (multi-process),
+``jaxdev.memory`` (ledger, plan, fit), ``jaxdev.metrics`` (on-device
+metrics), ``jaxdev.nnx`` (Flax NNX helpers), ``jaxdev.pmap`` (the pmap
+layout), ``jaxdev.d2l`` (d2l's device helpers), ``jaxdev.testing``.
 """
 
 # ruff: noqa: I001 - imports are grouped by module, in the order the README lists them
@@ -25,18 +30,11 @@ from ._errors import ShardingError as ShardingError
 from ._errors import UsageError as UsageError
 
 # --- devices ---
-from ._devices import cpu as cpu
 from ._devices import describe as describe
 from ._devices import device as device
 from ._devices import device_list as device_list
-from ._devices import gpu as gpu
-from ._devices import num_gpus as num_gpus
-from ._devices import try_all_gpus as try_all_gpus
-from ._devices import try_gpu as try_gpu
-from ._devices import use_fake_cpu_devices as use_fake_cpu_devices
 
 # --- meshes ---
-from ._mesh import DEFAULT_AXIS as DEFAULT_AXIS
 from ._mesh import batch_sharding as batch_sharding
 from ._mesh import data_mesh as data_mesh
 from ._mesh import make_mesh as make_mesh
@@ -57,10 +55,6 @@ from ._replication import unreplicate as unreplicate
 from ._batches import Padded as Padded
 from ._batches import shard_batch as shard_batch
 from ._batches import unpad as unpad
-from ._pmap_layout import shard_for_pmap as shard_for_pmap
-from ._pmap_layout import stack_for_pmap as stack_for_pmap
-from ._pmap_layout import unshard_from_pmap as unshard_from_pmap
-from ._pmap_layout import unstack_from_pmap as unstack_from_pmap
 from ._prefetch import Prefetcher as Prefetcher
 from ._prefetch import prefetch_to_device as prefetch_to_device
 from ._data_parallel import data_parallel as data_parallel
@@ -69,41 +63,22 @@ from ._data_parallel import data_parallel as data_parallel
 from ._rules import Rules as Rules
 from ._rules import param_shardings as param_shardings
 from ._rules import shard_params as shard_params
-from ._sharded_init import init_sharded as init_sharded
-from ._plan import MemoryPlan as MemoryPlan
-from ._plan import plan as plan
+from .train import init_sharded as init_sharded
 
-# --- metrics ---
-from ._memory import LedgerEntry as LedgerEntry
-from ._memory import MemoryLedger as MemoryLedger
-from ._memory import memory as memory
-from ._explain import MemoryExplanation as MemoryExplanation
-from ._fit import MemoryFit as MemoryFit
-from ._fit import fit_memory as fit_memory
-from ._metrics import Accuracy as Accuracy
-from ._metrics import Collection as Collection
-from ._metrics import DeviceLog as DeviceLog
-from ._metrics import Last as Last
-from ._metrics import Max as Max
-from ._metrics import Mean as Mean
-from ._metrics import Metric as Metric
-from ._metrics import Min as Min
-from ._metrics import NonFinite as NonFinite
-from ._metrics import Sum as Sum
-from ._metrics import WeightedMean as WeightedMean
-from ._metrics import fetch_metrics as fetch_metrics
+# --- namespaces ---
+from . import d2l as d2l
+from . import memory as memory
+from . import metrics as metrics
+from . import nnx as nnx
+from . import pmap as pmap
 
 # --- train ---
-from ._strategy import Strategy as Strategy
-from ._train import TrainState as TrainState
-from ._step import EvalStep as EvalStep
-from ._step import TrainStep as TrainStep
-from ._step import make_eval_step as make_eval_step
-from ._step import make_train_step as make_train_step
-from ._flax import nnx_loss as nnx_loss
-from ._flax import nnx_metrics_update as nnx_metrics_update
-from ._flax import nnx_split as nnx_split
-from ._flax import nnx_update as nnx_update
+from .train import EvalStep as EvalStep
+from .train import Strategy as Strategy
+from .train import TrainState as TrainState
+from .train import TrainStep as TrainStep
+from .train import make_eval_step as make_eval_step
+from .train import make_train_step as make_train_step
 
 # --- asserts ---
 from ._asserts import assert_committed as assert_committed
@@ -115,12 +90,11 @@ from ._asserts import assert_sharded as assert_sharded
 from ._asserts import assert_sharded_fraction as assert_sharded_fraction
 
 # --- checkpoints ---
-from ._checkpointer import Checkpointer as Checkpointer
-from ._checkpoint import restore as restore
-from ._checkpoint import save as save
+from .checkpoint import Checkpointer as Checkpointer
+from .checkpoint import restore as restore
+from .checkpoint import save as save
 
 # --- guards ---
-from ._guards import TransferCounter as TransferCounter
 from ._guards import count_transfers as count_transfers
 from ._guards import no_host_sync as no_host_sync
 

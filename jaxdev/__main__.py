@@ -2,12 +2,12 @@
 
 ``python -m jaxdev info``, ``python -m jaxdev launch -n 2 -- python train.py``
 and every other subcommand behave as ``jaxdev ...`` does (see
-:func:`jaxdev._cli.main`).
+:func:`jaxdev.cli._cli.main`).
 """
 
 import sys
 
-from ._cli import main
+from .cli._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

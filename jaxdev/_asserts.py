@@ -420,7 +420,7 @@ def assert_replicated(
 
 _REPLICATE_FIX = (
     "Fix: replicate with `jaxdev.to_device(tree, mesh)` (a full copy on each device); for a "
-    "stacked (pmap) tree take one copy first (`jaxdev.unstack_from_pmap(tree)`)."
+    "stacked (pmap) tree take one copy first (`jaxdev.pmap.unstack_from_pmap(tree)`)."
 )
 
 

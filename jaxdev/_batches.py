@@ -123,7 +123,7 @@ def detach_host(tree: Any) -> Any:
     GPU the transfer may read the host buffer after the call. A loader that
     refills one buffer would then change batches already handed over. Call
     this on a batch before ``jax.device_put`` (:func:`jaxdev.shard_batch`,
-    :func:`jaxdev.shard_for_pmap` and :func:`jaxdev.prefetch_to_device` do)
+    :func:`jaxdev.pmap.shard_for_pmap` and :func:`jaxdev.prefetch_to_device` do)
     and the device gets exactly the values the batch held at call time.
 
     A numpy array is copied when it, or an array it views, is writeable, or
@@ -235,7 +235,7 @@ def padded_shapes(batch: Any, n: int, n_lead: int = 0) -> tuple[Any, Any]:
     Rows (axis ``n_lead``, behind ``steps_per_call`` / ``accumulate`` group
     axes) that ``n`` devices do not divide are padded up to the next multiple
     and a bool row mask is added; otherwise ``(batch, None)``. Lowering and
-    :func:`jaxdev.plan` then accept the shapes of a raw batch.
+    :func:`jaxdev.memory.plan` then accept the shapes of a raw batch.
 
     Example:
       >>> import jax, jax.numpy as jnp

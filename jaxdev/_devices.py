@@ -117,7 +117,7 @@ def cpu(i: int = 0) -> jax.Device:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.cpu().platform
+      >>> jaxdev.d2l.cpu().platform
       'cpu'
     """
     return _pick("cpu", i)
@@ -140,9 +140,9 @@ def gpu(i: int = 0) -> jax.Device:
     Example:
       >>> import jaxdev
       >>> try:
-      ...     d = jaxdev.gpu(0)
+      ...     d = jaxdev.d2l.gpu(0)
       ... except jaxdev.DeviceNotFoundError:
-      ...     d = jaxdev.cpu()
+      ...     d = jaxdev.d2l.cpu()
     """
     return _pick("gpu", i)
 
@@ -152,7 +152,7 @@ def num_gpus() -> int:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.num_gpus() >= 0
+      >>> jaxdev.d2l.num_gpus() >= 0
       True
     """
     return len(_platform_devices("gpu"))
@@ -169,7 +169,7 @@ def try_gpu(i: int = 0) -> jax.Device:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.try_gpu(10).platform in ("cpu", "gpu")
+      >>> jaxdev.d2l.try_gpu(10).platform in ("cpu", "gpu")
       True
     """
     i = _check_index(i, "i")
@@ -181,7 +181,7 @@ def try_all_gpus() -> list[jax.Device]:
 
     Example:
       >>> import jaxdev
-      >>> len(jaxdev.try_all_gpus()) >= 1
+      >>> len(jaxdev.d2l.try_all_gpus()) >= 1
       True
     """
     return _platform_devices("gpu") or [cpu()]
@@ -206,7 +206,7 @@ def device(spec: DeviceSpec) -> jax.Device:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.device("cpu:0") == jaxdev.cpu(0)
+      >>> jaxdev.device("cpu:0") == jaxdev.d2l.cpu(0)
       True
     """
     return resolve_device(spec, "spec")
@@ -300,7 +300,7 @@ def _first_n(n: int) -> list[jax.Device]:
     if n > len(local):
         raise DeviceNotFoundError(
             f"`devices`={n} asks for more devices than exist: this process has "
-            f"{len(local)}. For fake CPU devices call `jaxdev.use_fake_cpu_devices({n})` "
+            f"{len(local)}. For fake CPU devices call `jaxdev.testing.use_fake_cpu_devices({n})` "
             f"before JAX starts, or set XLA_FLAGS=--xla_force_host_platform_device_count={n}. "
             + available_devices()
         )
@@ -351,7 +351,7 @@ def use_fake_cpu_devices(n: int) -> None:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.use_fake_cpu_devices(8)  # first line of a script  # doctest: +SKIP
+      >>> jaxdev.testing.use_fake_cpu_devices(8)  # first line of a script  # doctest: +SKIP
     """
     n = _check_index(n, "n")
     if n < 1:

@@ -55,7 +55,7 @@ class MemoryPlanError(JaxdevError, MemoryError):
     """A state or step would not fit in device memory (raised before allocating).
 
     Attributes:
-      explanation: the :class:`jaxdev.MemoryExplanation` behind the message
+      explanation: the :class:`jaxdev.memory.MemoryExplanation` behind the message
         (what the compiled step needs, what is live, which compiled changes
         fit), or ``None`` when the check had no step to compile.
     """

@@ -271,7 +271,7 @@ def batch_axis(mesh: Mesh, axis: AxisName | None) -> AxisName:
     ``data`` x ``fsdp`` mesh, ``'data'`` on a ``data`` x ``model`` mesh. A
     1-D mesh splits the batch over its one axis, whatever its name.
     :func:`jaxdev.shard_batch`, :func:`jaxdev.batch_sharding`, every
-    :class:`jaxdev.Strategy` and :func:`jaxdev.plan` use this.
+    :class:`jaxdev.Strategy` and :func:`jaxdev.memory.plan` use this.
 
     Raises:
       ShardingError: ``axis`` is not an axis of the mesh, or every axis of a

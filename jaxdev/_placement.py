@@ -78,7 +78,7 @@ def as_sharding(target: Target) -> Sharding:
 
     Example:
       >>> import jaxdev
-      >>> jaxdev.as_sharding("cpu:0").device_set == {jaxdev.cpu(0)}
+      >>> jaxdev.as_sharding("cpu:0").device_set == {jaxdev.d2l.cpu(0)}
       True
       >>> jaxdev.as_sharding(jaxdev.data_mesh()).is_fully_replicated
       True
@@ -379,7 +379,7 @@ def device_of(x: Any) -> jax.Device | None:
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
-      >>> jaxdev.device_of(jaxdev.to_device(jnp.ones(2), "cpu:0")) == jaxdev.cpu(0)
+      >>> jaxdev.device_of(jaxdev.to_device(jnp.ones(2), "cpu:0")) == jaxdev.d2l.cpu(0)
       True
     """
     found = devices_of(x)
@@ -435,7 +435,7 @@ def common_device(tree: Any) -> jax.Device | None:
     Example:
       >>> import jax.numpy as jnp, jaxdev
       >>> t = jaxdev.to_device({"a": jnp.ones(2), "b": jnp.zeros(2)}, "cpu:0")
-      >>> common_device(t) == jaxdev.cpu(0)
+      >>> common_device(t) == jaxdev.d2l.cpu(0)
       True
     """
     leaves, _ = jax.tree_util.tree_flatten(tree)

@@ -64,7 +64,7 @@ def stack_for_pmap(tree: Any, devices: Any = None) -> Any:
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev
-      >>> s = jaxdev.stack_for_pmap({"w": jnp.ones(3)})
+      >>> s = jaxdev.pmap.stack_for_pmap({"w": jnp.ones(3)})
       >>> s["w"].shape == (jax.local_device_count(), 3)
       True
     """
@@ -114,8 +114,8 @@ def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
-      >>> s = jaxdev.stack_for_pmap({"w": jnp.arange(3)})
-      >>> jaxdev.unstack_from_pmap(s, check=True)["w"].tolist()
+      >>> s = jaxdev.pmap.stack_for_pmap({"w": jnp.arange(3)})
+      >>> jaxdev.pmap.unstack_from_pmap(s, check=True)["w"].tolist()
       [0, 1, 2]
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -195,7 +195,7 @@ def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
     Example:
       >>> import jax, numpy as np, jaxdev
       >>> n = jax.local_device_count()
-      >>> x = jaxdev.shard_for_pmap(np.zeros((2 * n, 3)))
+      >>> x = jaxdev.pmap.shard_for_pmap(np.zeros((2 * n, 3)))
       >>> x.shape == (n, 2, 3)
       True
     """
@@ -247,8 +247,8 @@ def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int 
     Example:
       >>> import jax, numpy as np, jaxdev
       >>> n = jax.local_device_count()
-      >>> p = jaxdev.shard_for_pmap(np.arange(2 * n + 1), pad=True)
-      >>> jaxdev.unshard_from_pmap(p.batch, p).tolist() == list(range(2 * n + 1))
+      >>> p = jaxdev.pmap.shard_for_pmap(np.arange(2 * n + 1), pad=True)
+      >>> jaxdev.pmap.unshard_from_pmap(p.batch, p).tolist() == list(range(2 * n + 1))
       True
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -121,7 +121,7 @@ def _raise_not_replicated(tree: Any, leaves: Sequence[Any], idx: Sequence[int]) 
         x = leaves[i]
         hint = ""
         if x.ndim and x.shape[0] == len(x.sharding.device_set):
-            hint = " (a stacked pmap copy? use `jaxdev.unstack_from_pmap`)"
+            hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)"
         lines.append(f"{paths[i]}: shape {tuple(x.shape)}, sharding {_spec_of(x)}{hint}")
     raise ShardingError(
         join_failures(

@@ -731,7 +731,7 @@ def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options
     :func:`jaxdev.init_sharded`), so under ``"flax"`` the layout the params
     carry is all that is left of their declaration; the optimizer state
     follows it. Arrays or ``ShapeDtypeStruct`` s (with their ``sharding``).
-    The train step and :func:`jaxdev.plan` both use it, so a plan counts what
+    The train step and :func:`jaxdev.memory.plan` both use it, so a plan counts what
     the step holds.
     """
     mesh = check_mesh(mesh)

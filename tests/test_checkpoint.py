@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import CheckpointError
-from jaxdev._checkpoint import checkpoint_step
+from jaxdev.checkpoint._checkpoint import checkpoint_step
 
 
 def _params():
@@ -80,7 +80,7 @@ def test_batch_sharded_onto_replicated_and_back(tmp_path, mesh):
 
 def test_stacked_is_written_once_and_restores_stacked_replicated_or_sharded(tmp_path, mesh):
     params = _params()
-    stacked = jaxdev.stack_for_pmap(params)
+    stacked = jaxdev.pmap.stack_for_pmap(params)
     jaxdev.save(tmp_path / "c", stacked)
     jaxdev.save(tmp_path / "plain", params)
     size = {
@@ -116,13 +116,13 @@ def test_stacked_is_written_once_and_restores_stacked_replicated_or_sharded(tmp_
 def test_replicated_restores_into_a_stacked_target(tmp_path, mesh):
     params = _params()
     jaxdev.save(tmp_path / "c", params)
-    stacked = jaxdev.restore(tmp_path / "c", jaxdev.stack_for_pmap(params))
-    _bits_equal(stacked, jaxdev.stack_for_pmap(params))
-    _bits_equal(jaxdev.unstack_from_pmap(stacked, check=True), params)
+    stacked = jaxdev.restore(tmp_path / "c", jaxdev.pmap.stack_for_pmap(params))
+    _bits_equal(stacked, jaxdev.pmap.stack_for_pmap(params))
+    _bits_equal(jaxdev.pmap.unstack_from_pmap(stacked, check=True), params)
 
 
 def test_stacked_looking_leaf_with_different_rows_is_saved_whole(tmp_path, mesh):
-    batch = jaxdev.shard_for_pmap(np.arange(8.0 * 3).reshape(8, 3))  # (8, 1, 3): rows differ
+    batch = jaxdev.pmap.shard_for_pmap(np.arange(8.0 * 3).reshape(8, 3))  # (8, 1, 3): rows differ
     jaxdev.save(tmp_path / "c", {"b": batch})
     back = jaxdev.restore(tmp_path / "c", "cpu:0")
     assert back["b"].shape == (8, 1, 3)
@@ -137,7 +137,7 @@ def test_tree_of_shapedtypestructs_and_shardings(tmp_path, mesh):
     back = jaxdev.restore(tmp_path / "c", abstract)
     assert type(back) is jaxdev.TrainState
     jaxdev.assert_replicated(back, mesh)
-    shardings = jax.tree.map(lambda x: SingleDeviceSharding(jaxdev.cpu(3)), state)
+    shardings = jax.tree.map(lambda x: SingleDeviceSharding(jaxdev.d2l.cpu(3)), state)
     on3 = jaxdev.restore(tmp_path / "c", shardings)
     jaxdev.assert_on_device(on3, "cpu:3")
     _bits_equal(on3, state)
@@ -205,11 +205,15 @@ def test_special_float_bits_survive(tmp_path):
 
 
 def test_metrics_and_device_log_round_trip(tmp_path):
-    m = jaxdev.Collection.from_values({"loss": jaxdev.Mean}, {"loss": jnp.arange(4.0)})
-    log = jaxdev.DeviceLog.create(4).record(1.5).record(2.5)
+    m = jaxdev.metrics.Collection.from_values(
+        {"loss": jaxdev.metrics.Mean}, {"loss": jnp.arange(4.0)}
+    )
+    log = jaxdev.metrics.DeviceLog.create(4).record(1.5).record(2.5)
     jaxdev.save(tmp_path / "c", {"m": m, "log": log})
     back = jaxdev.restore(tmp_path / "c")
-    assert isinstance(back["m"], jaxdev.Collection) and isinstance(back["log"], jaxdev.DeviceLog)
+    assert isinstance(back["m"], jaxdev.metrics.Collection) and isinstance(
+        back["log"], jaxdev.metrics.DeviceLog
+    )
     assert float(back["m"]["loss"].compute()) == 1.5
     assert back["log"].fetch().tolist() == [1.5, 2.5]
 
@@ -294,18 +298,20 @@ def test_checkpointer_every_keep_latest_and_no_overwrite(tmp_path):
 
 def test_checkpointer_metrics_and_empty_directory(tmp_path, mesh):
     state = jaxdev.replicate(_state(), mesh)
-    metrics = jaxdev.Collection.from_values({"loss": jaxdev.Mean}, {"loss": jnp.ones(8)})
+    metrics = jaxdev.metrics.Collection.from_values(
+        {"loss": jaxdev.metrics.Mean}, {"loss": jnp.ones(8)}
+    )
     with jaxdev.Checkpointer(tmp_path / "a") as ckpt:
         with pytest.raises(CheckpointError, match="No checkpoint in .*nothing has been saved"):
             ckpt.restore()
-        ckpt.save(1, state, metrics={"train": metrics, "log": jaxdev.DeviceLog.create(2)})
+        ckpt.save(1, state, metrics={"train": metrics, "log": jaxdev.metrics.DeviceLog.create(2)})
         ckpt.save(2, state)
         back = ckpt.restore(state)
         jaxdev.assert_replicated(back, mesh)
         assert ckpt.restore_metrics() is None  # step 2 has none
         got = ckpt.restore_metrics(step=1)
         assert float(got["train"]["loss"].compute()) == 1.0
-        assert isinstance(got["log"], jaxdev.DeviceLog)
+        assert isinstance(got["log"], jaxdev.metrics.DeviceLog)
 
 
 def test_checkpointer_arguments_are_checked(tmp_path):

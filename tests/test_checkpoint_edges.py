@@ -19,8 +19,8 @@ from conftest import REPO, clean_env
 
 import jaxdev
 from jaxdev import CheckpointError, UsageError
-from jaxdev import _checkpoint as ck
-from jaxdev import _ckpt_files as files
+from jaxdev.checkpoint import _checkpoint as ck
+from jaxdev.checkpoint import _ckpt_files as files
 
 # ---------------------------------------------------------------- numpy scalar leaves
 
@@ -146,10 +146,15 @@ def test_overwrite_never_replaces_the_working_directory_its_parents_or_home(tmp_
             jaxdev.save(path, {"w": np.ones(2)}, overwrite=True)
     with pytest.raises(CheckpointError, match=f"{home} is the home directory"):
         jaxdev.save(home, {"w": np.ones(2)}, overwrite=True)
-    assert here.is_dir() and home.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [
-        "a",
-        "home",
-    ]
+    assert (
+        here.is_dir()
+        and home.is_dir()
+        and sorted(p.name for p in tmp_path.iterdir())
+        == [
+            "a",
+            "home",
+        ]
+    )
     jaxdev.save("ckpt", {"w": np.ones(2)})  # a subfolder is fine
     jaxdev.save("ckpt", {"w": np.zeros(2)}, overwrite=True)
     assert jaxdev.restore("ckpt")["w"].tolist() == [0, 0] and os.getcwd() == str(here)

@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import CheckpointError
-from jaxdev import _checkpoint as ck
-from jaxdev._checksum import checksums
+from jaxdev.checkpoint import _checkpoint as ck
+from jaxdev.checkpoint._checksum import checksums
 
 SCRIPTS = os.path.join(REPO, "tests", "mp_scripts")
 
@@ -239,7 +239,7 @@ def _flip(words: np.ndarray, bits) -> np.ndarray:
 
 
 def test_checksum_catches_every_1_and_2_bit_change_and_random_3_bit_changes():
-    from jaxdev._checksum import _checksums  # the jitted per-array function
+    from jaxdev.checkpoint._checksum import _checksums  # the jitted per-array function
 
     base = np.random.default_rng(0).integers(0, 2**32, 16, dtype=np.uint32)
     nbits = base.size * 32
@@ -319,7 +319,7 @@ def test_python_scalars_onto_array_targets_refuse_lossy_casts(tmp_path):
     assert "['n']" not in msg and "['flag']" not in msg
     # onto a sharding: the default dtype must hold it (int32 cannot hold 2**40 + 1)
     with pytest.raises(CheckpointError, match=r"\['big'\]: saved the Python int .* asked int32"):
-        jaxdev.restore(path, {"lr": 0.0, "big": jaxdev.cpu(0), "n": 0, "flag": False})
+        jaxdev.restore(path, {"lr": 0.0, "big": jaxdev.d2l.cpu(0), "n": 0, "flag": False})
     ok = jaxdev.restore(
         path,
         {"lr": jnp.zeros((), jnp.float32), "big": 0, "n": jnp.zeros((), jnp.float32), "flag": 0},
@@ -344,7 +344,7 @@ def test_a_failed_save_does_not_delay_the_exit():
         """
         import errno, time
         import jaxdev
-        jaxdev.use_fake_cpu_devices(8)
+        jaxdev.testing.use_fake_cpu_devices(8)
         import jax.numpy as jnp, tempfile
         from orbax.checkpoint._src.serialization import jax_array_handlers
         async def fail(self, *a, **k):
@@ -447,7 +447,7 @@ def test_checksum_catches_structured_two_bit_changes():
 
 
 def test_checksum_every_two_bit_change_of_a_zero_array():
-    from jaxdev._checksum import _checksums
+    from jaxdev.checkpoint._checksum import _checksums
 
     base = np.zeros(16, np.uint32)  # equal words everywhere: the structured worst case
     nbits = base.size * 32

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 from conftest import clean_env as _clean_env
 
-from jaxdev import _cli
+from jaxdev.cli import _cli
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -156,7 +156,7 @@ def test_more_devices_than_exist_on_an_accelerator_or_a_started_backend(capsys, 
 
 def test_missing_optional_dependency_names_the_extra():
     blocker = "import sys; sys.modules['matplotlib'] = None; sys.modules['sklearn'] = None"
-    code = "from jaxdev._cli import main; import sys; sys.exit(main(sys.argv[1:]))"
+    code = "from jaxdev.cli._cli import main; import sys; sys.exit(main(sys.argv[1:]))"
     for args, extra in ((["bench", "--plot", "x.png"], "jaxdev[plot]"), (["demo"], "jaxdev[demo]")):
         proc = subprocess.run(
             [sys.executable, "-c", f"{blocker}; {code}", *args],
@@ -221,7 +221,7 @@ def test_fake_device_rule_without_starting_jax(monkeypatch):
 def test_demo_group_steps_never_drops_or_repeats_a_row():
     import numpy as np
 
-    from jaxdev import _demo
+    from jaxdev.cli import _demo
 
     data = {"x": np.arange(1437 * 2).reshape(1437, 2), "y": np.arange(1437)}
     batches = _demo.epoch_batches(data, 128, np.random.default_rng(0))

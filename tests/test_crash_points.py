@@ -22,7 +22,7 @@ import pytest
 
 import jaxdev
 from jaxdev import Checkpointer, CheckpointError
-from jaxdev import _ckpt_files as files
+from jaxdev.checkpoint import _ckpt_files as files
 
 
 class Killed(BaseException):

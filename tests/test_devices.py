@@ -14,22 +14,22 @@ from jaxdev import DeviceNotFoundError, UsageError
 
 
 def test_cpu_indexes_local_cpu_devices(devices):
-    assert jaxdev.cpu() == devices[0]
-    assert jaxdev.cpu(3) == devices[3]
-    assert jaxdev.cpu(np.int64(2)) == devices[2]
+    assert jaxdev.d2l.cpu() == devices[0]
+    assert jaxdev.d2l.cpu(3) == devices[3]
+    assert jaxdev.d2l.cpu(np.int64(2)) == devices[2]
 
 
 def test_negative_index_refused_where_jax_returns_last_device(devices):
     assert jax.devices()[-1] == devices[-1]  # what JAX silently does
     with pytest.raises(UsageError, match=r"`i` must be >= 0, got -1.*Available devices"):
-        jaxdev.cpu(-1)
+        jaxdev.d2l.cpu(-1)
     with pytest.raises(UsageError, match="got -2"):
-        jaxdev.try_gpu(-2)
+        jaxdev.d2l.try_gpu(-2)
 
 
 def test_index_past_end_names_count_and_devices():
     with pytest.raises(DeviceNotFoundError) as err:
-        jaxdev.cpu(N_DEVICES)
+        jaxdev.d2l.cpu(N_DEVICES)
     msg = str(err.value)
     assert f"has {N_DEVICES} cpu device(s)" in msg
     assert "valid indexes 0..7" in msg and "cpu:7" in msg
@@ -39,21 +39,21 @@ def test_index_past_end_names_count_and_devices():
 @pytest.mark.parametrize("bad", [1.0, "1", None, True])
 def test_index_of_wrong_type(bad):
     with pytest.raises(UsageError, match="`i` must be a device index"):
-        jaxdev.cpu(bad)
+        jaxdev.d2l.cpu(bad)
 
 
 def test_gpu_strict_on_cpu_host():
     with pytest.raises(DeviceNotFoundError) as err:
-        jaxdev.gpu()
+        jaxdev.d2l.gpu()
     msg = str(err.value)
     assert "No gpu device" in msg and "[cpu]" in msg and "try_gpu" in msg and "cpu:0" in msg
 
 
 def test_d2l_fallbacks_on_cpu_host():
-    assert jaxdev.num_gpus() == 0
-    assert jaxdev.try_gpu() == jaxdev.cpu()
-    assert jaxdev.try_gpu(10) == jaxdev.cpu()
-    assert jaxdev.try_all_gpus() == [jaxdev.cpu()]
+    assert jaxdev.d2l.num_gpus() == 0
+    assert jaxdev.d2l.try_gpu() == jaxdev.d2l.cpu()
+    assert jaxdev.d2l.try_gpu(10) == jaxdev.d2l.cpu()
+    assert jaxdev.d2l.try_all_gpus() == [jaxdev.d2l.cpu()]
 
 
 @pytest.mark.parametrize(
@@ -118,9 +118,9 @@ def test_device_list(devices):
 
 
 def test_use_fake_cpu_devices_after_start(devices):
-    jaxdev.use_fake_cpu_devices(N_DEVICES)  # same count: no-op
+    jaxdev.testing.use_fake_cpu_devices(N_DEVICES)  # same count: no-op
     with pytest.raises(jaxdev.BackendStartedError, match="already started with 8 CPU device"):
-        jaxdev.use_fake_cpu_devices(4)
+        jaxdev.testing.use_fake_cpu_devices(4)
 
 
 def test_describe_is_plain_data(devices):
@@ -137,7 +137,7 @@ def test_use_fake_cpu_devices_before_start_in_subprocess():
     proc = run_python(
         """
         import os, jaxdev
-        jaxdev.use_fake_cpu_devices(3)
+        jaxdev.testing.use_fake_cpu_devices(3)
         import jax
         print(len(jax.devices()), os.environ["XLA_FLAGS"])
         """
@@ -150,11 +150,11 @@ def test_xla_flags_two_devices_in_subprocess():
     proc = run_python(
         """
         import jax.numpy as jnp, jaxdev
-        print(len(jaxdev.device_list()), jaxdev.cpu(1))
+        print(len(jaxdev.device_list()), jaxdev.d2l.cpu(1))
         x = jaxdev.to_device(jnp.ones(3), "cpu:1")
         print(jaxdev.device_of(x))
         try:
-            jaxdev.cpu(2)
+            jaxdev.d2l.cpu(2)
         except jaxdev.DeviceNotFoundError as e:
             print("refused", "has 2 cpu" in str(e))
         """,
@@ -166,9 +166,9 @@ def test_xla_flags_two_devices_in_subprocess():
 
 @pytest.mark.devices(1)
 def test_single_cpu_d2l_case():
-    assert jaxdev.num_gpus() == 0 and jaxdev.try_all_gpus() == [jaxdev.cpu(0)]
-    y = jaxdev.to_device(np.ones((2, 3), np.float32), jaxdev.try_gpu())
-    assert jaxdev.device_of(y) == jaxdev.cpu(0) and jaxdev.to_device(y, "cpu") is y
+    assert jaxdev.d2l.num_gpus() == 0 and jaxdev.d2l.try_all_gpus() == [jaxdev.d2l.cpu(0)]
+    y = jaxdev.to_device(np.ones((2, 3), np.float32), jaxdev.d2l.try_gpu())
+    assert jaxdev.device_of(y) == jaxdev.d2l.cpu(0) and jaxdev.to_device(y, "cpu") is y
     info = jaxdev.describe()
     assert (info["device_count"], info["warnings"]) == (1, [])
 
@@ -191,7 +191,7 @@ def test_platform_that_cannot_start_is_a_clear_lookup_error():
     proc = run_python(
         """
         import jaxdev
-        for fn in (jaxdev.cpu, jaxdev.describe, lambda: jaxdev.device_list(2)):
+        for fn in (jaxdev.d2l.cpu, jaxdev.describe, lambda: jaxdev.device_list(2)):
             try:
                 fn()
             except LookupError as e:
@@ -209,9 +209,9 @@ def test_platform_that_cannot_start_is_a_clear_lookup_error():
 
 @pytest.mark.gpu
 def test_gpu_present_when_lent():
-    assert jaxdev.num_gpus() >= 1
-    assert jaxdev.gpu(0).platform == "gpu"
-    assert jaxdev.device("cuda:0") == jaxdev.gpu(0)
+    assert jaxdev.d2l.num_gpus() >= 1
+    assert jaxdev.d2l.gpu(0).platform == "gpu"
+    assert jaxdev.device("cuda:0") == jaxdev.d2l.gpu(0)
     assert jaxdev.describe()["devices"][0]["memory"] is not None
 
 

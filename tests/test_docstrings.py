@@ -11,12 +11,19 @@ import pytest
 
 import jaxdev
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(jaxdev.__path__))
+MODULES = sorted(
+    m.name[len("jaxdev.") :]
+    for m in pkgutil.walk_packages(jaxdev.__path__, "jaxdev.")
+    if not m.name.endswith("._plugin")  # loaded by pytest only (tests/test_testing_plugin.py)
+)
+NAMESPACES = ("d2l", "distributed", "memory", "metrics", "nnx", "pmap", "testing")
 
 
 def test_every_public_function_has_an_example():
     public = [getattr(jaxdev, n) for n in dir(jaxdev) if not n.startswith("_")]
-    public += [getattr(jaxdev.distributed, n) for n in ("initialize", "is_initialized", "shutdown")]
+    public += [
+        getattr(getattr(jaxdev, ns), n) for ns in NAMESPACES for n in getattr(jaxdev, ns).__all__
+    ]
     functions = [f for f in public if inspect.isfunction(f) and f.__module__.startswith("jaxdev")]
     missing = [f.__qualname__ for f in functions if ">>>" not in (f.__doc__ or "")]
     assert len(functions) > 40
@@ -31,21 +38,6 @@ def test_docstring_examples_run(name):
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
 
 
-# names added by the issues after the one-owner redesign (each with its README row)
-ADDED_SINCE_THE_REDESIGN: set[str] = {
-    "WeightedMean",
-    "memory",
-    "MemoryLedger",
-    "LedgerEntry",
-    "nnx_metrics_update",
-    "OutOfMemoryError",
-    "MemoryExplanation",
-    "fit_memory",
-    "MemoryFit",
-    "testing",
-}
-
-
 def test_the_readme_api_section_names_every_public_name():
     """README's "API at a glance" tables have one row per name in ``dir(jaxdev)``: no
     public name undocumented, no row for a name that is not public, each row linking
@@ -57,10 +49,13 @@ def test_the_readme_api_section_names_every_public_name():
     text = (root / "README.md").read_text()
     api = text.split("## API at a glance", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(
-        r"^\| `([A-Za-z_][A-Za-z0-9_]*)` \| (.+?) \| \[[^\]]+\]\(([^)]+)\) \|$", api, re.M
+        r"^\| `([A-Za-z_][A-Za-z0-9_.]*)` \| (.+?) \| \[[^\]]+\]\(([^)]+)\) \|$", api, re.M
     )
     names = [n for n, _, _ in rows]
-    public = {n for n in dir(jaxdev) if not n.startswith("_")}
+    public = {n for n in dir(jaxdev) if not n.startswith("_")} - {"train", "checkpoint", "cli"}
+    public |= {
+        f"{ns}.{n}" for ns in NAMESPACES if ns != "distributed" for n in getattr(jaxdev, ns).__all__
+    }
     assert len(names) == len(set(names)), "a name has two rows"
     assert not public - set(names), f"public names without a row: {sorted(public - set(names))}"
     assert not set(names) - public, (
@@ -68,6 +63,7 @@ def test_the_readme_api_section_names_every_public_name():
     )
     for name, line, link in rows:
         assert line.strip() and (root / link).is_file(), (name, link)
-    assert len(public - ADDED_SINCE_THE_REDESIGN) <= 88  # issue 18: 98 -> 88
+    top = {n for n in public if "." not in n} | {"train", "checkpoint"}  # subsystem folders count
+    assert len(top) <= 70  # issue 27: 98 -> 70, the rest in namespaces
     gone = {"replicated_sharding", "state_shardings", "common_device", "backend_started"}
     assert not gone & public

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxdev
-from jaxdev._explain import batch_for, batch_rows
+from jaxdev.memory._explain import batch_for, batch_rows
 
 TX = optax.adam(1e-3)
 MiB = 2**20
@@ -49,7 +49,7 @@ def _example(rows: int = 16, lead: tuple[int, ...] = ()) -> dict:
 
 def _peak(step, rows_of, per_device: int) -> int:
     batch = batch_for(step, rows_of, per_device * step.strategy.n_devices)
-    return jaxdev.plan(_state(), step=step, batch=batch).peak
+    return jaxdev.memory.plan(_state(), step=step, batch=batch).peak
 
 
 def _host(rows: int) -> dict:
@@ -73,7 +73,7 @@ def _host(rows: int) -> dict:
 def test_the_batch_found_fits_and_the_next_larger_does_not(strategy, options, example):
     step = jaxdev.make_train_step(loss_fn, TX, strategy(), **options)
     limit = 2 * MiB
-    fit = jaxdev.fit_memory(step, _state(), example, limit=limit)
+    fit = jaxdev.memory.fit_memory(step, _state(), example, limit=limit)
     assert fit.change is None and fit.step is step and not fit.capped
     unit = step.accumulate
     assert fit.batch_size % unit == 0 and fit.batch_size > unit
@@ -81,7 +81,7 @@ def test_the_batch_found_fits_and_the_next_larger_does_not(strategy, options, ex
     rows_of = batch_rows(step, example)
     assert _peak(step, rows_of, fit.batch_size) == fit.peak <= limit
     assert _peak(step, rows_of, fit.batch_size + unit) > limit
-    assert jaxdev.plan(_state(), step=step, batch=fit.batch).peak == fit.peak
+    assert jaxdev.memory.plan(_state(), step=step, batch=fit.batch).peak == fit.peak
     trials = {(t.batch_size, t.fits) for t in fit.tried}
     assert (fit.batch_size, True) in trials and (fit.batch_size + unit, False) in trials
     assert len(fit.tried) <= 2 * (fit.batch_size + unit).bit_length() + 1  # doubling, bisection
@@ -100,7 +100,7 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(big, TX))
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
     limit = MiB
-    fit = jaxdev.fit_memory(step, state, _example(), limit=limit)
+    fit = jaxdev.memory.fit_memory(step, state, _example(), limit=limit)
     assert fit.tried[0].change == "as is" and not fit.tried[0].fits
     assert fit.tried[0].batch_size == 1
     assert fit.change == "Strategy.sharded(mesh, rules='fsdp')"
@@ -109,7 +109,9 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
     rows_of = batch_rows(step, _example())
 
     def at(b):
-        return jaxdev.plan(shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)).peak
+        return jaxdev.memory.plan(
+            shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)
+        ).peak
 
     assert at(fit.batch_size) == fit.peak <= limit < at(fit.batch_size + 1)
     assert str(fit).startswith(
@@ -132,7 +134,7 @@ def test_the_users_own_rules_are_kept_in_the_change_found():
     }
     state = step.init_state(boxed, TX)
     assert state.params["w0"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
-    fit = jaxdev.fit_memory(step, state, _example(), limit=900 * 1024)
+    fit = jaxdev.memory.fit_memory(step, state, _example(), limit=900 * 1024)
     assert fit.tried[0].change == "as is" and not fit.tried[0].fits
     assert "rules=" not in fit.change, fit.change  # offloading fits and keeps the rules
     assert fit.step.strategy.rules == "flax" and fit.step.strategy.mesh == mesh
@@ -147,12 +149,12 @@ def test_nothing_fits_and_the_search_stops_at_max_batch_size():
     """Nothing fitting is an error with the table, never a result whose ``rows`` is None."""
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())
     with pytest.raises(jaxdev.MemoryPlanError) as err:
-        jaxdev.fit_memory(step, _state(), _example(), limit=1024)
+        jaxdev.memory.fit_memory(step, _state(), _example(), limit=1024)
     text = str(err.value)
     assert text.startswith("nothing fits in 1.0 KiB (limit): not even 1 row per device")
     assert re.search(r"\nchange +batch/device +rows/step +peak/device +fits\n", text)
     assert re.search(r"\nas is +1 +1 +[\d.]+ KiB +no\n", text) and "yes" not in text
-    capped = jaxdev.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=40)
+    capped = jaxdev.memory.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=40)
     assert capped.batch_size == 40 and capped.capped
     assert [t.batch_size for t in capped.tried] == [1, 2, 4, 8, 16, 32, 40]
     assert "larger batches may fit too" in str(capped)
@@ -160,14 +162,16 @@ def test_nothing_fits_and_the_search_stops_at_max_batch_size():
 
 def test_bad_inputs_are_named():
     step = jaxdev.make_train_step(loss_fn, TX)
-    with pytest.raises(jaxdev.UsageError, match=r"pass `limit=` .* `jaxdev.fit_memory\(step"):
-        jaxdev.fit_memory(step, _state(), _example())
+    with pytest.raises(
+        jaxdev.UsageError, match=r"pass `limit=` .* `jaxdev.memory.fit_memory\(step"
+    ):
+        jaxdev.memory.fit_memory(step, _state(), _example())
     with pytest.raises(jaxdev.UsageError, match="`limit` must be a number of bytes"):
-        jaxdev.fit_memory(step, _state(), _example(), limit="1GB")
+        jaxdev.memory.fit_memory(step, _state(), _example(), limit="1GB")
     for bad in (0, 2.5, True):
         with pytest.raises(jaxdev.UsageError, match="`max_batch_size` must be an int >= 1"):
-            jaxdev.fit_memory(step, _state(), _example(), limit=MiB, max_batch_size=bad)
+            jaxdev.memory.fit_memory(step, _state(), _example(), limit=MiB, max_batch_size=bad)
     with pytest.raises(jaxdev.UsageError, match="`step` must be a jaxdev step"):
-        jaxdev.fit_memory(loss_fn, _state(), _example(), limit=MiB)
+        jaxdev.memory.fit_memory(loss_fn, _state(), _example(), limit=MiB)
     with pytest.raises(jaxdev.UsageError, match="`example_batch` leaf of shape \\(\\) has no row"):
-        jaxdev.fit_memory(step, _state(), {"x": jnp.float32(1)}, limit=MiB)
+        jaxdev.memory.fit_memory(step, _state(), {"x": jnp.float32(1)}, limit=MiB)

@@ -10,7 +10,7 @@ under ``Strategy.sharded`` and ``Strategy.pmap`` (8 devices sum per-device
 gradients where flax takes one mean: float32 reassociation only).
 
 (b) the NNX CNN of ``examples/flax_nnx_cnn.py`` (BatchNorm + Dropout) through
-``jaxdev.nnx_split`` / ``nnx_loss`` / ``nnx_update``: with dropout 0,
+``jaxdev.nnx.split`` / ``nnx_loss`` / ``nnx_update``: with dropout 0,
 ``Strategy.sharded`` and ``Strategy.pmap`` give the params and batch
 statistics of ``Strategy.single`` after 3 plain-SGD steps
 (``atol=rtol=1e-5``) and ``nnx_update`` writes both into the module; with
@@ -126,7 +126,7 @@ def mnist_loss(params, batch):
     logits = CNN().apply({"params": params}, batch["image"])
     one_hot = jax.nn.one_hot(batch["label"], 10)
     losses = optax.softmax_cross_entropy(logits=logits, labels=one_hot)
-    return losses, {"accuracy": jaxdev.Accuracy.from_logits(logits, batch["label"])}
+    return losses, {"accuracy": jaxdev.metrics.Accuracy.from_logits(logits, batch["label"])}
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +179,9 @@ def nnx_sgd_run(name: str, dropout: float, lr: float, data, steps: int, rng=None
     strategy = STRATEGIES[name]()
     model = ex.CNN(dropout=dropout, axis_name=strategy.collective_axis, rngs=nnx.Rngs(0))
     tx = optax.sgd(lr)
-    loss = jaxdev.nnx_loss(model, aux_fn or ex.train_loss)
+    loss = jaxdev.nnx.loss(model, aux_fn or ex.train_loss)
     step = jaxdev.make_train_step(loss, tx, strategy, has_state=True, has_aux=True)
-    params, model_state = jaxdev.nnx_split(model)
+    params, model_state = jaxdev.nnx.split(model)
     state = step.init_state(params, tx, rng=rng, model_state=model_state)
     rows = len(data["label"]) // steps
     history = []
@@ -219,7 +219,7 @@ def test_nnx_cnn_strategies_agree_without_dropout(nnx_single, name):
     assert not np.allclose(state.model_state["bn2"]["var"][...], 1.0)
     # ... and nnx_update writes params and batch statistics into the module.
     assert np.allclose(model.bn1.mean[...], 0.0)  # untouched until then
-    jaxdev.nnx_update(model, state)
+    jaxdev.nnx.update(model, state)
     assert_close(nnx.state(model, nnx.Param), state.params)
     assert_close(batch_stats(nnx.state(model, nnx.BatchStat)), batch_stats(state.model_state))
     assert_close(model.bn2.var[...], ref.model_state["bn2"]["var"][...])
@@ -228,7 +228,10 @@ def test_nnx_cnn_strategies_agree_without_dropout(nnx_single, name):
 def loss_spread(model, batch):
     """ex.train_loss plus the smallest and largest per-example loss of the batch."""
     losses, aux = ex.train_loss(model, batch)
-    spread = {"min": jaxdev.Min.from_value(losses), "max": jaxdev.Max.from_value(losses)}
+    spread = {
+        "min": jaxdev.metrics.Min.from_value(losses),
+        "max": jaxdev.metrics.Max.from_value(losses),
+    }
     return losses, {**aux, **spread}
 
 

@@ -69,13 +69,17 @@ def _metric_loss(kind):
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
         value = batch["v"]
         aux = {
-            "accuracy": lambda: jaxdev.Accuracy.from_logits(logits, batch["y"]),
-            "sum": lambda: jaxdev.Sum.from_value(value),
-            "mean": lambda: jaxdev.Mean.from_value(value),
-            "min": lambda: jaxdev.Min.from_value(value),
-            "max": lambda: jaxdev.Max.from_value(value),
-            "nonfinite": lambda: jaxdev.NonFinite.from_value(jnp.where(value > 5, jnp.nan, value)),
-            "collection": lambda: jaxdev.Collection({"s": jaxdev.Sum.from_value(value)}),
+            "accuracy": lambda: jaxdev.metrics.Accuracy.from_logits(logits, batch["y"]),
+            "sum": lambda: jaxdev.metrics.Sum.from_value(value),
+            "mean": lambda: jaxdev.metrics.Mean.from_value(value),
+            "min": lambda: jaxdev.metrics.Min.from_value(value),
+            "max": lambda: jaxdev.metrics.Max.from_value(value),
+            "nonfinite": lambda: jaxdev.metrics.NonFinite.from_value(
+                jnp.where(value > 5, jnp.nan, value)
+            ),
+            "collection": lambda: jaxdev.metrics.Collection(
+                {"s": jaxdev.metrics.Sum.from_value(value)}
+            ),
             "array": lambda: value,
         }[kind]()
         return losses, {kind: aux}
@@ -146,7 +150,7 @@ def test_metrics_respect_the_mask_with_several_steps_per_call(name):
 def test_a_metric_that_cannot_be_masked_is_refused():
     def loss_fn(params, batch):
         losses = _linear_loss(params, batch)
-        return losses, {"batch_mean": jaxdev.Mean.from_value(losses.mean())}
+        return losses, {"batch_mean": jaxdev.metrics.Mean.from_value(losses.mean())}
 
     step = jaxdev.make_train_step(loss_fn, SGD, jaxdev.Strategy.sharded(), has_aux=True)
     with pytest.raises(jaxdev.MetricError, match="cannot leave them out"):
@@ -384,7 +388,9 @@ def test_one_buffer_in_state_and_metrics_is_refused(name):
     step = jaxdev.make_train_step(_linear_loss, SGD, STRATEGIES[name]())
     batch = step.put_batch(_linear_batch(16))
     state, metrics = step(step.init_state({"w": jnp.ones(3)}, SGD), batch)
-    shared = jaxdev.Collection({"loss": jaxdev.Mean(total=state.step, count=state.step)})
+    shared = jaxdev.metrics.Collection(
+        {"loss": jaxdev.metrics.Mean(total=state.step, count=state.step)}
+    )
     with pytest.raises(jaxdev.PlacementError, match="donate one array twice"):
         step(state, batch, shared)
     step(state, batch, metrics)  # the state was not consumed by the refused call

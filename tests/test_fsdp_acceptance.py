@@ -3,7 +3,7 @@
 Under ``"fsdp"`` over 8 devices, params + optimizer state per device must be at
 most total / 8 x 1.05 plus the leaves that stay replicated (small ones), and
 under ``"replicate"`` the full total. Nothing is allocated: ``jax.eval_shape``
-and :func:`jaxdev.plan` only.
+and :func:`jaxdev.memory.plan` only.
 """
 
 import flax.linen as nn
@@ -76,10 +76,10 @@ def test_fsdp_bytes_per_device_of_a_25m_param_model(make):
     total = _bytes((state.params, state.opt_state))
     mesh = jaxdev.data_mesh()
 
-    full = jaxdev.plan(state, mesh, "replicate")
+    full = jaxdev.memory.plan(state, mesh, "replicate")
     assert full["params"] + full["opt_state"] == total
 
-    fsdp = jaxdev.plan(state, mesh, "fsdp")
+    fsdp = jaxdev.memory.plan(state, mesh, "fsdp")
     shardings = jaxdev.param_shardings(state, mesh, "fsdp")
     pairs = zip(
         jax.tree.leaves((state.params, state.opt_state)),

@@ -110,8 +110,8 @@ def test_gemma_fsdp_tp_trains_saves_restores_through_jaxdev_like_gemmas_own_step
     model = jaxdev.init_sharded(_model, mesh=mesh, rules="flax")
     tx = optax.sgd(LR)
     strategy = jaxdev.Strategy.sharded(mesh, rules="flax")  # the batch splits over 'fsdp'
-    step = jaxdev.make_train_step(jaxdev.nnx_loss(model, loss_fn), tx, strategy, has_state=True)
-    params, model_state = jaxdev.nnx_split(model)
+    step = jaxdev.make_train_step(jaxdev.nnx.loss(model, loss_fn), tx, strategy, has_state=True)
+    params, model_state = jaxdev.nnx.split(model)
     state = step.init_state(params, tx, model_state=model_state)
     assert jaxdev.placement(state.params).diff(jaxdev.placement(want)) == []  # gemma's layout
     for batch in batches[:STEPS]:
@@ -123,7 +123,9 @@ def test_gemma_fsdp_tp_trains_saves_restores_through_jaxdev_like_gemmas_own_step
     assert got.bytes_by_device == jaxdev.placement(want).bytes_by_device
     for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-    plan = jaxdev.plan(state, step=step, batch=step.put_batch(batches[0]))  # compiled, not run
+    plan = jaxdev.memory.plan(
+        state, step=step, batch=step.put_batch(batches[0])
+    )  # compiled, not run
     assert plan["params"] == max(got.bytes_by_device.values()) and plan.peak > 0
 
     # save and restore the sharded state on the Explicit mesh, then train on bit-identically

@@ -23,12 +23,12 @@ from jax.sharding import PartitionSpec as P
 import jaxdev
 from jaxdev import (
     GuardError,
-    Mean,
     UsageError,
     _guards,
     count_transfers,
     no_host_sync,
 )
+from jaxdev.metrics import Mean
 
 
 @pytest.fixture

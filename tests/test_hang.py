@@ -27,7 +27,7 @@ from conftest import REPO, clean_env
 from mp_scripts.hang_runs import Run, Scenario, run_all
 
 import jaxdev
-from jaxdev import _distributed, _hang, _launch
+from jaxdev.distributed import _distributed, _hang, _launch
 
 MAIN = threading.main_thread().ident
 HANG = os.path.join(REPO, "tests", "mp_scripts", "hang.py")
@@ -414,7 +414,7 @@ def test_a_finished_process_is_never_behind_and_all_finished_never_fires(fast):
 
 _SIGNALLED = """
     import signal, sys, time
-    from jaxdev._hang import install_stack_dumps
+    from jaxdev.distributed._hang import install_stack_dumps
     got = []
     signal.signal(signal.SIGUSR1, lambda *a: got.append(1))  # yours: runs after the dump
     install_stack_dumps()

@@ -288,12 +288,12 @@ def test_bad_weighted_returns_and_integer_losses_are_named():
 def test_weighted_mean_metric_merges_and_reduces_exactly():
     values = jnp.array([[1.0, 2.0, jnp.nan], [3.0, jnp.nan, jnp.nan]])
     weights = jnp.array([[1.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
-    m = jaxdev.WeightedMean.from_value(values, weights)  # NaN under weight 0 never counts
+    m = jaxdev.metrics.WeightedMean.from_value(values, weights)  # NaN under weight 0 never counts
     assert m.fetch() == pytest.approx((1 + 2 + 6) / 4)
-    both = m.merge(jaxdev.WeightedMean.from_value(jnp.array([[5.0]]), jnp.array([[4.0]])))
+    both = m.merge(jaxdev.metrics.WeightedMean.from_value(jnp.array([[5.0]]), jnp.array([[4.0]])))
     assert both.fetch() == pytest.approx((9 + 20) / 8)
-    masked = jaxdev.WeightedMean.from_value(values, weights, mask=jnp.array([True, False]))
+    masked = jaxdev.metrics.WeightedMean.from_value(values, weights, mask=jnp.array([True, False]))
     assert masked.fetch() == pytest.approx(1.5)
-    assert np.isnan(jaxdev.WeightedMean.empty().fetch())
+    assert np.isnan(jaxdev.metrics.WeightedMean.empty().fetch())
     with pytest.raises(jaxdev.MetricError, match="`weights` of `value`'s shape"):
-        jaxdev.WeightedMean.from_value(values, weights[:, :2])
+        jaxdev.metrics.WeightedMean.from_value(values, weights[:, :2])

@@ -77,9 +77,12 @@ def _transformer_loop(strategy, steps=3):
 )
 def test_totals_are_exact_and_a_training_loop_is_attributed(strategy):
     state, batch, metrics = _transformer_loop(strategy())
-    ledger = jaxdev.memory(state=state, batch=batch, metrics=metrics)
+    ledger = jaxdev.memory.ledger(state=state, batch=batch, metrics=metrics)
     # reading the ledger creates nothing: a second one agrees
-    assert jaxdev.memory(state=state, batch=batch, metrics=metrics).per_device == ledger.per_device
+    assert (
+        jaxdev.memory.ledger(state=state, batch=batch, metrics=metrics).per_device
+        == ledger.per_device
+    )
     assert ledger.per_device == _expected_per_device()  # exact, every device
     assert ledger.attributed >= 0.9, str(ledger)
     paths = {e.path: e for e in ledger.entries}
@@ -97,7 +100,7 @@ def test_a_buffer_is_counted_once_after_to_host_and_an_aliasing_device_put():
     x = jnp.ones((256, 256))  # one device
     jaxdev.to_host(x)  # JAX keeps a per-shard view of x alive: the same buffer
     y = jax.device_put(x, x.devices().pop())  # a new object, the same buffer
-    ledger = jaxdev.memory(params={"x": x})
+    ledger = jaxdev.memory.ledger(params={"x": x})
     assert ledger.per_device == _expected_per_device()  # was 3x x.nbytes, 33% attributed
     assert [e.total for e in ledger.entries if e.path == "params['x']"] == [x.nbytes]
     assert not [e for e in ledger.unattributed if e.shape == x.shape], str(ledger)
@@ -107,7 +110,7 @@ def test_a_buffer_is_counted_once_after_to_host_and_an_aliasing_device_put():
 def test_an_array_whose_computation_ran_out_of_memory_counts_nothing():
     sharded = jax.NamedSharding(jaxdev.data_mesh(), jax.P("data"))
     out = jax.jit(lambda: jnp.ones((2**39,)), out_shardings=sharded)()  # 256 GiB per device
-    ledger = jaxdev.memory(out=out)  # asking its buffer's pointer aborted the process
+    ledger = jaxdev.memory.ledger(out=out)  # asking its buffer's pointer aborted the process
     assert not [e for e in ledger.entries + ledger.unattributed if e.shape == out.shape]
 
 
@@ -119,7 +122,7 @@ def test_a_leaked_old_state_is_unattributed_with_its_shapes():
     for _ in range(3):
         state, _ = step(state, step.put_batch(np.ones((4, 1000), np.float32)))
         history.append(state)
-    ledger = jaxdev.memory(state=state)
+    ledger = jaxdev.memory.ledger(state=state)
     leaked = [e for e in ledger.unattributed if e.shape == (1000,)]
     assert len(leaked) == 3  # the three old params, each named by its shape
     assert ledger.attributed < 0.5
@@ -132,7 +135,7 @@ def test_a_leaked_old_state_is_unattributed_with_its_shapes():
 def test_print_lists_the_unattributed_arrays_with_shape_dtype_bytes_device():
     params = {f"w{i}": jnp.ones((64, 64)) for i in range(13)}  # 13 named arrays, larger
     stray = jax.device_put(jnp.ones((300, 7)), jax.devices()[3])
-    text = str(jaxdev.memory(params=params))
+    text = str(jaxdev.memory.ledger(params=params))
     title, *rows = text.split("unattributed arrays")[1].splitlines()
     assert "of live bytes" in title
     row = next(r.split() for r in rows if r.startswith("(300, 7)"))
@@ -145,7 +148,7 @@ def test_plot_is_a_labelled_chart_a_person_can_read(tmp_path, monkeypatch):
 
     state, batch, metrics = _transformer_loop(jaxdev.Strategy.sharded(), steps=1)
     stray = jnp.ones((300, 7))  # unattributed
-    ledger = jaxdev.memory(state=state, batch=batch)
+    ledger = jaxdev.memory.ledger(state=state, batch=batch)
     figures = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
     ledger.plot(str(tmp_path / "memory.png"), limit=4 * max(ledger.per_device.values()))
@@ -166,14 +169,14 @@ def test_plot_is_a_labelled_chart_a_person_can_read(tmp_path, monkeypatch):
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
     with pytest.raises(jaxdev.UsageError, match=r"pip install 'jaxdev\[plot\]'"):
-        jaxdev.memory().plot(str(tmp_path / "m.png"))
+        jaxdev.memory.ledger().plot(str(tmp_path / "m.png"))
 
 
 def test_memory_refuses_tracers():
     @jax.jit
     def f(x):
         with pytest.raises(jaxdev.UsageError, match="outside `jit`"):
-            jaxdev.memory(x=x)
+            jaxdev.memory.ledger(x=x)
         return x
 
     f(jnp.ones(2))
@@ -206,11 +209,11 @@ def test_an_old_copy_is_named_after_a_device_leaf_on_its_sharding_and_others_are
     sharded = jax.NamedSharding(jaxdev.data_mesh(), jax.P("data"))
     state = {"b": np.ones((96, 8), np.float32), "w": jnp.ones((96, 8))}
     old = state["w"] + 1
-    (like,) = [e.like for e in jaxdev.memory(state=state).unattributed if e.shape == (96, 8)]
+    (like,) = [e.like for e in jaxdev.memory.ledger(state=state).unattributed if e.shape == (96, 8)]
     assert like == "state['w'] (or 1 other of that shape)"  # was state['b'], a numpy leaf
     tree = {"a": old, "s": jax.device_put(state["w"], sharded)}
     old_s = tree["s"] + 1
-    ledger = jaxdev.memory(tree=tree)
+    ledger = jaxdev.memory.ledger(tree=tree)
     likes = {len(e.bytes_per_device): e.like for e in ledger.unattributed if e.shape == (96, 8)}
     assert likes[8] == "tree['s'] (or 1 other of that shape)", str(ledger)  # was tree['a']
     del old, old_s
@@ -221,7 +224,7 @@ def test_the_tables_are_largest_first_by_the_bytes_they_show():
     wide = jax.device_put(jnp.ones(100), replicated)  # 400 B on each of 8 devices
     tall = jax.device_put(jnp.ones(150), jax.devices()[1])  # 600 B on one
     strays = jax.device_put(jnp.ones(101), replicated), jnp.ones(151, device=jax.devices()[2])
-    ledger = jaxdev.memory(params={"wide": wide, "tall": tall})
+    ledger = jaxdev.memory.ledger(params={"wide": wide, "tall": tall})
     assert [e.path for e in ledger.entries] == ["params['tall']", "params['wide']"]
     shown = [e.shape for e in ledger.unattributed if e.shape in ((101,), (151,))]
     assert shown == [(151,), (101,)], str(ledger)  # was by bytes summed over devices
@@ -229,7 +232,7 @@ def test_the_tables_are_largest_first_by_the_bytes_they_show():
 
 
 def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_limit(tmp_path):
-    ledger = jaxdev.memory(params={"w": jnp.ones(4)})
+    ledger = jaxdev.memory.ledger(params={"w": jnp.ones(4)})
     path = ledger.plot(str(tmp_path / "noext"))
     assert path == str(tmp_path / "noext.png") and pathlib.Path(path).is_file()
     with pytest.raises(jaxdev.UsageError, match=r"`path`.*'[^']*missing' does not exist"):
@@ -241,7 +244,7 @@ def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_lim
 
 def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagged():
     rng, old = jax.random.split(jax.random.key(0), 8), jax.random.split(jax.random.key(1), 8)
-    ledger = jaxdev.memory(state={"rng": rng})
+    ledger = jaxdev.memory.ledger(state={"rng": rng})
     (entry,) = [e for e in ledger.entries if e.path == "state['rng']"]
     assert (entry.shape, entry.dtype) == ((8,), "key<fry>")  # was (8, 2) uint32
     assert "state['rng']" in {e.like for e in ledger.unattributed}, str(ledger)

@@ -1,4 +1,4 @@
-"""Tests for jaxdev._metrics: on-device accumulators, collections, DeviceLog."""
+"""Tests for jaxdev.train._metrics: on-device accumulators, collections, DeviceLog."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdev
-from jaxdev import (
+from jaxdev import MetricError, count_transfers
+from jaxdev.metrics import (
     Accuracy,
     Collection,
     DeviceLog,
     Last,
     Max,
     Mean,
-    MetricError,
     Min,
     NonFinite,
     Sum,
-    count_transfers,
     fetch_metrics,
 )
 

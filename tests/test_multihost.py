@@ -26,7 +26,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxdev
-from jaxdev import _distributed, _fingerprint, _launch, _multihost
+from jaxdev import _multihost
+from jaxdev.distributed import _distributed, _fingerprint, _launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_scripts"))
 import matrix  # noqa: E402

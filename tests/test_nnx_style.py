@@ -78,9 +78,9 @@ def test_tutorial_loss_with_rngs_at_call_time_gets_the_steps_key(name):
         return jnp.mean(out**2, axis=-1)
 
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+        jaxdev.nnx.loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
     )
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     state = step.init_state(params, SGD, rng=jax.random.key(1), model_state=rest)
     state, metrics = step(state, step.put_batch(_batch()))
     jax.block_until_ready(metrics)
@@ -99,9 +99,9 @@ def test_a_modules_own_rngs_draw_per_device_masks_and_stay_replicated(name):
         return jnp.mean(out**2, axis=-1)
 
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+        jaxdev.nnx.loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
     )
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     key_before = np.asarray(jax.random.key_data(rest["dropout"]["rngs"]["key"][...]))
     state = step.init_state(params, SGD, model_state=rest)  # no rng=: the module's own stream
     state, metrics = step(state, step.put_batch(_batch()))
@@ -191,14 +191,14 @@ def test_a_tutorial_loss_without_a_key_in_the_state_says_to_pass_rng():
     def loss_fn(model, batch, rngs=None):
         return jnp.mean(model(batch["x"], rngs=rngs) ** 2, axis=-1)
 
-    step = jaxdev.make_train_step(jaxdev.nnx_loss(model, loss_fn), SGD, has_state=True)
-    params, rest = jaxdev.nnx_split(model)
+    step = jaxdev.make_train_step(jaxdev.nnx.loss(model, loss_fn), SGD, has_state=True)
+    params, rest = jaxdev.nnx.split(model)
     state = step.init_state(params, SGD, model_state=rest)  # no rng=
     with pytest.raises(jaxdev.UsageError, match=r"rng=jax\.random\.key\(0\)"):
         step(state, step.put_batch(_batch()))
     # a deterministic view needs no key: the eval step runs
     evaluate = jaxdev.make_eval_step(
-        jaxdev.nnx_loss(nnx.view(model, deterministic=True), loss_fn), has_state=True
+        jaxdev.nnx.loss(nnx.view(model, deterministic=True), loss_fn), has_state=True
     )
     assert np.isfinite(evaluate(state, evaluate.put_batch(_batch())).fetch()["loss"])
 
@@ -220,8 +220,8 @@ def test_nnx_metrics_update_counts_only_the_real_rows_inside_nnx_jit():
         logits = model(padded.batch["x"])  # (B, 3, 4)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, padded.batch["y"])
         first = {"loss": losses[:, 0], "logits": logits[:, 0], "labels": padded.batch["y"][:, 0]}
-        jaxdev.nnx_metrics_update(rows, padded, **first)
-        jaxdev.nnx_metrics_update(
+        jaxdev.nnx.metrics_update(rows, padded, **first)
+        jaxdev.nnx.metrics_update(
             tokens, padded, loss=losses, logits=logits, labels=padded.batch["y"]
         )
 
@@ -246,24 +246,24 @@ def test_nnx_metrics_update_refuses_what_flaxs_mask_gets_wrong_silently():
     logits = jnp.zeros((8, 2))
     # the tutorial's scalar loss.mean(): flax's mask= counts it once per real row
     with pytest.raises(jaxdev.UsageError, match=r"`loss` has shape \(\); .*no `.mean\(\)`"):
-        jaxdev.nnx_metrics_update(
+        jaxdev.nnx.metrics_update(
             _multimetric(), mask, loss=losses.mean(), logits=logits, labels=labels
         )
     blind = _multimetric()
     blind.update(loss=losses.mean(), logits=logits, labels=labels, mask=mask)
     assert float(blind.compute()["loss"]) == 3.5  # all 8 rows: the silent case refused above
     with pytest.raises(jaxdev.UsageError, match="Welford"):
-        jaxdev.nnx_metrics_update(nnx.metrics.Welford(), mask, values=losses)
+        jaxdev.nnx.metrics_update(nnx.metrics.Welford(), mask, values=losses)
     with pytest.raises(jaxdev.UsageError, match=r"shape \(2, 4\)"):
-        jaxdev.nnx_metrics_update(nnx.metrics.Average(), mask.reshape(2, 4), values=losses)
+        jaxdev.nnx.metrics_update(nnx.metrics.Average(), mask.reshape(2, 4), values=losses)
     with pytest.raises(jaxdev.UsageError, match="different per-element shapes"):
-        jaxdev.nnx_metrics_update(
+        jaxdev.nnx.metrics_update(
             _multimetric(), mask, loss=losses, logits=jnp.zeros((8, 3, 2)), labels=jnp.zeros((8, 3))
         )
     one = nnx.metrics.Average()  # one metric, and no mask: every row counts
-    jaxdev.nnx_metrics_update(one, None, values=losses)
+    jaxdev.nnx.metrics_update(one, None, values=losses)
     assert float(one.compute()) == 3.5
-    jaxdev.nnx_metrics_update(one, mask, values=losses)
+    jaxdev.nnx.metrics_update(one, mask, values=losses)
     assert float(one.compute()) == pytest.approx((28 + 10) / 13)
 
 
@@ -310,9 +310,9 @@ def test_scan_over_layers_with_a_dropout_key_per_layer_trains_with_distinct_rows
         return losses
 
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+        jaxdev.nnx.loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
     )
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     rng = jax.random.key(1) if with_rng else None
     state = step.init_state(params, SGD, rng=rng, model_state=rest)
     state, metrics = step(state, step.put_batch(_batch()))
@@ -335,9 +335,9 @@ def test_with_rng_the_stored_streams_stay_replicated(name):
         return jnp.mean(model(batch["x"]) ** 2, axis=-1)
 
     step = jaxdev.make_train_step(
-        jaxdev.nnx_loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
+        jaxdev.nnx.loss(model, loss_fn), SGD, STRATEGIES[name](), has_state=True
     )
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     before = np.asarray(jax.random.key_data(rest["dropout"]["rngs"]["key"][...]))
     state = step.init_state(params, SGD, rng=jax.random.key(3), model_state=rest)
     state, _ = step(state, step.put_batch(_batch()))

@@ -84,8 +84,8 @@ def test_plan_and_ledger_count_offloaded_bytes_on_the_host_not_the_devices():
     off, host_state, _ = _train(jaxdev.Strategy.sharded(mesh, offload="opt_state"))
     batch = off.put_batch(_batches(1)[0])
     shapes = jax.eval_shape(lambda: state)
-    before = jaxdev.plan(shapes, step=plain, batch=batch)
-    after = jaxdev.plan(shapes, step=off, batch=batch)
+    before = jaxdev.memory.plan(shapes, step=plain, batch=batch)
+    after = jaxdev.memory.plan(shapes, step=off, batch=batch)
     opt_bytes = before["opt_state"]
     assert opt_bytes > 0 and after["opt_state"] == 0  # 0 on the devices
     assert after.host == opt_bytes and after.host_by_device["cpu:3"] == opt_bytes
@@ -98,7 +98,7 @@ def test_plan_and_ledger_count_offloaded_bytes_on_the_host_not_the_devices():
     assert "offloaded to host memory (pinned_host): " in str(after)
     assert "in host memory: " in str(after)
     # the live ledger: the trace buffers are host bytes, 0 on the devices
-    ledger = jaxdev.memory(state=host_state)
+    ledger = jaxdev.memory.ledger(state=host_state)
     device = jax.devices()[5]
     assert ledger.host_per_device[device] == opt_bytes
     paths = {e.path for e in ledger.offloaded}
@@ -114,7 +114,7 @@ def test_plan_of_an_offloaded_state_alone_counts_it_on_the_host():
     mesh = jaxdev.data_mesh()
     _, state, _ = _train(jaxdev.Strategy.sharded(mesh))
     _, host_state, _ = _train(jaxdev.Strategy.sharded(mesh, offload="opt_state"))
-    before, after = jaxdev.plan(state, mesh), jaxdev.plan(host_state, mesh)
+    before, after = jaxdev.memory.plan(state, mesh), jaxdev.memory.plan(host_state, mesh)
     assert before["opt_state"] > 0 and after["opt_state"] == 0
     assert after.host == before["opt_state"] and after["params"] == before["params"]
 
@@ -172,7 +172,7 @@ def test_remat_gives_the_same_params_and_no_more_temporaries(remat):
         step = jaxdev.make_train_step(_deep_loss, tx, jaxdev.Strategy.single(), remat=r)
         state, batch = step.init_state(params, tx), step.put_batch(host)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        temps.append(jaxdev.plan(shapes, step=step, batch=batch).compiled.temp)
+        temps.append(jaxdev.memory.plan(shapes, step=step, batch=batch).compiled.temp)
         for _ in range(3):
             state, _ = step(state, batch)
         out.append(jaxdev.to_host(state.params))
@@ -198,7 +198,7 @@ def test_plan_with_a_step_counts_the_steps_layout_not_where_the_state_is_now():
     plain, state, _ = _train(jaxdev.Strategy.sharded(mesh))
     _, host_state, _ = _train(jaxdev.Strategy.sharded(mesh, offload="opt_state"))
     batch = plain.put_batch(_batches(1)[0])
-    assert jaxdev.plan(host_state, mesh)["opt_state"] == 0  # as it is
-    p = jaxdev.plan(host_state, step=plain, batch=batch)  # as the step would hold it
-    assert p["opt_state"] == jaxdev.plan(state, step=plain, batch=batch)["opt_state"] > 0
+    assert jaxdev.memory.plan(host_state, mesh)["opt_state"] == 0  # as it is
+    p = jaxdev.memory.plan(host_state, step=plain, batch=batch)  # as the step would hold it
+    assert p["opt_state"] == jaxdev.memory.plan(state, step=plain, batch=batch)["opt_state"] > 0
     assert not p.host

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import jaxdev
-from jaxdev._explain import batch_for, batch_rows
+from jaxdev.memory._explain import batch_for, batch_rows
 
 TX = optax.adam(1e-3)
 
@@ -69,10 +69,10 @@ def test_every_option_is_compiled_and_each_that_fits_runs_under_the_limit():
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
     batch = _shapes(_host_batch())
-    need = jaxdev.plan(state, step=step, batch=batch).peak
+    need = jaxdev.memory.plan(state, step=step, batch=batch).peak
     limit = need - 1
     why = step.explain_memory(state, batch, limit=limit)
-    assert isinstance(why, jaxdev.MemoryExplanation)
+    assert isinstance(why, jaxdev.memory.MemoryExplanation)
     assert why.needed == need and why.limit == limit and why.fits is False
     text = str(why)
     assert text.startswith(f"the train step needs {jaxdev._report.human_bytes(need)} per device")
@@ -87,7 +87,7 @@ def test_every_option_is_compiled_and_each_that_fits_runs_under_the_limit():
         strategy, options, rows = _followed(o.change, mesh)
         followed = jaxdev.make_train_step(loss_fn, TX, strategy, **options)
         shapes = batch_for(followed, batch_rows(step, batch), rows or 1024)
-        assert jaxdev.plan(state, step=followed, batch=shapes).peak == o.peak, o
+        assert jaxdev.memory.plan(state, step=followed, batch=shapes).peak == o.peak, o
         assert o.fits == (o.peak <= limit)
     for o in fitting:  # and it runs under the limit (the step checks before running)
         strategy, options, rows = _followed(o.change, mesh)
@@ -102,7 +102,7 @@ def test_the_memory_limit_error_carries_the_same_explanation():
     state = loose.init_state(_params(), TX)
     history = [jax.tree.map(jnp.copy, state.params) for _ in range(2)]  # a leak
     batch = loose.put_batch(_host_batch())
-    need = jaxdev.plan(jax.eval_shape(lambda: state), step=loose, batch=batch).peak
+    need = jaxdev.memory.plan(jax.eval_shape(lambda: state), step=loose, batch=batch).peak
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=need - 1)
     with pytest.raises(jaxdev.MemoryPlanError) as err:
         step(state, batch)
@@ -111,7 +111,7 @@ def test_the_memory_limit_error_carries_the_same_explanation():
     assert text.startswith("the train step needs ") and "available (memory_limit)" in text
     assert "Nothing ran." in text
     why = err.value.explanation
-    assert isinstance(why, jaxdev.MemoryExplanation) and why.limit == need - 1
+    assert isinstance(why, jaxdev.memory.MemoryExplanation) and why.limit == need - 1
     assert why.source == "memory_limit" and why.details() in text
     assert "state.opt_state[0].mu['w1']" in text  # live now, by path
     assert "2 unattributed arrays shaped like state.params['w1'] (old copies" in text
@@ -129,7 +129,8 @@ def test_the_memory_limit_holds_for_every_batch_shape_the_step_compiles():
     loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
     shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
     small, big = (
-        jaxdev.plan(shapes, step=loose, batch=_shapes(_host_batch(n))).peak for n in (64, 1024)
+        jaxdev.memory.plan(shapes, step=loose, batch=_shapes(_host_batch(n))).peak
+        for n in (64, 1024)
     )
     limit = (small + big) // 2
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=limit)
@@ -273,7 +274,7 @@ def test_init_sharded_runs_out_of_memory_with_an_explanation():
         jaxdev.init_sharded(init, jax.random.key(0), mesh=mesh, rules="fsdp")
     text = str(err.value)
     assert text.startswith("init_sharded ran out of device memory (RESOURCE_EXHAUSTED")
-    assert "it needs 256.0 GiB per device (jaxdev.plan)" in text
+    assert "it needs 256.0 GiB per device (jaxdev.memory.plan)" in text
     assert "device limit: not reported by the cpu backend" in text
 
 
@@ -282,24 +283,26 @@ def test_init_state_and_restore_name_what_they_needed(monkeypatch, tmp_path):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4194304 bytes.")
 
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded())
-    monkeypatch.setattr(jaxdev._step, "copy_to", exhausted)
+    monkeypatch.setattr(jaxdev.train._step, "copy_to", exhausted)
     with pytest.raises(jaxdev.OutOfMemoryError) as err:
         step.init_state(_params(), TX)
     text = str(err.value)
     assert text.startswith("init_state ran out of device memory (RESOURCE_EXHAUSTED: Out of ")
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
-    full = jaxdev.plan(state, jaxdev.data_mesh()).total
-    assert f"it needs {jaxdev._report.human_bytes(full)} per device (jaxdev.plan); " in text
+    full = jaxdev.memory.plan(state, jaxdev.data_mesh()).total
+    assert f"it needs {jaxdev._report.human_bytes(full)} per device (jaxdev.memory.plan); " in text
     assert "with rules='fsdp' over 8 devices: " in text
     monkeypatch.undo()
 
     jaxdev.save(tmp_path / "c", {"w": jnp.ones(8)})
-    monkeypatch.setattr(jaxdev._checkpoint, "_orbax_restore", exhausted)
+    monkeypatch.setattr(jaxdev.checkpoint._checkpoint, "_orbax_restore", exhausted)
     with pytest.raises(jaxdev.OutOfMemoryError, match=r"^restore of .* ran out of device memory"):
         jaxdev.restore(tmp_path / "c", "cpu:0")
     # anything else is still the checkpoint's own error
     monkeypatch.setattr(
-        jaxdev._checkpoint, "_orbax_restore", lambda *a: (_ for _ in ()).throw(OSError("gone"))
+        jaxdev.checkpoint._checkpoint,
+        "_orbax_restore",
+        lambda *a: (_ for _ in ()).throw(OSError("gone")),
     )
     with pytest.raises(OSError, match="gone"):
         jaxdev.restore(tmp_path / "c", "cpu:0")
@@ -363,7 +366,7 @@ def test_accumulation_lowers_the_temporaries_where_activations_dominate():
             "x": jax.ShapeDtypeStruct(lead + (1024 // m, 64), jnp.float32),
             "y": jax.ShapeDtypeStruct(lead + (1024 // m, 8), jnp.float32),
         }
-        temps[m] = jaxdev.plan(state, step=step, batch=batch).compiled.temp
+        temps[m] = jaxdev.memory.plan(state, step=step, batch=batch).compiled.temp
     assert temps[8] < temps[1] and temps[2] < temps[1], temps  # M=2 too: nothing peeled
 
 

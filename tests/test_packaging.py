@@ -13,7 +13,11 @@ import tomllib
 from conftest import REPO
 from packaging.version import Version
 
-SOURCES = sorted(glob.glob(os.path.join(REPO, "jaxdev", "*.py")))
+SOURCES = sorted(  # the pytest plugin is loaded by pytest only: pytest is there
+    p
+    for p in glob.glob(os.path.join(REPO, "jaxdev", "**", "*.py"), recursive=True)
+    if not p.endswith(os.path.join("testing", "_plugin.py"))
+)
 
 
 def _read(path: str) -> str:

@@ -114,7 +114,7 @@ def test_one_batch_axis_default_everywhere(axes):
     spec = jaxdev.batch_sharding(mesh).spec
     strategy = jaxdev.Strategy.sharded(mesh)
     state = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
-    plan = jaxdev.plan(state, mesh, batch=batch)
+    plan = jaxdev.memory.plan(state, mesh, batch=batch)
     rows = 16 // jaxdev.Strategy.sharded(mesh).n_devices
     assert placed == spec == P(strategy.axis)
     assert plan["batch"] == rows * 3 * 4
@@ -210,7 +210,7 @@ def test_unreplicate_rejects_sharded_leaf(mesh):
 
 def test_unreplicate_hints_at_stacked_copy():
     with pytest.raises(ShardingError, match="unstack_from_pmap"):
-        jaxdev.unreplicate(jaxdev.stack_for_pmap({"w": np.ones(3)}))
+        jaxdev.unreplicate(jaxdev.pmap.stack_for_pmap({"w": np.ones(3)}))
 
 
 def test_unreplicate_deleted_leaf(mesh):
@@ -366,13 +366,13 @@ def test_shard_batch_on_sub_mesh(devices):
 )
 def test_stack_unstack_round_trip(x):
     tree = {"p": x, "q": [x]}
-    stacked = jaxdev.stack_for_pmap(tree)
+    stacked = jaxdev.pmap.stack_for_pmap(tree)
     assert stacked["p"].shape == (N, *np.shape(x))
-    assert_bit_equal(jaxdev.unstack_from_pmap(stacked, check=True), tree)
+    assert_bit_equal(jaxdev.pmap.unstack_from_pmap(stacked, check=True), tree)
 
 
 def test_stack_layout_row_per_device(devices):
-    stacked = jaxdev.stack_for_pmap(np.arange(3.0), devices[:4])
+    stacked = jaxdev.pmap.stack_for_pmap(np.arange(3.0), devices[:4])
     assert stacked.shape == (4, 3)
     assert sorted((s.device.id, s.index[0].start) for s in stacked.addressable_shards) == [
         (0, 0),
@@ -383,42 +383,42 @@ def test_stack_layout_row_per_device(devices):
 
 
 def test_unstack_detects_drift(devices):
-    stacked = jaxdev.stack_for_pmap({"w": np.zeros(2, np.float32)})
+    stacked = jaxdev.pmap.stack_for_pmap({"w": np.zeros(2, np.float32)})
     bumped = jax.pmap(lambda w: w + jax.lax.axis_index("i").astype(w.dtype) * (w == 0), "i")
     with pytest.raises(ShardingError, match=r"\['w'\]: cpu:1, cpu:2.*differ bitwise from cpu:0"):
-        jaxdev.unstack_from_pmap({"w": bumped(stacked["w"])}, check=True)
+        jaxdev.pmap.unstack_from_pmap({"w": bumped(stacked["w"])}, check=True)
     host = {"w": np.array([[1, 1], [1, 1], [2, 1]])}
     with pytest.raises(ShardingError, match="row 2 differ bitwise from row 0, row 1"):
-        jaxdev.unstack_from_pmap(host, check=True)
+        jaxdev.pmap.unstack_from_pmap(host, check=True)
 
 
 def test_unstack_scalar_leaf():
     with pytest.raises(ShardingError, match=r"(?s)scalar leaves.*\['lr'\]"):
-        jaxdev.unstack_from_pmap({"lr": jnp.float32(1.0)})
+        jaxdev.pmap.unstack_from_pmap({"lr": jnp.float32(1.0)})
 
 
 def test_shard_for_pmap_layout_and_errors(devices):
     x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
-    out = jaxdev.shard_for_pmap({"x": x})
+    out = jaxdev.pmap.shard_for_pmap({"x": x})
     assert out["x"].shape == (8, 2, 3)
     assert np.array_equal(np.asarray(out["x"]).reshape(16, 3), x)
     assert {s.device for s in out["x"].addressable_shards} == set(devices)
     with pytest.raises(ShardingError, match=r"\['x'\] has 12 rows.*8 pmap devices.*`pad=True`"):
-        jaxdev.shard_for_pmap({"x": x[:12]})
+        jaxdev.pmap.shard_for_pmap({"x": x[:12]})
     with pytest.raises(ShardingError, match="different leading"):
-        jaxdev.shard_for_pmap({"x": x, "y": x[:8]})
+        jaxdev.pmap.shard_for_pmap({"x": x, "y": x[:8]})
     with pytest.raises(jaxdev.DeviceNotFoundError, match="more devices than exist"):
-        jaxdev.shard_for_pmap(x, devices=9)
+        jaxdev.pmap.shard_for_pmap(x, devices=9)
 
 
 def test_shard_for_pmap_pad_round_trip():
     x = jnp.arange(13 * 2).reshape(13, 2)
-    out = jaxdev.shard_for_pmap(x, pad=True)
+    out = jaxdev.pmap.shard_for_pmap(x, pad=True)
     assert out.batch.shape == (8, 2, 2) and out.mask.shape == (8, 2)
     assert int(out.mask.sum()) == 13
-    assert_bit_equal(jaxdev.unshard_from_pmap(out.batch, out), x)
+    assert_bit_equal(jaxdev.pmap.unshard_from_pmap(out.batch, out), x)
     with pytest.raises(ShardingError, match="two leading axes"):
-        jaxdev.unshard_from_pmap({"v": jnp.ones(3)})
+        jaxdev.pmap.unshard_from_pmap({"v": jnp.ones(3)})
 
 
 def _apply(params, x):
@@ -432,9 +432,9 @@ def _params():
 
 def test_pmap_and_sharded_jit_agree(mesh):
     x = np.random.default_rng(1).normal(size=(21, 5)).astype(np.float32)
-    padded = jaxdev.shard_for_pmap(x, pad=True)
-    pmapped = jax.pmap(_apply)(jaxdev.stack_for_pmap(_params()), padded.batch)
-    from_pmap = jaxdev.unshard_from_pmap(pmapped, padded)
+    padded = jaxdev.pmap.shard_for_pmap(x, pad=True)
+    pmapped = jax.pmap(_apply)(jaxdev.pmap.stack_for_pmap(_params()), padded.batch)
+    from_pmap = jaxdev.pmap.unshard_from_pmap(pmapped, padded)
 
     sharded = jaxdev.shard_batch(x, mesh, pad=True)
     outputs = jax.jit(_apply)(jaxdev.replicate(_params(), mesh), sharded.batch)

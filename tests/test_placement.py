@@ -298,7 +298,7 @@ def _bits(x):
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), index=st.integers(0, 7))
 def test_round_trip_is_bit_exact(data, dtype, index):
     tree = data.draw(_trees(dtype))
-    target = jaxdev.cpu(index)
+    target = jaxdev.d2l.cpu(index)
     placed = jaxdev.to_device(tree, target)
     back = jaxdev.to_host(placed)
     assert jax.tree.structure(back) == jax.tree.structure(tree)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import MemoryPlanError, UsageError
-from jaxdev._plan import CompiledMemory, _shard_shape, check_fits, device_memory_limit
+from jaxdev.memory._plan import CompiledMemory, _shard_shape, check_fits, device_memory_limit
 
 MiB = 2**20
 
@@ -56,7 +56,7 @@ def test_plan_agrees_with_the_placed_trees_report(axes, rules):
     mesh = jaxdev.make_mesh(axes)
     state = _state()
     placed = jax.device_put(state, jaxdev.param_shardings(state, mesh, rules))
-    p = jaxdev.plan(state, mesh, rules)
+    p = jaxdev.memory.plan(state, mesh, rules)
     for category in ("params", "opt_state"):
         got, want = p[category], _max(jaxdev.placement(getattr(placed, category)))
         assert abs(got - want) <= 0.01 * want, (category, got, want)
@@ -68,7 +68,7 @@ def test_plan_agrees_with_the_placed_trees_report(axes, rules):
 
 
 def test_fsdp_divides_params_and_adam_state_by_the_axis_size(mesh24):
-    p = jaxdev.plan(_state(), mesh24, "fsdp")
+    p = jaxdev.memory.plan(_state(), mesh24, "fsdp")
     rows = {r.category: r for r in p.rows}
     assert [r.category for r in p.rows] == ["params", "opt_state", "other"]
     # Dense_0/kernel (512x256) and Dense_1/kernel (256x16 = 4096) shard over fsdp=4;
@@ -87,19 +87,19 @@ def test_shape_structs_and_real_arrays_give_equal_plans(mesh24):
     shapes = jax.eval_shape(lambda: _state(tx))
     assert isinstance(shapes.params["Dense_0"]["kernel"], jax.ShapeDtypeStruct)
     for rules in ("fsdp", "replicate"):
-        a, b = jaxdev.plan(state, mesh24, rules), jaxdev.plan(shapes, mesh24, rules)
+        a, b = jaxdev.memory.plan(state, mesh24, rules), jaxdev.memory.plan(shapes, mesh24, rules)
         assert a == b and str(a) == str(b)
     # Host values too (numpy and Python numbers, with x64's dtype rules).
     host = jax.tree.map(np.asarray, state)
-    assert jaxdev.plan(host, mesh24, "fsdp") == jaxdev.plan(state, mesh24, "fsdp")
-    numbers = jaxdev.plan({"a": 1.0, "b": 3, "c": np.float64(2.0)}, mesh24)
+    assert jaxdev.memory.plan(host, mesh24, "fsdp") == jaxdev.memory.plan(state, mesh24, "fsdp")
+    numbers = jaxdev.memory.plan({"a": 1.0, "b": 3, "c": np.float64(2.0)}, mesh24)
     assert numbers["params"] == 12  # float32 + int32 + float32 (x64 off)
 
 
 def test_nothing_is_allocated_for_huge_shapes(mesh24):
     # 1 TiB of float32 params: planned from shapes, never allocated.
     shapes = {"w": jax.ShapeDtypeStruct((2**20, 2**18), jnp.float32)}
-    full, fsdp = jaxdev.plan(shapes, mesh24), jaxdev.plan(shapes, mesh24, "fsdp")
+    full, fsdp = jaxdev.memory.plan(shapes, mesh24), jaxdev.memory.plan(shapes, mesh24, "fsdp")
     assert full["params"] == 2**40 and fsdp["params"] == 2**38
     assert "1024.0 GiB" in str(full) and "256.0 GiB" in str(fsdp)
 
@@ -112,7 +112,7 @@ def test_small_dtypes(dtype, itemsize):
         "b": jax.ShapeDtypeStruct((4096,), dtype),
         "c": jax.ShapeDtypeStruct((7,), dtype),
     }
-    p = jaxdev.plan(shapes, mesh, "fsdp")
+    p = jaxdev.memory.plan(shapes, mesh, "fsdp")
     assert p["params"] == (1024 * 8 // 8 + 4096 // 8 + 7) * itemsize
     placed = jaxdev.shard_params(
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), mesh, "fsdp"
@@ -123,9 +123,9 @@ def test_small_dtypes(dtype, itemsize):
 def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     shapes = {"odd": jax.ShapeDtypeStruct((1001, 3), jnp.float32)}  # no dim divisible by 4
     with pytest.raises(jaxdev.ShardingError, match="shards no leaf.*'odd', has shape"):
-        jaxdev.plan(shapes, mesh24, "fsdp", min_size=1)  # the whole model on every device
+        jaxdev.memory.plan(shapes, mesh24, "fsdp", min_size=1)  # the whole model on every device
     even = {**shapes, "w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-    p = jaxdev.plan(even, mesh24, "fsdp", min_size=1)
+    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1)
     rows = {r.category: r for r in p.rows}
     assert p["params"] == 1001 * 3 * 4 + 8 * 4 * 4 // 4  # per device: 'w' over fsdp=4
     assert rows["params"].sharded_bytes == 8 * 4 * 4  # 'w' split, 'odd' whole
@@ -134,7 +134,7 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
         "x": jax.ShapeDtypeStruct((13, 5), jnp.float32),
         "n": jax.ShapeDtypeStruct((), "int32"),
     }
-    p = jaxdev.plan(even, mesh24, "fsdp", min_size=1, batch=batch)
+    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1, batch=batch)
     row = {r.category: r for r in p.rows}["batch"]
     assert row.bytes_per_device == 2 * 5 * 4 + 4 and row.total_bytes == 13 * 5 * 4 + 4
     assert row.sharded_bytes == 13 * 5 * 4  # the scalar is replicated
@@ -146,9 +146,9 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
 def test_the_batch_splits_over_every_axis_but_model_axes():
     batch = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     params = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
-    dp_tp = jaxdev.plan(params, jaxdev.make_mesh({"data": 2, "model": 4}), batch=batch)
-    dp_fsdp = jaxdev.plan(params, jaxdev.make_mesh({"data": 2, "fsdp": 4}), batch=batch)
-    one_d = jaxdev.plan(params, jaxdev.data_mesh(), batch=batch)
+    dp_tp = jaxdev.memory.plan(params, jaxdev.make_mesh({"data": 2, "model": 4}), batch=batch)
+    dp_fsdp = jaxdev.memory.plan(params, jaxdev.make_mesh({"data": 2, "fsdp": 4}), batch=batch)
+    one_d = jaxdev.memory.plan(params, jaxdev.data_mesh(), batch=batch)
     assert dp_tp["batch"] == 8 * 64 * 4  # split over data only
     assert dp_fsdp["batch"] == one_d["batch"] == 2 * 64 * 4
     assert dp_tp.total == 8 * 64 * 4 + 16
@@ -160,7 +160,7 @@ def test_tensor_parallel_regex_rules_on_a_2d_mesh():
         "kernel": jax.ShapeDtypeStruct((64, 128), jnp.float32),
         "bias": jax.ShapeDtypeStruct((128,), jnp.float32),
     }
-    p = jaxdev.plan(shapes, mesh, [("kernel", P(None, "model"))])
+    p = jaxdev.memory.plan(shapes, mesh, [("kernel", P(None, "model"))])
     assert p["params"] == 64 * 32 * 4 + 128 * 4
     assert p.rows[0].sharded_bytes == 64 * 128 * 4
 
@@ -171,12 +171,14 @@ def test_linen_boxes_and_nnx_state():
 
     mesh = jaxdev.make_mesh({"data": 2, "model": 4})
     boxed = {"w": nn.Partitioned(jnp.ones((8, 64)), (None, "model")), "b": jnp.ones(64)}
-    p = jaxdev.plan(boxed, mesh, "flax")
+    p = jaxdev.memory.plan(boxed, mesh, "flax")
     assert p["params"] == 8 * 16 * 4 + 64 * 4
     state = nnx.state(nnx.Linear(64, 32, rngs=nnx.Rngs(0)))
     placed = jaxdev.shard_params(state, mesh, "replicate")
     assert (
-        jaxdev.plan(state, mesh)["params"] == _max(jaxdev.placement(placed)) == (64 * 32 + 32) * 4
+        jaxdev.memory.plan(state, mesh)["params"]
+        == _max(jaxdev.placement(placed))
+        == (64 * 32 + 32) * 4
     )
 
 
@@ -201,7 +203,7 @@ def test_compiled_figures_come_from_memory_analysis_and_match_the_plan(mesh24, r
     tx = optax.adam(1e-3)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, rules=rules))
     shapes = jax.eval_shape(lambda: _state(tx))
-    p = jaxdev.plan(shapes, step=step, batch=_batch())
+    p = jaxdev.memory.plan(shapes, step=step, batch=_batch())
     assert p.rules == rules and p.mesh is mesh24
     analysis = step.lower(shapes, _batch()).compile().memory_analysis()
     c = p.compiled
@@ -224,19 +226,19 @@ def test_plan_rejects_a_mesh_or_rules_other_than_the_steps(mesh24):
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24, rules="fsdp"))
     state = _state(tx)
-    assert jaxdev.plan(state, mesh24, "fsdp", step=step).rules == "fsdp"
+    assert jaxdev.memory.plan(state, mesh24, "fsdp", step=step).rules == "fsdp"
     with pytest.raises(UsageError, match=r"`mesh` \{'fsdp': 8\} is not the step's mesh"):
-        jaxdev.plan(state, jaxdev.make_mesh({"fsdp": 8}), step=step)
+        jaxdev.memory.plan(state, jaxdev.make_mesh({"fsdp": 8}), step=step)
     with pytest.raises(UsageError, match=r"`rules`=\[\('kernel'.* differ from the step's"):
-        jaxdev.plan(state, rules=[("kernel", P(None, "fsdp"))], step=step)
+        jaxdev.memory.plan(state, rules=[("kernel", P(None, "fsdp"))], step=step)
     with pytest.raises(UsageError, match="`step` must be a jaxdev train step"):
-        jaxdev.plan(state, step=lambda s, b: s)
+        jaxdev.memory.plan(state, step=lambda s, b: s)
 
 
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))
-    p = jaxdev.plan(jax.eval_shape(lambda: _state(tx, 64)), step=step, batch=_batch(8, 64))
+    p = jaxdev.memory.plan(jax.eval_shape(lambda: _state(tx, 64)), step=step, batch=_batch(8, 64))
     assert list(p.by_device) == ["cpu:2"]
     assert p["batch"] == (8 * 64 + 8 * 16) * 4 and p.compiled is not None
     assert abs(p.compiled.argument - p.total) <= 0.01 * p.total
@@ -249,7 +251,9 @@ def test_plan_table_is_exact():
     mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
     tx = optax.sgd(0.1, momentum=0.9)
     shapes = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones((4096, 64))}, tx))
-    p = jaxdev.plan(shapes, mesh, "fsdp", batch=jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16))
+    p = jaxdev.memory.plan(
+        shapes, mesh, "fsdp", batch=jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    )
     assert str(p) == "\n".join(
         [
             "memory plan: mesh(data=2, fsdp=4), rules='fsdp'",
@@ -270,7 +274,7 @@ def test_plan_table_is_exact():
 
 
 def test_fits_with_a_limit_and_without_one_on_cpu():
-    p = jaxdev.plan({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)})
+    p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)})
     assert p.fits(limit=4 * MiB) and p.fits(4 * MiB + 0.5) and not p.fits(limit=4 * MiB - 1)
     assert device_memory_limit(jax.devices()) is None
     with pytest.raises(UsageError, match=r"reports no memory limit .* pass `limit=`"):
@@ -282,21 +286,21 @@ def test_fits_with_a_limit_and_without_one_on_cpu():
 
 def test_check_fits_message_names_need_budget_and_the_fsdp_alternative(mesh24):
     shapes = jax.eval_shape(lambda: _state(width=4096))
-    p = jaxdev.plan(shapes, jaxdev.data_mesh())
+    p = jaxdev.memory.plan(shapes, jaxdev.data_mesh())
     check_fits(p, limit=p.total)  # exactly enough
     with pytest.raises(MemoryPlanError) as err:
         check_fits(p, limit=2 * MiB)
     assert isinstance(err.value, MemoryError)
-    fsdp = jaxdev.plan(shapes, jaxdev.data_mesh(), "fsdp")
+    fsdp = jaxdev.memory.plan(shapes, jaxdev.data_mesh(), "fsdp")
     msg = str(err.value)
     need, alt = f"{p.total / MiB:.1f} MiB", f"{fsdp.total / MiB:.1f} MiB"
     assert msg.startswith(f"needs {need} per device, 2.0 MiB available (limit); ")
     assert f"with rules='fsdp' over 8 devices: {alt}. Fix: shard the params" in msg
     # On data x fsdp, 'fsdp' shards over the fsdp axis (4 devices).
     with pytest.raises(MemoryPlanError, match="with rules='fsdp' over 4 devices: "):
-        check_fits(jaxdev.plan(shapes, mesh24), limit=MiB)
+        check_fits(jaxdev.memory.plan(shapes, mesh24), limit=MiB)
     # Already fsdp, or one device: no alternative offered.
-    for q in (fsdp, jaxdev.plan(shapes, jaxdev.data_mesh(1))):
+    for q in (fsdp, jaxdev.memory.plan(shapes, jaxdev.data_mesh(1))):
         with pytest.raises(MemoryPlanError) as err:
             check_fits(q, limit=MiB)
         assert "with rules='fsdp'" not in str(err.value)
@@ -310,7 +314,7 @@ def test_check_fits_message_names_need_budget_and_the_fsdp_alternative(mesh24):
 def test_check_fits_with_compiled_figures_explains_the_peak(mesh24):
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh24))
-    p = jaxdev.plan(jax.eval_shape(lambda: _state(tx)), step=step, batch=_batch())
+    p = jaxdev.memory.plan(jax.eval_shape(lambda: _state(tx)), step=step, batch=_batch())
     with pytest.raises(MemoryPlanError) as err:
         check_fits(p, limit=1024)
     msg = str(err.value)
@@ -330,13 +334,13 @@ def test_model_state_rng_and_step_rows(mesh24):
         rng=jax.random.key(0),  # a typed key: dtype key<fry>, 8 bytes
         model_state={"batch_stats": {"mean": jnp.zeros((8192,))}},
     )
-    p = jaxdev.plan(state, mesh24, "fsdp")
+    p = jaxdev.memory.plan(state, mesh24, "fsdp")
     # plain sgd has an empty optimizer state: no opt_state row, 0 bytes.
     assert [r.category for r in p.rows] == ["params", "model_state", "other"]
     assert p["params"] == 4096 * 4 * 4 // 4 and p["opt_state"] == 0
     assert p["model_state"] == 8192 * 4 // 4  # model state follows the same rules
     assert p["other"] == 4 + 8
-    assert p == jaxdev.plan(jax.eval_shape(lambda: state), mesh24, "fsdp")
+    assert p == jaxdev.memory.plan(jax.eval_shape(lambda: state), mesh24, "fsdp")
     placed = jax.device_put(state, jaxdev.param_shardings(state, mesh24, "fsdp"))
     assert p.total == _max(jaxdev.placement(placed))
 
@@ -355,6 +359,6 @@ def test_grouped_and_pmap_batches_match_the_compiled_arguments(mesh24, kind):
         "x": jax.ShapeDtypeStruct((*lead, 512), jnp.float32),
         "y": jax.ShapeDtypeStruct((*lead, 16), jnp.float32),
     }
-    p = jaxdev.plan(jax.eval_shape(lambda: _state(tx)), step=step, batch=batch)
+    p = jaxdev.memory.plan(jax.eval_shape(lambda: _state(tx)), step=step, batch=batch)
     assert p["batch"] == math.prod(lead) * (512 + 16) * 4 // 8
     assert abs(p.compiled.argument - p.total) <= 0.01 * p.total, (p.compiled.argument, p.total)

@@ -77,7 +77,7 @@ def test_shard_batch_places_the_values_of_call_time(mesh, make, rows, pad):
 def test_shard_for_pmap_places_the_values_of_call_time(make, rows, pad):
     for _ in range(TRIES[make]):
         buf = make((rows * (64 if make is unaligned else 1), COLUMNS[make]))
-        got = [jaxdev.shard_for_pmap(b, pad=pad) for b in refilling(buf, 6)]
+        got = [jaxdev.pmap.shard_for_pmap(b, pad=pad) for b in refilling(buf, 6)]
         assert_batches([p.batch if pad else p for p in got], 6)
 
 
@@ -331,11 +331,11 @@ def test_unpad_and_unshard_are_bit_exact(mesh, dtype):
             assert same_bits(jaxdev.unpad(p.batch, padding), x), (rows, padding)
         keep = rng.random(p.mask.shape[0]) < 0.5
         assert same_bits(jaxdev.unpad(p.batch, jnp.asarray(keep)), np.asarray(p.batch)[keep])
-        q = jaxdev.shard_for_pmap(x, pad=True)
+        q = jaxdev.pmap.shard_for_pmap(x, pad=True)
         for padding in (q, q.mask, rows):
-            assert same_bits(jaxdev.unshard_from_pmap(q.batch, padding), x), (rows, padding)
+            assert same_bits(jaxdev.pmap.unshard_from_pmap(q.batch, padding), x), (rows, padding)
         if rows % 8 == 0:
-            assert same_bits(jaxdev.unshard_from_pmap(jaxdev.shard_for_pmap(x)), x)
+            assert same_bits(jaxdev.pmap.unshard_from_pmap(jaxdev.pmap.shard_for_pmap(x)), x)
 
 
 def test_unpad_keeps_complex_and_integer_bits(mesh):
@@ -353,9 +353,9 @@ def test_unpad_keeps_complex_and_integer_bits(mesh):
 def test_pmap_outputs_unshard_bit_exact():
     n = jax.local_device_count()
     x = np.full((n + 1, 2), -0.0, np.float32)
-    p = jaxdev.shard_for_pmap(x, pad=True)
+    p = jaxdev.pmap.shard_for_pmap(x, pad=True)
     out = jax.pmap(lambda b: b * 1.0)(p.batch)  # per-row outputs keep -0.0
-    assert same_bits(jaxdev.unshard_from_pmap(out, p), x)
+    assert same_bits(jaxdev.pmap.unshard_from_pmap(out, p), x)
 
 
 # ---------------------------------------------------------------- 4. zero-size leaves
@@ -363,12 +363,12 @@ def test_pmap_outputs_unshard_bit_exact():
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 4)])
 def test_zero_size_stack_for_pmap_reads_back(shape):
-    stacked = jaxdev.stack_for_pmap(jnp.zeros(shape))
+    stacked = jaxdev.pmap.stack_for_pmap(jnp.zeros(shape))
     n = jax.local_device_count()
     assert np.asarray(stacked).shape == (n, *shape)
     assert [s.data.shape for s in stacked.addressable_shards] == [(1, *shape)] * n
-    assert np.asarray(jaxdev.unstack_from_pmap(stacked, check=True)).shape == shape
-    mixed = jaxdev.stack_for_pmap({"e": np.zeros(shape, np.float32), "w": np.ones(2)})
+    assert np.asarray(jaxdev.pmap.unstack_from_pmap(stacked, check=True)).shape == shape
+    mixed = jaxdev.pmap.stack_for_pmap({"e": np.zeros(shape, np.float32), "w": np.ones(2)})
     assert jaxdev.to_host(mixed)["e"].shape == (n, *shape)
 
 
@@ -378,8 +378,8 @@ def test_zero_size_batch_leaves_are_refused_at_the_call(mesh, leaf):
     for call in (
         lambda: jaxdev.shard_batch(batch, mesh),
         lambda: jaxdev.shard_batch(batch, mesh, pad=True),
-        lambda: jaxdev.shard_for_pmap(batch),
-        lambda: jaxdev.shard_for_pmap(batch, pad=True),
+        lambda: jaxdev.pmap.shard_for_pmap(batch),
+        lambda: jaxdev.pmap.shard_for_pmap(batch, pad=True),
     ):
         with pytest.raises(jaxdev.ShardingError, match=r"\['empty'\].*shape \("):
             call()
@@ -389,5 +389,5 @@ def test_zero_size_batch_leaves_are_refused_at_the_call(mesh, leaf):
 
 
 def test_unshard_zero_size_host_leaves():
-    assert jaxdev.unshard_from_pmap(np.zeros((8, 1, 0))).shape == (8, 0)
-    assert jaxdev.unshard_from_pmap(np.zeros((8, 0, 3)), 0).shape == (0, 3)
+    assert jaxdev.pmap.unshard_from_pmap(np.zeros((8, 1, 0))).shape == (8, 0)
+    assert jaxdev.pmap.unshard_from_pmap(np.zeros((8, 0, 3)), 0).shape == (0, 3)

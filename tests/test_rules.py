@@ -521,7 +521,7 @@ def test_state_shardings_of_shapes_and_model_state(df):
 def test_state_shardings_nnx_train_state(dm):
     with jax.set_mesh(dm), nn.logical_axis_rules([("hidden", "model")]):
         model = AnnotatedNNX(nnx.Rngs(0))
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     state = jaxdev.TrainState.create(params, optax.adam(1e-3), model_state=rest)
     s = jaxdev.param_shardings(state, dm, "flax", logical_axis_rules=[("hidden", "model")])
     assert s.params["up"]["kernel"].get_value().spec == P(None, "model")

@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxdev
-from jaxdev._checksum import checksums
+from jaxdev.checkpoint._checksum import checksums
 
 
 def _mesh(kind: AxisType):
@@ -153,10 +153,12 @@ def test_memory_calls_under_another_users_mesh_are_named():
     step = jaxdev.make_train_step(_loss(True), tx, jaxdev.Strategy.sharded(mesh, axis="fsdp"))
     state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
     batch = step.put_batch(_batch())
-    assert jaxdev.fit_memory(step, state, batch, limit=2**20, max_batch_size=2).batch_size > 0
+    assert (
+        jaxdev.memory.fit_memory(step, state, batch, limit=2**20, max_batch_size=2).batch_size > 0
+    )
     with jax.set_mesh(other):  # fit_memory said 'nothing fits' (each candidate 'did not compile')
         for call in (
-            lambda: jaxdev.fit_memory(step, state, batch, limit=2**20, max_batch_size=2),
+            lambda: jaxdev.memory.fit_memory(step, state, batch, limit=2**20, max_batch_size=2),
             lambda: step.explain_memory(state, batch, limit=2**20),
         ):
             with pytest.raises(jaxdev.ShardingError, match="already set"):
@@ -180,8 +182,8 @@ def test_shapes_without_a_sharding_are_lowered_as_put_batch_places_them_on_expli
         step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded(mesh))
         lowered = step.lower(state, shapes).compile()  # was: traced replicated, bare AssertionError
         assert lowered.input_shardings[0][1]["x"].spec == P("data")
-        placed = jaxdev.plan(state, step=step, batch=step.put_batch(batch)).peak
-        assert jaxdev.plan(state, step=step, batch=shapes).peak == placed
+        placed = jaxdev.memory.plan(state, step=step, batch=step.put_batch(batch)).peak
+        assert jaxdev.memory.plan(state, step=step, batch=shapes).peak == placed
         peaks[kind] = placed
     assert peaks[AxisType.Auto] == peaks[AxisType.Explicit]
 

@@ -132,7 +132,7 @@ def test_nnx_module_with_rngs_argument_and_regex(dm):
     assert model.down.kernel[...].sharding.spec == P("model", None)
     assert model.norm.mean[...].sharding.spec == P("model")
     assert model.up.kernel[...].sharding.spec == P()  # not annotated, not matched
-    params, _ = jaxdev.nnx_split(model)
+    params, _ = jaxdev.nnx.split(model)
     assert jaxdev.shard_params(params, dm, rules) is params  # already placed
 
 
@@ -142,7 +142,7 @@ def test_nnx_fsdp_and_train_state(fsdp8):
     model = jaxdev.init_sharded(lambda: Net(nnx.Rngs(0), annotate=False), mesh=fsdp8, rules="fsdp")
     assert model.up.kernel[...].sharding.spec == P(None, "fsdp")  # 16 x 64 = min_size
     assert model.down.kernel[...].sharding.spec == P()  # 64 x 8 < 1024 elements
-    params, rest = jaxdev.nnx_split(model)
+    params, rest = jaxdev.nnx.split(model)
     state = jaxdev.TrainState.create(params, optax.adam(1e-3), model_state=rest)
     s = jaxdev.param_shardings(state, fsdp8, "fsdp", min_size=0)
     assert s.opt_state[0].mu["up"]["kernel"].get_value().spec == P(None, "fsdp")

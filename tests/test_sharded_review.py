@@ -154,7 +154,7 @@ def test_lower_and_plan_of_a_misplaced_state_move_nothing(mesh):
     state, batch = rep.init_state(_params(), SGD), fsdp.put_batch(_batch())
     with jaxdev.count_transfers() as c:
         compiled = fsdp.lower(state, batch).compile()
-        plan = jaxdev.plan(state, step=fsdp, batch=batch)
+        plan = jaxdev.memory.plan(state, step=fsdp, batch=batch)
     assert c.device_to_host == 0 and c.host_to_device == 0
     assert compiled.input_shardings[0][0].params["Dense_0"]["kernel"].spec == P(None, "fsdp")
     assert plan.compiled.argument == compiled.memory_analysis().argument_size_in_bytes
@@ -253,7 +253,7 @@ def test_lower_and_plan_accept_an_uneven_raw_batch(mesh, k):
         "x": jax.ShapeDtypeStruct(lead + (30, 32), jnp.float32),
         "y": jax.ShapeDtypeStruct(lead + (30,), jnp.int32),
     }
-    plan = jaxdev.plan(state, step=step, batch=raw)
+    plan = jaxdev.memory.plan(state, step=step, batch=raw)
     rng = np.random.default_rng(0)
     real = {
         "x": rng.normal(size=lead + (30, 32)).astype(np.float32),
@@ -315,12 +315,12 @@ def test_flax_plans_count_what_the_step_holds():
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
     shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(boxed, tx))  # boxed mu / nu
-    plan = jaxdev.plan(shapes, mesh, "flax")
+    plan = jaxdev.memory.plan(shapes, mesh, "flax")
     assert plan["opt_state"] < 2 * plan["params"] + 64  # sharded like the params
     step = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.sharded(mesh, rules="flax"))
     state = step.init_state(boxed, tx)
     batch = step.put_batch(_batch())
-    placed = jaxdev.plan(state, step=step, batch=batch)
+    placed = jaxdev.memory.plan(state, step=step, batch=batch)
     assert placed["params"] == plan["params"] and placed["opt_state"] == plan["opt_state"]
     state_and_batch = placed["params"] + placed["opt_state"] + placed["batch"] + placed["other"]
     assert placed.compiled.argument == state_and_batch

@@ -361,8 +361,12 @@ def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():
         want = jaxdev.param_shardings(params, mesh, "fsdp", **options)
         got = jax.tree.map(lambda x: x.sharding, state.params)
         assert jax.tree.leaves(got) == jax.tree.leaves(want), options  # the step obeys them
-        p = jaxdev.plan(state, step=jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True))
-        assert p.total == jaxdev.plan(state, mesh, "fsdp", **options).total  # and so does plan
+        p = jaxdev.memory.plan(
+            state, step=jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True)
+        )
+        assert (
+            p.total == jaxdev.memory.plan(state, mesh, "fsdp", **options).total
+        )  # and so does plan
     with pytest.raises(jaxdev.ShardingError, match="`min_size` must be an int >= 0"):
         jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=-1)
     with pytest.raises(jaxdev.ShardingError, match="`fsdp_axis`='model' is not an axis"):
@@ -415,7 +419,9 @@ def test_memory_advice_works_when_followed_on_a_data_x_model_mesh():
     state = loose.init_state(_params(), SGD)
     batch = loose.put_batch(_data(steps=1)[0])
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
-    fits = jaxdev.plan(shapes[0], step=followed, batch=shapes[1]).peak  # what fsdp compiles to
+    fits = jaxdev.memory.plan(
+        shapes[0], step=followed, batch=shapes[1]
+    ).peak  # what fsdp compiles to
     tight = jaxdev.make_train_step(
         loss_fn, SGD, jaxdev.Strategy.sharded(mesh), has_aux=True, memory_limit=fits
     )
@@ -425,4 +431,7 @@ def test_memory_advice_works_when_followed_on_a_data_x_model_mesh():
     assert advice in str(err.value)
     new, _ = followed(followed.init_state(_params(), SGD), followed.put_batch(_data(steps=1)[0]))
     assert int(new.step) == 1
-    assert jaxdev.plan(shapes, mesh, "fsdp")["params"] < jaxdev.plan(shapes, mesh)["params"]
+    assert (
+        jaxdev.memory.plan(shapes, mesh, "fsdp")["params"]
+        < jaxdev.memory.plan(shapes, mesh)["params"]
+    )

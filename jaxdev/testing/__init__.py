@@ -15,4 +15,7 @@ Example:
   ('single', 'pmap', 'sharded', 'shard_map', 'fsdp')
 """
 
+from .._devices import use_fake_cpu_devices as use_fake_cpu_devices
 from ._agree import assert_strategies_agree as assert_strategies_agree
+
+__all__ = ["assert_strategies_agree", "use_fake_cpu_devices"]

@@ -11,8 +11,7 @@ import optax
 
 from .._errors import ShardingError, UsageError
 from .._mesh import data_mesh
-from .._step import make_train_step
-from .._strategy import Strategy
+from ..train import Strategy, make_train_step
 
 
 def _strategies() -> dict[str, Strategy]:

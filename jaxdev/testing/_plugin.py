@@ -198,7 +198,7 @@ def _failed(item, when: str, text: str) -> pytest.TestReport:
 
 
 def _describe(rc: int) -> str:
-    from jaxdev._launch import describe_returncode
+    from jaxdev.distributed import describe_returncode
 
     oom = " (the kernel's OOM killer sends SIGKILL)" if rc == -9 else ""
     return describe_returncode(rc) + oom
@@ -280,7 +280,7 @@ def _call(started_by) -> str:
     """The user's call that started JAX's backend (innermost frame outside libraries)."""
     if not isinstance(started_by, list):
         return started_by or ""
-    from jaxdev._hang import _is_user_file
+    from jaxdev.distributed import is_user_file as _is_user_file
 
     frames = [f for f in started_by if _is_user_file(f.filename) and f.filename != __file__]
     return f"at {frames[-1].filename}:{frames[-1].lineno}: `{frames[-1].line}`" if frames else ""

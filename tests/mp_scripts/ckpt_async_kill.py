@@ -13,7 +13,7 @@ import sys
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(8)
+jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402

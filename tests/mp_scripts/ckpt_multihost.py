@@ -22,7 +22,7 @@ import jaxdev
 if "JAXDEV_COORDINATOR" in os.environ:
     jaxdev.distributed.initialize()
 else:
-    jaxdev.use_fake_cpu_devices(8)
+    jaxdev.testing.use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

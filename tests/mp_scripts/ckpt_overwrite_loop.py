@@ -12,7 +12,7 @@ import sys
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(2)
+jaxdev.testing.use_fake_cpu_devices(2)
 
 import jax.numpy as jnp  # noqa: E402
 

@@ -21,7 +21,7 @@ import threading
 
 import jaxdev
 
-jaxdev.use_fake_cpu_devices(2)
+jaxdev.testing.use_fake_cpu_devices(2)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from jaxdev import _cli
+from jaxdev.cli import _cli
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
-from jaxdev import _launch
+from jaxdev.distributed import _launch
 
 from .child_env import REPO, clean_env
 

@@ -159,7 +159,7 @@ def _env() -> dict[str, str]:
 
 def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one scenario."""
-    from jaxdev._launch import process_env
+    from jaxdev.distributed._launch import process_env
 
     env = _env()
     if scenario.name == "no_coordinator":  # process 1 of 2, as the launcher would start it
@@ -184,7 +184,7 @@ def command(scenario: Scenario, port: int) -> tuple[list[str], dict[str, str]]:
 
 def _run_unsupervised(port: int) -> tuple[int, str]:
     """Start both processes of ``sigkill`` directly (no launcher); return p0's outcome."""
-    from jaxdev._launch import describe_returncode, process_env
+    from jaxdev.distributed._launch import describe_returncode, process_env
 
     procs = [
         subprocess.Popen(
@@ -212,7 +212,7 @@ def _run_unsupervised(port: int) -> tuple[int, str]:
 
 def run(scenario: Scenario) -> Result:
     """Run one scenario; the subprocess timeout is only a backstop."""
-    from jaxdev._launch import free_port
+    from jaxdev.distributed._launch import free_port
 
     if scenario.name == "sigkill_unsupervised":
         start = time.monotonic()

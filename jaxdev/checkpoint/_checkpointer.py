@@ -1,0 +1,371 @@
+"""Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
+
+What jaxdev decides on top of orbax (each tested in
+``tests/test_checkpoint_safety.py``):
+
+* **the latest checkpoint is the highest step**, for this ``Checkpointer``
+  and for any later one on the same folder. A save of a step below the
+  latest is refused (orbax would make it "latest" in this process only,
+  restore the older state, and let ``keep`` delete the newest); so ``keep``
+  always deletes the oldest steps, never the newest.
+* **one writer per folder**: the first ``save`` takes a lock in the folder
+  (``.jaxdev-lock``, dropped by the kernel if the process dies) and holds it
+  until :meth:`Checkpointer.close`; a second ``Checkpointer`` or process
+  saving there is refused with the holder named. Restoring needs no lock.
+* **a kill while ``keep`` deletes a step blocks nothing**: orbax renames the
+  step into ``.jaxdev-deleted/`` first (its ``todelete_subdir``, one atomic
+  rename), jaxdev deletes it there after each save; the writer of a restarted
+  run finishes what a kill interrupted (``_ckpt_files.remove_tombstones``).
+* orbax's options keep their orbax names underneath: ``keep`` is
+  ``max_to_keep``, ``every`` is ``save_interval_steps``, ``async_`` is
+  ``enable_async_checkpointing``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from typing import Any
+
+from .._errors import CheckpointError
+from . import _checkpoint as ckpt
+from . import _ckpt_files as files
+
+
+class Checkpointer:
+    """Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
+
+    ``save(step, state)`` writes ``directory/<step>`` every ``every`` steps,
+    keeps the ``keep`` newest, and (``async_``) returns once the arrays are
+    copied off the devices while a background thread writes them; the step
+    loop goes on meanwhile. A checkpoint appears (and ``latest_step`` sees
+    it) only once complete: orbax writes into a temporary directory and
+    renames it, so a process killed mid-save leaves the previous checkpoint
+    as the latest one. Steps only go forward (see the module notes).
+
+    Args:
+      directory: where the numbered checkpoints go (created if missing).
+      keep: how many newest checkpoints to keep (``None``: all).
+      every: save only steps that are multiples of ``every`` (orbax's
+        ``save_interval_steps``): the first save into an empty directory
+        always happens; ``force=True`` saves any step.
+      async_: write in the background (``wait()`` blocks until done).
+
+    Raises:
+      CheckpointError: ``directory`` cannot be created or written.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, jaxdev
+      >>> state = jaxdev.TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1))
+      >>> with jaxdev.Checkpointer(tempfile.mkdtemp(), every=10) as ckpt:
+      ...     ckpt.save(10, state), ckpt.save(15, state)
+      ...     ckpt.wait()
+      ...     back = ckpt.restore(state)
+      (True, False)
+      >>> type(back).__name__, ckpt.latest_step()
+      ('TrainState', 10)
+    """
+
+    def __init__(
+        self, directory: Any, keep: int | None = 3, every: int = 1, async_: bool = True
+    ) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise CheckpointError(f"`keep` must be a positive int or None, got {keep!r}.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise CheckpointError(f"`every` must be a positive int, got {every!r}.")
+        self.directory = os.path.abspath(os.fsdecode(directory))
+        self._started: set[int] = set()
+        self._lock = None
+        ocp = ckpt.orbax()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=every,
+            enable_async_checkpointing=async_,
+            create=True,
+            todelete_subdir=files.TOMBSTONES,
+        )
+        try:  # item handlers follow the args of each save / restore (Composite)
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as err:
+            raise ckpt.write_error(self.directory, err, previous="nothing was changed") from err
+
+    def save(self, step: int, state: Any, metrics: Any = None, force: bool = False) -> bool:
+        """Save ``state`` (and ``metrics``: a ``Collection``, ``DeviceLog``, any tree) as ``step``.
+
+        Args:
+          step: the step number (the directory name): a non-negative int (a numpy
+            integer, or a 0-d integer array such as ``state.step``), not below the latest.
+          state: the tree to save (e.g. a ``TrainState``).
+          metrics: an optional second tree saved alongside.
+          force: save even when ``step`` is not a multiple of ``every``.
+
+        Returns:
+          True if a save started; False when ``step`` was skipped: not a
+          multiple of ``every``, or already saved by this ``Checkpointer``.
+
+        Raises:
+          CheckpointError: a checkpoint of ``step`` written before this
+            ``Checkpointer`` exists (another run's: one is never overwritten),
+            or ``step`` is below the latest checkpoint's; another
+            writer saves into this directory; a folder of the user's there
+            has a name orbax would delete in place of a step
+            (``<step>.orbax-checkpoint-tmp.bak``); a leaf cannot be saved; the
+            write failed (disk full, not writable; an asynchronous write that
+            failed earlier is reported by the next ``save``, ``wait`` or
+            ``close``). ``state`` and the earlier checkpoints are never changed.
+          UsageError: ``step`` is not a non-negative int (a bool, float, str).
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp, jaxdev
+          >>> with jaxdev.Checkpointer(tempfile.mkdtemp(), async_=False) as ckpt:
+          ...     ckpt.save(1, {"w": jnp.ones(2)})
+          True
+        """
+        step = ckpt.check_step(step)
+        if self._lock is None:  # first save: become the one writer, then see the folder anew
+            self._become_writer()
+        if step in self._started:
+            return False  # this run saved it already: the same state (e.g. epoch end and finish)
+        done = {*self._started, *self._manager.all_steps()}
+        latest = max(done, default=None)
+        if step in done:  # a silent skip here lost every checkpoint of a second run
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: a checkpoint of step {step} is "
+                f"already there (steps {sorted(done)[-5:]}), written before this Checkpointer, "
+                "and a checkpoint is never overwritten (`force` only skips the `every` check). "
+                f"A run that goes on from this folder restores first (restore() gives step "
+                f"{latest}) and saves the steps after it; a new run saves into a new directory."
+            )
+        if latest is not None and step < latest:
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: step {latest} is already there, "
+                f"and the latest checkpoint is the highest step (restore() would resume from "
+                f"{latest}, and `keep` would delete the newer state first). To go on from an "
+                f"earlier step, save into a new directory, or move the steps after {step} "
+                "out of this one yourself."
+            )
+        if not force and not self._manager.should_save(step):
+            return False
+        if theirs := files.lookalikes(self.directory, {step, *done}):
+            raise CheckpointError(
+                f"Cannot save step {step} in {self.directory}: it holds {theirs[:10]}, which orbax "
+                "takes for a step's unfinished save and deletes in place of that step when `keep` "
+                "drops it. Rename them or move them out, or use another directory."
+            )
+        prepared = ckpt.prepare(state, "state")
+        extra = None if metrics is None else ckpt.prepare(metrics, "metrics")
+        path = os.path.join(self.directory, str(step))
+        try:
+            started = self._manager.save(
+                step, args=ckpt.composite(prepared, step, extra), force=True
+            )
+        except (OSError, ValueError, RuntimeError) as err:
+            raise self._failed(path, err, ckpt.nbytes(prepared, extra)) from err
+        if started:
+            self._started.add(step)
+        if self._lock.held:  # the steps the previous save (or this one, if sync) dropped
+            files.remove_tombstones(self.directory, folder=False)
+        return bool(started)
+
+    def _become_writer(self) -> None:
+        """Take the folder's writer lock (released by close(), or when this object is collected)."""
+        lock_path = os.path.join(self.directory, ckpt.MANAGER_LOCK)
+        self._lock = ckpt.take_writer_lock(lock_path, f"Checkpoint directory {self.directory}")
+        weakref.finalize(self, _abandon, self._manager, self._lock)
+        if self._lock.held:
+            files.remove_tombstones(self.directory)  # a kill cut a deletion short
+        self._manager.reload()
+        foreign = [s for s in self._manager.all_steps() if not self._is_ours(s)]
+        if foreign:
+            self.close()
+            raise CheckpointError(
+                f"Checkpoint directory {self.directory} holds numbered folders that jaxdev did "
+                f"not write ({sorted(foreign)[:10]}): a Checkpointer would take them for steps "
+                "and delete them when `keep` is reached. Move them out, or use another "
+                "directory."
+            )
+
+    def _is_ours(self, step: int) -> bool:
+        return files.is_checkpoint(os.path.join(self.directory, str(step)))
+
+    def _failed(self, path: str, err: BaseException, need: int | None = None) -> CheckpointError:
+        """A write error; steps whose asynchronous save never completed may be saved again."""
+        self._manager.reload()
+        done = set(self._manager.all_steps())
+        newest = max(done, default=-1)  # a step below it that is gone was deleted by `keep`
+        lost = sorted(s for s in self._started - done if s > newest)
+        self._started &= done
+        if lost and path != os.path.join(self.directory, str(lost[-1])):
+            path = f"{path} (the failure was in the background save of step(s) {lost})"
+        return ckpt.write_error(path, err, previous=self._previous(), need=need)
+
+    def _previous(self) -> str:
+        steps = self.all_steps()
+        return f"the checkpoints of steps {steps} are intact" if steps else "no checkpoint exists"
+
+    def latest_step(self) -> int | None:
+        """The highest step with a complete checkpoint (None when there is none).
+
+        Example:
+          >>> import tempfile, jaxdev
+          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).latest_step() is None
+          True
+        """
+        return max(self._steps(), default=None)
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint, oldest first.
+
+        Example:
+          >>> import tempfile, jaxdev
+          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).all_steps()
+          []
+        """
+        return sorted(self._steps())
+
+    def _steps(self) -> list[int]:
+        """Complete jaxdev checkpoints; read from the folder again unless this is its writer.
+
+        A reader lists again (5 tries) when its listing raced the writer: orbax
+        failed on a step that ``keep`` deleted meanwhile, or it listed steps
+        but none complete (the newest being committed, the one before deleted).
+        """
+        if self._lock is not None:
+            return [s for s in self._manager.all_steps() if self._is_ours(s)]
+        ours: list[int] = []
+        for _ in range(5):
+            with contextlib.suppress(OSError):
+                self._manager.reload()
+                listed = self._manager.all_steps()
+                ours = [s for s in listed if self._is_ours(s)]
+                if ours or not listed:
+                    return ours
+            time.sleep(0.02)
+        return ours
+
+    def _step(self, step: int | None) -> int:
+        if step is None:
+            self.wait()
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(
+                    f"No checkpoint in {self.directory}: nothing has been saved there yet "
+                    "(check the directory; `latest_step()` is None)."
+                )
+        elif ckpt.check_step(step) not in self._steps():
+            raise CheckpointError(
+                f"No checkpoint for step {step} in {self.directory}; complete steps: "
+                f"{self.all_steps()}."
+            )
+        return int(step)
+
+    def _read(self, step: int | None, item: str, target: Any, rules: Any) -> Any:
+        def read(path: str) -> Any:
+            def reader(args: Any) -> Any:
+                return self._manager.restore(int(os.path.basename(path)), args=args)
+
+            meta = ckpt.read_meta(path, reader)
+            if item not in meta:
+                return None
+            return ckpt.restore_item(path, reader, meta, item, target, rules, item)
+
+        # the latest step again if `keep` deleted it mid-read; a step asked for: its error
+        locate = lambda: os.path.join(self.directory, str(self._step(step)))  # noqa: E731
+        return ckpt.read_unchanged(locate, read)
+
+    def restore(self, target: Any = None, step: int | None = None, *, rules: Any = None) -> Any:
+        """Restore the state of ``step`` (default: the latest) onto ``target``.
+
+        Args:
+          target: as :func:`jaxdev.restore` (``None``, a device, mesh,
+            sharding, a mesh with ``rules``, or a tree like the state).
+          step: which checkpoint; default :meth:`latest_step` (after
+            :meth:`wait`).
+          rules: sharding rules, with a ``Mesh`` target.
+
+        Returns:
+          The state only; see :meth:`restore_metrics` for the metrics.
+
+        Raises:
+          CheckpointError: no checkpoint (or not that step), or as
+            :func:`jaxdev.restore`.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp, jaxdev
+          >>> with jaxdev.Checkpointer(tempfile.mkdtemp()) as ckpt:
+          ...     _ = ckpt.save(3, {"w": jnp.ones(2)})
+          ...     ckpt.restore("cpu:1")["w"].devices() == {jaxdev.d2l.cpu(1)}
+          True
+        """
+        return self._read(step, ckpt.STATE, target, rules)
+
+    def restore_metrics(self, target: Any = None, step: int | None = None) -> Any:
+        """Restore the metrics saved with ``step`` (default: the latest); None if none were.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp, jaxdev
+          >>> from jaxdev.metrics import Collection, Mean
+          >>> m = Collection.from_values({"loss": Mean}, {"loss": jnp.ones(4)})
+          >>> with jaxdev.Checkpointer(tempfile.mkdtemp()) as ckpt:
+          ...     _ = ckpt.save(1, {"w": jnp.ones(2)}, metrics=m)
+          ...     float(ckpt.restore_metrics()["loss"].compute())
+          1.0
+        """
+        return self._read(step, ckpt.METRICS, target, None)
+
+    def wait(self) -> None:
+        """Block until every asynchronous save has finished (and report its failure).
+
+        Raises:
+          CheckpointError: a background write failed.
+
+        Example:
+          >>> import tempfile, jaxdev
+          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).wait()
+        """
+        try:
+            self._manager.wait_until_finished()
+        except (OSError, ValueError, RuntimeError) as err:
+            raise self._failed(self.directory, err) from err
+
+    def close(self) -> None:
+        """Wait for pending saves, release orbax's resources and the writer lock.
+
+        Example:
+          >>> import tempfile, jaxdev
+          >>> jaxdev.Checkpointer(tempfile.mkdtemp()).close()
+        """
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            if self._lock is not None:
+                if self._lock.held:
+                    files.remove_tombstones(self.directory)
+                self._lock.release()
+                self._lock = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.directory!r}, steps={self.all_steps()})"
+
+
+def _abandon(manager: Any, lock: files.WriterLock) -> None:
+    """A Checkpointer collected without close(): finish its saves, then free the folder."""
+    try:
+        manager.wait_until_finished()
+        manager.close()
+    except Exception:  # noqa: BLE001 - collected: nobody to report to
+        pass
+    finally:
+        lock.release()
+
+
+__all__ = ["Checkpointer"]

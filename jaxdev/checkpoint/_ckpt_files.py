@@ -1,0 +1,428 @@
+"""The files of a checkpoint: one writer at a time, atomic replacement, only our own deletions.
+
+Three promises, each kept by one function here:
+
+* **one writer**: :class:`WriterLock` is an exclusive ``flock`` on a lock
+  file beside (or inside) what is written. The kernel drops it when its
+  process dies (a forked child closes its copy of the fd), so a killed
+  writer never leaves a stale lock; a second writer (another process,
+  another ``Checkpointer``, another thread) is refused at once with the
+  holder's pid, host and start time.
+* **atomic overwrite**: :func:`replace` swaps a complete new checkpoint with
+  the old one in one ``renameat2(RENAME_EXCHANGE)`` (Linux), then deletes
+  the old one. Where the exchange is not available it renames the old one
+  aside, the new one in, then deletes the old one; a crash between those
+  two renames is undone by :func:`recover`, which the next ``save`` or
+  ``restore`` of the path runs. Either way a checkpoint is at ``path`` (old
+  or new) or recoverable beside it at every instant. A leftover is put back
+  only in that one state (both renamed-aside names present, ``path``
+  missing): any other leftover beside a missing ``path`` may be a checkpoint
+  its user deleted, and is never brought back.
+* **never delete what is not ours**: :func:`check_replaceable` refuses to
+  replace a folder that is not a jaxdev checkpoint (naming what is in it);
+  :func:`remove_leftovers` removes only the exact reserved names
+  ``.<name>.jaxdev-new`` / ``.<name>.jaxdev-old`` and orbax's temporary
+  folders of ``<name>`` and ``.<name>.jaxdev-new`` (:func:`leftovers`).
+* **recoverable deletion of old steps**: a ``Checkpointer``'s ``keep`` has
+  orbax rename a step it drops into ``.jaxdev-deleted/`` (one atomic
+  rename, orbax's ``todelete_subdir``); :func:`remove_tombstones` deletes it
+  there, and again after a kill. A half-deleted step is never a numbered folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from .._errors import CheckpointError
+
+_log = logging.getLogger("jaxdev")
+
+META_ITEM = "jaxdev"  # the metadata item every jaxdev checkpoint holds
+ITEMS = (META_ITEM, "state", "running_metrics")  # the items jaxdev writes
+_ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at the top
+TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside its directory
+_ORBAX_TMP = r"\.orbax-checkpoint-tmp(-[0-9]+)?"  # orbax's temporary folder: <final name><this>
+_STEP = "(0|[1-9][0-9]*)"  # orbax's step names (its standard format: no prefix, no padding)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def sibling(path: str, role: str) -> str:
+    """The reserved name beside ``path`` for ``role`` (``new``, ``old``, ``lock``).
+
+    Example:
+      >>> sibling("/runs/ckpt", "new")
+      '/runs/.ckpt.jaxdev-new'
+    """
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.jaxdev-{role}")
+
+
+def is_checkpoint(path: str) -> bool:
+    """True if ``path`` is a folder that jaxdev's :func:`~jaxdev.save` wrote.
+
+    It must hold orbax's ``_CHECKPOINT_METADATA`` file and jaxdev's metadata
+    file ``jaxdev/metadata`` (a folder merely named ``jaxdev``, as in a source
+    checkout, is not enough).
+
+    Example:
+      >>> is_checkpoint("/")
+      False
+    """
+    return os.path.isfile(os.path.join(path, META_ITEM, "metadata")) and os.path.isfile(
+        os.path.join(path, _ORBAX_FILES[0])
+    )
+
+
+def _foreign(path: str) -> list[str]:
+    """Entries at the top of a checkpoint folder that neither jaxdev nor orbax wrote."""
+    return sorted(n for n in os.listdir(path) if n not in ITEMS and n not in _ORBAX_FILES)
+
+
+class WriterLock:
+    """An exclusive, non-blocking lock held by the one writer of a checkpoint path.
+
+    Args:
+      lock_path: the lock file (created; removed again on release).
+      what: the thing being written, for the error message.
+
+    Example:
+      >>> import tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> with WriterLock(f"{d}/.lock", "demo"):
+      ...     WriterLock(f"{d}/.lock", "demo").acquire()
+      Traceback (most recent call last):
+      ...
+      jaxdev._errors.CheckpointError: demo is being written by another writer ...
+    """
+
+    def __init__(self, lock_path: str, what: str) -> None:
+        self.lock_path = lock_path
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> WriterLock:
+        os.makedirs(os.path.dirname(self.lock_path) or ".", exist_ok=True)
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"{self.what} is being written by another writer ({owner}; lock file "
+                    f"{self.lock_path}). Two writers would mix their steps or destroy each "
+                    "other's files, so this one is refused: wait for the other to finish "
+                    "(close its Checkpointer), or write to another path."
+                ) from None
+            try:  # the holder before us may have removed the file we opened: retry
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        owner = (
+            f"pid {os.getpid()} on {socket.gethostname()}, thread "
+            f"{threading.current_thread().name!r}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
+        os.ftruncate(fd, 0)
+        os.write(fd, owner.encode())
+        self._fd = fd
+        _HELD.add(self)
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:  # remove first, then unlock: a waiter re-checks the inode (see acquire)
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        _HELD.discard(self)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def _drop_in_child() -> None:
+    """A forked child (a data-loader worker) closes its copy of every lock fd, unlocking nothing.
+
+    A ``flock`` belongs to the open file description, which ``fork`` shares:
+    a child that kept the fd kept the lock held after its parent's SIGKILL,
+    and every restarted writer was refused. The lock stays the parent's; the
+    child neither unlocks nor removes it.
+    """
+    for lock in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(lock._fd)
+        lock._fd = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
+def holder(lock_path: str) -> str | None:
+    """Who holds the writer lock ``lock_path`` now (its owner text), or None if nobody.
+
+    Example:
+      >>> holder("/nonexistent/.lock") is None
+      True
+    """
+    if not os.path.exists(lock_path):
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_owner(fd)
+    finally:
+        os.close(fd)  # also drops the shared lock, if taken
+    return None
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "owner not yet recorded"
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder.
+
+    Raises:
+      CheckpointError: ``path`` is a file, or a folder jaxdev did not write
+        (the message lists what is in it), or the working directory, one of
+        its parents, the home directory or ``/`` (even empty).
+
+    Example:
+      >>> import tempfile
+      >>> check_replaceable(tempfile.mkdtemp())  # empty: nothing to lose
+    """
+    try:
+        here = os.path.realpath(os.getcwd())
+    except FileNotFoundError:  # the working directory was deleted: nothing of it to protect
+        here = None
+    home = os.path.realpath(os.path.expanduser("~"))
+    what = {home: "the home directory", here: "the working directory"}.get(path)
+    if what is None and here and os.path.commonpath([path, here]) == path:  # "/" among them
+        what = "a parent of the working directory"
+    if what is not None:
+        raise CheckpointError(
+            f"`path` {path} is {what}: `overwrite=True` would delete it and put a checkpoint "
+            "in its place, so it is never replaced. Save into a subfolder (e.g. "
+            f"{os.path.join(path, 'ckpt')})."
+        )
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"`path` {path} exists and is a file, not a checkpoint: jaxdev never deletes "
+            "what it did not write. Choose another path or remove it yourself."
+        )
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    ours = is_checkpoint(path)
+    if ours and not (foreign := _foreign(path)):
+        return
+    shown = foreign if ours else names
+    listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} entries)" if len(shown) > 8 else "")
+    what = (
+        f"is a jaxdev checkpoint that also holds files jaxdev did not write ({listed})"
+        if ours
+        else f"is a folder that is not a jaxdev checkpoint (it holds {listed})"
+    )
+    raise CheckpointError(
+        f"`path` {path} {what}: `overwrite=True` replaces only a checkpoint that jaxdev "
+        "wrote, never other files. Choose another path (e.g. a subfolder), or move those "
+        "files yourself."
+    )
+
+
+def leftovers(path: str) -> list[str]:
+    """The names beside ``path`` that an interrupted save of it left (exact reserved names).
+
+    ``.<name>.jaxdev-new``, ``.<name>.jaxdev-old``, and orbax's temporary
+    folders of the two it writes, ``<name>`` and ``.<name>.jaxdev-new``:
+    ``<that>.orbax-checkpoint-tmp`` (older orbax: ``-<timestamp>`` after it).
+
+    Example:
+      >>> leftovers("/nonexistent/ckpt")
+      []
+    """
+    parent, name = os.path.split(path)
+    new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
+    return _names(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
+
+
+def lookalikes(directory: str, steps: set[int]) -> list[str]:
+    """Names in ``directory`` that orbax's ``keep`` would delete instead of one of ``steps``.
+
+    Orbax takes any name that starts with ``<step>.orbax-checkpoint-tmp`` for
+    the temporary folder of that step's unfinished save, and deletes it in
+    place of the step. Its exact names (:func:`remove_tombstones`) are not counted.
+    """
+    names = _names(directory, rf"{_STEP}\.orbax-checkpoint-tmp(?s:.+)")
+    own = rf"{_STEP}{_ORBAX_TMP}"
+    return [n for n in names if int(n.split(".")[0]) in steps and not re.fullmatch(own, n)]
+
+
+def _names(folder: str, pattern: str) -> list[str]:
+    """The entries of ``folder`` whose whole name matches ``pattern`` ([] if unreadable)."""
+    try:
+        return sorted(n for n in os.listdir(folder or ".") if re.fullmatch(pattern, n))
+    except OSError:
+        return []
+
+
+def remove_leftovers(path: str) -> None:
+    """Delete what an interrupted save of ``path`` left beside it (:func:`leftovers` only)."""
+    for n in leftovers(path):
+        _log.info("removing %s, left by an interrupted save of %s", n, path)
+        _remove(os.path.join(os.path.dirname(path), n))
+
+
+def remove_tombstones(directory: str, folder: bool = True) -> None:
+    """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
+
+    Only orbax's step names there (``0``, ``17``: ASCII digits, no padding) are deleted. With
+    ``folder`` (no save running: the writer starts or closes), then
+    ``.jaxdev-deleted`` itself if empty, and the temporary folders of steps
+    whose save was killed (exactly ``<step>.orbax-checkpoint-tmp``).
+    """
+    graves = os.path.join(directory, TOMBSTONES)
+    for n in _names(graves, _STEP):
+        _remove(os.path.join(graves, n))
+    if folder:
+        with contextlib.suppress(OSError):
+            os.rmdir(graves)
+        for n in _names(directory, rf"{_STEP}{_ORBAX_TMP}"):
+            _remove(os.path.join(directory, n))
+
+
+def _remove(path: str) -> None:
+    """Delete a folder of ours, or a link or file left under one of our names."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories atomically; False where the kernel or libc cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if os.environ.get("JAXDEV_CHECKPOINT_NO_EXCHANGE") == "1":  # tests of the fallback
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def replace(new: str, path: str) -> None:
+    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last.
+
+    Raises:
+      OSError: only before the new checkpoint is at ``path``, with the old
+        one still there (a failed cleanup afterwards is left to the next save).
+    """
+    old = sibling(path, "old")
+    if _exchange(new, path):
+        _remove(new)  # it now holds the old checkpoint
+        return
+    os.rename(path, old)
+    try:
+        os.rename(new, path)  # a crash between the two renames: recover() puts one back
+    except OSError:
+        os.rename(old, path)
+        raise
+    _remove(old)
+
+
+def was_cut(path: str) -> bool:
+    """True in the one state :func:`recover` repairs: the fallback swap cut between its renames.
+
+    ``path`` is missing, the old checkpoint was renamed aside
+    (``.<name>.jaxdev-old`` exists) and the complete new one is at
+    ``.<name>.jaxdev-new``. Only :func:`replace`'s first rename makes that
+    state (a save removes every leftover before writing); the exchange never
+    leaves ``path`` missing. Any other leftover beside a missing ``path``
+    may be a checkpoint its user deleted after a crash, so it is not evidence.
+    """
+    return (
+        not os.path.lexists(path)
+        and os.path.lexists(sibling(path, "old"))
+        and is_checkpoint(sibling(path, "new"))
+    )
+
+
+def recover(path: str) -> bool:
+    """If the fallback swap was cut between its two renames, put the new checkpoint at ``path``.
+
+    Returns True if it was put back (see :func:`was_cut`); the old one is
+    left to the next save's :func:`remove_leftovers`.
+    """
+    if not was_cut(path):
+        return False
+    os.rename(sibling(path, "new"), path)
+    _log.warning(
+        "a save of %s was cut between its two renames; put back %s (the new checkpoint)",
+        path,
+        os.path.basename(sibling(path, "new")),
+    )
+    return True
+
+
+__all__ = [
+    "ITEMS",
+    "META_ITEM",
+    "WriterLock",
+    "check_replaceable",
+    "holder",
+    "is_checkpoint",
+    "leftovers",
+    "lookalikes",
+    "recover",
+    "remove_leftovers",
+    "remove_tombstones",
+    "replace",
+    "sibling",
+    "was_cut",
+]

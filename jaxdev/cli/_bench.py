@@ -1,0 +1,592 @@
+"""``jaxdev bench``: the d2l "GPUs" exercises as side-by-side benchmarks.
+
+Every figure is a ratio of two variants measured in the same run, with a
+warm-up call each, repetitions interleaved (the order rotates every round so
+neither variant always runs first), ``jax.block_until_ready`` on every
+output, and medians. Exercises:
+
+1. a large and a small matmul on the CPU vs the accelerator. On a CPU-only
+   host there is no accelerator: the CPU on one core is compared with the
+   CPU on every core instead, in two worker processes, one pinned to a
+   single core with ``os.sched_setaffinity`` (in JAX 0.10
+   ``--xla_cpu_multi_thread_eigen=false`` no longer limits the threads).
+3. 1000 matmuls of 100x100 with the Frobenius norm logged every step: a
+   ``float()`` per step vs a :class:`jaxdev.metrics.DeviceLog` fetched once (and the
+   same log inside one ``lax.scan``).
+4. two matmuls on two devices at once vs one after the other on one device.
+
+Plus placement figures: ``jaxdev.to_device`` of an already placed tree vs a
+raw ``jax.device_put`` (the no-op case), ``jaxdev.replicate`` and
+``jaxdev.shard_batch`` vs the raw ``jax.device_put`` they replace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdev
+
+from .._errors import UsageError
+
+
+class Result(NamedTuple):
+    """One benchmark: median seconds per variant and the ratios between them.
+
+    Attributes:
+      key: short identifier, e.g. ``'ex3_log'``.
+      title: what was measured.
+      times: ``{variant: median seconds}``, in table order.
+      ratios: ``{label: value}``, e.g. ``{'host log / device log': 3.1}``.
+      note: how to read the figure (or why it was skipped).
+    """
+
+    key: str
+    title: str
+    times: dict[str, float]
+    ratios: dict[str, float]
+    note: str = ""
+
+
+class BenchConfig(NamedTuple):
+    """Sizes and repetitions; ``quick()`` is the fast variant used by tests."""
+
+    big: int = 2048
+    small: int = 64
+    log_steps: int = 1000
+    pair: int = 1024
+    reps: int = 15
+    inner: int = 200
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        """A run of a few seconds: smaller matrices, fewer repetitions."""
+        return cls(big=512, small=32, log_steps=1000, pair=256, reps=5, inner=50)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _wall_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes, its output waited for with ``jax.block_until_ready``."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _reported_seconds(fn: Callable[[], float]) -> float:
+    """Seconds ``fn()`` measured itself (e.g. in a worker process) and returned."""
+    return fn()
+
+
+def sample_side_by_side(
+    variants: dict[str, Callable[[], Any]],
+    reps: int,
+    *,
+    warmup: int = 1,
+    self_timed: bool = False,
+    after: Callable[[], Any] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of every repetition of every variant, measured interleaved: the one timer.
+
+    Each variant runs ``warmup`` times untimed (compiles, caches), then
+    ``reps`` rounds run every variant once, the order rotating each round so
+    that slow drifts of the machine hit all of them alike and no variant
+    always runs first. ``benchmarks/_timing.py`` and ``jaxdev bench`` both
+    time with it.
+
+    Args:
+      variants: ``{name: zero-argument callable}``.
+      reps: timed rounds.
+      warmup: untimed calls of each variant first.
+      self_timed: whether each callable returns its own timing in seconds
+        (a worker process timing its matmul); otherwise every call is timed
+        here, waiting for its output with ``jax.block_until_ready``.
+      after: called untimed after every call (e.g. deleting what it wrote).
+
+    Returns:
+      ``{name: [seconds per round]}`` in the order of ``variants``.
+
+    Example:
+      >>> s = sample_side_by_side({"a": lambda: 1, "b": lambda: 2}, reps=3)
+      >>> sorted(s), len(s["a"])
+      (['a', 'b'], 3)
+    """
+    measure = _reported_seconds if self_timed else _wall_seconds
+    names = list(variants)
+    after = after or (lambda: None)
+    for name in names:
+        for _ in range(warmup):
+            measure(variants[name])
+            after()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(measure(variants[name]))
+            after()
+    return samples
+
+
+def time_side_by_side(
+    variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
+) -> dict[str, float]:
+    """Return the median seconds of every variant (:func:`sample_side_by_side`).
+
+    Example:
+      >>> sorted(time_side_by_side({"a": lambda: 1}, reps=2))
+      ['a']
+    """
+    samples = sample_side_by_side(variants, reps, self_timed=self_timed)
+    return {name: float(np.median(seconds)) for name, seconds in samples.items()}
+
+
+def _repeat(fn: Callable[[], Any], n: int) -> Callable[[], Any]:
+    """Return a callable running ``fn`` ``n`` times (for microsecond-scale calls)."""
+
+    def run() -> Any:
+        out = None
+        for _ in range(n):
+            out = fn()
+        return out
+
+    return run
+
+
+# ---------------------------------------------------------------- exercise 1
+
+
+def _matmul_fn() -> Callable:
+    return jax.jit(lambda a, b: a @ b)
+
+
+def _operands(size: int, where: Any) -> tuple[jax.Array, jax.Array]:
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (size, size), jnp.float32)
+    b = jax.random.normal(key_b, (size, size), jnp.float32)
+    return jaxdev.to_device((a, b), where)
+
+
+def matmul_cpu_vs_accelerator(size: int, reps: int) -> Result:
+    """Exercise 1 with an accelerator: the same matmul on ``cpu:0`` and on GPU/TPU 0."""
+    accel = jax.local_devices()[0]
+    mm = _matmul_fn()
+    on_cpu = _operands(size, jaxdev.d2l.cpu())
+    on_accel = _operands(size, accel)
+    name = f"{accel.platform}:{accel.id}"
+    times = time_side_by_side({"cpu:0": lambda: mm(*on_cpu), name: lambda: mm(*on_accel)}, reps)
+    return Result(
+        f"ex1_matmul_{size}",
+        f"d2l ex. 1: matmul {size}x{size}, CPU vs {accel.platform}",
+        times,
+        {f"cpu / {accel.platform}": times["cpu:0"] / times[name]},
+        "above 1: the accelerator is faster; small matrices mostly measure dispatch",
+    )
+
+
+_WORKER = """
+import os, sys, time
+if sys.argv[1] == "1":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import jax, jax.numpy as jnp
+mm = jax.jit(lambda a, b: a @ b)
+cache = {}
+for line in sys.stdin:
+    size = int(line)
+    if size not in cache:
+        a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+        cache[size] = (a, a + 1.0)
+        mm(*cache[size]).block_until_ready()
+    t0 = time.perf_counter()
+    mm(*cache[size]).block_until_ready()
+    print(time.perf_counter() - t0, flush=True)
+"""
+
+
+class _Worker:
+    """A child Python process timing matmuls on request (one line in, one time out)."""
+
+    def __init__(self, one_core: bool):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+        env["JAX_PLATFORMS"] = "cpu"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, "1" if one_core else "all"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+
+    def time(self, size: int) -> Callable[[], float]:
+        def ask() -> float:
+            self.proc.stdin.write(f"{size}\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the benchmark worker exited (code {self.proc.poll()}).")
+            return float(line)
+
+        return ask
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
+    """Exercise 1 on a CPU-only host: one core vs every core, in two worker processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not hasattr(os, "sched_setaffinity"):
+        return [
+            Result(
+                f"ex1_matmul_{size}",
+                f"d2l ex. 1: matmul {size}x{size}, no accelerator",
+                {},
+                {},
+                "skipped: no accelerator, and pinning a worker to one core needs "
+                "os.sched_setaffinity (Linux)",
+            )
+            for size in sizes
+        ]
+    workers = {"1 core": _Worker(True), f"all {cores} cores": _Worker(False)}
+    try:
+        out = []
+        for size in sizes:
+            variants = {k: w.time(size) for k, w in workers.items()}
+            times = time_side_by_side(variants, reps, self_timed=True)
+            one, every = times.values()
+            out.append(
+                Result(
+                    f"ex1_matmul_{size}",
+                    f"d2l ex. 1: matmul {size}x{size}, no accelerator: CPU 1 core vs {cores} cores",
+                    times,
+                    {f"1 core / {cores} cores": one / every},
+                    f"no accelerator here; {cores} cores can give about {cores}x on a large "
+                    "matrix (cache effects add noise); small matrices barely use the extra cores",
+                )
+            )
+        return out
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+# ---------------------------------------------------------------- exercise 3
+
+
+def _norm_step(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    y = x @ w
+    norm = jnp.linalg.norm(y)
+    return y / norm, norm
+
+
+def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
+    """Exercise 3: ``steps`` matmuls, the Frobenius norm logged each step."""
+    dev = jax.local_devices()[0]
+    x0, w = _operands(size, dev)
+    step = jax.jit(_norm_step)
+
+    @jax.jit
+    def step_log(x, w, log):
+        x, norm = _norm_step(x, w)
+        return x, log.record(norm)
+
+    @jax.jit
+    def scan_log(x, w, log):
+        def body(carry, _):
+            x, log = carry
+            x, norm = _norm_step(x, w)
+            return (x, log.record(norm)), None
+
+        return jax.lax.scan(body, (x, log), None, length=steps)[0]
+
+    def host_log():
+        x, norms = x0, []
+        for _ in range(steps):
+            x, norm = step(x, w)
+            norms.append(float(norm))
+        return np.asarray(norms)
+
+    def device_log():
+        x, log = x0, jaxdev.to_device(jaxdev.metrics.DeviceLog.create(steps), dev)
+        for _ in range(steps):
+            x, log = step_log(x, w, log)
+        return log.fetch()
+
+    def device_scan():
+        _, log = scan_log(x0, w, jaxdev.to_device(jaxdev.metrics.DeviceLog.create(steps), dev))
+        return log.fetch()
+
+    np.testing.assert_allclose(host_log(), device_log(), rtol=1e-4)
+    times = time_side_by_side(
+        {
+            "float() per step": host_log,
+            "DeviceLog, 1 fetch": device_log,
+            "DeviceLog in lax.scan": device_scan,
+        },
+        reps,
+    )
+    host, dlog, scan = times.values()
+    return Result(
+        "ex3_log",
+        f"d2l ex. 3: {steps} matmuls {size}x{size} on {dev.platform}, norm logged every step",
+        times,
+        {"host log / DeviceLog": host / dlog, "host log / DeviceLog+scan": host / scan},
+        "above 1: keeping the log on device is faster (one transfer instead of "
+        f"{steps} syncs); the logged values are checked equal",
+    )
+
+
+# ---------------------------------------------------------------- exercise 4
+
+
+def two_devices_at_once(size: int, reps: int) -> Result:
+    """Exercise 4: two matmuls on two devices at once vs in sequence on one."""
+    devs = jax.local_devices()
+    if len(devs) < 2:
+        return Result(
+            "ex4_two_devices",
+            f"d2l ex. 4: two matmuls {size}x{size}",
+            {},
+            {},
+            f"skipped: needs 2 devices, this process has 1 ({devs[0].platform})",
+        )
+    mm = _matmul_fn()
+    a0, b0 = _operands(size, devs[0])
+    a1, b1 = _operands(size, devs[1])
+    c0, d0 = jaxdev.copy_to((a1, b1), devs[0])
+    times = time_side_by_side(
+        {
+            "2 devices at once": lambda: (mm(a0, b0), mm(a1, b1)),
+            "1 device, in sequence": lambda: (mm(a0, b0), mm(c0, d0)),
+        },
+        reps,
+    )
+    at_once, seq = times.values()
+    platform = devs[0].platform
+    shared = (
+        f"; these are fake CPU devices sharing the host's {os.cpu_count()} cores, so "
+        "expect about 1x"
+        if platform == "cpu"
+        else ""
+    )
+    return Result(
+        "ex4_two_devices",
+        f"d2l ex. 4: two matmuls {size}x{size} on {platform}:0 and {platform}:1 vs on {platform}:0",
+        times,
+        {"sequence / at once": seq / at_once},
+        f"ideal 2x (linear scaling){shared}",
+    )
+
+
+# ---------------------------------------------------------------- placement
+
+
+def _params_tree(n_leaves: int = 50, width: int = 64) -> dict[str, np.ndarray]:
+    """A Flax-like params dict: ``n_leaves // 2`` dense layers (kernel + bias)."""
+    rng = np.random.default_rng(0)
+    return {
+        f"Dense_{i}": {
+            "kernel": rng.normal(size=(width, width)).astype(np.float32),
+            "bias": np.zeros(width, np.float32),
+        }
+        for i in range(n_leaves // 2)
+    }
+
+
+def placement_figures(reps: int, inner: int) -> list[Result]:
+    """No-op ``to_device``, ``replicate`` and ``shard_batch`` vs raw ``jax.device_put``."""
+    dev = jax.local_devices()[0]
+    host = _params_tree()
+    placed = jax.device_put(host, dev)
+    noop = time_side_by_side(
+        {
+            "jax.device_put": _repeat(lambda: jax.device_put(placed, dev), inner),
+            "jaxdev.to_device": _repeat(lambda: jaxdev.to_device(placed, dev), inner),
+        },
+        reps,
+    )
+    noop = {k: v / inner for k, v in noop.items()}
+    mesh = jaxdev.data_mesh()
+    rep = NamedSharding(mesh, P())
+    replicated = time_side_by_side(
+        {
+            "jax.device_put(P())": lambda: jax.device_put(host, rep),
+            "jaxdev.replicate": lambda: jaxdev.replicate(host, mesh),
+        },
+        reps,
+    )
+    rows = 128 * mesh.size
+    batch = {
+        "x": np.random.default_rng(1).normal(size=(rows, 64)).astype(np.float32),
+        "y": np.arange(rows, dtype=np.int32),
+    }
+    split = NamedSharding(mesh, P("data"))
+    sharded = time_side_by_side(
+        {
+            "jax.device_put(P('data'))": lambda: jax.device_put(batch, split),
+            "jaxdev.shard_batch": lambda: jaxdev.shard_batch(batch, mesh),
+        },
+        reps,
+    )
+    n_leaves = len(jax.tree.leaves(host))
+    return [
+        Result(
+            "place_noop",
+            f"placement: move a {n_leaves}-leaf params tree already on {dev.platform}:{dev.id}",
+            noop,
+            {"device_put / to_device": noop["jax.device_put"] / noop["jaxdev.to_device"]},
+            "above 1: to_device returns placed leaves as they are (target >= 20x)",
+        ),
+        Result(
+            "place_replicate",
+            f"placement: replicate a {n_leaves}-leaf params tree on {mesh.size} devices",
+            replicated,
+            {"replicate / device_put": _ratio(replicated)},
+            "1 = no overhead over the raw call (target <= 1.10)",
+        ),
+        Result(
+            "place_shard",
+            f"placement: split a batch of {rows} rows over {mesh.size} devices",
+            sharded,
+            {"shard_batch / device_put": _ratio(sharded)},
+            "1 = no overhead over the raw call (target <= 1.10)",
+        ),
+    ]
+
+
+def _ratio(times: dict[str, float]) -> float:
+    raw, ours = times.values()
+    return ours / raw
+
+
+# ---------------------------------------------------------------- the run
+
+
+def benchmarks(config: BenchConfig) -> list[tuple[str, Callable[[], list[Result]]]]:
+    """Return the benchmarks to run, as ``(label, thunk)`` in table order."""
+    accelerated = jax.default_backend() != "cpu"
+    if accelerated:
+        ex1 = [
+            (f"ex. 1 matmul {s}", lambda s=s: [matmul_cpu_vs_accelerator(s, config.reps)])
+            for s in (config.big, config.small)
+        ]
+    else:
+        ex1 = [
+            (
+                "ex. 1 matmul, 1 vs all cores",
+                lambda: matmul_one_core_vs_all((config.big, config.small), config.reps),
+            )
+        ]
+    return [
+        *ex1,
+        ("ex. 3 logging", lambda: [log_on_host_vs_device(config.log_steps, config.reps)]),
+        ("ex. 4 two devices", lambda: [two_devices_at_once(config.pair, config.reps)]),
+        ("placement", lambda: placement_figures(config.reps, config.inner)),
+    ]
+
+
+def run_bench(config: BenchConfig, ui: Any) -> list[Result]:
+    """Run every benchmark with a progress bar; return the results in order."""
+    todo = benchmarks(config)
+    results: list[Result] = []
+    with ui.progress(len(todo)) as bar:
+        for label, thunk in todo:
+            bar.advance(0, label)
+            results.extend(thunk())
+            bar.advance(1, label)
+    return results
+
+
+def host_summary() -> dict[str, Any]:
+    """Plain data about where the benchmarks ran."""
+    devs = jax.local_devices()
+    return {
+        "jaxdev": jaxdev.__version__,
+        "jax": jax.__version__,
+        "platform": jax.default_backend(),
+        "devices": len(devs),
+        "device_kind": devs[0].device_kind,
+        "cpu_cores": os.cpu_count(),
+    }
+
+
+def to_json(results: Sequence[Result], quick: bool) -> dict[str, Any]:
+    """Return the results as a JSON-ready dict."""
+    return {
+        "host": host_summary(),
+        "quick": quick,
+        "results": [
+            {
+                "key": r.key,
+                "title": r.title,
+                "median_seconds": r.times,
+                "ratios": r.ratios,
+                "note": r.note,
+            }
+            for r in results
+        ],
+    }
+
+
+def write_json(path: str, results: Sequence[Result], quick: bool) -> None:
+    """Write :func:`to_json` to ``path``."""
+    with open(path, "w") as f:
+        json.dump(to_json(results, quick), f, indent=2)
+        f.write("\n")
+
+
+def check_plotting() -> Any:
+    """Return ``matplotlib.pyplot`` on the Agg backend.
+
+    Raises:
+      UsageError: matplotlib is missing (names the ``plot`` extra).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("`--plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(path: str, results: Sequence[Result]) -> None:
+    """Draw every ratio as a horizontal bar (log scale, 1x marked) into ``path``."""
+    plt = check_plotting()
+    labels, values = [], []
+    for r in results:
+        for label, value in r.ratios.items():
+            labels.append(f"{r.key}: {label}")
+            values.append(value)
+    host = host_summary()
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(values) + 1.5))
+    y = np.arange(len(values))
+    ax.barh(y, values, color="tab:blue")
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=1)
+    for yi, v in zip(y, values):
+        ax.text(v, yi, f" {v:.2f}x", va="center")
+    ax.set_xlabel("ratio (log scale; the label says which time is divided by which)")
+    ax.set_title(
+        f"jaxdev bench on {host['platform']} ({host['devices']} devices, "
+        f"{host['cpu_cores']} CPU cores)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,572 @@
+"""The ``jaxdev`` command: ``info``, ``demo``, ``bench``, ``launch``.
+
+Exit codes: 0 success; 2 usage error (bad flag or value, more devices than
+exist, a missing optional dependency), with a one-line reason on stderr and
+no traceback; 1 failure (``demo --min-accuracy`` not reached, or an
+unexpected error, whose traceback is printed above its one-line reason).
+
+Fake-device rule (``demo`` and ``bench``). JAX fixes its CPU device count
+when its backend starts, so the CLI decides it first, without starting the
+backend:
+
+* If no accelerator is expected, JAX's CPU backend gets fake devices:
+  ``--devices N`` if given, else the count already requested in the
+  environment (``XLA_FLAGS=--xla_force_host_platform_device_count=M`` or
+  ``JAX_NUM_CPU_DEVICES``), else 8.
+* An accelerator is expected when ``JAX_PLATFORMS`` (or ``jax_platforms``)
+  names one (``cuda``, ``gpu``, ``rocm``, ``tpu``), or, when it is unset,
+  when a JAX accelerator plugin is importable (``jax_cuda12_plugin``,
+  ``jax_cuda13_plugin``, ``jax_rocm*_plugin``, ``libtpu``, or any
+  ``jax_plugins.*`` module). Then the run uses the accelerator's devices
+  (``--devices N``: the first N). The CPU count is still set as above when
+  the CPU platform may start, so a plugin that finds no GPU (JAX then falls
+  back to the CPU) still gives a multi-device run; the setting never touches
+  the accelerator.
+* When JAX already started (``main`` called from Python after using JAX),
+  nothing is configured: the devices that exist are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import pkgutil
+import re
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jaxdev
+from jaxdev import UsageError
+
+from .._devices import backend_started
+from ..distributed import UsageParser
+
+DEFAULT_FAKE_DEVICES = 8
+_ACCEL_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
+_PLUGINS = (
+    "jax_cuda12_plugin",
+    "jax_cuda13_plugin",
+    "jax_rocm60_plugin",
+    "jax_rocm7_plugin",
+    "libtpu",
+)
+
+
+# ---------------------------------------------------------------- devices
+
+
+def _requested_platforms() -> list[str]:
+    """Platforms asked for by ``JAX_PLATFORMS`` / ``jax_platforms`` (``[]``: not set)."""
+    import jax
+
+    raw = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    return [p.strip().lower() for p in raw.split(",") if p.strip()]
+
+
+def installed_plugins() -> list[str]:
+    """Return the JAX accelerator plugins importable here, without importing them."""
+    found = [name for name in _PLUGINS if importlib.util.find_spec(name) is not None]
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        found += [
+            f"jax_plugins.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)
+        ]
+    return found
+
+
+def accelerator_expected() -> tuple[bool, str]:
+    """Return whether JAX is expected to start an accelerator, and why (no backend start)."""
+    platforms = _requested_platforms()
+    if platforms:
+        wanted = [p for p in platforms if p in _ACCEL_PLATFORMS]
+        return bool(wanted), f"JAX_PLATFORMS={','.join(platforms)}"
+    plugins = installed_plugins()
+    if plugins:
+        return True, f"accelerator plugin installed: {', '.join(plugins)}"
+    return False, "no JAX_PLATFORMS and no accelerator plugin installed"
+
+
+def requested_cpu_count() -> int | None:
+    """Return the CPU device count the environment asks for, if any."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if match:
+        return int(match.group(1))
+    env = os.environ.get("JAX_NUM_CPU_DEVICES")
+    return int(env) if env and env.isdigit() else None
+
+
+def configure_devices(devices: int | None) -> tuple[str, bool]:
+    """Apply the fake-device rule (module docstring) before JAX starts.
+
+    Args:
+      devices: ``--devices N`` or ``None``.
+
+    Returns:
+      ``(note, accelerator_expected)``: a one-line note saying what was
+      decided and why, and whether an accelerator was expected.
+
+    Raises:
+      UsageError: ``devices`` < 1.
+    """
+    if devices is not None and devices < 1:
+        raise UsageError(f"`--devices` must be >= 1, got {devices}.")
+    if backend_started():
+        return "JAX already started in this process: using the devices it has", False
+    accel, why = accelerator_expected()
+    platforms = _requested_platforms()
+    count = devices or requested_cpu_count() or DEFAULT_FAKE_DEVICES
+    if not platforms or "cpu" in platforms:
+        jaxdev.testing.use_fake_cpu_devices(count)
+    if accel:
+        return f"accelerator expected ({why}); CPU fallback set to {count} device(s)", True
+    return f"no accelerator ({why}): {count} fake CPU devices (`--devices N` to change)", False
+
+
+def started_note(expected_accel: bool) -> str:
+    """Describe the devices JAX started (starts the backend)."""
+    import jax
+
+    local = jax.local_devices()
+    note = f"JAX started {len(local)} {jax.default_backend()} device(s)"
+    if expected_accel and jax.default_backend() == "cpu":
+        note += " -- an accelerator was expected but JAX fell back to CPU (see `jaxdev info`)"
+    return note
+
+
+# ---------------------------------------------------------------- output
+
+
+class _Bar:
+    """What ``Ui.progress`` yields: ``advance(n, description)``."""
+
+    def __init__(self, progress: Any, task: Any):
+        self._progress, self._task = progress, task
+        self.completed = 0
+
+    def advance(self, n: int, description: str) -> None:
+        self.completed += n
+        self._progress.update(self._task, advance=n, description=description)
+
+
+class Ui:
+    """Human output: lines and sections on stdout, a rich progress bar on stderr."""
+
+    def __init__(self, quiet: bool = False):
+        from rich.console import Console
+
+        self.quiet = quiet
+        wide = None if sys.stdout.isatty() else 160  # rich assumes 80 columns in a pipe
+        self.out = Console(highlight=False, soft_wrap=True, width=wide)
+        self.err = Console(stderr=True)
+
+    def line(self, text: str) -> None:
+        """Print ``text`` (unless quiet)."""
+        if not self.quiet:
+            self.out.print(text, markup=False)
+
+    def section(self, title: str, text: str) -> None:
+        """Print a titled block (unless quiet)."""
+        if not self.quiet:
+            self.out.rule(title)
+            self.out.print(text, markup=False)
+
+    @contextlib.contextmanager
+    def progress(self, total: int) -> Iterator[_Bar]:
+        """Show a transient progress bar of ``total`` units while the block runs."""
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=self.err, transient=True, disable=self.quiet) as p:
+            yield _Bar(p, p.add_task("starting", total=total))
+
+
+# ---------------------------------------------------------------- info
+
+
+def info_data() -> dict[str, Any]:
+    """``jaxdev.describe()`` plus the accelerator detection, as plain data."""
+    accel, why = accelerator_expected()
+    data = jaxdev.describe()
+    data["accelerator_expected"] = {"expected": accel, "why": why}
+    data["plugins"] = installed_plugins()
+    if accel and data["platforms"] == ["cpu"] and not data["warnings"]:
+        data["warnings"].append(
+            f"An accelerator was expected ({why}) but JAX started only the CPU: check the "
+            "driver (nvidia-smi) and that the plugin matches your jax version."
+        )
+    return data
+
+
+def _memory(stats: dict[str, Any] | None) -> str:
+    if not stats:
+        return "n/a on CPU"
+    used, limit = stats.get("bytes_in_use"), stats.get("bytes_limit")
+    if used is None or limit is None:
+        return ", ".join(f"{k}={v}" for k, v in list(stats.items())[:3])
+    return f"{used / 2**30:.2f} / {limit / 2**30:.2f} GiB in use"
+
+
+def print_info(data: dict[str, Any], ui: Ui) -> None:
+    """Print ``info_data()`` as tables."""
+    from rich.table import Table
+
+    head = Table(title="jaxdev info", show_header=False)
+    head.add_row("jax", data["jax_version"])
+    head.add_row("default backend", data["default_backend"])
+    head.add_row("platforms started", ", ".join(data["platforms"]))
+    head.add_row("processes", f"index {data['process_index']} of {data['process_count']}")
+    head.add_row("devices", f"{data['local_device_count']} local / {data['device_count']} global")
+    for key, value in data["requested"].items():
+        head.add_row(f"requested {key}", "(not set)" if value in (None, "") else str(value))
+    expected = data["accelerator_expected"]
+    head.add_row("accelerator expected", f"{expected['expected']} ({expected['why']})")
+    ui.out.print(head)
+    table = Table(title="devices")
+    for col in ("id", "platform", "kind", "process", "memory"):
+        table.add_column(col)
+    for d in data["devices"]:
+        table.add_row(
+            str(d["id"]), d["platform"], d["kind"], str(d["process_index"]), _memory(d["memory"])
+        )
+    ui.out.print(table)
+    for warning in data["warnings"]:
+        ui.out.print(f"warning: {warning}", markup=False, style="bold yellow")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """``jaxdev info [--json]``."""
+    data = info_data()
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print_info(data, Ui())
+    return 0
+
+
+# ---------------------------------------------------------------- memory
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop."""
+    _check_writable(args.plot, "--plot")
+    if args.plot:
+        from ._bench import check_plotting
+
+        check_plotting()  # fail before the run, not after it
+    note, _ = configure_devices(args.devices)
+    from ._demo import DemoConfig, memory_demo
+
+    ledger = memory_demo(DemoConfig(strategy=args.strategy, devices=args.devices))
+    if note:
+        print(note)
+    print(ledger)
+    if args.plot:
+        print(f"wrote {ledger.plot(args.plot)}")
+    return 0
+
+
+# ---------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``jaxdev demo``: train on digits; exit 1 if ``--min-accuracy`` is missed."""
+    note, accel = configure_devices(args.devices)
+    from ._demo import DemoConfig, run_demo
+
+    flag = {"learning_rate": "lr"}  # every other field has the flag of its name
+    names = [flag.get(f.name, f.name) for f in dataclasses.fields(DemoConfig)]
+    config = DemoConfig(
+        **{
+            f.name: getattr(args, n)
+            for f, n in zip(dataclasses.fields(DemoConfig), names)
+            if hasattr(args, n)
+        }
+    )
+    ui = Ui(quiet=args.quiet)
+    ui.line(note)
+    ui.line(started_note(accel))
+    result = run_demo(config, ui)
+    print(
+        f"test accuracy: {result.test_accuracy:.4f} ({result.n_devices} "
+        f"{result.platform} device{'s' if result.n_devices > 1 else ''}, {result.strategy}, "
+        f"{result.steps} steps, {result.seconds:.1f} s)",
+        flush=True,
+    )
+    if args.checkpoint_dir is not None:  # resumed or not, the same run gives the same bits
+        print(f"params fingerprint: {result.fingerprint}", flush=True)
+    if args.min_accuracy is not None and result.test_accuracy < args.min_accuracy:
+        print(
+            f"jaxdev demo: test accuracy {result.test_accuracy:.4f} is below "
+            f"--min-accuracy {args.min_accuracy}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- bench
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"`{flag} {path}`: the folder {folder} does not exist.")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``jaxdev bench [--quick] [--json PATH] [--plot PATH.png]``."""
+    _check_writable(args.json, "--json")
+    _check_writable(args.plot, "--plot")
+    from ._bench import BenchConfig, check_plotting, run_bench, write_json, write_plot
+
+    if args.plot:
+        check_plotting()  # fail before the run, not after it
+    note, accel = configure_devices(args.devices)
+    ui = Ui()
+    ui.line(note)
+    ui.line(started_note(accel))
+    config = BenchConfig.quick() if args.quick else BenchConfig()
+    results = run_bench(config, ui)
+    print_bench(results, ui)
+    if args.json:
+        write_json(args.json, results, args.quick)
+        ui.line(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, results)
+        ui.line(f"wrote {args.plot}")
+    return 0
+
+
+def _seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def print_bench(results: Sequence[Any], ui: Ui) -> None:
+    """Print the benchmark results as a table."""
+    from rich.table import Table
+
+    table = Table(title="jaxdev bench (medians, interleaved repetitions)", show_lines=True)
+    for col in ("benchmark", "median time per variant", "ratio", "note"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        times = "\n".join(f"{k}: {_seconds(v)}" for k, v in r.times.items()) or "-"
+        ratios = "\n".join(f"{k} = {v:.2f}x" for k, v in r.ratios.items()) or "-"
+        table.add_row(r.title, times, ratios, r.note)
+    ui.out.print(table)
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
+    """``'data=2,fsdp=4'`` -> ``(('data', 2), ('fsdp', 4))``; one size may be -1."""
+    axes = []
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if not name.strip() or (value < 1 and value != -1):
+            raise argparse.ArgumentTypeError(
+                f"expected axes such as data=2,fsdp=4 (sizes >= 1, one may be -1), got {text!r}"
+            )
+        axes.append((name.strip(), value))
+    return tuple(axes)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``jaxdev`` argument parser."""
+    p = UsageParser(prog="jaxdev", description="Devices, data parallel training and benchmarks.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=UsageParser)
+    info = sub.add_parser("info", help="what devices JAX started here (like nvidia-smi)")
+    info.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _add_demo(sub)
+    bench = sub.add_parser("bench", help="the d2l GPU exercises as side-by-side benchmarks")
+    bench.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH.png", help="draw the ratios (needs matplotlib)")
+    bench.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
+    mem = sub.add_parser(
+        "memory", help="what uses device memory, by pytree path, in a demo training loop"
+    )
+    mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
+    mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
+    mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger (needs matplotlib)")
+    sub.add_parser(
+        "launch",
+        help="run a command as N local JAX processes: launch -n N -- cmd ...",
+        add_help=False,
+    )
+    return p
+
+
+def _add_demo(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="train a Flax MLP on digits over every local device",
+        description="Train a Flax MLP on scikit-learn's digits, data parallel over every "
+        "local device (8 fake CPU devices when there is no accelerator).",
+    )
+    demo.add_argument("--devices", type=_positive, help="number of devices (default: all)")
+    demo.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
+    demo.add_argument("--epochs", type=_positive, default=10)
+    demo.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=128,
+        help="global batch, rounded up to a multiple of the device count",
+    )
+    demo.add_argument(
+        "--lr", type=float, default=1e-2, help="Adam's initial learning rate (cosine decay)"
+    )
+    demo.add_argument("--hidden", type=_positive, default=128, help="hidden layer width")
+    demo.add_argument(
+        "--steps-per-call",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="full batches per dispatch (lax.scan); when K does not divide an epoch's full "
+        "batches, the rest and the uneven last batch run one step at a time (nothing dropped)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--params",
+        choices=["replicate", "fsdp", "flax"],
+        default=None,
+        help="how the sharded step places the params and optimizer state (default: fsdp "
+        "when --mesh has an fsdp axis, else replicate); prints the bytes per device",
+    )
+    demo.add_argument(
+        "--mesh",
+        type=_mesh_axes,
+        default=None,
+        metavar="AXES",
+        help="the device mesh of the sharded step, e.g. data=2,fsdp=4 (the batch splits "
+        "over every axis but model/tensor)",
+    )
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="save checkpoints in DIR and resume from the latest one there (run again with "
+        "the same flags after a crash: the final parameters are bit-identical)",
+    )
+    demo.add_argument(
+        "--checkpoint-every",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="save every N steps (default: at each epoch's end) and at the end",
+    )
+    demo.add_argument(
+        "--min-accuracy",
+        type=_fraction,
+        default=None,
+        help="exit 1 when the final test accuracy is lower",
+    )
+    demo.add_argument("--quiet", action="store_true", help="print only the final line")
+
+
+_COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "memory": cmd_memory}
+
+
+_USAGE_ERRORS = (
+    UsageError,
+    jaxdev.DeviceNotFoundError,
+    jaxdev.UsageError,
+    jaxdev.BackendStartedError,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``jaxdev`` command line; return the exit code.
+
+    Args:
+      argv: arguments after ``jaxdev`` (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success, 2 on a usage error, 1 on a failure.
+
+    Example:
+      >>> from jaxdev.cli._cli import main
+      >>> main(["info", "--json"])  # doctest: +SKIP
+      0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        from ..distributed import launch_main
+
+        return launch_main(argv[1:])
+    command = argv[0] if argv and argv[0] in _COMMANDS else None
+    prog = f"jaxdev {command}" if command else "jaxdev"
+    try:
+        args = build_parser().parse_args(argv)
+        return _COMMANDS[args.command](args)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `jaxdev info --json | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except _USAGE_ERRORS as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failure, not a user mistake: keep the traceback
+        traceback.print_exc()
+        print(f"{prog}: failed: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""``jaxdev demo``: a Flax MLP trained data parallel on scikit-learn's digits.
+
+The whole d2l "GPUs" chapter in one run, on top of jaxdev's public API only:
+every local device of the default backend (every GPU, or fake CPU devices),
+parameters truly replicated (``init_state``), batches split over the devices
+(``put_batch``; the uneven last batch of every epoch is padded and masked,
+never dropped), metrics merged on device inside the step and fetched with one
+``device_get`` per epoch, the placement report of the parameters and of one
+batch, and the final test accuracy.
+
+``--steps-per-call K`` folds K full batches into one dispatch (``lax.scan``).
+When K does not divide an epoch's number of full batches, the remaining full
+batches and the uneven last batch run through a one-step function: no batch
+is ever dropped or repeated.
+
+The data order is a pure function of ``(seed, epoch, step)``: epoch ``e``'s
+permutation comes from ``numpy.random.default_rng((seed, e))``, never from a
+generator carried across epochs. So with ``--checkpoint-dir DIR`` (a
+:class:`jaxdev.Checkpointer`: the state and the epoch's running metrics every
+``--checkpoint-every`` steps, by default at each epoch's end, and at the end
+of the run) a run killed at any point and started again with the same flags
+resumes from the latest complete checkpoint and ends with bit-identical
+parameters; the final ``params fingerprint`` line (SHA-256 of the parameters'
+bytes) shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxdev
+
+from .._errors import UsageError
+
+N_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Settings of one demo run.
+
+    Attributes:
+      strategy: ``'single'``, ``'pmap'`` or ``'sharded'``.
+      devices: how many local devices to use (``None``: all of them).
+      epochs: passes over the training set.
+      batch_size: requested global batch; rounded up to a multiple of the
+        device count so that only each epoch's last batch is uneven.
+      learning_rate: Adam's initial learning rate (cosine decay to 0 over the run).
+      hidden: width of the MLP's hidden layer.
+      steps_per_call: full batches per dispatch (``lax.scan``).
+      seed: seed of the split, the shuffling and the initialisation.
+      test_fraction: share of the 1,797 digits held out for testing.
+      checkpoint_dir: save checkpoints there and resume from the latest one.
+      checkpoint_every: save every N steps (``None``: at each epoch's end).
+      params: rules for the params under ``sharded`` (``'replicate'``,
+        ``'fsdp'``, ``'flax'``); ``None``: ``'fsdp'`` when ``mesh`` has an
+        ``fsdp`` axis, else ``'replicate'``.
+      mesh: ``(("data", 2), ("fsdp", 4))``: the mesh of a ``sharded`` run
+        (``None``: one ``data`` axis over the devices).
+    """
+
+    strategy: str = "sharded"
+    devices: int | None = None
+    epochs: int = 10
+    batch_size: int = 128
+    learning_rate: float = 1e-2
+    hidden: int = 128
+    steps_per_call: int = 1
+    seed: int = 0
+    test_fraction: float = 0.2
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    params: str | None = None
+    mesh: tuple[tuple[str, int], ...] | None = None
+
+
+class EpochStats(NamedTuple):
+    """Metrics of one epoch, fetched from the devices at its end."""
+
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    test_loss: float
+    test_accuracy: float
+    seconds: float
+
+
+class DemoResult(NamedTuple):
+    """What a demo run produced."""
+
+    test_accuracy: float
+    history: tuple[EpochStats, ...]
+    n_devices: int
+    strategy: str
+    platform: str
+    seconds: float
+    steps: int
+    fingerprint: str = ""
+    resumed_from: int | None = None
+
+
+class MLP(nn.Module):
+    """A one-hidden-layer perceptron for 8x8 digits (64 inputs, 10 classes)."""
+
+    hidden: int = 128
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(nn.Dense(self.hidden)(x))  # Dense_0: the hidden layer
+        return nn.Dense(N_CLASSES)(x)  # Dense_1: the output layer
+
+
+# ---------------------------------------------------------------- data
+
+
+def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
+    """Return ``(train, test)`` dicts of numpy ``x`` (N, 64) in [0, 1] and ``y`` (N,).
+
+    The split is stratified and fixed by ``seed``. scikit-learn ships the
+    digits inside the package, so nothing is downloaded.
+
+    Raises:
+      UsageError: scikit-learn is missing (name of the extra to install).
+    """
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise UsageError(
+            "`jaxdev demo` needs scikit-learn for its dataset (load_digits): "
+            "pip install 'jaxdev[demo]'"
+        ) from None
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(
+        x, y.astype(np.int32), test_size=test_fraction, random_state=seed, stratify=y
+    )
+    return {"x": xtr, "y": ytr}, {"x": xte, "y": yte}
+
+
+def round_batch(batch_size: int, n_devices: int) -> int:
+    """Return ``batch_size`` rounded up to a multiple of ``n_devices``."""
+    return math.ceil(batch_size / n_devices) * n_devices
+
+
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    """The generator of epoch ``epoch``'s order: a pure function of ``(seed, epoch)``."""
+    return np.random.default_rng((seed, epoch))
+
+
+def epoch_batches(data: dict, batch_size: int, rng: np.random.Generator) -> list[dict]:
+    """Shuffle ``data`` and cut it into batches; the last one keeps the remainder."""
+    order = rng.permutation(len(data["y"]))
+    return [
+        {k: v[order[i : i + batch_size]] for k, v in data.items()}
+        for i in range(0, len(order), batch_size)
+    ]
+
+
+def group_steps(batches: list[dict], k: int) -> Iterator[tuple[int, dict]]:
+    """Yield ``(steps, batch)``: full batches stacked K at a time, then the rest one by one.
+
+    A batch is full when it has as many rows as the first one. Stacked
+    groups have leaves of shape ``(K, B, ...)``; the leftover full batches
+    (when K does not divide their number) and the uneven last batch come out
+    as single steps. Every row of every batch is yielded exactly once.
+    """
+    rows = len(batches[0]["y"])
+    full = [b for b in batches if len(b["y"]) == rows]
+    rest = batches[len(full) :]
+    n_groups = len(full) // k if k > 1 else 0
+    for g in range(n_groups):
+        group = full[g * k : (g + 1) * k]
+        yield k, {key: np.stack([b[key] for b in group]) for key in group[0]}
+    for b in full[n_groups * k :] + rest:
+        yield 1, b
+
+
+# ---------------------------------------------------------------- model and steps
+
+
+def make_loss(model: MLP) -> Callable:
+    """Return ``loss_fn(params, batch) -> (per-example loss, {"accuracy": ...})``."""
+
+    def loss_fn(params: Any, batch: dict) -> tuple[jax.Array, dict]:
+        logits = model.apply({"params": params}, batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+        return losses, {"accuracy": correct}
+
+    return loss_fn
+
+
+def select_devices(n: int | None) -> list[jax.Device]:
+    """Return :func:`jaxdev.device_list` ``(n)``: the first ``n`` local devices (all: ``None``).
+
+    Raises:
+      UsageError: ``n`` is more than exist; says how many exist and how to
+        get fake CPU devices from the command line.
+      DeviceSpecError: ``n`` < 1.
+    """
+    try:
+        return jaxdev.device_list(n)
+    except jaxdev.DeviceNotFoundError:
+        local = jaxdev.device_list()
+        raise UsageError(
+            f"`--devices {n}` asks for more devices than exist: this process has "
+            f"{len(local)} {local[0].platform} device(s). For fake CPU devices run "
+            f"`JAX_PLATFORMS=cpu jaxdev demo --devices {n}` (from a fresh process: the "
+            "device count is fixed once JAX has started)."
+        ) from None
+
+
+_MAKE_STRATEGY: dict[str, Callable[[list[jax.Device]], jaxdev.Strategy]] = {
+    "single": lambda devices: jaxdev.Strategy.single(devices[0]),
+    "pmap": lambda devices: jaxdev.Strategy.pmap(devices),
+    "sharded": lambda devices: jaxdev.Strategy.sharded(jaxdev.data_mesh(devices)),
+}
+STRATEGIES = tuple(_MAKE_STRATEGY)
+
+
+def make_strategy(
+    name: str, devices: list[jax.Device], config: DemoConfig | None = None
+) -> jaxdev.Strategy:
+    """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (``single``: the first).
+
+    ``config.params`` / ``config.mesh`` (``--params`` / ``--mesh``) make a
+    ``sharded`` strategy with sharded params on an N-D mesh.
+
+    Raises:
+      UsageError: ``name`` is not one of ``STRATEGIES``; ``--params`` or
+        ``--mesh`` with another strategy than ``sharded``; a mesh whose sizes
+        do not multiply to the device count.
+    """
+    if name not in _MAKE_STRATEGY:
+        raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
+    if config is None or (config.params is None and config.mesh is None):
+        return _MAKE_STRATEGY[name](devices)
+    if name != "sharded":
+        raise UsageError(
+            f"`--params` and `--mesh` need `--strategy sharded` (got `--strategy {name}`): "
+            "only the sharded step places params by rules."
+        )
+    try:
+        mesh = jaxdev.make_mesh(dict(config.mesh), devices) if config.mesh else None
+    except jaxdev.ShardingError as err:
+        raise UsageError(f"`--mesh`: {err}") from None
+    mesh = mesh if mesh is not None else jaxdev.data_mesh(devices)
+    params = config.params or ("fsdp" if "fsdp" in mesh.axis_names else "replicate")
+    return jaxdev.Strategy.sharded(mesh, rules=params)
+
+
+def check_config(config: DemoConfig) -> None:
+    """Raise :class:`UsageError` for settings no run can use."""
+    for name in ("epochs", "batch_size", "steps_per_call", "hidden"):
+        value = getattr(config, name)
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"`{flag}` must be >= 1, got {value}.")
+    if config.checkpoint_every is not None and config.checkpoint_every < 1:
+        raise UsageError(f"`--checkpoint-every` must be >= 1, got {config.checkpoint_every}.")
+    if not 0.0 < config.test_fraction < 1.0:
+        raise UsageError(f"`test_fraction` must be in (0, 1), got {config.test_fraction}.")
+
+
+# ---------------------------------------------------------------- the run
+
+
+class _Steps(NamedTuple):
+    one: jaxdev.TrainStep
+    many: jaxdev.TrainStep | None
+    eval: jaxdev.TrainStep
+
+
+def _make_steps(loss_fn: Callable, tx: Any, strategy: jaxdev.Strategy, k: int) -> _Steps:
+    one = jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True)
+    many = (
+        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=k)
+        if k > 1
+        else None
+    )
+    return _Steps(one, many, jaxdev.make_eval_step(loss_fn, strategy, has_aux=True))
+
+
+def _empty_metrics() -> jaxdev.metrics.Collection:
+    return jaxdev.metrics.Collection.empty(
+        {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
+    )
+
+
+def _epoch_stats(epoch: int, train: Any, test: Any, seconds: float) -> EpochStats:
+    """Fetch the epoch's train and test metrics with one ``device_get``."""
+    got = jaxdev.metrics.fetch_metrics({"train": train, "test": test})
+    return EpochStats(
+        epoch,
+        got["train"]["loss"],
+        got["train"]["accuracy"],
+        got["test"]["loss"],
+        got["test"]["accuracy"],
+        seconds,
+    )
+
+
+def _train_epoch(
+    steps: _Steps,
+    state: jaxdev.TrainState,
+    groups: list[tuple[int, dict]],
+    bar: Any,
+    label: str,
+    show: Callable[[Any, Any], None] | None = None,
+    start: tuple[int, jaxdev.metrics.Collection] | None = None,
+    after: Callable[[Any, Any], None] | None = None,
+) -> tuple[jaxdev.TrainState, jaxdev.metrics.Collection]:
+    """Run one epoch's steps; return the state and the epoch's metrics (on device).
+
+    ``bar.advance(steps, label)`` follows every call. ``show(state, batch)``,
+    if given, sees the epoch's last batch (the uneven one, padded and
+    masked) placed, before the step that consumes both. ``start = (done,
+    metrics)`` resumes the epoch after its first ``done`` steps (a group
+    boundary) with the running ``metrics``; ``after(state, metrics, done)``
+    runs after every call but the epoch's last (checkpoints).
+    """
+    done, metrics = start if start is not None else (0, _empty_metrics())
+    pos = 0  # steps of this epoch behind us
+    for i, (count, host_batch) in enumerate(groups):
+        pos += count
+        if pos <= done:
+            continue
+        step = steps.one if count == 1 else steps.many
+        batch = step.put_batch(host_batch)
+        if show is not None and i == len(groups) - 1:
+            show(state, batch)
+        state, metrics = step(state, batch, metrics)
+        bar.advance(count, label)
+        if after is not None and i < len(groups) - 1:
+            after(state, metrics, pos)
+    return state, metrics
+
+
+def per_device_bytes(tree: Any) -> int:
+    """The most bytes any one device holds of ``tree`` (its shards' sizes, summed)."""
+    held: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)
+
+
+def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
+    """``params + optimizer state per device: 31.0 KiB (replicated: 125.5 KiB; ...)``."""
+    tree = (state.params, state.opt_state)
+    replicated = sum(x.nbytes for x in jax.tree.leaves(tree))
+    mine = per_device_bytes(tree)
+    mesh = " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
+    return (
+        f"params + optimizer state per device: {mine / 1024:.1f} KiB with "
+        f"rules={strategy.rules!r} on mesh {mesh} (replicated: {replicated / 1024:.1f} KiB; "
+        f"{mine / replicated:.0%}); batch split over {strategy.axis}"
+    )
+
+
+def _show_placement(ui: Any) -> Callable[[Any, Any], None]:
+    def show(state: Any, batch: Any) -> None:
+        ui.section("placement of the parameters", str(jaxdev.placement(state.params)))
+        ui.section("placement of the last batch of epoch 1", str(jaxdev.placement(batch)))
+
+    return show
+
+
+def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
+    """Train the MLP as ``config`` says and return the result.
+
+    Args:
+      config: the settings.
+      ui: a :class:`jaxdev.cli._cli.Ui`-like object with ``line(text)``,
+        ``section(title, text)`` and ``progress(total)`` (a context manager
+        whose value has ``advance(n, description)``).
+
+    Returns:
+      The :class:`DemoResult`.
+
+    Raises:
+      UsageError: bad settings, too many devices, scikit-learn missing.
+    """
+    check_config(config)
+    start = time.perf_counter()
+    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
+    train, test = load_data(config.seed, config.test_fraction)
+    batch_size = round_batch(config.batch_size, strategy.n_devices)
+    per_epoch = math.ceil(len(train["y"]) / batch_size)
+    ui.line(_describe_setup(config, strategy, batch_size, train, test, per_epoch))
+    model = MLP(config.hidden)
+    tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, config.epochs * per_epoch))
+    steps = _make_steps(make_loss(model), tx, strategy, config.steps_per_call)
+    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
+    state = steps.one.init_state(params, tx)
+    if not strategy.replicated:
+        ui.line(state_bytes_line(state, strategy))
+    test_batch = steps.eval.put_batch(test)
+    ckpt = _checkpointer(config, per_epoch)
+    state, history, resumed, partial = _resume(ckpt, state, per_epoch, ui)
+    total = config.epochs * per_epoch
+    with ui.progress(total) as bar:
+        if resumed:
+            bar.advance(min(resumed, total), "resumed")
+        for epoch in range(resumed // per_epoch + 1, config.epochs + 1):
+            t0 = time.perf_counter()
+            batches = epoch_batches(train, batch_size, epoch_rng(config.seed, epoch))
+            groups = list(group_steps(batches, config.steps_per_call))
+            show = _show_placement(ui) if epoch == 1 and partial is None else None
+            label = f"epoch {epoch}/{config.epochs}"
+            base = (epoch - 1) * per_epoch
+            after = _saver(ckpt, base, history)
+            state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, after)
+            partial = None
+            test_metrics = steps.eval(state, test_batch)
+            history.append(_epoch_stats(epoch, metrics, test_metrics, time.perf_counter() - t0))
+            ui.line(_format_epoch(history[-1], config.epochs))
+            if ckpt is not None:
+                ckpt.save(base + per_epoch, state, {"epoch": metrics, "history": history})
+    if ckpt is not None:
+        if resumed < total:  # else the run resumed at its end: that step is saved
+            ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
+        ckpt.close()
+    return DemoResult(
+        history[-1].test_accuracy,
+        tuple(history),
+        strategy.n_devices,
+        config.strategy,
+        strategy.devices[0].platform,
+        time.perf_counter() - start,
+        int(jax.device_get(state.step)),
+        params_fingerprint(state.params),
+        resumed or None,
+    )
+
+
+def memory_demo(config: DemoConfig, steps: int = 3) -> jaxdev.memory.MemoryLedger:
+    """Train the demo's MLP for ``steps`` steps and return the live memory ledger.
+
+    What ``jaxdev memory`` prints: the state, the last batch and the running
+    metrics are named, so every live array of the loop is attributed.
+
+    Raises:
+      UsageError: as :func:`run_demo`.
+    """
+    check_config(config)
+    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
+    train, _ = load_data(config.seed, config.test_fraction)
+    batch_size = round_batch(config.batch_size, strategy.n_devices)
+    model = MLP(config.hidden)
+    tx = optax.adam(config.learning_rate)
+    step = jaxdev.make_train_step(make_loss(model), tx, strategy, has_aux=True)
+    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
+    state, metrics = step.init_state(params, tx), None
+    del params  # init_state copied them: the init output would show as unattributed
+    batches = epoch_batches(train, batch_size, epoch_rng(config.seed, 1))[:steps]
+    for host in batches:
+        batch = step.put_batch(host)
+        state, metrics = step(state, batch, metrics)
+    jax.block_until_ready(state)
+    return jaxdev.memory.ledger(state=state, batch=batch, metrics=metrics)
+
+
+def params_fingerprint(params: Any) -> str:
+    """SHA-256 (first 16 hex digits) of the parameters' paths, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_flatten_with_path(jaxdev.to_host(params))[0]:
+        a = np.ascontiguousarray(x)
+        h.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checkpointer(config: DemoConfig, per_epoch: int) -> jaxdev.Checkpointer | None:
+    if config.checkpoint_dir is None:
+        return None
+    every = config.checkpoint_every or per_epoch
+    return jaxdev.Checkpointer(config.checkpoint_dir, keep=2, every=every)
+
+
+def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: Any):
+    """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start.
+
+    ``partial`` is ``(steps done, running metrics)`` when the checkpoint is
+    inside an epoch, else None.
+    """
+    if ckpt is None or ckpt.latest_step() is None:
+        return state, [], 0, None
+    step = ckpt.latest_step()
+    state = ckpt.restore(state, step)  # like the fresh state: same placement
+    saved = ckpt.restore_metrics(step=step)
+    ui.line(f"resumed from the checkpoint of step {step} in {ckpt.directory}")
+    done = step % per_epoch
+    return state, list(saved["history"]), step, (done, saved["epoch"]) if done else None
+
+
+def _saver(ckpt: jaxdev.Checkpointer | None, base: int, history: list) -> Callable | None:
+    """``after(state, metrics, done)`` for :func:`_train_epoch`: a checkpoint when due."""
+    if ckpt is None:
+        return None
+
+    def after(state: Any, metrics: Any, done: int) -> None:
+        ckpt.save(base + done, state, {"epoch": metrics, "history": history})
+
+    return after
+
+
+def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:
+    devices = strategy.devices
+    n = strategy.n_devices
+    last = len(train["y"]) % batch_size
+    uneven = (
+        f"last batch {last} rows, padded to a multiple of {n} and masked"
+        if last
+        else "every batch full"
+    )
+    k = config.steps_per_call
+    if k > 1:
+        full = per_epoch - (1 if last else 0)
+        rest = full % k
+        folded = (
+            f"; {k} steps per call: {full // k} call(s) of {k} full batches"
+            + (f", then {rest} full batch(es) one step at a time" if rest else "")
+            + (", then the last batch one step" if last else "")
+        )
+    else:
+        folded = ""
+    devs = ", ".join(f"{d.platform}:{d.id}" for d in devices[:8]) + (" ..." if n > 8 else "")
+    return (
+        f"digits: {len(train['y'])} train / {len(test['y'])} test images (8x8, 10 classes)\n"
+        f"strategy {config.strategy} on {n} device(s) [{devs}]\n"
+        f"global batch {batch_size} ({batch_size // n} per device), {per_epoch} steps per "
+        f"epoch ({uneven}){folded}"
+    )
+
+
+def _format_epoch(s: EpochStats, epochs: int) -> str:
+    return (
+        f"epoch {s.epoch:>3}/{epochs}  train loss {s.train_loss:.4f}  "
+        f"train acc {s.train_accuracy:.4f}  test loss {s.test_loss:.4f}  "
+        f"test acc {s.test_accuracy:.4f}  ({s.seconds:.2f} s)"
+    )

@@ -1,0 +1,716 @@
+"""``jax.distributed`` with preflight checks and bounded, explained failures.
+
+:func:`initialize` wraps ``jax.distributed.initialize``:
+
+* arguments come from the call, else from the ``JAXDEV_*`` variables that
+  ``jaxdev launch`` sets, else JAX's own cluster auto-detection (Slurm, Open
+  MPI, TPU, ...), so one script runs unchanged locally and on a cluster;
+* before JAX starts: process 0 checks it can listen on the coordinator port
+  (a taken port usually means a duplicate process 0), every other process
+  checks the coordinator accepts TCP connections within ``timeout_s``;
+* while JAX connects, a watchdog ends the process with exit code 1 and a
+  diagnostic on stderr once ``timeout_s`` has passed, before JAX's own
+  deadline would abort it (JAX ends it with SIGABRT and a gRPC status, never
+  a Python exception, and only some seconds after its nominal timeout);
+* after it connects: the process count is the one asked for and every
+  process has the same number of local devices;
+* under ``jaxdev launch`` it leaves a marker file (``$JAXDEV_JOIN_MARKER``) as
+  soon as it is called, so the launcher can name a process that never called
+  it (that process trains alone and exits 0 while the others wait for it);
+* at exit (and in :func:`shutdown`) every process marks itself finished in
+  the coordinator's key-value store and waits, up to the shutdown timeout,
+  for the others; when some never finish (stuck in a collective the others
+  did not run, hung), it names them and exits with code 1 instead of
+  failing in JAX's shutdown barrier (SIGABRT, "Shutdown barrier has
+  failed").
+
+Initialization, heartbeat and shutdown timeouts are bounded (60 s, 30 s and
+30 s by default instead of JAX's 300 s, 100 s and 300 s) and overridable by
+argument or by the ``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` /
+``JAXDEV_SHUTDOWN_TIMEOUT`` variables.
+
+With ``hang_timeout_s`` (or ``JAXDEV_HANG_TIMEOUT``) a hang watchdog
+(:mod:`jaxdev.distributed._hang`) names the process that stops making progress, with
+every process's stacks, and ends the run. ``SIGUSR1`` prints a process's
+stacks at any time, and Python's ``faulthandler`` reports fatal signals.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+
+from .._devices import backend_started
+from .._errors import DistributedError
+from .._multihost import barrier
+from . import _hang
+
+_log = logging.getLogger("jaxdev")
+
+ENV_COORDINATOR = "JAXDEV_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXDEV_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXDEV_PROCESS_ID"
+ENV_LOCAL_DEVICES = "JAXDEV_LOCAL_DEVICES"
+ENV_INIT_TIMEOUT = "JAXDEV_INIT_TIMEOUT"
+ENV_HEARTBEAT_TIMEOUT = "JAXDEV_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "JAXDEV_SHUTDOWN_TIMEOUT"
+ENV_JOIN_MARKER = "JAXDEV_JOIN_MARKER"
+ENV_HANG_TIMEOUT = _hang.ENV_HANG_TIMEOUT
+ENV_HANG_ACTION = _hang.ENV_HANG_ACTION
+
+DEFAULT_INIT_TIMEOUT_S = 60
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30
+_JAX_GRACE_S = 5  # JAX's own init deadline, after ours, is only a backstop
+_FINISH: dict[str, float | bool] = {}  # shutdown timeout; whether the finish check ran
+
+
+class DistributedConfig(NamedTuple):
+    """What :func:`initialize` asked JAX for (``None``: left to auto-detection).
+
+    Attributes:
+      coordinator_address: ``host:port`` of process 0's coordinator.
+      num_processes: number of processes in the job.
+      process_id: this process's id, ``0 <= process_id < num_processes``.
+      local_device_count: fake CPU devices for this process, if set.
+      init_timeout_s: seconds JAX waits for every process to register.
+      heartbeat_timeout_s: seconds without heartbeat before a peer is dead.
+      shutdown_timeout_s: seconds a finishing process waits for the others.
+      hang_timeout_s: seconds without progress on every process before the
+        hang watchdog reports; ``None``: no watchdog.
+      hang_action: what the watchdog does after its report, ``"exit"`` or
+        ``"wait"``.
+
+    Example:
+      >>> from jaxdev.distributed import DistributedConfig
+      >>> DistributedConfig("127.0.0.1:1234", 2, 0, 4, 60, 30).num_processes
+      2
+    """
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_device_count: int | None
+    init_timeout_s: int
+    heartbeat_timeout_s: int
+    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S
+    hang_timeout_s: float | None = None
+    hang_action: str = "exit"
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    """Read an integer environment variable, or ``None`` when unset."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise DistributedError(
+            f"`{name}` must be an integer >= {minimum}, got {raw!r}. "
+            f"Fix: set it correctly or unset it (`jaxdev launch` sets it for you)."
+        )
+    return value
+
+
+def _check_int(name: str, value: int | None, minimum: int) -> int | None:
+    """Validate an optional integer argument."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise DistributedError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def resolve_config(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+    timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+    env: Mapping[str, str] | None = None,
+    shutdown_timeout_s: int | None = None,
+    hang_timeout_s: float | None = None,
+    hang_action: str | None = None,
+) -> DistributedConfig:
+    """Merge arguments with the ``JAXDEV_*`` environment; arguments win.
+
+    Args:
+      coordinator_address: ``host:port``, else ``$JAXDEV_COORDINATOR``.
+      num_processes: else ``$JAXDEV_NUM_PROCESSES``.
+      process_id: else ``$JAXDEV_PROCESS_ID``.
+      local_device_count: else ``$JAXDEV_LOCAL_DEVICES``.
+      timeout_s: else ``$JAXDEV_INIT_TIMEOUT``, else 60.
+      heartbeat_timeout_s: else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
+      env: the environment to read (default ``os.environ``).
+      shutdown_timeout_s: else ``$JAXDEV_SHUTDOWN_TIMEOUT``, else 30.
+      hang_timeout_s: else ``$JAXDEV_HANG_TIMEOUT``, else ``None`` (off).
+      hang_action: else ``$JAXDEV_HANG_ACTION``, else ``"exit"``.
+
+    Returns:
+      The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
+
+    Raises:
+      DistributedError: a value is malformed, or ``process_id`` is not in
+        ``[0, num_processes)``.
+      UsageError: ``hang_timeout_s`` is not a number of seconds > 0 or
+        ``hang_action`` not ``"exit"``/``"wait"`` (argument or variable).
+
+    Example:
+      >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
+      ...        "JAXDEV_NUM_PROCESSES": "2", "JAXDEV_PROCESS_ID": "1"}
+      >>> resolve_config(env=env).process_id
+      1
+    """
+    env = os.environ if env is None else env
+    cfg = DistributedConfig(
+        coordinator_address or env.get(ENV_COORDINATOR) or None,
+        _check_int("num_processes", num_processes, 1) or _env_int(env, ENV_NUM_PROCESSES, 1),
+        _pick(_check_int("process_id", process_id, 0), _env_int(env, ENV_PROCESS_ID, 0)),
+        _check_int("local_device_count", local_device_count, 1)
+        or _env_int(env, ENV_LOCAL_DEVICES, 1),
+        _check_int("timeout_s", timeout_s, 1)
+        or _env_int(env, ENV_INIT_TIMEOUT, 1)
+        or DEFAULT_INIT_TIMEOUT_S,
+        _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1)
+        or _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
+        or DEFAULT_HEARTBEAT_TIMEOUT_S,
+        _check_int("shutdown_timeout_s", shutdown_timeout_s, 1)
+        or _env_int(env, ENV_SHUTDOWN_TIMEOUT, 1)
+        or DEFAULT_SHUTDOWN_TIMEOUT_S,
+        _hang.check_timeout(hang_timeout_s)
+        or _hang.check_timeout(env.get(ENV_HANG_TIMEOUT), f"${ENV_HANG_TIMEOUT}"),
+        _hang.check_action(hang_action)
+        if hang_action is not None
+        else _hang.check_action(env.get(ENV_HANG_ACTION), f"${ENV_HANG_ACTION}"),
+    )
+    _check_ids(cfg)
+    return cfg
+
+
+def _pick(first: int | None, second: int | None) -> int | None:
+    """Return ``first`` unless it is ``None`` (0 is a valid process id)."""
+    return second if first is None else first
+
+
+def _check_ids(cfg: DistributedConfig) -> None:
+    """Raise if ``process_id`` is outside ``[0, num_processes)``."""
+    if None in (cfg.num_processes, cfg.process_id):
+        return
+    if not 0 <= cfg.process_id < cfg.num_processes:
+        raise DistributedError(
+            f"`process_id` must be in [0, {cfg.num_processes}) for `num_processes`="
+            f"{cfg.num_processes}, got {cfg.process_id}. Fix: number processes 0..N-1, once each."
+        )
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port.
+
+    Args:
+      address: the coordinator address.
+
+    Returns:
+      ``(host, port)``.
+
+    Raises:
+      DistributedError: there is no host or no valid port.
+
+    Example:
+      >>> split_address("127.0.0.1:1234")
+      ('127.0.0.1', 1234)
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(
+            f"`coordinator_address` must look like 'host:port', got {address!r}. "
+            "Fix: e.g. '10.0.0.1:1234' (the address of process 0)."
+        )
+    return host.strip("[]"), int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None = None) -> float:
+    """Retry a TCP connect to the coordinator until it accepts or time runs out.
+
+    Args:
+      address: ``host:port`` of the coordinator (process 0).
+      timeout_s: seconds to keep retrying.
+      process_id: this process's id, for the message.
+
+    Returns:
+      Seconds it took to connect.
+
+    Raises:
+      DistributedError: nothing accepted a connection within ``timeout_s``;
+        names the address and this process.
+
+    Example:
+      >>> server = socket.create_server(("127.0.0.1", 0))  # a coordinator listens
+      >>> wait_for_coordinator(f"127.0.0.1:{server.getsockname()[1]}", 5.0) < 5.0
+      True
+      >>> server.close()
+    """
+    host, port = split_address(address)
+    start = time.monotonic()
+    deadline, last = start + timeout_s, "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                return time.monotonic() - start
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() + 0.2 >= deadline:
+            break
+        time.sleep(0.2)
+    raise DistributedError(
+        f"process {process_id} could not reach the coordinator at `{address}` within "
+        f"{timeout_s:.3g} s (last attempt: {last}). Process 0 never started, died, or listens "
+        "elsewhere. Fix: start process 0 first with the same `coordinator_address`, check "
+        "host/port/firewall, or raise `timeout_s`."
+    )
+
+
+def check_port_free(address: str) -> None:
+    """Check process 0 can listen on the coordinator port.
+
+    Args:
+      address: ``host:port`` of the coordinator.
+
+    Raises:
+      DistributedError: the port is taken: most often another process
+        already started as process 0 (a duplicate ``process_id``).
+
+    Example:
+      >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
+      >>> check_port_free(f"127.0.0.1:{server.getsockname()[1]}")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      jaxdev._errors.DistributedError: process 0 cannot listen on coordinator port ...
+      >>> server.close()
+    """
+    _, port = split_address(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(
+                f"process 0 cannot listen on coordinator port {port} of `{address}`: {e}. "
+                "Another process already runs as process 0 (duplicate `process_id` 0) or "
+                "another program holds the port. Fix: give each process a distinct id "
+                "0..N-1, or choose a free port."
+            ) from None
+
+
+def check_local_device_counts(process_indices: Sequence[int], num_processes: int) -> None:
+    """Check every process contributes the same number of devices.
+
+    Args:
+      process_indices: ``d.process_index`` of every global device.
+      num_processes: ``jax.process_count()``.
+
+    Raises:
+      DistributedError: the counts differ; names each process and its count.
+
+    Example:
+      >>> check_local_device_counts([0, 0, 1, 1], 2)
+    """
+    counts = Counter(process_indices)
+    per_process = {p: counts.get(p, 0) for p in range(num_processes)}
+    if len(set(per_process.values())) > 1:
+        listing = ", ".join(f"process {p}: {c}" for p, c in per_process.items())
+        raise DistributedError(
+            "every process must have the same number of local devices (meshes and "
+            f"global batches assume it); found {listing}. Fix: start every process with the "
+            "same device count (`jaxdev launch --devices-per-process M`, the same "
+            "`local_device_count`, or the same GPUs per host)."
+        )
+
+
+def _exit_now(message: str) -> None:
+    """Write ``message`` on stderr and end the process at once with exit code 1.
+
+    ``os._exit`` skips JAX's shutdown barrier, which would wait for peers that
+    may never arrive and then abort. The message is the process's last word,
+    not a log record: it goes to stderr whatever the ``logging`` set-up (a
+    handler could drop or reformat it), starting with ``jaxdev`` so that
+    ``jaxdev launch`` picks it as the reason in its summary.
+    """
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _diagnostic(cfg: DistributedConfig) -> str:
+    """The message printed when not every process registered in time."""
+    n = cfg.num_processes
+    ids = f"0..{n - 1}" if n else "0..N-1"
+    return (
+        f"jaxdev: process {cfg.process_id} of {n} gave up after {cfg.init_timeout_s} s "
+        f"(`timeout_s`) waiting for every process to register with the coordinator at "
+        f"{cfg.coordinator_address}; exiting with code 1 (JAX would abort it with SIGABRT a "
+        "little later). Likely causes: a peer never started or died during start-up, or two "
+        f"processes share a `process_id` (duplicate process id; ids must be {ids}, each once)."
+    )
+
+
+def _start_watchdog(cfg: DistributedConfig, seconds: float) -> threading.Timer:
+    """After ``seconds``, print :func:`_diagnostic` and end the process (unless cancelled).
+
+    JAX's connect blocks in C++ (the GIL is released) and, at its own
+    deadline, aborts the process without a Python exception; this timer ends
+    it first, at a known time, with a message that says why.
+    """
+
+    def give_up():
+        _exit_now(_diagnostic(cfg))
+
+    timer = threading.Timer(max(0.0, seconds), give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _fail_fast_hook(previous):
+    """Return an excepthook that reports, then exits without JAX's shutdown wait."""
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        if jax.process_count() > 1 and not issubclass(exc_type, KeyboardInterrupt):
+            _exit_now(
+                f"jaxdev fail-fast: process {jax.process_index()} failed with "
+                f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
+                "barrier for peers that may never arrive."
+            )
+
+    return hook
+
+
+def install_fail_fast() -> None:
+    """Make an uncaught exception end this process at once (exit code 1).
+
+    Without it, a process of a multi-process job that raises waits at JAX's
+    shutdown barrier for peers that may be hung, up to the shutdown timeout,
+    and is then aborted by JAX (measured on JAX 0.10.2: SIGABRT after the
+    barrier times out). The traceback is printed first as usual.
+
+    Example:
+      >>> install_fail_fast()  # doctest: +SKIP
+    """
+    if not getattr(sys.excepthook, "_jaxdev_fail_fast", False):
+        sys.excepthook = _fail_fast_hook(sys.excepthook)
+        sys.excepthook._jaxdev_fail_fast = True  # type: ignore[attr-defined]
+
+
+def _check_can_start() -> None:
+    """Raise unless ``initialize`` may run: once, before JAX's backend starts."""
+    if is_initialized():
+        raise DistributedError(
+            "`initialize` was already called in this process. Fix: call it "
+            "once; use `jaxdev.distributed.is_initialized()` to check."
+        )
+    if backend_started():
+        raise DistributedError(
+            "`initialize` must run before anything starts JAX's backend (jax.devices(), "
+            "any computation, device_put, ...). Fix: call `jaxdev.distributed.initialize()` "
+            "first thing in the script."
+        )
+
+
+def _configure_cpu(cfg: DistributedConfig, cpu_collectives: str | None) -> None:
+    """Apply the local fake-device count and CPU collectives before start-up."""
+    if cfg.local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", cfg.local_device_count)
+    if cpu_collectives is not None:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+
+
+def _preflight(cfg: DistributedConfig, deadline: float) -> None:
+    """Port check on process 0, coordinator reachability on the others."""
+    if cfg.coordinator_address is None or cfg.process_id is None:
+        return  # left to JAX's cluster auto-detection
+    if cfg.process_id == 0:
+        check_port_free(cfg.coordinator_address)
+    else:
+        wait_for_coordinator(cfg.coordinator_address, deadline - time.monotonic(), cfg.process_id)
+
+
+def _connect(cfg: DistributedConfig, deadline: float) -> None:
+    """Call ``jax.distributed.initialize`` under the watchdog ending at ``deadline``."""
+    watchdog = _start_watchdog(cfg, deadline - time.monotonic())
+    try:
+        _jax_initialize(cfg)
+    finally:
+        watchdog.cancel()
+
+
+def _jax_initialize(cfg: DistributedConfig) -> None:
+    """``jax.distributed.initialize``; its "not defined" errors say what to set."""
+    try:
+        jax.distributed.initialize(
+            cfg.coordinator_address,
+            cfg.num_processes,
+            cfg.process_id,
+            initialization_timeout=cfg.init_timeout_s + _JAX_GRACE_S,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+            shutdown_timeout_seconds=cfg.shutdown_timeout_s,
+        )
+    except ValueError as e:
+        if "defined" not in str(e):
+            raise
+        raise DistributedError(
+            f"`initialize` could not tell the job layout: {e} (found coordinator="
+            f"{cfg.coordinator_address!r}, num_processes={cfg.num_processes!r}, process_id="
+            f"{cfg.process_id!r}; no cluster was auto-detected). Fix: run under `jaxdev launch "
+            f"-n N -- python ...`, set `{ENV_COORDINATOR}`, `{ENV_NUM_PROCESSES}` and "
+            f"`{ENV_PROCESS_ID}`, or pass the arguments."
+        ) from None
+
+
+def _check_job(expected_processes: int | None) -> None:
+    """After connecting: the process count asked for, equal local device counts."""
+    found = jax.process_count()
+    if expected_processes is not None and found != expected_processes:
+        raise DistributedError(
+            f"`num_processes`={expected_processes} but JAX connected {found} process(es). "
+            "Fix: pass the same `num_processes` to every process."
+        )
+    check_local_device_counts([d.process_index for d in jax.devices()], found)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_count: int | None = None,
+    timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+    shutdown_timeout_s: int | None = None,
+    cpu_collectives: str | None = "gloo",
+    fail_fast: bool = True,
+    hang_timeout_s: float | None = None,
+    hang_action: str | None = None,
+) -> DistributedConfig:
+    """Start ``jax.distributed`` after preflight checks; check the job afterwards.
+
+    Call it first thing, before anything touches a JAX device. Each argument
+    left ``None`` comes from the ``JAXDEV_*`` variables ``jaxdev launch`` sets
+    (see :func:`resolve_config`); what is still unknown is left to JAX's
+    cluster auto-detection (Slurm, Open MPI, TPU, ...).
+
+    Args:
+      coordinator_address: ``host:port`` of process 0.
+      num_processes: number of processes.
+      process_id: this process's id in ``[0, num_processes)``.
+      local_device_count: fake CPU devices for this process (sets
+        ``jax_num_cpu_devices``); ``None`` keeps JAX's choice.
+      timeout_s: seconds, from this call, to reach the coordinator and for
+        every process to register (default 60). When they run out while JAX
+        connects, the process prints a diagnostic and exits with code 1.
+      heartbeat_timeout_s: seconds after which a silent peer counts as dead
+        and JAX aborts the job (default 30).
+      shutdown_timeout_s: seconds a finishing process waits for the others
+        (default 30, or ``$JAXDEV_SHUTDOWN_TIMEOUT``). When some have not
+        finished by then, it names them and exits with code 1 (see
+        :func:`shutdown`).
+      cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
+        makes cross-process computations work on CPU); ``None`` keeps JAX's.
+      fail_fast: end this process at once on an uncaught exception instead
+        of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
+      hang_timeout_s: ``S`` seconds: start the hang watchdog (else
+        ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout``
+        sets; default ``None``: no watchdog). Progress is a jaxdev step call,
+        a checkpoint, a :func:`~jaxdev.distributed.heartbeat`, a change of
+        phase, or a main thread in JAX code that moved (your own jit in a
+        loop), and each phase counts as progress for its allowance: start-up
+        (before the first heartbeat), any compile (first or later: a new batch
+        shape recompiles), a checkpoint and a barrier outside any step (JAX's
+        ``sync_global_devices``) ``10 * S``; a step (in a jaxdev step call or
+        cross-process check, or waiting in JAX) ``S``; host work between steps
+        only while another process waits, ``S`` in a step, ``10 * S`` at a
+        barrier; finished (at exit or :func:`shutdown`, bounded by
+        ``shutdown_timeout_s``) and shutdown never. When every unfinished
+        process is over its allowance and one is not in host work, every
+        process prints its threads' stacks and process 0 prints a summary
+        naming the process that is behind, its step and where it is. See
+        :mod:`jaxdev.distributed._hang`.
+      hang_action: after that report, ``"exit"`` (default, or
+        ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, about
+        ``hang_timeout_s + 1`` s after the last progress (at most
+        ``hang_timeout_s + 18`` s); ``"wait"`` keeps them running (report
+        only).
+
+    Every process also prints the Python stacks of all its threads on
+    ``SIGUSR1`` (``kill -USR1 <pid>``; ``jaxdev launch`` forwards it to every
+    process) without stopping, and Python's ``faulthandler`` is enabled for
+    fatal signals (segfault, abort) unless it already was.
+
+    Returns:
+      The :class:`DistributedConfig` that was used.
+
+    Raises:
+      DistributedError: called twice or after JAX's backend started; a value
+        is malformed; the coordinator is unreachable within ``timeout_s`` or
+        its port is taken on process 0; the process count differs from
+        ``num_processes``; or the local device counts differ (each process
+        and its count named).
+      UsageError: ``hang_timeout_s`` or ``hang_action`` is invalid.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.distributed.initialize()  # doctest: +SKIP
+      DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
+    """
+    leave_join_marker()
+    job = (coordinator_address, num_processes, process_id, local_device_count)
+    cfg = resolve_config(
+        *job,
+        timeout_s,
+        heartbeat_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        hang_timeout_s=hang_timeout_s,
+        hang_action=hang_action,
+    )
+    _check_can_start()
+    _configure_cpu(cfg, cpu_collectives)
+    deadline = time.monotonic() + cfg.init_timeout_s
+    _preflight(cfg, deadline)
+    _connect(cfg, deadline)
+    _FINISH.update(timeout_s=cfg.shutdown_timeout_s, done=False)
+    atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
+    if fail_fast:
+        install_fail_fast()
+    _check_job(cfg.num_processes)
+    _hang.install_stack_dumps()
+    if cfg.hang_timeout_s is not None:
+        _hang.start(cfg.hang_timeout_s, cfg.hang_action, _exit_now)
+    _log.info(
+        "process %d of %d joined the coordinator at %s",
+        jax.process_index(),
+        cfg.num_processes,
+        cfg.coordinator_address,
+    )
+    return cfg
+
+
+def is_initialized() -> bool:
+    """Return whether ``jax.distributed`` is running in this process.
+
+    Returns:
+      ``True`` between :func:`initialize` and :func:`shutdown`.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.distributed.is_initialized()
+      False
+    """
+    return jax.distributed.is_initialized()
+
+
+def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
+    """Create the file ``$JAXDEV_JOIN_MARKER`` names: "this process called initialize".
+
+    ``jaxdev launch`` gives every process its own marker path and names a
+    process that exits without having left one while others did.
+
+    Args:
+      env: the environment to read (default ``os.environ``).
+
+    Returns:
+      The marker's path, or ``None`` when the variable is unset or the file
+      cannot be written (the launcher then cannot tell, nothing fails).
+
+    Example:
+      >>> leave_join_marker({}) is None  # not under `jaxdev launch`
+      True
+    """
+    path = (os.environ if env is None else env).get(ENV_JOIN_MARKER)
+    if not path:
+        return None
+    try:
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError:
+        return None
+    return path
+
+
+def _not_finished_message(missing: Sequence[int], timeout_s: float) -> str:
+    """The diagnostic when some processes did not reach the end of the job."""
+    names = ", ".join(map(str, missing))
+    return (
+        f"jaxdev: process(es) {names} of {jax.process_count()} never finished: process "
+        f"{jax.process_index()} finished and waited {timeout_s:g} s (`shutdown_timeout_s`) for "
+        "them. They are most likely stuck in a collective the other processes never ran (an "
+        "extra or a different jitted computation over the devices of several processes, e.g. "
+        "a metric computed only `if jax.process_index() == 0`), or hung or slow. Fix: make every "
+        "process run the same sequence of multi-process computations (wrap jitted functions with "
+        "`jaxdev.distributed.same_program` to find the first that differs); raise "
+        f"`shutdown_timeout_s` (`{ENV_SHUTDOWN_TIMEOUT}`) if they are merely slow."
+    )
+
+
+def _unfinished() -> list[int]:
+    """Mark this process finished; return the processes not finished within the timeout."""
+    if _FINISH.get("done", True) or not is_initialized():
+        return []
+    _FINISH["done"] = True
+    _hang.beat("finished")  # waiting for the others is not being behind
+    try:
+        missing = barrier("finished", float(_FINISH["timeout_s"]))
+    except Exception:  # noqa: BLE001 - coordinator gone: JAX's own shutdown reports it
+        missing = []
+    if not missing:
+        _hang.stop()  # before JAX shuts its client down
+    return missing
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: name the processes that never finished and exit 1."""
+    missing = _unfinished()
+    if missing:
+        _exit_now(_not_finished_message(missing, float(_FINISH["timeout_s"])))
+
+
+def shutdown() -> None:
+    """Leave the distributed job after every process has finished.
+
+    This process marks itself finished in the coordinator's key-value store
+    and waits, up to the shutdown timeout, for the others, then leaves JAX's
+    distributed runtime. The same happens at interpreter exit when
+    :func:`initialize` was used, so calling it is optional. Does nothing
+    when not initialized.
+
+    Raises:
+      DistributedError: some processes did not finish within the shutdown
+        timeout; names them (most likely they are stuck in a collective the
+        others never ran). JAX's runtime is left running: with
+        ``fail_fast`` the process then exits with code 1.
+
+    Example:
+      >>> import jaxdev
+      >>> jaxdev.distributed.shutdown()  # not initialized: does nothing
+    """
+    if not is_initialized():
+        return
+    missing = _unfinished()
+    if missing:
+        raise DistributedError(
+            _not_finished_message(missing, float(_FINISH["timeout_s"])).removeprefix("jaxdev: ")
+        )
+    _hang.stop()
+    jax.distributed.shutdown()

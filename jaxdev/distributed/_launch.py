@@ -1,0 +1,630 @@
+"""Local multi-process launcher: ``jaxdev launch -n N --devices-per-process M -- cmd``.
+
+Starts ``N`` copies of a command on 127.0.0.1, each with ``M`` fake CPU
+devices and gloo CPU collectives, and passes the coordinator address and the
+process id through the ``JAXDEV_*`` environment so that
+``jaxdev.distributed.initialize()`` needs no arguments. Every output line is
+prefixed with ``[p<id>]``. When one process fails, or the run passes its
+timeout, the others are ended by their own process ids (SIGTERM, then SIGKILL
+after a grace period; JAX's preemption handler catches SIGTERM, so the kill
+is often needed) and a summary names the failed process.
+
+``jaxdev.distributed.initialize`` leaves a marker file as soon as it is
+called (the path is in ``JAXDEV_JOIN_MARKER``). A process that exits without
+one while another process has one never joined the job: it trained alone,
+and the others wait for it at start-up. The launcher then fails the run
+(exit code 1), ends the others, and names it ("process 1 never called
+jaxdev.distributed.initialize") instead of blaming the process that gave up
+waiting. Commands that never call ``initialize`` (no marker anywhere) are
+not affected.
+
+``--hang-timeout S`` sets ``JAXDEV_HANG_TIMEOUT=S`` for every process: its
+``initialize`` starts the hang watchdog (see :mod:`jaxdev.distributed._hang`). A
+``SIGUSR1`` sent to the launcher is forwarded to every live process, which
+prints the Python stacks of all its threads without stopping (one command
+to see where a live run is: ``kill -USR1 <launcher pid>``).
+
+Environment of process ``i``: ``JAXDEV_COORDINATOR=127.0.0.1:<port>``,
+``JAXDEV_NUM_PROCESSES=N``, ``JAXDEV_PROCESS_ID=i``, ``JAXDEV_LOCAL_DEVICES=M``,
+``JAXDEV_JOIN_MARKER=<launcher temp dir>/joined-i``, ``JAX_PLATFORMS=cpu``,
+``JAX_NUM_CPU_DEVICES=M``, ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``,
+``PYTHONUNBUFFERED=1`` (and ``JAXDEV_HANG_TIMEOUT=S`` with ``--hang-timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, NamedTuple
+
+from .._errors import UsageError
+from . import _hang
+from ._distributed import (
+    ENV_COORDINATOR,
+    ENV_HANG_TIMEOUT,
+    ENV_JOIN_MARKER,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+DEFAULT_GRACE_S = 2.0
+_TAIL_LINES = 40
+NEVER_JOINED_EXIT_CODE = 1
+_FATAL = re.compile(r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
+_HINTS = {
+    "ALREADY_EXISTS": "two processes registered with the same process id (duplicate id)",
+    "RegisterTask": "a peer never registered with the coordinator in time",
+    "stopped sending heartbeats": "a peer died or froze (missed heartbeats)",
+}
+
+
+class Outcome(NamedTuple):
+    """How one launched process ended.
+
+    Attributes:
+      process_id: the ``[p<id>]`` of the process.
+      returncode: exit code; negative ``-sig`` when killed by a signal.
+      ended_by_launcher: whether the launcher terminated or killed it.
+      reason: the last error-looking output line, or ``''``.
+      joined: whether it called ``jaxdev.distributed.initialize``
+        (``None``: unknown).
+    """
+
+    process_id: int
+    returncode: int
+    ended_by_launcher: bool
+    reason: str
+    joined: bool | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now.
+
+    Args:
+      host: the interface to bind.
+
+    Returns:
+      A port number chosen by the OS.
+
+    Example:
+      >>> 0 < free_port() < 65536
+      True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    process_id: int,
+    num_processes: int,
+    devices_per_process: int,
+    port: int,
+    base: Mapping[str, str],
+    join_dir: str | None = None,
+) -> dict[str, str]:
+    """Return the environment of process ``process_id``.
+
+    Args:
+      process_id: id of the process, ``0 <= process_id < num_processes``.
+      num_processes: number of processes.
+      devices_per_process: fake CPU devices per process.
+      port: the coordinator port on 127.0.0.1.
+      base: the environment to start from (user overrides already applied).
+      join_dir: where ``initialize`` leaves this process's marker file
+        (``JAXDEV_JOIN_MARKER``); ``None`` leaves the variable unset.
+
+    Returns:
+      ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
+
+    Example:
+      >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
+      '1'
+    """
+    env = dict(base)
+    env.update(
+        {
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            ENV_LOCAL_DEVICES: str(devices_per_process),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.pop(ENV_JOIN_MARKER, None)
+    if join_dir is not None:
+        env[ENV_JOIN_MARKER] = os.path.join(join_dir, f"joined-{process_id}")
+    return env
+
+
+def describe_returncode(rc: int) -> str:
+    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a return code.
+
+    Args:
+      rc: a ``Popen.returncode`` (negative: the signal that ended the process).
+
+    Returns:
+      The phrase used in the launcher's summary.
+
+    Example:
+      >>> describe_returncode(-9)
+      'signal SIGKILL'
+    """
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
+    """Return the last error-looking output of a process, with a hint.
+
+    Args:
+      lines: the last output lines of one process.
+      max_lines: the most lines kept: the error line and its indented details.
+
+    Returns:
+      The error line (and the detail lines right after it), plus a hint for
+      JAX runtime aborts; ``''`` when no line looks like an error.
+
+    Example:
+      >>> print(failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"]))
+      ValueError: bad
+        ['x']: shape (4,)
+    """
+    for i in range(len(lines) - 1, -1, -1):
+        match = _FATAL.search(lines[i])
+        if match and not lines[i].lstrip().startswith("@"):
+            details = list(itertools.takewhile(_is_detail, lines[i + 1 :]))
+            text = "\n".join([match.group(0).strip()[:600], *details][:max_lines])
+            hints = [h for key, h in _HINTS.items() if key in "\n".join(lines)]
+            return text + (f" [likely: {hints[0]}]" if hints else "")
+    return ""
+
+
+def _is_detail(line: str) -> bool:
+    """Whether a line continues an error message (indented list, ``Fix:``)."""
+    return (
+        line.startswith("  ")
+        and not line.lstrip().startswith(("File ", "@"))
+        or line.startswith("Fix:")
+    )
+
+
+def exit_code(outcome: Outcome | None) -> int:
+    """Map the first failure to the launcher's exit code (shell convention).
+
+    Args:
+      outcome: the process that failed first, or ``None`` after a timeout.
+
+    Returns:
+      Its exit code, ``128 + signal`` when a signal ended it, 124 for a timeout.
+
+    Example:
+      >>> exit_code(Outcome(1, -9, False, ""))
+      137
+    """
+    if outcome is None:
+        return 124  # whole-run timeout
+    return 128 - outcome.returncode if outcome.returncode < 0 else outcome.returncode
+
+
+class _Proc:
+    """One child process, its pump thread and its output tail."""
+
+    def __init__(
+        self,
+        process_id: int,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        out: IO[str],
+        lock: threading.Lock,
+    ):
+        self.id = process_id
+        self.marker = env.get(ENV_JOIN_MARKER)
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.popen = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        self.ended_by_launcher = False
+        self.thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
+        self.thread.start()
+
+    def _pump(self, out: IO[str], lock: threading.Lock) -> None:
+        with self.popen.stdout:  # type: ignore[union-attr]
+            for line in self.popen.stdout:  # type: ignore[union-attr]
+                line = line.rstrip("\n")
+                self.tail.append(line)
+                with lock:
+                    out.write(f"[p{self.id}] {line}\n")
+                    out.flush()
+
+    def joined(self) -> bool | None:
+        """Whether it called ``jaxdev.distributed.initialize`` (``None``: no marker path)."""
+        return None if self.marker is None else os.path.exists(self.marker)
+
+    def outcome(self) -> Outcome:
+        self.thread.join(timeout=2.0)
+        rc = self.popen.returncode
+        reason = failure_reason(list(self.tail))
+        return Outcome(self.id, rc, self.ended_by_launcher, reason, self.joined())
+
+
+def _end(procs: Sequence[_Proc], grace_s: float) -> None:
+    """Terminate live processes by pid, then kill those still alive after ``grace_s``."""
+    live = [p for p in procs if p.popen.poll() is None]
+    for p in live:
+        p.ended_by_launcher = True
+        p.popen.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def _first_failure(procs: Sequence[_Proc]) -> _Proc | None:
+    """Return a process that exited non-zero, or ``None``."""
+    for p in procs:
+        rc = p.popen.poll()
+        if rc is not None and rc != 0:
+            return p
+    return None
+
+
+def _left_alone(procs: Sequence[_Proc]) -> _Proc | None:
+    """Return a process that exited 0 without joining while another joined, or ``None``."""
+    if not any(p.joined() for p in procs):
+        return None
+    for p in procs:
+        if p.popen.poll() == 0 and p.joined() is False:
+            return p
+    return None
+
+
+def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None | bool:
+    """Wait until all succeed (``True``), one fails or never joins (it), or time runs out."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        failed = _first_failure(procs) or _left_alone(procs)
+        if failed is not None:
+            return failed
+        if all(p.popen.poll() == 0 for p in procs):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def never_joined(outcomes: Sequence[Outcome]) -> list[int]:
+    """Return the processes that never called ``initialize`` while another did.
+
+    Args:
+      outcomes: how every process ended.
+
+    Returns:
+      Their ids; empty when none joined (a command without JAX) or all did.
+
+    Example:
+      >>> never_joined([Outcome(0, 1, False, "", True), Outcome(1, 0, False, "", False)])
+      [1]
+    """
+    if not any(o.joined for o in outcomes):
+        return []
+    return [o.process_id for o in outcomes if o.joined is False]
+
+
+def _never_joined_head(first: Outcome, outcomes: Sequence[Outcome], elapsed_s: float) -> str:
+    joined = [str(o.process_id) for o in outcomes if o.joined]
+    return (
+        f"jaxdev launch: process {first.process_id} never called jaxdev.distributed.initialize: "
+        f"it exited 0 having run alone, while process(es) {', '.join(joined)} joined the job "
+        f"and waited for it; stopped after {elapsed_s:.1f} s (exit code "
+        f"{NEVER_JOINED_EXIT_CODE}). Fix: call `jaxdev.distributed.initialize()` first thing in "
+        "every process (not only on some, e.g. not under `if process_id == 0`, and not after an "
+        "early return)."
+    )
+
+
+def summarize(
+    first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None, elapsed_s: float
+) -> str:
+    """Return the launcher's failure summary (several lines).
+
+    Args:
+      first: the process that failed first (or exited 0 without joining),
+        or ``None`` after a timeout.
+      outcomes: how every process ended.
+      timeout_s: the whole-run timeout.
+      elapsed_s: seconds since the launch.
+
+    Returns:
+      Text naming the failed process, its exit code or signal and reason,
+      how each other process was ended, and which processes never called
+      ``jaxdev.distributed.initialize`` while others did.
+
+    Example:
+      >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
+      jaxdev launch: process 1 failed (signal SIGKILL) after 2.0 s.
+        p1: signal SIGKILL
+    """
+    unjoined = never_joined(outcomes)
+    if first is not None and first.returncode == 0 and first.process_id in unjoined:
+        head = _never_joined_head(first, outcomes, elapsed_s)
+    elif first is None:
+        still = [o.process_id for o in outcomes if o.ended_by_launcher]
+        head = (
+            f"jaxdev launch: timed out after {timeout_s:g} s (`--timeout`); process(es) "
+            f"{', '.join(map(str, still)) or 'none'} still running were ended."
+        )
+    else:
+        reason = f": {first.reason}" if first.reason else ""
+        head = (
+            f"jaxdev launch: process {first.process_id} failed "
+            f"({describe_returncode(first.returncode)}) after {elapsed_s:.1f} s{reason}"
+        )
+        head = head if reason else head + "."
+    lines = [head]
+    for o in outcomes:
+        how = "ended by launcher, " if o.ended_by_launcher else ""
+        other = o.reason and (first is None or o.reason != first.reason)
+        why = f" - {o.reason.splitlines()[0]}" if other else ""
+        if o.process_id in unjoined:
+            why += " - never called jaxdev.distributed.initialize"
+        lines.append(f"  p{o.process_id}: {how}{describe_returncode(o.returncode)}{why}")
+    if unjoined and (first is None or first.process_id not in unjoined):
+        lines.append(
+            f"  process(es) {', '.join(map(str, unjoined))} never called "
+            "jaxdev.distributed.initialize; the others waited for them at start-up."
+        )
+    return "\n".join(lines)
+
+
+def _check_launch_args(
+    cmd: Sequence[str],
+    num_processes: int,
+    devices_per_process: int,
+    port: int | None,
+    timeout_s: float | None,
+) -> None:
+    """Raise UsageError naming the first bad launch argument."""
+    if not cmd:
+        raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise UsageError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
+    if (
+        isinstance(devices_per_process, bool)
+        or not isinstance(devices_per_process, int)
+        or devices_per_process < 1
+    ):
+        raise UsageError(f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(f"`port` must be in 1..65535, got {port!r}.")
+    if timeout_s is not None and not timeout_s > 0:
+        raise UsageError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
+
+
+@contextlib.contextmanager
+def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
+    """While supervising: a ``SIGUSR1`` to the launcher goes to every live child (by pid)."""
+    sig = getattr(signal, "SIGUSR1", None)
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        yield  # no such signal here, or not the main thread (handlers can't be set)
+        return
+
+    def forward(signum, frame):
+        for p in list(procs):
+            with contextlib.suppress(OSError):
+                p.popen.send_signal(signum)  # does nothing once the child was reaped
+
+    previous = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous)
+
+
+def launch(
+    cmd: Sequence[str],
+    num_processes: int,
+    devices_per_process: int,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    out: IO[str] | None = None,
+    hang_timeout_s: float | None = None,
+) -> int:
+    """Run ``cmd`` as ``num_processes`` local JAX processes; return an exit code.
+
+    While it runs, a ``SIGUSR1`` sent to this process is forwarded to every
+    live child (each prints its threads' stacks when it called
+    :func:`jaxdev.distributed.initialize`).
+
+    Args:
+      cmd: the command every process runs, e.g. ``["python", "train.py"]``.
+      num_processes: number of processes (ids 0..N-1).
+      devices_per_process: fake CPU devices per process.
+      port: the coordinator port on 127.0.0.1; ``None`` picks a free one.
+      timeout_s: limit for the whole run; ``None`` means no limit.
+      env: extra environment for every process (over ``os.environ``).
+      grace_s: seconds between SIGTERM and SIGKILL when ending processes.
+      out: where prefixed output and the summary go (default stdout/stderr).
+      hang_timeout_s: start each process's hang watchdog with this timeout
+        (sets ``JAXDEV_HANG_TIMEOUT``); ``None`` leaves the environment's.
+
+    Returns:
+      0 when every process exits 0; else the failed process's exit code
+      (``128 + signal`` when killed by a signal), 124 after a timeout, or 1
+      when a process exits 0 without calling ``jaxdev.distributed.initialize``
+      while others did.
+
+    Raises:
+      UsageError: an argument is invalid (the CLI turns it into exit 2),
+        e.g. ``hang_timeout_s`` <= 0.
+      OSError: the command cannot be started (processes already started are
+        ended first).
+
+    Example:
+      >>> import sys, jaxdev
+      >>> jaxdev.distributed.launch([sys.executable, "-c", "print('hi')"], 1, 1)
+      [p0] hi
+      0
+    """
+    _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
+    base = {**os.environ, **(env or {})}
+    if hang_timeout_s is not None:
+        base[ENV_HANG_TIMEOUT] = f"{_hang.check_timeout(hang_timeout_s):g}"
+    port = free_port() if port is None else port
+    lock, start = threading.Lock(), time.monotonic()
+    procs: list[_Proc] = []
+    with tempfile.TemporaryDirectory(prefix="jaxdev-launch-") as join_dir:
+        try:  # processes already started are ended however this block is left
+            with _forward_stack_signal(procs):
+                for i in range(num_processes):
+                    child_env = process_env(
+                        i, num_processes, devices_per_process, port, base, join_dir
+                    )
+                    procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
+                result = _supervise(procs, timeout_s)
+        finally:
+            _end(procs, grace_s)
+        outcomes = [p.outcome() for p in procs]  # also drains every output pump
+    if result is True:
+        return 0
+    first = None if result is None else outcomes[result.id]  # type: ignore[union-attr]
+    summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
+    with lock:
+        print(summary, file=out or sys.stderr, flush=True)
+    return (
+        NEVER_JOINED_EXIT_CODE if first is not None and first.returncode == 0 else exit_code(first)
+    )
+
+
+class UsageParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s.
+
+    argparse prints the usage and exits; the ``jaxdev`` commands instead
+    print one line and exit with code 2. Shared by ``jaxdev`` and ``jaxdev
+    launch``.
+
+    Example:
+      >>> UsageParser(prog="tool").parse_args(["--nope"])  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      jaxdev._errors.UsageError: unrecognized arguments: --nope (see `tool --help`)
+    """
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = UsageParser(
+        prog="jaxdev launch",
+        description="Run a command as N local JAX processes "
+        "with M fake CPU devices each, e.g. "
+        "`jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.",
+    )
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int, default=1)
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="start every process's hang watchdog: when no process makes progress for this "
+        "many seconds, name the one behind, print every stack, and end the run "
+        "(sets JAXDEV_HANG_TIMEOUT)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="seconds between SIGTERM and SIGKILL when ending processes",
+    )
+    return p
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split at the first ``--`` into launcher options and the command."""
+    argv = list(argv)
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            return argv, []
+        raise UsageError(
+            "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
+        )
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: ``jaxdev launch -n N [--devices-per-process M] ... -- cmd``.
+
+    Args:
+      argv: the arguments after ``launch`` (default ``sys.argv[1:]``).
+
+    Returns:
+      The exit code of :func:`launch`; 2 on a usage error (one-line reason
+      on stderr); 0 for ``--help``.
+
+    Example:
+      >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
+      0
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts, cmd = _split_argv(argv)
+        args = _parser().parse_args(opts)
+        return launch(
+            cmd,
+            args.num_processes,
+            args.devices_per_process,
+            args.port,
+            args.timeout,
+            grace_s=args.grace,
+            hang_timeout_s=args.hang_timeout,
+        )
+    except UsageError as e:
+        print(f"jaxdev launch: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the command could not be started
+        print(f"jaxdev launch: error: cannot start {' '.join(cmd)!r}: {e}", file=sys.stderr)
+        return 127
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

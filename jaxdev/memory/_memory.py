@@ -1,0 +1,413 @@
+"""What is using device memory, by pytree path: a live ledger of every array.
+
+``jaxdev.memory.ledger(state=state, batch=batch)`` walks ``jax.live_arrays()`` once
+and counts, per device, the bytes of every device buffer once (an array and
+the views or aliases JAX keeps of it share their buffers). Arrays
+reached from the named trees are attributed to their key path
+(``state.opt_state[0].mu['Dense_0']['kernel']``) and a category (params,
+optimizer state, model state, batch, other named trees); every other live
+array is listed as unattributed, largest first (old states that were never
+freed show up there, with their shapes). Where the backend reports it
+(``device.memory_stats()`` on GPU and TPU), the allocator's bytes in use, peak
+and limit stand beside jaxdev's count; CPU reports none.
+
+JAX's own answer to "what is using my memory?" is allocator totals without
+names; ``plan()`` predicts bytes per device from shapes, the ledger counts
+what is there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import UsageError, device_name
+from .._leaves import is_jax_array
+from .._report import human_bytes, text_table
+from ._offload import HOST_KINDS
+
+CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
+_STATE_FIELDS = {"params": "params", "opt_state": "opt_state", "model_state": "model_state"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """One live array: where it is named, what it is, and its bytes on each device.
+
+    Attributes:
+      path: ``'state.params['Dense_0']['kernel']'``, or ``'<unattributed>'``.
+      category: one of ``params``, ``opt_state``, ``model_state``, ``batch``,
+        ``other`` (another named tree, or a train state's ``step`` / ``rng``)
+        and ``unattributed``.
+      shape: the global shape (a typed PRNG key's as the user sees it).
+      dtype: the dtype's name (``key<fry>`` for a named typed key; an
+        unattributed one is listed as the ``uint32`` data on its buffer).
+      bytes_per_device: ``{device: bytes}`` of its shards on each device.
+      like: an unattributed array's look-alike: the path of a named leaf
+        with its shape and dtype (not a scalar), device arrays on its
+        sharding first, then ``' (or 2 others of that shape)'`` when more
+        match; it may be an old copy of that leaf still referenced
+        somewhere. Otherwise None.
+    """
+
+    path: str
+    category: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_device: Mapping[jax.Device, int]
+    like: str | None = None
+
+    @property
+    def total(self) -> int:
+        """Bytes over every device (replicas counted on each device)."""
+        return sum(self.bytes_per_device.values())
+
+    @property
+    def fullest(self) -> int:
+        """Bytes on the device holding the most of it (what ``print(ledger)`` shows)."""
+        return max(self.bytes_per_device.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLedger:
+    """Every live array's bytes per device, attributed to named pytree paths.
+
+    Attributes:
+      entries: the attributed arrays, largest first (by ``fullest``, then ``total``).
+      unattributed: the other live arrays, largest first.
+      per_device: ``{device: bytes}`` of every live array's shards (attributed
+        or not): exactly the sum of their ``addressable_shards`` bytes, each
+        buffer once.
+      device_stats: ``{device: memory_stats() or None}`` as the backend reports
+        them (``bytes_in_use``, ``peak_bytes_in_use``, ``bytes_limit``).
+      host_per_device: ``{device: bytes}`` of arrays in the device's host
+        memory (``pinned_host`` / ``unpinned_host``: state a strategy
+        offloads); they are 0 in ``per_device``.
+      offloaded: the arrays in host memory, largest first (not in
+        ``entries`` / ``unattributed``).
+    """
+
+    entries: tuple[LedgerEntry, ...]
+    unattributed: tuple[LedgerEntry, ...]
+    per_device: Mapping[jax.Device, int]
+    device_stats: Mapping[jax.Device, Any]
+    host_per_device: Mapping[jax.Device, int] = dataclasses.field(default_factory=dict)
+    offloaded: tuple[LedgerEntry, ...] = ()
+
+    @property
+    def attributed(self) -> float:
+        """The share of live bytes attributed to a named tree (1.0 when nothing is live)."""
+        total = sum(self.per_device.values())
+        named = sum(e.total for e in self.entries)
+        return 1.0 if total == 0 else named / total
+
+    def by_category(self) -> dict[jax.Device, dict[str, int]]:
+        """``{device: {category: bytes}}`` over every live array."""
+        out = {d: dict.fromkeys(CATEGORIES, 0) for d in self.per_device}
+        for e in self.entries + self.unattributed:
+            for d, n in e.bytes_per_device.items():
+                out.setdefault(d, dict.fromkeys(CATEGORIES, 0))[e.category] += n
+        return out
+
+    def __str__(self) -> str:
+        return _format(self)
+
+    def plot(self, path: str, limit: int | None = None) -> str:
+        """Draw the ledger as a stacked bar chart, one bar per device, into ``path``.
+
+        From the bottom: params, optimizer state, model state, batch, other
+        named trees, unattributed, and, where a limit is known (``limit`` or
+        the device's ``bytes_limit``), the free bytes up to it; a legend names
+        the parts drawn, the axis is in KiB / MiB / GiB. The format follows
+        ``path``'s suffix (``.png``, ``.svg``, ``.pdf``; none: ``.png`` is
+        added). Needs matplotlib (``pip install 'jaxdev[plot]'``); pyplot and
+        its backend are left alone.
+
+        Args:
+          path: the file to write; its folder must exist.
+          limit: bytes per device to draw the free part up to (positive).
+
+        Returns:
+          The path written.
+
+        Raises:
+          UsageError: matplotlib is not installed, ``path``'s folder does not
+            exist, or ``limit`` is not positive.
+
+        Example:
+          >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
+          >>> ledger = jaxdev.memory.ledger(params={"w": jnp.ones((256, 256))})
+          >>> path = ledger.plot(str(pathlib.Path(tempfile.mkdtemp()) / "memory.png"))
+          >>> pathlib.Path(path).read_bytes()[:4] == b"\\x89PNG"
+          True
+        """
+        try:
+            from matplotlib.figure import Figure  # no pyplot: the user's backend is untouched
+        except ImportError:
+            raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+        if limit is not None and not limit > 0:
+            raise UsageError(f"`limit` is bytes per device and must be positive, got {limit!r}.")
+        folder = pathlib.Path(path).parent
+        if not folder.is_dir():
+            raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
+        path = str(path) if pathlib.Path(path).suffix else f"{path}.png"  # what matplotlib writes
+        fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(self.per_device)), 4.5))
+        _draw(self, fig, limit).savefig(path, dpi=100)
+        return path
+
+
+def ledger(**trees: Any) -> MemoryLedger:
+    """Return the live device memory, per device, attributed to the named trees by key path.
+
+    Every buffer of a live ``jax.Array`` (``jax.live_arrays()``) is counted
+    once, on its device: a view or alias of a named array adds nothing. Name
+    the trees you hold (``ledger(state=state, batch=batch)``): a train state's
+    fields become the categories params / opt_state / model_state (``step``
+    and ``rng`` are other); a tree named ``batch`` is the batch; any other
+    name is other. An array reached from two named trees counts once, under
+    the first name.
+
+    Args:
+      **trees: the pytrees to attribute bytes to, by name.
+
+    Returns:
+      A :class:`MemoryLedger`; ``print(ledger)`` is a table, ``ledger.plot(path)``
+      a PNG.
+
+    Raises:
+      UsageError: a named tree is a tracer (inside ``jit``).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> params = {"w": jnp.ones((1024, 256))}
+      >>> ledger = jaxdev.memory.ledger(params=params)
+      >>> ledger.entries[0].path, ledger.entries[0].total
+      ("params['w']", 1048576)
+    """
+    names: dict[tuple[jax.Device, int], tuple[str, str, tuple, str]] = {}  # by buffer
+    shapes: dict[tuple[tuple[int, ...], Any], list] = {}  # (path, sharding) of each shape
+    for name, tree in trees.items():
+        for path, leaf, category in _named_leaves(name, tree):
+            if isinstance(leaf, jax.core.Tracer):
+                raise UsageError(
+                    f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
+                )
+            if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
+                like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
+                stored = _stored(leaf)
+                shapes.setdefault((tuple(stored.shape), stored.dtype), []).append(like)
+            if is_jax_array(leaf) and not leaf.is_deleted():
+                for key in _buffers(leaf):
+                    names.setdefault(key, (path, category, tuple(leaf.shape), str(leaf.dtype)))
+    live = [(x, _buffers(x)) for x in jax.live_arrays() if not x.is_deleted()]
+    # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
+    live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
+    seen: set[tuple[jax.Device, int]] = set()
+    likes: dict[tuple[Any, ...], str | None] = {}
+    per_device: dict[jax.Device, int] = {}
+    host: dict[jax.Device, int] = {}
+    entries, others, offloaded = [], [], []
+    for x, keys in live:
+        fresh = [d for d, p in keys if (d, p) not in seen or not p]
+        seen.update(keys)
+        if not fresh:
+            continue
+        counts = dict.fromkeys(fresh, math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize)
+        in_host = x.sharding.memory_kind in HOST_KINDS  # offloaded: 0 on the device
+        bucket = host if in_host else per_device
+        for d, n in counts.items():
+            bucket[d] = bucket.get(d, 0) + n
+        named = [names[k] for k in keys if k in names]
+        kind = (tuple(x.shape), x.dtype, x.sharding)  # one look-up per kind of array
+        if not named and kind not in likes:
+            likes[kind] = _like(x, shapes.get(kind[:2]))
+        unnamed = ("<unattributed>", "unattributed", kind[0], str(x.dtype))
+        path, category, shape, dtype = named[0] if named else unnamed
+        like = None if named else likes[kind]
+        entry = LedgerEntry(path, category, shape, dtype, counts, like)
+        if in_host:
+            offloaded.append(entry)
+            continue
+        (others if category == "unattributed" else entries).append(entry)
+    for rows in (entries, others, offloaded):
+        rows.sort(key=lambda e: (-e.fullest, -e.total))
+    for d in host:  # a device holding only offloaded arrays is listed with 0
+        per_device.setdefault(d, 0)
+    stats = {d: _stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
+    per_device = {d: per_device[d] for d in stats}
+    host = {d: host[d] for d in stats if d in host}
+    return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
+
+
+def _like(x: jax.Array, leaves: list | None) -> str | None:
+    """The named leaf ``x`` may be an old copy of: device arrays on its sharding first."""
+    if not leaves:
+        return None
+    path, _ = min(leaves, key=lambda pl: (pl[1] is None, pl[1] != x.sharding))
+    more = len(leaves) - 1
+    return f"{path} (or {more} other{'s' * (more > 1)} of that shape)" if more else path
+
+
+def _stored(leaf: Any) -> Any:
+    """``leaf``, or the shape of a typed PRNG key's uint32 data (what JAX lists live)."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, leaf)
+    return leaf
+
+
+def _named_leaves(name: str, tree: Any):
+    """``(path, leaf, category)`` of every leaf of a named tree."""
+    fields = _state_fields(tree)
+    if fields is None:
+        category = "batch" if name == "batch" else ("params" if name == "params" else "other")
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            yield f"{name}{jax.tree_util.keystr(keys)}", leaf, category
+        return
+    for field in fields:
+        sub = getattr(tree, field)
+        category = _STATE_FIELDS.get(field, "other")
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
+            yield f"{name}.{field}{jax.tree_util.keystr(keys)}", leaf, category
+
+
+def _state_fields(tree: Any) -> list[str] | None:
+    """The fields of a train state (jaxdev's NamedTuple or flax's dataclass), else None."""
+    if not all(hasattr(tree, f) for f in ("step", "params", "opt_state")):
+        return None
+    if hasattr(tree, "_fields"):
+        return list(tree._fields)
+    if dataclasses.is_dataclass(tree):
+        return [f.name for f in dataclasses.fields(tree) if f.metadata.get("pytree_node", True)]
+    return ["step", "params", "opt_state"]
+
+
+def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
+    """``(device, unsafe_buffer_pointer())`` of each of ``x``'s addressable shards.
+
+    Arrays are told apart by buffer: JAX keeps per-device views of arrays
+    (after ``jax.device_get``, ``addressable_shards``) and ``jax.device_put``
+    to the same device makes a new array on the same buffer; each is listed in
+    ``jax.live_arrays()``. An array whose computation failed (out of memory)
+    has no buffer: none (asking its pointer would abort the process).
+    """
+    try:
+        x.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        return []
+    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):  # no Shard to build
+        return [(x.device, x.unsafe_buffer_pointer())]
+    return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
+
+
+def _stats(device: jax.Device) -> Any:
+    try:
+        return device.memory_stats()
+    except Exception:  # CPU and some backends report none
+        return None
+
+
+# ---------------------------------------------------------------- text
+
+
+def _format(ledger: MemoryLedger, top: int = 12) -> str:
+    lines = []
+    head = ("device", "live", "attributed", "allocator in use", "peak", "limit")
+    cats = ledger.by_category()
+    body = []
+    for d, total in ledger.per_device.items():
+        stats = ledger.device_stats.get(d) or {}
+        named = total - cats[d]["unattributed"]
+
+        def stat(key, stats=stats):
+            return human_bytes(stats[key]) if key in stats else "-"
+
+        body.append(
+            (
+                device_name(d),
+                human_bytes(total),
+                human_bytes(named),
+                stat("bytes_in_use"),
+                stat("peak_bytes_in_use"),
+                stat("bytes_limit"),
+            )
+        )
+    lines.append(f"live device memory: {ledger.attributed:.1%} attributed to named trees")
+    lines += text_table(head, body, rstrip=True)
+    most = lambda e: human_bytes(e.fullest)  # noqa: E731
+    rows = [(e.path, e.category, str(e.shape), e.dtype, most(e)) for e in ledger.entries]
+    head = ("path", "category", "shape", "dtype", "bytes")
+    lines += _largest("largest arrays (bytes on the device holding the most):", head, rows, top)
+    old = lambda e: f"looks like an old copy of {e.like}" if e.like else ""  # noqa: E731
+    rows = [(str(e.shape), e.dtype, most(e), _where(e), old(e)) for e in ledger.unattributed]
+    title = f"unattributed arrays (the other {1 - ledger.attributed:.1%} of live bytes), largest"
+    lines += _largest(title + " first:", ("shape", "dtype", "bytes", "device", "note"), rows, top)
+    if ledger.host_per_device:
+        top = max(ledger.host_per_device.values())
+        lines.append(
+            f"in host memory (offloaded, 0 on the devices): {len(ledger.offloaded)} "
+            f"array{'s' if len(ledger.offloaded) > 1 else ''}, "
+            f"{human_bytes(top)} on the fullest device's host memory"
+        )
+    return "\n".join(lines)
+
+
+def _largest(title: str, head: tuple[str, ...], rows: list[tuple], top: int) -> list[str]:
+    """``title``, then a table of the first ``top`` rows and how many were left out."""
+    if not rows:
+        return []
+    left = len(rows) - top
+    more = [f"... and {left} smaller array{'s' if left > 1 else ''}"] if left > 0 else []
+    return [title, *text_table(head, rows[:top], rstrip=True), *more]
+
+
+def _where(e: LedgerEntry) -> str:
+    """``cpu:3`` for an array on one device, ``8 devices`` for one on several."""
+    devices = list(e.bytes_per_device)
+    return device_name(devices[0]) if len(devices) == 1 else f"{len(devices)} devices"
+
+
+# ---------------------------------------------------------------- picture
+
+_LABELS = {
+    "params": ("params", "tab:blue"),
+    "opt_state": ("optimizer state", "tab:orange"),
+    "model_state": ("model state", "tab:green"),
+    "batch": ("batch", "tab:purple"),
+    "other": ("other named trees", "tab:gray"),
+    "unattributed": ("unattributed", "tab:red"),
+    "free": ("free (up to the limit)", "whitesmoke"),
+}
+
+
+def _draw(ledger: MemoryLedger, fig: Any, limit: int | None) -> Any:
+    """Draw ``ledger`` on ``fig``: one stacked bar per device, in one binary unit."""
+    cats, devices = ledger.by_category(), list(ledger.per_device)
+    parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
+    limits = [limit or (ledger.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
+    if any(limits):
+        parts["free"] = [max((m or 0) - sum(cats[d].values()), 0) for d, m in zip(devices, limits)]
+    top = max([sum(col) for col in zip(*parts.values())] + [1])
+    unit = human_bytes(top).split()[1]
+    scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
+    ax, x, bottom = fig.subplots(), np.arange(len(devices)), np.zeros(len(devices))
+    for c, values in parts.items():
+        if any(values):
+            label, color = _LABELS[c]
+            ax.bar(x, np.array(values) / scale, 0.6, bottom, label=label, color=color, ec="k")
+            bottom += np.array(values) / scale
+    ax.set_xticks(x, [device_name(d) for d in devices], rotation=90 if len(x) > 16 else 0)
+    ax.set(xlabel="device", ylabel=f"bytes per device ({unit})")
+    ax.set_title(f"live device memory (jaxdev.memory): {ledger.attributed:.1%} attributed")
+    handles, labels = ax.get_legend_handles_labels()  # listed top-down, as stacked
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["CATEGORIES", "LedgerEntry", "MemoryLedger", "ledger"]

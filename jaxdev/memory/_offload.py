@@ -1,0 +1,203 @@
+"""Params and optimizer state kept in host memory, streamed to the devices inside the step.
+
+``Strategy.sharded(mesh, offload="opt_state")`` (or ``"params"``, or both)
+lays those fields of the train state out in JAX's ``pinned_host`` memory
+kind (``NamedSharding(mesh, spec, memory_kind="pinned_host")``): the
+devices hold none of their bytes between steps. The compiled step moves them
+to device memory at its start (``jax.device_put(x,
+sharding.with_memory_kind("device"))`` inside ``jit``) and back to the host
+for its outputs, so the update is computed on the devices and the numbers
+are those of the run without offloading, bit for bit.
+
+:func:`offloaded` is the one place that turns a state layout into its
+offloaded layout: the train step (its in/out shardings, ``init_state``) and
+:func:`jaxdev.memory.plan` (which then counts those bytes as host bytes, 0 on the
+devices) both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Sharding
+
+from .._errors import UsageError
+
+HOST = "pinned_host"
+"""The memory kind offloaded fields live in."""
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+"""Memory kinds in host memory (not counted on the devices)."""
+
+FIELDS = ("params", "opt_state")
+"""The train-state fields that can be offloaded."""
+
+
+def check_offload(offload: Any, devices: Any = ()) -> tuple[str, ...]:
+    """``offload`` as a sorted tuple of fields; ``()`` for ``None``.
+
+    Raises:
+      UsageError: a field other than ``'params'`` / ``'opt_state'``, or
+        devices without ``pinned_host`` memory.
+
+    Example:
+      >>> check_offload("opt_state"), check_offload(["opt_state", "params"]), check_offload(None)
+      (('opt_state',), ('opt_state', 'params'), ())
+    """
+    if offload is None:
+        return ()
+    fields = (offload,) if isinstance(offload, str) else offload
+    if not isinstance(fields, (tuple, list)) or not all(f in FIELDS for f in fields) or not fields:
+        raise UsageError(
+            f"`offload` must be 'params', 'opt_state' or a tuple of them (the train-state "
+            f"fields kept in host memory), got {offload!r}."
+        )
+    for d in devices:
+        kinds = {m.kind for m in d.addressable_memories()}
+        if HOST not in kinds:
+            raise UsageError(
+                f"`offload`={offload!r} needs '{HOST}' memory, which {d} does not have "
+                f"(its memories: {sorted(kinds)})."
+            )
+    return tuple(sorted(set(fields)))
+
+
+def is_host(s: Any) -> bool:
+    """Whether sharding ``s`` puts its array in host memory."""
+    return isinstance(s, Sharding) and s.memory_kind in HOST_KINDS
+
+
+def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
+    """``layout`` (shardings of ``state``) with ``fields`` moved to ``pinned_host`` memory.
+
+    For a train state, its ``params`` / ``opt_state`` fields; for a bare
+    params tree (an eval step's), the whole tree when ``'params'`` is
+    offloaded. ``layout`` itself when there is nothing to offload.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxdev
+      >>> state = jaxdev.TrainState.create({"w": jnp.ones(8)}, optax.sgd(0.1, momentum=0.9))
+      >>> host = offloaded(jaxdev.param_shardings(state, jaxdev.data_mesh()), state, ("opt_state",))
+      >>> host.params["w"].memory_kind, host.opt_state[0].trace["w"].memory_kind
+      ('device', 'pinned_host')
+    """
+    if not fields or layout is None:
+        return layout
+    to_host = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: s.with_memory_kind(HOST), tree, is_leaf=lambda x: isinstance(x, Sharding)
+    )
+    if not all(hasattr(state, f) for f in ("step", "params", "opt_state")):
+        return to_host(layout) if "params" in fields else layout
+    changes = {f: to_host(getattr(layout, f)) for f in fields}
+    if isinstance(layout, tuple):
+        return layout._replace(**changes)
+    return layout.replace(**changes)
+
+
+def kept_host(layout: Any, state: Any) -> Any:
+    """``layout`` with the leaves of ``state`` that live in host memory kept there.
+
+    A state already offloaded (arrays, or ``ShapeDtypeStruct`` s with a
+    ``pinned_host`` sharding) is counted where it is, whatever the rules say.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxdev
+      >>> mesh = jaxdev.data_mesh()
+      >>> host = jax.device_put(jnp.ones(8), jaxdev.as_sharding(mesh).with_memory_kind(HOST))
+      >>> kept_host(jaxdev.param_shardings({"w": host}, mesh), {"w": host})["w"].memory_kind
+      'pinned_host'
+    """
+    shardings, treedef = jax.tree.flatten(layout, is_leaf=lambda x: isinstance(x, Sharding))
+    leaves = jax.tree.leaves(state)
+    if len(shardings) != len(leaves):
+        return layout
+    kinds = [getattr(x, "sharding", None) for x in leaves]
+    if not any(is_host(k) for k in kinds):
+        return layout
+    out = [
+        s.with_memory_kind(k.memory_kind) if is_host(k) and isinstance(s, Sharding) else s
+        for s, k in zip(shardings, kinds)
+    ]
+    return treedef.unflatten(out)
+
+
+def _moved(tree: Any, layout: Any, kind: Callable[[Sharding], Sharding | None]) -> Any:
+    shardings = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, Sharding))
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(shardings) != len(leaves):  # another structure: jit will say so
+        return tree
+    out = []
+    for x, s in zip(leaves, shardings):
+        target = kind(s)
+        out.append(x if target is None else jax.device_put(x, target))
+    return treedef.unflatten(out)
+
+
+def stream_in(state: Any, layout: Any) -> Any:
+    """Inside ``jit``: the offloaded leaves of ``state`` moved to device memory."""
+    return _moved(state, layout, lambda s: s.with_memory_kind("device") if is_host(s) else None)
+
+
+def stream_out(state: Any, layout: Any) -> Any:
+    """Inside ``jit``: the offloaded leaves of ``state`` moved back to host memory."""
+    return _moved(state, layout, lambda s: s if is_host(s) else None)
+
+
+def streamed(run: Callable, layout: Any, train: bool) -> Callable:
+    """``run(axis, state, ...)`` with the state's offloaded leaves streamed in and out.
+
+    ``run`` itself when ``layout`` offloads nothing.
+    """
+    if not any(is_host(s) for s in jax.tree.leaves(layout, is_leaf=_is_sharding)):
+        return run
+
+    def inner(axis: Any, state: Any, *rest: Any) -> Any:
+        out = run(axis, stream_in(state, layout), *rest)
+        if not train:
+            return out
+        return (stream_out(out[0], layout), *out[1:])
+
+    return inner
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, Sharding)
+
+
+def host_bytes(lowered: Any, compiled: Any) -> tuple[int, int, int]:
+    """``(arguments, outputs, donated)`` bytes per device a program keeps in host memory.
+
+    Counted from the compiled program's input and output shardings (the
+    shard shape of each host-memory leaf); donated host inputs are assumed
+    to alias host outputs of their size. ``(0, 0, 0)`` when the program has
+    no host-memory leaves or does not say.
+    """
+    try:
+        ins = jax.tree.leaves(compiled.input_shardings[0], is_leaf=_is_sharding)
+        infos = jax.tree.leaves(lowered.args_info[0], is_leaf=lambda x: hasattr(x, "donated"))
+        outs = jax.tree.leaves(compiled.output_shardings, is_leaf=_is_sharding)
+        out_info = jax.tree.leaves(lowered.out_info)
+    except Exception:  # pmap and other programs without per-leaf shardings
+        return 0, 0, 0
+    if len(ins) != len(infos) or len(outs) != len(out_info):
+        return 0, 0, 0
+    arg = donated = out = 0
+    for s, info in zip(ins, infos):
+        if is_host(s):
+            n = _shard_bytes(s, info)
+            arg += n
+            donated += n if info.donated else 0
+    for s, info in zip(outs, out_info):
+        if is_host(s):
+            out += _shard_bytes(s, info)
+    return arg, out, min(donated, out)
+
+
+def _shard_bytes(s: Sharding, info: Any) -> int:
+    shape = s.shard_shape(tuple(info.shape))
+    n = 1
+    for d in shape:
+        n *= d
+    return n * info.dtype.itemsize

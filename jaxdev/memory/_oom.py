@@ -1,0 +1,207 @@
+"""Out-of-memory errors that explain themselves.
+
+XLA reports a failed allocation as ``RESOURCE_EXHAUSTED`` with allocator
+numbers and no names. :func:`explained_oom` wraps jaxdev's allocating calls
+(``init_state``, :func:`jaxdev.init_sharded`, :func:`jaxdev.restore`; the
+train step has its own, richer explanation in :mod:`jaxdev.memory._explain`) so that
+such a failure is raised as :class:`jaxdev.OutOfMemoryError` naming what was
+live on the devices by pytree path (the :func:`jaxdev.memory` ledger's
+largest entries, and unattributed arrays shaped like the named trees' leaves:
+old states still referenced) and the device limit.
+
+:func:`live_lines` is the one writer of that "live now" section; the step's
+explanation uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import JaxdevError, OutOfMemoryError, device_name
+from .._report import human_bytes, text_table
+from ._memory import MemoryLedger, ledger
+
+_MARK = "RESOURCE_EXHAUSTED"
+_SAID = "Out of memory"  # XLA's words, also where the status is INTERNAL (a queued call's)
+
+
+def is_resource_exhausted(err: BaseException) -> bool:
+    """Whether ``err`` is XLA's out-of-memory (``RESOURCE_EXHAUSTED``), not a jaxdev error.
+
+    The output of a call that ran out of memory, read later, raises
+    ``INTERNAL: Error dispatching computation: Out of memory ...``: that is one too.
+
+    Example:
+      >>> is_resource_exhausted(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 B"))
+      True
+      >>> is_resource_exhausted(RuntimeError("INTERNAL: Error dispatching computation: "
+      ...                                    "Out of memory allocating 8 bytes."))
+      True
+      >>> is_resource_exhausted(ValueError("shapes differ"))
+      False
+    """
+    text = str(err)
+    return not isinstance(err, JaxdevError) and (_MARK in text or _SAID in text)
+
+
+def first_line(err: BaseException) -> str:
+    """The XLA message's first line: ``RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.``"""
+    text = str(err).strip()
+    at = text.find(_MARK)
+    return (text[at:] if at >= 0 else text).splitlines()[0][:300]
+
+
+def named_shapes(trees: Mapping[str, Any]) -> dict[tuple[tuple[int, ...], str], str]:
+    """``{(shape, dtype): first key path}`` of the array-like leaves of named trees."""
+    out: dict[tuple[tuple[int, ...], str], str] = {}
+    for name, tree in trees.items():
+        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype") and np.ndim(leaf) > 0:
+                key = (tuple(leaf.shape), str(leaf.dtype))
+                out.setdefault(key, f"{name}{jax.tree_util.keystr(keys)}")
+    return out
+
+
+def fullest(ledger: MemoryLedger) -> jax.Device | None:
+    """The device holding the most live bytes (None when nothing is live)."""
+    if not ledger.per_device:
+        return None
+    return max(ledger.per_device, key=lambda d: ledger.per_device[d])
+
+
+def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> list[str]:
+    """The "live now" section: the fullest device's largest arrays by path, and likely leaks.
+
+    Unattributed arrays are grouped by shape and dtype; a group shaped like a
+    leaf of ``trees`` is marked as an old copy of it still referenced
+    somewhere (a kept history of states, a ``donate=False`` loop).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxdev
+      >>> w, old = jnp.ones((512, 512)), jnp.zeros((512, 512))
+      >>> lines = live_lines(jaxdev.memory.ledger(params={"w": w}), {"params": {"w": w}})
+      >>> any(line.lstrip().startswith("params['w']") for line in lines)
+      True
+      >>> any("unattributed array shaped like params['w']" in line for line in lines)
+      True
+    """
+    device = fullest(ledger)
+    if device is None:
+        return ["live now: no live arrays"]
+    total = ledger.per_device[device]
+    on = lambda e: e.bytes_per_device.get(device, 0)  # noqa: E731
+    lines = [
+        f"live now on {device_name(device)} (the fullest device; jaxdev.memory): "
+        f"{human_bytes(total)}, {ledger.attributed:.1%} of live bytes named"
+    ]
+    rows = [
+        (e.path, _shape(e.shape), e.dtype, human_bytes(on(e)))
+        for e in sorted(ledger.entries, key=lambda e: -on(e))[:top]
+        if on(e)
+    ]
+    shapes = named_shapes(trees)
+    groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    for e in ledger.unattributed:
+        if on(e):
+            g = groups.setdefault((e.shape, e.dtype), [0, 0])
+            g[0], g[1] = g[0] + 1, g[1] + on(e)
+    for (shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        like = shapes.get((shape, dtype))
+        what = f"{count} unattributed array{'s' if count > 1 else ''}"
+        if like is not None:
+            what += f" shaped like {like} (old copies still referenced?)"
+        rows.append((what, _shape(shape), dtype, human_bytes(n)))
+    if rows:
+        lines += [
+            "  " + line for line in text_table(("array", "shape", "dtype", "bytes"), rows, True)
+        ]
+    return lines
+
+
+def limit_line(devices: Any) -> str:
+    """``device limit: 79.2 GiB (bytes_limit of gpu:0)``, or why there is none."""
+    devices, limits = list(devices), []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # backends without statistics
+            stats = {}
+        if stats.get("bytes_limit"):
+            limits.append((int(stats["bytes_limit"]), d))
+    if not limits:
+        platform = next(iter(devices)).platform if devices else "?"
+        return f"device limit: not reported by the {platform} backend (memory_stats() has none)"
+    n, d = min(limits, key=lambda t: t[0])
+    return f"device limit: {human_bytes(n)} (bytes_limit of {device_name(d)})"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "()"
+
+
+def oom_message(what: str, err: BaseException, trees: Mapping[str, Any], extra: list[str]) -> str:
+    """The message of an :class:`OutOfMemoryError` without a compiled step to explain."""
+    try:
+        book = ledger(**{k: v for k, v in trees.items() if v is not None})
+        live = live_lines(book, trees)
+    except Exception as e:  # never hide the out-of-memory behind a second error
+        live = [f"live now: could not read the ledger ({type(e).__name__}: {e})"]
+    devices = jax.local_devices()
+    return "\n".join(
+        [f"{what} ran out of device memory ({first_line(err)})", *extra, *live, limit_line(devices)]
+    )
+
+
+@contextlib.contextmanager
+def explained_oom(
+    what: str,
+    trees: Callable[[], Mapping[str, Any]] | None = None,
+    extra: Callable[[], list[str]] | None = None,
+) -> Iterator[None]:
+    """In this block, XLA's ``RESOURCE_EXHAUSTED`` becomes an explained :class:`OutOfMemoryError`.
+
+    Args:
+      what: the call, for the message (``'init_sharded'``).
+      trees: ``trees() -> {name: tree}``: what to name in the ledger (their
+        leaves' shapes also mark old copies); called only on failure.
+      extra: ``extra() -> [lines]``: more lines (what the call needed, the
+        alternatives); called only on failure, and dropped if it fails.
+
+    Example:
+      >>> try:
+      ...     with explained_oom("alloc"):
+      ...         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.")
+      ... except OutOfMemoryError as e:
+      ...     print(str(e).splitlines()[0])
+      alloc ran out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.)
+    """
+    try:
+        yield
+    except Exception as err:
+        if not is_resource_exhausted(err):
+            raise
+        named = _safe(trees, {})
+        lines = _safe(extra, [])
+        raise OutOfMemoryError(oom_message(what, err, named, lines)) from err
+
+
+def _safe(fn: Callable[[], Any] | None, default: Any) -> Any:
+    if fn is None:
+        return default
+    try:
+        return fn()
+    except Exception:  # explanation only
+        return default
+
+
+def plan_lines(shapes: Any, mesh: Any, rules: Any, options: Mapping[str, Any]) -> list[str]:
+    """``["<what> needs X per device (jaxdev.memory.plan); with rules='fsdp' ...: Y"]``."""
+    from ._plan import fsdp_alternative, plan
+
+    p = plan(shapes, mesh, rules, **options)
+    return [f"it needs {human_bytes(p.total)} per device (jaxdev.memory.plan){fsdp_alternative(p)}"]

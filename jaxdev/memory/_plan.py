@@ -1,0 +1,747 @@
+"""Memory plans: how many bytes each device will hold, before anything is allocated.
+
+:func:`plan` reads only shapes and dtypes (``jax.ShapeDtypeStruct`` s are
+fine) and the shardings the rules give (:func:`jaxdev.param_shardings` of the state), and
+returns a :class:`MemoryPlan`: per category (``params``, ``opt_state``,
+``model_state``, ``batch``, ``other``) the bytes the fullest device holds, the
+logical (global) bytes and the share of them that is sharded. With a train
+step and a batch it also compiles the step (nothing runs) and keeps the
+compiled program's own ``memory_analysis()`` figures: arguments, outputs,
+donated (aliased) bytes, temporaries and generated code.
+
+How bytes per device are counted: a leaf of shape ``s`` and dtype ``d`` under
+sharding ``S`` puts ``prod(S.shard_shape(s)) * d.itemsize`` bytes on every
+device of ``S`` (a dimension a mesh axis does not divide is padded to the next
+multiple, as XLA does); a category's figure is the maximum over devices of the
+sum over its leaves, and :attr:`MemoryPlan.total` is the maximum over devices
+of the sum over every category (not the sum of the per-category maxima).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+from .._errors import MemoryPlanError, UsageError, device_name, short
+from .._leaves import PY_SCALARS, device_key, is_jax_array
+from .._mesh import batch_axis, check_mesh, named_sharding
+from .._report import human_bytes, text_table
+from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
+from ._offload import host_bytes, is_host, kept_host, offloaded
+
+CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
+"""The rows of a plan, in table order."""
+
+_STATE_CATEGORIES = ("params", "opt_state", "model_state")
+
+"""Mesh axes a batch is not split over (mirrors ``Strategy.sharded``'s default)."""
+
+
+class CompiledMemory(NamedTuple):
+    """A compiled step's ``memory_analysis()``, per device, in bytes.
+
+    Attributes:
+      argument: inputs (state, batch, metrics) held while the step runs.
+      output: outputs (new state, metrics).
+      alias: output bytes that reuse donated input buffers.
+      temp: temporaries (activations, gradients, gathered params).
+      generated_code: size of the generated code.
+      host: bytes of arguments and outputs kept in host memory (offloaded
+        state, ``pinned_host``), net of donation. They are not in the
+        figures above, whether the backend reports them apart (GPU, TPU) or
+        counts them with the device's (XLA:CPU, where jaxdev takes them out
+        by the program's shardings). XLA:CPU also keeps one memory for both
+        kinds, so its temporaries do not hold the streamed-in copies a GPU's
+        do.
+    """
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+    host: int = 0
+
+    @property
+    def peak(self) -> int:
+        """Estimated peak bytes per device: ``argument + output - alias + temp``."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+class PlanRow(NamedTuple):
+    """One category of a :class:`MemoryPlan`.
+
+    Attributes:
+      category: ``'params'``, ``'opt_state'``, ``'model_state'``, ``'batch'`` or
+        ``'other'``.
+      bytes_per_device: what the fullest device holds of it.
+      total_bytes: logical (global) bytes: every leaf counted once.
+      sharded_bytes: logical bytes of the leaves split over devices (not
+        fully replicated).
+      leaves: how many leaves it has.
+    """
+
+    category: str
+    bytes_per_device: int
+    total_bytes: int
+    sharded_bytes: int
+    leaves: int
+
+    @property
+    def sharded_share(self) -> float:
+        """``sharded_bytes / total_bytes`` (1.0 for an empty category)."""
+        return self.sharded_bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+class _Inputs(NamedTuple):
+    """What a plan was built from, kept to compute alternatives (``check_fits``)."""
+
+    state: Any  # the unboxed state / tree, arrays or ShapeDtypeStructs
+    batch: Any
+    batch_layout: tuple[Mesh, Any, int] | None  # (mesh, batch axis, leading group axes)
+    options: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class MemoryPlan:
+    """Bytes per device of a train state (and batch, and compiled step), from shapes alone.
+
+    ``print(plan)`` shows a table; :meth:`fits` compares with a budget.
+
+    Attributes:
+      rows: one :class:`PlanRow` per category present, in the order of
+        ``CATEGORIES``.
+      total: bytes the fullest device holds, all categories together.
+      by_device: bytes per device name (``'cpu:3'``), every mesh device listed.
+      mesh: the mesh the plan is for.
+      rules: the rules that placed the state.
+      compiled: the compiled step's ``memory_analysis()`` (with ``step`` and
+        ``batch``), else ``None``.
+      host_by_device: bytes per device name kept in host memory (fields a
+        strategy offloads); they are 0 on the devices, in no row's
+        ``bytes_per_device`` and not in ``total``.
+    """
+
+    rows: tuple[PlanRow, ...]
+    total: int
+    by_device: Mapping[str, int]
+    mesh: Mesh
+    rules: Any
+    compiled: CompiledMemory | None = None
+    _inputs: _Inputs | None = dataclasses.field(default=None, compare=False)
+    host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def host(self) -> int:
+        """Bytes the fullest device's host memory keeps of the offloaded fields (0: none)."""
+        return max(self.host_by_device.values(), default=0)
+
+    def __getitem__(self, category: str) -> int:
+        """Bytes per device of ``category`` (0 when the plan has none of it)."""
+        if category not in CATEGORIES:
+            raise KeyError(f"{category!r} is not a plan category; expected one of {CATEGORIES}")
+        return next((r.bytes_per_device for r in self.rows if r.category == category), 0)
+
+    @property
+    def peak(self) -> int:
+        """Bytes per device needed: the compiled step's peak if compiled, else ``total``."""
+        return self.compiled.peak if self.compiled is not None else self.total
+
+    def fits(self, limit: int | None = None) -> bool:
+        """Whether :attr:`peak` fits in ``limit`` bytes per device.
+
+        Args:
+          limit: the budget per device in bytes; ``None`` for the devices'
+            ``memory_stats()["bytes_limit"]`` (the smallest over the mesh).
+
+        Raises:
+          UsageError: ``limit`` is not a number of bytes >= 0, or it is
+            ``None`` and the backend reports no limit (CPU): pass ``limit=``.
+
+        Example:
+          >>> import jax, jaxdev
+          >>> p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((1024, 1024), "float32")})
+          >>> p.fits(limit=8 * 2**20), p.fits(limit=2**20)
+          (True, False)
+        """
+        return self.peak <= resolve_limit(limit, self.mesh)[0]
+
+    def __str__(self) -> str:
+        """The plan as a table, with the compiled step's figures when present.
+
+        Example:
+          >>> import jax, jaxdev
+          >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+          >>> shapes = {"w": jax.ShapeDtypeStruct((4096, 256), "float32"),
+          ...           "b": jax.ShapeDtypeStruct((256,), "float32")}
+          >>> print(jaxdev.memory.plan(shapes, mesh, "fsdp"))
+          memory plan: mesh(fsdp=8), rules='fsdp'
+          category  bytes/device  total bytes  sharded
+          --------  ------------  -----------  -------
+          params    513.0 KiB     4.0 MiB      >99.9%
+          total     513.0 KiB     4.0 MiB      >99.9%
+        """
+        return _format(self)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{r.category}={r.bytes_per_device}" for r in self.rows)
+        extra = f", compiled={tuple(self.compiled)}" if self.compiled is not None else ""
+        return f"MemoryPlan(total={self.total}, {parts}{extra})"
+
+
+# ---------------------------------------------------------------- counting bytes
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """A leaf's shape and the dtype it has on a device (x64 rules applied for host values).
+
+    JAX dtypes are kept as they are: typed PRNG keys (``key<fry>``) are no numpy dtype.
+    """
+    if isinstance(x, jax.ShapeDtypeStruct) or is_jax_array(x):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, PY_SCALARS):
+        return (), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(type(x))))
+    arr = np.asarray(x)  # numpy leaves (state_shardings has checked the types)
+    return arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
+
+
+def _shard_shape(s: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``s.shard_shape(shape)``; a dimension an axis does not divide is padded up (XLA's way)."""
+    try:
+        return tuple(s.shard_shape(shape))
+    except ValueError:
+        if not isinstance(s, NamedSharding):
+            raise
+    out = list(shape)
+    for i, entry in enumerate(s.spec[: len(shape)]):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = math.prod(s.mesh.shape[a] for a in names)
+        out[i] = -(-shape[i] // parts)
+    return tuple(out)
+
+
+class _Tally:
+    """Sums bytes per device and logical bytes per category; one cache entry per layout."""
+
+    def __init__(self, devices: list[jax.Device]) -> None:
+        names = [device_name(d) for d in sorted(devices, key=device_key)]
+        self.per_device = {c: dict.fromkeys(names, 0) for c in CATEGORIES}
+        self.logical = dict.fromkeys(CATEGORIES, 0)
+        self.sharded = dict.fromkeys(CATEGORIES, 0)
+        self.count = dict.fromkeys(CATEGORIES, 0)
+        self.host = dict.fromkeys(names, 0)  # offloaded: host memory, 0 on the devices
+        self._cache: dict[Any, tuple[int, tuple[str, ...], bool]] = {}
+
+    def add(self, category: str, shape: tuple[int, ...], dtype: Any, s: Sharding) -> None:
+        key = (s, shape, dtype)
+        hit = self._cache.get(key)
+        if hit is None:
+            per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
+            names = tuple(device_name(d) for d in s.device_set)
+            hit = self._cache[key] = (per, names, _is_sharded(s))
+        per, names, sharded = hit
+        logical = math.prod(shape) * dtype.itemsize
+        row = self.host if is_host(s) else self.per_device[category]
+        for name in names:
+            row[name] = row.get(name, 0) + per
+        self.logical[category] += logical
+        self.sharded[category] += logical if sharded else 0
+        self.count[category] += 1
+
+    def rows(self) -> tuple[PlanRow, ...]:
+        return tuple(
+            PlanRow(
+                c,
+                max(self.per_device[c].values(), default=0),
+                self.logical[c],
+                self.sharded[c],
+                self.count[c],
+            )
+            for c in CATEGORIES
+            if self.count[c]
+        )
+
+    def by_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.per_device.values():
+            for name, n in row.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+
+def _is_sharded(s: Sharding) -> bool:
+    """Split over several devices (not fully replicated, not one device)."""
+    return len(s.device_set) > 1 and not s.is_fully_replicated
+
+
+def _category(path: tuple[Any, ...], is_state: bool) -> str:
+    if not is_state:
+        return "params"
+    name = getattr(path[0], "name", None) if path else None
+    return name if name in _STATE_CATEGORIES else "other"
+
+
+def _add_state(tally: _Tally, state: Any, shardings: Any, is_state: bool) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    if len(flat) != len(targets):  # pragma: no cover - state_shardings keeps the structure
+        raise UsageError(
+            f"`state_or_shapes` has {len(flat)} leaves but its shardings have {len(targets)}; "
+            "pass the unboxed params tree or a jaxdev.TrainState."
+        )
+    for (path, leaf), s in zip(flat, targets):
+        tally.add(_category(path, is_state), *_shape_dtype(leaf), s)
+
+
+def _batch_spec(ndim: int, axis: Any, lead: int) -> P:
+    return P(*([None] * lead), axis) if ndim > lead else P()
+
+
+def _add_batch(tally: _Tally, batch: Any, layout: tuple[Mesh, Any, int]) -> None:
+    mesh, axis, lead = layout
+    for leaf in jax.tree.leaves(batch):
+        shape, dtype = _shape_dtype(leaf)
+        tally.add("batch", shape, dtype, named_sharding(mesh, _batch_spec(len(shape), axis, lead)))
+
+
+def _build(
+    state: Any, shardings: Any, batch: Any, layout: Any, mesh: Mesh
+) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
+    """``(rows, total, bytes by device, host bytes by device)``."""
+    tally = _Tally(list(mesh.devices.flat))
+    _add_state(tally, state, shardings, is_train_state(state))
+    if batch is not None:
+        _add_batch(tally, batch, layout)
+    by_device = tally.by_device()
+    return tally.rows(), max(by_device.values(), default=0), by_device, tally.host
+
+
+# ---------------------------------------------------------------- plan
+
+
+def plan(
+    state_or_shapes: Any,
+    mesh: Mesh | None = None,
+    rules: Any = "replicate",
+    *,
+    step: Any = None,
+    batch: Any = None,
+    **options: Any,
+) -> MemoryPlan:
+    """Plan the bytes per device of a state (and batch, and step) before allocating anything.
+
+    Only shapes and dtypes are read: pass arrays, or ``jax.ShapeDtypeStruct``
+    s from ``jax.eval_shape`` (e.g. ``jax.eval_shape(lambda: TrainState.create(
+    model.init(key, x), tx))``), and the plan equals the placed tree's
+    :func:`jaxdev.placement` totals. Shardings come from
+    :func:`jaxdev.param_shardings` of the state (under ``"flax"``, unboxed params already
+    placed on the mesh count in the layout they carry, which is what the
+    train step keeps): for a :class:`jaxdev.TrainState` the rows
+    are ``params``, ``opt_state`` (following the params), ``model_state`` and
+    ``other`` (``step``, ``rng``); any other tree is counted as ``params``.
+
+    The batch is split along its rows the way the step splits it: with
+    ``step``, over the step's batch axis (``Strategy.axis``; behind the
+    ``steps_per_call`` / ``accumulate`` group axes of a sharded step; the
+    whole batch on one device for ``Strategy.single``); without, over every
+    mesh axis except ``'model'`` / ``'tensor'`` (what
+    ``Strategy.sharded(mesh)`` does). Rows the devices do not divide count as
+    padded up to the next multiple (what ``put_batch`` does); scalars are
+    replicated. Pass the batch as the step receives it (after ``put_batch``).
+
+    With ``step`` and ``batch`` the step is also compiled for them
+    (``step.lower(state, batch).compile()``; nothing runs, nothing is
+    allocated) and its ``memory_analysis()`` kept in ``plan.compiled``;
+    ``plan.peak`` is then ``argument + output - alias + temp``.
+
+    Args:
+      state_or_shapes: a train state or any pytree of arrays, numbers or
+        ``ShapeDtypeStruct`` s (linen boxes and NNX ``State`` s understood).
+      mesh: the mesh; default: the step's mesh, else :func:`jaxdev.data_mesh`.
+      rules: the :data:`jaxdev.Rules` for the params; with ``step``, the
+        step's own rules are used (the default ``"replicate"`` stands for
+        them; any other value that differs from them is an error).
+      step: optional :class:`jaxdev.TrainStep` (anything with ``.strategy``
+        and ``.lower(state, batch)``).
+      batch: optional batch (arrays or ``ShapeDtypeStruct`` s).
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
+        :func:`jaxdev.param_shardings`.
+
+    Returns:
+      A :class:`MemoryPlan`; ``print`` it for a table.
+
+    Raises:
+      UsageError: ``step`` is not a train step, or ``mesh`` / ``rules``
+        disagree with the step's.
+      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> tx = optax.adam(1e-3)
+      >>> params = {"w": jnp.ones((2048, 512))}
+      >>> shapes = jax.eval_shape(lambda: jaxdev.TrainState.create(params, tx))
+      >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+      >>> full, fsdp = jaxdev.memory.plan(shapes, mesh), jaxdev.memory.plan(shapes, mesh, "fsdp")
+      >>> full["params"] // fsdp["params"], fsdp["opt_state"] - 2 * fsdp["params"]  # + count
+      (4, 4)
+      >>> print(fsdp)
+      memory plan: mesh(data=2, fsdp=4), rules='fsdp'
+      category   bytes/device  total bytes  sharded
+      ---------  ------------  -----------  -------
+      params     1.0 MiB       4.0 MiB      100.0%
+      opt_state  2.0 MiB       8.0 MiB      >99.9%
+      other      4 B           4 B          0.0%
+      total      3.0 MiB       12.0 MiB     >99.9%
+    """
+    lowered = None
+    if step is not None and batch is not None:
+        lowered = step.lower(state_or_shapes, batch)
+    return _plan(state_or_shapes, mesh, rules, step, batch, lowered, options)
+
+
+def step_plan(step: Any, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
+    """The plan of one call of ``step``, with the program it compiled (``lowered``).
+
+    What :func:`plan` gives with ``step`` and ``batch``, without lowering the
+    step again: the train step builds its memory check on it.
+    """
+    return _plan(state, None, "replicate", step, batch, lowered, {})
+
+
+def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> MemoryPlan:
+    mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
+    if step is not None:  # the step's rule options, unless given here
+        options = {**step.strategy.options, **options}
+    # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
+    shardings = step_shardings(state_or_shapes, mesh, rules, **options)
+    if step is not None:  # the step's layout: the fields it keeps in host memory count there
+        shardings = offloaded(shardings, state_or_shapes, step.strategy.offload)
+    else:  # the state as it is: leaves already offloaded count there
+        shardings = kept_host(shardings, state_or_shapes)
+    state = unbox(state_or_shapes)
+    rows, total, by_device, host = _build(state, shardings, batch, layout, mesh)
+    compiled = None if lowered is None else _compiled_memory(lowered)
+    inputs = _Inputs(state, batch, layout, dict(options))
+    host = host if any(host.values()) else {}
+    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
+
+
+def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Mesh, Any, Any]:
+    """The mesh, rules and batch layout ``(mesh, axis, leading axes)`` of a plan."""
+    if step is None:
+        mesh = check_mesh(mesh)
+        return mesh, rules, (_batch_layout(mesh) if batch is not None else None)
+    strategy = getattr(step, "strategy", None)
+    if strategy is None or not callable(getattr(step, "lower", None)):
+        raise UsageError(
+            f"`step` must be a jaxdev train step (from `jaxdev.make_train_step`), got "
+            f"{type(step).__name__}: it needs `.strategy` and `.lower(state, batch)`."
+        )
+    if mesh is not None and check_mesh(mesh) != strategy.mesh:
+        raise UsageError(
+            f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
+            "leave `mesh` out when passing `step` (the plan uses the step's)."
+        )
+    own = strategy.rules
+    if not _same_rules(rules, own) and not _same_rules(rules, "replicate"):
+        raise UsageError(
+            f"`rules`={short(rules, 80)} differ from the step's params rules {short(own, 80)}; "
+            "leave `rules` out when passing `step` (the plan uses the step's)."
+        )
+    k, m = getattr(step, "steps_per_call", 1), getattr(step, "accumulate", 1)
+    return strategy.mesh, own, (strategy.mesh, strategy.axis, strategy.row_axis(k, m))
+
+
+def _same_rules(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return isinstance(a, str) and isinstance(b, str) and a == b
+    if isinstance(a, list):
+        a = tuple(tuple(r) if isinstance(r, list) else r for r in a)
+    if isinstance(b, list):
+        b = tuple(tuple(r) if isinstance(r, list) else r for r in b)
+    try:
+        return bool(a == b)
+    except Exception:  # layout trees of arrays: no plain equality
+        return a is b
+
+
+def _batch_layout(mesh: Mesh) -> tuple[Mesh, Any, int]:
+    """``(mesh, axis, 0)``: the rows split as :func:`jaxdev.shard_batch` splits them."""
+    return mesh, batch_axis(mesh, None), 0
+
+
+def _compiled_memory(lowered: Any) -> CompiledMemory | None:
+    compiled = lowered.compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:  # the backend does not analyse memory
+        return None
+    argument, output = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
+    alias = int(analysis.alias_size_in_bytes)
+    h_arg, h_out, h_alias = host_bytes(lowered, compiled)
+    reported = [
+        int(getattr(analysis, f"host_{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias")
+    ]
+    if any(reported):  # the backend counts host memory apart
+        host = reported[0] + reported[1] - reported[2]
+    else:  # XLA:CPU counts offloaded arguments with the device's: take them out
+        argument, output, alias = argument - h_arg, output - h_out, max(alias - h_alias, 0)
+        host = h_arg + h_out - h_alias
+    return CompiledMemory(
+        argument,
+        output,
+        alias,
+        int(analysis.temp_size_in_bytes),
+        int(analysis.generated_code_size_in_bytes),
+        host,
+    )
+
+
+# ---------------------------------------------------------------- budgets
+
+
+def device_memory_limit(devices: Any) -> int | None:
+    """The smallest ``memory_stats()["bytes_limit"]`` of ``devices``, or None if any reports none.
+
+    Example:
+      >>> import jax
+      >>> from jaxdev.memory._plan import device_memory_limit
+      >>> device_memory_limit(jax.devices("cpu")) is None  # CPU reports no limit
+      True
+    """
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # backends without memory statistics
+            return None
+        limit = (stats or {}).get("bytes_limit")
+        if not limit:
+            return None
+        limits.append(int(limit))
+    return min(limits, default=None)
+
+
+def resolve_limit(
+    limit: Any,
+    devices: Any,
+    example: str = "plan.fits(limit=16 * 2**30)",
+    *,
+    required: bool = True,
+    arg: str = "limit",
+) -> tuple[int | None, str]:
+    """``(bytes per device, where it came from)`` for a memory budget: the one owner.
+
+    ``limit`` given: checked and taken (``arg`` names it in errors and as the
+    source). ``None``: the smallest ``bytes_limit`` of this process's
+    ``devices`` (a mesh or devices); a backend that reports none (CPU)
+    raises naming ``example`` when ``required``, else gives ``None``.
+
+    Example:
+      >>> import jaxdev
+      >>> from jaxdev.memory._plan import resolve_limit
+      >>> resolve_limit(2**20, jaxdev.data_mesh())
+      (1048576, 'limit')
+      >>> resolve_limit(None, jaxdev.data_mesh(), required=False)  # CPU reports none
+      (None, 'no limit known')
+    """
+    if limit is None:
+        flat = devices.devices.flat if isinstance(devices, Mesh) else devices
+        local = [d for d in flat if d.process_index == jax.process_index()]
+        found = device_memory_limit(local)
+        if found is not None:
+            return found, "bytes_limit of the devices"
+        if not required:
+            return None, "no limit known"
+        platform = local[0].platform if local else "?"
+        raise UsageError(
+            f"the {platform} backend reports no memory limit (`memory_stats()` has no "
+            f"'bytes_limit'), so there is nothing to compare with: pass `{arg}=` in bytes "
+            f"per device, e.g. `{example}`."
+        )
+    if (
+        isinstance(limit, bool)
+        or not isinstance(limit, (int, float, np.integer, np.floating))
+        or not math.isfinite(limit)
+        or limit <= 0
+    ):
+        raise UsageError(
+            f"`{arg}` must be a number of bytes per device > 0 (e.g. 16 * 2**30) or None for "
+            f"the devices' own limit, got {limit!r}."
+        )
+    return int(limit), arg
+
+
+def check_fits(
+    plan_: MemoryPlan,
+    limit: int | None = None,
+    *,
+    source: str | None = None,
+    subject: str | None = None,
+    explain: Callable[[int, str], Any] | None = None,
+) -> None:
+    """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
+
+    The message says what is needed and what is available, and the fix:
+    with ``explain``, the cheapest of its compiled options that fits (or that
+    none does); without, when the params are replicated
+    (``rules='replicate'``) over several devices, what ``'fsdp'`` would need
+    instead.
+
+    This is the one memory check: :func:`jaxdev.make_train_step` with
+    ``memory_limit`` (or a device limit) calls it with the plan of its first
+    call, so the step and :func:`jaxdev.memory.plan` give the same figures and the
+    same advice, and the advice works when followed on the same mesh.
+
+    Args:
+      plan_: a :class:`MemoryPlan`.
+      limit: bytes per device, or ``None`` for the devices' ``bytes_limit``.
+      source: where ``limit`` came from, for the message (default: ``limit``).
+      subject: what needs the memory, to start the message (e.g. ``the
+        train step``).
+      explain: ``explain(limit, source)`` -> a
+        :class:`jaxdev.memory.MemoryExplanation`, called only when the plan does
+        not fit: its details (live arrays by path, compiled options) are
+        added to the message and it is kept as the error's ``explanation``.
+
+    Raises:
+      MemoryPlanError: the plan needs more than ``limit``.
+      UsageError: as in :meth:`MemoryPlan.fits`.
+
+    Example:
+      >>> import jax, jaxdev
+      >>> from jaxdev.memory._plan import check_fits
+      >>> p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((8192, 1024), "float32")})
+      >>> check_fits(p, limit=64 * 2**20)
+      >>> try:
+      ...     check_fits(p, limit=16 * 2**20)
+      ... except jaxdev.MemoryPlanError as e:
+      ...     print(str(e).split("; ")[0])
+      needs 32.0 MiB per device, 16.0 MiB available (limit)
+    """
+    limit_, found = resolve_limit(limit, plan_.mesh)
+    source = source or found
+    need = plan_.peak
+    if need <= limit_:
+        return
+    detail = ""
+    c = plan_.compiled
+    if c is not None:
+        detail = (
+            f" (compiled step: arguments {human_bytes(c.argument)} + outputs "
+            f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
+            f"{human_bytes(c.temp)})"
+        )
+    explanation, failed = None, ""
+    if explain is not None:
+        try:
+            explanation = explain(limit_, source)
+        except Exception as e:  # advice only: the check's own message stands
+            failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
+    if explanation is not None and explanation.advice():  # what the compiled options show
+        alternative, fix = "", explanation.advice() + "."
+    else:
+        alternative = fsdp_alternative(plan_)
+        fix = (
+            ""
+            if _no_fsdp_advice(plan_)
+            else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
+            "`rules='fsdp'` in `jaxdev.memory.plan`), "
+        ) + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    lead = f"{subject} needs" if subject else "needs"
+    message = (
+        f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
+        f"({source}){alternative}.{' Nothing ran.' if subject else ''} Fix: {fix}{failed}"
+    )
+    if explanation is not None:
+        message += "\n" + explanation.details()
+    err = MemoryPlanError(message)
+    err.explanation = explanation
+    raise err
+
+
+def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
+    """One device, or params the rules already lay out ('fsdp' would replace the user's rules)."""
+    return plan_.mesh.size == 1 or not _same_rules(plan_.rules, "replicate")
+
+
+def fsdp_alternative(plan_: MemoryPlan) -> str:
+    """``"; with rules='fsdp' over 8 devices: 8.1 GiB"``, or ``""`` when it does not apply.
+
+    ``'fsdp'`` shards over its default axis (:func:`fsdp_axis_of`: the
+    ``'fsdp'`` axis, else the batch axes), exactly what
+    ``Strategy.sharded(mesh, rules='fsdp')`` does. Offered only for
+    replicated params (``rules='replicate'``: ``'fsdp'`` would replace other
+    rules), and not when the axis has one device or the rules cannot apply.
+    """
+    mesh, inputs = plan_.mesh, plan_._inputs
+    if inputs is None or _no_fsdp_advice(plan_):
+        return ""
+    options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
+    try:
+        axis = fsdp_axis_of(mesh)
+        shardings = state_shardings(inputs.state, mesh, "fsdp", **options)
+    except Exception:  # the alternative is advice only
+        return ""
+    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    if n <= 1:
+        return ""
+    _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
+    note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""
+    return f"; with rules='fsdp' over {n} devices: {human_bytes(total)}{note}"
+
+
+# ---------------------------------------------------------------- table
+
+
+def _format(p: MemoryPlan) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.shape.items())
+    rules = p.rules if isinstance(p.rules, str) else short(p.rules, 80)
+    head = ("category", "bytes/device", "total bytes", "sharded")
+    body = [
+        (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))
+        for r in p.rows
+    ]
+    logical = sum(r.total_bytes for r in p.rows)
+    sharded = sum(r.sharded_bytes for r in p.rows)
+    everything = PlanRow("total", p.total, logical, sharded, 0)
+    body.append(("total", human_bytes(p.total), human_bytes(logical), _pct(everything)))
+    lines = [
+        f"memory plan: mesh({mesh}), rules={rules!r}"
+        if isinstance(p.rules, str)
+        else f"memory plan: mesh({mesh}), rules={rules}"
+    ]
+    lines += text_table(head, body, rstrip=True)
+    if p.host:
+        lines.append(
+            f"offloaded to host memory (pinned_host): {human_bytes(p.host)} per device "
+            "(0 on the devices: not in the rows above)"
+        )
+    c = p.compiled
+    if c is not None:
+        lines.append(
+            f"compiled step (memory_analysis, per device): arguments {human_bytes(c.argument)}, "
+            f"outputs {human_bytes(c.output)}, donated {human_bytes(c.alias)}, temporaries "
+            f"{human_bytes(c.temp)}, code {human_bytes(c.generated_code)}"
+            + (f"; in host memory: {human_bytes(c.host)}" if c.host else "")
+        )
+        lines.append(
+            f"peak per device ~ {human_bytes(c.peak)} (arguments + outputs - donated + temporaries)"
+        )
+    return "\n".join(lines)
+
+
+def _pct(r: PlanRow) -> str:
+    """``'99.5%'``; never rounds to 0% or 100% unless exact (``'<0.1%'``, ``'>99.9%'``)."""
+    share = r.sharded_share * 100
+    text = f"{share:.1f}%"
+    if 0 < share < 100 and text in ("0.0%", "100.0%"):
+        return "<0.1%" if share < 50 else ">99.9%"
+    return text

@@ -1,0 +1,318 @@
+"""Flax NNX modules in jaxdev's step: split once, train the state, write it back.
+
+An ``nnx.Module`` keeps its parameters, its batch statistics and its RNG
+state inside the object. jaxdev's step trains pytrees, so:
+
+* :func:`nnx_split` gives the module's ``nnx.Param`` s (trained by the
+  optimizer) and everything else (``BatchStat``, ``RngState``, ...: the
+  ``model_state`` the forward pass updates);
+* :func:`nnx_loss` turns ``loss_fn(model, batch)`` into the step's
+  ``has_state`` contract, merging a module from the state on every call;
+* :func:`nnx_update` writes a trained :class:`TrainState` back into the module.
+
+With an ``rng`` in the train state, every RNG stream of the module (dropout,
+...) is reseeded from the step's key, which jaxdev derives per step and, under
+pmap / shard_map, per device: each device draws different masks for its rows;
+a ``loss_fn`` with an ``rngs`` parameter (the NNX tutorial's
+``loss_fn(model, batch, rngs)``, ``model(x, rngs=rngs)``) gets that key as an
+``nnx.Rngs``. Without an ``rng``, a module's own ``nnx.Rngs`` streams draw
+from their own keys, with the device index folded in under pmap / shard_map
+for the call only (so devices draw different masks and the stored streams
+stay equal on every device).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .._errors import UsageError
+from ._train import current_device_axis
+
+
+def _check_module(model: Any, name: str) -> None:
+    if not isinstance(model, nnx.Module):
+        raise UsageError(f"`{name}` must be a flax.nnx.Module, got {type(model).__name__}.")
+
+
+def nnx_split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:
+    """Return ``(params, model_state)`` of an NNX module: its ``nnx.Param`` s and the rest.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jaxdev
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.BatchNorm(3, rngs=rngs))
+      >>> params, model_state = jaxdev.nnx.split(model)
+      >>> sorted(model_state["layers"][1].keys())
+      ['mean', 'var']
+    """
+    _check_module(model, "model")
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return params, rest
+
+
+def _streams(model: nnx.Module) -> list[str]:
+    nodes = (node for _, node in nnx.iter_graph(model))
+    return sorted({node.tag for node in nodes if isinstance(node, nnx.RngStream)})
+
+
+def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``loss_fn(model, batch, **kw)`` for ``make_train_step(..., has_state=True)``.
+
+    The returned function takes ``(params, model_state, batch[, rng], **kw)``,
+    merges a module from them, calls ``loss_fn`` on it and returns its
+    results followed by the module's new non-``Param`` state. Keyword
+    arguments (``mask=`` with ``pass_mask=True``) are passed through. Use the
+    same wrapper for :func:`jaxdev.make_eval_step`, calling ``model.eval()``
+    inside ``loss_fn`` when it should not update batch statistics.
+
+    Randomness, in the two ways NNX code draws it:
+
+    * keys at call time (the NNX tutorial: ``nnx.Dropout(rate)`` without
+      ``rngs``, ``model(x, rngs=rngs)``): give ``loss_fn`` a parameter
+      named ``rngs``, ``loss_fn(model, batch, rngs=None)``, and the state an
+      ``rng`` (``step.init_state(..., rng=jax.random.key(0))``); it gets the
+      step's key as ``nnx.Rngs(key)``, new every step and, under pmap /
+      shard_map, on every device. Eval steps have no key: it gets ``None``.
+    * a module holding its own ``nnx.Rngs`` streams: with an ``rng`` in the
+      state they are reseeded from the step's key; without, they draw from
+      their own keys, with the device index folded in under pmap /
+      shard_map for the call only.
+
+    Args:
+      model: the module (its structure is captured; its values come from the state).
+      loss_fn: ``loss_fn(model, batch[, rngs]) -> losses`` or ``(losses, aux)``.
+
+    Returns:
+      The wrapped loss function.
+
+    Raises:
+      UsageError: (when the step runs) ``loss_fn`` takes ``rngs``, the state
+        has no ``rng``, and flax's ``Dropout`` found no key.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> loss = jaxdev.nnx.loss(model, lambda m, b: (m(b["x"])[:, 0] - b["y"]) ** 2)
+      >>> step = jaxdev.make_train_step(loss, optax.sgd(0.1), has_state=True)
+      >>> params, model_state = jaxdev.nnx.split(model)
+      >>> state = step.init_state(params, optax.sgd(0.1), model_state=model_state)
+      >>> batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros(4, np.float32)}
+      >>> state, metrics = step(state, step.put_batch(batch))
+      >>> jaxdev.nnx.update(model, state)
+      >>> bool(jnp.allclose(model.kernel[...], state.params["kernel"][...]))
+      True
+
+      Keys at call time, as the NNX tutorial writes them:
+
+      >>> import jax
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.linear, self.dropout = nnx.Linear(2, 1, rngs=rngs), nnx.Dropout(0.5)
+      ...     def __call__(self, x, rngs=None):
+      ...         return self.dropout(self.linear(x), rngs=rngs)
+      >>> def loss_fn(model, batch, rngs=None):
+      ...     return (model(batch["x"], rngs)[:, 0] - batch["y"]) ** 2
+      >>> net = Net(nnx.Rngs(0))
+      >>> step = jaxdev.make_train_step(jaxdev.nnx.loss(net, loss_fn), optax.sgd(0.1),
+      ...                               has_state=True)
+      >>> params, model_state = jaxdev.nnx.split(net)
+      >>> state = step.init_state(params, optax.sgd(0.1), rng=jax.random.key(0),
+      ...                         model_state=model_state)
+      >>> state, metrics = step(state, step.put_batch(batch))
+      >>> int(state.step)
+      1
+    """
+    _check_module(model, "model")
+    graphdef = nnx.graphdef(model)
+    streams = _streams(model)
+    takes_rngs = _takes_rngs(loss_fn)
+
+    def wrapped(params, model_state, batch, rng=None, **kwargs):
+        # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
+        module = nnx.merge(graphdef, params, model_state, copy=True)
+        saved = _stream_keys(module)  # put back after the call: the stored state stays
+        if rng is not None and streams:  # replicated although each device drew its own keys
+            keys = jax.random.split(rng, len(streams))
+            # match_shape: a stream with a key per layer (nnx.vmap / scan over layers) gets
+            # one key per layer split from the step's key (flax's default policy raises)
+            nnx.reseed(module, policy="match_shape", **dict(zip(streams, keys)))
+        if rng is not None and takes_rngs:
+            kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
+        axis = current_device_axis()
+        if rng is None and axis is not None:
+            _fold_device_index(module, axis)
+        try:
+            out = loss_fn(module, batch, **kwargs)
+        except ValueError as err:
+            if takes_rngs and rng is None and "no `rngs`" in str(err):
+                raise UsageError(_NO_KEY) from err
+            raise
+        for key_var, key in saved:  # the stored streams stay equal on every device
+            key_var[...] = key
+        _, _, new_state = nnx.split(module, nnx.Param, ...)
+        return (*out, new_state) if isinstance(out, tuple) else (out, new_state)
+
+    return wrapped
+
+
+_NO_KEY = (
+    "`loss_fn` takes `rngs` (keys at call time, the NNX tutorial's style) but the state has "
+    "no `rng`, so `nnx_loss` had no key to give it and flax's Dropout found none. Train "
+    "with one: `step.init_state(params, tx, rng=jax.random.key(0), model_state=...)`; "
+    "evaluate a deterministic view: `nnx.view(model, deterministic=True, "
+    "use_running_average=True)`."
+)
+
+
+def _takes_rngs(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` names a parameter ``rngs`` (the NNX tutorial's ``loss_fn``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
+
+
+def _stream_keys(module: nnx.Module) -> list[tuple[Any, jax.Array]]:
+    """``(key variable, key)`` of every RNG stream of ``module``."""
+    return [
+        (node.key, node.key[...])
+        for _, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.RngStream)
+    ]
+
+
+def _fold_device_index(module: nnx.Module, axis: str) -> None:
+    """Fold this device's index into every RNG stream's key."""
+    index = jax.lax.axis_index(axis)
+    for key_var, key in _stream_keys(module):
+        key_var[...] = _fold_in(key, index)
+
+
+def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+    """``jax.random.fold_in`` of every key in ``key`` (a key per layer under nnx.vmap)."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    flat = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
+    return flat.reshape(key.shape)
+
+
+def nnx_update(model: nnx.Module, state: Any) -> None:
+    """Write a trained state's ``params`` and ``model_state`` back into ``model`` (in place).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> params, rest = jaxdev.nnx.split(model)
+      >>> zeros = jax.tree.map(jnp.zeros_like, params)
+      >>> state = jaxdev.TrainState.create(zeros, optax.sgd(0.1), model_state=rest)
+      >>> jaxdev.nnx.update(model, state)
+      >>> float(model.kernel[...].sum())
+      0.0
+    """
+    _check_module(model, "model")
+    parts = [state.params] + ([state.model_state] if state.model_state is not None else [])
+    nnx.update(model, *parts)
+
+
+def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
+    """``metrics.update(**values)`` counting only the real rows of a padded batch.
+
+    For a loop that keeps ``nnx.MultiMetric`` (``Average``, ``Accuracy``) and
+    ``@nnx.jit`` and uses jaxdev to place batches: ``jaxdev.shard_batch(batch,
+    mesh, pad=True)`` pads to a multiple of the device count with copies of
+    the last row, and a plain ``metrics.update`` counts those copies. Call it
+    where you would call ``metrics.update``, inside or outside ``nnx.jit``.
+
+    flax's own ``mask=`` is silent where this refuses: a scalar (a batch mean,
+    the tutorial's ``loss.mean()``) is counted once per real row, so the
+    padded rows stay in it; a ``(B,)`` mask of ``(B, T)`` per-token values
+    counts rows, not tokens; ``Welford`` and other metrics ignore it. Here
+    every value needs one entry per row, the mask is broadcast to the values'
+    per-element shape (``labels``'; ``logits`` may have one more axis), and a
+    metric other than ``Average`` / ``Accuracy`` is refused.
+
+    Args:
+      metrics: an ``nnx.MultiMetric`` or one ``nnx.metrics.Average`` /
+        ``Accuracy``, updated in place.
+      mask: a :class:`jaxdev.Padded` (its ``mask``), a boolean array with one
+        entry per row, or ``None`` (every row counts).
+      **values: what ``metrics.update`` takes (``loss=``, ``logits=``,
+        ``labels=``, ...), one entry per row (no ``.mean()``).
+
+    Raises:
+      UsageError: a value without one entry per row, values of different
+        per-element shapes, a mask that is not one entry per row, or a
+        metric that cannot leave rows out.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jaxdev
+      >>> from flax import nnx
+      >>> metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+      ...                           loss=nnx.metrics.Average("loss"))
+      >>> padded = jaxdev.shard_batch({"y": np.arange(5) % 2}, jaxdev.data_mesh(), pad=True)
+      >>> logits = jnp.stack([jnp.zeros(8), jnp.ones(8)], -1)  # predicts 1 for every row
+      >>> jaxdev.nnx.metrics_update(metrics, padded, loss=jnp.arange(8.0), logits=logits,
+      ...                           labels=padded.batch["y"])
+      >>> {k: round(float(v), 3) for k, v in metrics.compute().items()}  # rows 0..4 only
+      {'accuracy': 0.4, 'loss': 2.0}
+    """
+    mask = getattr(mask, "mask", mask)  # a Padded
+    if mask is None:
+        metrics.update(**values)
+        return
+    if jnp.ndim(mask) != 1:
+        raise UsageError(
+            f"`mask` must have one entry per row, shape (rows,), got shape {jnp.shape(mask)} "
+            "(the pmap layout?): give the batch laid out by `jaxdev.shard_batch`, or flatten "
+            "both with `jaxdev.pmap.unshard_from_pmap`."
+        )
+    _check_maskable(metrics)
+    shape = _element_shape(values, jnp.shape(mask)[0])
+    row = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (len(shape) - 1))
+    metrics.update(**values, mask=jnp.broadcast_to(row, shape))
+
+
+def _check_maskable(metrics: Any) -> None:
+    names = getattr(metrics, "_metric_names", None)  # nnx.MultiMetric's sub-metrics
+    parts = {n: getattr(metrics, n) for n in names} if names is not None else {"": metrics}
+    bad = [
+        f"{n or 'metrics'}: {type(m).__name__}"
+        for n, m in parts.items()
+        if not isinstance(m, nnx.metrics.Average)
+    ]
+    if bad:
+        raise UsageError(
+            "`metrics` can leave padded rows out only through nnx.metrics.Average and its "
+            f"subclasses (Accuracy); these would count them: {', '.join(bad)}. Update them "
+            "with the real rows only (`jaxdev.unpad`), outside the masked call."
+        )
+
+
+def _element_shape(values: dict[str, Any], rows: int) -> tuple[int, ...]:
+    """The per-element shape of ``values`` (the shortest; ``logits`` may add one axis)."""
+    shapes = {name: jnp.shape(v) for name, v in values.items()}
+    for name, s in shapes.items():
+        if not s or s[0] != rows:
+            raise UsageError(
+                f"`{name}` has shape {s}; with a mask every value needs one entry per row, "
+                f"shape ({rows}, ...). A scalar (a batch mean: `loss.mean()`) already counts "
+                "the padded rows: pass per-example values (no `.mean()`)."
+            )
+    shape = min(shapes.values(), key=len)
+    odd = {n: s for n, s in shapes.items() if s != shape and s[:-1] != shape}
+    if odd:
+        raise UsageError(
+            f"values of different per-element shapes: {shapes}; each must be {shape} (or, "
+            "for logits, one more axis). Update the metrics of each shape in its own call."
+        )
+    return shape

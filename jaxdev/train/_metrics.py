@@ -1,0 +1,986 @@
+"""On-device metric accumulators and an on-device log (CLU-style pytrees).
+
+A metric is a small pytree of device arrays with four operations:
+``empty()`` (the identity), ``from_value(value, mask=None)`` (one batch),
+``merge(other)`` (pure, runs on device, inside ``jit``) and ``compute()``
+(the value, still on device). Nothing here moves data to the host except
+:func:`fetch_metrics` / ``.fetch()``, which make exactly one ``jax.device_get`` of the
+raw accumulators and finish the arithmetic with numpy on the host.
+
+Masks: ``mask`` is a boolean validity mask over the leading (row) axes of
+``value`` (shape ``value.shape[:mask.ndim]``); rows where it is ``False``
+never count, whatever they hold (padding may be NaN).
+
+dtypes: values accumulate in float32; counts are int32, exact up to
+2**31 - 1 rows (or non-finite elements, or log records) per accumulator,
+after which they wrap. Across devices, ``reduce(axis)`` combines
+accumulators inside ``jax.pmap`` / ``shard_map`` with ``psum`` / ``pmin`` /
+``pmax``; under a sharded ``jax.jit`` the batch is one global array and no
+reduction is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._errors import MetricError
+from .._leaves import check_live
+from .._mesh import DEFAULT_AXIS
+from .._pending import explained_reads
+
+__all__ = [
+    "Accuracy",
+    "Collection",
+    "DeviceLog",
+    "Last",
+    "Max",
+    "Mean",
+    "Metric",
+    "Min",
+    "NonFinite",
+    "Sum",
+    "WeightedMean",
+    "fetch_metrics",
+]
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _checked_value(cls: type, value: Any, mask: Any) -> tuple[jax.Array, Any]:
+    """``(value as an array, valid-element mask)`` for ``cls.from_value``, checked."""
+    where = f"{cls.__name__}.from_value"
+    value = _as_array(value, "value", where)
+    return value, _valid(value, mask, where)
+
+
+def _as_array(value: Any, name: str, owner: str) -> jax.Array:
+    """Return ``value`` as a jax array, or raise naming the argument."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise MetricError(
+            f"`{owner}` expects `{name}` to be an array or number, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    try:
+        return jnp.asarray(value)
+    except TypeError as err:
+        raise MetricError(
+            f"`{owner}` expects `{name}` to be an array or number, got "
+            f"{type(value).__name__}: {err}"
+        ) from None
+
+
+_AMBIENT = threading.local()
+
+
+@contextlib.contextmanager
+def row_mask(mask: jax.Array | None) -> Iterator[None]:
+    """Make ``mask`` the default ``mask`` of every ``from_value`` in this block (this thread).
+
+    jaxdev's train and eval steps wrap the call of ``loss_fn`` in it, so a
+    metric built inside ``loss_fn`` (``Accuracy.from_logits(logits, y)``)
+    leaves the padded rows out without being told. A value that has no
+    entry per row (a scalar) cannot be masked there and is refused.
+    """
+    stack = _AMBIENT.__dict__.setdefault("stack", [])
+    stack.append(mask)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _ambient_mask(value: jax.Array, owner: str, strict: bool = True) -> jax.Array | None:
+    """The enclosing step's row mask for ``value``, or None outside a step."""
+    stack = getattr(_AMBIENT, "stack", None)
+    mask = stack[-1] if stack else None
+    if mask is None:
+        return None
+    if value.ndim and value.shape[0] == mask.shape[0]:
+        return mask
+    if not strict:
+        return None
+    raise MetricError(
+        f"`{owner}` got a value of shape {value.shape} inside a jaxdev step whose batch has "
+        f"{mask.shape[0]} rows here, some of which may be padding; a value without one entry "
+        "per row cannot leave them out. Pass per-example values (one per row), or an "
+        "explicit `mask=`."
+    )
+
+
+def _valid(value: jax.Array, mask: Any, owner: str) -> jax.Array | None:
+    """Return the mask broadcast to ``value.shape`` (bool), or ``None``.
+
+    Without ``mask``, the row mask of an enclosing jaxdev step applies.
+    """
+    if mask is None:
+        mask = _ambient_mask(value, owner)
+    if mask is None:
+        return None
+    mask = _as_array(mask, "mask", owner)
+    if mask.dtype != jnp.bool_:
+        raise MetricError(
+            f"`{owner}` expects `mask` to be boolean (True = valid row), got "
+            f"dtype {mask.dtype}. Pass `mask.astype(bool)` if 0/1 is meant."
+        )
+    if mask.ndim == 0 or mask.shape != value.shape[: mask.ndim]:
+        raise MetricError(
+            f"`{owner}` expects `mask` to cover the leading axes of `value`: "
+            f"`value` has shape {value.shape}, `mask` has shape {mask.shape}. "
+            "A per-row mask has shape (batch,)."
+        )
+    return jnp.reshape(mask, mask.shape + (1,) * (value.ndim - mask.ndim))
+
+
+def _masked_fill(value: jax.Array, valid: jax.Array | None, fill: float) -> jax.Array:
+    """Return float32 ``value`` with invalid rows replaced by ``fill``."""
+    value = value.astype(_F32)
+    return value if valid is None else jnp.where(valid, value, fill)
+
+
+def _count(value: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Return how many elements of ``value`` are valid, as an int32 scalar."""
+    if valid is None:
+        return jnp.asarray(value.size, _I32)
+    return jnp.sum(jnp.broadcast_to(valid, value.shape), dtype=_I32)
+
+
+def _check_partner(self: Metric, other: Any) -> None:
+    """Raise unless ``other`` is the same metric class as ``self``."""
+    if type(other) is not type(self):
+        raise MetricError(
+            f"`{type(self).__name__}.merge` expects `other` to be a "
+            f"{type(self).__name__}, got {type(other).__name__}."
+        )
+
+
+def _host_value(x: Any) -> Any:
+    """Return a 0-d numpy value as a Python number; other arrays unchanged."""
+    return x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
+
+
+# ----------------------------------------------------------------- metrics
+
+
+class Metric:
+    """Base class: a mergeable accumulator held as a pytree of device arrays.
+
+    Subclasses are frozen dataclasses registered as pytrees, so they pass in
+    and out of ``jax.jit``, ``jax.pmap`` and ``lax.scan`` unchanged.
+    """
+
+    @classmethod
+    def empty(cls) -> Metric:
+        """Return the identity accumulator (merging it changes nothing)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Metric:
+        """Return the accumulator of one batch ``value`` (rows under ``mask``)."""
+        raise NotImplementedError
+
+    def merge(self, other: Metric) -> Metric:
+        """Return the accumulator of both ``self`` and ``other`` (pure, on device)."""
+        raise NotImplementedError
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
+        """Return the accumulator combined over the named mesh or pmap axis ``axis``.
+
+        Use inside ``jax.pmap`` or ``shard_map``; every device gets the result.
+        """
+        raise NotImplementedError
+
+    def _compute(self, xp: Any) -> Any:
+        raise NotImplementedError
+
+    def compute(self) -> jax.Array:
+        """Return the metric's value as a device array (no host transfer)."""
+        return self._compute(jnp)
+
+    def fetch(self) -> Any:
+        """Return the value on the host with one ``jax.device_get``."""
+        return fetch_metrics(self)
+
+
+def _metric(cls: type) -> type:
+    """Make ``cls`` a frozen dataclass registered as a pytree."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+class _Sums(Metric):
+    """A metric whose every field is a sum: merging adds them, reducing ``psum`` s them."""
+
+    def merge(self, other: Metric) -> Metric:
+        """Return the accumulator of both metrics' elements (fields added)."""
+        _check_partner(self, other)
+        names = [f.name for f in dataclasses.fields(self)]
+        return type(self)(**{n: getattr(self, n) + getattr(other, n) for n in names})
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
+        """Return the accumulator over every device on ``axis`` (``psum`` of each field)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return type(self)(**{n: lax.psum(getattr(self, n), axis) for n in names})
+
+
+@_metric
+class Mean(_Sums):
+    """Mean of every valid element seen: ``total / count``.
+
+    Attributes:
+      total: float32 sum of the valid elements.
+      count: int32 number of valid elements (exact up to 2**31 - 1).
+
+    The mean of nothing (``count == 0``) is NaN, never a division error.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Mean
+      >>> m = Mean.from_value(jnp.array([1.0, 2.0, 9.0]),
+      ...                     mask=jnp.array([True, True, False]))
+      >>> m.merge(Mean.from_value(jnp.array([3.0]))).fetch()
+      2.0
+      >>> Mean.empty().fetch()
+      nan
+    """
+
+    total: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls) -> Mean:
+        """Return a mean with no elements (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
+        """Return the mean accumulator of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape; every element counts once.
+          mask: optional boolean array over the leading axes of ``value``.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value, valid = _checked_value(cls, value, mask)
+        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid))
+
+    def _compute(self, xp: Any) -> Any:
+        mean = self.total / xp.maximum(self.count, 1)
+        return xp.where(self.count > 0, mean, xp.nan).astype(xp.float32)
+
+
+@_metric
+class WeightedMean(_Sums):
+    """Weighted mean ``sum(value * weight) / sum(weight)`` of the valid elements (e.g. per token).
+
+    A language model's loss and token accuracy: per-token values with weight 0
+    on padding tokens, normalised by the total weight of everything merged
+    (all devices, micro-batches and steps), never by a count of rows.
+
+    Attributes:
+      total: float32 sum of ``value * weight`` over the valid elements.
+      weight: float32 sum of the valid elements' weights.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import WeightedMean
+      >>> tokens = jnp.array([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+      >>> weights = jnp.array([[1, 1, 0], [1, 0, 0]])
+      >>> WeightedMean.from_value(tokens, weights).fetch()
+      2.0
+    """
+
+    total: jax.Array
+    weight: jax.Array
+
+    @classmethod
+    def empty(cls) -> WeightedMean:
+        """Return a weighted mean of nothing (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), weight=jnp.zeros((), _F32))
+
+    @classmethod
+    def from_value(
+        cls, value: jax.typing.ArrayLike, weights: Any = None, mask: Any = None
+    ) -> WeightedMean:
+        """Return the accumulator of ``value`` weighted by ``weights`` (same shape).
+
+        Args:
+          value: array of any shape.
+          weights: numbers (or bools) of ``value``'s shape; ``None`` weighs every
+            element 1.
+          mask: optional boolean array over the leading (row) axes; inside a
+            jaxdev step the step's row mask applies by default.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` or ``weights`` is not numeric, or a shape does
+            not fit.
+        """
+        value, valid = _checked_value(cls, value, mask)
+        owner = f"{cls.__name__}.from_value"
+        if weights is None:
+            weights = jnp.ones(value.shape, _F32)
+        weights = _as_array(weights, "weights", owner)
+        if weights.shape != value.shape:
+            raise MetricError(
+                f"`{owner}` expects `weights` of `value`'s shape {value.shape}, got "
+                f"{weights.shape}."
+            )
+        if not (jnp.issubdtype(weights.dtype, jnp.number) or weights.dtype == jnp.bool_):
+            raise MetricError(f"`{owner}` expects numeric `weights`, got dtype {weights.dtype}.")
+        weights = _masked_fill(weights, valid, 0.0)
+        total = jnp.sum(jnp.where(weights != 0, _masked_fill(value, valid, 0.0) * weights, 0.0))
+        return cls(total=total, weight=jnp.sum(weights))
+
+    def _compute(self, xp: Any) -> Any:
+        safe = xp.where(self.weight != 0, self.weight, 1.0)
+        return xp.where(self.weight != 0, self.total / safe, xp.nan).astype(xp.float32)
+
+
+@_metric
+class Accuracy(Mean):
+    """Fraction of valid rows that are correct (a :class:`Mean` of 0/1).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Accuracy
+      >>> logits = jnp.array([[2.0, 1.0], [0.0, 3.0], [5.0, 0.0]])
+      >>> labels = jnp.array([0, 0, 1])
+      >>> Accuracy.from_logits(logits, labels).fetch()
+      0.3333333432674408
+      >>> Accuracy.from_value(jnp.array([True, False]), mask=jnp.array([True, False])).fetch()
+      1.0
+    """
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Accuracy:
+        """Return the accuracy of a correctness vector (bool or 0/1 per row).
+
+        Args:
+          value: correctness per row, boolean or numbers in [0, 1].
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        return super().from_value(value, mask)
+
+    @classmethod
+    def from_logits(
+        cls, logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike, mask: Any = None
+    ) -> Accuracy:
+        """Return the accuracy of ``argmax(logits, -1) == labels``.
+
+        Args:
+          logits: array of shape ``(..., num_classes)``.
+          labels: integer class indices of shape ``logits.shape[:-1]``.
+          mask: optional boolean validity mask over the leading axes of ``labels``.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: shapes do not match or ``labels`` is not integer.
+        """
+        owner = f"{cls.__name__}.from_logits"
+        logits = _as_array(logits, "logits", owner)
+        labels = _as_array(labels, "labels", owner)
+        if logits.ndim == 0 or labels.shape != logits.shape[:-1]:
+            raise MetricError(
+                f"`{owner}` expects `labels` of shape logits.shape[:-1]: `logits` "
+                f"has shape {logits.shape}, `labels` has shape {labels.shape}."
+            )
+        if not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise MetricError(
+                f"`{owner}` expects integer class indices in `labels`, got dtype "
+                f"{labels.dtype}. For one-hot labels pass `labels.argmax(-1)`."
+            )
+        return cls.from_value(jnp.argmax(logits, axis=-1) == labels, mask)
+
+
+class _Op(NamedTuple):
+    """The four ingredients of a fold metric (see :class:`_Reduce`)."""
+
+    fold: Callable[..., jax.Array]  # one batch to a scalar (identity if empty): jnp.sum
+    pair: Callable[..., jax.Array]  # two accumulators to one: jnp.add
+    collective: Callable[..., jax.Array]  # across devices: lax.psum
+    identity: float  # the empty accumulator; fills masked-out rows
+
+
+class _Reduce(Metric):
+    """Base of the one-scalar metrics folded with an associative op (Sum, Min, Max).
+
+    A subclass is a :func:`_metric` dataclass with a single float32 field and
+    an ``_op`` naming the batch fold, the pairwise merge, the cross-device
+    collective and their identity. Masked-out rows are replaced by the
+    identity before the fold, so they never count, whatever they hold.
+    """
+
+    _op: ClassVar[_Op]
+
+    def _value(self) -> jax.Array:
+        return getattr(self, dataclasses.fields(self)[0].name)
+
+    @classmethod
+    def empty(cls) -> _Reduce:
+        """Return the identity accumulator (``0``, ``+inf`` or ``-inf``)."""
+        return cls(jnp.full((), cls._op.identity, _F32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Reduce:
+        """Return the accumulator of ``value``'s valid elements.
+
+        Args:
+          value: array (or number) of any shape.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          The accumulator of this batch.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        owner = f"{cls.__name__}.from_value"
+        value = _as_array(value, "value", owner)
+        filled = _masked_fill(value, _valid(value, mask, owner), cls._op.identity)
+        return cls(cls._op.fold(filled))
+
+    def merge(self, other: _Reduce) -> _Reduce:
+        """Return the accumulator of both (their sum, smaller or larger value)."""
+        _check_partner(self, other)
+        return type(self)(self._op.pair(self._value(), other._value()))
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> _Reduce:
+        """Return the accumulator over every device on ``axis`` (``psum``/``pmin``/``pmax``)."""
+        return type(self)(self._op.collective(self._value(), axis))
+
+    def _compute(self, xp: Any) -> Any:
+        return self._value()
+
+
+@_metric
+class Sum(_Reduce):
+    """Sum of every valid element seen (float32); ``0.0`` when nothing was seen.
+
+    Attributes:
+      total: float32 sum of the valid elements.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Sum
+      >>> Sum.from_value(jnp.array([1, 2, 3]), mask=jnp.array([True, False, True])).fetch()
+      4.0
+      >>> Sum.empty().merge(Sum.from_value(2.5)).fetch()
+      2.5
+    """
+
+    total: jax.Array
+    _op = _Op(jnp.sum, jnp.add, lax.psum, 0.0)
+
+
+@_metric
+class Min(_Reduce):
+    """Smallest valid element seen (float32); ``+inf`` when nothing was seen.
+
+    NaN in a valid row propagates (the minimum is then NaN).
+
+    Attributes:
+      value: float32 minimum of the valid elements.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Min
+      >>> Min.from_value(jnp.array([4.0, -1.0, 2.0]), mask=jnp.array([True, False, True])).fetch()
+      2.0
+      >>> Min.empty().fetch()
+      inf
+    """
+
+    value: jax.Array
+    _op = _Op(functools.partial(jnp.min, initial=math.inf), jnp.minimum, lax.pmin, math.inf)
+
+
+@_metric
+class Max(_Reduce):
+    """Largest valid element seen: :class:`Min` mirrored (``value``, ``-inf`` when empty).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Max
+      >>> Max.from_value(3).merge(Max.from_value(jnp.array([1.0, 5.0]))).fetch()
+      5.0
+    """
+
+    value: jax.Array
+    _op = _Op(functools.partial(jnp.max, initial=-math.inf), jnp.maximum, lax.pmax, -math.inf)
+
+
+@_metric
+class Last(Metric):
+    """The most recently merged value (e.g. the learning rate); NaN if none.
+
+    ``a.merge(b)`` keeps ``b``'s value when ``b`` saw anything, else ``a``'s:
+    associative, not commutative. With a mask, ``from_value`` keeps the last
+    valid row. ``reduce`` keeps the value of the highest-indexed device that
+    saw anything.
+
+    Attributes:
+      value: float32 array of the recorded shape.
+      count: int32 number of batches that contributed.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Last
+      >>> Last.from_value(0.1).merge(Last.from_value(0.05)).fetch()
+      0.05000000074505806
+      >>> Last.from_value(jnp.array([1.0, 2.0, 3.0]), mask=jnp.array([True, True, False])).fetch()
+      2.0
+    """
+
+    value: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...] = ()) -> Last:
+        """Return a ``Last`` that saw nothing, holding values of ``shape``."""
+        return cls(value=jnp.zeros(shape, _F32), count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Last:
+        """Return ``value`` itself, or with ``mask`` its last valid row.
+
+        Args:
+          value: array (or number); without a mask it is kept whole.
+          mask: optional 1-D boolean mask over the first axis of ``value``.
+
+        Returns:
+          The accumulator holding one value (count 0 if no row was valid).
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        owner = f"{cls.__name__}.from_value"
+        value = _as_array(value, "value", owner)
+        if mask is None:
+            mask = _ambient_mask(value, owner, strict=False)
+        if mask is None:
+            return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
+        mask = _as_array(mask, "mask", owner)
+        if mask.ndim != 1:
+            raise MetricError(f"`{owner}` expects a 1-D row `mask`, got shape {mask.shape}.")
+        _valid(value, mask, owner)
+        last = mask.shape[0] - 1 - jnp.argmax(mask[::-1])
+        return cls(value=value[last].astype(_F32), count=jnp.any(mask).astype(_I32))
+
+    def merge(self, other: Last) -> Last:
+        """Return ``other`` if it saw anything, else ``self`` (counts add)."""
+        _check_partner(self, other)
+        value = jnp.where(other.count > 0, other.value, self.value)
+        return type(self)(value=value, count=self.count + other.count)
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Last:
+        """Return the value of the last device on ``axis`` that saw one."""
+        rank = jnp.where(self.count > 0, lax.axis_index(axis), -1)
+        mine = (rank == lax.pmax(rank, axis)) & (self.count > 0)
+        value = lax.psum(jnp.where(mine, self.value, 0.0), axis)
+        return type(self)(value=value, count=lax.psum(self.count, axis))
+
+    def _compute(self, xp: Any) -> Any:
+        return xp.where(self.count > 0, self.value, xp.nan).astype(xp.float32)
+
+
+@_metric
+class NonFinite(Metric):
+    """Number of NaN, +Inf and -Inf elements in valid rows (int32, on device).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import NonFinite
+      >>> x = jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf])
+      >>> NonFinite.from_value(x).fetch()
+      3
+      >>> NonFinite.from_value(x, mask=jnp.array([True, False, True, False])).fetch()
+      1
+    """
+
+    count: jax.Array
+
+    @classmethod
+    def empty(cls) -> NonFinite:
+        """Return a zero count."""
+        return cls(count=jnp.zeros((), _I32))
+
+    @classmethod
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
+        """Return the number of non-finite valid elements of ``value``.
+
+        Args:
+          value: array (or number) of any shape; integers are always finite.
+          mask: optional boolean validity mask over the leading axes.
+
+        Returns:
+          This batch's count, to ``merge`` into a running one.
+
+        Raises:
+          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
+        """
+        value, valid = _checked_value(cls, value, mask)
+        bad = ~jnp.isfinite(value)
+        bad = bad if valid is None else bad & valid
+        return cls(count=jnp.sum(bad, dtype=_I32))
+
+    def merge(self, other: NonFinite) -> NonFinite:
+        """Return the sum of both counts."""
+        _check_partner(self, other)
+        return type(self)(count=self.count + other.count)
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> NonFinite:
+        """Return the count over every device on ``axis`` (``psum``)."""
+        return type(self)(count=lax.psum(self.count, axis))
+
+    def _compute(self, xp: Any) -> Any:
+        return self.count
+
+
+# -------------------------------------------------------------- collection
+
+
+class Collection(Mapping):
+    """An immutable, mergeable dict of named metrics (itself a pytree).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxdev.metrics import Collection, Mean, NonFinite
+      >>> spec = {"loss": Mean, "bad": NonFinite}
+      >>> @jax.jit
+      ... def step(metrics, loss, mask):
+      ...     batch = Collection.from_values(spec, {"loss": loss, "bad": loss}, mask)
+      ...     return metrics.merge(batch)
+      >>> m = Collection.empty(spec)
+      >>> m = step(m, jnp.array([1.0, 3.0]), jnp.array([True, True]))
+      >>> m = step(m, jnp.array([5.0, jnp.nan]), jnp.array([True, False]))
+      >>> m.fetch()
+      {'bad': 0, 'loss': 3.0}
+    """
+
+    def __init__(self, metrics: Mapping[str, Metric]):
+        """Wrap ``metrics``, a mapping from names to :class:`Metric` objects.
+
+        Raises:
+          MetricError: a value is not a ``Metric`` or a key is not a string.
+        """
+        bad = [
+            f"{k!r}: {type(v).__name__}"
+            for k, v in metrics.items()
+            if not isinstance(k, str) or not isinstance(v, Metric)
+        ]
+        if bad:
+            raise MetricError(
+                "`Collection` expects `metrics` to map str names to Metric objects "
+                f"(Mean, Sum, ...); got {', '.join(bad)}."
+            )
+        self._metrics = dict(sorted(metrics.items()))
+
+    @classmethod
+    def empty(cls, spec: Mapping[str, type[Metric]]) -> Collection:
+        """Return empty metrics of the classes named in ``spec``."""
+        return cls({name: _metric_class(name, kind).empty() for name, kind in spec.items()})
+
+    @classmethod
+    def from_values(
+        cls,
+        spec: Mapping[str, type[Metric]],
+        values: Mapping[str, jax.typing.ArrayLike],
+        mask: Any = None,
+    ) -> Collection:
+        """Return ``spec[k].from_value(values[k], mask)`` for every name ``k``.
+
+        Args:
+          spec: metric class per name, e.g. ``{"loss": Mean}``.
+          values: one value per name in ``spec`` (same keys).
+          mask: optional boolean validity mask shared by every value.
+
+        Returns:
+          The collection of this batch.
+
+        Raises:
+          MetricError: the keys of ``values`` differ from ``spec``'s.
+        """
+        _check_keys("Collection.from_values", "values", set(spec), set(values))
+        return cls(
+            {k: _metric_class(k, kind).from_value(values[k], mask) for k, kind in spec.items()}
+        )
+
+    def merge(self, other: Collection) -> Collection:
+        """Return every metric merged with the same-named one in ``other``.
+
+        Raises:
+          MetricError: ``other`` is not a Collection with the same names.
+        """
+        if not isinstance(other, Collection):
+            raise MetricError(
+                f"`Collection.merge` expects `other` to be a Collection, got "
+                f"{type(other).__name__}."
+            )
+        _check_keys("Collection.merge", "other", set(self), set(other))
+        return Collection({k: m.merge(other[k]) for k, m in self.items()})
+
+    def reduce(self, axis: Any = DEFAULT_AXIS) -> Collection:
+        """Return every metric reduced over the named axis ``axis`` (inside pmap/shard_map)."""
+        return Collection({k: m.reduce(axis) for k, m in self.items()})
+
+    def compute(self) -> dict[str, jax.Array]:
+        """Return ``{name: value}`` as device arrays (no host transfer)."""
+        return {k: m.compute() for k, m in self.items()}
+
+    def fetch(self) -> dict[str, Any]:
+        """Return ``{name: value}`` on the host with one ``jax.device_get``."""
+        return fetch_metrics(self)
+
+    def __getitem__(self, name: str) -> Metric:
+        return self._metrics[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._metrics)
+
+    def __len__(self) -> int:
+        return len(self._metrics)
+
+    def __repr__(self) -> str:
+        return f"Collection({self._metrics!r})"
+
+
+def _metric_class(name: str, kind: Any) -> type[Metric]:
+    """Return ``kind`` if it is a Metric subclass, else raise naming ``name``."""
+    if not (isinstance(kind, type) and issubclass(kind, Metric)):
+        raise MetricError(f"`spec[{name!r}]` must be a Metric class such as Mean, got {kind!r}.")
+    return kind
+
+
+def _check_keys(owner: str, arg: str, expected: set, got: set) -> None:
+    """Raise naming the missing and extra keys when ``got != expected``."""
+    if got != expected:
+        raise MetricError(
+            f"`{owner}` expects `{arg}` to have the names {sorted(expected)}; "
+            f"missing {sorted(expected - got)}, unexpected {sorted(got - expected)}."
+        )
+
+
+def _flatten_collection(c: Collection):
+    keys = tuple(c._metrics)
+    return [(jax.tree_util.DictKey(k), c._metrics[k]) for k in keys], keys
+
+
+def _unflatten_collection(keys: tuple[str, ...], children) -> Collection:
+    out = object.__new__(Collection)
+    out._metrics = dict(zip(keys, children, strict=True))
+    return out
+
+
+jax.tree_util.register_pytree_with_keys(
+    Collection,
+    _flatten_collection,
+    _unflatten_collection,
+    flatten_func=lambda c: (list(c._metrics.values()), tuple(c._metrics)),
+)
+
+
+# ------------------------------------------------------------------ fetch
+
+
+def fetch_metrics(tree: Any) -> Any:
+    """Return the host value of every metric in ``tree`` with ONE device_get.
+
+    ``tree`` may be a :class:`Metric`, a :class:`Collection`, or any pytree
+    holding them (other leaves are fetched as they are). The raw
+    accumulators travel in a single ``jax.device_get``; the final arithmetic
+    (e.g. ``total / count``) runs in numpy on the host, so no extra device
+    work is dispatched. Scalars come back as Python numbers, a Collection as
+    a plain dict.
+
+    Args:
+      tree: metrics (or a pytree of them) living on any devices.
+
+    Returns:
+      The same structure with every metric replaced by its value.
+
+    Raises:
+      DeletedArrayError: a leaf was deleted or donated (metrics passed to a
+        donating step: fetch the metrics it returned), naming each leaf.
+      OutOfMemoryError: the jaxdev step that made them ran out of device
+        memory (an error JAX raises only when its outputs are read), explained.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxdev.metrics import Max, Mean, fetch_metrics
+      >>> fetch_metrics({"loss": Mean.from_value(jnp.array([1.0, 2.0])), "top": Max.from_value(3)})
+      {'loss': 1.5, 'top': 3.0}
+    """
+    check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
+    named = isinstance(tree, (Metric, Collection))
+    with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
+        return _compute_host(jax.device_get(tree))
+
+
+def _compute_host(tree: Any) -> Any:
+    """Finish ``compute`` with numpy on a tree already on the host."""
+
+    def one(node: Any) -> Any:
+        if isinstance(node, Collection):
+            return {k: one(m) for k, m in node.items()}
+        if isinstance(node, Metric):
+            return _host_value(np.asarray(node._compute(np)))
+        return _host_value(node)
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
+
+
+# ---------------------------------------------------------------- the log
+
+
+@_metric
+class DeviceLog:
+    """A preallocated ring buffer on device recording one value per step.
+
+    ``record`` runs inside ``jit`` / ``lax.scan`` (``dynamic_update_slice`` at
+    a device-scalar index), so a training loop logs every step without a
+    host transfer; ``fetch`` moves everything once (d2l's "keep the log on
+    the device" exercise).
+
+    Wrap-around: the buffer keeps the LAST ``capacity`` records. Once more
+    than ``capacity`` values are recorded the oldest are overwritten;
+    ``fetch`` returns the survivors oldest-first and, with
+    ``with_steps=True``, their step numbers (records ``count - n ..
+    count - 1``), so a gap is visible. ``count`` is int32 (2**31 - 1 records).
+
+    Attributes:
+      buffer: ``(capacity, *shape)`` device array.
+      count: int32 number of values recorded so far.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxdev.metrics import DeviceLog
+      >>> def body(log, x):
+      ...     return log.record(jnp.linalg.norm(x)), None
+      >>> xs = jnp.ones((5, 2, 2))
+      >>> log, _ = jax.jit(lambda l, xs: jax.lax.scan(body, l, xs))(DeviceLog.create(8), xs)
+      >>> log.fetch().tolist()
+      [2.0, 2.0, 2.0, 2.0, 2.0]
+      >>> small = DeviceLog.create(3)
+      >>> for v in range(5):
+      ...     small = small.record(v)
+      >>> small.fetch(with_steps=True)
+      (array([2, 3, 4]), array([2., 3., 4.], dtype=float32))
+    """
+
+    buffer: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def create(
+        cls, capacity: int, shape: tuple[int, ...] = (), dtype: Any = jnp.float32
+    ) -> DeviceLog:
+        """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``.
+
+        Args:
+          capacity: number of records kept (a positive int).
+          shape: shape of one record; ``()`` for a scalar per step.
+          dtype: dtype the records are stored in.
+
+        Returns:
+          An empty log (zero-filled buffer, ``count == 0``).
+
+        Raises:
+          MetricError: ``capacity`` is not a positive int or ``shape`` is bad.
+        """
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise MetricError(
+                f"`DeviceLog.create` expects `capacity` to be a positive int, got "
+                f"{type(capacity).__name__} {capacity!r}."
+            )
+        if capacity <= 0:
+            raise MetricError(
+                f"`DeviceLog.create` expects `capacity` to be a positive int, got {capacity}."
+            )
+        try:
+            shape = tuple(int(d) for d in shape)
+        except TypeError:
+            raise MetricError(
+                f"`DeviceLog.create` expects `shape` to be a tuple of ints, got {shape!r}."
+            ) from None
+        buffer = jnp.zeros((int(capacity), *shape), dtype)
+        return cls(buffer=buffer, count=jnp.zeros((), _I32))
+
+    @property
+    def capacity(self) -> int:
+        """Number of records the buffer keeps."""
+        return self.buffer.shape[0]
+
+    def record(self, value: jax.typing.ArrayLike) -> DeviceLog:
+        """Return the log with ``value`` recorded (jit-safe, no host transfer).
+
+        Args:
+          value: array of the log's record shape (cast to the log's dtype).
+
+        Returns:
+          The new log; the oldest record is overwritten when full.
+
+        Raises:
+          MetricError: ``value`` has another shape than the log's records.
+        """
+        value = _as_array(value, "value", "DeviceLog.record")
+        if value.shape != self.buffer.shape[1:]:
+            raise MetricError(
+                f"`DeviceLog.record` expects `value` of shape {self.buffer.shape[1:]} "
+                f"(the shape given to `DeviceLog.create`), got {value.shape}."
+            )
+        slot = self.count % self.capacity
+        row = value.astype(self.buffer.dtype)[None]
+        buffer = lax.dynamic_update_slice_in_dim(self.buffer, row, slot, axis=0)
+        return DeviceLog(buffer=buffer, count=self.count + 1)
+
+    def values(self) -> jax.Array:
+        """Return the buffer rotated oldest-first, on device (unfilled slots last)."""
+        start = jnp.where(self.count > self.capacity, self.count % self.capacity, 0)
+        return jnp.roll(self.buffer, -start, axis=0)
+
+    def fetch(self, with_steps: bool = False) -> Any:
+        """Return the recorded values oldest-first with one ``jax.device_get``.
+
+        Args:
+          with_steps: also return the step number of every kept record.
+
+        Returns:
+          A numpy array of ``min(count, capacity)`` records, or
+          ``(steps, values)`` when ``with_steps`` is true.
+        """
+        with explained_reads("DeviceLog.fetch"):
+            buffer, count = jax.device_get((self.buffer, self.count))
+        count = int(count)
+        kept = min(count, self.capacity)
+        start = count % self.capacity if count > self.capacity else 0
+        values = np.roll(buffer, -start, axis=0)[:kept]
+        return (np.arange(count - kept, count), values) if with_steps else values

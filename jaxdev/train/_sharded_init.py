@@ -1,0 +1,169 @@
+"""Build parameters directly in their shardings: no full copy on any device or host.
+
+``model.init`` followed by ``shard_params`` first materialises every
+parameter whole (on one device, or on the host) and only then splits it: a
+model that fits only when sharded runs out of memory there (jax#19893,
+flax#3701). :func:`init_sharded` instead asks for the shapes first
+(``jax.eval_shape``: nothing is allocated), turns them into shardings by the
+rules (:func:`jaxdev.param_shardings`), and runs the init under ``jax.jit``
+with those ``out_shardings``: XLA partitions the init itself, so each device
+computes and holds only its own shard. JAX's random bits are partitionable
+(``jax_threefry_partitionable``, on by default), so the values equal those of
+an unsharded init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
+from jax.sharding import Mesh
+
+from .._errors import UsageError
+from .._leaves import is_jax_array
+from .._mesh import check_mesh, under_mesh
+from .._rules import Rules, param_shardings, unbox
+from ..distributed import same_program
+from ..memory import explained_oom, plan_lines
+
+
+def init_sharded(
+    init_fn: Callable[..., Any],
+    *args: Any,
+    mesh: Mesh,
+    rules: Rules = "replicate",
+    **options: Any,
+) -> Any:
+    """Call ``init_fn(*args)`` so that its result is born sharded on ``mesh`` by ``rules``.
+
+    Three kinds of ``init_fn`` are understood:
+
+    * a linen ``model.init`` (or any function returning a pytree of arrays):
+      the variables come back *unboxed* (``nn.Partitioned`` /
+      ``nn.LogicallyPartitioned`` boxes removed, their annotations used by
+      ``rules="flax"``), each leaf placed by its rule;
+    * a function returning an NNX module (``lambda: Model(nnx.Rngs(0))``):
+      the module's whole state (params, batch stats, RNG state) is built
+      sharded and merged back into a module, which is returned. Variables
+      annotated with ``nnx.with_partitioning`` are created on the shardings
+      ``rules`` give them (under ``"flax"``: their annotations), as the
+      outputs of one ``jax.jit``; flax's eager sharding is not used.
+
+    Array arguments (keys, example inputs) are traced; any other argument
+    (Python numbers, strings, flags) is passed as a constant, so
+    ``init_sharded(model.init, key, x, False, mesh=...)`` works. Pass keyword
+    arguments with ``functools.partial``. The init is traced under
+    ``jax.set_mesh(mesh)``, so init code may name bare ``PartitionSpec`` s
+    (linen inits whose boxes' constraints the mesh refuses: without it).
+
+    Args:
+      init_fn: the function to call.
+      *args: its positional arguments.
+      mesh: the mesh (:func:`jaxdev.make_mesh`).
+      rules: as in :func:`jaxdev.param_shardings`.
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
+        :func:`jaxdev.param_shardings`.
+
+    Returns:
+      The unboxed pytree, or the NNX module, with every leaf placed by
+      ``rules``.
+
+    Raises:
+      ShardingError: a rule cannot apply to a leaf (the leaf, its shape, the
+        spec and the mesh are named); another mesh is set with ``jax.set_mesh``.
+      UsageError: ``init_fn`` is not callable.
+      DistributedError: (several processes) the processes built different
+        programs, e.g. an ``init_fn`` that draws from ``np.random``: each would
+        hold other shards and replicas. The process that differs is named.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdev
+      >>> mesh = jaxdev.make_mesh({"fsdp": 8})
+      >>> model = nn.Dense(512)
+      >>> variables = jaxdev.init_sharded(model.init, jax.random.key(0), jnp.ones((1, 256)),
+      ...                                 mesh=mesh, rules="fsdp")
+      >>> variables["params"]["kernel"].sharding.spec
+      P(None, 'fsdp')
+      >>> from flax import nnx
+      >>> layer = jaxdev.init_sharded(lambda: nnx.Linear(256, 512, rngs=nnx.Rngs(0)),
+      ...                             mesh=mesh, rules="fsdp")
+      >>> layer.kernel[...].sharding.spec
+      P(None, 'fsdp')
+    """
+    if not callable(init_fn):
+        raise UsageError(
+            f"`init_fn` must be callable (e.g. `model.init` or `lambda: Model(nnx.Rngs(0))`), "
+            f"got {type(init_fn).__name__} {init_fn!r}."
+        )
+    mesh = check_mesh(mesh)
+    call, dynamic = _split_args(init_fn, args)
+    # Shapes first, NNX's annotations kept as metadata only (eager sharding off).
+    needs = lambda: plan_lines(abstract, mesh, rules, options)  # noqa: E731
+    with nnx.use_eager_sharding(False), explained_oom("init_sharded", extra=needs):
+        in_mesh, abstract = _shapes(call, dynamic, mesh)
+        with under_mesh(mesh) if in_mesh else contextlib.nullcontext():
+            if graphlib.is_graph_node(abstract):
+                return _init_nnx(call, dynamic, abstract, mesh, rules, options)
+            shardings = param_shardings(abstract, mesh, rules, **options)
+            init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
+            out = same_program(init, name="init_sharded's init_fn")(*dynamic)
+        return jax.block_until_ready(out)  # an out-of-memory is raised (and explained) here
+
+
+def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> tuple[bool, Any]:
+    """``(under the mesh?, shapes)`` of the init, traced under the mesh where it can be.
+
+    Init code may name bare PartitionSpecs, which need the mesh in context. But
+    linen's ``nn.with_partitioning`` boxes apply their specs as sharding
+    constraints whenever a mesh is set: ``Explicit`` axes refuse that on a
+    fresh value (``AssertionError``), and an axis the mesh lacks is better
+    named by the rules (leaf path, spec, mesh) than by JAX deep in flax. Such
+    an init is traced without the mesh, where linen applies no constraint.
+    """
+    with under_mesh(mesh):
+        try:
+            return True, nnx.eval_shape(call, *dynamic)
+        except (ValueError, AssertionError) as err:
+            under = err
+    try:
+        return False, nnx.eval_shape(call, *dynamic)
+    except Exception:
+        raise under from None
+
+
+def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):
+    """Build an NNX module's state sharded, then merge it into a module."""
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh, rules, **options)
+
+    def build(*a: Any) -> Any:
+        return nnx.state(call(*a))
+
+    init = jax.jit(build, out_shardings=shardings)
+    state = same_program(init, name="init_sharded's init_fn")(*dynamic)
+    return nnx.merge(graphdef, jax.block_until_ready(state))
+
+
+def _is_dynamic(x: Any) -> bool:
+    return is_jax_array(x) or isinstance(x, (np.ndarray, np.generic))
+
+
+def _split_args(init_fn: Callable[..., Any], args: tuple[Any, ...]):
+    """``(call, dynamic)``: array leaves of ``args`` are traced, the rest are constants."""
+    leaves, treedef = jax.tree.flatten(args)
+    where = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    if len(where) == len(leaves):
+        return init_fn, args
+
+    def call(*dynamic: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(where, dynamic):
+            full[i] = x
+        return init_fn(*jax.tree.unflatten(treedef, full))
+
+    return call, tuple(leaves[i] for i in where)

@@ -1,0 +1,787 @@
+"""The compiled step: one device, ``jax.pmap``, or sharded ``jit`` / ``shard_map``.
+
+``make_train_step(loss_fn, tx, strategy)`` returns a :class:`TrainStep`, a
+callable ``step(state, batch, metrics=None) -> (state, metrics)``. Every
+strategy runs the same per-example arithmetic (:mod:`jaxdev.train._train`) and
+gives the same parameters and metrics on the same data (to float32
+reassociation); with dropout they are statistically, not bitwise, equal.
+
+The step also places what it needs: :meth:`TrainStep.init_state` (params on
+the device, truly replicated, or placed by the strategy's rules with the
+optimizer state following them) and :meth:`TrainStep.put_batch` (the batch
+on the device, or split over devices, padded and masked when uneven, grouped
+for ``steps_per_call`` and ``accumulate``).
+
+Under sharded params (``Strategy.sharded(mesh, rules=rules)``) the compiled
+step's state in and out shardings are :func:`jaxdev.param_shardings` of the state of the
+state it is first called with (one program per state structure); with
+replicated params they are ``P()`` and a call costs one dict lookup more than
+the bare ``jax.jit`` call. A committed state or batch laid out otherwise (a
+replicated state given to an fsdp step, fsdp params given to a replicated eval
+step, a batch split over ``"data"`` only), which ``jax.jit`` would refuse, is
+moved to the program's layout on the devices; a train step returns its state in
+that layout, so only its first call moves anything. :meth:`TrainStep.lower`
+gives the ``jax`` lowering of the program a call would run, and
+``memory_limit`` checks the compiled program's ``memory_analysis()`` before
+its first run.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from .._batches import Padded, padded_shapes
+from .._errors import (
+    UsageError,
+)
+from .._leaves import deleted, is_jax_array, same_layout
+from .._pending import failed, record
+from .._placement import copy_to, put_leaves, to_device
+from .._prefetch import Prefetcher
+from .._rules import (
+    step_shardings,
+    unbox,
+)
+from ..distributed import same_program, step_call
+from ..memory import (
+    OPTIONS,
+    MemoryExplanation,
+    check_step_memory,
+    explain_memory,
+    explained_oom,
+    offloaded,
+    oom_error,
+    plan_lines,
+    resolve_limit,
+    state_shapes,
+)
+from ._donation import check_donatable
+from ._init_state import check_tx, init_by_rules, is_state
+from ._metrics import Collection
+from ._strategy import Strategy, as_strategy
+from ._train import (
+    LossFn,
+    StepConfig,
+    TrainState,
+    eval_body,
+    fold_steps,
+    train_body,
+    warn_padded_model_state,
+)
+
+_MAX_INFLIGHT = 8
+
+
+class _Step:
+    """What a train and an eval step share: compiling, placing, lowering, bounding queues."""
+
+    _TRAIN = True
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        cfg: StepConfig,
+        k: int = 1,
+        donate: bool = False,
+        memory_limit: int | None = None,
+    ):
+        train = self._TRAIN
+        self.strategy = strategy
+        self.steps_per_call = k
+        self.accumulate = cfg.accumulate
+        self.memory_limit = memory_limit
+        self.n_lead = (k > 1) + (cfg.accumulate > 1)  # group axes before a batch's rows
+        self.config, self.donate, self.is_train = cfg, donate and train, train
+        self._compiled: dict[tuple, Callable] = {}
+        self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
+        self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
+        self._by_rules = strategy.by_rules
+        self._bounded = _cpu_collectives(strategy)
+        self._target = strategy.state_target
+        self._inflight: collections.deque = collections.deque()
+        self._warned_padding = False
+        # with a budget, each program (variant, batch shape) checked before it first runs
+        budget = resolve_limit(memory_limit, strategy.devices, required=False)[0]
+        self._checked: set[tuple] | None = None if budget is None else set()
+        self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
+
+    def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
+        explained = failed("the next call of the step", self)  # the last call ran out of memory
+        if explained is not None:
+            raise explained
+        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
+        if mask is None:
+            axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
+            self.strategy.check_even(inner, axis if self.is_train else 0)
+        elif self.is_train and not self._warned_padding:
+            strategy, k = self.strategy, self.steps_per_call
+            self._warned_padding = warn_padded_model_state(
+                self.config, strategy.collective_axis, strategy.shard_map, batch, k
+            )
+        if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
+            metrics = to_device(metrics, self._target)  # or each placement compiles anew
+        args = [state, inner] + ([mask] if mask is not None else [])
+        args += [metrics] if metrics is not None else []
+        key = (mask is not None, metrics is not None)
+        if self._by_rules:  # the state's shardings depend on its structure
+            key += (jax.tree.structure(state),)
+        leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
+        shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
+        fn = self._compiled.get(key)
+        step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
+        if fn is None:
+            fn, args = self._first_call(key, args, shapes)
+        else:
+            if key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
+                args = self._relayout(key, args) or args
+            self._check_memory(key, args, shapes)
+        try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
+            out = fn(*args)
+            self._bound_inflight(out[2] if self.is_train else out)
+        except Exception as err:
+            explained = failed("the next call of the step") or oom_error(self, args, err)
+            if explained is None:
+                raise
+            raise explained from err
+        # its error surfaces later, where its outputs are read: explained there (_pending)
+        token = out[2] if self.is_train else jax.tree.leaves(out)[0]
+        record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
+        return out[:2] if self.is_train else out
+
+    def _oom_later(self, key: tuple, treedef: Any, shapes: list, err: Any, where: str) -> Any:
+        """:func:`oom_error` of a call that failed after it returned, from shapes only.
+
+        Its arrays are not kept (they would outlive the loop as unnamed old
+        copies): the state and metrics are the variant's shapes, the batch's
+        were noted at the call.
+        """
+        state, metrics = self._arg_shapes[key]
+        sds = [s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes]  # None: a number
+        batch = treedef.unflatten(sds)
+        return oom_error(self, [state, *batch, *([metrics] if key[1] else [])], err, where)
+
+    def _first_call(self, key: tuple, args: list[Any], shapes: list) -> tuple[Callable, list]:
+        """Compile the variant ``key``, check its memory, and keep it for later calls."""
+        jitted = self._jit(key, args)
+        args = self._relayout(key, args) or args
+        self._check_memory(key, args, shapes)
+        self._arg_shapes[key] = (state_shapes(args[0]), state_shapes(args[-1]) if key[1] else None)
+        kind = "train" if self.is_train else "eval"
+        name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
+        # its first call checks every process compiled the same program
+        fn = self._compiled[key] = same_program(jitted, name=name)
+        return fn, args
+
+    def _check_memory(self, key: tuple, args: list[Any], shapes: list) -> None:
+        """Check the memory budget of the program ``args`` run, before it first runs.
+
+        ``jax.jit`` compiles a program per variant ``key`` and per batch
+        ``shapes`` (with dtypes): with a budget (``memory_limit``, or the
+        devices' own) each is checked once, before anything runs or is
+        donated; then a set lookup.
+        """
+        if self._checked is None:
+            return
+        program = (key, *shapes)
+        if program not in self._checked:
+            check_step_memory(self, self._jitted[key], args)
+            self._checked.add(program)
+
+    def _jit(self, key: tuple, args: list[Any]) -> Any:
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
+            jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
+            expected = self.strategy.input_shardings(self.n_lead, key[0], key[1], layout)
+            if expected is not None:
+                self._in_shardings[key] = expected
+        return jitted
+
+    def _relayout(self, key: tuple, args: list[Any]) -> list[Any] | None:
+        """``args`` with committed leaves laid out otherwise than the program's inputs moved.
+
+        ``jax.jit`` with ``in_shardings`` refuses a committed array laid out
+        another way (a replicated state given to a step with sharded params,
+        params trained under ``"fsdp"`` given to a replicated eval step, a
+        batch split over ``"data"`` only). The step moves just those leaves,
+        on the devices (``put_leaves``), as :func:`jaxdev.to_device` would; a train
+        step returns its state in the program's layout, so only the first
+        call moves anything. ``None`` when nothing is misplaced.
+        """
+        expected = self._in_shardings.get(key)
+        moves = [] if expected is None else _misplaced(args, expected)
+        if not moves:
+            return None
+        leaves = [jax.tree.flatten(a) for a in args]
+        moved = put_leaves([leaves[a][0][i] for a, i, _ in moves], [s for _, _, s in moves])
+        for (a, i, _), new in zip(moves, moved):
+            leaves[a][0][i] = new
+        return [treedef.unflatten(flat) for flat, treedef in leaves]
+
+    def lower(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
+        """Return the ``jax`` lowering of the program ``step(state, batch, metrics)`` would run.
+
+        Nothing runs and nothing is donated or allocated: ``state``,
+        ``batch`` and ``metrics`` may hold ``jax.ShapeDtypeStruct`` s (with
+        their ``sharding``, e.g. from ``jax.eval_shape``), and the result is
+        the same variant (padded or not, running metrics or not, state
+        structure) that the call would compile. ``.compile()`` on it gives
+        the executable with ``memory_analysis()`` and ``cost_analysis()``;
+        ``.as_text()`` the StableHLO. :func:`jaxdev.memory.plan` uses it. Leaves
+        laid out otherwise than the program expects are lowered in its
+        layout (the call would move them), and under a sharded strategy a
+        batch whose rows the devices do not divide is lowered padded, with
+        a mask, as :meth:`put_batch` would place it.
+
+        Args:
+          state: the train state (or params, for an eval step), or its shapes.
+          batch: a placed batch, a :class:`Padded`, or their shapes (rows
+            behind the ``steps_per_call`` / ``accumulate`` group axes).
+          metrics: the running metrics the call would get (``None``: none).
+
+        Returns:
+          A ``jax.stages.Lowered``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jaxdev
+          >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+          >>> tx = optax.sgd(0.1)
+          >>> step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]) ** 2, tx,
+          ...                               jaxdev.Strategy.sharded(mesh, rules="fsdp"))
+          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones(4096)}, tx))
+          >>> batch = jax.ShapeDtypeStruct((16, 4096), jnp.float32)
+          >>> compiled = step.lower(state, batch).compile()
+          >>> compiled.input_shardings[0][0].params["w"].spec
+          P('fsdp',)
+          >>> compiled.memory_analysis().argument_size_in_bytes  # w/4 + batch/8 + step
+          36868
+        """
+        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
+            inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
+        args = [state, inner] + ([mask] if mask is not None else [])
+        args += [metrics] if metrics is not None else []
+        key = (mask is not None, metrics is not None)
+        if self._by_rules:
+            key += (jax.tree.structure(state),)
+        jitted = self._jit(key, args)
+        expected = self._in_shardings.get(key)
+        moves = [] if expected is None else _misplaced(args, expected, unplaced=True)
+        if moves:  # as the call would place them: their shapes in the program's layout
+            leaves = [jax.tree.flatten(a) for a in args]
+            for a, i, target in moves:
+                x = leaves[a][0][i]
+                leaves[a][0][i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+            args = [treedef.unflatten(flat) for flat, treedef in leaves]
+        return jitted.lower(*args)
+
+    def explain_memory(
+        self,
+        state: Any,
+        batch: Any,
+        limit: int | None = None,
+        metrics: Any = None,
+        options: Any = OPTIONS,
+    ) -> MemoryExplanation:
+        """What ``step(state, batch)`` needs per device, what is live, and which change fits.
+
+        Nothing runs: the step and each option (``rules='fsdp'``,
+        ``accumulate=M``, ``remat=True``, offloading, half the batch) are
+        compiled for the shapes of ``state`` and ``batch`` (see
+        :class:`jaxdev.memory.MemoryExplanation`), each compile logged by the
+        ``jaxdev`` logger (INFO) and their count and time given in the text.
+        ``str()`` of the result is the text the step's memory errors carry.
+
+        Args:
+          state: the state, or its shapes.
+          batch: the batch as the step takes it, or its shapes.
+          limit: bytes per device (default: the devices' ``bytes_limit``; CPU
+            reports none, and the options then come without a verdict).
+          metrics: the running metrics the call would get.
+          options: the changes to compile (each may take as long as the step
+            itself): some of ``("fsdp", "accumulate", "remat", "offload",
+            "half_batch")``, all by default; ``accumulate`` compiles up to 4
+            programs and ``offload`` up to 2.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jaxdev
+          >>> tx = optax.adam(1e-3)
+          >>> step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]).sum(-1), tx,
+          ...                               jaxdev.Strategy.sharded())
+          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create(
+          ...     {"w": jnp.ones((1024, 512))}, tx))
+          >>> why = step.explain_memory(state, jax.ShapeDtypeStruct((64, 1024), "float32"),
+          ...                           limit=6 * 2**20)
+          >>> why.fits, [o.change for o in why.options if o.fits][0]
+          (False, "Strategy.sharded(mesh, rules='fsdp')")
+        """
+        return explain_memory(self, state, batch, limit, metrics=metrics, options=options)
+
+    def _bound_inflight(self, token: Any) -> None:
+        """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
+
+        XLA's CPU runtime deadlocks (rendezvous timeout, then abort) when
+        dozens of collective programs are queued on fake CPU devices with
+        few cores (measured: jax 0.10.2, 8 devices, 2 cores, ~100 queued
+        steps). Waiting for the call ``_MAX_INFLIGHT`` back is not a host
+        transfer and keeps the queue deep enough to overlap dispatch.
+        """
+        if not self._bounded:
+            return
+        self._inflight.append(token)
+        if len(self._inflight) > _MAX_INFLIGHT:
+            jax.block_until_ready(self._inflight.popleft())
+
+    def init_state(
+        self,
+        params: Any,
+        tx: optax.GradientTransformation | None = None,
+        rng: jax.Array | None = None,
+        model_state: Any = None,
+    ) -> Any:
+        """Return a :class:`TrainState` placed for this strategy (eval steps: ``params``).
+
+        The state is a fresh copy (``copy_to``): donating it in later steps
+        never deletes the caller's ``params`` arrays.
+
+        Args:
+          params: the model parameters.
+          tx: the optax transform; ``None`` (the default) uses the step's own
+            (an eval step then gets ``params``, or, with ``model_state``, a
+            ``TrainState`` without optimizer state). One whose state differs
+            from the step's ``tx`` is refused: the step could not update it.
+          rng: optional PRNG key for ``loss_fn``'s ``rng`` argument (dropout).
+          model_state: optional state the forward pass updates (BatchNorm's
+            ``batch_stats``), placed like the params.
+
+        A whole train state (flax's ``train_state.TrainState`` as Flax's
+        examples build it, or jaxdev's) given as ``params`` is taken as the
+        state: copied and laid out for the step, its type kept.
+
+        Under sharded params (``Strategy.sharded(rules=rules)``) the params
+        (and ``model_state``) are placed by the rules (a copy: the caller's
+        arrays are never donated) and the optimizer state is built by
+        ``jax.jit(tx.init)`` directly in the shardings that follow the params
+        (adam ``mu`` / ``nu`` sharded like them, counts replicated): no device
+        ever holds a replicated copy of anything big. Linen params boxed by
+        ``nn.with_partitioning`` come back unboxed, placed as they declare.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+          >>> state = step.init_state(jnp.ones(()), optax.sgd(0.1))
+          >>> int(state.step), jaxdev.device_of(state.params) == jaxdev.device(0)
+          (0, True)
+          >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+          >>> fsdp = jaxdev.Strategy.sharded(mesh, rules="fsdp")
+          >>> step = jaxdev.make_train_step(lambda p, b: b @ p["w"], optax.adam(0.1), fsdp)
+          >>> state = step.init_state({"w": jnp.ones((4096, 2))}, optax.adam(0.1))
+          >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
+          (P('fsdp', None), P('fsdp', None))
+        """
+        if is_state(params):  # a whole state (flax's TrainState): placed as the step lays it out
+            return self._adopt(params, tx, rng, model_state)
+        tx = self.config.tx if tx is None and self.is_train else tx
+        check_tx(self.config.tx, tx, unbox(params))
+        needs = lambda: _init_lines(self.strategy, params, tx, rng, model_state)  # noqa: E731
+        oom = explained_oom("init_state", lambda: {"params": params}, needs)
+        with oom, self.strategy.mesh_context():  # tx.init traced under the strategy's mesh
+            if self._by_rules:
+                return jax.block_until_ready(
+                    init_by_rules(self.strategy, params, tx, rng, model_state)
+                )
+            if tx is not None:
+                state = TrainState.create(params, tx, rng, model_state)
+            elif model_state is not None or rng is not None:
+                state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
+            else:
+                state = params
+            return jax.block_until_ready(copy_to(state, self._target))  # its OOM raised here
+
+    def _adopt(self, state: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+        """A copy of a whole train state, laid out for this step (its optimizer checked)."""
+        for name, value in (("rng", rng), ("model_state", model_state)):
+            if value is not None:
+                raise UsageError(
+                    f"`{name}` was given with a whole {type(state).__name__} as `params`: a "
+                    f"state carries its own fields. Pass `state.params` with `{name}=`, or put "
+                    f"`{name}` in the state."
+                )
+        check_tx(self.config.tx, tx, unbox(state.params))
+        check_tx(self.config.tx, None, unbox(state.params), state.opt_state)
+        layout = _state_layout(self.strategy, state) if self._by_rules else self._target
+        with explained_oom("init_state", lambda: {"state": state}, lambda: []):
+            return jax.block_until_ready(copy_to(state, layout))
+
+    def put_batch(self, batch: Any) -> Any:
+        """Place a host batch for this strategy; uneven sizes are padded and masked.
+
+        With ``steps_per_call=K`` every leaf has a leading axis of ``K`` steps;
+        with ``accumulate=M`` the rows of each step are split into ``M``
+        micro-batches. Returns the batch, or a :class:`Padded` when rows were
+        added.
+
+        Example:
+          >>> import numpy as np, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1),
+          ...                               jaxdev.Strategy.sharded())
+          >>> step.put_batch(np.arange(13.0)).size
+          13
+        """
+        return self.strategy.put_batch(batch, self.steps_per_call, self.accumulate)
+
+    def prefetch(self, iterator: Iterable[Any], size: int = 2) -> Prefetcher:
+        """Place the next ``size`` batches of ``iterator`` with :meth:`put_batch` in a thread.
+
+        The pmap, sharded and grouped (``steps_per_call``, ``accumulate``)
+        layouts all come from :meth:`put_batch`, so a pmap-era loop keeps
+        ``for batch in step.prefetch(loader)``.
+
+        Example:
+          >>> import numpy as np, optax, jaxdev
+          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+          >>> with step.prefetch(np.full(4, i, np.float32) for i in range(3)) as it:
+          ...     [float(b[0]) for b in it]
+          [0.0, 1.0, 2.0]
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UsageError(f"`size` must be an int >= 1 (batches to keep ready), got {size!r}.")
+        return Prefetcher(iterator, size, self.put_batch)
+
+
+class TrainStep(_Step):
+    """A compiled train step: ``step(state, batch, metrics=None) -> (state, metrics)``.
+
+    Calling it is functional: the new state and metrics are returned and the
+    inputs are not mutated. They are donated by default, so reusing an old
+    ``state`` raises :class:`DeletedArrayError` naming its leaves. The object
+    itself is not a pure function, though: on several CPU devices it keeps a
+    short queue of in-flight results and waits on the oldest, to bound XLA's
+    dispatch depth (see ``_bound_inflight``), and it compiles one program per
+    combination of "padded batch" and "running metrics given".
+
+    ``metrics`` is an optional running :class:`Collection`; when given, this
+    call's metrics are merged into it inside the compiled step (no extra
+    dispatch, no host sync). Read values with ``metrics.fetch()`` (one
+    ``device_get``) every N steps, never per step.
+
+    Attributes:
+      strategy: the :class:`Strategy` it runs with.
+      steps_per_call: updates per call (``K``).
+      accumulate: micro-batches per update (``M``).
+      memory_limit: bytes per device the compiled step may use (``None``:
+        the device's ``bytes_limit`` where the backend reports one).
+      config: the ``loss_fn`` contract and options it was made with.
+      donate: whether a call donates the state and the running metrics.
+      n_lead: the group axes (``steps_per_call``, ``accumulate``) before a
+        batch's rows.
+    """
+
+    def __call__(
+        self, state: Any, batch: Any, metrics: Collection | None = None
+    ) -> tuple[Any, Collection]:
+        return self._call(state, batch, metrics)
+
+
+class EvalStep(_Step):
+    """A compiled eval step: ``step(params_or_state, batch, metrics=None) -> metrics``.
+
+    Made by :func:`jaxdev.make_eval_step`; nothing is donated. It places,
+    prefetches and lowers like a :class:`TrainStep` (``init_state``,
+    ``put_batch``, ``prefetch``, ``lower``).
+    """
+
+    _TRAIN = False
+
+    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
+        return self._call(state, batch, metrics)
+
+
+def _cpu_collectives(strategy: Strategy) -> bool:
+    """Whether steps run collectives across several CPU devices."""
+    devices = strategy.devices
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
+def _misplaced(
+    args: list[Any], expected: list[Any], unplaced: bool = False
+) -> list[tuple[int, int, Any]]:
+    """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
+
+    Committed arrays (and ``ShapeDtypeStruct`` s with a sharding) laid out
+    otherwise than the program's inputs; uncommitted arrays and host values
+    are placed by ``jit`` itself. Deleted arrays are left to the call's own
+    error. With ``unplaced`` (lowering), also the leaves with no layout of
+    their own (host arrays, shapes without a sharding): traced without one,
+    they would be typed replicated on an ``Explicit`` mesh, not as the call
+    places them.
+    """
+    out = []
+    for a, (arg, want) in enumerate(zip(args, expected)):
+        leaves, treedef = jax.tree.flatten(arg)
+        if not leaves:
+            continue
+        if isinstance(want, NamedSharding):
+            targets = [want] * len(leaves)
+        else:
+            try:
+                targets = treedef.flatten_up_to(want)
+            except (ValueError, TypeError):  # another structure: jit will say so
+                continue
+        for i, (x, s) in enumerate(zip(leaves, targets)):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                have = getattr(x, "sharding", None)
+                if isinstance(have, jax.sharding.Sharding) and not same_layout(have, s, x.ndim):
+                    out.append((a, i, s))
+                elif have is None and unplaced:
+                    out.append((a, i, s))
+            elif unplaced and not is_jax_array(x) and hasattr(x, "shape"):
+                out.append((a, i, s))
+            elif (
+                is_jax_array(x)
+                and not deleted(x)
+                and x.committed
+                and not same_layout(x.sharding, s, x.ndim)
+            ):
+                out.append((a, i, s))
+    return out
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None) -> Any:
+    """Compile ``run(state, batch[, mask][, acc])`` for the step's strategy.
+
+    Absent arguments are left out of the signature, never passed as
+    ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments. ``layout`` is
+    the state's shardings under sharded params (``None``: replicated).
+    """
+    strategy, cfg, k, train = step.strategy, step.config, step.steps_per_call, step.is_train
+    n_lead = step.n_lead
+
+    def run(axis, *args):
+        state, batch = args[0], args[1]
+        mask = args[2] if has_mask else _all_rows(batch, n_lead)
+        acc = args[-1] if has_acc else None
+        if not train:
+            metrics = eval_body(cfg, axis, state, batch, mask)
+            return metrics if acc is None else acc.merge(metrics)
+        body = functools.partial(train_body, cfg, axis)
+        if k == 1:
+            state, metrics = body(state, batch, mask)
+        else:
+            state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
+        metrics = metrics if acc is None else acc.merge(metrics)
+        return state, metrics, state.step + 0  # an undonated token to wait on
+
+    n_args = 2 + has_mask + has_acc
+    donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
+    return strategy.compile(run, n_lead, has_mask, has_acc, train, donate, layout)
+
+
+def _all_rows(batch: Any, n_lead: int) -> jax.Array:
+    leaf = jax.tree.leaves(batch)[0]
+    return jnp.ones(jnp.shape(leaf)[: n_lead + 1], bool)
+
+
+# ---------------------------------------------------------------- sharded params
+
+
+def _state_layout(strategy: Strategy, state: Any) -> Any:
+    """The state's shardings under the strategy's rules (arrays or ShapeDtypeStructs).
+
+    ``"flax"`` reads the partitioning the model declares; linen boxes are
+    gone once the params are unboxed (by :meth:`TrainStep.init_state` or
+    :func:`jaxdev.init_sharded`), so for ``"flax"`` params already laid out
+    on the mesh keep the layout they carry, and the optimizer state follows
+    (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.memory.plan` uses too).
+    Fields the strategy offloads are laid out in host memory (:func:`offloaded`).
+    """
+    layout = step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
+    return offloaded(layout, state, strategy.offload)
+
+
+# ---------------------------------------------------------------- factories
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"`{name}` must be an int >= 1, got {value!r}.")
+    if value < 1:
+        raise UsageError(f"`{name}` must be >= 1, got {value}.")
+    return value
+
+
+def _check_remat(value: Any) -> Any:
+    if value is None or value is False:
+        return False
+    if value is True or (callable(value) and not isinstance(value, type)):
+        return value
+    raise UsageError(
+        "`remat` must be True, False or a policy from `jax.checkpoint_policies` (e.g. "
+        f"`jax.checkpoint_policies.dots_saveable`), got {value!r}."
+    )
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    strategy: Strategy | None = None,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    pass_mask: bool = False,
+    steps_per_call: int = 1,
+    accumulate: int = 1,
+    donate: bool = True,
+    regularizer: Callable[[Any], jax.Array] | None = None,
+    lr_fn: Callable[[jax.Array], jax.Array] | None = None,
+    memory_limit: int | None = None,
+    weighted: bool = False,
+    remat: bool | Callable[..., Any] = False,
+) -> TrainStep:
+    """Return a compiled train step for ``strategy``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> per_example_loss`` of shape
+        ``(B,)``. With ``has_aux`` it returns ``(losses, aux)``: ``aux`` is a
+        dict of per-example arrays (averaged over valid rows), ``Metric``
+        objects or ``Collection`` s. With ``has_state`` it is called as
+        ``loss_fn(params, model_state, batch)`` and returns the new model
+        state last: ``(losses, new_state)`` / ``(losses, aux, new_state)``.
+        If the state holds an ``rng`` it gets a per-step (and per-device)
+        key after ``batch``; with ``pass_mask`` the keyword ``mask=`` (bool,
+        one per row: give it to ``nn.BatchNorm(...)(x, mask=...)``).
+        ``Metric.from_value`` / ``from_logits`` called inside ``loss_fn``
+        leave the padded rows out by themselves. With ``weighted`` it
+        returns ``(losses, weights)`` where it returns ``losses`` otherwise.
+      tx: any optax ``GradientTransformation`` (``optax.apply_if_finite``
+        skips non-finite updates; ``optax.chain`` scales or clips gradients).
+      strategy: a :class:`Strategy`; ``None`` is ``Strategy.single()``.
+      has_aux: ``loss_fn`` returns aux metrics.
+      has_state: ``loss_fn`` takes and returns a model state (see above).
+        Under pmap and shard_map the new state's float leaves are averaged
+        over the devices (``lax.pmean``, flax's ``sync_batch_stats``).
+      pass_mask: pass the row validity mask as ``mask=``.
+      steps_per_call: run K updates per dispatch with ``lax.scan`` over a
+        batch whose leaves have a leading axis of K.
+      accumulate: M micro-batches per update (gradient accumulation with
+        ``lax.scan``): the same update as one step on the whole batch.
+      donate: donate the state and running metrics buffers (default True).
+      regularizer: ``regularizer(params) -> scalar`` added to the objective
+        once per update (weight decay terms); reported as ``regularizer``.
+      lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
+        reported as the metric ``lr``.
+      memory_limit: bytes per device the step may use. Before the first
+        call of each program (padded or not, running metrics or not, and
+        each batch shape: ``jit`` compiles one program per shape) the
+        step is compiled and its ``memory_analysis()`` (arguments + outputs
+        - donated + temporaries) compared with this budget or, when
+        ``None``, with the device's ``memory_stats()["bytes_limit"]``
+        (backends that report none, such as CPU, are not checked).
+      weighted: ``loss_fn`` returns ``(losses, weights)`` of one shape
+        ``(B, ...)`` (per-token losses, weight 0 on padding tokens); the
+        objective is ``sum(loss * weight) / sum(weight)`` over the whole
+        step's global batch (every device, micro-batch and valid row), and
+        the ``loss`` metric, and every aux array of the weights' shape, are
+        :class:`jaxdev.metrics.WeightedMean` s.
+      remat: ``True``, or a policy from ``jax.checkpoint_policies``
+        (``dots_saveable``, ...): the loss runs under ``jax.checkpoint``, so
+        the backward pass recomputes the forward pass instead of keeping its
+        activations (the same numbers). The compiled temporaries show what
+        it saves (``jaxdev.memory.plan(..., step=step)``, ``step.explain_memory``):
+        on the whole loss XLA may keep as much as before; checkpoint the
+        blocks (``nn.remat``) for more.
+
+    Returns:
+      A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
+
+    Raises:
+      UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1,
+        ``memory_limit`` is not a positive number, or ``remat`` is not
+        ``True`` / ``False`` / a checkpoint policy.
+      MemoryPlanError: (at the first call of a program) the compiled step
+        needs more bytes per device than the budget; nothing ran. The message gives
+        both figures, what is live by path and the changes that fit, each
+        compiled (:meth:`TrainStep.explain_memory`'s text).
+      OutOfMemoryError: XLA ran out of device memory (``RESOURCE_EXHAUSTED``),
+        raised at the call or, as JAX runs the step asynchronously, where its
+        outputs are read (``metrics.fetch()``, :func:`jaxdev.to_host`, the
+        next call); the message explains it the same way.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
+      >>> def loss_fn(params, batch):
+      ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
+      >>> step = jaxdev.make_train_step(loss_fn, optax.sgd(0.1), jaxdev.Strategy.single())
+      >>> state = step.init_state({"w": jnp.zeros(2)}, optax.sgd(0.1))
+      >>> batch = step.put_batch({"x": np.eye(2, dtype=np.float32), "y": np.ones(2, np.float32)})
+      >>> state, metrics = step(state, batch)
+      >>> state, metrics = step(state, batch, metrics)
+      >>> int(state.step), round(metrics.fetch()["loss"], 3)
+      (2, 0.905)
+    """
+    cfg = StepConfig(
+        loss_fn,
+        tx,
+        bool(has_aux),
+        bool(has_state),
+        bool(pass_mask),
+        _check_count("accumulate", accumulate),
+        regularizer,
+        lr_fn,
+        bool(weighted),
+        _check_remat(remat),
+    )
+    k = _check_count("steps_per_call", steps_per_call)
+    limit = None if memory_limit is None else resolve_limit(memory_limit, (), arg="memory_limit")[0]
+    return TrainStep(as_strategy(strategy), cfg, k, donate, memory_limit=limit)
+
+
+def make_eval_step(
+    loss_fn: LossFn,
+    strategy: Strategy | None = None,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    pass_mask: bool = False,
+    weighted: bool = False,
+) -> EvalStep:
+    """Return a compiled ``eval(state_or_params, batch, metrics=None) -> metrics``.
+
+    Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no
+    gradient, nothing donated, no rng. With ``has_state`` the model state of
+    the :class:`TrainState` is passed and the one returned is dropped.
+    Padded rows never count. With ``weighted`` the loss is the weighted mean
+    of ``(losses, weights)`` as in :func:`make_train_step`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jaxdev
+      >>> ev = jaxdev.make_eval_step(lambda p, b: (b["x"] * p["w"]).sum(-1))
+      >>> params = ev.init_state({"w": jnp.ones(2)})
+      >>> ev(params, ev.put_batch({"x": np.ones((4, 2), np.float32)})).fetch()
+      {'loss': 2.0}
+    """
+    cfg = StepConfig(
+        loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask), weighted=bool(weighted)
+    )
+    return EvalStep(as_strategy(strategy), cfg)
+
+
+def _init_lines(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> list[str]:
+    """What ``init_state`` needed (the plan of the state it builds), for its OOM message."""
+    if tx is not None:
+        shapes = jax.eval_shape(lambda: TrainState.create(params, tx, rng, model_state))
+    else:
+        shapes = state_shapes(params)
+    return plan_lines(shapes, strategy.mesh, strategy.rules, strategy.options)

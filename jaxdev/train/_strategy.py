@@ -1,0 +1,597 @@
+"""Where and how a train step runs: one device, ``jax.pmap``, or sharded ``jit``.
+
+A :class:`Strategy` carries its own behaviour: :meth:`Strategy.single`,
+:meth:`Strategy.pmap` and :meth:`Strategy.sharded` return one of three
+subclasses, and each decides, for the step that composes them, where the
+state lives (:attr:`Strategy.state_target`), how a batch is placed
+(:meth:`Strategy.put_batch`) and how the step's body is compiled
+(:meth:`Strategy.compile`). ``_step`` never asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._batches import Padded, detach_host, pad_rows, row_multiple, rows_of, shard_batch, to_global
+from .._devices import DeviceSpec, device_list
+from .._devices import device as resolve_device
+from .._errors import ShardingError, UsageError, short
+from .._mesh import (
+    DEFAULT_AXIS,
+    MODEL_AXES,
+    AxisName,
+    MeshBound,
+    axis_size,
+    batch_axis,
+    batch_layout,
+    check_mesh,
+    mesh_of,
+    named_sharding,
+    outside_mesh,
+    under_mesh,
+)
+from .._placement import to_device
+from .._pmap_layout import shard_for_pmap
+from .._rules import check_rules
+from ..memory import check_offload, streamed
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Where and how a step runs. Make one with a constructor, not ``Strategy(...)``:
+
+    * :meth:`Strategy.single` — ``jax.jit`` on one device;
+    * :meth:`Strategy.pmap` — ``jax.pmap`` over local devices;
+    * :meth:`Strategy.sharded` — ``jax.jit`` with ``NamedSharding`` on a mesh
+      (optionally through ``jax.shard_map``), params replicated or placed by
+      rules (FSDP, tensor parallel, flax metadata).
+
+    Attributes:
+      kind: ``'single'``, ``'pmap'`` or ``'sharded'``.
+      devices: the devices the step runs on, in order.
+      mesh: the mesh of the state and batch (one device's worth for
+        ``single``, the pmap devices along ``axis`` for ``pmap``).
+      axis: the mesh axis the batch is split over (``DEFAULT_AXIS``), or a
+        tuple of axes (``('data', 'fsdp')``) for a sharded step.
+      shard_map: whether the sharded step runs under ``jax.shard_map``.
+      rules: the rules that place the params and optimizer state
+        (:data:`jaxdev.Rules`; ``'replicate'`` unless ``sharded(rules=...)``).
+        A list of ``(regex, spec)`` pairs is stored as a tuple of pairs; the
+        field takes no part in hashing (a layout pytree is not hashable).
+      rule_options: the options the rules are applied with (``min_size``,
+        ``fsdp_axis``, ``logical_axis_rules``), as sorted ``(name, value)``
+        pairs; :attr:`options` gives them as a dict.
+      offload: the train-state fields kept in host memory between steps
+        (``('opt_state',)``, ``('opt_state', 'params')``; ``()``: none).
+    """
+
+    kind: str
+    devices: tuple[jax.Device, ...]
+    mesh: Mesh
+    axis: AxisName = DEFAULT_AXIS
+    shard_map: bool = False
+    rules: Any = dataclasses.field(default="replicate", hash=False)
+    rule_options: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), hash=False)
+    offload: tuple[str, ...] = ()
+
+    @classmethod
+    def single(cls, device: DeviceSpec | None = None) -> Strategy:
+        """Run on one device with ``jax.jit`` (default: the first local device).
+
+        Args:
+          device: a ``jax.Device`` or spec; an int is a device index.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.single("cpu:0").devices == (jaxdev.d2l.cpu(0),)
+          True
+        """
+        dev = resolve_device(0 if device is None else device)
+        return _Single("single", (dev,), mesh_of((dev,), DEFAULT_AXIS))
+
+    @classmethod
+    def pmap(cls, devices: Any = None, axis: str = DEFAULT_AXIS) -> Strategy:
+        """Run on several local devices with ``jax.pmap``; gradients summed over ``axis``.
+
+        Args:
+          devices: ``None`` for every local device, an int ``n`` for the
+            first ``n``, a platform name, or a list of devices / specs.
+          axis: the pmap axis name (what ``lax.pmean`` and BatchNorm's
+            ``axis_name`` refer to).
+
+        Example:
+          >>> import jaxdev
+          >>> len(jaxdev.Strategy.pmap(2).devices)
+          2
+        """
+        devs = tuple(device_list(devices))
+        _check_axis_name(axis)
+        return _Pmap("pmap", devs, mesh_of(devs, axis), axis)
+
+    @classmethod
+    def sharded(
+        cls,
+        mesh: Mesh | None = None,
+        axis: AxisName | None = None,
+        *,
+        rules: Any = "replicate",
+        shard_map: bool = False,
+        min_size: int | None = None,
+        fsdp_axis: AxisName | None = None,
+        logical_axis_rules: Any = None,
+        offload: Any = None,
+        params: Any = None,
+    ) -> Strategy:
+        """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``rules``.
+
+        With ``rules="replicate"`` every device holds the whole state (data
+        parallel). Any other :data:`jaxdev.Rules` (``"fsdp"``, ``"flax"``, a
+        list of ``(regex, PartitionSpec)`` pairs, a layout pytree) shards the
+        params, and the optimizer state follows them
+        (:func:`jaxdev.param_shardings` of the state); XLA inserts the gathers and
+        reduce-scatters. Every rule set gives the replicated run's numbers.
+
+        Args:
+          mesh: the mesh (:func:`jaxdev.make_mesh`); default
+            :func:`jaxdev.data_mesh`.
+          axis: the mesh axis, or tuple of axes, the batch is split over.
+            Default: every axis of the mesh except ``'model'`` and
+            ``'tensor'`` (which split the params), e.g. ``('data', 'fsdp')``
+            on a ``data`` x ``fsdp`` mesh and ``'data'`` on a ``data`` x
+            ``model`` mesh.
+          rules: the rules for the params (default ``"replicate"``), the
+            same keyword and values as :func:`jaxdev.param_shardings` and
+            :func:`jaxdev.memory.plan`.
+          shard_map: run the per-device step under ``jax.shard_map`` with
+            explicit collectives instead of letting the compiler partition it
+            (replicated params only).
+          min_size: under ``"fsdp"``, leaves with fewer elements are
+            replicated (default as :func:`jaxdev.param_shardings`).
+          fsdp_axis: under ``"fsdp"``, the mesh axis (or axes) to shard over
+            (default: the ``'fsdp'`` axis, else the batch axes).
+          logical_axis_rules: under ``"flax"``, flax's logical-to-mesh rules
+            for params whose metadata names logical axes.
+          offload: ``"opt_state"``, ``"params"`` or both as a tuple: keep
+            those fields of the train state in host memory (``pinned_host``)
+            between steps and stream them to the devices inside the compiled
+            step (the same numbers; host transfers every step).
+          params: the old name of ``rules`` (deprecated, warns).
+
+        Raises:
+          UsageError: ``shard_map=True`` with params that are not replicated.
+          ShardingError: ``axis`` names an axis the mesh lacks, or every mesh
+            axis is a model axis and ``axis`` is not given.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.sharded(jaxdev.data_mesh(1)).axis
+          'data'
+          >>> s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
+          >>> s.axis, s.n_devices
+          (('data', 'fsdp'), 8)
+        """
+        mesh = check_mesh(mesh)
+        if params is not None:
+            if rules != "replicate":
+                raise UsageError(
+                    "pass the params rules once, as `rules=` (`params=` is its old name), "
+                    f"got both `rules`={short(rules)} and `params`={short(params)}."
+                )
+            warnings.warn(
+                "`Strategy.sharded(params=...)` is now `rules=...` (the keyword of "
+                "param_shardings and plan); `params=` will be removed.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            rules = params
+        params = _hashable_rules(rules)
+        options = {
+            k: v
+            for k, v in (
+                ("min_size", min_size),
+                ("fsdp_axis", fsdp_axis),
+                ("logical_axis_rules", _hashable_rules(logical_axis_rules)),
+            )
+            if v is not None
+        }
+        check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
+        offload = check_offload(offload, mesh.devices.flat)
+        if shard_map and offload:
+            raise UsageError(
+                f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
+            )
+        if shard_map and not (isinstance(params, str) and params == "replicate"):
+            raise UsageError(
+                f"`shard_map`=True trains replicated params only, got `rules`={short(params)}. "
+                "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
+                "`shard_map=True` (the numbers are the same)."
+            )
+        if axis is None and not _replicates(params) and set(mesh.axis_names) <= set(MODEL_AXES):
+            raise ShardingError(
+                f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+                f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
+                "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
+                "'data' axis."
+            )
+        axis = batch_axis(mesh, axis)
+        devices = tuple(mesh.devices.flat)
+        options = tuple(sorted(options.items()))
+        return _Sharded("sharded", devices, mesh, axis, bool(shard_map), params, options, offload)
+
+    def sharded_like(self, **changes: Any) -> Strategy:
+        """``Strategy.sharded`` on this strategy's devices and mesh, its rules and options, changed.
+
+        A ``single`` or ``pmap`` strategy becomes a sharded one over the same
+        devices (the batch split the same way); the memory advice asks for its
+        options this way.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.pmap(2).sharded_like(rules="fsdp").rules
+          'fsdp'
+        """
+        kwargs: dict[str, Any] = {"rules": self.rules, **self.options}
+        if getattr(self, "offload", ()):
+            kwargs["offload"] = self.offload
+        kwargs.update(changes)
+        axis = self.axis if self.kind == "sharded" else None
+        return Strategy.sharded(check_mesh(self.mesh), axis, **kwargs)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every device holds the whole state (``rules="replicate"``)."""
+        return _replicates(self.rules)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The rule options as keywords for :func:`jaxdev.param_shardings`.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.sharded(rules="fsdp", min_size=0).options
+          {'min_size': 0}
+        """
+        return dict(self.rule_options)
+
+    @property
+    def n_devices(self) -> int:
+        """How many ways the batch is split."""
+        return axis_size(self.mesh, self.axis)
+
+    @property
+    def collective_axis(self) -> AxisName | None:
+        """The axis name bound inside the step, for ``lax.pmean`` and BatchNorm's ``axis_name``.
+
+        ``axis`` under ``pmap`` and ``sharded(shard_map=True)``, where each
+        device runs the step on its own rows; ``None`` under ``single`` and
+        sharded ``jit``, where the step sees the whole batch. Build the model
+        with it (``nn.BatchNorm(axis_name=strategy.collective_axis)``) and one
+        model definition computes batch statistics over the global batch
+        under every strategy.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.pmap(2).collective_axis, jaxdev.Strategy.sharded().collective_axis
+          ('data', None)
+        """
+        return self.axis if self.shard_map else None
+
+    # ------------------------------------------------------------ behaviour (for the step)
+
+    @property
+    def by_rules(self) -> bool:
+        """Whether the state is laid out by rules (sharded params), not replicated."""
+        return False
+
+    @property
+    def state_target(self) -> Any:
+        """Where an unsharded state lives: the device, or the mesh (replicated)."""
+        return self.mesh
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """The context user code is traced in: ``jax.set_mesh(mesh)`` under ``sharded``
+        (:func:`jaxdev._mesh.under_mesh`); no mesh under ``single`` and ``pmap``
+        (:func:`jaxdev._mesh.outside_mesh`: a user's mesh is not theirs)."""
+        return outside_mesh()
+
+    def local_shards(self) -> int:
+        """How many batch shards this process's rows are split into."""
+        return self.n_devices
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        """Place a (not grouped) host batch, padded and masked when ``pad``."""
+        raise NotImplementedError
+
+    def put_batch(self, batch: Any, k: int = 1, m: int = 1) -> Any:
+        """Place a batch for a step with ``steps_per_call=k`` and ``accumulate=m``.
+
+        Uneven rows are padded (the last row repeated) and masked: a
+        :class:`jaxdev.Padded` comes back.
+
+        Example:
+          >>> import numpy as np, jaxdev
+          >>> jaxdev.Strategy.sharded().put_batch(np.zeros((13, 2))).batch.shape
+          (16, 2)
+        """
+        if k > 1 or m > 1:
+            return _put_grouped(self, batch, k, m)
+        return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
+
+    def check_even(self, batch: Any, axis: int = 0) -> None:
+        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide.
+
+        ``jit`` would raise JAX's ``IndivisibleError``; this names the fix.
+
+        Example:
+          >>> import numpy as np, jaxdev
+          >>> jaxdev.Strategy.sharded().check_even({"x": np.zeros((16, 2))})
+        """
+        n = self.local_shards()
+        if n == 1 or jax.process_count() > 1:
+            return
+        leaves = jax.tree.leaves(batch)
+        shape = np.shape(leaves[0]) if leaves else ()
+        if len(shape) > axis and shape[axis] % n:
+            rows = shape[axis]
+            raise UsageError(
+                f"`batch` has {rows} rows (leaf shape {shape}), which the {n} devices of this "
+                f"step do not divide. Place it with `step.put_batch(batch)`: it pads to "
+                f"{rows + -rows % n} rows and masks the {-rows % n} padded rows, so they never "
+                f"count; or give a multiple of {n} rows."
+            )
+
+    def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
+        """Split the row axis ``axis`` of ``x`` into ``(M, r)`` micro-batches."""
+        shape = np.shape(x)
+        lead = shape[:axis] + ((m,) if m > 1 else ())
+        return xp.reshape(x, lead + (shape[axis] // m,) + shape[axis + 1 :])
+
+    def row_axis(self, k: int, m: int) -> int:
+        """The axis of a placed batch that is split over the devices (group axes first)."""
+        return (k > 1) + (m > 1)
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        """Where a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` goes."""
+        return NamedSharding(self.mesh, P(*([None] * self.row_axis(k, m)), self.axis))
+
+    def place_grouped(self, grouped: Any, target: Any) -> Any:
+        return to_device(grouped, target)
+
+    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
+        """What a compiled program expects of each argument, or None (no check needed)."""
+        return None
+
+    def pads_shapes(self) -> bool:
+        """Whether ``lower`` pads the shapes of an uneven raw batch (as put_batch would)."""
+        return False
+
+    def compile(
+        self,
+        run: Callable,
+        n_lead: int,
+        has_mask: bool,
+        has_acc: bool,
+        train: bool,
+        donate: tuple[int, ...],
+        layout: Any = None,
+    ) -> Any:
+        """Compile ``run(axis, state, batch[, mask][, acc])`` for this strategy."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Single(Strategy):
+    """``jax.jit`` on one device."""
+
+    @property
+    def n_devices(self) -> int:
+        return 1
+
+    @property
+    def state_target(self) -> Any:
+        return self.devices[0]
+
+    def local_shards(self) -> int:
+        return 1
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return to_device(detach_host(batch), self.devices[0])  # a copy the loader cannot refill
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        return self.devices[0]
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        return MeshBound(jax.jit(functools.partial(run, None), donate_argnums=donate), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pmap(Strategy):
+    """``jax.pmap`` over local devices; the batch's leading axis is the device axis."""
+
+    @property
+    def collective_axis(self) -> AxisName | None:
+        return self.axis
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return shard_for_pmap(batch, list(self.devices), pad=pad)
+
+    def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
+        x = super().group(xp, x, axis, m)  # then move the device split in front
+        shape, at = np.shape(x), axis + (m > 1)
+        n = self.n_devices
+        x = xp.reshape(x, shape[:at] + (n, shape[at] // n) + shape[at + 1 :])
+        return xp.moveaxis(x, at, 0)
+
+    def row_axis(self, k: int, m: int) -> int:
+        return 0  # the device axis leads
+
+    def grouped_target(self, k: int, m: int) -> Any:
+        return NamedSharding(self.mesh, P(self.axis))
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
+        pmapped = jax.pmap(
+            functools.partial(run, self.axis),
+            axis_name=self.axis,
+            devices=list(self.devices),
+            in_axes=in_axes,
+            out_axes=(None, None, None) if train else None,
+            donate_argnums=donate,
+        )
+        return MeshBound(pmapped, None)  # a user's jax.set_mesh is not pmap's
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharded(Strategy):
+    """``jax.jit`` + ``NamedSharding`` on a mesh (optionally through ``jax.shard_map``)."""
+
+    @property
+    def by_rules(self) -> bool:
+        return not self.replicated or bool(self.offload)  # offloading has a layout too
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        return under_mesh(self.mesh)
+
+    def local_shards(self) -> int:
+        if jax.process_count() == 1:
+            return self.n_devices
+        sharding, n = batch_layout(self.mesh, self.axis)
+        return row_multiple(sharding, n)
+
+    def put_rows(self, batch: Any, pad: bool) -> Any:
+        return shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
+
+    def place_grouped(self, grouped: Any, target: Any) -> Any:
+        if jax.process_count() > 1:  # each process's local rows -> global arrays
+            return to_global(grouped, target, None)
+        return to_device(grouped, target)
+
+    def pads_shapes(self) -> bool:
+        return True
+
+    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
+        rows = named_sharding(self.mesh, P(*([None] * n_lead), self.axis))
+        replicated = named_sharding(self.mesh, P())
+        out = [replicated if layout is None else layout, rows]
+        return out + ([rows] if has_mask else []) + ([replicated] if has_acc else [])
+
+    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+        mesh, axis = self.mesh, self.axis
+        spec = P(*([None] * n_lead), axis)
+        specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
+        out_specs = (P(), P(), P()) if train else P()
+        if layout is not None:  # sharded params: jit only (sharded() refuses shard_map)
+            run = streamed(run, layout, train)  # offloaded fields: to the devices and back
+            shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
+            outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
+            jitted = jax.jit(
+                functools.partial(run, None),
+                in_shardings=(layout, *shardings[1:]),
+                out_shardings=outs,
+                donate_argnums=donate,
+            )
+            return MeshBound(jitted, mesh)
+        if self.shard_map:
+            # check_vma=False: gradients of replicated params are summed by the
+            # step's own psum, as under pmap (with vma checks JAX would already
+            # sum them, and the step would apply the gradient n times over).
+            inner = jax.shard_map(
+                functools.partial(run, axis),
+                mesh=mesh,
+                in_specs=specs,
+                out_specs=out_specs,
+                check_vma=False,
+            )
+        else:
+            inner = functools.partial(run, None)
+        jitted = jax.jit(
+            inner,
+            in_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
+            out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
+            donate_argnums=donate,
+        )
+        return MeshBound(jitted, mesh)  # model code may name bare PartitionSpecs
+
+
+# ---------------------------------------------------------------- grouped batches
+
+
+def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
+    """Place rows grouped as ``(K?, M?, rows, ...)``: steps and micro-batches kept whole.
+
+    Rows are padded (last row repeated, masked out) to a multiple of
+    ``M * devices``; micro-batch ``j`` takes rows ``[j*r, (j+1)*r)`` and
+    splits them over the devices.
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    rows = _grouped_rows(leaves, k)
+    extra = -rows % (m * strategy.local_shards())
+    row_axis = 1 if k > 1 else 0
+    xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
+    out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
+    lead = (k,) if k > 1 else ()
+    mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
+    mask = strategy.group(np, mask, row_axis, m)
+    grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
+    target = strategy.grouped_target(k, m)
+    placed, mask = strategy.place_grouped(grouped, target)
+    return Padded(placed, mask, rows) if extra else placed
+
+
+def _grouped_rows(leaves: list[Any], k: int) -> int:
+    what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
+    if not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    if k > 1 and any(np.shape(x)[0] != k for x in leaves):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what} with K={k}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
+    if len(rows) != 1 or 0 in rows:
+        raise ShardingError(
+            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    return rows.pop()
+
+
+def _replicates(rules: Any) -> bool:
+    return isinstance(rules, str) and rules == "replicate"
+
+
+def _hashable_rules(rules: Any) -> Any:
+    """A list of ``(regex, spec)`` pairs as a tuple of tuples; anything else as given."""
+    if isinstance(rules, list) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
+        return tuple((pattern, spec) for pattern, spec in rules)
+    return rules
+
+
+def _check_axis_name(axis: Any) -> None:
+    if not isinstance(axis, str) or not axis:
+        raise UsageError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
+
+
+def as_strategy(strategy: Any) -> Strategy:
+    if strategy is None:
+        return Strategy.single()
+    if isinstance(strategy, Strategy):
+        return strategy
+    raise UsageError(
+        "`strategy` must be made by jaxdev.Strategy.single(...), Strategy.pmap(...) or "
+        f"Strategy.sharded(...) (or None for one device), got {strategy!r}."
+    )
