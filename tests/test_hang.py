@@ -223,7 +223,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(_hang, "_ACK_S", 0.3)
 
 
-def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd, monkeypatch):
+def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd, caplog, monkeypatch):
     monkeypatch.setattr(_hang, "inside", lambda frame: frozenset({"step"}))  # in a step call
     store, exits = FakeStore(), []
     watch = _hang._Watchdog(store, 0, 5.0, "exit", exits.append)
@@ -243,6 +243,8 @@ def test_watchdog_reports_and_exits_once_no_process_progressed(fast, capfd, monk
     assert "jaxdev: hang watchdog: process 0 stacks (in step 5, 6 s since" in err
     assert "test_watchdog_reports_and_exits_once_no_process_progressed" in err  # its own stack
     assert "--- process 1: no stacks (behind): its watchdog did not answer" in err
+    logged = caplog.text  # the report goes to the jaxdev logger too
+    assert "process 0 stacks (in step 5" in logged and "--- process 1: no stacks" in logged
     assert {"jaxdev/hang/fired/0", "jaxdev/hang/reported/0", "jaxdev/hang/ack/0/0"} <= set(store.kv)
 
 

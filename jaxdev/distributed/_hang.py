@@ -880,7 +880,9 @@ class _Watchdog:
 
 
 def _say(text: str) -> None:
-    """Write ``text`` on stderr; a closed stderr never stops the watchdog."""
+    """Write ``text`` on stderr and the ``jaxdev`` logger; a closed stderr never stops it."""
+    if _log.hasHandlers():  # else logging's last resort would print it on stderr twice
+        _log.error("%s", text)
     with contextlib.suppress(OSError, ValueError, AttributeError):
         print(text, file=sys.stderr, flush=True)
 
