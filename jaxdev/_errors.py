@@ -81,6 +81,10 @@ class PlacementAssertionError(JaxdevError, AssertionError):
     """A placement assertion failed; the message lists every failing leaf."""
 
 
+class DisagreementError(JaxdevError, AssertionError):
+    """Two strategies trained the same model to different results (``assert_strategies_agree``)."""
+
+
 class MetricError(JaxdevError, ValueError):
     """A metric got a value, mask or partner of the wrong shape, dtype or kind."""
 

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 
-from .._errors import UsageError
+from .._errors import JaxdevError, UsageError
 
 
 class Result(NamedTuple):
@@ -234,7 +234,7 @@ class _Worker:
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"the benchmark worker exited (code {self.proc.poll()}).")
+                raise JaxdevError(f"the benchmark worker exited (code {self.proc.poll()}).")
             return float(line)
 
         return ask

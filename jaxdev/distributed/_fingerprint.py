@@ -358,10 +358,8 @@ class SameProgram:
             self.checked = True
         return self.fn(*args, **kwargs)
 
-    def __getattr__(self, attr: str) -> Any:
-        if attr == "fn":  # not yet set (copy, pickle): no recursion
-            raise AttributeError(attr)
-        return getattr(self.fn, attr)
+    def __getattr__(self, attr: str) -> Any:  # no recursion while ``fn`` is unset (copy, pickle)
+        return getattr(object.__getattribute__(self, "fn"), attr)
 
     def __repr__(self) -> str:
         return f"same_program({self.fn!r})"

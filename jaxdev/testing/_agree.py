@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from .._errors import ShardingError, UsageError
+from .._errors import DisagreementError, ShardingError, UsageError
 from .._mesh import data_mesh
 from ..train import Strategy, make_train_step
 
@@ -92,8 +92,8 @@ def assert_strategies_agree(
       The names of the strategies that were compared, reference first.
 
     Raises:
-      AssertionError: a strategy's params differ from the reference's; names
-        the strategy, the step, the first differing leaf path and both values.
+      DisagreementError: (an AssertionError) a strategy's params differ from the
+        reference's; names the strategy, the step, the first differing leaf path and both values.
       UsageError: ``batches`` is empty, or a tolerance is negative.
 
     Example:
@@ -129,7 +129,7 @@ def assert_strategies_agree(
                 if name in ("pmap", "shard_map")
                 else ""
             )
-            raise AssertionError(
+            raise DisagreementError(
                 f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
                 f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
                 f"atol={atol:g} + rtol={rtol:g} * |single|.{hint}"
