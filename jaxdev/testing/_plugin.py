@@ -233,10 +233,21 @@ class _Pins:
         return spec
 
     def _hook(self, xla_bridge) -> None:
+        if self.hooked:
+            return
+        self.hooked = True
         register = getattr(xla_bridge, "register_backend_initialization_hook", None)
-        if not self.hooked and register is not None:  # (jax 0.12 imports it partway first)
-            self.hooked = True
+        if register is not None:  # jax < 0.12
             register(self._record)
+            return
+        backends = xla_bridge.backends  # jax 0.12 has no hook: the first call starts them
+
+        def first_call():
+            if not xla_bridge.backends_are_initialized():
+                self._record(None)
+            return backends()
+
+        xla_bridge.backends = first_call
 
     def apply(self, where: str | None) -> None:
         if "jax" not in sys.modules:
