@@ -102,4 +102,6 @@ from ._guards import no_host_sync as no_host_sync
 from . import distributed as distributed
 from . import testing as testing
 
+from ._moved import __getattr__ as __getattr__  # names that moved to a namespace
+
 __version__ = "0.1.0"

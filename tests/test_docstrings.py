@@ -67,3 +67,17 @@ def test_the_readme_api_section_names_every_public_name():
     assert len(top) <= 70  # issue 27: 98 -> 70, the rest in namespaces
     gone = {"replicated_sharding", "state_shardings", "common_device", "backend_started"}
     assert not gone & public
+
+
+def test_a_name_that_moved_to_a_namespace_says_where():
+    from jaxdev._moved import GONE, MOVED
+
+    assert len(MOVED) == 33 and not (set(MOVED) | set(GONE)) & set(dir(jaxdev))
+    for old, new in MOVED.items():
+        ns, name = new.split(".")
+        assert name in getattr(jaxdev, ns).__all__, new  # the new place exists
+        with pytest.raises(AttributeError, match=rf"^jaxdev\.{old} moved to jaxdev\.{new} "):
+            getattr(jaxdev, old)
+    with pytest.raises(AttributeError, match="jaxdev.DEFAULT_AXIS is gone: write the axis name"):
+        jaxdev.DEFAULT_AXIS  # noqa: B018
+    assert not hasattr(jaxdev, "no_such_name")
