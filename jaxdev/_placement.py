@@ -492,10 +492,8 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    if isinstance(shardings, Sharding):
-        targets = [shardings] * len(leaves)
-    else:
-        targets = treedef.flatten_up_to(shardings)
+    one = isinstance(shardings, Sharding)
+    targets = [shardings] * len(leaves) if one else treedef.flatten_up_to(shardings)
     if not copy and any(is_tracer(x) for x in leaves):
         return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, targets))
     check_live(tree, leaves, arg)
@@ -516,41 +514,39 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
     for i in moving:
         _check_fits(tree, leaves, [i], targets[i], arg)
     out = list(leaves)
-    local = []
-    for i in moving:
-        x, s = leaves[i], targets[i]
-        if s.is_fully_addressable:
-            local.append(i)
-        elif is_jax_array(x) and not x.is_fully_addressable:  # a global array: on the devices
-            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)
-        else:  # several processes: each builds its own shards from the full value
+    placed = _place_leaves([leaves[i] for i in moving], [targets[i] for i in moving], copy)
+    for i, new in zip(moving, placed):
+        out[i] = new
+    return treedef.unflatten(out)
+
+
+def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[Any]:
+    """Place each leaf: across processes, re-laid out on its own devices, or put."""
+    out, relaid, put = list(xs), [], []
+    for i, (x, s) in enumerate(zip(xs, targets)):
+        if not s.is_fully_addressable and is_jax_array(x) and not x.is_fully_addressable:
+            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)  # a global array: on the devices
+        elif not s.is_fully_addressable:  # several processes: each builds its own shards
             value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
             out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
-    relaid = [  # spread over the same devices another way: re-laid out on them
-        i
-        for i in local
-        if is_jax_array(leaves[i])
-        and len(leaves[i].sharding.device_set) > 1
-        and leaves[i].sharding.device_set == targets[i].device_set
-        and not same_layout(leaves[i].sharding, targets[i], leaves[i].ndim)
-    ]
-    for i, new in zip(
-        relaid, put_leaves([leaves[i] for i in relaid], [targets[i] for i in relaid])
-    ):
+        elif (  # spread over the same devices another way: re-laid out on them
+            is_jax_array(x)
+            and len(x.sharding.device_set) > 1
+            and x.sharding.device_set == s.device_set
+            and not same_layout(x.sharding, s, x.ndim)
+        ):
+            relaid.append(i)
+        else:
+            put.append(i)
+    for i, new in zip(relaid, put_leaves([xs[i] for i in relaid], [targets[i] for i in relaid])):
         out[i] = new
-    rest = [i for i in local if i not in set(relaid)]
-    if rest:
-        # copies of host leaves first: JAX aliases aligned numpy buffers on CPU
-        sources = [
-            np.array(leaves[i], copy=True) if not is_jax_array(leaves[i]) else leaves[i]
-            for i in rest
-        ]
+    if put:  # copies of host leaves first: JAX aliases aligned numpy buffers on CPU
+        sources = [xs[i] if is_jax_array(xs[i]) else np.array(xs[i], copy=True) for i in put]
         may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
-        placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
-        placed = unalias(sources, list(placed)) if copy else list(placed)
-        for i, new in zip(rest, placed):
+        placed = jax.device_put(sources, [targets[i] for i in put], may_alias=may_alias)
+        for i, new in zip(put, unalias(sources, list(placed)) if copy else placed):
             out[i] = new
-    return treedef.unflatten(out)
+    return out
 
 
 def _on(x: Any, s: Sharding) -> bool:

@@ -190,21 +190,7 @@ def ledger(**trees: Any) -> MemoryLedger:
       >>> ledger.entries[0].path, ledger.entries[0].total
       ("params['w']", 1048576)
     """
-    names: dict[tuple[jax.Device, int], tuple[str, str, tuple, str]] = {}  # by buffer
-    shapes: dict[tuple[tuple[int, ...], Any], list] = {}  # (path, sharding) of each shape
-    for name, tree in trees.items():
-        for path, leaf, category in _named_leaves(name, tree):
-            if isinstance(leaf, jax.core.Tracer):
-                raise UsageError(
-                    f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
-                )
-            if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
-                like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
-                stored = _stored(leaf)
-                shapes.setdefault((tuple(stored.shape), stored.dtype), []).append(like)
-            if is_jax_array(leaf) and not leaf.is_deleted():
-                for key in _buffers(leaf):
-                    names.setdefault(key, (path, category, tuple(leaf.shape), str(leaf.dtype)))
+    names, shapes = _named_arrays(trees)
     live = [(x, _buffers(x)) for x in jax.live_arrays() if not x.is_deleted()]
     # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
     live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
@@ -224,17 +210,15 @@ def ledger(**trees: Any) -> MemoryLedger:
         for d, n in counts.items():
             bucket[d] = bucket.get(d, 0) + n
         named = [names[k] for k in keys if k in names]
-        kind = (tuple(x.shape), x.dtype, x.sharding)  # one look-up per kind of array
-        if not named and kind not in likes:
-            likes[kind] = _like(x, shapes.get(kind[:2]))
-        unnamed = ("<unattributed>", "unattributed", kind[0], str(x.dtype))
-        path, category, shape, dtype = named[0] if named else unnamed
-        like = None if named else likes[kind]
-        entry = LedgerEntry(path, category, shape, dtype, counts, like)
-        if in_host:
-            offloaded.append(entry)
-            continue
-        (others if category == "unattributed" else entries).append(entry)
+        if named:
+            entry = LedgerEntry(*named[0], counts)
+        else:
+            kind = (tuple(x.shape), x.dtype, x.sharding)  # one look-up per kind of array
+            if kind not in likes:
+                likes[kind] = _like(x, shapes.get(kind[:2]))
+            unnamed = ("<unattributed>", "unattributed", kind[0], str(x.dtype))
+            entry = LedgerEntry(*unnamed, counts, likes[kind])
+        (offloaded if in_host else entries if named else others).append(entry)
     for rows in (entries, others, offloaded):
         rows.sort(key=lambda e: (-e.fullest, -e.total))
     for d in host:  # a device holding only offloaded arrays is listed with 0
@@ -243,6 +227,27 @@ def ledger(**trees: Any) -> MemoryLedger:
     per_device = {d: per_device[d] for d in stats}
     host = {d: host[d] for d in stats if d in host}
     return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
+
+
+def _named_arrays(trees: Mapping[str, Any]) -> tuple[dict, dict]:
+    """``{buffer: (path, category, shape, dtype)}`` of the named trees' arrays, and
+    ``{(stored shape, dtype): [(path, sharding), ...]}`` of their leaves (look-alikes)."""
+    names: dict[tuple[jax.Device, int], tuple[str, str, tuple, str]] = {}
+    shapes: dict[tuple[tuple[int, ...], Any], list] = {}
+    for name, tree in trees.items():
+        for path, leaf, category in _named_leaves(name, tree):
+            if isinstance(leaf, jax.core.Tracer):
+                raise UsageError(
+                    f"`{name}` leaf {path} is a tracer: call `jaxdev.memory` outside `jit`."
+                )
+            if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
+                like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
+                stored = _stored(leaf)
+                shapes.setdefault((tuple(stored.shape), stored.dtype), []).append(like)
+            if is_jax_array(leaf) and not leaf.is_deleted():
+                for key in _buffers(leaf):
+                    names.setdefault(key, (path, category, tuple(leaf.shape), str(leaf.dtype)))
+    return names, shapes
 
 
 def _like(x: jax.Array, leaves: list | None) -> str | None:

@@ -13,6 +13,12 @@ from .._errors import DisagreementError, ShardingError, UsageError
 from .._mesh import data_mesh
 from ..train import Strategy, make_train_step
 
+_PER_DEVICE = (
+    " A loss that depends on how many rows one call sees (e.g. divided by a hard-coded global "
+    "batch size) is right on one device and wrong per device under pmap and shard_map."
+)
+_HINTS = {"pmap": _PER_DEVICE, "shard_map": _PER_DEVICE}
+
 
 def _strategies() -> dict[str, Strategy]:
     """Every strategy the local devices allow, ``single`` first (the reference)."""
@@ -64,15 +70,12 @@ def assert_strategies_agree(
     """Train a few steps on every strategy the devices allow; raise where one differs.
 
     The same ``params`` are trained on ``batches`` (one step each) under
-    ``Strategy.single()`` (the reference) and, with more than one local
-    device, ``pmap``, sharded data parallel ``jit``, ``shard_map`` and
-    ``fsdp`` (``Strategy.sharded(rules="fsdp", min_size=0)``, when a leaf of
-    ``params`` splits over the devices), all over every local device. After
-    every step the params of each must match the reference's:
-    ``|x - ref| <= atol + rtol * |ref|``. It catches a loss that
-    depends on how many rows one call sees, e.g. divided by a hard-coded
-    global batch size: right on one device, wrong by the device count per
-    device under ``pmap`` and ``shard_map``.
+    ``Strategy.single()`` (the reference) and, with several local devices,
+    ``pmap``, sharded ``jit``, ``shard_map`` and ``fsdp`` (``min_size=0``,
+    when a leaf of ``params`` splits), over every local device. After every
+    step each one's params must match the reference's within ``atol + rtol *
+    |ref|``. It catches a loss that depends on how many rows one call sees
+    (e.g. divided by a hard-coded global batch size).
 
     Args:
       loss_fn: the step's loss, as for :func:`jaxdev.make_train_step`
@@ -120,18 +123,10 @@ def assert_strategies_agree(
     for i, ref in enumerate(trails["single"]):
         for name, trail in trails.items():
             where = _first_difference(trail[i], ref, rtol, atol)
-            if where is None:
-                continue
-            hint = (
-                " A loss that depends on how many rows one call sees (e.g. divided by a "
-                "hard-coded global batch size) is right on one device and wrong per device "
-                "under pmap and shard_map."
-                if name in ("pmap", "shard_map")
-                else ""
-            )
-            raise DisagreementError(
-                f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
-                f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
-                f"atol={atol:g} + rtol={rtol:g} * |single|.{hint}"
-            )
+            if where is not None:
+                raise DisagreementError(
+                    f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
+                    f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
+                    f"atol={atol:g} + rtol={rtol:g} * |single|.{_HINTS.get(name, '')}"
+                )
     return tuple(trails)

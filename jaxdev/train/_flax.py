@@ -72,18 +72,13 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     same wrapper for :func:`jaxdev.make_eval_step`, calling ``model.eval()``
     inside ``loss_fn`` when it should not update batch statistics.
 
-    Randomness, in the two ways NNX code draws it:
-
-    * keys at call time (the NNX tutorial: ``nnx.Dropout(rate)`` without
-      ``rngs``, ``model(x, rngs=rngs)``): give ``loss_fn`` a parameter
-      named ``rngs``, ``loss_fn(model, batch, rngs=None)``, and the state an
-      ``rng`` (``step.init_state(..., rng=jax.random.key(0))``); it gets the
-      step's key as ``nnx.Rngs(key)``, new every step and, under pmap /
-      shard_map, on every device. Eval steps have no key: it gets ``None``.
-    * a module holding its own ``nnx.Rngs`` streams: with an ``rng`` in the
-      state they are reseeded from the step's key; without, they draw from
-      their own keys, with the device index folded in under pmap /
-      shard_map for the call only.
+    Randomness: give ``loss_fn`` a parameter named ``rngs`` (``model(x,
+    rngs=rngs)``, as the NNX tutorial writes it) and the state an ``rng``
+    (``init_state(..., rng=key)``): it gets ``nnx.Rngs`` of the step's key,
+    new every step and on every device (``None`` in eval steps). A module's
+    own ``nnx.Rngs`` streams are reseeded from the step's key, or, without an
+    ``rng``, draw from their own keys with the device index folded in under
+    pmap / shard_map for the call only.
 
     Args:
       model: the module (its structure is captured; its values come from the state).
@@ -109,26 +104,6 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
       >>> jaxdev.nnx.update(model, state)
       >>> bool(jnp.allclose(model.kernel[...], state.params["kernel"][...]))
       True
-
-      Keys at call time, as the NNX tutorial writes them:
-
-      >>> import jax
-      >>> class Net(nnx.Module):
-      ...     def __init__(self, rngs):
-      ...         self.linear, self.dropout = nnx.Linear(2, 1, rngs=rngs), nnx.Dropout(0.5)
-      ...     def __call__(self, x, rngs=None):
-      ...         return self.dropout(self.linear(x), rngs=rngs)
-      >>> def loss_fn(model, batch, rngs=None):
-      ...     return (model(batch["x"], rngs)[:, 0] - batch["y"]) ** 2
-      >>> net = Net(nnx.Rngs(0))
-      >>> step = jaxdev.make_train_step(jaxdev.nnx.loss(net, loss_fn), optax.sgd(0.1),
-      ...                               has_state=True)
-      >>> params, model_state = jaxdev.nnx.split(net)
-      >>> state = step.init_state(params, optax.sgd(0.1), rng=jax.random.key(0),
-      ...                         model_state=model_state)
-      >>> state, metrics = step(state, step.put_batch(batch))
-      >>> int(state.step)
-      1
     """
     _check_module(model, "model")
     graphdef = nnx.graphdef(model)
