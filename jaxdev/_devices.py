@@ -328,7 +328,9 @@ def backend_started() -> bool:
       >>> isinstance(backend_started(), bool)
       True
     """
-    from jax._src import xla_bridge  # no public API tells this without starting it
+    # private: no public API tells whether the backends started without starting them
+    # (jax-ml/jax#23320, open; jax.extend.backend.backends() starts them)
+    from jax._src import xla_bridge
 
     return bool(xla_bridge.backends_are_initialized())
 

@@ -122,6 +122,11 @@ class TransferEvent:
     where: str = ""
 
 
+def _tally(direction: str, doc: str) -> property:
+    """A read-only count of one direction (``_count`` drains JAX's log first)."""
+    return property(lambda self: self._count(direction), doc=doc)
+
+
 class TransferCounter:
     """Counts read after (or during) a :func:`count_transfers` block.
 
@@ -144,30 +149,11 @@ class TransferCounter:
             _drain_implicit()
         return self._counts[direction]
 
-    @property
-    def device_to_host(self) -> int:
-        """Device-to-host reads (syncs) counted so far."""
-        return self._count(D2H)
-
-    @property
-    def host_to_device(self) -> int:
-        """Host-to-device transfers (explicit and implicit) counted so far."""
-        return self._count(H2D)
-
-    @property
-    def waits(self) -> int:
-        """Waits for the device (``block_until_ready``) counted so far."""
-        return self._count(WAIT)
-
-    @property
-    def compiles(self) -> int:
-        """XLA compilations counted so far (jit, pmap and eager ops)."""
-        return self._count(COMPILE)
-
-    @property
-    def traces(self) -> int:
-        """Python traces (jaxpr tracing of a function) counted so far."""
-        return self._count(TRACE)
+    device_to_host = _tally(D2H, "Device-to-host reads (syncs) counted so far.")
+    host_to_device = _tally(H2D, "Host-to-device transfers (explicit and implicit) so far.")
+    waits = _tally(WAIT, "Waits for the device (``block_until_ready``) counted so far.")
+    compiles = _tally(COMPILE, "XLA compilations counted so far (jit, pmap and eager ops).")
+    traces = _tally(TRACE, "Python traces (jaxpr tracing of a function) counted so far.")
 
     def summary(self) -> str:
         """Return one line of counts plus one line per distinct event."""
@@ -357,8 +343,8 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 def _install() -> None:
     """Wrap every entry point listed in the module docstring."""
-    # Private: JAX's own modules call `jax._src.api.device_get/put` directly; wrapping
-    # only the public re-exports in `jax` would miss them (there is no public hook).
+    # private: no public hook on device_get/device_put; JAX's own modules call
+    # `jax._src.api.device_get/put` directly, so wrapping only `jax.device_get` misses them.
     from jax._src import api
 
     array = array_type()

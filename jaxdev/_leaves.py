@@ -53,7 +53,7 @@ def array_type() -> type:
     Only exact-type fast paths use it; other ``jax.Array`` types take the
     general route, so a moved private name costs speed, not correctness.
     """
-    try:  # private: JAX exports only the abstract `jax.Array`, not its concrete class
+    try:  # private: no public name of the concrete array class (only the abstract jax.Array)
         from jax._src.array import ArrayImpl
     except ImportError:  # pragma: no cover - a newer JAX moved it
         return type(jax.numpy.zeros(()))

@@ -75,7 +75,9 @@ def default_timeout_s() -> float:
 
 def kv_client():
     """Return the coordinator client of ``jax.distributed`` (its key-value store), or ``None``."""
-    from jax._src import distributed  # the client is not re-exported publicly
+    # private: no public accessor of jax.distributed's coordination key-value client
+    # (jax.experimental.multihost_utils reads the same global_state.client)
+    from jax._src import distributed
 
     return distributed.global_state.client
 
