@@ -39,21 +39,6 @@ from .._leaves import check_live
 from .._mesh import DEFAULT_AXIS
 from .._pending import explained_reads
 
-__all__ = [
-    "Accuracy",
-    "Collection",
-    "DeviceLog",
-    "Last",
-    "Max",
-    "Mean",
-    "Metric",
-    "Min",
-    "NonFinite",
-    "Sum",
-    "WeightedMean",
-    "fetch_metrics",
-]
-
 _F32 = jnp.float32
 _I32 = jnp.int32
 
@@ -88,7 +73,23 @@ _AMBIENT = threading.local()
 
 
 @contextlib.contextmanager
-def row_mask(mask: jax.Array | None) -> Iterator[None]:
+def ambient(name: str, value: Any) -> Iterator[None]:
+    """Make ``value`` this thread's ``name`` in this block (see :func:`ambient_value`)."""
+    stack = _AMBIENT.__dict__.setdefault(name, [])
+    stack.append(value)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def ambient_value(name: str) -> Any:
+    """The innermost enclosing :func:`ambient` value of ``name`` (``None`` outside one)."""
+    stack = getattr(_AMBIENT, name, None)
+    return stack[-1] if stack else None
+
+
+def row_mask(mask: jax.Array | None) -> contextlib.AbstractContextManager[None]:
     """Make ``mask`` the default ``mask`` of every ``from_value`` in this block (this thread).
 
     jaxdev's train and eval steps wrap the call of ``loss_fn`` in it, so a
@@ -96,18 +97,12 @@ def row_mask(mask: jax.Array | None) -> Iterator[None]:
     leaves the padded rows out without being told. A value that has no
     entry per row (a scalar) cannot be masked there and is refused.
     """
-    stack = _AMBIENT.__dict__.setdefault("stack", [])
-    stack.append(mask)
-    try:
-        yield
-    finally:
-        stack.pop()
+    return ambient("mask", mask)
 
 
 def _ambient_mask(value: jax.Array, owner: str, strict: bool = True) -> jax.Array | None:
     """The enclosing step's row mask for ``value``, or None outside a step."""
-    stack = getattr(_AMBIENT, "stack", None)
-    mask = stack[-1] if stack else None
+    mask = ambient_value("mask")
     if mask is None:
         return None
     if value.ndim and value.shape[0] == mask.shape[0]:

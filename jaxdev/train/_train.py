@@ -22,9 +22,8 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -34,7 +33,7 @@ import optax
 
 from .._batches import rows_of
 from .._errors import MetricError, UsageError
-from ._metrics import Collection, Last, Mean, Metric, WeightedMean, row_mask
+from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value, row_mask
 
 LossFn = Callable[..., Any]
 """``loss_fn(params[, model_state], batch[, rng][, mask=]) -> losses[, aux][, new_state]``."""
@@ -100,24 +99,17 @@ class StepConfig:
 # ---------------------------------------------------------------- calling loss_fn
 
 
-_AMBIENT = threading.local()
 _log = logging.getLogger("jaxdev")
 
 
-@contextlib.contextmanager
-def device_axis(axis: str | None) -> Iterator[None]:
+def device_axis(axis: str | None) -> contextlib.AbstractContextManager[None]:
     """Make ``axis`` the device axis that :func:`current_device_axis` reports in this block.
 
     The step's body runs inside it: ``None`` where the step sees the whole
     batch (one device, sharded ``jit``), the device axis under ``pmap`` /
     ``shard_map``, where each device runs on its own rows.
     """
-    stack = _AMBIENT.__dict__.setdefault("axes", [])
-    stack.append(axis)
-    try:
-        yield
-    finally:
-        stack.pop()
+    return ambient("axis", axis)
 
 
 def current_device_axis() -> str | None:
@@ -128,8 +120,7 @@ def current_device_axis() -> str | None:
       ...     current_device_axis()
       'data'
     """
-    stack = getattr(_AMBIENT, "axes", None)
-    return stack[-1] if stack else None
+    return ambient_value("axis")
 
 
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
