@@ -46,12 +46,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
 from .._devices import backend_started
-from .._errors import DistributedError
+from .._errors import DistributedError, UsageError
 from .._multihost import barrier
 from . import _hang
 
@@ -134,31 +134,30 @@ def _check_int(name: str, value: int | None, minimum: int) -> int | None:
     return value
 
 
-def resolve_config(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    local_device_count: int | None = None,
-    timeout_s: int | None = None,
-    heartbeat_timeout_s: int | None = None,
-    env: Mapping[str, str] | None = None,
-    shutdown_timeout_s: int | None = None,
-    hang_timeout_s: float | None = None,
-    hang_action: str | None = None,
-) -> DistributedConfig:
-    """Merge arguments with the ``JAXDEV_*`` environment; arguments win.
+# argument, variable, smallest value, default: the integer settings, in DistributedConfig's order
+_INTS = (
+    ("num_processes", ENV_NUM_PROCESSES, 1, None),
+    ("process_id", ENV_PROCESS_ID, 0, None),
+    ("local_device_count", ENV_LOCAL_DEVICES, 1, None),
+    ("timeout_s", ENV_INIT_TIMEOUT, 1, DEFAULT_INIT_TIMEOUT_S),
+    ("heartbeat_timeout_s", ENV_HEARTBEAT_TIMEOUT, 1, DEFAULT_HEARTBEAT_TIMEOUT_S),
+    ("shutdown_timeout_s", ENV_SHUTDOWN_TIMEOUT, 1, DEFAULT_SHUTDOWN_TIMEOUT_S),
+)
+_ARGS = ("coordinator_address", *(a for a, *_ in _INTS), "hang_timeout_s", "hang_action")
+
+
+def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> DistributedConfig:
+    """Merge :func:`initialize`'s job arguments with the ``JAXDEV_*`` environment; arguments win.
 
     Args:
-      coordinator_address: ``host:port``, else ``$JAXDEV_COORDINATOR``.
-      num_processes: else ``$JAXDEV_NUM_PROCESSES``.
-      process_id: else ``$JAXDEV_PROCESS_ID``.
-      local_device_count: else ``$JAXDEV_LOCAL_DEVICES``.
-      timeout_s: else ``$JAXDEV_INIT_TIMEOUT``, else 60.
-      heartbeat_timeout_s: else ``$JAXDEV_HEARTBEAT_TIMEOUT``, else 30.
       env: the environment to read (default ``os.environ``).
-      shutdown_timeout_s: else ``$JAXDEV_SHUTDOWN_TIMEOUT``, else 30.
-      hang_timeout_s: else ``$JAXDEV_HANG_TIMEOUT``, else ``None`` (off).
-      hang_action: else ``$JAXDEV_HANG_ACTION``, else ``"exit"``.
+      **given: ``coordinator_address``, ``num_processes``, ``process_id``,
+        ``local_device_count``, ``timeout_s`` (default 60),
+        ``heartbeat_timeout_s`` (30), ``shutdown_timeout_s`` (30),
+        ``hang_timeout_s`` (``None``: off) and ``hang_action`` (``"exit"``),
+        as :func:`initialize` takes them; one missing or ``None`` comes from
+        its variable (``$JAXDEV_COORDINATOR``, ``$JAXDEV_NUM_PROCESSES``, ...:
+        this module's ``ENV_*``), else its default.
 
     Returns:
       The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
@@ -166,8 +165,9 @@ def resolve_config(
     Raises:
       DistributedError: a value is malformed, or ``process_id`` is not in
         ``[0, num_processes)``.
-      UsageError: ``hang_timeout_s`` is not a number of seconds > 0 or
-        ``hang_action`` not ``"exit"``/``"wait"`` (argument or variable).
+      UsageError: an argument is not one of those above; ``hang_timeout_s``
+        is not a number of seconds > 0 or ``hang_action`` not
+        ``"exit"``/``"wait"`` (argument or variable).
 
     Example:
       >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
@@ -176,22 +176,17 @@ def resolve_config(
       1
     """
     env = os.environ if env is None else env
+    unknown = sorted(set(given) - set(_ARGS))
+    if unknown:
+        raise UsageError(f"`resolve_config` takes {', '.join(_ARGS)}; got {unknown}.")
+    hang_timeout, hang_action = given.get("hang_timeout_s"), given.get("hang_action")
     cfg = DistributedConfig(
-        coordinator_address or env.get(ENV_COORDINATOR) or None,
-        _check_int("num_processes", num_processes, 1) or _env_int(env, ENV_NUM_PROCESSES, 1),
-        _pick(_check_int("process_id", process_id, 0), _env_int(env, ENV_PROCESS_ID, 0)),
-        _check_int("local_device_count", local_device_count, 1)
-        or _env_int(env, ENV_LOCAL_DEVICES, 1),
-        _check_int("timeout_s", timeout_s, 1)
-        or _env_int(env, ENV_INIT_TIMEOUT, 1)
-        or DEFAULT_INIT_TIMEOUT_S,
-        _check_int("heartbeat_timeout_s", heartbeat_timeout_s, 1)
-        or _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
-        or DEFAULT_HEARTBEAT_TIMEOUT_S,
-        _check_int("shutdown_timeout_s", shutdown_timeout_s, 1)
-        or _env_int(env, ENV_SHUTDOWN_TIMEOUT, 1)
-        or DEFAULT_SHUTDOWN_TIMEOUT_S,
-        _hang.check_timeout(hang_timeout_s)
+        given.get("coordinator_address") or env.get(ENV_COORDINATOR) or None,
+        *(
+            _pick(_check_int(arg, given.get(arg), low), _env_int(env, var, low), default)
+            for arg, var, low, default in _INTS
+        ),
+        _hang.check_timeout(hang_timeout)
         or _hang.check_timeout(env.get(ENV_HANG_TIMEOUT), f"${ENV_HANG_TIMEOUT}"),
         _hang.check_action(hang_action)
         if hang_action is not None
@@ -201,9 +196,9 @@ def resolve_config(
     return cfg
 
 
-def _pick(first: int | None, second: int | None) -> int | None:
-    """Return ``first`` unless it is ``None`` (0 is a valid process id)."""
-    return second if first is None else first
+def _pick(*values: Any) -> Any:
+    """The first value that is not ``None`` (0 is a valid process id)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _check_ids(cfg: DistributedConfig) -> None:
@@ -491,6 +486,18 @@ def _check_job(expected_processes: int | None) -> None:
     check_local_device_counts([d.process_index for d in jax.devices()], found)
 
 
+def _after_connect(cfg: DistributedConfig, fail_fast: bool) -> None:
+    """Arm the finish barrier, fail-fast, stack dumps and the watchdog; check the job."""
+    _FINISH.update(timeout_s=cfg.shutdown_timeout_s, done=False)
+    atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
+    if fail_fast:
+        install_fail_fast()
+    _check_job(cfg.num_processes)
+    _hang.install_stack_dumps()
+    if cfg.hang_timeout_s is not None:
+        _hang.start(cfg.hang_timeout_s, cfg.hang_action, _exit_now)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -510,7 +517,9 @@ def initialize(
     Call it first thing, before anything touches a JAX device. Each argument
     left ``None`` comes from the ``JAXDEV_*`` variables ``jaxdev launch`` sets
     (see :func:`resolve_config`); what is still unknown is left to JAX's
-    cluster auto-detection (Slurm, Open MPI, TPU, ...).
+    cluster auto-detection (Slurm, Open MPI, TPU, ...). Every process then
+    prints its threads' stacks on ``SIGUSR1`` (``jaxdev launch`` forwards it)
+    and Python's ``faulthandler`` is on for fatal signals.
 
     Args:
       coordinator_address: ``host:port`` of process 0.
@@ -519,55 +528,36 @@ def initialize(
       local_device_count: fake CPU devices for this process (sets
         ``jax_num_cpu_devices``); ``None`` keeps JAX's choice.
       timeout_s: seconds, from this call, to reach the coordinator and for
-        every process to register (default 60). When they run out while JAX
+        every process to register (default 60); past them while JAX
         connects, the process prints a diagnostic and exits with code 1.
       heartbeat_timeout_s: seconds after which a silent peer counts as dead
         and JAX aborts the job (default 30).
       shutdown_timeout_s: seconds a finishing process waits for the others
-        (default 30, or ``$JAXDEV_SHUTDOWN_TIMEOUT``). When some have not
-        finished by then, it names them and exits with code 1 (see
-        :func:`shutdown`).
+        (default 30); then it names the missing ones and exits with code 1
+        (see :func:`shutdown`).
       cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
         makes cross-process computations work on CPU); ``None`` keeps JAX's.
       fail_fast: end this process at once on an uncaught exception instead
         of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
-      hang_timeout_s: ``S`` seconds: start the hang watchdog (else
-        ``$JAXDEV_HANG_TIMEOUT``, which ``jaxdev launch --hang-timeout``
-        sets; default ``None``: no watchdog). Progress is a jaxdev step call,
-        a checkpoint, a :func:`~jaxdev.distributed.heartbeat`, a change of
-        phase, or a main thread in JAX code that moved (your own jit in a
-        loop), and each phase counts as progress for its allowance: start-up
-        (before the first heartbeat), any compile (first or later: a new batch
-        shape recompiles), a checkpoint and a barrier outside any step (JAX's
-        ``sync_global_devices``) ``10 * S``; a step (in a jaxdev step call or
-        cross-process check, or waiting in JAX) ``S``; host work between steps
-        only while another process waits, ``S`` in a step, ``10 * S`` at a
-        barrier; finished (at exit or :func:`shutdown`, bounded by
-        ``shutdown_timeout_s``) and shutdown never. When every unfinished
-        process is over its allowance and one is not in host work, every
-        process prints its threads' stacks and process 0 prints a summary
-        naming the process that is behind, its step and where it is. See
-        :mod:`jaxdev.distributed._hang`.
-      hang_action: after that report, ``"exit"`` (default, or
-        ``$JAXDEV_HANG_ACTION``) ends every process with exit code 1, about
-        ``hang_timeout_s + 1`` s after the last progress (at most
-        ``hang_timeout_s + 18`` s); ``"wait"`` keeps them running (report
-        only).
-
-    Every process also prints the Python stacks of all its threads on
-    ``SIGUSR1`` (``kill -USR1 <pid>``; ``jaxdev launch`` forwards it to every
-    process) without stopping, and Python's ``faulthandler`` is enabled for
-    fatal signals (segfault, abort) unless it already was.
+      hang_timeout_s: ``S`` seconds: start the hang watchdog (default
+        ``None``: none). When no process made progress (a step call, a
+        checkpoint, a :func:`~jaxdev.distributed.heartbeat`, a main thread
+        moving in JAX code, ...) within its phase's allowance (``S`` in a
+        step, ``10 * S`` in start-up, a compile, a checkpoint or a barrier),
+        every process prints its stacks and process 0 names the process that
+        is behind, its step and where it is (the model:
+        :mod:`jaxdev.distributed._hang`).
+      hang_action: after that report ``"exit"`` (default) ends every process
+        with exit code 1, about ``S + 1`` s after the last progress;
+        ``"wait"`` only reports.
 
     Returns:
       The :class:`DistributedConfig` that was used.
 
     Raises:
       DistributedError: called twice or after JAX's backend started; a value
-        is malformed; the coordinator is unreachable within ``timeout_s`` or
-        its port is taken on process 0; the process count differs from
-        ``num_processes``; or the local device counts differ (each process
-        and its count named).
+        is malformed; the coordinator is unreachable or its port taken; the
+        process count or the local device counts differ (each named).
       UsageError: ``hang_timeout_s`` or ``hang_action`` is invalid.
 
     Example:
@@ -575,35 +565,17 @@ def initialize(
       >>> jaxdev.distributed.initialize()  # doctest: +SKIP
       DistributedConfig(coordinator_address='127.0.0.1:...', num_processes=2, ...)
     """
+    given = {k: v for k, v in locals().items() if k in _ARGS}  # the arguments, by name
     leave_join_marker()
-    job = (coordinator_address, num_processes, process_id, local_device_count)
-    cfg = resolve_config(
-        *job,
-        timeout_s,
-        heartbeat_timeout_s,
-        shutdown_timeout_s=shutdown_timeout_s,
-        hang_timeout_s=hang_timeout_s,
-        hang_action=hang_action,
-    )
+    cfg = resolve_config(**given)
     _check_can_start()
     _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
     _preflight(cfg, deadline)
     _connect(cfg, deadline)
-    _FINISH.update(timeout_s=cfg.shutdown_timeout_s, done=False)
-    atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
-    if fail_fast:
-        install_fail_fast()
-    _check_job(cfg.num_processes)
-    _hang.install_stack_dumps()
-    if cfg.hang_timeout_s is not None:
-        _hang.start(cfg.hang_timeout_s, cfg.hang_action, _exit_now)
-    _log.info(
-        "process %d of %d joined the coordinator at %s",
-        jax.process_index(),
-        cfg.num_processes,
-        cfg.coordinator_address,
-    )
+    _after_connect(cfg, fail_fast)
+    where = (jax.process_index(), cfg.num_processes, cfg.coordinator_address)
+    _log.info("process %d of %d joined the coordinator at %s", *where)
     return cfg
 
 
