@@ -61,7 +61,6 @@ Decisions:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import errno
@@ -72,8 +71,8 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -85,7 +84,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
-from .._mesh import mesh_of, replicated_sharding
+from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
 from .._placement import as_sharding
 from .._report import human_bytes
@@ -109,21 +108,9 @@ def orbax():
 # ---------------------------------------------------------------- keys and structure
 
 
-def _entry_raw(k: Any) -> Any:
-    """One key-path entry's own value: a dict key, attribute name or sequence index."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return k
-
-
-def _entry(k: Any) -> str:
-    """One key-path entry as orbax's string key."""
-    return str(_entry_raw(k))
-
-
 def _key(path: Sequence[Any]) -> tuple[str, ...]:
-    return tuple(_entry(k) for k in path) or ("<root>",)
+    """A key path as orbax's string keys: each entry's own value as a string."""
+    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("<root>",)
 
 
 def _one_level(node: Any) -> list[tuple[Any, Any]]:
@@ -145,7 +132,10 @@ def _skeleton(node: Any, counter: list[int]) -> Any:
         counter[0] += 1
         return {"t": "leaf", "i": counter[0] - 1}
     children = _one_level(node)
-    kids = [[_entry(k), type(_entry_raw(k)).__name__, _skeleton(c, counter)] for k, c in children]
+    raw = [getattr(k, "key", getattr(k, "idx", "")) for k, _ in children]  # int keys stay ints
+    kids = [
+        [*_key([k]), type(r).__name__, _skeleton(c, counter)] for (k, c), r in zip(children, raw)
+    ]
     if type(node) is dict:
         kind = "dict"
     elif type(node) in (list, tuple):
@@ -298,7 +288,7 @@ def _saved_sharding(desc: dict | None) -> Sharding | None:
 
 def _default_sharding() -> Sharding:
     if jax.process_count() > 1:
-        return replicated_sharding(mesh_of(tuple(jax.devices()), "data"))
+        return replicated_sharding(data_mesh())
     return SingleDeviceSharding(jax.devices()[0])
 
 
@@ -408,22 +398,30 @@ def _globalize(flat: list, leaves: list, arg: str) -> list:
 
     Orbax writes global arrays only. A process-local leaf (e.g. an optimizer
     state made by an unconstrained ``jit``) is accepted when every process
-    holds the same bits (checked by checksum across processes), and written
-    once as a copy replicated over every device.
+    holds the same bits (its checkpoint checksum, compared across processes),
+    and written once as a copy replicated over every device.
     """
-    from .._multihost import assert_same_across_processes
-
     local = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_fully_addressable]
     if not local:
         return leaves
-    try:
-        assert_same_across_processes({flat[i][1]: leaves[i] for i in local})
-    except AssertionError as err:
+    sums = [
+        json.loads(t)
+        for t in exchange("checkpoint/local", json.dumps(checksums([leaves[i] for i in local])))
+    ]
+    bad = [
+        f"{flat[i][1]}: " + ", ".join(f"process {p}: {t[j]:#x}" for p, t in enumerate(sums))
+        for j, i in enumerate(local)
+        if len({t[j] for t in sums}) > 1
+    ]
+    if bad:
         raise CheckpointError(
-            f"`{arg}` has leaves held by each process separately whose values differ across "
-            f"processes, so no single value can be saved: {err}"
-        ) from err
-    rep = replicated_sharding(mesh_of(tuple(jax.devices()), "data"))
+            join_failures(
+                f"`{arg}` has leaves held by each process separately whose values differ across "
+                "processes, so no single value can be saved (checksums):",
+                bad,
+            )
+        )
+    rep = replicated_sharding(data_mesh())
     out = list(leaves)
     for i in local:
         host = np.asarray(jax.device_get(leaves[i]))
@@ -496,70 +494,6 @@ def composite(prepared: _Prepared, step: int | None, metrics: _Prepared | None) 
 # ---------------------------------------------------------------- writing
 
 
-def release_waiters() -> None:
-    """Wake orbax's writer threads still waiting for a step directory a failed save never made.
-
-    Orbax 0.12.8 bug worked around here: its asynchronous array handlers
-    start non-daemon threads that wait for a "step directory created"
-    signal; when a save fails before that signal, they wait out the
-    coordination timeout (5 minutes) and hold the interpreter's exit that
-    long. Orbax has no public API to cancel them, so this sends the signal
-    through ``orbax.checkpoint._src`` (the only private import of orbax in
-    jaxdev): they then fail at once, writing into a directory that is never
-    committed. With another orbax layout this does nothing.
-
-    Under load a writer thread can start waiting only after the failure is
-    reported (a CI run held the exit past 100 s once), so every directory
-    signal is sent now and again from a daemon thread for 20 s (a daemon
-    never holds the exit itself). That thread ends at exit, once Python has
-    joined the non-daemon threads (:func:`_stop_sending`).
-    """
-    try:
-        from orbax.checkpoint._src.futures import future, synchronization
-    except ImportError:
-        return
-    try:
-        current = synchronization.OperationIdGenerator.get_current_operation_id()
-        signals = [
-            synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION,
-            synchronization.HandlerAwaitableSignal.ITEM_DIRECTORY_CREATION,
-        ]
-    except Exception:  # best effort: the error being reported matters more
-        return
-
-    def send() -> None:
-        with contextlib.suppress(Exception):
-            future.set_signals(signals, operation_id=current)
-
-    def keep_sending() -> None:
-        for _ in range(40):
-            if _STOP.wait(0.5):
-                return
-            send()
-
-    send()
-    atexit.unregister(_stop_sending)
-    atexit.register(_stop_sending)  # the latest: it runs before jax's own exit handlers
-    threading.Thread(target=keep_sending, name=_SENDER, daemon=True).start()
-
-
-_SENDER, _STOP = "jaxdev-release-waiters", threading.Event()
-
-
-def _stop_sending() -> None:
-    """At exit, end :func:`release_waiters`' threads and wait for them (atexit).
-
-    A daemon thread left calling into jax while the interpreter finalizes
-    aborted the process at a normal exit ("terminate called after throwing
-    ...", SIGABRT, 1 run in 6). atexit runs after the non-daemon threads are
-    joined, so orbax's waiters were released by then.
-    """
-    _STOP.set()
-    for t in threading.enumerate():
-        if t.name == _SENDER:
-            t.join(timeout=5)
-
-
 def write_error(
     path: Any, err: BaseException, *, previous: str, need: int | None = None
 ) -> CheckpointError:
@@ -569,7 +503,6 @@ def write_error(
     known) and the free space, whether it came as an ``OSError`` (ENOSPC) or
     only in the message of an error orbax or tensorstore raised or chained.
     """
-    release_waiters()
     why = f"{type(err).__name__}: {err}"
     hint = ""
     if _no_space(err):
@@ -732,10 +665,24 @@ def _refuse_managed(path: str) -> None:
         )
 
 
+def handler_options() -> Any:
+    """Orbax's options for jaxdev: item folders made before any array is written.
+
+    By default orbax's array writers wait in non-daemon threads for a
+    "directory created" signal that a save failing before it never sends,
+    holding the interpreter's exit for the coordination timeout (5 minutes,
+    orbax 0.12.8). Made synchronously, there is nothing to wait for.
+    """
+    return orbax().AsyncOptions(create_directories_asynchronously=False)
+
+
 def _write(path: str, args: Any, previous: str, need: int) -> None:
     ocp = orbax()
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(async_options=handler_options())
+    )
     try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        with ocp.Checkpointer(handler) as ckptr:
             ckptr.save(path, args=args)
     except (OSError, ValueError, RuntimeError) as err:
         raise write_error(path, err, previous=previous, need=need) from err
@@ -918,7 +865,7 @@ def _restack_sharding(e: dict) -> Sharding:
     by_id = {d.id: d for d in jax.devices()}
     ids = e["stacked"]["devices"]
     if all(i in by_id for i in ids) and e["sharding"] is not None:
-        return NamedSharding(mesh_of(tuple(by_id[i] for i in ids), "data"), P("data"))
+        return batch_sharding(mesh_of(tuple(by_id[i] for i in ids), DEFAULT_AXIS))
     return _default_sharding()
 
 
@@ -1116,16 +1063,16 @@ def _scalar_target_type(w: _Want, value: Any) -> Any:
 
 
 def _cast_scalar(value: Any, to: Any) -> Any:
-    """``value`` as ``to`` (a Python type or numpy dtype); ValueError if not exact."""
+    """``value`` as ``to`` (a Python type or numpy dtype); CheckpointError if not exact."""
     try:
         with np.errstate(all="ignore"):
             cast = to(value) if isinstance(to, type) else np.asarray(value, to)
     except (OverflowError, TypeError, ValueError) as err:
-        raise ValueError(str(err)) from err
+        raise CheckpointError(str(err)) from err
     back = cast.item() if isinstance(cast, np.ndarray) else cast
     same = back == value or (back != back and value != value)  # nan stays nan
     if not same or (isinstance(value, complex) and not isinstance(back, complex) and value.imag):
-        raise ValueError(f"it would become {back!r}")
+        raise CheckpointError(f"it would become {back!r}")
     return cast
 
 
@@ -1134,7 +1081,7 @@ def _lossy(e: dict, w: _Want) -> str | None:
     to = _scalar_target_type(w, value)
     try:
         _cast_scalar(value, to)
-    except ValueError as err:
+    except CheckpointError as err:
         name = to.__name__ if isinstance(to, type) else str(to)
         return (
             f"saved the Python {e['type']} {value!r}, asked {name}, which cannot hold it "
@@ -1161,7 +1108,7 @@ def _stack_source(s: Sharding) -> Sharding:
     if isinstance(s, NamedSharding):
         return NamedSharding(s.mesh, P())
     devs = tuple(sorted(s.device_set, key=lambda d: d.id))
-    return replicated_sharding(mesh_of(devs, "data"))
+    return replicated_sharding(mesh_of(devs, DEFAULT_AXIS))
 
 
 def _orbax_restore(path, reader, item, entries, reads, what):
@@ -1210,21 +1157,15 @@ def _orbax_restore(path, reader, item, entries, reads, what):
 def _quiet_leftovers() -> Iterator[None]:
     """Collect the read coroutines orbax abandoned after a failed read, without noise.
 
-    Orbax 0.12.8 bug worked around here: when one array read fails, orbax
-    leaves the other reads' coroutines to the garbage collector, which
-    reports each as an unraisable exception ("coroutine ... was never
-    awaited"; pytest turns those into errors). Orbax offers no way to cancel
-    them, and the failure itself is reported by the caller, so they are
-    collected here with the report switched off: ``sys.unraisablehook`` is
-    replaced only for this ``gc.collect()`` after a failed read, and put back.
+    Orbax 0.12.8 leaves the other reads' coroutines of a failed read to the
+    garbage collector, which warns of each ("coroutine ... was never
+    awaited", an error under ``-W error``). The failure itself is reported
+    by the caller, so that warning alone is ignored, for this block only.
     """
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         yield
         gc.collect()
-    finally:
-        sys.unraisablehook = hook
 
 
 def _broken_leaves(reader, item, keys, abstract, args, entries) -> str:
@@ -1308,7 +1249,7 @@ def _cast_read(path: str, e: dict, value: Any, to: type, what: str) -> Any:
     """A read 0-d array's ``value`` as the Python type ``to`` of its target leaf, exactly."""
     try:
         return _cast_scalar(value, to)
-    except ValueError as err:
+    except CheckpointError as err:
         raise CheckpointError(
             f"Checkpoint {path} ({what}) cannot be restored onto `target`: {e['path']}: saved "
             f"{e['dtype']} {value!r}, asked a Python {to.__name__}, which cannot hold it exactly "
@@ -1467,11 +1408,11 @@ __all__ = [
     "check_step",
     "checkpoint_step",
     "composite",
+    "handler_options",
     "orbax",
     "prepare",
     "read_meta",
     "read_unchanged",
-    "release_waiters",
     "restore",
     "restore_item",
     "save",

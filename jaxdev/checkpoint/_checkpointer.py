@@ -85,6 +85,7 @@ class Checkpointer:
             enable_async_checkpointing=async_,
             create=True,
             todelete_subdir=files.TOMBSTONES,
+            async_options=ckpt.handler_options(),
         )
         try:  # item handlers follow the args of each save / restore (Composite)
             self._manager = ocp.CheckpointManager(self.directory, options=options)

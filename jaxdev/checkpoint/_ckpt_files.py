@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import fcntl
 import logging
 import os
@@ -340,7 +339,11 @@ def _remove(path: str) -> None:
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Swap two directories atomically; False where the kernel or libc cannot."""
+    """Swap two directories atomically; False where the kernel or libc cannot, or it failed.
+
+    A failed exchange changed nothing: :func:`replace` goes on with its two
+    renames, which fail with their own ``OSError`` if the cause remains.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
@@ -348,12 +351,7 @@ def _exchange(a: str, b: str) -> bool:
         return False
     if os.environ.get("JAXDEV_CHECKPOINT_NO_EXCHANGE") == "1":  # tests of the fallback
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), a)
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def replace(new: str, path: str) -> None:
