@@ -258,12 +258,12 @@ def _stack(*files):
 
 def test_inside_tags_jax_compiling_other_jax_code_and_jaxdev_files():
     jax_dir, own = _hang._JAX[0], _hang._PACKAGE
-    compiling = _stack("train.py", own + "_step.py", jax_dir + "_src/compiler.py")
+    compiling = _stack("train.py", own + "train/_step.py", jax_dir + "_src/compiler.py")
     assert _hang.inside(compiling) == {"step", "compile"}
     assert _hang.inside(_stack("train.py", jax_dir + "_src/interpreters/mlir.py")) == {"compile"}
     assert _hang.inside(_stack("train.py", jax_dir + "_src/api.py")) == {"jax"}  # a wait
     assert _hang.inside(_stack("train.py", own + "_multihost.py")) == {"check"}
-    assert _hang.inside(_stack(own + "_checkpoint.py", "orbax.py")) == {"checkpoint"}
+    assert _hang.inside(_stack(own + "checkpoint/_checkpoint.py", "orbax.py")) == {"checkpoint"}
     assert _hang.inside(_stack("train.py", "loader.py")) == set()
     end = _stack("train.py", jax_dir + "experimental/multihost_utils.py", jax_dir + "_src/api.py")
     assert _hang.inside(end) == {"barrier", "jax"}  # sync_global_devices, process_allgather
