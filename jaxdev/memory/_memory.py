@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from .._errors import UsageError, device_name
-from .._leaves import is_jax_array
+from .._leaves import is_jax_array, is_prng_key
 from .._report import human_bytes, text_table
 from ._offload import HOST_KINDS
 
@@ -261,7 +261,7 @@ def _like(x: jax.Array, leaves: list | None) -> str | None:
 
 def _stored(leaf: Any) -> Any:
     """``leaf``, or the shape of a typed PRNG key's uint32 data (what JAX lists live)."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    if is_prng_key(leaf):
         return jax.eval_shape(jax.random.key_data, leaf)
     return leaf
 
