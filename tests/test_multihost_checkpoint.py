@@ -53,3 +53,10 @@ def test_processes_restoring_different_checkpoints_are_refused_and_named(tmp_pat
     out = _two("diverge", tmp_path)
     assert out.count("refused ok: The processes restore different checkpoints") == 2, out
     assert "process 0: step 1 of" in out and "process 1: step 2 of" in out
+
+
+@pytest.mark.timeout(300)
+def test_process_local_leaves_are_saved_once_when_equal_and_refused_when_not(tmp_path):
+    out = _two("local", tmp_path)
+    assert out.count("refused ok: `tree` has leaves held by each process separately") == 2, out
+    assert "['mine']: process 0: 0x" in out and "process 1: 0x" in out and "['same']" not in out

@@ -1,6 +1,6 @@
 """Save or restore a sharded TrainState, as 1 process x 8 devices or under ``jaxdev launch``.
 
-Usage: ``python ckpt_multihost.py save|restore|diverge DIR`` (alone: 8 fake CPU
+Usage: ``python ckpt_multihost.py save|restore|diverge|local DIR`` (alone: 8 fake CPU
 devices; under ``jaxdev launch -n 2 --devices-per-process 4``: 2 processes).
 The state's ``w`` is split over every device of every process (``P('data')``),
 ``b`` replicated. ``save`` writes ``DIR/plain`` with :func:`jaxdev.save` and
@@ -9,7 +9,8 @@ both back onto this run's devices (like a freshly built state, and with
 ``rules='fsdp'``), checks every addressable shard against the expected
 values, and prints ``restored ok processes=P devices=D``. ``diverge`` saves
 steps 1 and 2 as ``DIR/a`` and ``DIR/b``, then process ``i`` restores the
-``i``-th: every process must refuse (``refused ok: <message>``).
+``i``-th: every process must refuse (``refused ok: <message>``). ``local``
+saves leaves each process holds alone: equal ones once, differing ones refused.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main(mode: str, directory: str) -> int:
             return 0
         print("restored different checkpoints without an error")
         return 1
+    if mode == "local":
+        return local(directory)
     like = make_state(mesh, scale=0.0)  # the layout to restore onto
     check(jaxdev.restore(os.path.join(directory, "plain"), like), mesh, "plain")
     check(jaxdev.restore(os.path.join(directory, "plain"), mesh, rules="fsdp"), mesh, "fsdp")
@@ -84,6 +87,22 @@ def main(mode: str, directory: str) -> int:
         check(ckpt.restore(like), mesh, "manager")
     print(f"restored ok processes={jax.process_count()} devices={jax.device_count()}")
     return 0
+
+
+def local(directory: str) -> int:
+    """Leaves each process holds alone: saved once when equal, refused (named) when not."""
+    same = jax.device_put(np.arange(4.0, dtype=np.float32), jax.local_devices()[0])
+    jaxdev.save(os.path.join(directory, "local"), {"same": same})
+    back = jaxdev.restore(os.path.join(directory, "local"))["same"]
+    assert np.array_equal(np.asarray(back.addressable_data(0)), np.arange(4.0)), back
+    mine = jax.device_put(np.full(2, jax.process_index(), np.int32), jax.local_devices()[0])
+    try:
+        jaxdev.save(os.path.join(directory, "differ"), {"same": same, "mine": mine})
+    except jaxdev.CheckpointError as err:
+        print("refused ok:", " ".join(str(err).split()))
+        return 0
+    print("saved leaves that differ across processes without an error")
+    return 1
 
 
 if __name__ == "__main__":
