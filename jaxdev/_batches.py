@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ._errors import ShardingError, format_devices, join_failures
 from ._leaves import (
@@ -227,6 +228,20 @@ def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
     raw.flags.writeable = False
     out.flags.writeable = False
     return out
+
+
+def lead_spec(axis: AxisName, lead: int = 0, ndim: int | None = None) -> P:
+    """The spec of a batch leaf: rows (axis ``lead``, behind group axes) split over ``axis``.
+
+    A leaf of ``ndim`` axes with no row axis is replicated (``P()``). The
+    strategies' :meth:`jaxdev.Strategy.batch_spec` and a plan without a step
+    both read it.
+
+    Example:
+      >>> lead_spec("data", 1) == P(None, "data"), lead_spec("data", 1, ndim=1) == P()
+      (True, True)
+    """
+    return P() if ndim is not None and ndim <= lead else P(*([None] * lead), axis)
 
 
 def padded_shapes(batch: Any, n: int, n_lead: int = 0) -> tuple[Any, Any]:

@@ -48,7 +48,7 @@ def _example(rows: int = 16, lead: tuple[int, ...] = ()) -> dict:
 
 
 def _peak(step, rows_of, per_device: int) -> int:
-    batch = batch_for(step, rows_of, per_device * step.strategy.n_devices)
+    batch = batch_for(step.spec, rows_of, per_device * step.strategy.n_devices)
     return jaxdev.memory.plan(_state(), step=step, batch=batch).peak
 
 
@@ -78,7 +78,7 @@ def test_the_batch_found_fits_and_the_next_larger_does_not(strategy, options, ex
     unit = step.accumulate
     assert fit.batch_size % unit == 0 and fit.batch_size > unit
     assert fit.rows == fit.batch_size * step.strategy.n_devices
-    rows_of = batch_rows(step, example)
+    rows_of = batch_rows(step.spec, example)
     assert _peak(step, rows_of, fit.batch_size) == fit.peak <= limit
     assert _peak(step, rows_of, fit.batch_size + unit) > limit
     assert jaxdev.memory.plan(_state(), step=step, batch=fit.batch).peak == fit.peak
@@ -106,11 +106,11 @@ def test_when_even_one_row_does_not_fit_the_cheapest_change_is_searched():
     assert fit.change == "Strategy.sharded(mesh, rules='fsdp')"
     assert fit.step.strategy.rules == "fsdp" and fit.step.strategy.mesh == mesh
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    rows_of = batch_rows(step, _example())
+    rows_of = batch_rows(step.spec, _example())
 
     def at(b):
         return jaxdev.memory.plan(
-            shapes, step=fit.step, batch=batch_for(fit.step, rows_of, b * 8)
+            shapes, step=fit.step, batch=batch_for(fit.step.spec, rows_of, b * 8)
         ).peak
 
     assert at(fit.batch_size) == fit.peak <= limit < at(fit.batch_size + 1)
@@ -139,7 +139,7 @@ def test_the_users_own_rules_are_kept_in_the_change_found():
     assert "rules=" not in fit.change, fit.change  # offloading fits and keeps the rules
     assert fit.step.strategy.rules == "flax" and fit.step.strategy.mesh == mesh
     assert fit.step.strategy.options == strategy.options  # logical_axis_rules kept
-    batch = batch_for(step, batch_rows(step, _example()), 16 * 8)
+    batch = batch_for(step.spec, batch_rows(step.spec, _example()), 16 * 8)
     why = step.explain_memory(state, batch, limit=900 * 1024)
     assert not [o.change for o in why.options if "rules=" in o.change]
     assert "fsdp" not in why.headline()

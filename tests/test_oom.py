@@ -86,7 +86,7 @@ def test_every_option_is_compiled_and_each_that_fits_runs_under_the_limit():
     for o in why.options:  # the figure is the followed change's compiled peak
         strategy, options, rows = _followed(o.change, mesh)
         followed = jaxdev.make_train_step(loss_fn, TX, strategy, **options)
-        shapes = batch_for(followed, batch_rows(step, batch), rows or 1024)
+        shapes = batch_for(followed.spec, batch_rows(step.spec, batch), rows or 1024)
         assert jaxdev.memory.plan(state, step=followed, batch=shapes).peak == o.peak, o
         assert o.fits == (o.peak <= limit)
     for o in fitting:  # and it runs under the limit (the step checks before running)
@@ -283,7 +283,7 @@ def test_init_state_and_restore_name_what_they_needed(monkeypatch, tmp_path):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4194304 bytes.")
 
     step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded())
-    monkeypatch.setattr(jaxdev.train._step, "copy_to", exhausted)
+    monkeypatch.setattr(jaxdev.train._strategy, "copy_to", exhausted)  # place_state
     with pytest.raises(jaxdev.OutOfMemoryError) as err:
         step.init_state(_params(), TX)
     text = str(err.value)

@@ -231,7 +231,7 @@ def test_plan_rejects_a_mesh_or_rules_other_than_the_steps(mesh24):
         jaxdev.memory.plan(state, jaxdev.make_mesh({"fsdp": 8}), step=step)
     with pytest.raises(UsageError, match=r"`rules`=\[\('kernel'.* differ from the step's"):
         jaxdev.memory.plan(state, rules=[("kernel", P(None, "fsdp"))], step=step)
-    with pytest.raises(UsageError, match="`step` must be a jaxdev train step"):
+    with pytest.raises(UsageError, match="`step` must be a jaxdev step"):
         jaxdev.memory.plan(state, step=lambda s, b: s)
 
 

@@ -6,8 +6,9 @@ shapes alone), :func:`fit_memory` (the cheapest compiled option that fits),
 their result types, and the explanation of an out-of-memory error.
 
 Imports the core only (``jaxdev._*``). The names after ``__all__`` are the
-interface the train and checkpoint subsystems use (steps are taken as
-objects: their strategy, config, ``lower``).
+interface the train and checkpoint subsystems use: a step is taken as its
+description (:class:`StepSpec`, which train builds), its strategy asked for
+layouts through the methods :class:`StrategyLike` names.
 
 Example:
   >>> import jax.numpy as jnp, jaxdev
@@ -23,8 +24,8 @@ from ._memory import ledger as ledger
 from ._plan import MemoryPlan as MemoryPlan
 from ._plan import plan as plan
 from ._explain import MemoryExplanation as MemoryExplanation
-from ._fit import MemoryFit as MemoryFit
-from ._fit import fit_memory as fit_memory
+from ._explain import MemoryFit as MemoryFit
+from ._explain import fit_memory as fit_memory
 
 __all__ = [
     "LedgerEntry",
@@ -42,3 +43,4 @@ from ._explain import OPTIONS, check_step_memory, explain_memory, oom_error, sta
 from ._offload import check_offload, offloaded, streamed
 from ._oom import explained_oom, is_resource_exhausted, plan_lines
 from ._plan import resolve_limit
+from ._spec import StepSpec, StrategyLike

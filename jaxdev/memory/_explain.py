@@ -15,8 +15,21 @@ XLA runs out (``RESOURCE_EXHAUSTED``) during a call.
 
 The batch of a variant is the same global batch laid out for the variant
 (:func:`batch_rows` / :func:`batch_for`: steps-per-call and micro-batch group
-axes, pmap's device axis), so :func:`jaxdev.memory.fit_memory` builds on the same
+axes, pmap's device axis), so :func:`fit_memory` builds on the same
 functions to search batch sizes.
+
+:func:`fit_memory` (``jaxdev.memory.fit_memory(step, state, example_batch,
+limit=...)``) searches the per-device batch size, each candidate compiled,
+never run: doubling from the smallest batch, then bisecting, it returns the
+largest batch whose compiled peak is within the limit, with the table of
+what it compiled. When even the smallest batch does not fit, it tries the
+changes above in order of their cost per step and searches the batch of the
+first that fits; when nothing fits, it raises :class:`jaxdev.MemoryPlanError`
+with the table. (Accelerate's ``find_executable_batch_size`` runs and
+catches out-of-memory errors; this allocates nothing but the compiler's.)
+
+Both take a step's description (:class:`jaxdev.memory._spec.StepSpec`, or a
+step that carries one) and ask its strategy for every layout.
 """
 
 from __future__ import annotations
@@ -25,20 +38,22 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .._batches import Padded
-from .._errors import OutOfMemoryError, UsageError, short
+from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
 from .._leaves import is_jax_array
 from .._mesh import check_mesh
 from .._report import human_bytes, text_table
-from .._rules import fsdp_axis_of
+from .._rules import fsdp_axis_of, is_train_state
 from ._memory import MemoryLedger, ledger
 from ._oom import first_line, is_resource_exhausted, limit_line, live_lines
 from ._plan import MemoryPlan, check_fits, plan, resolve_limit, step_plan
+from ._spec import Described, StepSpec, spec_of
 
 _log = logging.getLogger("jaxdev")
 
@@ -64,13 +79,10 @@ class BatchRows(NamedTuple):
     k: int
 
 
-def _lead(step: Any) -> tuple[int, int]:
-    """``(steps_per_call, accumulate)`` of the batch a step takes (eval steps: 1, 1)."""
-    return step.steps_per_call, step.accumulate
+def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
+    """Read ``batch`` (as the step takes it: placed, Padded, or shapes) as rows per update.
 
-
-def batch_rows(step: Any, batch: Any, arg: str = "batch") -> BatchRows:
-    """Read ``batch`` (as ``step`` takes it: placed, Padded, or shapes) as rows per update.
+    The leading axes are those :meth:`jaxdev.Strategy.batch_shape` lays out.
 
     Raises:
       UsageError: a leaf has too few axes for the step's layout, or the
@@ -79,30 +91,29 @@ def batch_rows(step: Any, batch: Any, arg: str = "batch") -> BatchRows:
     Example:
       >>> import jax, optax, jaxdev
       >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
-      >>> batch_rows(step, jax.ShapeDtypeStruct((2, 8, 3), "float32")).rows
+      >>> batch_rows(step.spec, jax.ShapeDtypeStruct((2, 8, 3), "float32")).rows
       16
     """
     inner = batch.batch if isinstance(batch, Padded) else batch
     leaves, treedef = jax.tree.flatten(inner)
-    k, m = _lead(step)
-    pmap = step.strategy.kind == "pmap"
-    lead = (k > 1) + (m > 1) + pmap
-    want = ("(devices, " if pmap else "(") + ("K, " if k > 1 else "") + ("M, " if m > 1 else "")
+    k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
+    lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
+    k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
     out, rows = [], set()
     for x in leaves:
         shape = tuple(np.shape(x))
         if len(shape) <= lead:
+            names = ["K"] * (k > 1) + ["M"] * (m > 1)
+            want = ", ".join(["devices"] * (lead - len(names)) + names + ["rows, ...)"])
             raise UsageError(
                 f"`{arg}` leaf of shape {shape} has no row axis: this step takes leaves of "
-                f"shape {want}rows, ...) (steps_per_call={k}, accumulate={m})."
+                f"shape ({want} (steps_per_call={k}, accumulate={m})."
             )
-        n = shape[0] if pmap else 1
-        rows.add(n * m * shape[lead])
+        rows.add(math.prod(shape[: lead + 1]) // (shape[k_at] if k > 1 else 1))
         out.append((shape[lead + 1 :], _dtype(x)))
     if len(rows) != 1:
         raise UsageError(f"`{arg}` leaves disagree on their rows: {sorted(rows)}.")
-    k_axis = shape[pmap] if k > 1 else 1
-    return BatchRows(treedef, tuple(out), rows.pop(), k_axis)
+    return BatchRows(treedef, tuple(out), rows.pop(), shape[k_at] if k > 1 else 1)
 
 
 def _dtype(x: Any) -> Any:
@@ -113,8 +124,8 @@ def _dtype(x: Any) -> Any:
         return dtype
 
 
-def batch_for(step: Any, rows: BatchRows, n_rows: int) -> Any:
-    """``ShapeDtypeStruct`` s of a batch of ``n_rows`` global rows per update laid out for ``step``.
+def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
+    """``ShapeDtypeStruct`` s of a batch of ``n_rows`` global rows per update laid out for a step.
 
     ``n_rows`` should divide by ``accumulate`` (and, under pmap, by
     ``accumulate`` times the devices); a sharded step pads uneven rows
@@ -123,30 +134,21 @@ def batch_for(step: Any, rows: BatchRows, n_rows: int) -> Any:
     Example:
       >>> import jax, optax, jaxdev
       >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
-      >>> r = batch_rows(step, jax.ShapeDtypeStruct((2, 4, 3), "float32"))
-      >>> r.rows, batch_for(step, r, 32).shape
+      >>> r = batch_rows(step.spec, jax.ShapeDtypeStruct((2, 4, 3), "float32"))
+      >>> r.rows, batch_for(step.spec, r, 32).shape
       (8, (2, 16, 3))
     """
-    k, m = _lead(step)
-    group = ((rows.k,) if k > 1 else ()) + ((m,) if m > 1 else ())
-    if step.strategy.kind == "pmap":
-        n = step.strategy.n_devices
-        lead = (n,) + group + (n_rows // (m * n),)
-    else:
-        lead = group + (n_rows // m,)
+    lead = spec.strategy.batch_shape(n_rows, rows.k, spec.accumulate)
     leaves = [jax.ShapeDtypeStruct(lead + trailing, dtype) for trailing, dtype in rows.leaves]
     return rows.treedef.unflatten(leaves)
 
 
-def state_shapes(tree: Any, keep_sharding: bool = True) -> Any:
+def state_shapes(tree: Any) -> Any:
     """``tree`` with each array (deleted ones too) as a ``ShapeDtypeStruct``; nothing is read."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x if keep_sharding else jax.ShapeDtypeStruct(x.shape, x.dtype)
         if isinstance(x, jax.Array):
-            sharding = x.sharding if keep_sharding else None
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if isinstance(x, np.ndarray):
             return jax.ShapeDtypeStruct(x.shape, _dtype(x))
         return x
@@ -155,16 +157,6 @@ def state_shapes(tree: Any, keep_sharding: bool = True) -> Any:
 
 
 # ---------------------------------------------------------------- variants
-
-
-def variant(step: Any, strategy: Any = None, **config: Any) -> Any:
-    """A step like ``step`` with another strategy or step options (``accumulate``, ``remat``).
-
-    Never called: it is lowered and compiled to read its memory. It has no
-    ``memory_limit`` (the figures are what is asked).
-    """
-    cfg = dataclasses.replace(step.config, **config) if config else step.config
-    return type(step)(strategy or step.strategy, cfg, step.steps_per_call, step.donate)
 
 
 class MemoryOption(NamedTuple):
@@ -188,15 +180,11 @@ class MemoryOption(NamedTuple):
     note: str = ""
 
 
-def _compiled(step: Any, state: Any, batch: Any) -> MemoryPlan:
-    return plan(state, step=step, batch=batch)
-
-
-def option(change: str, what: str, step: Any, state: Any, batch: Any, limit: int | None):
-    """Compile ``step`` for ``(state, batch)`` shapes and return its :class:`MemoryOption`."""
+def option(change: str, what: str, spec: StepSpec, state: Any, batch: Any, limit: int | None):
+    """Compile the step ``spec`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
     start = time.perf_counter()
     try:
-        p = _compiled(step, state, batch)
+        p = plan(state, step=spec, batch=batch)
     except Exception as err:  # an option that does not compile is shown as such
         return MemoryOption(change, what, None, None, None, f"does not compile: {short(err, 160)}")
     finally:
@@ -208,156 +196,136 @@ def option(change: str, what: str, step: Any, state: Any, batch: Any, limit: int
 
 
 class Variant(NamedTuple):
-    """A changed step, not yet compiled.
-
-    Attributes:
-      change: the change, as code.
-      what: a few words on it.
-      step: the changed step.
-      keep_sharding: whether the state's own shardings stay those of the
-        changed step's inputs (``False``: lower it from plain shapes).
-    """
+    """A changed step, not yet compiled: ``change`` as code, ``what`` in words, its ``spec``."""
 
     change: str
     what: str
-    step: Any
-    keep_sharding: bool
+    spec: StepSpec
 
 
-def fsdp_variant(step: Any) -> Variant | None:
+def fsdp_variant(spec: StepSpec) -> Variant | None:
     """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply.
 
     Only for replicated params (``rules='replicate'``): ``'fsdp'`` replaces the
     rules, so it would drop a user's own layout (tensor parallelism by flax's
     logical rules, regex rules, ``'fsdp'`` itself). The other options keep it.
     """
-    strategy, rules = step.strategy, step.strategy.rules
+    strategy, rules = spec.strategy, spec.strategy.rules
     if strategy.mesh.size < 2 or not (isinstance(rules, str) and rules == "replicate"):
         return None
     try:
-        fsdp = strategy.sharded_like(rules="fsdp")
+        fsdp = strategy.replace(rules="fsdp", shard_map=False)
         axis = fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis"))
     except Exception:  # a mesh fsdp cannot use: no option
         return None
-    names = (axis,) if isinstance(axis, str) else tuple(axis)
-    n = math.prod(fsdp.mesh.shape[a] for a in names)
-    change = "Strategy.sharded(mesh, rules='fsdp')"
-    return Variant(change, f"fsdp over {n} devices", variant(step, fsdp), False)
+    n = math.prod(fsdp.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    return Variant(
+        "Strategy.sharded(mesh, rules='fsdp')", f"fsdp over {n} devices", spec.replace(fsdp)
+    )
 
 
-def remat_variant(step: Any) -> Variant | None:
+def remat_variant(spec: StepSpec) -> Variant | None:
     """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
-    if not step.is_train or step.config.remat:
+    if not spec.train or spec.config.remat:
         return None
-    return Variant("remat=True", "loss rematerialised", variant(step, remat=True), True)
+    return Variant("remat=True", "loss rematerialised", spec.replace(remat=True))
 
 
-def offload_variants(step: Any, state: Any) -> list[Variant]:
+def offload_variants(spec: StepSpec, state: Any) -> list[Variant]:
     """The optimizer state, then params too, kept in host memory and streamed in by the step."""
-    strategy = step.strategy
-    if not hasattr(strategy, "offload") or strategy.shard_map:
+    strategy = spec.strategy
+    if strategy.shard_map or not spec.train:
         return []
-    if not step.is_train or getattr(state, "opt_state", None) is None:
+    if not is_train_state(state) or state.opt_state is None:
         return []
     have, out = set(strategy.offload), []
     for fields in (("opt_state",), ("params", "opt_state")):
         if set(fields) <= have:
             continue
         try:
-            changed = strategy.sharded_like(offload=tuple(sorted(have | set(fields))))
+            changed = strategy.replace(offload=tuple(sorted(have | set(fields))))
         except Exception:  # a strategy offload does not apply to
             break
         text = fields[0] if len(fields) == 1 else fields
         what = "opt_state in pinned_host" if len(fields) == 1 else "params + opt_state in host"
-        change = f"Strategy.sharded(mesh, offload={text!r})"
-        out.append(Variant(change, what, variant(step, changed), strategy.kind == "sharded"))
+        out.append(
+            Variant(f"Strategy.sharded(mesh, offload={text!r})", what, spec.replace(changed))
+        )
     return out
 
 
-def all_variant(step: Any, state: Any) -> Variant | None:
+def all_variant(spec: StepSpec, state: Any) -> Variant | None:
     """fsdp, remat and params + optimizer state offloaded, together (what can apply)."""
-    strategy, changes, config = step.strategy, {}, {}
-    if fsdp_variant(step) is not None:
+    changes, config = {}, {}
+    if fsdp_variant(spec) is not None:
         changes["rules"] = "fsdp"
-    if offload_variants(step, state):
+    if offload_variants(spec, state):
         changes["offload"] = ("opt_state", "params")
-    if remat_variant(step) is not None:
+    if remat_variant(spec) is not None:
         config["remat"] = True
     if len(changes) + len(config) < 2:
         return None
     try:
-        changed = strategy.sharded_like(**changes) if changes else strategy
+        changed = spec.strategy.replace(**changes, shard_map=False) if changes else None
     except Exception:  # advice only
         return None
     parts = [f"{k}={v!r}" for k, v in changes.items()] + [f"{k}=True" for k in config]
-    keep = not changes or ("rules" not in changes and strategy.kind == "sharded")
-    return Variant(", ".join(parts), "all together", variant(step, changed, **config), keep)
+    return Variant(", ".join(parts), "all together", spec.replace(changed, **config))
 
 
 def option_of(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOption:
     """Compile the variant ``v`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
-    return option(v.change, v.what, v.step, state_shapes(state, v.keep_sharding), batch, limit)
+    return option(v.change, v.what, v.spec, state, batch, limit)
 
 
-def _same(step: Any, rows: BatchRows) -> Any:
-    return batch_for(step, rows, rows.rows)
-
-
-def accumulate_options(step, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
+def accumulate_options(spec, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
     """``accumulate=M`` for M = 2, 4, ... times the step's, until one fits (4 compiles at most)."""
-    m, n = step.accumulate, _row_devices(step)
+    m, n = spec.accumulate, spec.strategy.n_devices
     out = []
     for factor in (2, 4, 8, 16):
         big = m * factor
         if rows.rows % (big * n):  # micro-batches the devices split evenly
             break
-        s = variant(step, accumulate=big)
+        s = spec.replace(accumulate=big)
         micro = rows.rows // big
         what = f"{big} micro-batches of {micro} row{'s' if micro != 1 else ''}"
-        out.append(option(f"accumulate={big}", what, s, state, _same(s, rows), limit))
+        out.append(
+            option(f"accumulate={big}", what, s, state, batch_for(s, rows, rows.rows), limit)
+        )
         if out[-1].fits:
             break
     return out
 
 
-def _row_devices(step: Any) -> int:
-    """How many ways a step splits the batch rows."""
-    return step.strategy.n_devices
-
-
-def half_batch_option(step, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
+def half_batch_option(spec, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
     """Half the global batch (rows that still split over the devices and micro-batches)."""
-    k, m = _lead(step)
-    unit = m * _row_devices(step)
+    unit = spec.accumulate * spec.strategy.n_devices
     half = (rows.rows // 2) // unit * unit
     if half < unit or half == rows.rows:
         return None
     what = f"now {rows.rows} rows per step"
-    return option(f"a batch of {half} rows", what, step, state, batch_for(step, rows, half), limit)
+    return option(f"a batch of {half} rows", what, spec, state, batch_for(spec, rows, half), limit)
 
 
 def memory_options(
-    step: Any, state: Any, batch: Any, limit: int | None, names: tuple[str, ...] = OPTIONS
+    spec: StepSpec, state: Any, batch: Any, limit: int | None, names: tuple[str, ...] = OPTIONS
 ) -> list[MemoryOption]:
-    """The options ``names`` (of :data:`OPTIONS`) for ``step`` on ``(state, batch)``, compiled."""
-    rows = batch_rows(step, batch)
-    shapes = state_shapes(state)
-    out: list[MemoryOption | None] = []
-    fsdp = fsdp_variant(step) if "fsdp" in names else None
-    if fsdp is not None:
-        out.append(option_of(fsdp, shapes, _same(fsdp.step, rows), limit))
-    if step.is_train:
-        if "accumulate" in names:
-            out += accumulate_options(step, shapes, rows, limit)
-        remat = remat_variant(step) if "remat" in names else None
-        if remat is not None:
-            out.append(option_of(remat, shapes, _same(remat.step, rows), limit))
-        for v in offload_variants(step, shapes) if "offload" in names else ():
-            out.append(option_of(v, shapes, _same(v.step, rows), limit))
-            if out[-1].fits:
-                break
+    """The options ``names`` (of :data:`OPTIONS`) for the step on ``(state, batch)``, compiled."""
+    rows = batch_rows(spec, batch)
+
+    def of(v: Variant | None) -> MemoryOption | None:
+        return None if v is None else option_of(v, state, batch_for(v.spec, rows, rows.rows), limit)
+
+    out = [of(fsdp_variant(spec)) if "fsdp" in names else None]
+    if spec.train and "accumulate" in names:
+        out += accumulate_options(spec, state, rows, limit)
+    out.append(of(remat_variant(spec)) if "remat" in names else None)
+    for v in offload_variants(spec, state) if "offload" in names else ():
+        out.append(of(v))
+        if out[-1].fits:
+            break
     if "half_batch" in names:
-        out.append(half_batch_option(step, shapes, rows, limit))
+        out.append(half_batch_option(spec, state, rows, limit))
     return [o for o in out if o is not None]
 
 
@@ -503,7 +471,7 @@ class MemoryExplanation:
 
 
 def explain_memory(
-    step: Any,
+    step: StepSpec | Described,
     state: Any,
     batch: Any,
     limit: int | None = None,
@@ -522,7 +490,7 @@ def explain_memory(
     time given in the text. ``TrainStep.explain_memory`` calls it.
 
     Args:
-      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep`.
+      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
       state: the state (arrays, deleted ones too, or ``ShapeDtypeStruct`` s).
       batch: the batch as the step takes it (placed, :class:`jaxdev.Padded`,
         or shapes).
@@ -545,20 +513,19 @@ def explain_memory(
         number of bytes, or ``batch`` has no row axis where the step needs one.
     """
     names = check_options(options)
-    limit, found = resolve_limit(limit, check_mesh(step.strategy.mesh), required=False)
-    batch_rows(step, batch)  # a batch the step cannot take is named before compiling
-    subject = _subject(step)
+    spec, limit, found = _budget(step, limit, required=False)
+    batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
+    subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
     start, compiles = time.perf_counter(), int(plan_ is None)
     shapes = state_shapes(state)
     batch_shapes = state_shapes(batch)
     if plan_ is None:
-        lowered = step.lower(shapes, batch_shapes, state_shapes(metrics))
-        plan_ = step_plan(step, shapes, batch_shapes, lowered)
-    trees = {"state": state, "batch": batch}
-    ledger, live = _live(trees)
-    found_options = memory_options(step, shapes, batch_shapes, limit, names)
+        lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
+        plan_ = step_plan(spec, shapes, batch_shapes, lowered)
+    ledger, live = _live({"state": state, "batch": batch})
+    found_options = memory_options(spec, shapes, batch_shapes, limit, names)
     compiles += len(found_options)
     seconds = _since(start)
     _log.info("explain_memory: %d programs compiled in %.1f s", compiles, seconds)
@@ -574,6 +541,12 @@ def explain_memory(
         compiles,
         seconds,
     )
+
+
+def _budget(step: StepSpec | Described, limit: Any, **kwargs: Any) -> tuple[StepSpec, Any, str]:
+    """The step's description and ``(limit, source)`` (:func:`resolve_limit` over its mesh)."""
+    spec = spec_of(step)
+    return (spec, *resolve_limit(limit, check_mesh(spec.strategy.mesh), **kwargs))
 
 
 def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
@@ -604,18 +577,13 @@ def split_args(args: list[Any]) -> tuple[Any, Any, Any]:
     return state, batch, (rest[0] if rest else None)
 
 
-def _subject(step: Any) -> str:
-    """What needs the memory, for the text: ``'the train step'`` or ``'the eval step'``."""
-    return f"the {'train' if step.is_train else 'eval'} step"
-
-
-def explain_args(step: Any, args: list[Any], **kwargs: Any) -> MemoryExplanation:
+def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplanation:
     """:func:`explain_memory` of a compiled step's arguments (see :func:`split_args`)."""
     state, batch, metrics = split_args(args)
-    return explain_memory(step, state, batch, metrics=metrics, **kwargs)
+    return explain_memory(spec, state, batch, metrics=metrics, **kwargs)
 
 
-def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
+def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
     """Raise MemoryPlanError when the compiled step needs more than its budget.
 
     Runs once per program (variant and batch shape), before its first
@@ -627,24 +595,24 @@ def check_step_memory(step: Any, jitted: Any, args: list[Any]) -> None:
     nothing to check).
     """
     limit, source = resolve_limit(
-        step.memory_limit, step.strategy.devices, required=False, arg="memory_limit"
+        spec.memory_limit, spec.strategy.devices, required=False, arg="memory_limit"
     )
     if limit is None:
         return
-    plan_ = step_plan(step, args[0], args[1], jitted.lower(*args))
+    plan_ = step_plan(spec, args[0], args[1], jitted.lower(*args))
     if plan_.compiled is None:  # the backend does not analyse memory
         return
     check_fits(
         plan_,
         limit,
         source=source,
-        subject=_subject(step),
-        explain=lambda lim, src: explain_args(step, args, limit=lim, source=src, plan_=plan_),
+        subject=spec.subject,
+        explain=lambda lim, src: explain_args(spec, args, limit=lim, source=src, plan_=plan_),
     )
 
 
 def oom_error(
-    step: Any, args: list[Any], err: BaseException, where: str | None = None
+    spec: StepSpec, args: list[Any], err: BaseException, where: str | None = None
 ) -> OutOfMemoryError | None:
     """The explained :class:`OutOfMemoryError` of a step call's ``err`` (``None``: not an OOM).
 
@@ -656,7 +624,7 @@ def oom_error(
     if not is_resource_exhausted(err):
         return None
     try:
-        explanation = explain_args(step, args, error=first_line(err))
+        explanation = explain_args(spec, args, error=first_line(err))
         text = str(explanation)
     except Exception as e:  # never hide the out-of-memory behind a second error
         explanation = None
@@ -673,3 +641,259 @@ def oom_error(
     exc = OutOfMemoryError(text)
     exc.explanation = explanation
     return exc
+
+
+# ---------------------------------------------------------------- the largest batch that fits
+
+DEFAULT_MAX_BATCH = 1 << 16
+
+
+class FitTrial(NamedTuple):
+    """One compiled candidate of :func:`fit_memory`.
+
+    Attributes:
+      change: ``"as is"`` or the change (``"Strategy.sharded(mesh, rules='fsdp')"``).
+      batch_size: rows per device per update.
+      rows: global rows per update.
+      peak: compiled bytes per device (``None``: it did not compile).
+      fits: ``peak <= limit``.
+      note: why it did not compile.
+    """
+
+    change: str
+    batch_size: int
+    rows: int
+    peak: int | None
+    fits: bool
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """What :func:`fit_memory` found: the largest batch that fits, and how.
+
+    ``print(fit)`` shows the result and the table of every compiled trial.
+
+    Attributes:
+      batch_size: the largest rows per device per update whose compiled
+        peak is within ``limit``.
+      rows: the global rows per update of that batch (what ``put_batch``
+        takes per step).
+      change: ``None`` when the step fits as it is, else the change that
+        made the smallest batch fit (as code).
+      step: the step to train with: ``step`` itself, or the changed step.
+      batch: the batch's ``ShapeDtypeStruct`` s, laid out for ``step``.
+      peak: its compiled peak per device.
+      limit: the budget per device.
+      source: where ``limit`` came from.
+      tried: every compiled candidate, in order.
+      capped: the search stopped at ``max_batch_size`` while still fitting
+        (larger batches were not tried).
+    """
+
+    batch_size: int
+    rows: int
+    change: str | None
+    step: Described | StepSpec  # a TrainStep or EvalStep (memory does not import train)
+    batch: Any
+    peak: int
+    limit: int
+    source: str
+    tried: tuple[FitTrial, ...]
+    capped: bool = False
+
+    def __str__(self) -> str:
+        """The result line and the table of trials.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jaxdev
+          >>> tx = optax.sgd(0.1)
+          >>> step = jaxdev.make_train_step(lambda p, b: jnp.tanh(b @ p["w"]).sum(-1), tx)
+          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create(
+          ...     {"w": jnp.ones((256, 256))}, tx))
+          >>> fit = jaxdev.memory.fit_memory(step, state, jax.ShapeDtypeStruct((8, 256), "float32"),
+          ...                         limit=2**20)
+          >>> print(str(fit).splitlines()[0])
+          largest batch that fits: 255 rows per device (255 rows per step),
+          peak 1022.1 KiB of 1.0 MiB (limit)
+          >>> print(*str(fit).splitlines()[1:4], sep=chr(10))
+          change  batch/device  rows/step  peak/device  fits
+          ------  ------------  ---------  -----------  ----
+          as is   1             1          259.1 KiB    yes
+        """
+        return "\n".join([self.headline(), *_table(self.tried)])
+
+    def headline(self) -> str:
+        """``largest batch that fits: ...``."""
+        budget = f"{human_bytes(self.limit)} ({self.source})"
+        how = "" if self.change is None else f" with {self.change}"
+        more = " (the largest tried: larger batches may fit too)" if self.capped else ""
+        return (
+            f"largest batch that fits{how}: {self.batch_size} rows per device ({self.rows} rows "
+            f"per step), peak {human_bytes(self.peak)} of {budget}{more}"
+        )
+
+
+def _table(tried: tuple[FitTrial, ...]) -> list[str]:
+    """The trials as table lines."""
+    head = ("change", "batch/device", "rows/step", "peak/device", "fits")
+    body = [
+        (
+            t.change,
+            t.batch_size,
+            t.rows,
+            "-" if t.peak is None else human_bytes(t.peak),
+            t.note or ("yes" if t.fits else "no"),
+        )
+        for t in tried
+    ]
+    return text_table(head, body, rstrip=True)
+
+
+class _Search:
+    """Compiles candidates of one step (cached), recording each as a trial."""
+
+    def __init__(self, rows: BatchRows, state: Any, limit: int, tried: list[FitTrial]):
+        self.rows, self.state, self.limit, self.tried = rows, state, limit, tried
+        self._peaks: dict[tuple[str, int], int | None] = {}
+
+    def peak(self, v: Variant, b: int) -> int | None:
+        key = (v.change, b)
+        if key not in self._peaks:
+            n = v.spec.strategy.n_devices
+            batch = batch_for(v.spec, self.rows, b * n)
+            note, peak = "", None
+            try:
+                peak = plan(state_shapes(self.state), step=v.spec, batch=batch).peak
+            except Exception as err:  # a candidate that does not compile does not fit
+                note = f"does not compile: {type(err).__name__}"
+            fits = peak is not None and peak <= self.limit
+            self.tried.append(FitTrial(v.change, b, b * n, peak, fits, note))
+            self._peaks[key] = peak
+        return self._peaks[key]
+
+    def fits(self, v: Variant, b: int) -> bool:
+        peak = self.peak(v, b)
+        return peak is not None and peak <= self.limit
+
+    def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
+        """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?"""
+        lo, hi = unit, None
+        while hi is None:
+            nxt = lo * 2
+            if nxt > most:
+                top = most // unit * unit
+                if top <= lo or self.fits(v, top):
+                    return max(lo, top), True
+                hi = top
+            elif self.fits(v, nxt):
+                lo = nxt
+            else:
+                hi = nxt
+        while hi - lo > unit:
+            mid = lo + (hi - lo) // unit // 2 * unit
+            lo, hi = (mid, hi) if self.fits(v, mid) else (lo, mid)
+        return lo, False
+
+
+def fit_memory(
+    step: StepSpec | Described,
+    state: Any,
+    example_batch: Any,
+    *,
+    limit: int | None = None,
+    max_batch_size: int = DEFAULT_MAX_BATCH,
+) -> MemoryFit:
+    """Find the largest per-device batch whose compiled step fits in ``limit``; nothing runs.
+
+    Each candidate is a ``jax.ShapeDtypeStruct`` batch with the rows of
+    ``example_batch`` laid out for the step, lowered and compiled; its peak is
+    :func:`jaxdev.memory.plan`'s. The search doubles from the smallest batch
+    (one row per device, times ``accumulate``), then bisects: the batch found
+    fits and the next larger one does not (assuming the peak grows with the
+    batch). When even the smallest batch does not fit, the changes are tried
+    cheapest per step first (``rules='fsdp'``, ``remat=True``, the optimizer
+    state then the params offloaded, all together) and the batch of the first
+    that fits is searched. (``fit`` trains in Keras; this compiles only.)
+
+    Args:
+      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
+      state: the state (arrays or ``ShapeDtypeStruct`` s from ``jax.eval_shape``).
+      example_batch: a batch as the step takes it (arrays or shapes); only
+        its row shape and dtypes are read.
+      limit: bytes per device. Default: the devices' ``bytes_limit`` (GPU,
+        TPU); required on CPU, which reports none.
+      max_batch_size: the largest rows per device to try.
+
+    Returns:
+      A :class:`MemoryFit`; ``print`` it for the table of trials.
+
+    Raises:
+      MemoryPlanError: nothing fits: not even the smallest batch, as the
+        step is or with any change; the message has the table of trials.
+      UsageError: a bad ``step``, ``max_batch_size`` or ``example_batch``, or
+        ``limit`` is missing (CPU) or not a number of bytes.
+      ShardingError: another mesh than the step's is set with ``jax.set_mesh``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxdev
+      >>> tx = optax.adam(1e-3)
+      >>> step = jaxdev.make_train_step(lambda p, b: jnp.tanh(b @ p["w"]).sum(-1), tx,
+      ...                               jaxdev.Strategy.sharded())
+      >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones((512, 512))}, tx))
+      >>> batch = jax.ShapeDtypeStruct((64, 512), "float32")
+      >>> fit = jaxdev.memory.fit_memory(step, state, batch, limit=8 * 2**20)
+      >>> fit.batch_size, fit.rows, fit.change, fit.peak <= 8 * 2**20
+      (1023, 8184, None, True)
+      >>> fit = jaxdev.memory.fit_memory(step, state, batch, limit=2 * 2**20)  # adam alone: 3 MiB
+      >>> fit.change, fit.batch_size, fit.step.strategy.rules
+      ("Strategy.sharded(mesh, rules='fsdp')", 63, 'fsdp')
+    """
+    spec = spec_of(step)
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)):
+        raise UsageError(f"`max_batch_size` must be an int >= 1, got {max_batch_size!r}.")
+    if max_batch_size < 1:
+        raise UsageError(f"`max_batch_size` must be an int >= 1, got {max_batch_size}.")
+    example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
+    spec, limit_, source = _budget(spec, limit, example=example)
+    # under the strategy's mesh: a user's jax.set_mesh of another mesh is named here
+    # (ShardingError), not taken for candidates that do not compile ('nothing fits')
+    with spec.strategy.mesh_context():
+        rows = batch_rows(spec, example_batch, "example_batch")
+        tried: list[FitTrial] = []
+        search = _Search(rows, state, limit_, tried)
+        for v in _candidates(spec, state):
+            unit = v.spec.accumulate  # 1 for an eval step
+            if unit > max_batch_size or not search.fits(v, unit):
+                continue
+            b, capped = search.largest(v, unit, max_batch_size)
+            n_rows = b * v.spec.strategy.n_devices
+            batch, peak = batch_for(v.spec, rows, n_rows), search.peak(v, b)
+            change, found = (None, step) if v.spec is spec else (v.change, v.spec.step())
+            return MemoryFit(
+                b, n_rows, change, found, batch, peak, limit_, source, tuple(tried), capped
+            )
+    raise _nothing_fits(limit_, source, spec.accumulate, tried)
+
+
+def _nothing_fits(limit: int, source: str, unit: int, tried: list[FitTrial]) -> MemoryPlanError:
+    head = (
+        f"nothing fits in {human_bytes(limit)} ({source}): not even {unit} "
+        f"row{'s' if unit > 1 else ''} per device, as the step is or with any change "
+        "below (each compiled, none run). Use more devices, a smaller model, or raise "
+        "the limit if it is wrong."
+    )
+    return MemoryPlanError("\n".join([head, *_table(tuple(tried))]))
+
+
+def _candidates(spec: StepSpec, state: Any) -> Iterator[Variant]:
+    """The step as is, then each change in order of cost per step (lazily)."""
+    yield Variant("as is", "", spec)
+    for make in (fsdp_variant, remat_variant):
+        v = make(spec)
+        if v is not None:
+            yield v
+    yield from offload_variants(spec, state)
+    v = all_variant(spec, state)
+    if v is not None:
+        yield v

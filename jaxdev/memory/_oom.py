@@ -25,6 +25,7 @@ import numpy as np
 from .._errors import JaxdevError, OutOfMemoryError, device_name
 from .._report import human_bytes, text_table
 from ._memory import MemoryLedger, ledger
+from ._plan import bytes_limit, fsdp_alternative, plan
 
 _MARK = "RESOURCE_EXHAUSTED"
 _SAID = "Out of memory"  # XLA's words, also where the status is INTERNAL (a queued call's)
@@ -125,14 +126,8 @@ def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> 
 
 def limit_line(devices: Any) -> str:
     """``device limit: 79.2 GiB (bytes_limit of gpu:0)``, or why there is none."""
-    devices, limits = list(devices), []
-    for d in devices:
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # backends without statistics
-            stats = {}
-        if stats.get("bytes_limit"):
-            limits.append((int(stats["bytes_limit"]), d))
+    devices = list(devices)
+    limits = [(n, d) for d in devices if (n := bytes_limit(d)) is not None]
     if not limits:
         platform = next(iter(devices)).platform if devices else "?"
         return f"device limit: not reported by the {platform} backend (memory_stats() has none)"
@@ -201,7 +196,5 @@ def _safe(fn: Callable[[], Any] | None, default: Any) -> Any:
 
 def plan_lines(shapes: Any, mesh: Any, rules: Any, options: Mapping[str, Any]) -> list[str]:
     """``["<what> needs X per device (jaxdev.memory.plan); with rules='fsdp' ...: Y"]``."""
-    from ._plan import fsdp_alternative, plan
-
     p = plan(shapes, mesh, rules, **options)
     return [f"it needs {human_bytes(p.total)} per device (jaxdev.memory.plan){fsdp_alternative(p)}"]

@@ -20,6 +20,7 @@ of the sum over every category (not the sum of the per-category maxima).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -29,12 +30,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from .._batches import lead_spec
 from .._errors import MemoryPlanError, UsageError, device_name, short
 from .._leaves import PY_SCALARS, device_key, is_jax_array
 from .._mesh import batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
-from ._offload import host_bytes, is_host, kept_host, offloaded
+from ._offload import host_bytes, is_host, kept_host
+from ._spec import Described, StepSpec, StrategyLike, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
@@ -105,7 +108,7 @@ class _Inputs(NamedTuple):
 
     state: Any  # the unboxed state / tree, arrays or ShapeDtypeStructs
     batch: Any
-    batch_layout: tuple[Mesh, Any, int] | None  # (mesh, batch axis, leading group axes)
+    batch_spec: Callable[[int], P]  # a batch leaf's spec, by its rank
     options: dict[str, Any]
 
 
@@ -300,25 +303,15 @@ def _add_state(tally: _Tally, state: Any, shardings: Any, is_state: bool) -> Non
         tally.add(_category(path, is_state), *_shape_dtype(leaf), s)
 
 
-def _batch_spec(ndim: int, axis: Any, lead: int) -> P:
-    return P(*([None] * lead), axis) if ndim > lead else P()
-
-
-def _add_batch(tally: _Tally, batch: Any, layout: tuple[Mesh, Any, int]) -> None:
-    mesh, axis, lead = layout
-    for leaf in jax.tree.leaves(batch):
-        shape, dtype = _shape_dtype(leaf)
-        tally.add("batch", shape, dtype, named_sharding(mesh, _batch_spec(len(shape), axis, lead)))
-
-
 def _build(
-    state: Any, shardings: Any, batch: Any, layout: Any, mesh: Mesh
+    state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
     """``(rows, total, bytes by device, host bytes by device)``."""
     tally = _Tally(list(mesh.devices.flat))
     _add_state(tally, state, shardings, is_train_state(state))
-    if batch is not None:
-        _add_batch(tally, batch, layout)
+    for leaf in jax.tree.leaves(batch):
+        shape, dtype = _shape_dtype(leaf)
+        tally.add("batch", shape, dtype, named_sharding(mesh, batch_spec(len(shape))))
     by_device = tally.by_device()
     return tally.rows(), max(by_device.values(), default=0), by_device, tally.host
 
@@ -331,7 +324,7 @@ def plan(
     mesh: Mesh | None = None,
     rules: Any = "replicate",
     *,
-    step: Any = None,
+    step: StepSpec | Described | None = None,
     batch: Any = None,
     **options: Any,
 ) -> MemoryPlan:
@@ -368,8 +361,8 @@ def plan(
       rules: the :data:`jaxdev.Rules` for the params; with ``step``, the
         step's own rules are used (the default ``"replicate"`` stands for
         them; any other value that differs from them is an error).
-      step: optional :class:`jaxdev.TrainStep` (anything with ``.strategy``
-        and ``.lower(state, batch)``).
+      step: optional :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep`
+        (or its ``.spec``).
       batch: optional batch (arrays or ``ShapeDtypeStruct`` s).
       **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
         :func:`jaxdev.param_shardings`.
@@ -400,50 +393,45 @@ def plan(
       other      4 B           4 B          0.0%
       total      3.0 MiB       12.0 MiB     >99.9%
     """
+    spec = None if step is None else spec_of(step)
     lowered = None
-    if step is not None and batch is not None:
-        lowered = step.lower(state_or_shapes, batch)
-    return _plan(state_or_shapes, mesh, rules, step, batch, lowered, options)
+    if spec is not None and batch is not None:
+        lowered = step.lower(state_or_shapes, batch)  # the step's own program
+    return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
 
 
-def step_plan(step: Any, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
-    """The plan of one call of ``step``, with the program it compiled (``lowered``).
+def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
+    """The plan of one call of the step ``spec``, with the program it compiled (``lowered``).
 
     What :func:`plan` gives with ``step`` and ``batch``, without lowering the
     step again: the train step builds its memory check on it.
     """
-    return _plan(state, None, "replicate", step, batch, lowered, {})
+    return _plan(state, None, "replicate", spec, batch, lowered, {})
 
 
-def _plan(state_or_shapes, mesh, rules, step, batch, lowered, options) -> MemoryPlan:
-    mesh, rules, layout = _setup(state_or_shapes, mesh, rules, step, batch)
-    if step is not None:  # the step's rule options, unless given here
-        options = {**step.strategy.options, **options}
-    # boxes read here; under "flax" unboxed params placed on the mesh keep their layout
-    shardings = step_shardings(state_or_shapes, mesh, rules, **options)
-    if step is not None:  # the step's layout: the fields it keeps in host memory count there
-        shardings = offloaded(shardings, state_or_shapes, step.strategy.offload)
-    else:  # the state as it is: leaves already offloaded count there
+def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> MemoryPlan:
+    if spec is None:  # boxes read; the state as it is: leaves already offloaded count there
+        mesh = check_mesh(mesh)
+        shardings = step_shardings(state_or_shapes, mesh, rules, **options)
         shardings = kept_host(shardings, state_or_shapes)
+        # the rows split as jaxdev.shard_batch splits them
+        batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
+    else:  # the step's layout: the fields it keeps in host memory count there
+        strategy = spec.strategy
+        mesh, rules = _check_step(mesh, rules, strategy)
+        shardings = strategy.state_layout(state_or_shapes, **options)
+        options = {**strategy.options, **options}
+        batch_spec = functools.partial(strategy.batch_spec, spec.steps_per_call, spec.accumulate)
     state = unbox(state_or_shapes)
-    rows, total, by_device, host = _build(state, shardings, batch, layout, mesh)
+    rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)
-    inputs = _Inputs(state, batch, layout, dict(options))
+    inputs = _Inputs(state, batch, batch_spec, dict(options))
     host = host if any(host.values()) else {}
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
 
 
-def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Mesh, Any, Any]:
-    """The mesh, rules and batch layout ``(mesh, axis, leading axes)`` of a plan."""
-    if step is None:
-        mesh = check_mesh(mesh)
-        return mesh, rules, (_batch_layout(mesh) if batch is not None else None)
-    strategy = getattr(step, "strategy", None)
-    if strategy is None or not callable(getattr(step, "lower", None)):
-        raise UsageError(
-            f"`step` must be a jaxdev train step (from `jaxdev.make_train_step`), got "
-            f"{type(step).__name__}: it needs `.strategy` and `.lower(state, batch)`."
-        )
+def _check_step(mesh: Any, rules: Any, strategy: StrategyLike) -> tuple[Mesh, Any]:
+    """The step's mesh and rules; a ``mesh`` or ``rules`` given besides them must agree."""
     if mesh is not None and check_mesh(mesh) != strategy.mesh:
         raise UsageError(
             f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
@@ -455,8 +443,7 @@ def _setup(state: Any, mesh: Any, rules: Any, step: Any, batch: Any) -> tuple[Me
             f"`rules`={short(rules, 80)} differ from the step's params rules {short(own, 80)}; "
             "leave `rules` out when passing `step` (the plan uses the step's)."
         )
-    k, m = getattr(step, "steps_per_call", 1), getattr(step, "accumulate", 1)
-    return strategy.mesh, own, (strategy.mesh, strategy.axis, strategy.row_axis(k, m))
+    return strategy.mesh, own
 
 
 def _same_rules(a: Any, b: Any) -> bool:
@@ -470,11 +457,6 @@ def _same_rules(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # layout trees of arrays: no plain equality
         return a is b
-
-
-def _batch_layout(mesh: Mesh) -> tuple[Mesh, Any, int]:
-    """``(mesh, axis, 0)``: the rows split as :func:`jaxdev.shard_batch` splits them."""
-    return mesh, batch_axis(mesh, None), 0
 
 
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:
@@ -516,17 +498,18 @@ def device_memory_limit(devices: Any) -> int | None:
       >>> device_memory_limit(jax.devices("cpu")) is None  # CPU reports no limit
       True
     """
-    limits = []
-    for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # backends without memory statistics
-            return None
-        limit = (stats or {}).get("bytes_limit")
-        if not limit:
-            return None
-        limits.append(int(limit))
-    return min(limits, default=None)
+    limits = [bytes_limit(d) for d in devices]
+    return None if None in limits else min(limits, default=None)
+
+
+def bytes_limit(device: jax.Device) -> int | None:
+    """``device.memory_stats()["bytes_limit"]`` (``None``: not reported): the one reader."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def resolve_limit(
@@ -631,30 +614,21 @@ def check_fits(
     need = plan_.peak
     if need <= limit_:
         return
-    detail = ""
     c = plan_.compiled
-    if c is not None:
-        detail = (
-            f" (compiled step: arguments {human_bytes(c.argument)} + outputs "
-            f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
-            f"{human_bytes(c.temp)})"
-        )
+    detail = (
+        ""
+        if c is None
+        else f" (compiled step: arguments {human_bytes(c.argument)} + outputs "
+        f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
+        f"{human_bytes(c.temp)})"
+    )
     explanation, failed = None, ""
     if explain is not None:
         try:
             explanation = explain(limit_, source)
         except Exception as e:  # advice only: the check's own message stands
             failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
-    if explanation is not None and explanation.advice():  # what the compiled options show
-        alternative, fix = "", explanation.advice() + "."
-    else:
-        alternative = fsdp_alternative(plan_)
-        fix = (
-            ""
-            if _no_fsdp_advice(plan_)
-            else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
-            "`rules='fsdp'` in `jaxdev.memory.plan`), "
-        ) + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    alternative, fix = _fix(plan_, explanation)
     lead = f"{subject} needs" if subject else "needs"
     message = (
         f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
@@ -665,6 +639,19 @@ def check_fits(
     err = MemoryPlanError(message)
     err.explanation = explanation
     raise err
+
+
+def _fix(plan_: MemoryPlan, explanation: Any) -> tuple[str, str]:
+    """``(alternative, fix)`` of a plan that does not fit: the compiled advice, else fsdp's."""
+    if explanation is not None and explanation.advice():  # what the compiled options show
+        return "", explanation.advice() + "."
+    fix = (
+        ""
+        if _no_fsdp_advice(plan_)
+        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
+        "`rules='fsdp'` in `jaxdev.memory.plan`), "
+    ) + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    return fsdp_alternative(plan_), fix
 
 
 def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
@@ -693,7 +680,7 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
     n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     if n <= 1:
         return ""
-    _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_layout, mesh)
+    _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_spec, mesh)
     note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""
     return f"; with rules='fsdp' over {n} devices: {human_bytes(total)}{note}"
 

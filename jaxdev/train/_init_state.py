@@ -62,6 +62,19 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
     return _to_host(TrainState(step, params, opt_state, rng, model_state), strategy.offload)
 
 
+def new_state(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+    """A new train state (or params, without ``tx``, ``rng`` and ``model_state``), placed."""
+    if strategy.by_rules:
+        return init_by_rules(strategy, params, tx, rng, model_state)
+    if tx is not None:
+        state = TrainState.create(params, tx, rng, model_state)
+    elif model_state is not None or rng is not None:
+        state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
+    else:
+        state = params
+    return strategy.place_state(state)
+
+
 def is_state(tree: Any) -> bool:
     """A whole train state (jaxdev's or flax's ``TrainState``), not params."""
     return all(hasattr(tree, f) for f in ("step", "params", "opt_state"))
@@ -129,4 +142,4 @@ def _own_buffers(tree: Any, others: Any) -> Any:
     return jax.tree.map(own, tree)
 
 
-__all__ = ["check_tx", "init_by_rules", "is_state"]
+__all__ = ["check_tx", "is_state", "new_state"]

@@ -44,27 +44,26 @@ from .._errors import (
 )
 from .._leaves import deleted, is_jax_array, same_layout
 from .._pending import failed, record
-from .._placement import copy_to, put_leaves, to_device
+from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
 from .._rules import (
-    step_shardings,
     unbox,
 )
 from ..distributed import same_program, step_call
 from ..memory import (
     OPTIONS,
     MemoryExplanation,
+    StepSpec,
     check_step_memory,
     explain_memory,
     explained_oom,
-    offloaded,
     oom_error,
     plan_lines,
     resolve_limit,
     state_shapes,
 )
 from ._donation import check_donatable
-from ._init_state import check_tx, init_by_rules, is_state
+from ._init_state import check_tx, is_state, new_state
 from ._metrics import Collection
 from ._strategy import Strategy, as_strategy
 from ._train import (
@@ -83,23 +82,14 @@ _MAX_INFLIGHT = 8
 class _Step:
     """What a train and an eval step share: compiling, placing, lowering, bounding queues."""
 
-    _TRAIN = True
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        cfg: StepConfig,
-        k: int = 1,
-        donate: bool = False,
-        memory_limit: int | None = None,
-    ):
-        train = self._TRAIN
-        self.strategy = strategy
-        self.steps_per_call = k
-        self.accumulate = cfg.accumulate
-        self.memory_limit = memory_limit
-        self.n_lead = (k > 1) + (cfg.accumulate > 1)  # group axes before a batch's rows
-        self.config, self.donate, self.is_train = cfg, donate and train, train
+    def __init__(self, spec: StepSpec):
+        self.spec = spec
+        self.strategy = strategy = spec.strategy
+        k = self.steps_per_call = spec.steps_per_call
+        self.accumulate = spec.accumulate
+        self.memory_limit = spec.memory_limit
+        self.n_lead = (k > 1) + (spec.accumulate > 1)  # group axes before a batch's rows
+        self.config, self.donate, self.is_train = spec.config, spec.donate, spec.train
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
         self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
@@ -109,7 +99,7 @@ class _Step:
         self._inflight: collections.deque = collections.deque()
         self._warned_padding = False
         # with a budget, each program (variant, batch shape) checked before it first runs
-        budget = resolve_limit(memory_limit, strategy.devices, required=False)[0]
+        budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._checked: set[tuple] | None = None if budget is None else set()
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
 
@@ -129,11 +119,7 @@ class _Step:
             )
         if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
             metrics = to_device(metrics, self._target)  # or each placement compiles anew
-        args = [state, inner] + ([mask] if mask is not None else [])
-        args += [metrics] if metrics is not None else []
-        key = (mask is not None, metrics is not None)
-        if self._by_rules:  # the state's shardings depend on its structure
-            key += (jax.tree.structure(state),)
+        args, key = self._args(state, inner, mask, metrics)
         leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
         shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
         fn = self._compiled.get(key)
@@ -145,17 +131,28 @@ class _Step:
                 args = self._relayout(key, args) or args
             self._check_memory(key, args, shapes)
         try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
-            out = fn(*args)
-            self._bound_inflight(out[2] if self.is_train else out)
+            out, token = self._outputs(fn(*args))
+            self._bound_inflight(token)
         except Exception as err:
-            explained = failed("the next call of the step") or oom_error(self, args, err)
+            explained = failed("the next call of the step") or oom_error(self.spec, args, err)
             if explained is None:
                 raise
             raise explained from err
         # its error surfaces later, where its outputs are read: explained there (_pending)
-        token = out[2] if self.is_train else jax.tree.leaves(out)[0]
         record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
-        return out[:2] if self.is_train else out
+        return out
+
+    def _args(self, state: Any, batch: Any, mask: Any, metrics: Any) -> tuple[list[Any], tuple]:
+        """The program's arguments (absent ones left out) and its key: one program per
+        variant (padded, running metrics) and, under rules, per state structure."""
+        args = [state, batch] + ([mask] if mask is not None else [])
+        args += [metrics] if metrics is not None else []
+        key = (mask is not None, metrics is not None)
+        return args, key + (jax.tree.structure(state),) if self._by_rules else key
+
+    def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
+        """What a call returns, and an output to wait on."""
+        return out, jax.tree.leaves(out)[0]
 
     def _oom_later(self, key: tuple, treedef: Any, shapes: list, err: Any, where: str) -> Any:
         """:func:`oom_error` of a call that failed after it returned, from shapes only.
@@ -167,7 +164,7 @@ class _Step:
         state, metrics = self._arg_shapes[key]
         sds = [s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes]  # None: a number
         batch = treedef.unflatten(sds)
-        return oom_error(self, [state, *batch, *([metrics] if key[1] else [])], err, where)
+        return oom_error(self.spec, [state, *batch, *([metrics] if key[1] else [])], err, where)
 
     def _first_call(self, key: tuple, args: list[Any], shapes: list) -> tuple[Callable, list]:
         """Compile the variant ``key``, check its memory, and keep it for later calls."""
@@ -193,15 +190,16 @@ class _Step:
             return
         program = (key, *shapes)
         if program not in self._checked:
-            check_step_memory(self, self._jitted[key], args)
+            check_step_memory(self.spec, self._jitted[key], args)
             self._checked.add(program)
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
         jitted = self._jitted.get(key)
         if jitted is None:
-            layout = _state_layout(self.strategy, args[0]) if self._by_rules else None
+            layout = self.strategy.state_layout(args[0]) if self._by_rules else None
             jitted = self._jitted[key] = _compile(self, key[0], key[1], layout)
-            expected = self.strategy.input_shardings(self.n_lead, key[0], key[1], layout)
+            group = (self.steps_per_call, self.accumulate)
+            expected = self.strategy.input_shardings(group, key[0], key[1], layout)
             if expected is not None:
                 self._in_shardings[key] = expected
         return jitted
@@ -268,11 +266,7 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
-        args = [state, inner] + ([mask] if mask is not None else [])
-        args += [metrics] if metrics is not None else []
-        key = (mask is not None, metrics is not None)
-        if self._by_rules:
-            key += (jax.tree.structure(state),)
+        args, key = self._args(state, inner, mask, metrics)
         jitted = self._jit(key, args)
         expected = self._in_shardings.get(key)
         moves = [] if expected is None else _misplaced(args, expected, unplaced=True)
@@ -324,7 +318,7 @@ class _Step:
           >>> why.fits, [o.change for o in why.options if o.fits][0]
           (False, "Strategy.sharded(mesh, rules='fsdp')")
         """
-        return explain_memory(self, state, batch, limit, metrics=metrics, options=options)
+        return explain_memory(self.spec, state, batch, limit, metrics=metrics, options=options)
 
     def _bound_inflight(self, token: Any) -> None:
         """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
@@ -395,17 +389,8 @@ class _Step:
         needs = lambda: _init_lines(self.strategy, params, tx, rng, model_state)  # noqa: E731
         oom = explained_oom("init_state", lambda: {"params": params}, needs)
         with oom, self.strategy.mesh_context():  # tx.init traced under the strategy's mesh
-            if self._by_rules:
-                return jax.block_until_ready(
-                    init_by_rules(self.strategy, params, tx, rng, model_state)
-                )
-            if tx is not None:
-                state = TrainState.create(params, tx, rng, model_state)
-            elif model_state is not None or rng is not None:
-                state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
-            else:
-                state = params
-            return jax.block_until_ready(copy_to(state, self._target))  # its OOM raised here
+            # its OOM raised here
+            return jax.block_until_ready(new_state(self.strategy, params, tx, rng, model_state))
 
     def _adopt(self, state: Any, tx: Any, rng: Any, model_state: Any) -> Any:
         """A copy of a whole train state, laid out for this step (its optimizer checked)."""
@@ -418,9 +403,8 @@ class _Step:
                 )
         check_tx(self.config.tx, tx, unbox(state.params))
         check_tx(self.config.tx, None, unbox(state.params), state.opt_state)
-        layout = _state_layout(self.strategy, state) if self._by_rules else self._target
         with explained_oom("init_state", lambda: {"state": state}, lambda: []):
-            return jax.block_until_ready(copy_to(state, layout))
+            return jax.block_until_ready(self.strategy.place_state(state))
 
     def put_batch(self, batch: Any) -> Any:
         """Place a host batch for this strategy; uneven sizes are padded and masked.
@@ -491,6 +475,9 @@ class TrainStep(_Step):
     ) -> tuple[Any, Collection]:
         return self._call(state, batch, metrics)
 
+    def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
+        return out[:2], out[2]  # the token: an undonated copy of the step counter
+
 
 class EvalStep(_Step):
     """A compiled eval step: ``step(params_or_state, batch, metrics=None) -> metrics``.
@@ -499,8 +486,6 @@ class EvalStep(_Step):
     prefetches and lowers like a :class:`TrainStep` (``init_state``,
     ``put_batch``, ``prefetch``, ``lower``).
     """
-
-    _TRAIN = False
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
         return self._call(state, batch, metrics)
@@ -586,29 +571,12 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
 
     n_args = 2 + has_mask + has_acc
     donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
-    return strategy.compile(run, n_lead, has_mask, has_acc, train, donate, layout)
+    return strategy.compile(run, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
 
 
 def _all_rows(batch: Any, n_lead: int) -> jax.Array:
     leaf = jax.tree.leaves(batch)[0]
     return jnp.ones(jnp.shape(leaf)[: n_lead + 1], bool)
-
-
-# ---------------------------------------------------------------- sharded params
-
-
-def _state_layout(strategy: Strategy, state: Any) -> Any:
-    """The state's shardings under the strategy's rules (arrays or ShapeDtypeStructs).
-
-    ``"flax"`` reads the partitioning the model declares; linen boxes are
-    gone once the params are unboxed (by :meth:`TrainStep.init_state` or
-    :func:`jaxdev.init_sharded`), so for ``"flax"`` params already laid out
-    on the mesh keep the layout they carry, and the optimizer state follows
-    (:func:`jaxdev._rules.step_shardings`, which :func:`jaxdev.memory.plan` uses too).
-    Fields the strategy offloads are laid out in host memory (:func:`offloaded`).
-    """
-    layout = step_shardings(state, strategy.mesh, strategy.rules, **strategy.options)
-    return offloaded(layout, state, strategy.offload)
 
 
 # ---------------------------------------------------------------- factories
@@ -653,71 +621,47 @@ def make_train_step(
     """Return a compiled train step for ``strategy``.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> per_example_loss`` of shape
-        ``(B,)``. With ``has_aux`` it returns ``(losses, aux)``: ``aux`` is a
-        dict of per-example arrays (averaged over valid rows), ``Metric``
-        objects or ``Collection`` s. With ``has_state`` it is called as
-        ``loss_fn(params, model_state, batch)`` and returns the new model
-        state last: ``(losses, new_state)`` / ``(losses, aux, new_state)``.
-        If the state holds an ``rng`` it gets a per-step (and per-device)
-        key after ``batch``; with ``pass_mask`` the keyword ``mask=`` (bool,
-        one per row: give it to ``nn.BatchNorm(...)(x, mask=...)``).
-        ``Metric.from_value`` / ``from_logits`` called inside ``loss_fn``
-        leave the padded rows out by themselves. With ``weighted`` it
-        returns ``(losses, weights)`` where it returns ``losses`` otherwise.
+      loss_fn: ``loss_fn(params, batch) -> per_example_loss`` of shape ``(B,)``;
+        with ``has_aux`` ``(losses, aux)`` (``aux``: a dict of per-example arrays,
+        averaged over valid rows, ``Metric`` s or ``Collection`` s). With
+        ``has_state`` it is ``loss_fn(params, model_state, batch)`` and returns
+        the new model state last. A state with an ``rng`` passes a per-step (and
+        per-device) key after ``batch``; ``pass_mask`` passes ``mask=`` (bool, one
+        per row, for ``nn.BatchNorm``). ``Metric.from_value`` / ``from_logits``
+        inside it leave the padded rows out by themselves.
       tx: any optax ``GradientTransformation`` (``optax.apply_if_finite``
         skips non-finite updates; ``optax.chain`` scales or clips gradients).
       strategy: a :class:`Strategy`; ``None`` is ``Strategy.single()``.
       has_aux: ``loss_fn`` returns aux metrics.
-      has_state: ``loss_fn`` takes and returns a model state (see above).
-        Under pmap and shard_map the new state's float leaves are averaged
-        over the devices (``lax.pmean``, flax's ``sync_batch_stats``).
+      has_state: ``loss_fn`` takes and returns a model state; under pmap and
+        shard_map its float leaves are averaged over the devices (``lax.pmean``).
       pass_mask: pass the row validity mask as ``mask=``.
-      steps_per_call: run K updates per dispatch with ``lax.scan`` over a
-        batch whose leaves have a leading axis of K.
-      accumulate: M micro-batches per update (gradient accumulation with
-        ``lax.scan``): the same update as one step on the whole batch.
+      steps_per_call: K updates per dispatch (``lax.scan``) over leaves with a leading K axis.
+      accumulate: M micro-batches per update (``lax.scan``): one step's update.
       donate: donate the state and running metrics buffers (default True).
-      regularizer: ``regularizer(params) -> scalar`` added to the objective
-        once per update (weight decay terms); reported as ``regularizer``.
+      regularizer: ``regularizer(params) -> scalar`` added once per update (reported).
       lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
         reported as the metric ``lr``.
-      memory_limit: bytes per device the step may use. Before the first
-        call of each program (padded or not, running metrics or not, and
-        each batch shape: ``jit`` compiles one program per shape) the
-        step is compiled and its ``memory_analysis()`` (arguments + outputs
-        - donated + temporaries) compared with this budget or, when
-        ``None``, with the device's ``memory_stats()["bytes_limit"]``
-        (backends that report none, such as CPU, are not checked).
-      weighted: ``loss_fn`` returns ``(losses, weights)`` of one shape
-        ``(B, ...)`` (per-token losses, weight 0 on padding tokens); the
-        objective is ``sum(loss * weight) / sum(weight)`` over the whole
-        step's global batch (every device, micro-batch and valid row), and
-        the ``loss`` metric, and every aux array of the weights' shape, are
-        :class:`jaxdev.metrics.WeightedMean` s.
-      remat: ``True``, or a policy from ``jax.checkpoint_policies``
-        (``dots_saveable``, ...): the loss runs under ``jax.checkpoint``, so
-        the backward pass recomputes the forward pass instead of keeping its
-        activations (the same numbers). The compiled temporaries show what
-        it saves (``jaxdev.memory.plan(..., step=step)``, ``step.explain_memory``):
-        on the whole loss XLA may keep as much as before; checkpoint the
-        blocks (``nn.remat``) for more.
+      memory_limit: bytes per device the step may use (``None``: the device's
+        ``bytes_limit``; CPU reports none). Before the first call of each
+        program (padded or not, running metrics or not, each batch shape) its
+        compiled ``memory_analysis()`` peak is compared with it.
+      weighted: ``loss_fn`` returns ``(losses, weights)`` of one shape ``(B, ...)``
+        (weight 0 on padding tokens): the objective, the ``loss`` metric and aux arrays
+        of that shape are ``sum(x * weight) / sum(weight)`` over the global batch.
+      remat: ``True`` or a ``jax.checkpoint_policies`` policy: the loss runs
+        under ``jax.checkpoint`` (the same numbers; ``step.explain_memory``
+        shows the temporaries saved; checkpoint blocks with ``nn.remat`` for more).
 
     Returns:
       A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
 
     Raises:
-      UsageError: ``strategy`` is not a :class:`Strategy`, a count < 1,
-        ``memory_limit`` is not a positive number, or ``remat`` is not
-        ``True`` / ``False`` / a checkpoint policy.
-      MemoryPlanError: (at the first call of a program) the compiled step
-        needs more bytes per device than the budget; nothing ran. The message gives
-        both figures, what is live by path and the changes that fit, each
-        compiled (:meth:`TrainStep.explain_memory`'s text).
-      OutOfMemoryError: XLA ran out of device memory (``RESOURCE_EXHAUSTED``),
-        raised at the call or, as JAX runs the step asynchronously, where its
-        outputs are read (``metrics.fetch()``, :func:`jaxdev.to_host`, the
-        next call); the message explains it the same way.
+      UsageError: a bad ``strategy``, count (< 1), ``memory_limit`` or ``remat``.
+      MemoryPlanError: at a program's first call, the compiled step needs more
+        than the budget (nothing ran): :meth:`TrainStep.explain_memory`'s text.
+      OutOfMemoryError: XLA ran out of memory, at the call or where its outputs
+        are read (``metrics.fetch()``, :func:`jaxdev.to_host`, the next call).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
@@ -731,21 +675,12 @@ def make_train_step(
       >>> int(state.step), round(metrics.fetch()["loss"], 3)
       (2, 0.905)
     """
-    cfg = StepConfig(
-        loss_fn,
-        tx,
-        bool(has_aux),
-        bool(has_state),
-        bool(pass_mask),
-        _check_count("accumulate", accumulate),
-        regularizer,
-        lr_fn,
-        bool(weighted),
-        _check_remat(remat),
-    )
+    m, remat = _check_count("accumulate", accumulate), _check_remat(remat)
+    flags = bool(has_aux), bool(has_state), bool(pass_mask)
+    cfg = StepConfig(loss_fn, tx, *flags, m, regularizer, lr_fn, bool(weighted), remat)
     k = _check_count("steps_per_call", steps_per_call)
     limit = None if memory_limit is None else resolve_limit(memory_limit, (), arg="memory_limit")[0]
-    return TrainStep(as_strategy(strategy), cfg, k, donate, memory_limit=limit)
+    return TrainStep(StepSpec(as_strategy(strategy), cfg, k, bool(donate), True, limit, _build))
 
 
 def make_eval_step(
@@ -775,7 +710,12 @@ def make_eval_step(
     cfg = StepConfig(
         loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask), weighted=bool(weighted)
     )
-    return EvalStep(as_strategy(strategy), cfg)
+    return EvalStep(StepSpec(as_strategy(strategy), cfg, train=False, build=_build))
+
+
+def _build(spec: StepSpec) -> _Step:
+    """The step ``spec`` describes (the memory modules build their variants this way)."""
+    return (TrainStep if spec.train else EvalStep)(spec)
 
 
 def _init_lines(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> list[str]:

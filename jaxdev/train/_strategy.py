@@ -20,10 +20,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .._batches import Padded, detach_host, pad_rows, row_multiple, rows_of, shard_batch, to_global
+from .._batches import (
+    Padded,
+    detach_host,
+    lead_spec,
+    pad_rows,
+    row_multiple,
+    rows_of,
+    shard_batch,
+    to_global,
+)
 from .._devices import DeviceSpec, device_list
 from .._devices import device as resolve_device
 from .._errors import ShardingError, UsageError, short
@@ -41,10 +50,10 @@ from .._mesh import (
     outside_mesh,
     under_mesh,
 )
-from .._placement import to_device
+from .._placement import copy_to, to_device
 from .._pmap_layout import shard_for_pmap
-from .._rules import check_rules
-from ..memory import check_offload, streamed
+from .._rules import check_rules, step_shardings
+from ..memory import check_offload, offloaded, streamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,20 +191,7 @@ class Strategy:
           (('data', 'fsdp'), 8)
         """
         mesh = check_mesh(mesh)
-        if params is not None:
-            if rules != "replicate":
-                raise UsageError(
-                    "pass the params rules once, as `rules=` (`params=` is its old name), "
-                    f"got both `rules`={short(rules)} and `params`={short(params)}."
-                )
-            warnings.warn(
-                "`Strategy.sharded(params=...)` is now `rules=...` (the keyword of "
-                "param_shardings and plan); `params=` will be removed.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            rules = params
-        params = _hashable_rules(rules)
+        params = _hashable_rules(rules if params is None else _renamed(rules, params))
         options = {
             k: v
             for k, v in (
@@ -207,46 +203,82 @@ class Strategy:
         }
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         offload = check_offload(offload, mesh.devices.flat)
-        if shard_map and offload:
-            raise UsageError(
-                f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
-            )
-        if shard_map and not (isinstance(params, str) and params == "replicate"):
-            raise UsageError(
-                f"`shard_map`=True trains replicated params only, got `rules`={short(params)}. "
-                "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
-                "`shard_map=True` (the numbers are the same)."
-            )
-        if axis is None and not _replicates(params) and set(mesh.axis_names) <= set(MODEL_AXES):
-            raise ShardingError(
-                f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
-                f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
-                "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
-                "'data' axis."
-            )
+        _check_sharded(mesh, axis, params, shard_map, offload)
         axis = batch_axis(mesh, axis)
         devices = tuple(mesh.devices.flat)
         options = tuple(sorted(options.items()))
         return _Sharded("sharded", devices, mesh, axis, bool(shard_map), params, options, offload)
 
-    def sharded_like(self, **changes: Any) -> Strategy:
-        """``Strategy.sharded`` on this strategy's devices and mesh, its rules and options, changed.
+    def replace(self, **changes: Any) -> Strategy:
+        """This strategy with ``changes``: the keywords of :meth:`Strategy.sharded`.
 
-        A ``single`` or ``pmap`` strategy becomes a sharded one over the same
-        devices (the batch split the same way); the memory advice asks for its
-        options this way.
+        Its mesh, batch axis, rules, options, ``shard_map`` and offloading are
+        kept unless changed. A ``single`` or ``pmap`` strategy becomes a
+        sharded one over the same devices, the batch split the same way (the
+        memory advice asks for its options this way).
 
         Example:
           >>> import jaxdev
-          >>> jaxdev.Strategy.pmap(2).sharded_like(rules="fsdp").rules
+          >>> jaxdev.Strategy.pmap(2).replace(rules="fsdp").rules
           'fsdp'
         """
-        kwargs: dict[str, Any] = {"rules": self.rules, **self.options}
-        if getattr(self, "offload", ()):
-            kwargs["offload"] = self.offload
-        kwargs.update(changes)
-        axis = self.axis if self.kind == "sharded" else None
-        return Strategy.sharded(check_mesh(self.mesh), axis, **kwargs)
+        kwargs = {"axis": self.axis, "rules": self.rules, "shard_map": self.shard_map}
+        kwargs.update(self.options, offload=self.offload or None)
+        return Strategy.sharded(check_mesh(self.mesh), **{**kwargs, **changes})
+
+    def state_layout(self, state: Any, **options: Any) -> Any:
+        """The shardings of ``state`` (a train state or params, or their shapes) here.
+
+        The params by its rules (``options`` override its rule options), the
+        optimizer state following them, the fields it offloads in host
+        memory; under ``"flax"``, params already laid out on the mesh keep
+        their layout (:func:`jaxdev._rules.step_shardings`). The step's
+        program and :func:`jaxdev.memory.plan` both use it.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxdev
+          >>> s = jaxdev.Strategy.sharded(jaxdev.make_mesh({"fsdp": 8}), rules="fsdp")
+          >>> s.state_layout({"w": jnp.ones((1024, 4))})["w"].spec
+          P('fsdp', None)
+        """
+        layout = step_shardings(state, self.mesh, self.rules, **{**self.options, **options})
+        return offloaded(layout, state, self.offload)
+
+    def place_state(self, tree: Any) -> Any:
+        """A copy of ``tree`` (a train state, params, metrics) where this strategy keeps its state.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxdev
+          >>> jaxdev.Strategy.single().place_state(jnp.ones(2)).committed
+          True
+        """
+        return copy_to(tree, self.state_target)
+
+    def batch_spec(self, k: int = 1, m: int = 1, ndim: int | None = None) -> P:
+        """The spec of a placed batch leaf: its rows split over :attr:`axis`, group axes first.
+
+        ``k`` and ``m`` are the step's ``steps_per_call`` and ``accumulate``;
+        a leaf of ``ndim`` axes with no row axis is replicated (``P()``).
+
+        Example:
+          >>> import jax, jaxdev
+          >>> jaxdev.Strategy.sharded().batch_spec(k=4) == jax.sharding.PartitionSpec(None, "data")
+          True
+        """
+        return lead_spec(self.axis, self.row_axis(k, m), ndim)
+
+    def batch_shape(self, rows: int, k: int = 1, m: int = 1) -> tuple[int, ...]:
+        """The leading shape :meth:`put_batch` gives ``rows`` global rows per update.
+
+        ``(K, M, rows / M)`` without the axes of ``k`` or ``m`` that are 1;
+        under ``pmap`` the device axis comes first.
+
+        Example:
+          >>> import jaxdev
+          >>> jaxdev.Strategy.sharded().batch_shape(64, k=4, m=2)
+          (4, 2, 32)
+        """
+        return ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) + (rows // m,)
 
     @property
     def replicated(self) -> bool:
@@ -361,14 +393,11 @@ class Strategy:
         """The axis of a placed batch that is split over the devices (group axes first)."""
         return (k > 1) + (m > 1)
 
-    def grouped_target(self, k: int, m: int) -> Any:
-        """Where a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` goes."""
-        return NamedSharding(self.mesh, P(*([None] * self.row_axis(k, m)), self.axis))
+    def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
+        """Place a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` (and its mask)."""
+        return to_device(grouped, named_sharding(self.mesh, self.batch_spec(k, m)))
 
-    def place_grouped(self, grouped: Any, target: Any) -> Any:
-        return to_device(grouped, target)
-
-    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
+    def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         """What a compiled program expects of each argument, or None (no check needed)."""
         return None
 
@@ -379,14 +408,18 @@ class Strategy:
     def compile(
         self,
         run: Callable,
-        n_lead: int,
+        group: tuple[int, int],
         has_mask: bool,
         has_acc: bool,
         train: bool,
         donate: tuple[int, ...],
         layout: Any = None,
     ) -> Any:
-        """Compile ``run(axis, state, batch[, mask][, acc])`` for this strategy."""
+        """Compile ``run(axis, state, batch[, mask][, acc])`` for this strategy.
+
+        ``group`` is ``(steps_per_call, accumulate)``; ``layout`` the state's
+        shardings under rules (``None``: replicated).
+        """
         raise NotImplementedError
 
 
@@ -408,10 +441,10 @@ class _Single(Strategy):
     def put_rows(self, batch: Any, pad: bool) -> Any:
         return to_device(detach_host(batch), self.devices[0])  # a copy the loader cannot refill
 
-    def grouped_target(self, k: int, m: int) -> Any:
-        return self.devices[0]
+    def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
+        return to_device(grouped, self.devices[0])
 
-    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+    def compile(self, run, group, has_mask, has_acc, train, donate, layout=None):
         return MeshBound(jax.jit(functools.partial(run, None), donate_argnums=donate), None)
 
 
@@ -436,10 +469,10 @@ class _Pmap(Strategy):
     def row_axis(self, k: int, m: int) -> int:
         return 0  # the device axis leads
 
-    def grouped_target(self, k: int, m: int) -> Any:
-        return NamedSharding(self.mesh, P(self.axis))
+    def batch_shape(self, rows: int, k: int = 1, m: int = 1) -> tuple[int, ...]:
+        return (self.n_devices,) + super().batch_shape(rows // self.n_devices, k, m)
 
-    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+    def compile(self, run, group, has_mask, has_acc, train, donate, layout=None):
         in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
         pmapped = jax.pmap(
             functools.partial(run, self.axis),
@@ -472,40 +505,34 @@ class _Sharded(Strategy):
     def put_rows(self, batch: Any, pad: bool) -> Any:
         return shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
 
-    def place_grouped(self, grouped: Any, target: Any) -> Any:
+    def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         if jax.process_count() > 1:  # each process's local rows -> global arrays
-            return to_global(grouped, target, None)
-        return to_device(grouped, target)
+            return to_global(grouped, named_sharding(self.mesh, self.batch_spec(k, m)), None)
+        return super().place_grouped(grouped, k, m)
 
     def pads_shapes(self) -> bool:
         return True
 
-    def input_shardings(self, n_lead: int, has_mask: bool, has_acc: bool, layout: Any):
-        rows = named_sharding(self.mesh, P(*([None] * n_lead), self.axis))
+    def place_state(self, tree: Any) -> Any:
+        return copy_to(tree, self.state_layout(tree) if self.by_rules else self.state_target)
+
+    def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
+        rows = named_sharding(self.mesh, self.batch_spec(*group))
         replicated = named_sharding(self.mesh, P())
         out = [replicated if layout is None else layout, rows]
         return out + ([rows] if has_mask else []) + ([replicated] if has_acc else [])
 
-    def compile(self, run, n_lead, has_mask, has_acc, train, donate, layout=None):
+    def compile(self, run, group, has_mask, has_acc, train, donate, layout=None):
         mesh, axis = self.mesh, self.axis
-        spec = P(*([None] * n_lead), axis)
-        specs = (P(), spec) + ((spec,) if has_mask else ()) + ((P(),) if has_acc else ())
-        out_specs = (P(), P(), P()) if train else P()
+        ins = self.input_shardings(group, has_mask, has_acc, layout)
         if layout is not None:  # sharded params: jit only (sharded() refuses shard_map)
             run = streamed(run, layout, train)  # offloaded fields: to the devices and back
-            shardings = jax.tree.map(lambda s: named_sharding(mesh, s), specs)
-            outs = (layout, shardings[0], shardings[0]) if train else shardings[0]
-            jitted = jax.jit(
-                functools.partial(run, None),
-                in_shardings=(layout, *shardings[1:]),
-                out_shardings=outs,
-                donate_argnums=donate,
-            )
-            return MeshBound(jitted, mesh)
         if self.shard_map:
             # check_vma=False: gradients of replicated params are summed by the
             # step's own psum, as under pmap (with vma checks JAX would already
             # sum them, and the step would apply the gradient n times over).
+            specs = tuple(s.spec for s in ins)
+            out_specs = (P(), P(), P()) if train else P()
             inner = jax.shard_map(
                 functools.partial(run, axis),
                 mesh=mesh,
@@ -515,12 +542,9 @@ class _Sharded(Strategy):
             )
         else:
             inner = functools.partial(run, None)
-        jitted = jax.jit(
-            inner,
-            in_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
-            out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs),
-            donate_argnums=donate,
-        )
+        replicated = named_sharding(mesh, P())
+        outs = (ins[0], replicated, replicated) if train else replicated
+        jitted = jax.jit(inner, in_shardings=tuple(ins), out_shardings=outs, donate_argnums=donate)
         return MeshBound(jitted, mesh)  # model code may name bare PartitionSpecs
 
 
@@ -544,8 +568,7 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
     mask = strategy.group(np, mask, row_axis, m)
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
-    target = strategy.grouped_target(k, m)
-    placed, mask = strategy.place_grouped(grouped, target)
+    placed, mask = strategy.place_grouped(grouped, k, m)
     return Padded(placed, mask, rows) if extra else placed
 
 
@@ -568,6 +591,44 @@ def _grouped_rows(leaves: list[Any], k: int) -> int:
             f"{[np.shape(x) for x in leaves[:3]]}."
         )
     return rows.pop()
+
+
+def _renamed(rules: Any, params: Any) -> Any:
+    """``params=``, the old name of ``rules=`` (warns; both given: refused)."""
+    if rules != "replicate":
+        raise UsageError(
+            "pass the params rules once, as `rules=` (`params=` is its old name), "
+            f"got both `rules`={short(rules)} and `params`={short(params)}."
+        )
+    warnings.warn(
+        "`Strategy.sharded(params=...)` is now `rules=...` (the keyword of "
+        "param_shardings and plan); `params=` will be removed.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return params
+
+
+def _check_sharded(mesh: Mesh, axis: Any, rules: Any, shard_map: bool, offload: tuple) -> None:
+    """Refuse what ``Strategy.sharded`` cannot run: shard_map with offloading or sharded params,
+    or no ``axis`` on a mesh of model axes only."""
+    if shard_map and offload:
+        raise UsageError(
+            f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
+        )
+    if shard_map and not _replicates(rules):
+        raise UsageError(
+            f"`shard_map`=True trains replicated params only, got `rules`={short(rules)}. "
+            "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
+            "`shard_map=True` (the numbers are the same)."
+        )
+    if axis is None and not _replicates(rules) and set(mesh.axis_names) <= set(MODEL_AXES):
+        raise ShardingError(
+            f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+            f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
+            "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
+            "'data' axis."
+        )
 
 
 def _replicates(rules: Any) -> bool:
