@@ -55,11 +55,9 @@ def init_sharded(
       outputs of one ``jax.jit``; flax's eager sharding is not used.
 
     Array arguments (keys, example inputs) are traced; any other argument
-    (Python numbers, strings, flags) is passed as a constant, so
-    ``init_sharded(model.init, key, x, False, mesh=...)`` works. Pass keyword
-    arguments with ``functools.partial``. The init is traced under
-    ``jax.set_mesh(mesh)``, so init code may name bare ``PartitionSpec`` s
-    (linen inits whose boxes' constraints the mesh refuses: without it).
+    is a constant (``init_sharded(model.init, key, x, False, mesh=...)``);
+    keywords go through ``functools.partial``. The init is traced under
+    ``jax.set_mesh(mesh)`` (bare ``PartitionSpec`` s work).
 
     Args:
       init_fn: the function to call.
