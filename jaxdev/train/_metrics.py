@@ -1,22 +1,11 @@
 """On-device metric accumulators and an on-device log (CLU-style pytrees).
 
-A metric is a small pytree of device arrays with four operations:
-``empty()`` (the identity), ``from_value(value, mask=None)`` (one batch),
-``merge(other)`` (pure, runs on device, inside ``jit``) and ``compute()``
-(the value, still on device). Nothing here moves data to the host except
-:func:`fetch_metrics` / ``.fetch()``, which make exactly one ``jax.device_get`` of the
-raw accumulators and finish the arithmetic with numpy on the host.
-
-Masks: ``mask`` is a boolean validity mask over the leading (row) axes of
-``value`` (shape ``value.shape[:mask.ndim]``); rows where it is ``False``
-never count, whatever they hold (padding may be NaN).
-
-dtypes: values accumulate in float32; counts are int32, exact up to
-2**31 - 1 rows (or non-finite elements, or log records) per accumulator,
-after which they wrap. Across devices, ``reduce(axis)`` combines
-accumulators inside ``jax.pmap`` / ``shard_map`` with ``psum`` / ``pmin`` /
-``pmax``; under a sharded ``jax.jit`` the batch is one global array and no
-reduction is needed.
+A metric has ``empty()``, ``from_value(value, mask=None)``, ``merge(other)`` (pure, on
+device, inside ``jit``) and ``compute()``; only :func:`fetch_metrics` / ``.fetch()`` move
+data, with one ``jax.device_get`` of the raw accumulators. ``mask`` is a boolean mask over
+the leading (row) axes of ``value``: rows where it is ``False`` never count (padding may be
+NaN). Values accumulate in float32, counts in int32 (exact up to 2**31 - 1). ``reduce(axis)``
+combines accumulators inside ``jax.pmap`` / ``shard_map``.
 """
 
 from __future__ import annotations
@@ -92,10 +81,8 @@ def ambient_value(name: str) -> Any:
 def row_mask(mask: jax.Array | None) -> contextlib.AbstractContextManager[None]:
     """Make ``mask`` the default ``mask`` of every ``from_value`` in this block (this thread).
 
-    jaxdev's train and eval steps wrap the call of ``loss_fn`` in it, so a
-    metric built inside ``loss_fn`` (``Accuracy.from_logits(logits, y)``)
-    leaves the padded rows out without being told. A value that has no
-    entry per row (a scalar) cannot be masked there and is refused.
+    jaxdev's steps wrap ``loss_fn`` in it, so a metric built there leaves padded rows out;
+    a value with no entry per row (a scalar) is refused there.
     """
     return ambient("mask", mask)
 
@@ -172,11 +159,7 @@ def _host_value(x: Any) -> Any:
 
 
 class Metric:
-    """Base class: a mergeable accumulator held as a pytree of device arrays.
-
-    Subclasses are frozen dataclasses registered as pytrees, so they pass in
-    and out of ``jax.jit``, ``jax.pmap`` and ``lax.scan`` unchanged.
-    """
+    """Base class: a mergeable accumulator, a frozen dataclass registered as a pytree."""
 
     @classmethod
     def empty(cls) -> Metric:
@@ -233,13 +216,7 @@ class _Sums(Metric):
 
 @_metric
 class Mean(_Sums):
-    """Mean of every valid element seen: ``total / count``.
-
-    Attributes:
-      total: float32 sum of the valid elements.
-      count: int32 number of valid elements (exact up to 2**31 - 1).
-
-    The mean of nothing (``count == 0``) is NaN, never a division error.
+    """Mean of every valid element seen: ``total / count`` (NaN when nothing was seen).
 
     Example:
       >>> import jax.numpy as jnp
@@ -262,14 +239,7 @@ class Mean(_Sums):
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
-        """Return the mean accumulator of ``value``'s valid elements.
-
-        Args:
-          value: array (or number) of any shape; every element counts once.
-          mask: optional boolean array over the leading axes of ``value``.
-
-        Returns:
-          The accumulator of this batch.
+        """Return the mean accumulator of ``value``'s valid elements (each element counts once).
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
@@ -286,13 +256,7 @@ class Mean(_Sums):
 class WeightedMean(_Sums):
     """Weighted mean ``sum(value * weight) / sum(weight)`` of the valid elements (e.g. per token).
 
-    A language model's loss and token accuracy: per-token values with weight 0
-    on padding tokens, normalised by the total weight of everything merged
-    (all devices, micro-batches and steps), never by a count of rows.
-
-    Attributes:
-      total: float32 sum of ``value * weight`` over the valid elements.
-      weight: float32 sum of the valid elements' weights.
+    Normalised by the total weight of everything merged (devices, micro-batches, steps).
 
     Example:
       >>> import jax.numpy as jnp
@@ -315,21 +279,10 @@ class WeightedMean(_Sums):
     def from_value(
         cls, value: jax.typing.ArrayLike, weights: Any = None, mask: Any = None
     ) -> WeightedMean:
-        """Return the accumulator of ``value`` weighted by ``weights`` (same shape).
-
-        Args:
-          value: array of any shape.
-          weights: numbers (or bools) of ``value``'s shape; ``None`` weighs every
-            element 1.
-          mask: optional boolean array over the leading (row) axes; inside a
-            jaxdev step the step's row mask applies by default.
-
-        Returns:
-          The accumulator of this batch.
+        """Return the accumulator of ``value`` weighted by ``weights`` (same shape; ``None``: 1).
 
         Raises:
-          MetricError: ``value`` or ``weights`` is not numeric, or a shape does
-            not fit.
+          MetricError: ``value`` or ``weights`` is not numeric, or a shape does not fit.
         """
         value, valid = _checked_value(cls, value, mask)
         owner = f"{cls.__name__}.from_value"
@@ -371,13 +324,6 @@ class Accuracy(Mean):
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Accuracy:
         """Return the accuracy of a correctness vector (bool or 0/1 per row).
 
-        Args:
-          value: correctness per row, boolean or numbers in [0, 1].
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          The accumulator of this batch.
-
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
@@ -387,15 +333,7 @@ class Accuracy(Mean):
     def from_logits(
         cls, logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike, mask: Any = None
     ) -> Accuracy:
-        """Return the accuracy of ``argmax(logits, -1) == labels``.
-
-        Args:
-          logits: array of shape ``(..., num_classes)``.
-          labels: integer class indices of shape ``logits.shape[:-1]``.
-          mask: optional boolean validity mask over the leading axes of ``labels``.
-
-        Returns:
-          The accumulator of this batch.
+        """Return the accuracy of ``argmax(logits, -1) == labels`` (per row).
 
         Raises:
           MetricError: shapes do not match or ``labels`` is not integer.
@@ -426,13 +364,7 @@ class _Op(NamedTuple):
 
 
 class _Reduce(Metric):
-    """Base of the one-scalar metrics folded with an associative op (Sum, Min, Max).
-
-    A subclass is a :func:`_metric` dataclass with a single float32 field and
-    an ``_op`` naming the batch fold, the pairwise merge, the cross-device
-    collective and their identity. Masked-out rows are replaced by the
-    identity before the fold, so they never count, whatever they hold.
-    """
+    """Base of Sum, Min, Max: one float32 field folded with ``_op``; masked rows: its identity."""
 
     _op: ClassVar[_Op]
 
@@ -447,13 +379,6 @@ class _Reduce(Metric):
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Reduce:
         """Return the accumulator of ``value``'s valid elements.
-
-        Args:
-          value: array (or number) of any shape.
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          The accumulator of this batch.
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
@@ -480,9 +405,6 @@ class _Reduce(Metric):
 class Sum(_Reduce):
     """Sum of every valid element seen (float32); ``0.0`` when nothing was seen.
 
-    Attributes:
-      total: float32 sum of the valid elements.
-
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxdev.metrics import Sum
@@ -498,12 +420,7 @@ class Sum(_Reduce):
 
 @_metric
 class Min(_Reduce):
-    """Smallest valid element seen (float32); ``+inf`` when nothing was seen.
-
-    NaN in a valid row propagates (the minimum is then NaN).
-
-    Attributes:
-      value: float32 minimum of the valid elements.
+    """Smallest valid element seen (float32); ``+inf`` when nothing was seen; NaN propagates.
 
     Example:
       >>> import jax.numpy as jnp
@@ -537,14 +454,8 @@ class Max(_Reduce):
 class Last(Metric):
     """The most recently merged value (e.g. the learning rate); NaN if none.
 
-    ``a.merge(b)`` keeps ``b``'s value when ``b`` saw anything, else ``a``'s:
-    associative, not commutative. With a mask, ``from_value`` keeps the last
-    valid row. ``reduce`` keeps the value of the highest-indexed device that
-    saw anything.
-
-    Attributes:
-      value: float32 array of the recorded shape.
-      count: int32 number of batches that contributed.
+    ``a.merge(b)`` keeps ``b``'s value when ``b`` saw anything (associative, not
+    commutative); with a mask, the last valid row; ``reduce``, the highest device that saw one.
 
     Example:
       >>> import jax.numpy as jnp
@@ -565,14 +476,7 @@ class Last(Metric):
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Last:
-        """Return ``value`` itself, or with ``mask`` its last valid row.
-
-        Args:
-          value: array (or number); without a mask it is kept whole.
-          mask: optional 1-D boolean mask over the first axis of ``value``.
-
-        Returns:
-          The accumulator holding one value (count 0 if no row was valid).
+        """Return ``value`` itself, or with a 1-D ``mask`` its last valid row (count 0 if none).
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
@@ -631,13 +535,6 @@ class NonFinite(Metric):
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
         """Return the number of non-finite valid elements of ``value``.
-
-        Args:
-          value: array (or number) of any shape; integers are always finite.
-          mask: optional boolean validity mask over the leading axes.
-
-        Returns:
-          This batch's count, to ``merge`` into a running one.
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
@@ -712,14 +609,6 @@ class Collection(Mapping):
         mask: Any = None,
     ) -> Collection:
         """Return ``spec[k].from_value(values[k], mask)`` for every name ``k``.
-
-        Args:
-          spec: metric class per name, e.g. ``{"loss": Mean}``.
-          values: one value per name in ``spec`` (same keys).
-          mask: optional boolean validity mask shared by every value.
-
-        Returns:
-          The collection of this batch.
 
         Raises:
           MetricError: the keys of ``values`` differ from ``spec``'s.
@@ -809,24 +698,13 @@ jax.tree_util.register_pytree_with_keys(
 def fetch_metrics(tree: Any) -> Any:
     """Return the host value of every metric in ``tree`` with ONE device_get.
 
-    ``tree`` may be a :class:`Metric`, a :class:`Collection`, or any pytree
-    holding them (other leaves are fetched as they are). The raw
-    accumulators travel in a single ``jax.device_get``; the final arithmetic
-    (e.g. ``total / count``) runs in numpy on the host, so no extra device
-    work is dispatched. Scalars come back as Python numbers, a Collection as
-    a plain dict.
-
-    Args:
-      tree: metrics (or a pytree of them) living on any devices.
-
-    Returns:
-      The same structure with every metric replaced by its value.
+    ``tree`` is a :class:`Metric`, a :class:`Collection` or any pytree holding them (other
+    leaves come back as they are); the final arithmetic runs in numpy. Scalars come back
+    as Python numbers, a Collection as a dict.
 
     Raises:
-      DeletedArrayError: a leaf was deleted or donated (metrics passed to a
-        donating step: fetch the metrics it returned), naming each leaf.
-      OutOfMemoryError: the jaxdev step that made them ran out of device
-        memory (an error JAX raises only when its outputs are read), explained.
+      DeletedArrayError: a leaf was deleted or donated, naming each leaf.
+      OutOfMemoryError: the jaxdev step that made them ran out of device memory, explained.
 
     Example:
       >>> import jax.numpy as jnp
@@ -858,22 +736,10 @@ def _compute_host(tree: Any) -> Any:
 
 @_metric
 class DeviceLog:
-    """A preallocated ring buffer on device recording one value per step.
+    """A preallocated ring buffer on device recording one value per step (jit- and scan-safe).
 
-    ``record`` runs inside ``jit`` / ``lax.scan`` (``dynamic_update_slice`` at
-    a device-scalar index), so a training loop logs every step without a
-    host transfer; ``fetch`` moves everything once (d2l's "keep the log on
-    the device" exercise).
-
-    Wrap-around: the buffer keeps the LAST ``capacity`` records. Once more
-    than ``capacity`` values are recorded the oldest are overwritten;
-    ``fetch`` returns the survivors oldest-first and, with
-    ``with_steps=True``, their step numbers (records ``count - n ..
-    count - 1``), so a gap is visible. ``count`` is int32 (2**31 - 1 records).
-
-    Attributes:
-      buffer: ``(capacity, *shape)`` device array.
-      count: int32 number of values recorded so far.
+    It keeps the LAST ``capacity`` records; ``fetch`` returns them oldest-first and, with
+    ``with_steps=True``, their step numbers, so a gap is visible.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -899,14 +765,6 @@ class DeviceLog:
         cls, capacity: int, shape: tuple[int, ...] = (), dtype: Any = jnp.float32
     ) -> DeviceLog:
         """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``.
-
-        Args:
-          capacity: number of records kept (a positive int).
-          shape: shape of one record; ``()`` for a scalar per step.
-          dtype: dtype the records are stored in.
-
-        Returns:
-          An empty log (zero-filled buffer, ``count == 0``).
 
         Raises:
           MetricError: ``capacity`` is not a positive int or ``shape`` is bad.
@@ -935,13 +793,7 @@ class DeviceLog:
         return self.buffer.shape[0]
 
     def record(self, value: jax.typing.ArrayLike) -> DeviceLog:
-        """Return the log with ``value`` recorded (jit-safe, no host transfer).
-
-        Args:
-          value: array of the log's record shape (cast to the log's dtype).
-
-        Returns:
-          The new log; the oldest record is overwritten when full.
+        """Return the log with ``value`` recorded (jit-safe; the oldest is overwritten when full).
 
         Raises:
           MetricError: ``value`` has another shape than the log's records.
@@ -963,15 +815,7 @@ class DeviceLog:
         return jnp.roll(self.buffer, -start, axis=0)
 
     def fetch(self, with_steps: bool = False) -> Any:
-        """Return the recorded values oldest-first with one ``jax.device_get``.
-
-        Args:
-          with_steps: also return the step number of every kept record.
-
-        Returns:
-          A numpy array of ``min(count, capacity)`` records, or
-          ``(steps, values)`` when ``with_steps`` is true.
-        """
+        """Return the recorded values oldest-first (with ``with_steps``: ``(steps, values)``)."""
         with explained_reads("DeviceLog.fetch"):
             buffer, count = jax.device_get((self.buffer, self.count))
         count = int(count)
