@@ -2,10 +2,12 @@
 
 A :class:`Strategy` carries its own behaviour: :meth:`Strategy.single`,
 :meth:`Strategy.pmap` and :meth:`Strategy.sharded` return one of three
-subclasses, and each decides, for the step that composes them, where the
-state lives (:attr:`Strategy.state_target`), how a batch is placed
-(:meth:`Strategy.put_batch`) and how the step's body is compiled
-(:meth:`Strategy.compile`). ``_step`` never asks which kind it holds.
+subclasses, and each decides, for the step that composes them and for the
+memory modules, the state's layout (:meth:`Strategy.state_layout`,
+:meth:`Strategy.place_state`), the batch's (:meth:`Strategy.batch_spec`,
+:meth:`Strategy.batch_shape`, :meth:`Strategy.put_batch`) and how the step's
+body is compiled (:meth:`Strategy.compile`); :meth:`Strategy.replace` changes
+one. Nothing reads which kind it is.
 """
 
 from __future__ import annotations
