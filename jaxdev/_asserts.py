@@ -1,26 +1,12 @@
 """Placement assertions over pytrees, in the style of chex's tree assertions.
 
-Every assertion checks all leaves, then raises one
-:class:`~jaxdev.PlacementAssertionError` (an ``AssertionError``) whose message
-is a header line plus one line per failing leaf: its key path, what was found
-and what was expected, followed by the fix and the available devices.
-
-What they get right that chex 0.1.92 does not:
-
-* they work on a CPU-only host without naming a platform;
-* a fully replicated array is not "sharded", and a stacked (pmap-layout)
-  array, one slice per device, is not "replicated";
-* memory kind (``'device'`` vs ``'pinned_host'``) and committed-ness are
-  checked; a jax array on the CPU device is not "on host";
-* a deleted or donated leaf is listed as such instead of raising
-  ``RuntimeError``; a tracer (inside ``jax.jit``) is listed with a clear note.
-
-``target`` takes what :func:`jaxdev.as_sharding` reads: a ``jax.Device``, a
-spec (``'gpu:1'``, an int index), a ``Sharding``, or a ``Mesh`` (a full copy on
-each of its devices). The success path never computes key paths or reads
-values (paths are built only for failing leaves; values only with
-``check_values=True``), so a 2000-leaf tree is checked in a few milliseconds.
-Like every chex assertion, they do nothing after ``chex.disable_asserts()``.
+Each checks every leaf, then raises one :class:`~jaxdev.PlacementAssertionError` (an
+``AssertionError``): a header plus one line per failing leaf (key path, found, expected),
+the fix and the available devices. Unlike chex they work on a CPU-only host without a
+platform, tell replicated from sharded from stacked, check memory kind and committed-ness,
+and list deleted/donated leaves and tracers instead of raising. ``target`` is what
+:func:`jaxdev.as_sharding` reads. Key paths are built only for failing leaves, so a
+2000-leaf tree takes milliseconds. ``chex.disable_asserts()`` turns them off.
 """
 
 from __future__ import annotations
@@ -140,15 +126,7 @@ def _live_array_problem(x: Any, expected: str) -> str | None:
 
 
 def _scan(leaves: list[Any], checks: _Checks, committed: bool | None = None) -> list:
-    """Return ``(index, why)`` for every failing leaf.
-
-    ``checks.fast(sharding)`` is a per-sharding verdict; ``True`` passes the
-    leaf without further work. A sharding equal to the last one that passed
-    passes too, which skips ``fast`` for the usual tree whose leaves share
-    one placement. Otherwise ``checks.check(leaf)`` returns the reason it
-    fails, or ``None`` when a finer, per-leaf test (``is_equivalent_to`` for
-    its rank) passes it.
-    """
+    """Return ``(index, why)`` for every failing leaf (a sharding that passed passes again)."""
     impl, fast, check = array_type(), checks.fast, checks.check
     bad = []
     ok_s = ok_key = None  # the last sharding that passed, and its sharding_key
@@ -268,26 +246,17 @@ def assert_on_device(
 ) -> None:
     """Assert every leaf of ``tree`` is a live ``jax.Array`` on ``target``.
 
-    Unlike ``chex.assert_tree_is_on_device``, no platform needs naming: with
-    ``target=None`` a leaf passes when it lives on devices of the default
-    backend (``jax.default_backend()``: the GPU/TPU when there is one, else
-    the CPU), so the same test works on a laptop and on a GPU host. Host
-    values (numpy, Python numbers) fail, as do leaves in host memory kinds
-    unless ``memory_kind`` asks for them. ``None`` leaves are empty subtrees.
-
     Args:
-      tree: any pytree (Flax params, NNX state, optax state, a batch).
-      target: ``None`` (any device of the default backend), a ``jax.Device``,
-        a spec such as ``'cpu:0'``, ``'gpu:1'`` or an int index, a
-        ``Sharding`` (compared with ``is_equivalent_to``, so an equivalent
-        spec passes), or a ``Mesh`` (a full copy on each of its devices).
-      memory_kind: required memory kind; ``None`` means the target's (by
-        default the device's own memory, ``'device'``).
+      tree: any pytree; ``None`` leaves are empty subtrees.
+      target: ``None`` (any device of the default backend: no platform to name), a
+        ``jax.Device``, a spec (``'gpu:1'``, an int), a ``Sharding`` (compared with
+        ``is_equivalent_to``) or a ``Mesh`` (a full copy on each of its devices).
+      memory_kind: required memory kind; ``None``: the target's (``'device'``).
       committed: if not ``None``, also require ``x.committed == committed``.
 
     Raises:
-      PlacementAssertionError: listing every leaf elsewhere, on the host,
-        in another memory kind, deleted/donated, traced, or not an array.
+      PlacementAssertionError: listing every leaf elsewhere, on the host, in another
+        memory kind, deleted/donated, traced, or not an array.
       DeviceSpecError, DeviceNotFoundError: ``target`` names no device here.
       ShardingError: a ``Mesh`` target lists a device twice.
       PlacementError: ``memory_kind`` does not exist on the target device.
@@ -319,18 +288,13 @@ def assert_on_device(
 def assert_on_host(tree: chex.ArrayTree) -> None:
     """Assert every leaf of ``tree`` lives in host memory.
 
-    A leaf passes when it is a numeric numpy array or scalar, a Python
-    number, or a ``jax.Array`` in a host memory kind (``'pinned_host'``,
-    ``'unpinned_host'``). A ``jax.Array`` on the CPU *device* fails, unlike
-    ``chex.assert_tree_is_on_host``: a forgotten ``device_get`` is then
-    caught by tests on a CPU-only machine too.
-
-    Args:
-      tree: any pytree; ``None`` leaves are empty subtrees.
+    numpy values, Python numbers and ``jax.Array`` in a host memory kind pass; a
+    ``jax.Array`` on the CPU *device* fails (unlike chex), so a forgotten ``device_get``
+    is caught on a CPU-only machine too.
 
     Raises:
-      PlacementAssertionError: listing every leaf on a device, deleted or
-        donated, traced, or not a numeric array (str, object dtype, ...).
+      PlacementAssertionError: listing every leaf on a device, deleted or donated,
+        traced, or not a numeric array.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -369,28 +333,19 @@ def assert_replicated(
 ) -> None:
     """Assert every leaf of ``tree`` is fully replicated over ``target``'s devices.
 
-    True replication: each device holds the whole array
-    (``sharding.is_fully_replicated``, e.g. ``NamedSharding(mesh, P())``) and
-    the array spans exactly those devices. A stacked (pmap-layout) array,
-    whose leading axis has one different slice per device, fails; so does a
-    sharded one. With ``check_values=True`` the replicas must also be
-    bitwise identical (NaN payloads and -0.0 compare by bits); the copies
-    that differ from the majority are named. This reads every replica, a
-    transfer per shard; only this process's addressable replicas compare.
+    Each device holds the whole array and the array spans exactly those devices; a
+    stacked (pmap-layout) or sharded array fails. ``check_values=True`` also requires
+    bitwise identical replicas (this process's), naming the copies that differ.
 
     Args:
       tree: any pytree.
-      target: where the replicas must be: a ``Mesh`` (its devices), a
-        ``Sharding`` (its device set and memory kind), or one device (a
-        ``jax.Device`` or a spec such as ``'cpu:0'``); ``None`` for every
-        device (``jax.devices()``).
-      check_values: also require bitwise identical replicas.
+      target: a ``Mesh``, a ``Sharding``, or one device; ``None``: ``jax.devices()``.
+      check_values: also require bitwise identical replicas (a transfer per shard).
       memory_kind: required memory kind; ``None`` means the target's.
 
     Raises:
-      PlacementAssertionError: listing every leaf that is sharded or
-        stacked, on other devices, on the host, deleted/donated, traced,
-        or (``check_values``) whose replicas differ, naming which.
+      PlacementAssertionError: listing every leaf sharded or stacked, elsewhere, on the
+        host, deleted/donated, traced, or whose replicas differ.
       DeviceSpecError, DeviceNotFoundError: ``target`` names no device here.
       ShardingError: a ``Mesh`` target lists a device twice.
       PlacementError: ``memory_kind`` does not exist on the devices.
@@ -483,29 +438,22 @@ def assert_sharded(
     mesh: Mesh | None = None,
     memory_kind: str | None = None,
 ) -> None:
-    """Assert every leaf of ``tree`` is laid out as ``target``.
+    """Assert every leaf of ``tree`` is laid out as ``target`` (``is_equivalent_to`` per rank).
 
-    Layouts are compared with ``Sharding.is_equivalent_to`` for each leaf's
-    rank, so ``P('data')`` and ``P('data', None)`` on the same mesh match,
-    while a fully replicated array (``P()``) does *not* pass for
-    ``P('data')`` on a mesh with more than one device along ``'data'``
-    (``chex.assert_tree_is_sharded`` accepts any multi-device array).
+    ``P('data')`` and ``P('data', None)`` match; a fully replicated array does not pass
+    for ``P('data')`` (chex accepts any multi-device array).
 
     Args:
       tree: any pytree.
-      target: a ``Sharding``, or a ``PartitionSpec``, taken on ``mesh`` when
-        given, otherwise on each leaf's own mesh (the leaf must then carry a
-        ``NamedSharding``).
+      target: a ``Sharding``, or a ``PartitionSpec`` on ``mesh`` (else on each leaf's own
+        ``NamedSharding`` mesh).
       mesh: the ``Mesh`` for a spec; ignored for a ``Sharding``.
-      memory_kind: required memory kind; ``None`` means the sharding's
-        (by default the devices' own memory).
+      memory_kind: required memory kind; ``None`` means the sharding's.
 
     Raises:
-      PlacementAssertionError: listing every leaf laid out otherwise
-        (found vs expected), on the host, deleted/donated or traced.
-      PlacementError: ``target`` is neither a ``Sharding`` nor a
-        ``PartitionSpec``, names axes ``mesh`` lacks, or ``memory_kind``
-        does not exist.
+      PlacementAssertionError: listing every leaf laid out otherwise, on the host,
+        deleted/donated or traced.
+      PlacementError: a bad ``target``, axes ``mesh`` lacks, or an unknown ``memory_kind``.
       ShardingError: ``mesh`` is not a mesh of distinct devices.
 
     Example:
@@ -578,19 +526,9 @@ def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
 def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
     """Assert every leaf of ``tree`` is a ``jax.Array`` committed (or not) to its devices.
 
-    A committed array was placed explicitly (``jax.device_put`` to a device
-    or sharding, ``jaxdev.to_device``); JAX keeps computations on it where it
-    is and refuses to mix it with arrays committed elsewhere. An uncommitted
-    one (``jnp.ones(3)``) may be moved silently. Host values fail: they are
-    neither.
-
-    Args:
-      tree: any pytree.
-      committed: the expected committed-ness.
-
     Raises:
-      PlacementAssertionError: listing every leaf with the other
-        committed-ness, on the host, deleted/donated or traced.
+      PlacementAssertionError: listing every leaf with the other committed-ness, on the
+        host (neither), deleted/donated or traced.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -623,21 +561,14 @@ def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
 
 
 def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
-    """Assert two trees' matching leaves are placed alike.
+    """Assert two trees' leaves, matched by key path, are placed alike.
 
-    Leaves are matched by key path. A pair matches when both are host
-    values, or both are live ``jax.Array`` with equivalent shardings (same
-    devices, layout and memory kind) and the same committed-ness. Leaves
-    present in only one tree are listed too. Typical use: params and their
-    gradients or optimizer state must live together.
-
-    Args:
-      a: a pytree.
-      b: a pytree with the same key paths.
+    A pair matches when both are host values, or both live ``jax.Array`` with equivalent
+    shardings (devices, layout, memory kind) and the same committed-ness.
 
     Raises:
-      PlacementAssertionError: listing every leaf placed differently (both
-        placements shown), missing from one tree, deleted/donated or traced.
+      PlacementAssertionError: listing every leaf placed differently (both shown), missing
+        from one tree, deleted/donated or traced.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev
@@ -699,26 +630,14 @@ def _pair_problem(x: Any, y: Any) -> str | None:
 
 
 def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None:
-    """Assert at least ``at_least`` of ``tree``'s bytes are in sharded leaves.
+    """Assert at least ``at_least`` (0..1) of ``tree``'s logical bytes are in sharded leaves.
 
-    The fraction is over logical (global) bytes: each leaf counts
-    ``size * itemsize`` once, however many copies exist. A leaf is *sharded*
-    when it is split over several devices (its sharding spans more than one
-    device and is not fully replicated). Everything else counts against the
-    fraction: fully replicated leaves, a leaf on a single device (even in a
-    tree whose other leaves span a mesh), and host values (numpy, Python
-    numbers). A tree with no bytes passes. Typical use: after
-    ``shard_params(params, mesh, "fsdp")``, check nothing big was left whole.
-
-    Args:
-      tree: any pytree (params, optimizer state, a whole train state).
-      at_least: the smallest acceptable fraction, in ``[0, 1]``.
+    A leaf is sharded when split over several devices; replicated leaves, single-device
+    leaves and host values count against it. A tree with no bytes passes.
 
     Raises:
-      PlacementAssertionError: the fraction is below ``at_least`` (the
-        message lists the largest leaves that are not sharded, with path,
-        dtype, shape, bytes and placement), or a leaf is deleted/donated,
-        traced or not an array (listed; their bytes cannot be judged).
+      PlacementAssertionError: the fraction is too low (listing the largest leaves not
+        sharded), or a leaf is deleted/donated, traced or not an array.
       UsageError: ``at_least`` is not a number in ``[0, 1]``.
 
     Example:
