@@ -1,37 +1,14 @@
 """Rules -> shardings: where each parameter (and its optimizer state) lives on a mesh.
 
-A *rule set* (:data:`Rules`) turns a pytree of parameters, or of their
-shapes, into a pytree of ``NamedSharding`` on a mesh:
-
-* ``"replicate"``: a full copy on every device (``P()``);
-* ``"fsdp"``: each leaf of at least ``min_size`` elements is split along its
-  largest dimension that the fsdp axis divides (ties: the last such
-  dimension); smaller or indivisible leaves are replicated (ZeRO-3 / torch
-  FSDP);
-* a list of ``(regex, PartitionSpec)`` pairs, EasyLM / MaxText style: each
-  pattern is matched with ``re.search`` against the leaf's path written with
-  ``/`` between key names (dict keys, attribute names, sequence indices):
-  ``"params/Dense_0/kernel"`` for a linen tree, ``"layers/0/kernel"`` for an
-  NNX ``State``. The first match wins, an unmatched leaf is replicated, and a
-  spec shorter than the leaf's rank is padded with ``None``;
-* ``"flax"``: the partitioning the model declares itself: linen
-  ``nn.with_partitioning`` (``nn.Partitioned``), ``nn.with_logical_partitioning``
-  (``nn.LogicallyPartitioned``, mapped through logical-axis rules) and the
-  ``out_sharding`` metadata of NNX variables (``nnx.with_partitioning``, and
-  the older ``sharding`` / ``sharding_names`` keys flax maps onto it);
-  unannotated leaves are replicated;
-* a pytree of ``PartitionSpec`` / ``NamedSharding`` (``None`` = replicated)
-  with the params' structure, or a prefix of it: an explicit layout.
-
-Whatever the rule set, every spec is checked against the leaf's shape and the
-mesh before anything is placed, and a spec that cannot apply raises
-:class:`ShardingError` naming the leaf, its shape, the spec and the mesh.
-
-The optimizer state *follows* the params (:func:`follow_params`): every
-subtree of it with the params' structure and leaf shapes (adam ``mu`` /
-``nu``, momentum traces, ``optax.masked`` states) gets the params'
-shardings; everything else (step counts, injected hyperparameters) is
-replicated.
+A rule set (:data:`Rules`) is ``"replicate"``; ``"fsdp"`` (each leaf of at least
+``min_size`` elements split along its largest dimension the fsdp axis divides, ties: the
+last); a list of ``(regex, PartitionSpec)`` pairs matched with ``re.search`` against the
+leaf's ``/``-joined path (``"params/Dense_0/kernel"``; first match wins, unmatched leaves
+replicated, short specs padded with ``None``); ``"flax"`` (the model's own linen / NNX
+partitioning metadata); or a layout pytree of ``PartitionSpec`` / ``NamedSharding``.
+Every spec is checked against its leaf and the mesh before anything is placed
+(:class:`ShardingError` naming leaf, shape, spec, mesh). The optimizer state follows the
+params (:func:`follow_params`).
 """
 
 from __future__ import annotations
@@ -144,10 +121,7 @@ def _unbox_one(box: Any) -> Any:
 
 
 def unbox(tree: Any) -> Any:
-    """``tree`` with linen ``nn.Partitioned`` boxes replaced by their values.
-
-    Unlike ``nn.unbox`` this adds no sharding constraint. NNX ``State`` and
-    plain trees come back unchanged (the same object).
+    """``tree`` with linen ``nn.Partitioned`` boxes replaced by their values (no constraint added).
 
     Example:
       >>> import jax.numpy as jnp, flax.linen as nn
@@ -175,11 +149,8 @@ def _mesh_text(mesh: Mesh) -> str:
 def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
     """The mesh axis (or axes) ``rules='fsdp'`` shards over: the one owner of that default.
 
-    ``fsdp_axis`` when given (of size > 1); else the ``'fsdp'`` axis if the
-    mesh has one of size > 1; else the batch axes (:func:`jaxdev.batch_sharding`'s
-    default: every axis but ``'model'``/``'tensor'``), the data-parallel
-    devices FSDP shards over (lm1b's ``{'data': 2, 'fsdp': 1, 'tensor': 4}``
-    shards over ``('data', 'fsdp')``: 2 ways, not 1).
+    ``fsdp_axis`` when given; else a ``'fsdp'`` axis of size > 1; else the batch axes
+    (every axis but ``'model'``/``'tensor'``).
 
     Example:
       >>> import jaxdev
@@ -457,46 +428,23 @@ def param_shardings(
 ) -> Any:
     """Return a ``NamedSharding`` on ``mesh`` for every leaf of ``tree`` under ``rules``.
 
-    ``tree`` may be a whole train state (jaxdev's or flax's ``TrainState``):
-    params by the rules, every optimizer subtree shaped like the params
-    (adam ``mu`` / ``nu``, momentum, ``masked``, ``chain``,
-    ``inject_hyperparams``) sharded like them, counts and hyperparameters
-    replicated, ``model_state`` by the same rules, ``step`` / ``rng``
-    replicated: usable as ``jit`` in/out shardings.
-
-    Nothing is allocated or moved: ``tree`` may hold ``jax.ShapeDtypeStruct``
-    s (from ``jax.eval_shape``). Linen trees boxed with ``nn.Partitioned`` /
-    ``nn.LogicallyPartitioned`` and NNX ``State`` s are understood; the result
-    has the structure of the *unboxed* params (what a train step trains), and
-    for an NNX ``State`` the same ``State`` structure with a sharding inside
-    each variable.
+    Nothing is allocated: ``tree`` may hold ``jax.ShapeDtypeStruct`` s, linen boxes or an
+    NNX ``State``; the result has the unboxed structure. A whole train state works too
+    (see :func:`state_shardings`).
 
     Args:
       tree: a pytree of arrays, numbers or ``ShapeDtypeStruct`` s.
       mesh: the mesh (:func:`jaxdev.make_mesh`).
-      rules: ``"replicate"``, ``"fsdp"``, ``"flax"``, a list of
-        ``(regex, PartitionSpec)`` pairs, or a layout pytree (see
-        :data:`Rules`). Regexes are matched with ``re.search`` against the
-        leaf's path with ``/`` between key names, e.g.
-        ``"params/Dense_0/kernel"``; first match wins; unmatched leaves are
-        replicated; short specs are padded with ``None``.
+      rules: see :data:`Rules` (the module docstring).
       min_size: under ``"fsdp"``, leaves with fewer elements are replicated.
-      fsdp_axis: under ``"fsdp"``, the mesh axis (or tuple of axes) to shard
-        over; default ``"fsdp"`` if the mesh has it, else the mesh's only
-        axis. On a ``data`` x ``fsdp`` mesh the params shard over ``fsdp``
-        only (the batch still splits over both).
-      logical_axis_rules: under ``"flax"``, the ``(logical name, mesh axis)``
-        pairs for ``nn.with_logical_partitioning`` names; default: flax's
-        ``nn.logical_axis_rules`` context. Rules stored in a box win.
-
-    Returns:
-      A pytree of ``NamedSharding`` with the unboxed structure of ``tree``.
+      fsdp_axis: under ``"fsdp"``, the mesh axis (or axes) to shard over
+        (default: :func:`fsdp_axis_of`).
+      logical_axis_rules: under ``"flax"``, ``(logical name, mesh axis)`` pairs; default:
+        flax's ``nn.logical_axis_rules`` context. Rules stored in a box win.
 
     Raises:
-      ShardingError: a spec names an axis the mesh lacks, splits a dimension
-        the axis size does not divide, has more entries than the leaf has
-        dimensions, or ``rules`` is not one of the accepted forms. The
-        message names the leaf path, its shape, the spec and the mesh.
+      ShardingError: a spec that cannot apply (the leaf path, shape, spec and mesh named),
+        or ``rules`` of no accepted form.
       LeafTypeError: a leaf is not an array, number or ``ShapeDtypeStruct``.
 
     Example:
@@ -527,15 +475,8 @@ def param_shardings(
 def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``.
 
-    What can be checked without the params: the form of ``rules`` (an
-    unknown string, a non-spec in a regex pair, a bad pattern, a layout
-    holding something other than ``PartitionSpec`` / ``NamedSharding`` /
-    ``None``), the options (``min_size``, ``fsdp_axis``,
-    ``logical_axis_rules``) and that ``"fsdp"`` has an axis to shard over.
-    ``Strategy.sharded`` calls it so that a typo fails where it is written,
-    not at the first ``init_state``. Specs are checked against each leaf
-    later (one pattern that matches no leaf is fine; a list none of whose patterns
-    matches any param is refused when it is applied).
+    Checks the form of ``rules`` and the options without the params, so a typo fails where
+    it is written (``Strategy.sharded``); specs are checked per leaf later.
     """
     unknown = sorted(set(options) - {"min_size", "fsdp_axis", "logical_axis_rules"})
     if unknown:
@@ -608,33 +549,14 @@ def shard_params(
 ) -> Any:
     """Place ``tree`` on ``mesh`` by ``rules``; already placed leaves stay the same objects.
 
-    Every leaf goes to its :func:`param_shardings` sharding in one batched
-    ``jax.device_put``; a committed leaf already laid out so comes back as
-    the *same object* (:func:`jaxdev.to_device` semantics) and if nothing
-    moves the (unboxed) tree itself is returned. Linen boxes are unboxed.
-    Inside ``jit`` the shardings become sharding constraints.
-
-    With several processes, a host (numpy) leaf must hold the full global
-    value on every process (as after a deterministic init or a checkpoint
-    read); each process builds its own shards from it with
-    ``jax.make_array_from_callback``. Build big models with
-    :func:`jaxdev.init_sharded` instead, so no host holds a full copy.
-
-    Args:
-      tree: a pytree of arrays or numbers (not ``ShapeDtypeStruct`` s).
-      mesh: the mesh.
-      rules: as in :func:`param_shardings`.
-      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
-        :func:`param_shardings`.
-
-    Returns:
-      The unboxed tree with every leaf placed by its sharding.
+    One batched ``jax.device_put`` (:func:`jaxdev.to_device` semantics; linen boxes unboxed;
+    inside ``jit``, sharding constraints). With several processes a host leaf must hold the
+    full global value on every process; build big models with :func:`jaxdev.init_sharded`.
 
     Raises:
       ShardingError, LeafTypeError: as in :func:`param_shardings`; also for a
         ``ShapeDtypeStruct`` leaf (nothing to place).
-      LeafValueError: a host leaf would lose values (int64 / float64 with x64
-        disabled).
+      LeafValueError: a host leaf would lose values (64-bit with x64 disabled).
       DeletedArrayError: a leaf was deleted or donated.
 
     Example:
@@ -672,28 +594,10 @@ def state_shardings(
 ) -> Any:
     """Return shardings for a whole train state: optimizer state follows the params.
 
-    For a :class:`jaxdev.TrainState` (any NamedTuple with ``step``,
-    ``params`` and ``opt_state`` fields, or a ``.replace``-able dataclass
-    with them such as flax's ``train_state.TrainState``): ``params`` by ``rules``;
-    ``opt_state`` by :func:`follow_params` (adam ``mu`` / ``nu`` and other
-    params-shaped subtrees get the params' shardings, counts and other leaves
-    are replicated); ``model_state`` by the same ``rules`` (replicated when
-    ``rules`` is a layout tree, which describes the params only); ``step``,
-    ``rng`` and any other field replicated. Any other tree: ``rules`` applied
-    to the tree itself, as :func:`param_shardings`.
-
-    Args:
-      state: a train state or any pytree (arrays or ``ShapeDtypeStruct`` s).
-      mesh: the mesh.
-      rules: as in :func:`param_shardings`.
-      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``.
-
-    Returns:
-      A pytree of ``NamedSharding`` with the structure of ``state`` (usable
-      as ``jax.jit`` ``in_shardings`` / ``out_shardings``).
-
-    Raises:
-      ShardingError, LeafTypeError: as in :func:`param_shardings`.
+    For a state with ``step``, ``params`` and ``opt_state`` (jaxdev's or flax's
+    ``TrainState``): ``params`` and ``model_state`` by ``rules`` (a layout tree: model state
+    replicated), ``opt_state`` by :func:`follow_params`, anything else replicated. Any other
+    tree: as :func:`param_shardings`.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxdev
@@ -724,15 +628,8 @@ def state_shardings(
 
 
 def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
-    """The shardings a sharded train step gives ``state``: :func:`state_shardings`, except
-    that under ``"flax"`` params already laid out on ``mesh`` keep the layout they carry.
-
-    Linen boxes are gone once the params are unboxed (by ``init_state`` or
-    :func:`jaxdev.init_sharded`), so under ``"flax"`` the layout the params
-    carry is all that is left of their declaration; the optimizer state
-    follows it. Arrays or ``ShapeDtypeStruct`` s (with their ``sharding``).
-    The train step and :func:`jaxdev.memory.plan` both use it, so a plan counts what
-    the step holds.
+    """The shardings a sharded step gives ``state``: :func:`state_shardings`, except that under
+    ``"flax"`` params already laid out on ``mesh`` keep their layout (their unboxed declaration).
     """
     mesh = check_mesh(mesh)
     shapes = jax.tree.map(_as_shape, state)  # never arrays: a failed match repr()s its input
@@ -768,25 +665,10 @@ def _replicated(tree: Any, mesh: Mesh) -> Any:
 def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     """Shardings for an optimizer state: subtrees mirroring ``params`` get ``shardings``.
 
-    A subtree *mirrors* the params when it has the params' tree structure
-    (leaves masked out by ``optax.masked`` may be ``MaskedNode``) and each
-    leaf has the shape of its parameter (dtypes may differ): adam's ``mu``
-    and ``nu``, sgd's momentum trace, the inner states of ``optax.chain``,
-    ``optax.masked`` and ``optax.inject_hyperparams``. Every other leaf
-    (counts, injected hyperparameters, factored statistics) is replicated.
-    Structural: no optimizer (``tx``) is needed, so it works on the output of
-    ``jax.eval_shape(tx.init, params)``.
-
-    Args:
-      opt_state: the optimizer state (arrays or ``ShapeDtypeStruct`` s; linen
-        boxes, as ``tx.init`` of boxed params makes them, are unboxed).
-      params: the params it was built from (arrays or ``ShapeDtypeStruct`` s;
-        linen boxes are unboxed).
-      shardings: the params' shardings (:func:`param_shardings`).
-      mesh: the mesh (for the replicated leaves).
-
-    Returns:
-      A pytree of ``NamedSharding`` with the (unboxed) structure of ``opt_state``.
+    A subtree mirrors the params when it has their structure (``MaskedNode`` allowed) and
+    each leaf its parameter's shape: adam's ``mu``/``nu``, momentum, the inner states of
+    ``chain``/``masked``/``inject_hyperparams``. Other leaves are replicated on ``mesh``.
+    No ``tx`` needed: it works on ``jax.eval_shape(tx.init, params)``; boxes are unboxed.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxdev
