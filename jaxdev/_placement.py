@@ -1,15 +1,9 @@
 """Move, copy and fetch pytrees; find the devices they live on.
 
-Leaf policy (every public function here): ``jax.Array``, numpy arrays and
-scalars, and Python ``bool``/``int``/``float``/``complex`` are placed;
-``None`` is an empty subtree and passes through; anything else raises
-:class:`LeafTypeError` naming its key path.
-
-Every function that places takes ``target`` in one of four forms: a
-``jax.Device``; a device spec (``'gpu:1'``, ``'cpu'``, an int index); a
-``jax.sharding.Sharding``; or a ``Mesh``, meaning a full copy on each of its
-devices (``NamedSharding(mesh, P())``). :func:`as_sharding` is the one
-function that reads them.
+Leaf policy: ``jax.Array``, numpy values and Python numbers are placed; ``None`` passes
+through; anything else raises :class:`LeafTypeError` naming its key path. ``target`` is
+a ``jax.Device``, a spec (``'gpu:1'``, an int), a ``Sharding``, or a ``Mesh`` (a full
+copy on each device); :func:`as_sharding` is the one reader.
 """
 
 from __future__ import annotations
@@ -65,13 +59,7 @@ def _one_target(target: Any) -> bool:
 
 
 def as_sharding(target: Target) -> Sharding:
-    """Return ``target`` as a ``jax.sharding.Sharding``.
-
-    Args:
-      target: a ``Sharding`` (returned as is); a ``Mesh``, meaning a full copy
-        on each of its devices (``NamedSharding(mesh, P())``); or one device:
-        a ``jax.Device`` or a spec (``'gpu:1'``, ``'cpu'`` for cpu:0, an int
-        index).
+    """Return ``target`` (a ``Sharding``, a ``Mesh``: replicated, or one device) as a ``Sharding``.
 
     Raises:
       DeviceSpecError, DeviceNotFoundError: ``target`` names no device here.
@@ -107,12 +95,7 @@ def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Shardin
 
 
 def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
-    """One cheap pass: is every leaf a live, committed array with sharding ``s``?
-
-    The common no-op case touches no runtime and no key paths; anything
-    unusual (host data, tracers, equivalent-but-unequal shardings, deleted
-    buffers) falls through to the careful path.
-    """
+    """One cheap pass (no runtime, no key paths): is every leaf live, committed, on ``s``?"""
     impl = array_type()
     want = sharding_key(s)
     ok = None
@@ -132,39 +115,20 @@ def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
 def to_device(tree: Any, target: Target) -> Any:
     """Place every leaf of ``tree`` on ``target``; already placed leaves stay as they are.
 
-    d2l's ``as_in_ctx`` and torch's ``.to``: a committed leaf already on
-    ``target`` comes back as the *same object* (raw ``jax.device_put`` returns
-    a new one), the leaves that must move go in one batched
-    ``jax.device_put``, and if nothing moves ``tree`` itself is returned.
-    Uncommitted arrays (made without a device) are committed to ``target``.
-    Host dtypes follow JAX's rules (with x64 off, ``float64`` becomes
-    ``float32``), except that values which would be lost are refused:
-    integers that would be truncated and finite floats that would overflow
-    to ``inf``.
-
-    Like ``jax.device_put``, placing a numpy array on a CPU device may alias
-    its buffer (JAX does so for aligned arrays even with ``may_alias=False``),
-    so writing into that numpy array later changes the jax.Array. Use
-    :func:`copy_to` when the host buffer will be reused.
-
-    Inside ``jax.jit``, a ``Sharding`` target becomes
-    ``jax.lax.with_sharding_constraint``; a single device target raises,
-    because JAX silently ignores ``device_put`` to a device inside ``jit``.
+    d2l's ``as_in_ctx``, torch's ``.to``: a committed leaf already on ``target`` comes back
+    as the same object, the others move in one batched ``jax.device_put``, and if nothing
+    moves ``tree`` itself comes back. Values JAX would lose (truncated ints, floats
+    overflowing to ``inf`` with x64 off) are refused. As with ``jax.device_put``, a numpy
+    array on a CPU device may alias its buffer (use :func:`copy_to`). Inside ``jit`` a
+    ``Sharding`` becomes a sharding constraint and a device raises (JAX ignores it).
 
     Args:
-      tree: any pytree (Flax params, optax state, a batch).
-      target: a ``jax.Device``, a spec such as ``'gpu:1'``, a ``Sharding``,
-        or a ``Mesh`` (a full copy on each of its devices); or, as for
-        ``jax.device_put``, a tree of ``Sharding`` s matching ``tree`` (or a
-        prefix of it), e.g. :func:`jaxdev.param_shardings` of the state.
-
-    Returns:
-      A pytree with the structure of ``tree`` whose leaves live on ``target``.
+      tree: any pytree.
+      target: see the module; or a tree of ``Sharding`` s matching ``tree`` (or a prefix).
 
     Raises:
       LeafTypeError: a leaf is not an array or number (its key path named).
-      LeafValueError: an int leaf would be truncated or a float leaf would
-        overflow to ``inf`` (x64 disabled).
+      LeafValueError: a value would be truncated or overflow (x64 disabled).
       DeletedArrayError: a leaf was deleted or donated.
       ShardingError: a leaf's shape does not divide over ``target``.
       PlacementError: a device target inside ``jit``.
@@ -208,14 +172,7 @@ _PLAIN_KINDS = frozenset("fcb")  # float, complex, bool numpy dtypes: only 64-bi
 
 
 def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | None:
-    """One pass over the leaves: the indexes that must move to ``s``.
-
-    Returns None when a leaf is a tracer (the caller constrains instead).
-    Raises like ``check_live`` then ``check_host_leaves`` would: every
-    deleted leaf named first, else the first host leaf that can't be placed.
-    The common leaf types (jaxlib arrays, float numpy arrays) skip the
-    generic checks, which cost ~1 us a leaf.
-    """
+    """The indexes that must move to ``s`` (None for a tracer); raises as check_live/host checks."""
     impl, want = array_type(), sharding_key(s)
     moving: list[int] = []
     dead: list[int] = []
@@ -264,19 +221,7 @@ def _constrain(tree: Any, leaves: list[Any], treedef: Any, target: Target, s: Sh
 
 
 def copy_to(tree: Any, target: Target) -> Any:
-    """Copy every leaf of ``tree`` to ``target`` into new buffers (d2l's ``copyto``).
-
-    Unlike :func:`to_device`, nothing is reused: the result never shares a
-    buffer with the input, even when a leaf already lives on ``target``.
-    One batched ``jax.device_put`` does the copies.
-
-    Args:
-      tree: any pytree.
-      target: a ``jax.Device``, a spec, a ``Sharding`` or a ``Mesh``; or a
-        tree of ``Sharding`` s matching ``tree`` (or a prefix of it).
-
-    Returns:
-      A new pytree of committed arrays on ``target``.
+    """Copy every leaf of ``tree`` to ``target`` into new buffers (d2l's ``copyto``), batched.
 
     Raises:
       Same as :func:`to_device`; inside ``jit`` it raises ``PlacementError``.
@@ -308,12 +253,7 @@ def copy_to(tree: Any, target: Target) -> Any:
 
 
 def unalias(sources: Sequence[Any], outs: list[Any]) -> list[Any]:
-    """Re-copy output shards that still share a buffer with their source.
-
-    jax 0.10.2 keeps the source's buffer as one shard when a single-device
-    array is put on a multi-device sharding, even with ``may_alias=False``;
-    donating that copy would then delete the source.
-    """
+    """Re-copy output shards that still share a buffer with their source (jax 0.10.2 keeps one)."""
     for i, (src, out) in enumerate(zip(sources, outs)):
         if not is_jax_array(src) or len(out.sharding.device_set) == 1:
             continue
@@ -339,18 +279,11 @@ def _pointer(x: jax.Array) -> int | None:
 def to_host(tree: Any) -> Any:
     """Fetch every leaf of ``tree`` to host numpy with one ``jax.device_get``.
 
-    Args:
-      tree: any pytree; host leaves pass through unchanged.
-
-    Returns:
-      The same structure with ``numpy.ndarray`` leaves (numbers stay numbers).
-
     Raises:
       DeletedArrayError: a leaf was deleted or donated.
       LeafTypeError: a leaf is not an array or number.
       PlacementError: called inside ``jit`` on traced values.
-      OutOfMemoryError: the jaxdev step that made a leaf ran out of device
-        memory (an error JAX raises only when its outputs are read), explained.
+      OutOfMemoryError: the jaxdev step that made a leaf ran out of device memory, explained.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -368,12 +301,8 @@ def to_host(tree: Any) -> Any:
 def device_of(x: Any) -> jax.Device | None:
     """Return the one device holding array ``x``; ``None`` for host values.
 
-    Args:
-      x: a ``jax.Array``, numpy array or Python number.
-
     Raises:
-      PlacementError: ``x`` spans several devices (use :func:`devices_of`),
-        or is a tracer (inside ``jit``).
+      PlacementError: ``x`` spans several devices (use :func:`devices_of`) or is a tracer.
       DeletedArrayError: ``x`` was deleted or donated.
       LeafTypeError: ``x`` is not an array or number.
 
@@ -399,8 +328,7 @@ def devices_of(tree: Any) -> set[jax.Device]:
     Raises:
       DeletedArrayError: a leaf was deleted or donated.
       LeafTypeError: a leaf is not an array or number.
-      PlacementError: a leaf is a tracer (inside ``jit`` placement is not
-        known yet; an empty set would mean "on the host").
+      PlacementError: a leaf is a tracer.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -419,18 +347,10 @@ def devices_of(tree: Any) -> set[jax.Device]:
 
 
 def common_device(tree: Any) -> jax.Device | None:
-    """Return the one device every committed leaf of ``tree`` lives on.
-
-    Call it before combining leaves in one computation: JAX refuses arrays
-    committed to different devices with a message that names positional
-    arguments, not leaves. Uncommitted and host leaves follow the others.
-
-    Returns:
-      The device, or ``None`` when no leaf is committed.
+    """Return the one device every committed leaf of ``tree`` lives on (``None``: none committed).
 
     Raises:
-      PlacementError: leaves are committed to different devices or span
-        several; every leaf is listed with its devices.
+      PlacementError: leaves committed to different devices or spanning several, each listed.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -468,18 +388,12 @@ def common_device(tree: Any) -> jax.Device | None:
 def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> Any:
     """Place ``tree`` by a tree of ``shardings``: the one engine for per-leaf layouts.
 
-    :func:`to_device` / :func:`copy_to` with a tree target, ``shard_params``,
-    the train step's ``init_state`` and its relayout all come here. Without
-    ``copy`` a leaf already laid out as its sharding (on that sharding's own
-    mesh) is kept as the same object, and ``tree`` itself comes back when
-    nothing moves; with ``copy`` every leaf gets new buffers. Arrays spread
-    over the same devices another way are re-laid out on the devices
-    (:func:`put_leaves`); a leaf for a sharding spanning several processes is
-    built by each process from its full value.
+    Without ``copy`` a leaf already laid out so (on that sharding's mesh) is kept and
+    ``tree`` comes back when nothing moves; with ``copy`` every leaf gets new buffers.
 
     Raises:
-      LeafTypeError, LeafValueError: a leaf is a ShapeDtypeStruct, or a host
-        value JAX would truncate (its key path and ``arg`` named).
+      LeafTypeError, LeafValueError: a ShapeDtypeStruct leaf, or a host value JAX would
+        truncate (its key path and ``arg`` named).
       DeletedArrayError: a leaf was deleted or donated.
 
     Example:
@@ -550,24 +464,15 @@ def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[An
 
 
 def _on(x: Any, s: Sharding) -> bool:
-    """Whether ``x`` is already laid out as ``s`` on ``s``'s own mesh.
-
-    An equivalent layout on another mesh (same devices, other axis names)
-    is moved, so that one jitted step never sees two meshes.
-    """
+    """Whether ``x`` is laid out as ``s`` on ``s``'s own mesh (one jitted step sees one mesh)."""
     return is_placed(x, s) and getattr(x.sharding, "mesh", None) == getattr(s, "mesh", None)
 
 
 def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
     """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
 
-    ``jax.device_put`` moves an array that is already spread over several
-    devices to another layout of the same devices through the host (it
-    reads the whole value back, jax 0.10.2): a full host copy of every
-    leaf, and a device-to-host transfer. Such leaves go through a jitted
-    identity with ``out_shardings`` instead (a local slice for replicated ->
-    sharded, an all-gather the other way); the others through one batched
-    ``device_put``. New buffers either way.
+    ``jax.device_put`` re-lays such an array through the host (jax 0.10.2); a jitted
+    identity with ``out_shardings`` does it on the devices. New buffers either way.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
