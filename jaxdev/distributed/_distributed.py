@@ -1,38 +1,13 @@
 """``jax.distributed`` with preflight checks and bounded, explained failures.
 
-:func:`initialize` wraps ``jax.distributed.initialize``:
-
-* arguments come from the call, else from the ``JAXDEV_*`` variables that
-  ``jaxdev launch`` sets, else JAX's own cluster auto-detection (Slurm, Open
-  MPI, TPU, ...), so one script runs unchanged locally and on a cluster;
-* before JAX starts: process 0 checks it can listen on the coordinator port
-  (a taken port usually means a duplicate process 0), every other process
-  checks the coordinator accepts TCP connections within ``timeout_s``;
-* while JAX connects, a watchdog ends the process with exit code 1 and a
-  diagnostic on stderr once ``timeout_s`` has passed, before JAX's own
-  deadline would abort it (JAX ends it with SIGABRT and a gRPC status, never
-  a Python exception, and only some seconds after its nominal timeout);
-* after it connects: the process count is the one asked for and every
-  process has the same number of local devices;
-* under ``jaxdev launch`` it leaves a marker file (``$JAXDEV_JOIN_MARKER``) as
-  soon as it is called, so the launcher can name a process that never called
-  it (that process trains alone and exits 0 while the others wait for it);
-* at exit (and in :func:`shutdown`) every process marks itself finished in
-  the coordinator's key-value store and waits, up to the shutdown timeout,
-  for the others; when some never finish (stuck in a collective the others
-  did not run, hung), it names them and exits with code 1 instead of
-  failing in JAX's shutdown barrier (SIGABRT, "Shutdown barrier has
-  failed").
-
-Initialization, heartbeat and shutdown timeouts are bounded (60 s, 30 s and
-30 s by default instead of JAX's 300 s, 100 s and 300 s) and overridable by
-argument or by the ``JAXDEV_INIT_TIMEOUT`` / ``JAXDEV_HEARTBEAT_TIMEOUT`` /
-``JAXDEV_SHUTDOWN_TIMEOUT`` variables.
-
-With ``hang_timeout_s`` (or ``JAXDEV_HANG_TIMEOUT``) a hang watchdog
-(:mod:`jaxdev.distributed._hang`) names the process that stops making progress, with
-every process's stacks, and ends the run. ``SIGUSR1`` prints a process's
-stacks at any time, and Python's ``faulthandler`` reports fatal signals.
+:func:`initialize` takes its arguments from the call, else the ``JAXDEV_*`` variables
+``jaxdev launch`` sets, else JAX's cluster auto-detection; checks the coordinator port
+(process 0) or reachability (the others) first; ends a connect that outlasts ``timeout_s``
+with a diagnostic (JAX would SIGABRT); checks the process and local device counts; leaves
+a join marker for the launcher; and at exit waits, bounded, for every process to finish,
+naming the late ones. Timeouts default to 60/30/30 s (init, heartbeat, shutdown). With
+``hang_timeout_s`` the hang watchdog (:mod:`jaxdev.distributed._hang`) runs. The README's
+"Multi-host" section tells the whole story.
 """
 
 from __future__ import annotations
@@ -77,19 +52,6 @@ _FINISH: dict[str, float | bool] = {}  # shutdown timeout; whether the finish ch
 
 class DistributedConfig(NamedTuple):
     """What :func:`initialize` asked JAX for (``None``: left to auto-detection).
-
-    Attributes:
-      coordinator_address: ``host:port`` of process 0's coordinator.
-      num_processes: number of processes in the job.
-      process_id: this process's id, ``0 <= process_id < num_processes``.
-      local_device_count: fake CPU devices for this process, if set.
-      init_timeout_s: seconds JAX waits for every process to register.
-      heartbeat_timeout_s: seconds without heartbeat before a peer is dead.
-      shutdown_timeout_s: seconds a finishing process waits for the others.
-      hang_timeout_s: seconds without progress on every process before the
-        hang watchdog reports; ``None``: no watchdog.
-      hang_action: what the watchdog does after its report, ``"exit"`` or
-        ``"wait"``.
 
     Example:
       >>> from jaxdev.distributed import DistributedConfig
@@ -151,23 +113,13 @@ def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> Distri
 
     Args:
       env: the environment to read (default ``os.environ``).
-      **given: ``coordinator_address``, ``num_processes``, ``process_id``,
-        ``local_device_count``, ``timeout_s`` (default 60),
-        ``heartbeat_timeout_s`` (30), ``shutdown_timeout_s`` (30),
-        ``hang_timeout_s`` (``None``: off) and ``hang_action`` (``"exit"``),
-        as :func:`initialize` takes them; one missing or ``None`` comes from
-        its variable (``$JAXDEV_COORDINATOR``, ``$JAXDEV_NUM_PROCESSES``, ...:
-        this module's ``ENV_*``), else its default.
-
-    Returns:
-      The resolved :class:`DistributedConfig`; unknown fields stay ``None``.
+      **given: :func:`initialize`'s job and timeout arguments; one missing or ``None``
+        comes from its variable (this module's ``ENV_*``), else its default.
 
     Raises:
       DistributedError: a value is malformed, or ``process_id`` is not in
         ``[0, num_processes)``.
-      UsageError: an argument is not one of those above; ``hang_timeout_s``
-        is not a number of seconds > 0 or ``hang_action`` not
-        ``"exit"``/``"wait"`` (argument or variable).
+      UsageError: an unknown argument, or a bad ``hang_timeout_s`` / ``hang_action``.
 
     Example:
       >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
@@ -213,16 +165,7 @@ def _check_ids(cfg: DistributedConfig) -> None:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port.
-
-    Args:
-      address: the coordinator address.
-
-    Returns:
-      ``(host, port)``.
-
-    Raises:
-      DistributedError: there is no host or no valid port.
+    """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port, or raise DistributedError.
 
     Example:
       >>> split_address("127.0.0.1:1234")
@@ -238,19 +181,10 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None = None) -> float:
-    """Retry a TCP connect to the coordinator until it accepts or time runs out.
-
-    Args:
-      address: ``host:port`` of the coordinator (process 0).
-      timeout_s: seconds to keep retrying.
-      process_id: this process's id, for the message.
-
-    Returns:
-      Seconds it took to connect.
+    """Retry a TCP connect to ``address`` for ``timeout_s``; return the seconds it took.
 
     Raises:
-      DistributedError: nothing accepted a connection within ``timeout_s``;
-        names the address and this process.
+      DistributedError: nothing accepted a connection; names the address and this process.
 
     Example:
       >>> server = socket.create_server(("127.0.0.1", 0))  # a coordinator listens
@@ -280,14 +214,7 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None 
 
 
 def check_port_free(address: str) -> None:
-    """Check process 0 can listen on the coordinator port.
-
-    Args:
-      address: ``host:port`` of the coordinator.
-
-    Raises:
-      DistributedError: the port is taken: most often another process
-        already started as process 0 (a duplicate ``process_id``).
+    """Check process 0 can listen on the coordinator port (taken: most often a duplicate process 0).
 
     Example:
       >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
@@ -311,14 +238,7 @@ def check_port_free(address: str) -> None:
 
 
 def check_local_device_counts(process_indices: Sequence[int], num_processes: int) -> None:
-    """Check every process contributes the same number of devices.
-
-    Args:
-      process_indices: ``d.process_index`` of every global device.
-      num_processes: ``jax.process_count()``.
-
-    Raises:
-      DistributedError: the counts differ; names each process and its count.
+    """Check every process contributes the same number of devices, naming each count.
 
     Example:
       >>> check_local_device_counts([0, 0, 1, 1], 2)
@@ -336,14 +256,7 @@ def check_local_device_counts(process_indices: Sequence[int], num_processes: int
 
 
 def _exit_now(message: str) -> None:
-    """Write ``message`` on stderr and end the process at once with exit code 1.
-
-    ``os._exit`` skips JAX's shutdown barrier, which would wait for peers that
-    may never arrive and then abort. The message is the process's last word,
-    not a log record: it goes to stderr whatever the ``logging`` set-up (a
-    handler could drop or reformat it), starting with ``jaxdev`` so that
-    ``jaxdev launch`` picks it as the reason in its summary.
-    """
+    """Write ``message`` on stderr and ``os._exit(1)`` (skipping JAX's shutdown barrier)."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
@@ -363,12 +276,7 @@ def _diagnostic(cfg: DistributedConfig) -> str:
 
 
 def _start_watchdog(cfg: DistributedConfig, seconds: float) -> threading.Timer:
-    """After ``seconds``, print :func:`_diagnostic` and end the process (unless cancelled).
-
-    JAX's connect blocks in C++ (the GIL is released) and, at its own
-    deadline, aborts the process without a Python exception; this timer ends
-    it first, at a known time, with a message that says why.
-    """
+    """After ``seconds``, print :func:`_diagnostic` and end the process (before JAX aborts it)."""
 
     def give_up():
         _exit_now(_diagnostic(cfg))
@@ -395,12 +303,9 @@ def _fail_fast_hook(previous):
 
 
 def install_fail_fast() -> None:
-    """Make an uncaught exception end this process at once (exit code 1).
+    """Make an uncaught exception end this process at once (exit code 1) after its traceback.
 
-    Without it, a process of a multi-process job that raises waits at JAX's
-    shutdown barrier for peers that may be hung, up to the shutdown timeout,
-    and is then aborted by JAX (measured on JAX 0.10.2: SIGABRT after the
-    barrier times out). The traceback is printed first as usual.
+    Else it would wait at JAX's shutdown barrier for peers that may hang, then SIGABRT.
 
     Example:
       >>> install_fail_fast()  # doctest: +SKIP
@@ -514,50 +419,26 @@ def initialize(
 ) -> DistributedConfig:
     """Start ``jax.distributed`` after preflight checks; check the job afterwards.
 
-    Call it first thing, before anything touches a JAX device. Each argument
-    left ``None`` comes from the ``JAXDEV_*`` variables ``jaxdev launch`` sets
-    (see :func:`resolve_config`); what is still unknown is left to JAX's
-    cluster auto-detection (Slurm, Open MPI, TPU, ...). Every process then
-    prints its threads' stacks on ``SIGUSR1`` (``jaxdev launch`` forwards it)
-    and Python's ``faulthandler`` is on for fatal signals.
+    Call it first, before anything touches a device. An argument left ``None`` comes
+    from the ``JAXDEV_*`` variables (:func:`resolve_config`), else JAX's auto-detection.
 
     Args:
       coordinator_address: ``host:port`` of process 0.
       num_processes: number of processes.
       process_id: this process's id in ``[0, num_processes)``.
-      local_device_count: fake CPU devices for this process (sets
-        ``jax_num_cpu_devices``); ``None`` keeps JAX's choice.
-      timeout_s: seconds, from this call, to reach the coordinator and for
-        every process to register (default 60); past them while JAX
-        connects, the process prints a diagnostic and exits with code 1.
-      heartbeat_timeout_s: seconds after which a silent peer counts as dead
-        and JAX aborts the job (default 30).
-      shutdown_timeout_s: seconds a finishing process waits for the others
-        (default 30); then it names the missing ones and exits with code 1
-        (see :func:`shutdown`).
-      cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"``
-        makes cross-process computations work on CPU); ``None`` keeps JAX's.
-      fail_fast: end this process at once on an uncaught exception instead
-        of waiting at JAX's shutdown barrier (see :func:`install_fail_fast`).
-      hang_timeout_s: ``S`` seconds: start the hang watchdog (default
-        ``None``: none). When no process made progress (a step call, a
-        checkpoint, a :func:`~jaxdev.distributed.heartbeat`, a main thread
-        moving in JAX code, ...) within its phase's allowance (``S`` in a
-        step, ``10 * S`` in start-up, a compile, a checkpoint or a barrier),
-        every process prints its stacks and process 0 names the process that
-        is behind, its step and where it is (the model:
-        :mod:`jaxdev.distributed._hang`).
-      hang_action: after that report ``"exit"`` (default) ends every process
-        with exit code 1, about ``S + 1`` s after the last progress;
-        ``"wait"`` only reports.
-
-    Returns:
-      The :class:`DistributedConfig` that was used.
+      local_device_count: fake CPU devices for this process (``jax_num_cpu_devices``).
+      timeout_s: seconds to reach the coordinator and for every process to register
+        (default 60); past them the process prints a diagnostic and exits with code 1.
+      heartbeat_timeout_s: seconds after which a silent peer is dead (default 30).
+      shutdown_timeout_s: seconds a finishing process waits for the others (default 30).
+      cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"`` on CPU).
+      fail_fast: see :func:`install_fail_fast`.
+      hang_timeout_s: ``S``: start the hang watchdog (``None``: none).
+      hang_action: after its report ``"exit"`` (default) or ``"wait"``.
 
     Raises:
-      DistributedError: called twice or after JAX's backend started; a value
-        is malformed; the coordinator is unreachable or its port taken; the
-        process count or the local device counts differ (each named).
+      DistributedError: called twice or after the backend started; a malformed value; the
+        coordinator unreachable or its port taken; process or local device counts differ.
       UsageError: ``hang_timeout_s`` or ``hang_action`` is invalid.
 
     Example:
@@ -582,9 +463,6 @@ def initialize(
 def is_initialized() -> bool:
     """Return whether ``jax.distributed`` is running in this process.
 
-    Returns:
-      ``True`` between :func:`initialize` and :func:`shutdown`.
-
     Example:
       >>> import jaxdev
       >>> jaxdev.distributed.is_initialized()
@@ -594,17 +472,7 @@ def is_initialized() -> bool:
 
 
 def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
-    """Create the file ``$JAXDEV_JOIN_MARKER`` names: "this process called initialize".
-
-    ``jaxdev launch`` gives every process its own marker path and names a
-    process that exits without having left one while others did.
-
-    Args:
-      env: the environment to read (default ``os.environ``).
-
-    Returns:
-      The marker's path, or ``None`` when the variable is unset or the file
-      cannot be written (the launcher then cannot tell, nothing fails).
+    """Create the file ``$JAXDEV_JOIN_MARKER`` names; its path, or ``None`` (unset or unwritable).
 
     Example:
       >>> leave_join_marker({}) is None  # not under `jaxdev launch`
@@ -659,19 +527,11 @@ def _finish_at_exit() -> None:
 
 
 def shutdown() -> None:
-    """Leave the distributed job after every process has finished.
-
-    This process marks itself finished in the coordinator's key-value store
-    and waits, up to the shutdown timeout, for the others, then leaves JAX's
-    distributed runtime. The same happens at interpreter exit when
-    :func:`initialize` was used, so calling it is optional. Does nothing
-    when not initialized.
+    """Leave the distributed job after every process has finished (also run at exit; else a no-op).
 
     Raises:
-      DistributedError: some processes did not finish within the shutdown
-        timeout; names them (most likely they are stuck in a collective the
-        others never ran). JAX's runtime is left running: with
-        ``fail_fast`` the process then exits with code 1.
+      DistributedError: some processes did not finish within the shutdown timeout, named;
+        JAX's runtime is left running (with ``fail_fast`` the process exits with code 1).
 
     Example:
       >>> import jaxdev
