@@ -1,69 +1,14 @@
 """Count host syncs, waits, host<->device transfers and compiles inside a block.
 
-``jax.transfer_guard`` does not see device-to-host reads on CPU (a CPU
-array is read through the buffer protocol), so this module counts them
-itself, on every backend, by wrapping the Python entry points that read a
-device array on the host while a counter is active:
-
-* ``jax.Array`` methods: ``float()``, ``int()``, ``bool()``, ``complex()``,
-  ``operator.index``, ``.item()``, ``.tolist()``, ``.tobytes()``,
-  ``__array__``, ``format()``, ``repr()``, ``str()``, pickling,
-  ``.copy_to_host_async()`` and, as a catch-all, the internal ``_value``;
-* ``jax.device_get`` (one event per call, however many leaves);
-* numpy given a ``jax.Array`` (or a list/tuple holding one): ``np.asarray``,
-  ``np.array``, ``np.asanyarray``, ``np.ascontiguousarray``, ``np.copy``,
-  ``np.concatenate``, ``np.stack``, ``np.vstack``, ``np.hstack`` and the
-  ufuncs ``np.isfinite``, ``np.isnan``, ``np.isinf``. Any other numpy call
-  converts a GPU or TPU array, or a CPU array spread over several devices,
-  through ``__array__``, which counts too.
-
-Waits, where the host blocks until the device is done without reading a
-value, have their own count: ``x.block_until_ready()`` and
-``jax.block_until_ready(tree)`` (one per call).
-
-Host-to-device: explicit ``jax.device_put`` of host data (numpy arrays,
-Python numbers) is wrapped; implicit transfers (a numpy array or Python
-scalar passed to a jitted function or a ``jnp`` operation) are seen through
-``jax.transfer_guard_host_to_device("log")``. For the block, fd 2 is a pipe
-read by a small relay process (:mod:`jaxdev._stderr_relay`) that reports
-JAX's log lines and writes every other byte to the real stderr as it
-arrives, unchanged. The relay outlives a guarded process that crashes: its
-last lines, Python's ``faulthandler`` report and XLA's fatal log line
-reach the real stderr after a segfault, ``abort()``, ``os._exit`` or
-SIGKILL inside the block. Entering the outermost block starts the relay
-(about 20 ms); where no process can be started, a thread relays instead
-and a crash can lose the bytes written just before it.
-
-Compiles and traces are counted with ``jax.monitoring`` listeners on
-``/jax/core/compile/backend_compile_duration`` and
-``/jax/core/compile/jaxpr_trace_duration``.
-
-One event is counted per outermost call: ``float(x)`` reads ``x._value``
-inside, ``jax.device_get(tree)`` reads every leaf inside; each counts once.
-A read counts even when JAX had already cached the value on the host, since
-the code pattern is what costs on an accelerator. ``np.sum(x)``,
-``np.mean(x)``, ``np.max(x)``, ``np.argmax(x)`` and the other numpy
-functions that hand over to the array's method of the same name stay on
-device: they are not transfers.
-
-Blind spots, not counted:
-
-* a single-device CPU array read by numpy through the buffer protocol,
-  which Python cannot intercept: numpy functions and ufuncs not listed
-  above (``np.exp(x)``, ``np.allclose(x, y)``), numpy scalar types
-  (``np.float32(x)``), ``memoryview(x)``;
-* references taken before the block (``from jax import device_get``,
-  ``from numpy import asarray``, a bound method ``x.block_until_ready``);
-* DLPack (``x.__dlpack__()``, ``np.from_dlpack(x)``) and host callbacks
-  inside compiled code (``jax.debug.print``, ``jax.debug.callback``,
-  ``jax.pure_callback``, ``io_callback``);
-* implicit host-to-device transfers with ``implicit=False``, when the C++
-  log is silenced (``TF_CPP_MIN_LOG_LEVEL`` >= 2), when a host-to-device
-  ``transfer_guard`` other than ``"allow"`` or ``"log"`` is in force (then
-  JAX itself raises or stays silent on them), or on threads other than the
-  one that entered the block (the guard level is per thread).
-
-The wrappers are process-wide: other threads' reads and waits count too.
+``jax.transfer_guard`` does not see device-to-host reads on CPU, so the Python entry
+points that read a device array on the host (``float()``, ``.item()``, ``__array__``,
+``jax.device_get``, ``np.asarray`` and the numpy calls in ``_NUMPY_FUNCTIONS``...) and
+``block_until_ready`` (a wait) are wrapped while a counter is active, one event per
+outermost call. Explicit ``jax.device_put`` of host data is wrapped; implicit
+host-to-device transfers are read from JAX's ``transfer_guard("log")`` lines, with fd 2
+a pipe read by a relay process (:mod:`jaxdev._stderr_relay`) that passes every other
+byte on unchanged, even after a crash. Compiles and traces come from ``jax.monitoring``.
+The wrappers are process-wide. The blind spots are listed in the README's "Design notes".
 """
 
 from __future__ import annotations
@@ -105,16 +50,14 @@ _MAX_EVENTS = 1000  # events kept per counter; the counts are always exact
 
 @dataclasses.dataclass(frozen=True)
 class TransferEvent:
-    """One counted event.
+    """One counted event: ``direction``, ``kind`` (``"float()"``, ``"jit(step)"``...), ``where``.
 
     Attributes:
-      direction: ``"device_to_host"``, ``"host_to_device"``, ``"wait"``,
-        ``"compile"`` or ``"trace"``.
-      kind: what did it, e.g. ``"float()"``, ``"jax.device_get"``,
-        ``"np.isfinite"``, ``".block_until_ready()"``, ``"implicit float32[3]"``
-        (the shape when JAX's log names it), ``"jit(step)"``.
-      where: ``file:line (function)`` of the first caller outside jax, numpy
-        and this module; empty when unknown (implicit transfers, compiles).
+      direction: ``"device_to_host"``, ``"host_to_device"``, ``"wait"``, ``"compile"``
+        or ``"trace"``.
+      kind: what did it, e.g. ``"jax.device_get"``, ``"implicit float32[3]"``.
+      where: ``file:line (function)`` of the first caller outside jax, numpy and
+        jaxdev; empty when unknown (implicit transfers, compiles).
     """
 
     direction: str
@@ -128,11 +71,7 @@ def _tally(direction: str, doc: str) -> property:
 
 
 class TransferCounter:
-    """Counts read after (or during) a :func:`count_transfers` block.
-
-    Attributes:
-      events: the first 1000 events, in order.
-    """
+    """Counts read after (or during) a :func:`count_transfers` block; ``events``: the first 1000."""
 
     def __init__(self, implicit: bool = True):
         self.events: list[TransferEvent] = []
@@ -203,11 +142,7 @@ def _emit(direction: str, kind: str, where: str = "", n: int = 1) -> None:
 
 
 def _call_site() -> str:
-    """Return ``file:line (function)`` of the first caller outside jax/numpy.
-
-    When that caller is inside jaxdev, the first frame outside jaxdev is
-    named too: ``train.py:12 (main) via _metrics.py:740 (fetch_metrics)``.
-    """
+    """``file:line (function)`` of the first caller outside jax/numpy (then jaxdev, ``via``)."""
     frame, inner = sys._getframe(2), ""
     while frame is not None:
         name = frame.f_code.co_filename
@@ -241,11 +176,7 @@ def _always(*args, **kwargs) -> bool:
 
 
 def _counted(fn: Callable, direction: str, kind: str, when: Callable = _always) -> Callable:
-    """Wrap ``fn`` so each outermost call with ``when(*args)`` true is counted.
-
-    Reads and waits share one depth: a wait inside a read (or the reverse)
-    is part of the outer call.
-    """
+    """Wrap ``fn`` so each outermost call (reads and waits share one depth) with ``when`` counts."""
     key = "host" if direction in (D2H, WAIT) else direction
 
     def wrapper(*args, **kwargs):
@@ -388,12 +319,7 @@ _RELAY_FILE = _stderr_relay.__file__
 
 
 class _Relay:
-    """The far end of the stderr pipe (see :mod:`jaxdev._stderr_relay`) and its reports.
-
-    A relay process when one can be started, so that bytes written just
-    before this process dies still reach the real stderr; else a thread.
-    Takes ownership of ``read_fd`` and ``out_fd``.
-    """
+    """The far end of the stderr pipe: a relay process (else a thread); owns both fds."""
 
     def __init__(self, read_fd: int, out_fd: int, swallow: bool, on_gone: Callable):
         self.reports, report_w = os.pipe()
@@ -548,18 +474,13 @@ def _guard_level() -> str | None:
 def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
     """Count device-to-host reads, waits, host-to-device transfers and compiles.
 
-    Every wrapped entry point is restored on exit, also when the block
-    raises; blocks nest (an inner block's events also count in the outer).
+    Wrapped entry points are restored on exit, also when the block raises; blocks nest.
 
     Args:
-      implicit: also count implicit host-to-device transfers (numpy or Python
-        values handed to jitted functions and ``jnp`` ops), by reading JAX's
-        transfer-guard log on stderr: for the block, fd 2 is a pipe whose
-        other output reaches the real stderr as it is written, unchanged.
-        The log lines themselves are left out unless a ``"log"`` transfer
-        guard was already on. Output written before a crash in the block
-        (segfault, ``abort()``, ``os._exit``, SIGKILL) still arrives: a
-        relay process passes it on. Pass ``False`` to leave fd 2 alone.
+      implicit: also count implicit host-to-device transfers by reading JAX's
+        transfer-guard log on stderr (the log lines themselves are left out unless a
+        ``"log"`` guard was already on; output before a crash still arrives). ``False``
+        leaves fd 2 alone.
 
     Yields:
       A :class:`TransferCounter`, readable during and after the block.
@@ -631,24 +552,11 @@ def no_host_sync(
     max_traces: int | None = None,
     max_waits: int | None = None,
 ) -> Iterator[TransferCounter]:
-    """Assert a block stays within a budget of syncs, waits, transfers and compiles.
+    """Assert a block stays within a budget (``max_*``; ``None``: no limit) of syncs and compiles.
 
-    The block runs to its end; then, if any count is over its budget, a
-    :class:`GuardError` lists each exceeded count with its budget and the
-    events (kind and call site). If the block itself raises, that exception
-    propagates unchanged. Typical use: run the train step once (compiles),
-    then guard the loop with ``no_host_sync(max_compiles=0)``.
-
-    Args:
-      max_device_to_host: allowed device-to-host reads (``None``: no limit).
-      max_host_to_device: allowed host-to-device transfers (``None``: no limit).
-      max_compiles: allowed XLA compiles (``None``: no limit).
-      max_traces: allowed function traces (``None``: no limit).
-      max_waits: allowed waits for the device, ``block_until_ready``
-        (``None``: no limit).
-
-    Yields:
-      The :class:`TransferCounter` of the block.
+    The block runs to its end (its own exception propagates unchanged); then every count over
+    its budget is listed with its events. Typical use: run the step once (compiles), then
+    guard the loop with ``no_host_sync(max_compiles=0)``.
 
     Raises:
       GuardError: a count exceeded its budget.
