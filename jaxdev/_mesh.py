@@ -1,10 +1,4 @@
-"""Meshes and the two layouts data parallel code needs: replicated and batch-split.
-
-:func:`data_mesh` builds a one-axis mesh with ``Auto`` axes (its docstring
-says why); :func:`replicated_sharding` and :func:`batch_sharding` name the
-two layouts. ``DEFAULT_AXIS`` (``'data'``) is the batch axis name used by
-every jaxdev function that takes ``axis``.
-"""
+"""Meshes and the two layouts data parallel code needs: replicated and batch-split."""
 
 from __future__ import annotations
 
@@ -39,34 +33,22 @@ def data_mesh(
 ) -> Mesh:
     """Return a one-axis mesh over ``devices`` for data parallelism.
 
-    The axis type is ``Auto`` by default, on purpose. JAX 0.10's
-    ``jax.make_mesh`` defaults to ``Explicit`` axes, which put shardings into
-    the types that ``jit`` traces: reductions and matmuls over a sharded batch
-    then carry the sharding in their result types, some ops refuse sharded
-    operands, scalars against a sharded spec fail with a bare
-    ``AssertionError``, and arrays on an Explicit mesh passed to ``jax.pmap``
-    fail with ``KeyError``. With ``Auto`` axes, ``jit`` plus ``NamedSharding``
-    inputs behaves as classic data parallel code (XLA propagates the layout)
-    and the same arrays also feed ``jax.pmap``. Pass
-    ``axis_type='explicit'`` to opt into sharding-in-types.
+    Axes are ``Auto`` by default, on purpose: ``jax.make_mesh``'s ``Explicit`` axes put
+    shardings into the traced types (some ops then refuse sharded operands, scalars against
+    a sharded spec fail with a bare ``AssertionError``, ``jax.pmap`` fails with
+    ``KeyError``). With ``Auto``, ``jit`` plus ``NamedSharding`` inputs is classic data
+    parallelism and the arrays also feed ``jax.pmap``. ``axis_type='explicit'`` opts in.
 
     Args:
-      devices: ``None`` for every device (every local device in a single
-        process, every global device when several processes run), an int
-        ``n`` for the first ``n`` local devices, a platform name, or a list
-        of devices / specs.
+      devices: ``None`` for every device (every global device with several processes), an
+        int ``n`` for the first ``n`` local devices, a platform name, or devices / specs.
       axis: the mesh axis name.
-      axis_type: ``AxisType.Auto`` (default) or ``AxisType.Explicit``, or
-        the strings ``'auto'`` / ``'explicit'``.
-
-    Returns:
-      A ``jax.sharding.Mesh`` with the single axis ``axis``.
+      axis_type: ``'auto'`` (default), ``'explicit'``, or an ``AxisType``.
 
     Raises:
       DeviceSpecError: a device is listed twice or a spec is malformed.
       DeviceNotFoundError: a device does not exist.
-      ShardingError: ``axis`` is not a non-empty string or ``axis_type`` is
-        unknown.
+      ShardingError: ``axis`` is not a non-empty string or ``axis_type`` is unknown.
 
     Example:
       >>> import jax, jaxdev
@@ -86,11 +68,7 @@ def data_mesh(
 
 @functools.lru_cache(maxsize=64)
 def mesh_of(devices: tuple[jax.Device, ...], axis: str, kind: AxisType = AxisType.Auto) -> Mesh:
-    """One cached one-axis ``Mesh`` per (devices, axis, axis type).
-
-    The same mesh object gives the same sharding objects, which JAX's
-    transfer and compile caches hit faster than equal new ones.
-    """
+    """One cached one-axis ``Mesh`` per (devices, axis, axis type): same object, faster caches."""
     return Mesh(np.array(devices), (axis,), axis_types=(kind,))
 
 
@@ -118,11 +96,7 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 @functools.lru_cache(maxsize=256)
 def named_sharding(mesh: Mesh, spec: P) -> NamedSharding:
-    """One ``NamedSharding`` object per (mesh, spec).
-
-    JAX's transfer caches hit faster on the same sharding object than on an
-    equal new one (about 0.1 ms per ``device_put`` on 8 CPU devices).
-    """
+    """One ``NamedSharding`` object per (mesh, spec): JAX's caches hit faster on the same object."""
     return NamedSharding(mesh, spec)
 
 
@@ -131,13 +105,9 @@ def batch_sharding(mesh: Mesh, ndim: int | None = None, axis: AxisName | None = 
 
     Args:
       mesh: the mesh.
-      ndim: if given, the spec lists every dimension (``P(axis, None, ...)``);
-        otherwise it is ``P(axis)``, which fits arrays of any rank >= 1.
-      axis: the mesh axis (or tuple of axes) to split over; default: the
-        mesh's only axis, or ``'data'``.
-
-    Returns:
-      A ``NamedSharding``.
+      ndim: if given, the spec lists every dimension (``P(axis, None, ...)``); else
+        ``P(axis)``, for any rank >= 1.
+      axis: the mesh axis (or axes) to split over; default: :func:`batch_axis`.
 
     Raises:
       ShardingError: ``axis`` is not an axis of ``mesh``, or ``ndim < 1``.
@@ -187,20 +157,8 @@ def _check_distinct_devices(mesh: Mesh) -> None:
 def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     """The context jaxdev traces and runs user code in for ``mesh``: ``jax.set_mesh(mesh)``.
 
-    Model code written for sharding in types (``out_sharding=P(...)``,
-    ``jax.sharding.reshard(x, P(...))``, ``with_sharding_constraint(x, P(...))``
-    with a bare ``PartitionSpec``) needs a mesh in context; every jaxdev call
-    that traces or runs user code under a sharded strategy enters this one.
-    A mesh the caller already set with ``jax.set_mesh`` is kept when it is
-    ``mesh``; another mesh is refused (the program would be traced for one
-    mesh and laid out on the other). Call it in a ``with`` statement:
-    ``jax.set_mesh`` sets the mesh when called, not when entered.
-
-    Args:
-      mesh: the strategy's mesh.
-
-    Returns:
-      A context manager.
+    Sharding-in-types model code needs a mesh in context. A mesh already set is kept when
+    it is ``mesh``; another is refused. Use it in a ``with`` statement.
 
     Raises:
       ShardingError: another mesh is already set with ``jax.set_mesh``.
@@ -265,17 +223,12 @@ MODEL_AXES = ("model", "tensor")
 def batch_axis(mesh: Mesh, axis: AxisName | None) -> AxisName:
     """The mesh axis (or axes) the batch splits over: the one owner of the default.
 
-    ``axis`` when given (checked against the mesh). Otherwise every mesh axis
-    except the model axes ``'model'`` and ``'tensor'`` (which split the
-    params): ``'data'`` on a 1-D ``data`` mesh, ``('data', 'fsdp')`` on a
-    ``data`` x ``fsdp`` mesh, ``'data'`` on a ``data`` x ``model`` mesh. A
-    1-D mesh splits the batch over its one axis, whatever its name.
-    :func:`jaxdev.shard_batch`, :func:`jaxdev.batch_sharding`, every
-    :class:`jaxdev.Strategy` and :func:`jaxdev.memory.plan` use this.
+    ``axis`` when given; else every mesh axis but the model axes ``'model'`` and
+    ``'tensor'`` (a 1-D mesh: its one axis, whatever its name).
 
     Raises:
-      ShardingError: ``axis`` is not an axis of the mesh, or every axis of a
-        multi-axis mesh is a model axis.
+      ShardingError: ``axis`` is not an axis of the mesh, or every axis of a multi-axis
+        mesh is a model axis.
 
     Example:
       >>> import jaxdev
@@ -319,33 +272,21 @@ def make_mesh(
     devices: int | DeviceSpec | Sequence[DeviceSpec] | None = None,
     axis_type: AxisType | str | Sequence[AxisType | str] = AxisType.Auto,
 ) -> Mesh:
-    """Return an N-D mesh such as ``{"data": 2, "fsdp": 4}`` over ``devices``.
+    """Return an N-D mesh such as ``{"data": 2, "fsdp": 4}`` over ``devices`` (cached).
 
-    Axes are ``Auto`` by default, like :func:`data_mesh` (its docstring says
-    why). Devices are laid out in ``jax.make_mesh`` order, which keeps
-    physical neighbours together on GPU and TPU hosts (on CPU it is the order
-    given). The same arguments give the same ``Mesh`` object, so shardings
-    built on it hit JAX's caches.
+    Axes are ``Auto`` by default (see :func:`data_mesh`); devices in ``jax.make_mesh`` order.
 
     Args:
-      axes: the axis names and sizes, in mesh order: a dict
-        ``{"data": 2, "model": 4}`` or a sequence of ``(name, size)`` pairs.
-        One size may be ``-1``, meaning every device left over.
-      devices: as in :func:`data_mesh`: ``None`` for every device (every
-        global device when several processes run), an int ``n`` for the first
-        ``n`` local devices, a platform name, or a list of devices / specs.
-      axis_type: ``'auto'`` (default) or ``'explicit'`` (or ``AxisType``), for
-        every axis, or a sequence with one per axis.
-
-    Returns:
-      A ``jax.sharding.Mesh`` with ``axis_names`` in the order of ``axes``.
+      axes: names and sizes in mesh order, a dict or ``(name, size)`` pairs; one size may
+        be ``-1`` (every device left over).
+      devices: as in :func:`data_mesh`.
+      axis_type: ``'auto'`` (default) or ``'explicit'`` (or ``AxisType``), for every
+        axis, or one per axis.
 
     Raises:
-      ShardingError: the sizes do not multiply to the number of devices, a
-        size is not a positive int (or the one ``-1``), names repeat or are
-        not strings, or ``axis_type`` is unknown.
-      DeviceSpecError, DeviceNotFoundError: ``devices`` is malformed or names
-        a missing device.
+      ShardingError: the sizes do not multiply to the device count, a bad size, repeated or
+        non-string names, or an unknown ``axis_type``.
+      DeviceSpecError, DeviceNotFoundError: ``devices`` is malformed or names a missing device.
 
     Example:
       >>> import jaxdev
