@@ -1,8 +1,6 @@
 """What devices exist here: d2l's ``cpu()``/``gpu()``/``try_gpu()``, specs, fake CPUs.
 
-Device indexes count this process's *local* devices of one platform, as
-``jax.local_devices(backend=...)`` orders them. On a single host that is every
-device.
+Indexes count this process's local devices of one platform (``jax.local_devices``).
 """
 
 from __future__ import annotations
@@ -39,11 +37,7 @@ def _platform_devices(platform: str) -> list[jax.Device]:
 
 
 def _local_devices() -> list[jax.Device]:
-    """``jax.local_devices()``, or a clear error when JAX can't start its backend.
-
-    JAX 0.10.2 raises a bare ``AssertionError`` when ``JAX_PLATFORMS`` names a
-    platform that fails to start (e.g. ``cuda`` without a GPU or plugin).
-    """
+    """``jax.local_devices()``, or a clear error for JAX's bare AssertionError."""
     try:
         return list(jax.local_devices())
     except (AssertionError, RuntimeError) as e:
@@ -105,12 +99,6 @@ def _started_platforms() -> list[str]:
 def cpu(i: int = 0) -> jax.Device:
     """Return local CPU device ``i`` (d2l's ``cpu()``).
 
-    Args:
-      i: index among this process's CPU devices.
-
-    Returns:
-      The ``jax.Device``.
-
     Raises:
       DeviceSpecError: ``i`` is negative or not an int.
       DeviceNotFoundError: ``i`` is past the last CPU device.
@@ -126,16 +114,9 @@ def cpu(i: int = 0) -> jax.Device:
 def gpu(i: int = 0) -> jax.Device:
     """Return local GPU ``i``, strictly (d2l's ``gpu(i)``).
 
-    Args:
-      i: index among this process's GPUs.
-
-    Returns:
-      The ``jax.Device``.
-
     Raises:
       DeviceSpecError: ``i`` is negative or not an int.
-      DeviceNotFoundError: no GPU backend, or ``i`` past the last GPU; the
-        message lists the devices that exist.
+      DeviceNotFoundError: no GPU backend, or ``i`` past the last GPU (the devices listed).
 
     Example:
       >>> import jaxdev
@@ -159,13 +140,7 @@ def num_gpus() -> int:
 
 
 def try_gpu(i: int = 0) -> jax.Device:
-    """Return ``gpu(i)`` if it exists, otherwise ``cpu()`` (d2l's ``try_gpu``).
-
-    Args:
-      i: GPU index; must be >= 0 even when falling back.
-
-    Raises:
-      DeviceSpecError: ``i`` is negative or not an int.
+    """Return ``gpu(i)`` if it exists, otherwise ``cpu()`` (d2l's ``try_gpu``; ``i`` >= 0 always).
 
     Example:
       >>> import jaxdev
@@ -188,17 +163,10 @@ def try_all_gpus() -> list[jax.Device]:
 
 
 def device(spec: DeviceSpec) -> jax.Device:
-    """Return the device a spec names.
+    """Return the device a spec names: a ``jax.Device``, an int index, or ``platform[:index]``.
 
-    The grammar is ``platform[:index]``: ``'cpu'``, ``'cpu:3'``, ``'gpu:1'``,
-    ``'cuda:1'`` and ``'rocm:0'`` (aliases of ``gpu``), ``'tpu:0'``; the index
-    defaults to 0. An int is an index into the default backend's local devices.
-
-    Args:
-      spec: a ``jax.Device``, an int, or a spec string.
-
-    Returns:
-      The ``jax.Device``.
+    Platforms: ``cpu``, ``gpu`` (``cuda``, ``rocm`` are aliases), ``tpu``; the index
+    defaults to 0. An int indexes the default backend's local devices.
 
     Raises:
       DeviceSpecError: malformed spec, unknown platform, negative index.
@@ -254,12 +222,8 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
     """Return a list of distinct local devices.
 
     Args:
-      devices: ``None`` for every local device of the default backend, an int
-        ``n`` for the first ``n`` of them, a platform name (``'cpu'``,
-        ``'gpu'``) for all its local devices, or a list of device specs.
-
-    Returns:
-      A list of ``jax.Device`` without repeats.
+      devices: ``None`` for every local device of the default backend, an int ``n`` for
+        the first ``n``, a platform name, or a list of device specs.
 
     Raises:
       DeviceSpecError: a device appears twice, the list is empty, or ``n < 1``.
@@ -319,9 +283,7 @@ def _check_distinct(devices: list[jax.Device]) -> None:
 
 
 def backend_started() -> bool:
-    """Return whether JAX's backends are already initialised.
-
-    Start-up settings (platforms, CPU device count) only apply before that.
+    """Return whether JAX's backends are initialised (start-up settings apply only before).
 
     Example:
       >>> import jaxdev
@@ -336,16 +298,10 @@ def backend_started() -> bool:
 
 
 def use_fake_cpu_devices(n: int) -> None:
-    """Ask JAX for ``n`` CPU devices, for testing multi-device code on one CPU.
+    """Ask JAX for ``n`` CPU devices, before anything touches a device.
 
-    Call it before anything touches a device (``jax.devices()``, creating an
-    array). It sets ``jax_num_cpu_devices`` and exports
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=n`` so subprocesses
-    inherit it. If the backend already started with exactly ``n`` CPU devices
-    it does nothing.
-
-    Args:
-      n: number of CPU devices, >= 1.
+    Sets ``jax_num_cpu_devices`` and exports ``XLA_FLAGS`` for subprocesses; a no-op when
+    the backend already started with ``n`` CPU devices.
 
     Raises:
       DeviceSpecError: ``n`` is not a positive int.
@@ -378,15 +334,10 @@ def _with_device_count_flag(flags: str, n: int) -> str:
 
 
 def describe() -> dict[str, Any]:
-    """Return what JAX started here, as plain data (for ``jaxdev info``).
+    """Return what JAX started here as plain data (for ``jaxdev info``).
 
-    Returns:
-      A dict with ``jax_version``, ``default_backend``, ``platforms``,
-      ``process_index``/``process_count``, ``local_device_count``/
-      ``device_count``, ``devices`` (id, platform, kind, process index,
-      memory stats or ``None`` where the backend gives none, as on CPU),
-      ``requested`` (``JAX_PLATFORMS``, ``XLA_FLAGS``, ``jax_num_cpu_devices``)
-      and ``warnings`` (e.g. a GPU was requested but JAX runs on CPU).
+    Versions, backend, processes, devices (with memory stats or ``None``), what was
+    ``requested`` (``JAX_PLATFORMS``, ``XLA_FLAGS``...) and ``warnings``.
 
     Example:
       >>> import jaxdev
