@@ -1,19 +1,9 @@
 """What is using device memory, by pytree path: a live ledger of every array.
 
-``jaxdev.memory.ledger(state=state, batch=batch)`` walks ``jax.live_arrays()`` once
-and counts, per device, the bytes of every device buffer once (an array and
-the views or aliases JAX keeps of it share their buffers). Arrays
-reached from the named trees are attributed to their key path
-(``state.opt_state[0].mu['Dense_0']['kernel']``) and a category (params,
-optimizer state, model state, batch, other named trees); every other live
-array is listed as unattributed, largest first (old states that were never
-freed show up there, with their shapes). Where the backend reports it
-(``device.memory_stats()`` on GPU and TPU), the allocator's bytes in use, peak
-and limit stand beside jaxdev's count; CPU reports none.
-
-JAX's own answer to "what is using my memory?" is allocator totals without
-names; ``plan()`` predicts bytes per device from shapes, the ledger counts
-what is there.
+:func:`ledger` walks ``jax.live_arrays()`` once, counts every device buffer once, and
+attributes the arrays reached from the named trees to their key path and category; the
+rest is unattributed, largest first (old states never freed show up there). Where the
+backend reports them, the allocator's bytes in use, peak and limit stand beside.
 """
 
 from __future__ import annotations
@@ -42,18 +32,13 @@ class LedgerEntry:
 
     Attributes:
       path: ``'state.params['Dense_0']['kernel']'``, or ``'<unattributed>'``.
-      category: one of ``params``, ``opt_state``, ``model_state``, ``batch``,
-        ``other`` (another named tree, or a train state's ``step`` / ``rng``)
-        and ``unattributed``.
+      category: ``params``, ``opt_state``, ``model_state``, ``batch``, ``other`` or
+        ``unattributed``.
       shape: the global shape (a typed PRNG key's as the user sees it).
-      dtype: the dtype's name (``key<fry>`` for a named typed key; an
-        unattributed one is listed as the ``uint32`` data on its buffer).
-      bytes_per_device: ``{device: bytes}`` of its shards on each device.
-      like: an unattributed array's look-alike: the path of a named leaf
-        with its shape and dtype (not a scalar), device arrays on its
-        sharding first, then ``' (or 2 others of that shape)'`` when more
-        match; it may be an old copy of that leaf still referenced
-        somewhere. Otherwise None.
+      dtype: the dtype's name (an unattributed typed key shows its ``uint32`` data).
+      bytes_per_device: ``{device: bytes}`` of its shards.
+      like: for an unattributed array, a named leaf of its shape and dtype (``' (or 2
+        others of that shape)'``): maybe an old copy of it; else None.
     """
 
     path: str
@@ -79,18 +64,12 @@ class MemoryLedger:
     """Every live array's bytes per device, attributed to named pytree paths.
 
     Attributes:
-      entries: the attributed arrays, largest first (by ``fullest``, then ``total``).
+      entries: the attributed arrays, largest first.
       unattributed: the other live arrays, largest first.
-      per_device: ``{device: bytes}`` of every live array's shards (attributed
-        or not): exactly the sum of their ``addressable_shards`` bytes, each
-        buffer once.
-      device_stats: ``{device: memory_stats() or None}`` as the backend reports
-        them (``bytes_in_use``, ``peak_bytes_in_use``, ``bytes_limit``).
-      host_per_device: ``{device: bytes}`` of arrays in the device's host
-        memory (``pinned_host`` / ``unpinned_host``: state a strategy
-        offloads); they are 0 in ``per_device``.
-      offloaded: the arrays in host memory, largest first (not in
-        ``entries`` / ``unattributed``).
+      per_device: ``{device: bytes}`` of every live array's shards, each buffer once.
+      device_stats: ``{device: memory_stats() or None}`` as the backend reports them.
+      host_per_device: ``{device: bytes}`` in the device's host memory (offloaded state).
+      offloaded: the arrays in host memory, largest first.
     """
 
     entries: tuple[LedgerEntry, ...]
@@ -119,26 +98,15 @@ class MemoryLedger:
         return _format(self)
 
     def plot(self, path: str, limit: int | None = None) -> str:
-        """Draw the ledger as a stacked bar chart, one bar per device, into ``path``.
+        """Draw the ledger as a stacked bar chart per device into ``path``; return the path.
 
-        From the bottom: params, optimizer state, model state, batch, other
-        named trees, unattributed, and, where a limit is known (``limit`` or
-        the device's ``bytes_limit``), the free bytes up to it; a legend names
-        the parts drawn, the axis is in KiB / MiB / GiB. The format follows
-        ``path``'s suffix (``.png``, ``.svg``, ``.pdf``; none: ``.png`` is
-        added). Needs matplotlib (``pip install 'jaxdev[plot]'``); pyplot and
-        its backend are left alone.
-
-        Args:
-          path: the file to write; its folder must exist.
-          limit: bytes per device to draw the free part up to (positive).
-
-        Returns:
-          The path written.
+        Parts from the bottom: each category, then the free bytes up to ``limit`` (or the
+        device's ``bytes_limit``). The format follows the suffix (none: ``.png``). Needs
+        matplotlib (``jaxdev[plot]``); pyplot's state is left alone.
 
         Raises:
-          UsageError: matplotlib is not installed, ``path``'s folder does not
-            exist, or ``limit`` is not positive.
+          UsageError: matplotlib is not installed, ``path``'s folder does not exist, or
+            ``limit`` is not positive.
 
         Example:
           >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
@@ -165,20 +133,9 @@ class MemoryLedger:
 def ledger(**trees: Any) -> MemoryLedger:
     """Return the live device memory, per device, attributed to the named trees by key path.
 
-    Every buffer of a live ``jax.Array`` (``jax.live_arrays()``) is counted
-    once, on its device: a view or alias of a named array adds nothing. Name
-    the trees you hold (``ledger(state=state, batch=batch)``): a train state's
-    fields become the categories params / opt_state / model_state (``step``
-    and ``rng`` are other); a tree named ``batch`` is the batch; any other
-    name is other. An array reached from two named trees counts once, under
-    the first name.
-
-    Args:
-      **trees: the pytrees to attribute bytes to, by name.
-
-    Returns:
-      A :class:`MemoryLedger`; ``print(ledger)`` is a table, ``ledger.plot(path)``
-      a PNG.
+    A train state's fields become params / opt_state / model_state (``step``, ``rng``:
+    other); a tree named ``batch`` is the batch; other names are other. An array reached
+    from two trees counts once, under the first.
 
     Raises:
       UsageError: a named tree is a tracer (inside ``jit``).
@@ -293,14 +250,7 @@ def _state_fields(tree: Any) -> list[str] | None:
 
 
 def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
-    """``(device, unsafe_buffer_pointer())`` of each of ``x``'s addressable shards.
-
-    Arrays are told apart by buffer: JAX keeps per-device views of arrays
-    (after ``jax.device_get``, ``addressable_shards``) and ``jax.device_put``
-    to the same device makes a new array on the same buffer; each is listed in
-    ``jax.live_arrays()``. An array whose computation failed (out of memory)
-    has no buffer: none (asking its pointer would abort the process).
-    """
+    """``(device, buffer pointer)`` of each addressable shard (a failed array: none)."""
     try:
         x.block_until_ready()
     except jax.errors.JaxRuntimeError:

@@ -1,24 +1,10 @@
 """Flax NNX modules in jaxdev's step: split once, train the state, write it back.
 
-An ``nnx.Module`` keeps its parameters, its batch statistics and its RNG
-state inside the object. jaxdev's step trains pytrees, so:
-
-* :func:`nnx_split` gives the module's ``nnx.Param`` s (trained by the
-  optimizer) and everything else (``BatchStat``, ``RngState``, ...: the
-  ``model_state`` the forward pass updates);
-* :func:`nnx_loss` turns ``loss_fn(model, batch)`` into the step's
-  ``has_state`` contract, merging a module from the state on every call;
-* :func:`nnx_update` writes a trained :class:`TrainState` back into the module.
-
-With an ``rng`` in the train state, every RNG stream of the module (dropout,
-...) is reseeded from the step's key, which jaxdev derives per step and, under
-pmap / shard_map, per device: each device draws different masks for its rows;
-a ``loss_fn`` with an ``rngs`` parameter (the NNX tutorial's
-``loss_fn(model, batch, rngs)``, ``model(x, rngs=rngs)``) gets that key as an
-``nnx.Rngs``. Without an ``rng``, a module's own ``nnx.Rngs`` streams draw
-from their own keys, with the device index folded in under pmap / shard_map
-for the call only (so devices draw different masks and the stored streams
-stay equal on every device).
+:func:`nnx_split` gives a module's ``nnx.Param`` s and the rest (its ``model_state``);
+:func:`nnx_loss` turns ``loss_fn(model, batch)`` into the step's ``has_state`` contract;
+:func:`nnx_update` writes a trained :class:`TrainState` back. With an ``rng`` in the
+state every RNG stream is reseeded from the step's key (per step, per device); without
+one, a module's own streams draw with the device index folded in for the call only.
 """
 
 from __future__ import annotations
@@ -65,31 +51,14 @@ def _streams(model: nnx.Module) -> list[str]:
 def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``loss_fn(model, batch, **kw)`` for ``make_train_step(..., has_state=True)``.
 
-    The returned function takes ``(params, model_state, batch[, rng], **kw)``,
-    merges a module from them, calls ``loss_fn`` on it and returns its
-    results followed by the module's new non-``Param`` state. Keyword
-    arguments (``mask=`` with ``pass_mask=True``) are passed through. Use the
-    same wrapper for :func:`jaxdev.make_eval_step`, calling ``model.eval()``
-    inside ``loss_fn`` when it should not update batch statistics.
-
-    Randomness: give ``loss_fn`` a parameter named ``rngs`` (``model(x,
-    rngs=rngs)``, as the NNX tutorial writes it) and the state an ``rng``
-    (``init_state(..., rng=key)``): it gets ``nnx.Rngs`` of the step's key,
-    new every step and on every device (``None`` in eval steps). A module's
-    own ``nnx.Rngs`` streams are reseeded from the step's key, or, without an
-    ``rng``, draw from their own keys with the device index folded in under
-    pmap / shard_map for the call only.
-
-    Args:
-      model: the module (its structure is captured; its values come from the state).
-      loss_fn: ``loss_fn(model, batch[, rngs]) -> losses`` or ``(losses, aux)``.
-
-    Returns:
-      The wrapped loss function.
+    The result takes ``(params, model_state, batch[, rng], **kw)``, merges a module, calls
+    ``loss_fn`` and returns its results followed by the module's new non-``Param`` state;
+    the same wrapper serves :func:`jaxdev.make_eval_step`. A ``loss_fn`` with an ``rngs``
+    parameter gets ``nnx.Rngs`` of the step's key (``None`` in eval steps).
 
     Raises:
-      UsageError: (when the step runs) ``loss_fn`` takes ``rngs``, the state
-        has no ``rng``, and flax's ``Dropout`` found no key.
+      UsageError: (when the step runs) ``loss_fn`` takes ``rngs``, the state has no
+        ``rng``, and flax's ``Dropout`` found no key.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
@@ -202,32 +171,19 @@ def nnx_update(model: nnx.Module, state: Any) -> None:
 def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
     """``metrics.update(**values)`` counting only the real rows of a padded batch.
 
-    For a loop that keeps ``nnx.MultiMetric`` (``Average``, ``Accuracy``) and
-    ``@nnx.jit`` and uses jaxdev to place batches: ``jaxdev.shard_batch(batch,
-    mesh, pad=True)`` pads to a multiple of the device count with copies of
-    the last row, and a plain ``metrics.update`` counts those copies. Call it
-    where you would call ``metrics.update``, inside or outside ``nnx.jit``.
-
-    flax's own ``mask=`` is silent where this refuses: a scalar (a batch mean,
-    the tutorial's ``loss.mean()``) is counted once per real row, so the
-    padded rows stay in it; a ``(B,)`` mask of ``(B, T)`` per-token values
-    counts rows, not tokens; ``Welford`` and other metrics ignore it. Here
-    every value needs one entry per row, the mask is broadcast to the values'
-    per-element shape (``labels``'; ``logits`` may have one more axis), and a
+    For ``nnx.MultiMetric`` loops fed by ``jaxdev.shard_batch(..., pad=True)``; inside or
+    outside ``nnx.jit``. Stricter than flax's ``mask=``: every value needs one entry per
+    row (no ``.mean()``), the mask is broadcast to the values' per-element shape, and a
     metric other than ``Average`` / ``Accuracy`` is refused.
 
     Args:
-      metrics: an ``nnx.MultiMetric`` or one ``nnx.metrics.Average`` /
-        ``Accuracy``, updated in place.
-      mask: a :class:`jaxdev.Padded` (its ``mask``), a boolean array with one
-        entry per row, or ``None`` (every row counts).
-      **values: what ``metrics.update`` takes (``loss=``, ``logits=``,
-        ``labels=``, ...), one entry per row (no ``.mean()``).
+      metrics: an ``nnx.MultiMetric``, or one ``Average`` / ``Accuracy``, updated in place.
+      mask: a :class:`jaxdev.Padded`, a boolean array with one entry per row, or ``None``.
+      **values: what ``metrics.update`` takes, one entry per row.
 
     Raises:
-      UsageError: a value without one entry per row, values of different
-        per-element shapes, a mask that is not one entry per row, or a
-        metric that cannot leave rows out.
+      UsageError: a value without one entry per row, mismatched per-element shapes, a
+        mask not one per row, or a metric that cannot leave rows out.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jaxdev
