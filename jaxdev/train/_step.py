@@ -204,7 +204,7 @@ class _Step:
                 self._in_shardings[key] = expected
         return jitted
 
-    def _relayout(self, key: tuple, args: list[Any]) -> list[Any] | None:
+    def _relayout(self, key: tuple, args: list[Any], lowering: bool = False) -> list[Any] | None:
         """``args`` with committed leaves laid out otherwise than the program's inputs moved.
 
         ``jax.jit`` with ``in_shardings`` refuses a committed array laid out
@@ -213,14 +213,21 @@ class _Step:
         batch split over ``"data"`` only). The step moves just those leaves,
         on the devices (``put_leaves``), as :func:`jaxdev.to_device` would; a train
         step returns its state in the program's layout, so only the first
-        call moves anything. ``None`` when nothing is misplaced.
+        call moves anything. ``None`` when nothing is misplaced. When
+        ``lowering``, their shapes in the program's layout take their place.
         """
         expected = self._in_shardings.get(key)
-        moves = [] if expected is None else _misplaced(args, expected)
+        moves = [] if expected is None else _misplaced(args, expected, unplaced=lowering)
         if not moves:
             return None
         leaves = [jax.tree.flatten(a) for a in args]
-        moved = put_leaves([leaves[a][0][i] for a, i, _ in moves], [s for _, _, s in moves])
+        old, targets = [leaves[a][0][i] for a, i, _ in moves], [s for _, _, s in moves]
+        if lowering:
+            moved = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=t) for x, t in zip(old, targets)
+            ]
+        else:
+            moved = put_leaves(old, targets)
         for (a, i, _), new in zip(moves, moved):
             leaves[a][0][i] = new
         return [treedef.unflatten(flat) for flat, treedef in leaves]
@@ -268,15 +275,7 @@ class _Step:
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
         jitted = self._jit(key, args)
-        expected = self._in_shardings.get(key)
-        moves = [] if expected is None else _misplaced(args, expected, unplaced=True)
-        if moves:  # as the call would place them: their shapes in the program's layout
-            leaves = [jax.tree.flatten(a) for a in args]
-            for a, i, target in moves:
-                x = leaves[a][0][i]
-                leaves[a][0][i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
-            args = [treedef.unflatten(flat) for flat, treedef in leaves]
-        return jitted.lower(*args)
+        return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
 
     def explain_memory(
         self,
