@@ -1,24 +1,13 @@
 """Cross-process checks for multi-process JAX: global batches, same values.
 
-JAX's multi-controller runtime trusts every process to bring matching data.
-When local batch sizes differ, ``jax.make_array_from_process_local_data``
-silently builds a wrong global array (JAX 0.10.2: 4 vs 6 local rows gave a
-global mean of 0.75 on one process and 0.5 on the other; the true mean was
-0.6). The functions here first exchange a small description of each process's
-data and raise, naming the leaves and the processes that differ: a
-:class:`~jaxdev.DistributedError` when local batches differ in shape or dtype
-(:func:`global_batch`, behind ``jaxdev.shard_batch``), a
-:class:`~jaxdev.PlacementAssertionError` when values differ
-(:func:`assert_same_across_processes`).
-
-The exchange goes through the coordinator's key-value store (the client that
-``jax.distributed.initialize`` starts), so every wait has a deadline and a
-process that never arrives (hung in its data loader, dead) is named. A
-collective such as ``multihost_utils.process_allgather`` would instead block
-forever in that case. Without a coordinator client (``process_count() > 1``
-through another runtime) a digest is gathered with ``process_allgather``.
-
-With one process every check is skipped: nothing is exchanged.
+``jax.make_array_from_process_local_data`` silently builds a wrong global array when
+local batches differ; these functions first exchange a small description of each
+process's data and raise naming the leaves and processes that differ
+(:class:`~jaxdev.DistributedError` for shapes/dtypes, ``PlacementAssertionError`` for
+values). The exchange goes through the coordinator's key-value store, so every wait has
+a deadline and a process that never arrives is named (a collective would block
+forever); without a coordinator client a digest goes through ``process_allgather``.
+With one process nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -47,9 +36,6 @@ _ROUNDS: dict[str, itertools.count] = {}
 
 def default_timeout_s() -> float:
     """Return the cross-process wait limit: ``$JAXDEV_SYNC_TIMEOUT`` or 300 s.
-
-    Returns:
-      Seconds a cross-process check waits for the slowest process.
 
     Raises:
       DistributedError: ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
@@ -106,21 +92,11 @@ def _kv_exchange(client, tag: str, payload: str, timeout_s: float) -> list[str]:
 
 
 def barrier(tag: str, timeout_s: float) -> list[int]:
-    """Mark this process as arrived at ``tag``; wait for the others; return the late ones.
+    """Mark this process as arrived at ``tag``; wait up to ``timeout_s``; return the late ones.
 
-    A barrier with a deadline through the coordinator's key-value store: it
-    never raises for a missing process, it returns its id, so the caller can
-    say what that process is likely doing. Every process must call it with
-    the same ``tag`` in the same order.
-
-    Args:
-      tag: name of the meeting point (e.g. ``"finished"``).
-      timeout_s: seconds to wait for the slowest process.
-
-    Returns:
-      The ids of the processes that had not arrived when time ran out;
-      empty when all arrived, with one process, or without a coordinator
-      client.
+    Never raises for a missing process: the caller says what it is likely doing. Every
+    process calls it with the same ``tag`` in the same order; empty with one process or
+    without a coordinator client.
 
     Example:
       >>> barrier("demo", 1.0)  # one process
@@ -176,22 +152,11 @@ def _digest_exchange(payload: str) -> list[str]:
 def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str]:
     """Return every process's ``payload`` string, indexed by process id.
 
-    Every process must call ``exchange`` with the same ``tag`` in the same
-    order. Single-process it returns ``[payload]`` without any communication.
-
-    Args:
-      tag: name of the check; appears in error messages.
-      payload: this process's string (e.g. JSON of shapes or checksums).
-      timeout_s: seconds to wait for the slowest process; ``None`` uses
-        :func:`default_timeout_s`.
-
-    Returns:
-      One string per process. Without a coordinator client, each entry is a
-      digest of that process's payload instead of the payload itself.
+    Every process calls it with the same ``tag`` in the same order. Without a coordinator
+    client each entry is a digest of the payload instead.
 
     Raises:
-      DistributedError: a process did not publish within ``timeout_s``; the
-        message names it.
+      DistributedError: a process did not publish within ``timeout_s``; names it.
 
     Example:
       >>> exchange("demo", "hello")  # one process
@@ -207,13 +172,7 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
 
 
 def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
-    """Group process ids by the value each one holds.
-
-    Args:
-      values: one value per process (hashable).
-
-    Returns:
-      ``{value: [process ids]}`` in order of first appearance.
+    """Group process ids by their value: ``{value: [process ids]}`` in order of first appearance.
 
     Example:
       >>> group_processes(["a", "b", "a"])
@@ -226,14 +185,7 @@ def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
 
 
 def describe_groups(groups: dict[Any, list[int]], show: Callable[[Any], str] = str) -> str:
-    """Render ``{value: [ids]}`` as ``'process 0, 2: a; process 1: b'``.
-
-    Args:
-      groups: output of :func:`group_processes`.
-      show: how to print a value.
-
-    Returns:
-      One line, one entry per distinct value.
+    """Render ``{value: [ids]}`` as ``'process 0, 2: a; process 1: b'`` (``show`` prints a value).
 
     Example:
       >>> describe_groups({"a": [0, 2], "b": [1]})
@@ -244,15 +196,7 @@ def describe_groups(groups: dict[Any, list[int]], show: Callable[[Any], str] = s
 
 
 def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
-    """Return one line per leaf whose value differs between processes.
-
-    Args:
-      tables: one ``{leaf path: value}`` dict per process. A leaf missing on
-        some process counts as the value ``'<missing>'``.
-
-    Returns:
-      ``"<path>: process 0: v; process 1: w"`` lines, sorted by path; empty
-      when every process agrees.
+    """One line per leaf whose value differs between the per-process ``{path: value}`` tables.
 
     Example:
       >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
@@ -276,9 +220,7 @@ def _gathered_tables(tag: str, table: dict[str, str], timeout_s: float | None):
 
 
 def shape_dtype(leaf: Any) -> str:
-    """``'(4, 3) float32'``: a leaf's shape and dtype, as every cross-process check describes it.
-
-    Typed PRNG keys keep their JAX dtype, which numpy cannot read.
+    """``'(4, 3) float32'``: a leaf's shape and dtype (typed PRNG keys keep their JAX dtype).
 
     Example:
       >>> shape_dtype(np.zeros((4, 3), np.float32)), shape_dtype(2.0)
@@ -298,13 +240,9 @@ def _shape_table(leaves_with_path) -> dict[str, str]:
 def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) -> None:
     """Check every process brings the same local shape and dtype per leaf.
 
-    Args:
-      local_batch: this process's pytree of arrays.
-      timeout_s: seconds to wait for the slowest process (``None``: default).
-
     Raises:
-      DistributedError: shapes, dtypes or tree structure differ (naming each
-        leaf and the processes), or a process never arrived.
+      DistributedError: shapes, dtypes or structure differ (each leaf and process named),
+        or a process never arrived.
 
     Example:
       >>> check_same_local_shapes({"x": np.zeros((4, 3))})  # one process
@@ -328,26 +266,14 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
 
 
 def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None = None) -> Any:
-    """Build global arrays from each process's local batch, after checking shapes.
+    """Build global arrays from each process's local batch, after checking shapes match.
 
-    Every process calls this (through :func:`jaxdev.shard_batch`) with its own
-    slice of the global batch. First every process's local shapes and dtypes
-    are compared, then ``jax.make_array_from_process_local_data`` assembles
-    the global arrays: the global leading size is the sum of the local ones.
-
-    Args:
-      local_batch: pytree of host (numpy) or local arrays, each with a
-        leading batch axis (:func:`jaxdev.shard_batch` has checked them).
-      sharding: the sharding of every global leaf.
-      timeout_s: seconds to wait for the slowest process in the shape check
-        (``None``: ``$JAXDEV_SYNC_TIMEOUT`` or 300).
-
-    Returns:
-      The pytree of global ``jax.Array`` s.
+    The global leading size is the sum of the local ones
+    (``jax.make_array_from_process_local_data``).
 
     Raises:
-      DistributedError: processes brought different local shapes or dtypes
-        (naming each leaf and the processes), or one never arrived.
+      DistributedError: processes brought different local shapes or dtypes, or one
+        never arrived.
 
     Example:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -370,17 +296,7 @@ def _host_value(leaf: Any) -> np.ndarray | None:
 
 
 def leaf_checksum(leaf: Any) -> str:
-    """Return ``'shape dtype sha256[:16]'`` of a leaf's value.
-
-    A global array sharded across processes has one logical value, so only
-    its shape and dtype are described (marked ``global``).
-
-    Args:
-      leaf: an array or Python number; a typed PRNG key is hashed by its
-        ``jax.random.key_data``.
-
-    Returns:
-      A short string equal across processes iff the values are equal.
+    """Return ``'shape dtype sha256[:16]'`` of a leaf's value (a cross-process array: ``global``).
 
     Example:
       >>> leaf_checksum(np.zeros(3, np.float32)).split()[:2]
@@ -398,20 +314,12 @@ def leaf_checksum(leaf: Any) -> str:
 def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -> None:
     """Check every process holds the same values (params, step counters, ...).
 
-    Each process hashes every leaf and the checksums are compared, so only a
-    few bytes per leaf cross the network. Replicated global arrays are
-    compared through their local copy; arrays sharded across processes are
-    compared by shape and dtype only. With one process this returns at once.
-    Like every jaxdev assertion it does nothing after
-    ``chex.disable_asserts()``.
-
-    Args:
-      tree: pytree of arrays or numbers, the same structure everywhere.
-      timeout_s: seconds to wait for the slowest process (``None``: default).
+    Only a checksum per leaf crosses the network; arrays sharded across processes compare
+    by shape and dtype. Off after ``chex.disable_asserts()``.
 
     Raises:
-      PlacementAssertionError: values differ; lists every leaf that differs
-        with the processes holding each distinct value (an ``AssertionError``).
+      PlacementAssertionError: values differ; lists every leaf with the processes holding
+        each distinct value.
       DistributedError: a process never arrived; names it.
 
     Example:
