@@ -1,28 +1,14 @@
 """Every process runs the same program: a fingerprint of each step, compared once.
 
-JAX's multi-controller runtime pairs the collectives of the processes by
-their order only. When the processes compile different programs with the
-same collectives (process 0 sums where process 1 takes the max, one scales
-its loss by 2), every process finishes with exit code 0 and wrong numbers
-(measured on JAX 0.10.2); with one collective more or less the job hangs
-until a timeout that names nobody.
-
-:func:`check_same_program` lowers a function for its arguments (JAX caches
-the trace, so the call that follows does not trace again), hashes the
-StableHLO text, and compares the hash across processes in one small exchange
-through the coordinator's key-value store, bounded by
-``$JAXDEV_SYNC_TIMEOUT`` (see :func:`jaxdev._multihost.exchange`). On a
-mismatch every process raises a :class:`~jaxdev.DistributedError` naming the
-processes whose program differs, the operations whose counts differ and the
-inputs whose shape, dtype or sharding differ. :func:`same_program` runs the
-check at a function's first call only; jaxdev's train and eval steps do it
-for each program they compile. Nothing is exchanged per step.
-
-Only programs that span several processes are compared: a program on this
-process's own devices meets no other process, and each process may run its
-own. The hash is taken without debug information (no file names, line
-numbers, process ids or host names). ``JAXDEV_SAME_PROGRAM=0`` (on every
-process) turns the check off.
+JAX pairs the processes' collectives by order only: programs that differ with the same
+collectives finish with wrong numbers, with one collective more or less they hang.
+:func:`check_same_program` lowers a function for its arguments (the trace is cached for
+the call), hashes the StableHLO text without debug information, and compares the hash
+across processes in one bounded exchange (:func:`jaxdev._multihost.exchange`); a
+mismatch raises :class:`~jaxdev.DistributedError` on every process naming the processes,
+the operations and the inputs that differ. Only programs spanning several processes are
+compared; jaxdev's steps check each program they compile; ``JAXDEV_SAME_PROGRAM=0``
+turns it off.
 """
 
 from __future__ import annotations
@@ -60,11 +46,7 @@ _SIZE = re.compile(r"mhlo\.num_(?:partitions|replicas) = (\d+)")
 
 
 def enabled() -> bool:
-    """Return whether the cross-process program check runs (``$JAXDEV_SAME_PROGRAM``).
-
-    Returns:
-      ``False`` when ``JAXDEV_SAME_PROGRAM`` is ``0``, ``false``, ``off`` or
-      ``no``; ``True`` otherwise.
+    """Whether the cross-process program check runs (``$JAXDEV_SAME_PROGRAM`` not 0/false/off/no).
 
     Example:
       >>> enabled()
@@ -74,17 +56,9 @@ def enabled() -> bool:
 
 
 def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
-    """Return the StableHLO text of ``fn`` lowered for these arguments.
+    """Return the StableHLO text of ``fn`` (jitted if it is not) lowered for the args.
 
-    Args:
-      fn: a jitted (or pmapped) function, anything with ``.lower``; a plain
-        traceable function is wrapped in ``jax.jit`` first.
-      *args: the arguments of the call.
-      **kwargs: its keyword arguments.
-
-    Returns:
-      The program text without debug information: no file names or line
-      numbers, nothing that depends on the process.
+    The text has no debug information: nothing that depends on the process.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -98,13 +72,7 @@ def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
 
 
 def fingerprint(text: str) -> str:
-    """Return the sha256 of a program text (hex).
-
-    Args:
-      text: e.g. :func:`program_text`.
-
-    Returns:
-      64 hex digits, equal on two processes iff their texts are equal.
+    """Return the sha256 of a program text (64 hex digits).
 
     Example:
       >>> fingerprint("module {}") == fingerprint("module {}") != fingerprint("module { }")
@@ -115,13 +83,6 @@ def fingerprint(text: str) -> str:
 
 def op_counts(text: str) -> dict[str, int]:
     """Count the operations of a StableHLO text, custom calls by target, small constants by value.
-
-    Args:
-      text: e.g. :func:`program_text`.
-
-    Returns:
-      ``{operation: count}``, sorted by name; custom calls appear as
-      ``custom_call @target``, small constants also as ``constant dense<v> : type``.
 
     Example:
       >>> op_counts("%0 = stablehlo.add %a, %b {mhlo.sharding = \\"x\\"}\\nreturn %0")
@@ -145,15 +106,7 @@ def _describe_input(leaf: Any) -> str:
 
 
 def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> dict[str, str]:
-    """Describe every argument leaf: ``{path: 'shape dtype sharding'}``.
-
-    Args:
-      args: the positional arguments of a call.
-      kwargs: its keyword arguments.
-
-    Returns:
-      One entry per leaf, keyed ``args[i]...`` / ``kwargs['k']...``; the
-      sharding is a ``PartitionSpec`` or a sharding type, never device ids.
+    """Describe every argument leaf: ``{path: 'shape dtype sharding'}`` (a spec, never device ids).
 
     Example:
       >>> input_table(({"w": np.zeros((2, 3), np.float32)},))
@@ -167,16 +120,7 @@ def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> di
 
 
 def spans_processes(text: str, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
-    """Whether a program runs on devices of several processes.
-
-    Args:
-      text: its StableHLO text (for the number of partitions and replicas).
-      args: its positional arguments.
-      kwargs: its keyword arguments.
-
-    Returns:
-      ``True`` when it uses more devices than this process has, or an
-      argument is a global array not fully addressable here.
+    """Whether a program uses more devices than this process has, or a non-addressable argument.
 
     Example:
       >>> spans_processes("module @m attributes {mhlo.num_partitions = 1 : i32}", ())
@@ -210,15 +154,7 @@ def _parse(payload: str) -> dict[str, Any]:
 
 
 def program_differences(payloads: Sequence[dict[str, Any]]) -> list[str]:
-    """Return one line per difference between the processes' programs.
-
-    Args:
-      payloads: one ``{"name", "sha", "ops", "inputs"}`` dict per process.
-
-    Returns:
-      Lines for the function names, the program hashes, each operation
-      whose count differs and each input that differs; empty when every
-      hash is equal.
+    """One line per difference between the processes' ``{"name", "sha", "ops", "inputs"}``.
 
     Example:
       >>> a = {"name": "f", "sha": "aa", "ops": {"stablehlo.add": 1}, "inputs": {}}
@@ -290,31 +226,23 @@ def check_same_program(
 ) -> str | None:
     """Check every process compiles the same program for ``fn(*args, **kwargs)``.
 
-    Call it on every process, before the first call of a jitted function
-    (or use :func:`same_program`, which does it at the first call). The
-    function is lowered for the arguments (the trace is cached and reused
-    by the call), the StableHLO text is hashed, and the hashes are
-    compared in one exchange through the coordinator. With one process, a
-    program on this process's devices only, or ``JAXDEV_SAME_PROGRAM=0``,
+    Call it on every process before the first call (or use :func:`same_program`). With one
+    process, a program on this process's devices only, or ``JAXDEV_SAME_PROGRAM=0``,
     nothing is lowered or exchanged.
 
     Args:
-      fn: a jitted or pmapped function (anything with ``.lower``), or a
-        traceable function (wrapped in ``jax.jit`` to lower it).
+      fn: a jitted or pmapped function, or a traceable one.
       *args: the arguments of the call to check.
       name: how messages name the function (default: its ``__name__``).
-      timeout_s: seconds to wait for the slowest process (``None``:
-        ``$JAXDEV_SYNC_TIMEOUT`` or 300).
-      **kwargs: keyword arguments of the call (``name`` and ``timeout_s``
-        belong to the check).
+      timeout_s: seconds to wait for the slowest process (``None``: the default).
+      **kwargs: keyword arguments of the call.
 
     Returns:
       The program's sha256 when it was compared, else ``None``.
 
     Raises:
-      DistributedError: the programs differ (names the processes, the
-        operations whose counts differ and the inputs that differ; raised on
-        every process), or a process did not arrive within ``timeout_s``.
+      DistributedError: the programs differ (on every process), or a process did not
+        arrive within ``timeout_s``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev
@@ -335,16 +263,7 @@ def check_same_program(
 
 
 class SameProgram:
-    """A function whose first call first runs :func:`check_same_program`.
-
-    Made by :func:`same_program`. Calls go to the wrapped function; other
-    attributes (``lower``, ``trace``, ...) are the wrapped function's.
-
-    Attributes:
-      fn: the wrapped function.
-      name: how messages name it.
-      checked: whether the first call's check has run.
-    """
+    """A function whose first call first runs :func:`check_same_program` (:func:`same_program`)."""
 
     def __init__(self, fn: Callable, name: str | None = None, timeout_s: float | None = None):
         self.fn = fn
@@ -370,19 +289,8 @@ def same_program(
 ) -> Any:
     """Wrap a jitted function so its first call checks every process runs the same program.
 
-    Usable as ``same_program(jitted)`` or as a decorator (``@same_program``
-    or ``@same_program(name="eval")``, above ``@jax.jit``). The first call
-    runs :func:`check_same_program` with its arguments, then the function;
-    later calls go straight to the function (one flag test, no exchange).
-    Call it on every process, in the same order as the other processes.
-
-    Args:
-      fn: the function to wrap; ``None`` returns a decorator.
-      name: how messages name it (default: its ``__name__``).
-      timeout_s: seconds the check waits for the slowest process.
-
-    Returns:
-      A :class:`SameProgram` (or a decorator making one).
+    ``same_program(jitted)``, ``@same_program`` or ``@same_program(name="eval")`` above
+    ``@jax.jit``; later calls go straight to the function. Call it on every process.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev

@@ -1,34 +1,13 @@
 """Local multi-process launcher: ``jaxdev launch -n N --devices-per-process M -- cmd``.
 
-Starts ``N`` copies of a command on 127.0.0.1, each with ``M`` fake CPU
-devices and gloo CPU collectives, and passes the coordinator address and the
-process id through the ``JAXDEV_*`` environment so that
-``jaxdev.distributed.initialize()`` needs no arguments. Every output line is
-prefixed with ``[p<id>]``. When one process fails, or the run passes its
-timeout, the others are ended by their own process ids (SIGTERM, then SIGKILL
-after a grace period; JAX's preemption handler catches SIGTERM, so the kill
-is often needed) and a summary names the failed process.
-
-``jaxdev.distributed.initialize`` leaves a marker file as soon as it is
-called (the path is in ``JAXDEV_JOIN_MARKER``). A process that exits without
-one while another process has one never joined the job: it trained alone,
-and the others wait for it at start-up. The launcher then fails the run
-(exit code 1), ends the others, and names it ("process 1 never called
-jaxdev.distributed.initialize") instead of blaming the process that gave up
-waiting. Commands that never call ``initialize`` (no marker anywhere) are
-not affected.
-
-``--hang-timeout S`` sets ``JAXDEV_HANG_TIMEOUT=S`` for every process: its
-``initialize`` starts the hang watchdog (see :mod:`jaxdev.distributed._hang`). A
-``SIGUSR1`` sent to the launcher is forwarded to every live process, which
-prints the Python stacks of all its threads without stopping (one command
-to see where a live run is: ``kill -USR1 <launcher pid>``).
-
-Environment of process ``i``: ``JAXDEV_COORDINATOR=127.0.0.1:<port>``,
-``JAXDEV_NUM_PROCESSES=N``, ``JAXDEV_PROCESS_ID=i``, ``JAXDEV_LOCAL_DEVICES=M``,
-``JAXDEV_JOIN_MARKER=<launcher temp dir>/joined-i``, ``JAX_PLATFORMS=cpu``,
-``JAX_NUM_CPU_DEVICES=M``, ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``,
-``PYTHONUNBUFFERED=1`` (and ``JAXDEV_HANG_TIMEOUT=S`` with ``--hang-timeout``).
+Starts ``N`` copies of a command on 127.0.0.1 (``M`` fake CPU devices, gloo collectives;
+the ``JAXDEV_*`` variables of :func:`process_env` make ``jaxdev.distributed.initialize()``
+need no arguments), prefixes output lines with ``[p<id>]``, and when one process fails
+or the run times out ends the others by pid (SIGTERM, then SIGKILL after a grace) with a
+summary naming the failed process. A process that exits without the join marker
+``initialize`` leaves, while another left one, is named as never having joined.
+``--hang-timeout S`` starts every process's hang watchdog; ``SIGUSR1`` to the launcher
+is forwarded to every live process (each prints its stacks).
 """
 
 from __future__ import annotations
@@ -72,16 +51,7 @@ _HINTS = {
 
 
 class Outcome(NamedTuple):
-    """How one launched process ended.
-
-    Attributes:
-      process_id: the ``[p<id>]`` of the process.
-      returncode: exit code; negative ``-sig`` when killed by a signal.
-      ended_by_launcher: whether the launcher terminated or killed it.
-      reason: the last error-looking output line, or ``''``.
-      joined: whether it called ``jaxdev.distributed.initialize``
-        (``None``: unknown).
-    """
+    """How one launched process ended (``returncode`` ``-sig``: killed by a signal)."""
 
     process_id: int
     returncode: int
@@ -92,12 +62,6 @@ class Outcome(NamedTuple):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that is free on ``host`` right now.
-
-    Args:
-      host: the interface to bind.
-
-    Returns:
-      A port number chosen by the OS.
 
     Example:
       >>> 0 < free_port() < 65536
@@ -116,19 +80,9 @@ def process_env(
     base: Mapping[str, str],
     join_dir: str | None = None,
 ) -> dict[str, str]:
-    """Return the environment of process ``process_id``.
+    """Return ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of process ``process_id``.
 
-    Args:
-      process_id: id of the process, ``0 <= process_id < num_processes``.
-      num_processes: number of processes.
-      devices_per_process: fake CPU devices per process.
-      port: the coordinator port on 127.0.0.1.
-      base: the environment to start from (user overrides already applied).
-      join_dir: where ``initialize`` leaves this process's marker file
-        (``JAXDEV_JOIN_MARKER``); ``None`` leaves the variable unset.
-
-    Returns:
-      ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of the launcher.
+    ``join_dir``: where ``initialize`` leaves the marker (``None``: no marker variable).
 
     Example:
       >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
@@ -154,13 +108,7 @@ def process_env(
 
 
 def describe_returncode(rc: int) -> str:
-    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a return code.
-
-    Args:
-      rc: a ``Popen.returncode`` (negative: the signal that ended the process).
-
-    Returns:
-      The phrase used in the launcher's summary.
+    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a ``Popen.returncode``.
 
     Example:
       >>> describe_returncode(-9)
@@ -175,15 +123,7 @@ def describe_returncode(rc: int) -> str:
 
 
 def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
-    """Return the last error-looking output of a process, with a hint.
-
-    Args:
-      lines: the last output lines of one process.
-      max_lines: the most lines kept: the error line and its indented details.
-
-    Returns:
-      The error line (and the detail lines right after it), plus a hint for
-      JAX runtime aborts; ``''`` when no line looks like an error.
+    """The last error-looking output line and its detail lines (with a hint for JAX aborts), or ''.
 
     Example:
       >>> print(failure_reason(["ok", "ValueError: bad", "  ['x']: shape (4,)"]))
@@ -210,13 +150,7 @@ def _is_detail(line: str) -> bool:
 
 
 def exit_code(outcome: Outcome | None) -> int:
-    """Map the first failure to the launcher's exit code (shell convention).
-
-    Args:
-      outcome: the process that failed first, or ``None`` after a timeout.
-
-    Returns:
-      Its exit code, ``128 + signal`` when a signal ended it, 124 for a timeout.
+    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout).
 
     Example:
       >>> exit_code(Outcome(1, -9, False, ""))
@@ -326,12 +260,6 @@ def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None 
 def never_joined(outcomes: Sequence[Outcome]) -> list[int]:
     """Return the processes that never called ``initialize`` while another did.
 
-    Args:
-      outcomes: how every process ended.
-
-    Returns:
-      Their ids; empty when none joined (a command without JAX) or all did.
-
     Example:
       >>> never_joined([Outcome(0, 1, False, "", True), Outcome(1, 0, False, "", False)])
       [1]
@@ -356,19 +284,7 @@ def _never_joined_head(first: Outcome, outcomes: Sequence[Outcome], elapsed_s: f
 def summarize(
     first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None, elapsed_s: float
 ) -> str:
-    """Return the launcher's failure summary (several lines).
-
-    Args:
-      first: the process that failed first (or exited 0 without joining),
-        or ``None`` after a timeout.
-      outcomes: how every process ended.
-      timeout_s: the whole-run timeout.
-      elapsed_s: seconds since the launch.
-
-    Returns:
-      Text naming the failed process, its exit code or signal and reason,
-      how each other process was ended, and which processes never called
-      ``jaxdev.distributed.initialize`` while others did.
+    """Return the launcher's failure summary: the failed process, each other's end, the unjoined.
 
     Example:
       >>> print(summarize(Outcome(1, -9, False, ""), [Outcome(1, -9, False, "")], None, 2.0))
@@ -465,10 +381,6 @@ def launch(
 ) -> int:
     """Run ``cmd`` as ``num_processes`` local JAX processes; return an exit code.
 
-    While it runs, a ``SIGUSR1`` sent to this process is forwarded to every
-    live child (each prints its threads' stacks when it called
-    :func:`jaxdev.distributed.initialize`).
-
     Args:
       cmd: the command every process runs, e.g. ``["python", "train.py"]``.
       num_processes: number of processes (ids 0..N-1).
@@ -478,20 +390,15 @@ def launch(
       env: extra environment for every process (over ``os.environ``).
       grace_s: seconds between SIGTERM and SIGKILL when ending processes.
       out: where prefixed output and the summary go (default stdout/stderr).
-      hang_timeout_s: start each process's hang watchdog with this timeout
-        (sets ``JAXDEV_HANG_TIMEOUT``); ``None`` leaves the environment's.
+      hang_timeout_s: sets ``JAXDEV_HANG_TIMEOUT``; ``None`` leaves the environment's.
 
     Returns:
-      0 when every process exits 0; else the failed process's exit code
-      (``128 + signal`` when killed by a signal), 124 after a timeout, or 1
-      when a process exits 0 without calling ``jaxdev.distributed.initialize``
-      while others did.
+      0 when every process exits 0; else :func:`exit_code` of the first failure, or 1 when
+      a process exits 0 without joining while others did.
 
     Raises:
-      UsageError: an argument is invalid (the CLI turns it into exit 2),
-        e.g. ``hang_timeout_s`` <= 0.
-      OSError: the command cannot be started (processes already started are
-        ended first).
+      UsageError: an argument is invalid (the CLI turns it into exit 2).
+      OSError: the command cannot be started (processes already started are ended first).
 
     Example:
       >>> import sys, jaxdev
@@ -530,11 +437,7 @@ def launch(
 
 
 class UsageParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s.
-
-    argparse prints the usage and exits; the ``jaxdev`` commands instead
-    print one line and exit with code 2. Shared by ``jaxdev`` and ``jaxdev
-    launch``.
+    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s (exit code 2).
 
     Example:
       >>> UsageParser(prog="tool").parse_args(["--nope"])  # doctest: +ELLIPSIS
@@ -588,14 +491,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: ``jaxdev launch -n N [--devices-per-process M] ... -- cmd``.
-
-    Args:
-      argv: the arguments after ``launch`` (default ``sys.argv[1:]``).
-
-    Returns:
-      The exit code of :func:`launch`; 2 on a usage error (one-line reason
-      on stderr); 0 for ``--help``.
+    """Command-line entry ``jaxdev launch ... -- cmd``: :func:`launch`'s code; 2 on a usage error.
 
     Example:
       >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
