@@ -1,35 +1,10 @@
-"""Why a step does not fit in device memory, and which change would: every figure compiled.
+"""Why a step does not fit in device memory, which change would, and the largest batch that does.
 
-:func:`explain_memory` (``step.explain_memory(state, batch, limit=...)``)
-returns a :class:`MemoryExplanation`: what the compiled step needs per device
-(``memory_analysis()``: arguments, outputs, donated, temporaries; by
-:func:`jaxdev.memory.plan`, the one owner of those figures), what is live on the
-devices now by pytree path (:func:`jaxdev.memory`, with old copies of the
-state marked), the device limit, and options, each a variant of the step
-*compiled* for the same state and batch, never run: ``rules='fsdp'`` over
-the mesh, ``accumulate=M``, ``remat=True``, the optimizer state (and params)
-offloaded to host memory, half the batch. ``str()`` of it is the text the
-step's memory errors carry: the ``memory_limit`` check before the first run
-(:func:`jaxdev.memory._plan.check_fits`) and :class:`jaxdev.OutOfMemoryError` when
-XLA runs out (``RESOURCE_EXHAUSTED``) during a call.
-
-The batch of a variant is the same global batch laid out for the variant
-(:func:`batch_rows` / :func:`batch_for`: steps-per-call and micro-batch group
-axes, pmap's device axis), so :func:`fit_memory` builds on the same
-functions to search batch sizes.
-
-:func:`fit_memory` (``jaxdev.memory.fit_memory(step, state, example_batch,
-limit=...)``) searches the per-device batch size, each candidate compiled,
-never run: doubling from the smallest batch, then bisecting, it returns the
-largest batch whose compiled peak is within the limit, with the table of
-what it compiled. When even the smallest batch does not fit, it tries the
-changes above in order of their cost per step and searches the batch of the
-first that fits; when nothing fits, it raises :class:`jaxdev.MemoryPlanError`
-with the table. (Accelerate's ``find_executable_batch_size`` runs and
-catches out-of-memory errors; this allocates nothing but the compiler's.)
-
-Both take a step's description (:class:`jaxdev.memory._spec.StepSpec`, or a
-step that carries one) and ask its strategy for every layout.
+:func:`explain_memory` compiles the step and each option (fsdp, accumulate,
+remat, offload, half the batch) for the same shapes, never runs them; its text
+is what the step's memory errors carry. :func:`fit_memory` searches the
+per-device batch size the same way. Both take a :class:`StepSpec` (or a step
+that carries one) and ask its strategy for every layout.
 """
 
 from __future__ import annotations
@@ -64,14 +39,7 @@ OPTIONS = ("fsdp", "accumulate", "remat", "offload", "half_batch")
 
 
 class BatchRows(NamedTuple):
-    """A batch as rows: what stays when the step's group axes are taken off.
-
-    Attributes:
-      treedef: the batch's structure.
-      leaves: ``(trailing shape, dtype)`` per leaf (the shape of one row).
-      rows: global rows per update (every device, every micro-batch).
-      k: the ``steps_per_call`` axis (1: none).
-    """
+    """A batch as rows: ``(trailing shape, dtype)`` per leaf, global rows per update, K."""
 
     treedef: Any
     leaves: tuple[tuple[tuple[int, ...], Any], ...]
@@ -80,20 +48,7 @@ class BatchRows(NamedTuple):
 
 
 def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
-    """Read ``batch`` (as the step takes it: placed, Padded, or shapes) as rows per update.
-
-    The leading axes are those :meth:`jaxdev.Strategy.batch_shape` lays out.
-
-    Raises:
-      UsageError: a leaf has too few axes for the step's layout, or the
-        leaves disagree on the rows.
-
-    Example:
-      >>> import jax, optax, jaxdev
-      >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
-      >>> batch_rows(step.spec, jax.ShapeDtypeStruct((2, 8, 3), "float32")).rows
-      16
-    """
+    """``batch`` (placed, Padded, or shapes) as rows per update, past the step's lead axes."""
     inner = batch.batch if isinstance(batch, Padded) else batch
     leaves, treedef = jax.tree.flatten(inner)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
@@ -125,19 +80,7 @@ def _dtype(x: Any) -> Any:
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
-    """``ShapeDtypeStruct`` s of a batch of ``n_rows`` global rows per update laid out for a step.
-
-    ``n_rows`` should divide by ``accumulate`` (and, under pmap, by
-    ``accumulate`` times the devices); a sharded step pads uneven rows
-    itself when lowered.
-
-    Example:
-      >>> import jax, optax, jaxdev
-      >>> step = jaxdev.make_train_step(lambda p, b: b @ p, optax.sgd(0.1), accumulate=2)
-      >>> r = batch_rows(step.spec, jax.ShapeDtypeStruct((2, 4, 3), "float32"))
-      >>> r.rows, batch_for(step.spec, r, 32).shape
-      (8, (2, 16, 3))
-    """
+    """``ShapeDtypeStruct`` s of ``n_rows`` global rows per update laid out for the step."""
     lead = spec.strategy.batch_shape(n_rows, rows.k, spec.accumulate)
     leaves = [jax.ShapeDtypeStruct(lead + trailing, dtype) for trailing, dtype in rows.leaves]
     return rows.treedef.unflatten(leaves)
@@ -160,16 +103,9 @@ def state_shapes(tree: Any) -> Any:
 
 
 class MemoryOption(NamedTuple):
-    """One change of a step and what its compiled program needs per device.
+    """One change (as code, in words), its compiled peak and temporaries per device, fits?
 
-    Attributes:
-      change: the change, as code (``"Strategy.sharded(mesh, rules='fsdp')"``).
-      what: a few words on it (``"fsdp over 8 devices"``).
-      peak: compiled bytes per device (arguments + outputs - donated +
-        temporaries), or ``None`` when the variant does not compile.
-      temp: its temporaries.
-      fits: ``peak <= limit`` (``None`` without a limit or a figure).
-      note: why it has no figure, or a remark.
+    ``peak`` is ``None`` when it does not compile (``note`` says why).
     """
 
     change: str
@@ -180,8 +116,17 @@ class MemoryOption(NamedTuple):
     note: str = ""
 
 
-def option(change: str, what: str, spec: StepSpec, state: Any, batch: Any, limit: int | None):
-    """Compile the step ``spec`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
+class Variant(NamedTuple):
+    """A changed step, not yet compiled: ``change`` as code, ``what`` in words, its ``spec``."""
+
+    change: str
+    what: str
+    spec: StepSpec
+
+
+def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOption:
+    """Compile the variant ``v`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
+    change, what, spec = v
     start = time.perf_counter()
     try:
         p = plan(state, step=spec, batch=batch)
@@ -195,21 +140,8 @@ def option(change: str, what: str, spec: StepSpec, state: Any, batch: Any, limit
     return MemoryOption(change, what, p.peak, p.compiled.temp, fits)
 
 
-class Variant(NamedTuple):
-    """A changed step, not yet compiled: ``change`` as code, ``what`` in words, its ``spec``."""
-
-    change: str
-    what: str
-    spec: StepSpec
-
-
 def fsdp_variant(spec: StepSpec) -> Variant | None:
-    """``rules='fsdp'`` over the mesh (the same devices), or None when it does not apply.
-
-    Only for replicated params (``rules='replicate'``): ``'fsdp'`` replaces the
-    rules, so it would drop a user's own layout (tensor parallelism by flax's
-    logical rules, regex rules, ``'fsdp'`` itself). The other options keep it.
-    """
+    """``rules='fsdp'`` over the mesh, only for ``rules='replicate'`` (keeps a user's layout)."""
     strategy, rules = spec.strategy, spec.strategy.rules
     if strategy.mesh.size < 2 or not (isinstance(rules, str) and rules == "replicate"):
         return None
@@ -273,11 +205,6 @@ def all_variant(spec: StepSpec, state: Any) -> Variant | None:
     return Variant(", ".join(parts), "all together", spec.replace(changed, **config))
 
 
-def option_of(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOption:
-    """Compile the variant ``v`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
-    return option(v.change, v.what, v.spec, state, batch, limit)
-
-
 def accumulate_options(spec, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
     """``accumulate=M`` for M = 2, 4, ... times the step's, until one fits (4 compiles at most)."""
     m, n = spec.accumulate, spec.strategy.n_devices
@@ -290,7 +217,9 @@ def accumulate_options(spec, state, rows: BatchRows, limit: int | None) -> list[
         micro = rows.rows // big
         what = f"{big} micro-batches of {micro} row{'s' if micro != 1 else ''}"
         out.append(
-            option(f"accumulate={big}", what, s, state, batch_for(s, rows, rows.rows), limit)
+            option(
+                Variant(f"accumulate={big}", what, s), state, batch_for(s, rows, rows.rows), limit
+            )
         )
         if out[-1].fits:
             break
@@ -303,8 +232,8 @@ def half_batch_option(spec, state, rows: BatchRows, limit: int | None) -> Memory
     half = (rows.rows // 2) // unit * unit
     if half < unit or half == rows.rows:
         return None
-    what = f"now {rows.rows} rows per step"
-    return option(f"a batch of {half} rows", what, spec, state, batch_for(spec, rows, half), limit)
+    v = Variant(f"a batch of {half} rows", f"now {rows.rows} rows per step", spec)
+    return option(v, state, batch_for(spec, rows, half), limit)
 
 
 def memory_options(
@@ -314,7 +243,7 @@ def memory_options(
     rows = batch_rows(spec, batch)
 
     def of(v: Variant | None) -> MemoryOption | None:
-        return None if v is None else option_of(v, state, batch_for(v.spec, rows, rows.rows), limit)
+        return None if v is None else option(v, state, batch_for(v.spec, rows, rows.rows), limit)
 
     out = [of(fsdp_variant(spec)) if "fsdp" in names else None]
     if spec.train and "accumulate" in names:
@@ -357,19 +286,12 @@ class MemoryExplanation:
     ``str(explanation)`` is the text of the step's memory errors.
 
     Attributes:
-      subject: what needs the memory (``'the train step'``).
-      plan: the :class:`jaxdev.memory.MemoryPlan` of the step as it is (compiled:
-        ``plan.compiled`` holds ``memory_analysis()``'s figures).
-      limit: bytes per device available, or ``None`` when neither given nor
-        reported by the backend (CPU).
-      source: where ``limit`` came from.
-      ledger: the live arrays when it was made (:func:`jaxdev.memory`).
-      options: one :class:`MemoryOption` per change, each compiled.
+      plan: the :class:`jaxdev.memory.MemoryPlan` of the step as it is, compiled.
+      limit: bytes per device, ``None`` when neither given nor reported (CPU).
+      ledger: the live arrays when it was made (:func:`jaxdev.memory.ledger`).
       live: the "live now" lines (largest arrays by path, old copies).
       error: XLA's message when a call ran out of memory.
-      compiles: programs compiled to make it (the step, unless its plan was
-        given, and each option).
-      seconds: the time those compiles took.
+      compiles: programs compiled to make it, in ``seconds``.
     """
 
     subject: str
@@ -406,13 +328,7 @@ class MemoryExplanation:
         )
 
     def advice(self) -> str:
-        """The cheapest compiled option that fits, or that none does (``""``: no limit or options).
-
-        The options are listed cheapest per step first (fsdp: collectives;
-        accumulation: smaller passes; remat: the forward pass again;
-        offloading: host transfers; half the batch: another update), so the
-        advice is the first that fits.
-        """
+        """The first (cheapest per step) compiled option that fits, or that none does."""
         if self.limit is None or not self.options:
             return ""
         best = next((o for o in self.options if o.fits), None)
@@ -484,33 +400,16 @@ def explain_memory(
 ) -> MemoryExplanation:
     """What ``step(state, batch)`` needs, what is live, and which compiled change fits.
 
-    Nothing runs and nothing is allocated: the step and every option are
-    lowered and compiled for the shapes of ``state`` and ``batch``, each
-    compile logged (``logging.getLogger("jaxdev")``, INFO) and the count and
-    time given in the text. ``TrainStep.explain_memory`` calls it.
+    Nothing runs: the step and each option are compiled for the shapes of
+    ``state`` and ``batch`` (each compile logged at INFO). ``TrainStep.explain_memory``
+    calls it.
 
     Args:
-      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
-      state: the state (arrays, deleted ones too, or ``ShapeDtypeStruct`` s).
-      batch: the batch as the step takes it (placed, :class:`jaxdev.Padded`,
-        or shapes).
-      limit: bytes per device; ``None``: the devices' ``bytes_limit`` where
-        the backend reports one (CPU reports none: the options are then
-        listed without a verdict).
-      metrics: the running metrics the call gets, if any.
-      options: which changes to compile, some of :data:`OPTIONS`:
-        ``"fsdp"``, ``"accumulate"`` (up to 4 compiles), ``"remat"``,
-        ``"offload"`` (up to 2), ``"half_batch"``; ``()`` for none.
-      source: where ``limit`` came from, for the text.
-      plan_: the step's plan, when the caller compiled it already.
-      error: XLA's message, when a call ran out of memory.
-
-    Returns:
-      A :class:`MemoryExplanation`.
-
-    Raises:
-      UsageError: ``options`` names another change, ``limit`` is not a
-        number of bytes, or ``batch`` has no row axis where the step needs one.
+      limit: bytes per device; ``None``: the devices' ``bytes_limit`` (none on
+        CPU: the options are listed without a verdict).
+      options: the changes to compile, some of :data:`OPTIONS` (``()``: none).
+      source: where ``limit`` came from; ``plan_``: the step's plan, when
+        compiled already; ``error``: XLA's message after an out-of-memory.
     """
     names = check_options(options)
     spec, limit, found = _budget(step, limit, required=False)
@@ -550,11 +449,7 @@ def _budget(step: StepSpec | Described, limit: Any, **kwargs: Any) -> tuple[Step
 
 
 def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
-    """The ledger and its "live now" lines, naming the trees that hold arrays.
-
-    A tree of shapes names nothing: given to the ledger, every live array
-    shaped like one of its leaves would be flagged as an old copy.
-    """
+    """The ledger and "live now" lines of the trees holding arrays (shapes would flag copies)."""
     trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
     try:
         book = ledger(**trees)
@@ -567,10 +462,7 @@ def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
 
 
 def split_args(args: list[Any]) -> tuple[Any, Any, Any]:
-    """``(state, batch, metrics)`` of a compiled step's ``[state, batch, (mask), (metrics)]``.
-
-    A mask makes the batch a :class:`jaxdev.Padded` again.
-    """
+    """``(state, batch, metrics)`` of a step's ``[state, batch, (mask), (metrics)]``."""
     state, batch, rest = args[0], args[1], list(args[2:])
     if rest and isinstance(rest[0], jax.Array):
         batch = Padded(batch, rest.pop(0), 0)
@@ -584,15 +476,9 @@ def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplan
 
 
 def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
-    """Raise MemoryPlanError when the compiled step needs more than its budget.
+    """Raise MemoryPlanError before a program's first call when it needs more than its budget.
 
-    Runs once per program (variant and batch shape), before its first
-    call: lowers ``jitted`` for ``args`` (JAX caches the executable, so the
-    call that follows does not compile again) and hands its plan to
-    :func:`jaxdev.memory._plan.check_fits`, the one memory check (the same figures
-    and advice as :func:`jaxdev.memory.plan`).
-    The budget is ``memory_limit``, else the devices' own (none on CPU:
-    nothing to check).
+    The budget is ``memory_limit``, else the devices' own (none on CPU).
     """
     limit, source = resolve_limit(
         spec.memory_limit, spec.strategy.devices, required=False, arg="memory_limit"
@@ -616,10 +502,8 @@ def oom_error(
 ) -> OutOfMemoryError | None:
     """The explained :class:`OutOfMemoryError` of a step call's ``err`` (``None``: not an OOM).
 
-    ``args`` are the call's ``[state, batch, (mask), (metrics)]``; donated
-    arrays among them may be deleted (their shapes are all that is read).
-    ``where``: where an error of an asynchronous call surfaced (a read, the
-    next call), said on the second line.
+    ``args`` may hold deleted (donated) arrays; ``where``: where an asynchronous
+    error surfaced (a read, the next call).
     """
     if not is_resource_exhausted(err):
         return None
@@ -649,16 +533,7 @@ DEFAULT_MAX_BATCH = 1 << 16
 
 
 class FitTrial(NamedTuple):
-    """One compiled candidate of :func:`fit_memory`.
-
-    Attributes:
-      change: ``"as is"`` or the change (``"Strategy.sharded(mesh, rules='fsdp')"``).
-      batch_size: rows per device per update.
-      rows: global rows per update.
-      peak: compiled bytes per device (``None``: it did not compile).
-      fits: ``peak <= limit``.
-      note: why it did not compile.
-    """
+    """One compiled candidate of :func:`fit_memory` (``peak`` None: did not compile)."""
 
     change: str
     batch_size: int
@@ -675,20 +550,12 @@ class MemoryFit:
     ``print(fit)`` shows the result and the table of every compiled trial.
 
     Attributes:
-      batch_size: the largest rows per device per update whose compiled
-        peak is within ``limit``.
-      rows: the global rows per update of that batch (what ``put_batch``
-        takes per step).
-      change: ``None`` when the step fits as it is, else the change that
-        made the smallest batch fit (as code).
+      batch_size: the largest rows per device per update that fits; ``rows``: global.
+      change: ``None`` when the step fits as it is, else the change (as code).
       step: the step to train with: ``step`` itself, or the changed step.
       batch: the batch's ``ShapeDtypeStruct`` s, laid out for ``step``.
-      peak: its compiled peak per device.
-      limit: the budget per device.
-      source: where ``limit`` came from.
       tried: every compiled candidate, in order.
-      capped: the search stopped at ``max_batch_size`` while still fitting
-        (larger batches were not tried).
+      capped: stopped at ``max_batch_size`` while still fitting.
     """
 
     batch_size: int
@@ -806,33 +673,20 @@ def fit_memory(
 ) -> MemoryFit:
     """Find the largest per-device batch whose compiled step fits in ``limit``; nothing runs.
 
-    Each candidate is a ``jax.ShapeDtypeStruct`` batch with the rows of
-    ``example_batch`` laid out for the step, lowered and compiled; its peak is
-    :func:`jaxdev.memory.plan`'s. The search doubles from the smallest batch
-    (one row per device, times ``accumulate``), then bisects: the batch found
-    fits and the next larger one does not (assuming the peak grows with the
-    batch). When even the smallest batch does not fit, the changes are tried
-    cheapest per step first (``rules='fsdp'``, ``remat=True``, the optimizer
-    state then the params offloaded, all together) and the batch of the first
-    that fits is searched. (``fit`` trains in Keras; this compiles only.)
+    Doubles from the smallest batch (``accumulate`` rows per device), then
+    bisects, each candidate compiled. When even that does not fit, the changes
+    are tried cheapest per step first (fsdp, remat, offload, all together) and
+    the batch of the first that fits is searched.
 
     Args:
-      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
-      state: the state (arrays or ``ShapeDtypeStruct`` s from ``jax.eval_shape``).
-      example_batch: a batch as the step takes it (arrays or shapes); only
-        its row shape and dtypes are read.
-      limit: bytes per device. Default: the devices' ``bytes_limit`` (GPU,
-        TPU); required on CPU, which reports none.
+      example_batch: a batch as the step takes it (arrays or shapes); only its
+        row shape and dtypes are read.
+      limit: bytes per device. Default: the devices' ``bytes_limit``; required on CPU.
       max_batch_size: the largest rows per device to try.
 
-    Returns:
-      A :class:`MemoryFit`; ``print`` it for the table of trials.
-
     Raises:
-      MemoryPlanError: nothing fits: not even the smallest batch, as the
-        step is or with any change; the message has the table of trials.
-      UsageError: a bad ``step``, ``max_batch_size`` or ``example_batch``, or
-        ``limit`` is missing (CPU) or not a number of bytes.
+      MemoryPlanError: nothing fits, as the step is or with any change (with the table).
+      UsageError: a bad ``step``, ``max_batch_size`` or ``example_batch``, or no ``limit`` on CPU.
       ShardingError: another mesh than the step's is set with ``jax.set_mesh``.
 
     Example:
@@ -850,14 +704,13 @@ def fit_memory(
       ("Strategy.sharded(mesh, rules='fsdp')", 63, 'fsdp')
     """
     spec = spec_of(step)
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)):
-        raise UsageError(f"`max_batch_size` must be an int >= 1, got {max_batch_size!r}.")
-    if max_batch_size < 1:
-        raise UsageError(f"`max_batch_size` must be an int >= 1, got {max_batch_size}.")
+    bad = isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
+    if bad or max_batch_size < 1:
+        got = repr(max_batch_size) if bad else max_batch_size
+        raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     spec, limit_, source = _budget(spec, limit, example=example)
-    # under the strategy's mesh: a user's jax.set_mesh of another mesh is named here
-    # (ShardingError), not taken for candidates that do not compile ('nothing fits')
+    # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     with spec.strategy.mesh_context():
         rows = batch_rows(spec, example_batch, "example_batch")
         tried: list[FitTrial] = []
