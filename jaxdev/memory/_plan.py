@@ -1,20 +1,10 @@
-"""Memory plans: how many bytes each device will hold, before anything is allocated.
+"""Memory plans: how many bytes each device will hold, from shapes alone, before allocating.
 
-:func:`plan` reads only shapes and dtypes (``jax.ShapeDtypeStruct`` s are
-fine) and the shardings the rules give (:func:`jaxdev.param_shardings` of the state), and
-returns a :class:`MemoryPlan`: per category (``params``, ``opt_state``,
-``model_state``, ``batch``, ``other``) the bytes the fullest device holds, the
-logical (global) bytes and the share of them that is sharded. With a train
-step and a batch it also compiles the step (nothing runs) and keeps the
-compiled program's own ``memory_analysis()`` figures: arguments, outputs,
-donated (aliased) bytes, temporaries and generated code.
-
-How bytes per device are counted: a leaf of shape ``s`` and dtype ``d`` under
-sharding ``S`` puts ``prod(S.shard_shape(s)) * d.itemsize`` bytes on every
-device of ``S`` (a dimension a mesh axis does not divide is padded to the next
-multiple, as XLA does); a category's figure is the maximum over devices of the
-sum over its leaves, and :attr:`MemoryPlan.total` is the maximum over devices
-of the sum over every category (not the sum of the per-category maxima).
+A leaf of shape ``s`` under sharding ``S`` puts ``prod(S.shard_shape(s)) * itemsize``
+bytes on each device of ``S`` (undivided dimensions padded up, as XLA does); a
+category's figure is the fullest device's sum, and :attr:`MemoryPlan.total` the
+fullest device's sum over every category. With a step and a batch the step is
+compiled too and its ``memory_analysis()`` kept.
 """
 
 from __future__ import annotations
@@ -44,25 +34,13 @@ CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 
 _STATE_CATEGORIES = ("params", "opt_state", "model_state")
 
-"""Mesh axes a batch is not split over (mirrors ``Strategy.sharded``'s default)."""
-
 
 class CompiledMemory(NamedTuple):
     """A compiled step's ``memory_analysis()``, per device, in bytes.
 
-    Attributes:
-      argument: inputs (state, batch, metrics) held while the step runs.
-      output: outputs (new state, metrics).
-      alias: output bytes that reuse donated input buffers.
-      temp: temporaries (activations, gradients, gathered params).
-      generated_code: size of the generated code.
-      host: bytes of arguments and outputs kept in host memory (offloaded
-        state, ``pinned_host``), net of donation. They are not in the
-        figures above, whether the backend reports them apart (GPU, TPU) or
-        counts them with the device's (XLA:CPU, where jaxdev takes them out
-        by the program's shardings). XLA:CPU also keeps one memory for both
-        kinds, so its temporaries do not hold the streamed-in copies a GPU's
-        do.
+    ``alias`` is the output bytes reusing donated inputs; ``host`` the arguments
+    and outputs kept in host memory (offloaded state), net of donation and not
+    in the other figures (XLA:CPU counts them with the device's: taken out).
     """
 
     argument: int
@@ -79,17 +57,8 @@ class CompiledMemory(NamedTuple):
 
 
 class PlanRow(NamedTuple):
-    """One category of a :class:`MemoryPlan`.
-
-    Attributes:
-      category: ``'params'``, ``'opt_state'``, ``'model_state'``, ``'batch'`` or
-        ``'other'``.
-      bytes_per_device: what the fullest device holds of it.
-      total_bytes: logical (global) bytes: every leaf counted once.
-      sharded_bytes: logical bytes of the leaves split over devices (not
-        fully replicated).
-      leaves: how many leaves it has.
-    """
+    """One category of a :class:`MemoryPlan`: the fullest device's bytes, logical bytes,
+    the logical bytes of leaves split over devices, and the leaf count."""
 
     category: str
     bytes_per_device: int
@@ -119,17 +88,12 @@ class MemoryPlan:
     ``print(plan)`` shows a table; :meth:`fits` compares with a budget.
 
     Attributes:
-      rows: one :class:`PlanRow` per category present, in the order of
-        ``CATEGORIES``.
+      rows: one :class:`PlanRow` per category present, in ``CATEGORIES`` order.
       total: bytes the fullest device holds, all categories together.
       by_device: bytes per device name (``'cpu:3'``), every mesh device listed.
-      mesh: the mesh the plan is for.
-      rules: the rules that placed the state.
-      compiled: the compiled step's ``memory_analysis()`` (with ``step`` and
-        ``batch``), else ``None``.
-      host_by_device: bytes per device name kept in host memory (fields a
-        strategy offloads); they are 0 on the devices, in no row's
-        ``bytes_per_device`` and not in ``total``.
+      compiled: the compiled step's ``memory_analysis()`` (with ``step`` and ``batch``).
+      host_by_device: bytes per device name kept in host memory (offloaded
+        fields), not in ``rows`` nor ``total``.
     """
 
     rows: tuple[PlanRow, ...]
@@ -158,15 +122,10 @@ class MemoryPlan:
         return self.compiled.peak if self.compiled is not None else self.total
 
     def fits(self, limit: int | None = None) -> bool:
-        """Whether :attr:`peak` fits in ``limit`` bytes per device.
-
-        Args:
-          limit: the budget per device in bytes; ``None`` for the devices'
-            ``memory_stats()["bytes_limit"]`` (the smallest over the mesh).
+        """Whether :attr:`peak` fits in ``limit`` bytes per device (``None``: the devices' own).
 
         Raises:
-          UsageError: ``limit`` is not a number of bytes >= 0, or it is
-            ``None`` and the backend reports no limit (CPU): pass ``limit=``.
+          UsageError: ``limit`` is not a number of bytes, or ``None`` on CPU (no limit).
 
         Example:
           >>> import jax, jaxdev
@@ -203,10 +162,7 @@ class MemoryPlan:
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
-    """A leaf's shape and the dtype it has on a device (x64 rules applied for host values).
-
-    JAX dtypes are kept as they are: typed PRNG keys (``key<fry>``) are no numpy dtype.
-    """
+    """A leaf's shape and its dtype on a device (x64 rules for host values; JAX dtypes kept)."""
     if isinstance(x, jax.ShapeDtypeStruct) or is_jax_array(x):
         return tuple(x.shape), x.dtype
     if isinstance(x, PY_SCALARS):
@@ -294,12 +250,7 @@ def _category(path: tuple[Any, ...], is_state: bool) -> str:
 def _add_state(tally: _Tally, state: Any, shardings: Any, is_state: bool) -> None:
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
-    if len(flat) != len(targets):  # pragma: no cover - state_shardings keeps the structure
-        raise UsageError(
-            f"`state_or_shapes` has {len(flat)} leaves but its shardings have {len(targets)}; "
-            "pass the unboxed params tree or a jaxdev.TrainState."
-        )
-    for (path, leaf), s in zip(flat, targets):
+    for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
         tally.add(_category(path, is_state), *_shape_dtype(leaf), s)
 
 
@@ -330,49 +281,25 @@ def plan(
 ) -> MemoryPlan:
     """Plan the bytes per device of a state (and batch, and step) before allocating anything.
 
-    Only shapes and dtypes are read: pass arrays, or ``jax.ShapeDtypeStruct``
-    s from ``jax.eval_shape`` (e.g. ``jax.eval_shape(lambda: TrainState.create(
-    model.init(key, x), tx))``), and the plan equals the placed tree's
-    :func:`jaxdev.placement` totals. Shardings come from
-    :func:`jaxdev.param_shardings` of the state (under ``"flax"``, unboxed params already
-    placed on the mesh count in the layout they carry, which is what the
-    train step keeps): for a :class:`jaxdev.TrainState` the rows
-    are ``params``, ``opt_state`` (following the params), ``model_state`` and
-    ``other`` (``step``, ``rng``); any other tree is counted as ``params``.
-
-    The batch is split along its rows the way the step splits it: with
-    ``step``, over the step's batch axis (``Strategy.axis``; behind the
-    ``steps_per_call`` / ``accumulate`` group axes of a sharded step; the
-    whole batch on one device for ``Strategy.single``); without, over every
-    mesh axis except ``'model'`` / ``'tensor'`` (what
-    ``Strategy.sharded(mesh)`` does). Rows the devices do not divide count as
-    padded up to the next multiple (what ``put_batch`` does); scalars are
-    replicated. Pass the batch as the step receives it (after ``put_batch``).
-
-    With ``step`` and ``batch`` the step is also compiled for them
-    (``step.lower(state, batch).compile()``; nothing runs, nothing is
-    allocated) and its ``memory_analysis()`` kept in ``plan.compiled``;
-    ``plan.peak`` is then ``argument + output - alias + temp``.
+    Only shapes and dtypes are read (arrays or ``ShapeDtypeStruct`` s from
+    ``jax.eval_shape``); shardings come from :func:`jaxdev.param_shardings`. A
+    :class:`jaxdev.TrainState` gives rows ``params``, ``opt_state``,
+    ``model_state`` and ``other``; any other tree counts as ``params``. The batch
+    (as the step receives it) is split the way ``step`` splits it, else as
+    :func:`jaxdev.shard_batch` does, uneven rows padded up. With ``step`` and
+    ``batch`` the step is compiled too (nothing runs): ``plan.peak`` is then
+    its ``argument + output - alias + temp``.
 
     Args:
-      state_or_shapes: a train state or any pytree of arrays, numbers or
-        ``ShapeDtypeStruct`` s (linen boxes and NNX ``State`` s understood).
-      mesh: the mesh; default: the step's mesh, else :func:`jaxdev.data_mesh`.
-      rules: the :data:`jaxdev.Rules` for the params; with ``step``, the
-        step's own rules are used (the default ``"replicate"`` stands for
-        them; any other value that differs from them is an error).
-      step: optional :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep`
-        (or its ``.spec``).
-      batch: optional batch (arrays or ``ShapeDtypeStruct`` s).
+      mesh: default: the step's mesh, else :func:`jaxdev.data_mesh`.
+      rules: the :data:`jaxdev.Rules` for the params; with ``step``, the step's
+        (the default stands for them; another value is an error).
+      step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
       **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
         :func:`jaxdev.param_shardings`.
 
-    Returns:
-      A :class:`MemoryPlan`; ``print`` it for a table.
-
     Raises:
-      UsageError: ``step`` is not a train step, or ``mesh`` / ``rules``
-        disagree with the step's.
+      UsageError: ``mesh`` / ``rules`` disagree with the step's.
       ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
 
     Example:
@@ -401,11 +328,7 @@ def plan(
 
 
 def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
-    """The plan of one call of the step ``spec``, with the program it compiled (``lowered``).
-
-    What :func:`plan` gives with ``step`` and ``batch``, without lowering the
-    step again: the train step builds its memory check on it.
-    """
+    """:func:`plan` of one call of the step ``spec`` with the program it lowered already."""
     return _plan(state, None, "replicate", spec, batch, lowered, {})
 
 
@@ -490,14 +413,7 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
 
 
 def device_memory_limit(devices: Any) -> int | None:
-    """The smallest ``memory_stats()["bytes_limit"]`` of ``devices``, or None if any reports none.
-
-    Example:
-      >>> import jax
-      >>> from jaxdev.memory._plan import device_memory_limit
-      >>> device_memory_limit(jax.devices("cpu")) is None  # CPU reports no limit
-      True
-    """
+    """The smallest ``bytes_limit`` of ``devices``, or None if any reports none."""
     limits = [bytes_limit(d) for d in devices]
     return None if None in limits else min(limits, default=None)
 
@@ -520,20 +436,10 @@ def resolve_limit(
     required: bool = True,
     arg: str = "limit",
 ) -> tuple[int | None, str]:
-    """``(bytes per device, where it came from)`` for a memory budget: the one owner.
+    """``(bytes per device, source)`` of a memory budget: the one owner.
 
-    ``limit`` given: checked and taken (``arg`` names it in errors and as the
-    source). ``None``: the smallest ``bytes_limit`` of this process's
-    ``devices`` (a mesh or devices); a backend that reports none (CPU)
-    raises naming ``example`` when ``required``, else gives ``None``.
-
-    Example:
-      >>> import jaxdev
-      >>> from jaxdev.memory._plan import resolve_limit
-      >>> resolve_limit(2**20, jaxdev.data_mesh())
-      (1048576, 'limit')
-      >>> resolve_limit(None, jaxdev.data_mesh(), required=False)  # CPU reports none
-      (None, 'no limit known')
+    ``None``: the smallest ``bytes_limit`` of this process's ``devices``; a backend
+    reporting none (CPU) raises naming ``example`` when ``required``, else gives ``None``.
     """
     if limit is None:
         flat = devices.devices.flat if isinstance(devices, Mesh) else devices
@@ -572,42 +478,10 @@ def check_fits(
 ) -> None:
     """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
 
-    The message says what is needed and what is available, and the fix:
-    with ``explain``, the cheapest of its compiled options that fits (or that
-    none does); without, when the params are replicated
-    (``rules='replicate'``) over several devices, what ``'fsdp'`` would need
-    instead.
-
-    This is the one memory check: :func:`jaxdev.make_train_step` with
-    ``memory_limit`` (or a device limit) calls it with the plan of its first
-    call, so the step and :func:`jaxdev.memory.plan` give the same figures and the
-    same advice, and the advice works when followed on the same mesh.
-
-    Args:
-      plan_: a :class:`MemoryPlan`.
-      limit: bytes per device, or ``None`` for the devices' ``bytes_limit``.
-      source: where ``limit`` came from, for the message (default: ``limit``).
-      subject: what needs the memory, to start the message (e.g. ``the
-        train step``).
-      explain: ``explain(limit, source)`` -> a
-        :class:`jaxdev.memory.MemoryExplanation`, called only when the plan does
-        not fit: its details (live arrays by path, compiled options) are
-        added to the message and it is kept as the error's ``explanation``.
-
-    Raises:
-      MemoryPlanError: the plan needs more than ``limit``.
-      UsageError: as in :meth:`MemoryPlan.fits`.
-
-    Example:
-      >>> import jax, jaxdev
-      >>> from jaxdev.memory._plan import check_fits
-      >>> p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((8192, 1024), "float32")})
-      >>> check_fits(p, limit=64 * 2**20)
-      >>> try:
-      ...     check_fits(p, limit=16 * 2**20)
-      ... except jaxdev.MemoryPlanError as e:
-      ...     print(str(e).split("; ")[0])
-      needs 32.0 MiB per device, 16.0 MiB available (limit)
+    The one memory check (the step's ``memory_limit`` too). The fix it names:
+    with ``explain`` (``explain(limit, source)`` -> a ``MemoryExplanation``, called
+    only when it does not fit, its details added), the cheapest compiled option
+    that fits; without, what ``'fsdp'`` would need for replicated params.
     """
     limit_, found = resolve_limit(limit, plan_.mesh)
     source = source or found
@@ -660,14 +534,7 @@ def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
 
 
 def fsdp_alternative(plan_: MemoryPlan) -> str:
-    """``"; with rules='fsdp' over 8 devices: 8.1 GiB"``, or ``""`` when it does not apply.
-
-    ``'fsdp'`` shards over its default axis (:func:`fsdp_axis_of`: the
-    ``'fsdp'`` axis, else the batch axes), exactly what
-    ``Strategy.sharded(mesh, rules='fsdp')`` does. Offered only for
-    replicated params (``rules='replicate'``: ``'fsdp'`` would replace other
-    rules), and not when the axis has one device or the rules cannot apply.
-    """
+    """``"; with rules='fsdp' over 8 devices: 8.1 GiB"`` for replicated params, else ``""``."""
     mesh, inputs = plan_.mesh, plan_._inputs
     if inputs is None or _no_fsdp_advice(plan_):
         return ""
@@ -690,7 +557,7 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
 
 def _format(p: MemoryPlan) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.shape.items())
-    rules = p.rules if isinstance(p.rules, str) else short(p.rules, 80)
+    rules = repr(p.rules) if isinstance(p.rules, str) else short(p.rules, 80)
     head = ("category", "bytes/device", "total bytes", "sharded")
     body = [
         (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))
@@ -700,11 +567,7 @@ def _format(p: MemoryPlan) -> str:
     sharded = sum(r.sharded_bytes for r in p.rows)
     everything = PlanRow("total", p.total, logical, sharded, 0)
     body.append(("total", human_bytes(p.total), human_bytes(logical), _pct(everything)))
-    lines = [
-        f"memory plan: mesh({mesh}), rules={rules!r}"
-        if isinstance(p.rules, str)
-        else f"memory plan: mesh({mesh}), rules={rules}"
-    ]
+    lines = [f"memory plan: mesh({mesh}), rules={rules}"]
     lines += text_table(head, body, rstrip=True)
     if p.host:
         lines.append(
