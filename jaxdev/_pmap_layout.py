@@ -1,12 +1,4 @@
-"""The stacked layout ``jax.pmap`` expects: a leading device axis.
-
-For users of ``jax.pmap`` (flax's ``jax_utils``, in jaxdev's words):
-:func:`stack_for_pmap` / :func:`unstack_from_pmap` put a tree on a new
-leading device axis and back; :func:`shard_for_pmap` reshapes a batch
-``(B, ...) -> (n, B // n, ...)`` (with padding and a mask if asked) and
-:func:`unshard_from_pmap` merges it back. For ``jit`` code use
-:func:`jaxdev.replicate` and :func:`jaxdev.shard_batch` instead.
-"""
+"""The stacked layout ``jax.pmap`` expects: a leading device axis (flax's ``jax_utils``)."""
 
 from __future__ import annotations
 
@@ -42,21 +34,11 @@ def _broadcaster(n: int, stacked: NamedSharding) -> Callable[[list[jax.Array]], 
 
 
 def stack_for_pmap(tree: Any, devices: Any = None) -> Any:
-    """Copy every leaf onto a new leading device axis, the layout ``jax.pmap`` expects.
+    """Copy every leaf onto a new leading device axis (flax's ``jax_utils.replicate``).
 
-    What flax's ``jax_utils.replicate`` does: leaf ``x`` becomes an array of
-    shape ``(n, *x.shape)`` whose row ``i`` lives on device ``i``. Only for
-    ``jax.pmap`` code; for ``jit`` use :func:`replicate` (one logical copy,
-    no extra axis). The copies are made by one replicating
-    ``jax.device_put`` and one jitted broadcast that stays on each device.
-
-    Args:
-      tree: any pytree.
-      devices: the devices, in pmap order; default every local device (the
-        order ``jax.pmap`` uses).
-
-    Returns:
-      The stacked tree.
+    Leaf ``x`` becomes ``(n, *x.shape)`` with row ``i`` on device ``i`` (default: every
+    local device, in pmap order). Only for ``jax.pmap`` code; ``jit`` code uses
+    :func:`replicate`.
 
     Raises:
       LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
@@ -92,23 +74,13 @@ def _empty_stack(x: jax.Array, n: int, stacked: NamedSharding) -> jax.Array | No
 
 
 def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
-    """Return row 0 of every leaf of a stacked (pmap layout) tree: flax's ``unreplicate``.
+    """Return row 0 of every leaf of a stacked tree (flax's ``unreplicate``), on row 0's device.
 
-    ``jax.Array`` leaves come back as the single-device array on the device
-    that holds row 0; host leaves as numpy row 0.
-
-    Args:
-      tree: a tree made by :func:`stack_for_pmap` or returned by ``jax.pmap``.
-      check: also verify that all rows are bitwise identical (drift
-        detection: e.g. parameters after a pmapped step that forgot
-        ``lax.pmean``); fetches the whole tree to host once.
-
-    Returns:
-      The tree without its leading device axis.
+    ``check=True`` also verifies every row is bitwise identical (e.g. a pmapped step that
+    forgot ``lax.pmean``), fetching the tree once.
 
     Raises:
-      ShardingError: a leaf is a scalar (no device axis), or (with ``check``)
-        rows differ; the leaf path and the devices (or rows) are named.
+      ShardingError: a scalar leaf, or (``check``) rows differ; the leaf and rows named.
       DeletedArrayError: a leaf was deleted or donated.
       PlacementError: called on traced values inside ``jit``.
 
@@ -172,24 +144,11 @@ def _check_rows_equal(tree: Any, leaves: Sequence[Any]) -> None:
 def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
     """Reshape every leaf ``(B, ...) -> (n, B // n, ...)`` and place row ``i`` on device ``i``.
 
-    The layout ``jax.pmap`` expects for a batch (flax's ``shard`` plus the
-    transfer). The row count is checked here, naming the leaf, before
-    ``jax.pmap`` would fail with a message about its internal axes. Like
-    :func:`jaxdev.shard_batch`, it places the values the batch holds at call
-    time (a host buffer the loader refills is copied first).
-
-    Args:
-      batch: a pytree of arrays sharing their leading size ``B``.
-      devices: the devices, in pmap order; default every local device.
-      pad: pad ``B`` to a multiple of ``n`` (repeating the last row) and
-        return a :class:`Padded` whose mask has shape ``(n, B_padded // n)``.
-
-    Returns:
-      The placed batch, or a :class:`Padded` when ``pad``.
+    The row count is checked here, naming the leaf; ``pad=True`` pads to a multiple of
+    ``n`` and returns a :class:`Padded` with an ``(n, B_padded // n)`` mask.
 
     Raises:
-      ShardingError: as :func:`shard_batch` (size not divisible without
-        ``pad``, empty batch, mixed leading sizes, scalar or zero-size leaves).
+      ShardingError: as :func:`shard_batch`.
       DeviceSpecError, DeviceNotFoundError: bad ``devices``.
 
     Example:
@@ -227,19 +186,9 @@ def _split_leading(x: Any, n: int, per: int) -> Any:
 
 
 def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int | None = None):
-    """Merge the two leading axes ``(n, m, ...) -> (n * m, ...)`` and drop padding.
+    """Merge the two leading axes ``(n, m, ...) -> (n * m, ...)`` and drop padding, bit for bit.
 
-    The inverse of :func:`shard_for_pmap` for per-row outputs of a pmapped
-    function; leaves stay ``jax.Array`` (see :func:`unpad`) and every value
-    comes back bit for bit (``-0.0``, NaN payloads and denormals included).
-
-    Args:
-      tree: a pytree whose leaves have at least two leading axes.
-      padding: as :func:`unpad` (a :class:`Padded` from :func:`shard_for_pmap`
-        or its mask, or a row count); ``None`` keeps every row.
-
-    Returns:
-      The tree with one leading batch axis and exactly the real rows.
+    ``padding`` is as :func:`unpad` takes it (``None`` keeps every row).
 
     Raises:
       ShardingError: a leaf has fewer than two axes or the wrong row count.

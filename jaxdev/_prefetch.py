@@ -1,8 +1,4 @@
-"""Prefetch to device: place the next batches in a background thread.
-
-Host-to-device transfers (and the loader's own host work) overlap with the
-computation on the current batch.
-"""
+"""Prefetch to device: place the next batches in a background thread."""
 
 from __future__ import annotations
 
@@ -30,12 +26,7 @@ _END = object()
 
 
 class _Channel:
-    """A bounded queue between the thread and the consumer that ``close`` shuts at once.
-
-    ``close`` wakes every waiter: a consumer blocked in ``get`` gets the end
-    marker, a producer blocked in ``put`` gets False. The lock is reentrant,
-    so ``close`` may run from a finalizer on a thread inside ``put``.
-    """
+    """A bounded queue whose ``close`` wakes every waiter at once (reentrant: finalizer-safe)."""
 
     def __init__(self, size: int):
         self._items: collections.deque[Any] = collections.deque()
@@ -108,12 +99,7 @@ def _produce(it: Iterator[Any], place: Callable[[Any], Any], channel: _Channel) 
 
 @atexit.register
 def _stop_all() -> None:
-    """At exit, stop every prefetch thread and wait (bounded) for it to leave JAX.
-
-    A thread placing an element gets up to ``_EXIT_WAIT_S`` seconds; one
-    waiting on its source will not place anything more once closed, and gets
-    ``_EXIT_SOURCE_WAIT_S`` (a loader blocked for good must not hold up exit).
-    """
+    """At exit, stop every prefetch thread and wait (bounded; less if blocked on its source)."""
     with _RUNNING_LOCK:
         running = list(_RUNNING.items())
     for _, channel in running:
@@ -125,13 +111,9 @@ def _stop_all() -> None:
 
 
 class Prefetcher(Iterator[Any]):
-    """Iterator over placed elements, filled by a background thread.
+    """Iterator over placed elements, filled by a background thread (a context manager).
 
-    Made by :func:`prefetch_to_device`. Use it as a context manager (or call
-    :meth:`close`) to stop the thread when leaving a loop early. Leaving
-    without closing is safe too: the thread holds no reference to the
-    Prefetcher and stops once it is garbage collected, or at interpreter
-    exit.
+    Leaving without closing is safe: the thread stops once the Prefetcher is collected.
     """
 
     def __init__(self, iterator: Iterable[Any], size: int, place: Callable[[Any], Any]):
@@ -165,13 +147,10 @@ class Prefetcher(Iterator[Any]):
         return item
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the background thread and drop the elements still queued.
+        """Stop the background thread and drop queued elements (from any thread; waits ``timeout``).
 
-        Safe from any thread: a consumer waiting in ``next`` wakes and gets
-        ``StopIteration``. Waits up to ``timeout`` seconds for the thread; a
-        thread stuck inside the source iterator's ``next`` cannot be
-        interrupted and finishes that call in the background (it is a daemon
-        thread). The source iterator itself is not closed.
+        A consumer waiting in ``next`` gets ``StopIteration``; a thread stuck in the source's
+        ``next`` finishes that call in the background. The source itself is not closed.
         """
         self._done = True
         self._channel.close()
@@ -194,41 +173,23 @@ def prefetch_to_device(
 ) -> Prefetcher:
     """Place the next ``size`` elements of ``iterator`` on device in a background thread.
 
-    Host-to-device transfers (and the loader's own host work) overlap with
-    the computation on the current element. Unlike flax's
-    ``jax_utils.prefetch_to_device``, which only does the pmap layout, any
-    placement works. A ``NamedSharding`` that splits the leading axis (e.g.
-    :func:`jaxdev.batch_sharding`, the default) sends each element through
-    :func:`jaxdev.shard_batch`, so the batch checks, padding and the
-    multi-process assembly apply; any other target goes through
-    :func:`jaxdev.to_device`.
-
-    Each element is placed as it was when the source yielded it: a loader
-    may refill one host buffer for every batch (host arrays that could
-    change are copied first, see ``jaxdev._batches.detach_host``).
-
-    Order is preserved and no element is dropped; an exception raised by the
-    source iterator (or while placing) is re-raised in the consumer with its
-    original traceback. At most ``size`` placed elements wait in the queue
-    (plus one being placed), so device memory stays bounded.
+    Unlike flax's ``prefetch_to_device`` (pmap layout only), any placement works: a
+    ``NamedSharding`` splitting the leading axis goes through :func:`jaxdev.shard_batch`
+    (checks, padding, multi-process assembly), any other target through
+    :func:`jaxdev.to_device`. Each element is placed as it was when yielded (a refilled
+    host buffer is copied first). Order is kept, nothing is dropped, and an exception of
+    the source is re-raised in the consumer; at most ``size`` placed elements wait.
 
     Args:
       iterator: an iterable of pytrees (batches).
-      size: how many placed elements may wait; 2 overlaps one transfer with
-        one step.
-      target: a batch sharding (``jaxdev.batch_sharding(mesh)``), another
-        ``Sharding``, a device or spec; default
-        ``jaxdev.batch_sharding(jaxdev.data_mesh())``. A bare ``Mesh`` is
-        refused: as a target it would mean "replicate every batch".
-      pad: pad each batch to a multiple of the devices of a batch sharding
-        (elements become :class:`Padded`).
-
-    Returns:
-      A :class:`Prefetcher`: an iterator and context manager with ``close()``.
+      size: how many placed elements may wait (2 overlaps one transfer with one step).
+      target: a batch sharding, another ``Sharding``, a device or spec; default
+        ``jaxdev.batch_sharding(jaxdev.data_mesh())``. A bare ``Mesh`` is refused.
+      pad: pad each batch to a multiple of the devices (elements become :class:`Padded`).
 
     Raises:
-      ShardingError: ``size`` is not a positive int, ``target`` is a bare
-        ``Mesh``, or ``pad`` with a target that does not split the batch.
+      ShardingError: ``size`` is not a positive int, ``target`` is a bare ``Mesh``, or
+        ``pad`` with a target that does not split the batch.
 
     Example:
       >>> import numpy as np, jaxdev

@@ -1,10 +1,4 @@
-"""True replication: a full copy of every leaf on every device of a mesh.
-
-:func:`replicate` gives ``NamedSharding(mesh, P())`` (one logical array,
-``is_fully_replicated``), not flax's stacked copy with a leading device
-axis; :func:`unreplicate` returns one copy and, with ``check=True``,
-verifies that every replica is bitwise identical.
-"""
+"""True replication: a full copy of every leaf on every device of a mesh (not a stacked axis)."""
 
 from __future__ import annotations
 
@@ -21,26 +15,11 @@ from ._placement import to_device
 
 
 def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
-    """Replicate every leaf of ``tree`` on every device of ``mesh`` (true replication).
+    """Replicate every leaf of ``tree`` on every device of ``mesh`` (``NamedSharding(mesh, P())``).
 
-    Each leaf becomes one logical array with ``NamedSharding(mesh, P())``
-    (``is_fully_replicated`` is true), not flax's stacked copy with a new
-    leading axis. Built on :func:`jaxdev.to_device`: leaves already
-    replicated on ``mesh`` come back as the same objects, and an already
-    replicated tree comes back as itself (a no-op).
-
-    Like ``jax.device_put``, a leaf already on one device of ``mesh`` lends
-    its buffer to that device's replica (no copy there). Donating the result
-    (``jit(..., donate_argnums=...)``) then deletes the source leaf too; use
-    :func:`jaxdev.copy_to` with :func:`replicated_sharding` when you will
-    donate and still need the source (``TrainStep.init_state`` does).
-
-    Args:
-      tree: any pytree (Flax params, optax state).
-      mesh: the mesh; default :func:`data_mesh`.
-
-    Returns:
-      The tree with replicated leaves.
+    Built on :func:`jaxdev.to_device`: an already replicated tree comes back as itself. A
+    leaf already on one device of ``mesh`` lends its buffer to that replica, so donating
+    the result deletes the source; use :func:`jaxdev.copy_to` when you will donate.
 
     Raises:
       LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
@@ -57,27 +36,14 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
 
 
 def unreplicate(tree: Any, check: bool = False) -> Any:
-    """Return one copy of every replicated leaf of ``tree``.
+    """Return one copy of every replicated leaf: the first addressable device's (no copy made).
 
-    A fully replicated array becomes the single-device ``jax.Array`` held by
-    its first addressable device (the buffer is shared, nothing is copied):
-    it prints, converts with ``numpy.asarray`` and serialises like any array;
-    ``jaxdev.to_host`` makes it numpy. Single-device arrays and host values
-    (numpy, Python numbers) are already one copy and pass through.
-
-    Args:
-      tree: a pytree, typically made by :func:`replicate`.
-      check: also verify that every replica holds bitwise identical values
-        (drift detection; one batched device-to-host copy of all replicas).
-        With several processes, only this process's replicas are compared.
-
-    Returns:
-      The tree with one copy per leaf.
+    Single-device arrays and host values pass through. ``check=True`` also verifies every
+    replica (this process's) is bitwise identical, with one batched fetch.
 
     Raises:
-      ShardingError: a leaf is sharded rather than replicated, or (with
-        ``check``) replicas differ; each failing leaf is listed with its key
-        path and the devices that drifted.
+      ShardingError: a leaf is sharded, or (``check``) replicas differ; each leaf listed
+        with its key path and the devices that drifted.
       DeletedArrayError: a leaf was deleted or donated.
       PlacementError: called on traced values inside ``jit``.
 
