@@ -1,10 +1,7 @@
 """Exception types and message helpers shared by every jaxdev module.
 
-Every exception type of jaxdev lives here. Each error subclasses the
-built-in type a user would already catch (``LookupError``, ``ValueError``,
-``TypeError``, ``RuntimeError``, ``AssertionError``) and the common base
-:class:`JaxdevError`. Messages follow JAX's rule: state the rule, the value
-that broke it, and the fix.
+Each error subclasses the built-in a user would catch and :class:`JaxdevError`; messages
+state the rule, the value that broke it, and the fix.
 """
 
 from __future__ import annotations
@@ -54,22 +51,17 @@ class DistributedError(JaxdevError, RuntimeError):
 class MemoryPlanError(JaxdevError, MemoryError):
     """A state or step would not fit in device memory (raised before allocating).
 
-    Attributes:
-      explanation: the :class:`jaxdev.memory.MemoryExplanation` behind the message
-        (what the compiled step needs, what is live, which compiled changes
-        fit), or ``None`` when the check had no step to compile.
+    ``explanation``: the :class:`jaxdev.memory.MemoryExplanation` behind it, or ``None``.
     """
 
     explanation: Any = None
 
 
 class OutOfMemoryError(MemoryPlanError):
-    """A device ran out of memory (XLA's ``RESOURCE_EXHAUSTED``) in a jaxdev call.
+    """A device ran out of memory (``RESOURCE_EXHAUSTED``) in a jaxdev call, explained.
 
-    The message names what the call needed, what was live on the devices by
-    pytree path (old states still referenced included), the device limit and,
-    for a train step, the changes that fit (each compiled, none run); the
-    XLA error is chained as ``__cause__``.
+    The message names what the call needed, what was live by pytree path, the limit and, for
+    a train step, the changes that fit; XLA's error is the ``__cause__``.
     """
 
 

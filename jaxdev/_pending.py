@@ -1,15 +1,9 @@
 """Errors of calls that ran asynchronously, explained where they surface.
 
-JAX dispatches a compiled call and returns at once; an error of the
-computation (XLA's out-of-memory) surfaces later, wherever its outputs are
-read. A jaxdev step records each call here (:func:`record`) with a function
-that explains such an error; jaxdev's reads (``metrics.fetch()``,
-:func:`jaxdev.to_host`) run under :func:`explained_reads`, and the step's next
-call asks :func:`failed` first, so each raises the explanation instead of
-JAX's bare error. A user's own ``jax.block_until_ready`` raises JAX's error;
-the next jaxdev read or step call then raises the explained one.
-
-A core module: the memory subsystem's explanation comes in as a callback.
+An error of a dispatched computation (XLA's out-of-memory) surfaces where its outputs
+are read. A jaxdev step records each call (:func:`record`) with an explainer; jaxdev's
+reads run under :func:`explained_reads` and the step's next call asks :func:`failed`
+first, so each raises the explanation instead of JAX's bare error.
 """
 
 from __future__ import annotations
@@ -29,12 +23,7 @@ _KEEP = 8  # owners remembered
 
 
 def record(owner: Any, token: Any, explain: Explain) -> None:
-    """Remember ``owner``'s latest call: ``token`` (an output array) and how to explain it.
-
-    ``explain`` holds what the call's explanation needs (its outputs and
-    batch), so the calls known to have succeeded are forgotten here and after
-    each read: a finished loop keeps nothing alive once jaxdev runs or reads again.
-    """
+    """Remember ``owner``'s latest call: ``token`` (an output) and how to ``explain`` it."""
     _PENDING.pop(owner, None)
     _forget_finished()
     _PENDING[owner] = (token, explain)
@@ -83,14 +72,7 @@ def failed(where: str, owner: Any = None) -> BaseException | None:
 
 @contextlib.contextmanager
 def explained_reads(where: str) -> Iterator[None]:
-    """Reading device values in this block, a recorded call's error is raised explained.
-
-    Args:
-      where: the read, for the message (``'Collection.fetch'``).
-
-    After a read that succeeded, the calls known to have succeeded are
-    forgotten (what they held is freed).
-    """
+    """Reading device values in this block, a recorded error is raised explained."""
     try:
         yield
     except JaxdevError:

@@ -1,18 +1,9 @@
 """The placement report: where every leaf of a pytree lives, as a table.
 
-:func:`placement` returns a :class:`PlacementReport`: per leaf its key path,
-shape, dtype, devices or mesh and spec, memory kind, committed-ness and bytes
-per device, with per-device totals. ``print(report)`` shows a table and
-``report.diff(other)`` compares two trees.
-
-The table shows a named sharding as its spec, its device count and its mesh
-(``P(None, 'fsdp') on 8 devices (data=2 x fsdp=4)``), and the footer splits
-each device's bytes into replicated (leaves every device of their sharding
-holds whole, single-device leaves included) and sharded (leaves split over
-devices) ones.
-
-Reports are built for speed (a 2000-leaf tree in a few ms): one cache entry
-per (sharding, shape, dtype), key-path strings cached per treedef.
+:func:`placement` gives per leaf its path, shape, dtype, devices or mesh and spec,
+memory kind, committed-ness and bytes per device, with per-device totals split into
+replicated and sharded bytes. A 2000-leaf tree takes a few ms (one cache entry per
+sharding, shape and dtype).
 """
 
 from __future__ import annotations
@@ -55,16 +46,12 @@ class LeafPlacement(NamedTuple):
 
 
 class PlacementReport(NamedTuple):
-    """Per-leaf placement of a pytree, with per-device byte totals.
-
-    ``str(report)`` is a table; ``report.diff(other)`` lists the leaves whose
-    placement differs between two trees.
+    """Per-leaf placement of a pytree, with per-device byte totals (``str``: a table).
 
     Attributes:
       leaves: one :class:`LeafPlacement` per leaf.
       bytes_by_device: bytes per device name (this process's devices).
-      replicated_by_device: the part of ``bytes_by_device`` held by leaves
-        that are not split over devices (fully replicated, or on one device).
+      replicated_by_device: the part held by leaves not split over devices.
       sharded_by_device: the part held by leaves split over several devices.
     """
 
@@ -113,10 +100,7 @@ class PlacementReport(NamedTuple):
         return _format(self)
 
     def diff(self, other: PlacementReport) -> list[str]:
-        """Return one line per leaf whose placement differs in ``other`` ([] when equal).
-
-        Compares devices, sharding, memory kind, committed-ness and deletion;
-        leaves present in only one tree are listed too.
+        """Return one line per leaf whose placement differs in ``other`` (or is in one tree only).
 
         Example:
           >>> import jax.numpy as jnp, jaxdev
@@ -245,19 +229,7 @@ def _host_row(path: str, leaf: Any) -> LeafPlacement:
 
 
 def placement(tree: Any) -> PlacementReport:
-    """Report where every leaf of ``tree`` lives.
-
-    Each row has the key path, shape, dtype, devices, sharding (device, or
-    mesh and spec), memory kind, committed, and bytes held on each of its
-    devices. Deleted or donated leaves are shown as such, not raised; traced
-    leaves (inside ``jit``) are shown as ``traced``. Byte totals count this
-    process's devices.
-
-    Args:
-      tree: any pytree.
-
-    Returns:
-      A :class:`PlacementReport`; ``print`` it for a table.
+    """Report where every leaf of ``tree`` lives (deleted and traced leaves shown, not raised).
 
     Raises:
       LeafTypeError: a leaf is not an array or number.

@@ -1,26 +1,11 @@
 """The far end of ``count_transfers``'s stderr pipe: copy it to the real stderr at once.
 
-Inside a :func:`jaxdev.count_transfers` block fd 2 is a pipe, so that JAX's
-transfer-guard log (the only trace of an implicit host-to-device transfer)
-can be counted. :func:`relay` is the other end of that pipe: every byte is
-passed on to the real stderr as it arrives, unchanged, except the guard
-lines (left out unless the user had asked for that log), which are
-reported back instead.
-
-It runs as its own small process (``python -I -S _stderr_relay.py 0|1``:
-it imports nothing from jaxdev or JAX, fd 0 is the pipe, fd 1 the report
-pipe, fd 2 the real stderr). So what a guarded process wrote just before it
-died (a segfault, ``abort()``, ``os._exit``, SIGKILL) still reaches the real
-stderr: its last lines, Python's ``faulthandler`` report, XLA's fatal log
-line. The relay outlives the writer, passes on what is left in the pipe,
-and exits when the last write end closes. Where no process can be started,
-jaxdev runs :func:`relay` in a thread instead (then a crash can lose the
-bytes written just before it).
-
-Reports, one per line on the report pipe: ``K <aval>`` for each guard
-line (``aval`` as JAX's log names it, possibly empty) and ``S`` once
-everything written before a :data:`SYNC` marker has been handled. The marker
-itself is never passed on.
+:func:`relay` passes every byte on unchanged, except JAX's transfer-guard lines (left
+out unless the user asked for that log), which it reports back: ``K <aval>`` per guard
+line and ``S`` once everything before a :data:`SYNC` marker is handled. It runs as its
+own process (``python -I -S _stderr_relay.py 0|1``: fd 0 the pipe, fd 1 the reports,
+fd 2 the real stderr; nothing from jaxdev or JAX imported), so a guarded process's last
+words survive a crash; else jaxdev runs it in a thread.
 """
 
 from __future__ import annotations
@@ -84,18 +69,10 @@ def split_guard_lines(data: bytes, swallow: bool) -> tuple[bytes, list[bytes]]:
 
 
 def relay(in_fd: int, out_fd: int, report_fd: int, swallow: bool) -> None:
-    """Copy ``in_fd`` to ``out_fd`` until every write end is closed; report on ``report_fd``.
+    """Copy ``in_fd`` to ``out_fd`` until every write end closes, reporting on ``report_fd``.
 
-    Closes the three descriptors when done. A closed ``out_fd`` or
-    ``report_fd`` never stops the copy (the writer must never block on a
-    full pipe).
-
-    Args:
-      in_fd: the read end of the stderr pipe.
-      out_fd: the real stderr.
-      report_fd: where guard lines (``K <aval>``) and answers to
-        :data:`SYNC` markers (``S``) go.
-      swallow: leave the guard lines out of what reaches ``out_fd``.
+    Closes the three descriptors when done; a closed ``out_fd`` or ``report_fd`` never
+    stops the copy. ``swallow`` leaves the guard lines out.
 
     Example:
       >>> r, w = os.pipe(); out_r, out_w = os.pipe(); rep_r, rep_w = os.pipe()
@@ -130,11 +107,7 @@ def _pass_on(data: bytes, out_fd: int, report_fd: int, swallow: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Process entry: relay fd 0 to fd 2, report on fd 1 (``argv[1]``: ``'1'`` swallows).
-
-    Terminal signals are ignored: the relay ends when the pipe closes, never
-    before its writer (a Ctrl-C must not cut the guarded process's stderr).
-    """
+    """Process entry: relay fd 0 to fd 2, report on fd 1 (``'1'`` swallows); signals ignored."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
