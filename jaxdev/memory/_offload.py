@@ -1,18 +1,9 @@
 """Params and optimizer state kept in host memory, streamed to the devices inside the step.
 
-``Strategy.sharded(mesh, offload="opt_state")`` (or ``"params"``, or both)
-lays those fields of the train state out in JAX's ``pinned_host`` memory
-kind (``NamedSharding(mesh, spec, memory_kind="pinned_host")``): the
-devices hold none of their bytes between steps. The compiled step moves them
-to device memory at its start (``jax.device_put(x,
-sharding.with_memory_kind("device"))`` inside ``jit``) and back to the host
-for its outputs, so the update is computed on the devices and the numbers
-are those of the run without offloading, bit for bit.
-
-:func:`offloaded` is the one place that turns a state layout into its
-offloaded layout: the train step (its in/out shardings, ``init_state``) and
-:func:`jaxdev.memory.plan` (which then counts those bytes as host bytes, 0 on the
-devices) both call it.
+``Strategy.sharded(mesh, offload="opt_state")`` (or ``"params"``, or both) lays those
+fields out in ``pinned_host`` memory; the compiled step moves them to the devices at its
+start and back for its outputs, so the numbers are those without offloading, bit for
+bit. :func:`offloaded` is the one place that turns a layout into its offloaded layout.
 """
 
 from __future__ import annotations
@@ -39,8 +30,8 @@ def check_offload(offload: Any, devices: Any = ()) -> tuple[str, ...]:
     """``offload`` as a sorted tuple of fields; ``()`` for ``None``.
 
     Raises:
-      UsageError: a field other than ``'params'`` / ``'opt_state'``, or
-        devices without ``pinned_host`` memory.
+      UsageError: a field other than ``'params'`` / ``'opt_state'``, or devices without
+        ``pinned_host`` memory.
 
     Example:
       >>> check_offload("opt_state"), check_offload(["opt_state", "params"]), check_offload(None)
@@ -72,9 +63,7 @@ def is_host(s: Any) -> bool:
 def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     """``layout`` (shardings of ``state``) with ``fields`` moved to ``pinned_host`` memory.
 
-    For a train state, its ``params`` / ``opt_state`` fields; for a bare
-    params tree (an eval step's), the whole tree when ``'params'`` is
-    offloaded. ``layout`` itself when there is nothing to offload.
+    A bare params tree (an eval step's) moves whole when ``'params'`` is offloaded.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxdev
@@ -97,10 +86,7 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
 
 
 def kept_host(layout: Any, state: Any) -> Any:
-    """``layout`` with the leaves of ``state`` that live in host memory kept there.
-
-    A state already offloaded (arrays, or ``ShapeDtypeStruct`` s with a
-    ``pinned_host`` sharding) is counted where it is, whatever the rules say.
+    """``layout`` with the leaves of ``state`` that already live in host memory kept there.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxdev
@@ -167,12 +153,9 @@ def _is_sharding(x: Any) -> bool:
 
 
 def host_bytes(lowered: Any, compiled: Any) -> tuple[int, int, int]:
-    """``(arguments, outputs, donated)`` bytes per device a program keeps in host memory.
+    """``(arguments, outputs, donated)`` bytes per device a compiled program keeps in host memory.
 
-    Counted from the compiled program's input and output shardings (the
-    shard shape of each host-memory leaf); donated host inputs are assumed
-    to alias host outputs of their size. ``(0, 0, 0)`` when the program has
-    no host-memory leaves or does not say.
+    Donated host inputs are assumed to alias host outputs; ``(0, 0, 0)`` when none.
     """
     try:
         ins = jax.tree.leaves(compiled.input_shardings[0], is_leaf=_is_sharding)

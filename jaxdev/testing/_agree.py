@@ -69,34 +69,27 @@ def assert_strategies_agree(
 ) -> tuple[str, ...]:
     """Train a few steps on every strategy the devices allow; raise where one differs.
 
-    The same ``params`` are trained on ``batches`` (one step each) under
-    ``Strategy.single()`` (the reference) and, with several local devices,
-    ``pmap``, sharded ``jit``, ``shard_map`` and ``fsdp`` (``min_size=0``,
-    when a leaf of ``params`` splits), over every local device. After every
-    step each one's params must match the reference's within ``atol + rtol *
-    |ref|``. It catches a loss that depends on how many rows one call sees
-    (e.g. divided by a hard-coded global batch size).
+    The same ``params`` train on ``batches`` (one step each) under ``Strategy.single()``
+    (the reference) and, with several devices, ``pmap``, sharded ``jit``, ``shard_map`` and
+    ``fsdp``; after every step each one's params must match within ``atol + rtol * |ref|``.
+    It catches a loss that depends on how many rows one call sees.
 
     Args:
-      loss_fn: the step's loss, as for :func:`jaxdev.make_train_step`
-        (per-example losses).
-      tx: the optimizer; ``None`` is plain SGD (``optax.sgd(0.1)``). Prefer
-        SGD: a scale-free optimizer (adam) hides a loss off by a constant
-        factor.
+      loss_fn: per-example losses, as for :func:`jaxdev.make_train_step`.
+      tx: the optimizer; ``None`` is ``optax.sgd(0.1)`` (prefer SGD: adam hides a
+        constant factor).
       params: the initial params.
-      batches: host batches, one per step (rows a multiple of the device
-        count, or padded as ``put_batch`` pads).
+      batches: host batches, one per step.
       rtol: relative tolerance.
       atol: absolute tolerance.
-      **step_options: passed to :func:`jaxdev.make_train_step` (``has_aux``,
-        ``weighted``, ``accumulate``, ...).
+      **step_options: passed to :func:`jaxdev.make_train_step`.
 
     Returns:
-      The names of the strategies that were compared, reference first.
+      The names of the strategies compared, reference first.
 
     Raises:
-      DisagreementError: (an AssertionError) a strategy's params differ from the
-        reference's; names the strategy, the step, the first differing leaf path and both values.
+      DisagreementError: (an AssertionError) a strategy's params differ: the strategy, the
+        step, the first differing leaf and both values named.
       UsageError: ``batches`` is empty, or a tolerance is negative.
 
     Example:

@@ -1,19 +1,11 @@
 """The train state and the per-device math of one update.
 
-One body serves every strategy. ``axis`` is ``None`` when the step sees the
-whole batch (one device, or sharded ``jit`` where XLA partitions the work)
-and the name of the device axis when each device runs it on its own rows
-(``jax.pmap``, ``jax.shard_map``); then gradients and counts are summed and
-the model state is averaged over ``axis`` explicitly.
-
-The objective is the mean per-example loss over the *valid* rows of the
-whole global batch (all devices, all micro-batches): padded rows
-(``Padded.mask == False``) never count, so an uneven last batch gives exactly
-the numbers of the unpadded data, and ``accumulate=M`` micro-batches give
-the gradient of the M-times-larger batch. With ``weighted=True`` it is
-``sum(loss * weight) / sum(weight)`` over the same global batch (per-token
-losses of a language model): the gradients of the weighted sums are added
-over micro-batches and devices and divided once by the step's total weight.
+One body serves every strategy: ``axis`` is ``None`` when the step sees the whole batch
+(one device, sharded ``jit``) and the device axis under ``jax.pmap`` / ``shard_map``,
+where gradients and counts are summed and the model state averaged explicitly. The
+objective is the mean loss over the valid rows of the whole global batch (padded rows
+never count; ``accumulate=M`` gives the M-times-larger batch's gradient); with
+``weighted=True`` it is ``sum(loss * weight) / sum(weight)`` over the same batch.
 """
 
 from __future__ import annotations
@@ -40,19 +32,15 @@ LossFn = Callable[..., Any]
 
 
 class TrainState(NamedTuple):
-    """What changes during training, as a pytree (optax style).
-
-    ``apply_fn`` and the optimizer live in the step factory, not here, so the
-    state can be placed, donated, checkpointed and compared leaf by leaf.
+    """What changes during training, as a pytree (optax style; ``tx`` lives in the step).
 
     Attributes:
       step: int32 scalar, number of updates applied.
       params: model parameters (a Flax linen dict or an NNX ``State``).
       opt_state: the optax state of ``params``.
-      rng: optional PRNG key; step ``t`` passes ``fold_in(rng, t)`` (and, per
-        device under pmap/shard_map, the device index) to ``loss_fn``.
-      model_state: optional state the forward pass updates (linen mutable
-        collections such as ``{"batch_stats": ...}``, NNX ``BatchStat``).
+      rng: optional PRNG key; step ``t`` passes ``fold_in(rng, t)`` (and the device index
+        under pmap/shard_map) to ``loss_fn``.
+      model_state: optional state the forward pass updates (``batch_stats``, NNX ``BatchStat``).
     """
 
     step: jax.Array
@@ -103,12 +91,7 @@ _log = logging.getLogger("jaxdev")
 
 
 def device_axis(axis: str | None) -> contextlib.AbstractContextManager[None]:
-    """Make ``axis`` the device axis that :func:`current_device_axis` reports in this block.
-
-    The step's body runs inside it: ``None`` where the step sees the whole
-    batch (one device, sharded ``jit``), the device axis under ``pmap`` /
-    ``shard_map``, where each device runs on its own rows.
-    """
+    """Make ``axis`` the device axis :func:`current_device_axis` reports in this block."""
     return ambient("axis", axis)
 
 
@@ -124,11 +107,7 @@ def current_device_axis() -> str | None:
 
 
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
-    """Call ``loss_fn`` by its contract; return ``(losses, weights, aux, new_model_state)``.
-
-    ``weights`` is ``None`` unless ``cfg.weighted``; then ``loss_fn`` returned
-    ``(losses, weights)`` where it returns ``losses`` otherwise.
-    """
+    """Call ``loss_fn`` by its contract; ``(losses, weights, aux, new_model_state)``."""
     args = (params, model_state, batch) if cfg.has_state else (params, batch)
     if rng is not None:
         args += (rng,)
@@ -245,12 +224,9 @@ def _contract(cfg: StepConfig) -> str:
 
 
 def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None) -> Collection:
-    """Loss mean plus aux: per-example arrays become masked Means; Metrics stay as built.
+    """Loss mean plus aux: per-example arrays become masked Means (weighted: WeightedMeans).
 
-    With ``weights`` (a weighted step) the loss, and every aux array of the
-    weights' shape (per-token accuracy), are :class:`WeightedMean` s. Metrics
-    built with ``from_value`` / ``from_logits`` inside ``loss_fn`` already
-    skipped the padded rows (the step's row mask is ambient there).
+    Metrics built inside ``loss_fn`` already skipped the padded rows (the mask is ambient).
     """
     if not isinstance(aux, dict):
         raise MetricError(
@@ -303,11 +279,7 @@ def _valid_count(mask: jax.Array, axis: str | None) -> jax.Array:
 
 
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
-    """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, its metrics and weight.
-
-    Weighted: the gradient of ``sum(loss * weight)`` over the valid elements,
-    and the sum of their weights (the caller divides by the whole step's).
-    """
+    """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, its metrics and weight."""
 
     def objective(p):
         losses, weights, aux, new_state = _call_loss(cfg, p, model_state, batch, rng, mask)
@@ -332,16 +304,11 @@ def _valid_weights(weights: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collection]:
-    """Run ``fn(carry, x_i) -> (carry, metrics_i)`` for ``i < n`` and merge the metrics.
+    """Run ``fn(carry, x_i) -> (carry, metrics_i)`` for ``i < n`` and merge the metrics in order.
 
-    One rolled ``lax.scan`` over all ``n``: K steps per call and M
-    micro-batches both use it, and the body is traced once. Rolled, one
-    iteration's temporaries are live at a time (unrolled, XLA scheduled M
-    micro-batches' forward passes together: ``accumulate=8`` needed 4.3x the
-    temporaries of one big batch; with the first call peeled out of the scan,
-    ``accumulate=2`` needed more than no accumulation). The per-iteration
-    metrics come out stacked and are merged in order, as one running merge
-    would.
+    One rolled ``lax.scan`` (K steps per call and M micro-batches both use it): one
+    iteration's temporaries live at a time (unrolled, ``accumulate=8`` needed 4.3x the
+    temporaries of one big batch).
     """
     carry, stacked = jax.lax.scan(fn, carry, xs)
     metrics = jax.tree.map(lambda x: x[0], stacked)
@@ -354,9 +321,7 @@ def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collecti
 def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     """Gradients over every micro-batch, the new model state, metrics, and the total weight.
 
-    Unweighted, the gradients are already divided by the global count of
-    valid rows; weighted, they are sums and the weight is this device's
-    (``train_body`` divides by the global weight).
+    Unweighted, divided by the global valid-row count; weighted, sums (divided later).
     """
     denom = jnp.maximum(_valid_count(mask, axis), 1).astype(jnp.float32)
     if cfg.accumulate == 1:
@@ -451,11 +416,7 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
 def warn_padded_model_state(
     cfg: StepConfig, collective_axis: Any, shard_map: bool, batch: Any, k: int
 ) -> bool:
-    """Warn (once per step) where padded rows reach a model state the mask cannot guard.
-
-    ``batch`` is a :class:`jaxdev.Padded` for a step of ``k`` steps per call.
-    Returns whether it warned.
-    """
+    """Warn (once per step) where padded rows reach a model state the mask cannot guard."""
     if not cfg.has_state:
         return False
     rows, padded = batch.size, int(np.size(batch.mask)) // k  # per step
