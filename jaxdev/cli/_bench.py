@@ -1,23 +1,11 @@
 """``jaxdev bench``: the d2l "GPUs" exercises as side-by-side benchmarks.
 
-Every figure is a ratio of two variants measured in the same run, with a
-warm-up call each, repetitions interleaved (the order rotates every round so
-neither variant always runs first), ``jax.block_until_ready`` on every
-output, and medians. Exercises:
-
-1. a large and a small matmul on the CPU vs the accelerator. On a CPU-only
-   host there is no accelerator: the CPU on one core is compared with the
-   CPU on every core instead, in two worker processes, one pinned to a
-   single core with ``os.sched_setaffinity`` (in JAX 0.10
-   ``--xla_cpu_multi_thread_eigen=false`` no longer limits the threads).
-3. 1000 matmuls of 100x100 with the Frobenius norm logged every step: a
-   ``float()`` per step vs a :class:`jaxdev.metrics.DeviceLog` fetched once (and the
-   same log inside one ``lax.scan``).
-4. two matmuls on two devices at once vs one after the other on one device.
-
-Plus placement figures: ``jaxdev.to_device`` of an already placed tree vs a
-raw ``jax.device_put`` (the no-op case), ``jaxdev.replicate`` and
-``jaxdev.shard_batch`` vs the raw ``jax.device_put`` they replace.
+Every figure is a ratio of two variants timed in the same run
+(:func:`sample_side_by_side`): exercise 1, matmuls on the CPU vs the accelerator (on a
+CPU-only host, one pinned core vs every core, in worker processes); exercise 3, 1000
+matmuls with a norm logged by ``float()`` vs a :class:`jaxdev.metrics.DeviceLog`;
+exercise 4, two devices at once vs one; and placement figures (``to_device`` of a placed
+tree, ``replicate``, ``shard_batch`` vs the raw ``jax.device_put``).
 """
 
 from __future__ import annotations
@@ -100,23 +88,9 @@ def sample_side_by_side(
 ) -> dict[str, list[float]]:
     """Seconds of every repetition of every variant, measured interleaved: the one timer.
 
-    Each variant runs ``warmup`` times untimed (compiles, caches), then
-    ``reps`` rounds run every variant once, the order rotating each round so
-    that slow drifts of the machine hit all of them alike and no variant
-    always runs first. ``benchmarks/_timing.py`` and ``jaxdev bench`` both
-    time with it.
-
-    Args:
-      variants: ``{name: zero-argument callable}``.
-      reps: timed rounds.
-      warmup: untimed calls of each variant first.
-      self_timed: whether each callable returns its own timing in seconds
-        (a worker process timing its matmul); otherwise every call is timed
-        here, waiting for its output with ``jax.block_until_ready``.
-      after: called untimed after every call (e.g. deleting what it wrote).
-
-    Returns:
-      ``{name: [seconds per round]}`` in the order of ``variants``.
+    ``warmup`` untimed calls each, then ``reps`` rounds with the order rotating each round.
+    ``self_timed`` callables return their own seconds; others are timed here up to
+    ``jax.block_until_ready``. ``after`` runs untimed after every call.
 
     Example:
       >>> s = sample_side_by_side({"a": lambda: 1, "b": lambda: 2}, reps=3)
@@ -549,11 +523,7 @@ def write_json(path: str, results: Sequence[Result], quick: bool) -> None:
 
 
 def check_plotting() -> Any:
-    """Return ``matplotlib.pyplot`` on the Agg backend.
-
-    Raises:
-      UsageError: matplotlib is missing (names the ``plot`` extra).
-    """
+    """Return ``matplotlib.pyplot`` on the Agg backend, or raise UsageError naming the extra."""
     try:
         import matplotlib
     except ImportError:

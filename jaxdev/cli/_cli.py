@@ -1,29 +1,9 @@
-"""The ``jaxdev`` command: ``info``, ``demo``, ``bench``, ``launch``.
+"""The ``jaxdev`` command: ``info``, ``demo``, ``bench``, ``memory``, ``launch``.
 
-Exit codes: 0 success; 2 usage error (bad flag or value, more devices than
-exist, a missing optional dependency), with a one-line reason on stderr and
-no traceback; 1 failure (``demo --min-accuracy`` not reached, or an
-unexpected error, whose traceback is printed above its one-line reason).
-
-Fake-device rule (``demo`` and ``bench``). JAX fixes its CPU device count
-when its backend starts, so the CLI decides it first, without starting the
-backend:
-
-* If no accelerator is expected, JAX's CPU backend gets fake devices:
-  ``--devices N`` if given, else the count already requested in the
-  environment (``XLA_FLAGS=--xla_force_host_platform_device_count=M`` or
-  ``JAX_NUM_CPU_DEVICES``), else 8.
-* An accelerator is expected when ``JAX_PLATFORMS`` (or ``jax_platforms``)
-  names one (``cuda``, ``gpu``, ``rocm``, ``tpu``), or, when it is unset,
-  when a JAX accelerator plugin is importable (``jax_cuda12_plugin``,
-  ``jax_cuda13_plugin``, ``jax_rocm*_plugin``, ``libtpu``, or any
-  ``jax_plugins.*`` module). Then the run uses the accelerator's devices
-  (``--devices N``: the first N). The CPU count is still set as above when
-  the CPU platform may start, so a plugin that finds no GPU (JAX then falls
-  back to the CPU) still gives a multi-device run; the setting never touches
-  the accelerator.
-* When JAX already started (``main`` called from Python after using JAX),
-  nothing is configured: the devices that exist are used.
+Exit codes: 0 success; 2 usage error (one-line reason on stderr, no traceback); 1
+failure. ``demo`` and ``bench`` choose fake CPU devices before JAX starts
+(:func:`configure_devices`: the rule is the README's "How demo and bench choose
+devices"); when JAX already started, the devices that exist are used.
 """
 
 from __future__ import annotations
@@ -103,14 +83,7 @@ def requested_cpu_count() -> int | None:
 
 
 def configure_devices(devices: int | None) -> tuple[str, bool]:
-    """Apply the fake-device rule (module docstring) before JAX starts.
-
-    Args:
-      devices: ``--devices N`` or ``None``.
-
-    Returns:
-      ``(note, accelerator_expected)``: a one-line note saying what was
-      decided and why, and whether an accelerator was expected.
+    """Apply the fake-device rule before JAX starts; ``(note, accelerator_expected)``.
 
     Raises:
       UsageError: ``devices`` < 1.
@@ -524,13 +497,7 @@ _USAGE_ERRORS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``jaxdev`` command line; return the exit code.
-
-    Args:
-      argv: arguments after ``jaxdev`` (default ``sys.argv[1:]``).
-
-    Returns:
-      0 on success, 2 on a usage error, 1 on a failure.
+    """Run the ``jaxdev`` command line on ``argv``; return the exit code (0, 2 usage, 1 failure).
 
     Example:
       >>> from jaxdev.cli._cli import main

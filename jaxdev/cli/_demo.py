@@ -1,27 +1,10 @@
 """``jaxdev demo``: a Flax MLP trained data parallel on scikit-learn's digits.
 
-The whole d2l "GPUs" chapter in one run, on top of jaxdev's public API only:
-every local device of the default backend (every GPU, or fake CPU devices),
-parameters truly replicated (``init_state``), batches split over the devices
-(``put_batch``; the uneven last batch of every epoch is padded and masked,
-never dropped), metrics merged on device inside the step and fetched with one
-``device_get`` per epoch, the placement report of the parameters and of one
-batch, and the final test accuracy.
-
-``--steps-per-call K`` folds K full batches into one dispatch (``lax.scan``).
-When K does not divide an epoch's number of full batches, the remaining full
-batches and the uneven last batch run through a one-step function: no batch
-is ever dropped or repeated.
-
-The data order is a pure function of ``(seed, epoch, step)``: epoch ``e``'s
-permutation comes from ``numpy.random.default_rng((seed, e))``, never from a
-generator carried across epochs. So with ``--checkpoint-dir DIR`` (a
-:class:`jaxdev.Checkpointer`: the state and the epoch's running metrics every
-``--checkpoint-every`` steps, by default at each epoch's end, and at the end
-of the run) a run killed at any point and started again with the same flags
-resumes from the latest complete checkpoint and ends with bit-identical
-parameters; the final ``params fingerprint`` line (SHA-256 of the parameters'
-bytes) shows it.
+The d2l "GPUs" chapter in one run on jaxdev's public API: every local device, replicated
+params, batches split over the devices (the uneven last batch padded and masked), metrics
+on device fetched once per epoch, the placement report, the test accuracy. Epoch ``e``'s
+order comes from ``numpy.random.default_rng((seed, e))`` alone, so a run resumed with
+``--checkpoint-dir`` ends bit-identical (the ``params fingerprint`` line shows it).
 """
 
 from __future__ import annotations
@@ -48,14 +31,13 @@ N_CLASSES = 10
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Settings of one demo run.
+    """Settings of one demo run (the ``jaxdev demo`` flags; see the README's "Command line").
 
     Attributes:
       strategy: ``'single'``, ``'pmap'`` or ``'sharded'``.
       devices: how many local devices to use (``None``: all of them).
       epochs: passes over the training set.
-      batch_size: requested global batch; rounded up to a multiple of the
-        device count so that only each epoch's last batch is uneven.
+      batch_size: the global batch, rounded up to a multiple of the device count.
       learning_rate: Adam's initial learning rate (cosine decay to 0 over the run).
       hidden: width of the MLP's hidden layer.
       steps_per_call: full batches per dispatch (``lax.scan``).
@@ -63,11 +45,9 @@ class DemoConfig:
       test_fraction: share of the 1,797 digits held out for testing.
       checkpoint_dir: save checkpoints there and resume from the latest one.
       checkpoint_every: save every N steps (``None``: at each epoch's end).
-      params: rules for the params under ``sharded`` (``'replicate'``,
-        ``'fsdp'``, ``'flax'``); ``None``: ``'fsdp'`` when ``mesh`` has an
-        ``fsdp`` axis, else ``'replicate'``.
-      mesh: ``(("data", 2), ("fsdp", 4))``: the mesh of a ``sharded`` run
-        (``None``: one ``data`` axis over the devices).
+      params: rules for the params under ``sharded``; ``None``: ``'fsdp'`` when ``mesh``
+        has an ``fsdp`` axis, else ``'replicate'``.
+      mesh: ``(("data", 2), ("fsdp", 4))`` for ``sharded`` (``None``: one ``data`` axis).
     """
 
     strategy: str = "sharded"
@@ -125,10 +105,7 @@ class MLP(nn.Module):
 
 
 def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
-    """Return ``(train, test)`` dicts of numpy ``x`` (N, 64) in [0, 1] and ``y`` (N,).
-
-    The split is stratified and fixed by ``seed``. scikit-learn ships the
-    digits inside the package, so nothing is downloaded.
+    """``(train, test)`` dicts of ``x`` (N, 64) in [0, 1] and ``y`` (N,), split by ``seed``.
 
     Raises:
       UsageError: scikit-learn is missing (name of the extra to install).
@@ -169,13 +146,7 @@ def epoch_batches(data: dict, batch_size: int, rng: np.random.Generator) -> list
 
 
 def group_steps(batches: list[dict], k: int) -> Iterator[tuple[int, dict]]:
-    """Yield ``(steps, batch)``: full batches stacked K at a time, then the rest one by one.
-
-    A batch is full when it has as many rows as the first one. Stacked
-    groups have leaves of shape ``(K, B, ...)``; the leftover full batches
-    (when K does not divide their number) and the uneven last batch come out
-    as single steps. Every row of every batch is yielded exactly once.
-    """
+    """Yield ``(steps, batch)``: full batches stacked K at a time, then the rest one by one."""
     rows = len(batches[0]["y"])
     full = [b for b in batches if len(b["y"]) == rows]
     rest = batches[len(full) :]
@@ -206,8 +177,7 @@ def select_devices(n: int | None) -> list[jax.Device]:
     """Return :func:`jaxdev.device_list` ``(n)``: the first ``n`` local devices (all: ``None``).
 
     Raises:
-      UsageError: ``n`` is more than exist; says how many exist and how to
-        get fake CPU devices from the command line.
+      UsageError: ``n`` is more than exist (says how to get fake CPU devices).
       DeviceSpecError: ``n`` < 1.
     """
     try:
@@ -233,15 +203,11 @@ STRATEGIES = tuple(_MAKE_STRATEGY)
 def make_strategy(
     name: str, devices: list[jax.Device], config: DemoConfig | None = None
 ) -> jaxdev.Strategy:
-    """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (``single``: the first).
-
-    ``config.params`` / ``config.mesh`` (``--params`` / ``--mesh``) make a
-    ``sharded`` strategy with sharded params on an N-D mesh.
+    """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (with ``--params``/``--mesh``).
 
     Raises:
-      UsageError: ``name`` is not one of ``STRATEGIES``; ``--params`` or
-        ``--mesh`` with another strategy than ``sharded``; a mesh whose sizes
-        do not multiply to the device count.
+      UsageError: an unknown ``name``; ``--params`` or ``--mesh`` without ``sharded``; a
+        mesh whose sizes do not multiply to the device count.
     """
     if name not in _MAKE_STRATEGY:
         raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
@@ -324,12 +290,9 @@ def _train_epoch(
 ) -> tuple[jaxdev.TrainState, jaxdev.metrics.Collection]:
     """Run one epoch's steps; return the state and the epoch's metrics (on device).
 
-    ``bar.advance(steps, label)`` follows every call. ``show(state, batch)``,
-    if given, sees the epoch's last batch (the uneven one, padded and
-    masked) placed, before the step that consumes both. ``start = (done,
-    metrics)`` resumes the epoch after its first ``done`` steps (a group
-    boundary) with the running ``metrics``; ``after(state, metrics, done)``
-    runs after every call but the epoch's last (checkpoints).
+    ``show(state, batch)`` sees the last (padded) batch placed; ``start = (done, metrics)``
+    resumes inside the epoch; ``after(state, metrics, done)`` runs after every call but the
+    last (checkpoints).
     """
     done, metrics = start if start is not None else (0, _empty_metrics())
     pos = 0  # steps of this epoch behind us
@@ -379,16 +342,10 @@ def _show_placement(ui: Any) -> Callable[[Any, Any], None]:
 
 
 def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
-    """Train the MLP as ``config`` says and return the result.
+    """Train the MLP as ``config`` says and return the :class:`DemoResult`.
 
-    Args:
-      config: the settings.
-      ui: a :class:`jaxdev.cli._cli.Ui`-like object with ``line(text)``,
-        ``section(title, text)`` and ``progress(total)`` (a context manager
-        whose value has ``advance(n, description)``).
-
-    Returns:
-      The :class:`DemoResult`.
+    ``ui`` has ``line(text)``, ``section(title, text)`` and ``progress(total)`` (a context
+    manager whose value has ``advance(n, description)``).
 
     Raises:
       UsageError: bad settings, too many devices, scikit-learn missing.
@@ -449,9 +406,6 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
 def memory_demo(config: DemoConfig, steps: int = 3) -> jaxdev.memory.MemoryLedger:
     """Train the demo's MLP for ``steps`` steps and return the live memory ledger.
 
-    What ``jaxdev memory`` prints: the state, the last batch and the running
-    metrics are named, so every live array of the loop is attributed.
-
     Raises:
       UsageError: as :func:`run_demo`.
     """
@@ -491,11 +445,7 @@ def _checkpointer(config: DemoConfig, per_epoch: int) -> jaxdev.Checkpointer | N
 
 
 def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: Any):
-    """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start.
-
-    ``partial`` is ``(steps done, running metrics)`` when the checkpoint is
-    inside an epoch, else None.
-    """
+    """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start."""
     if ckpt is None or ckpt.latest_step() is None:
         return state, [], 0, None
     step = ckpt.latest_step()
