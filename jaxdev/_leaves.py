@@ -1,19 +1,4 @@
-"""The bottom floor: what a leaf is, where it lives, and how to name it.
-
-Every other module asks these questions of pytree leaves; they are answered
-once, here. Nothing in this module imports another jaxdev module except
-:mod:`jaxdev._errors`.
-
-* leaf kinds: :func:`is_jax_array` (with an exact-type fast path),
-  :func:`is_tracer`, :func:`is_concrete`, :func:`deleted`, :func:`is_prng_key`,
-  :func:`is_host_value`, :func:`host_problem` (the dtype rules);
-* key paths: :func:`keystr`, :func:`path_of`, :func:`key_strings` (cached per
-  treedef);
-* checks that raise naming the leaf: :func:`check_live`,
-  :func:`check_host_leaves`, :func:`check_concrete`;
-* shardings: :func:`sharding_key`, :func:`is_placed`, :func:`describe_sharding`;
-* replicas: :func:`replica_drift`, the one bitwise drift check.
-"""
+"""The bottom floor: what a leaf is, where it lives, and how to name it (imports only _errors)."""
 
 from __future__ import annotations
 
@@ -48,11 +33,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 @functools.cache
 def array_type() -> type:
-    """jaxlib's concrete array class, found once without touching a device.
-
-    Only exact-type fast paths use it; other ``jax.Array`` types take the
-    general route, so a moved private name costs speed, not correctness.
-    """
+    """jaxlib's concrete array class, found once without a device (exact-type fast paths only)."""
     try:  # private: no public name of the concrete array class (only the abstract jax.Array)
         from jax._src.array import ArrayImpl
     except ImportError:  # pragma: no cover - a newer JAX moved it
@@ -61,11 +42,7 @@ def array_type() -> type:
 
 
 def is_jax_array(x: Any) -> bool:
-    """``isinstance(x, jax.Array)`` (tracers included), fast for the common leaf types.
-
-    ``jax.Array``'s ``isinstance`` costs ~0.5 us; placement checks ask it for
-    every leaf.
-    """
+    """``isinstance(x, jax.Array)`` (tracers included), fast for the common leaf types."""
     t = type(x)
     if t is array_type():
         return True
@@ -120,12 +97,7 @@ def x64() -> bool:
 
 
 def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
-    """Why a host leaf can't be placed without loss, or None if it can.
-
-    The dtype rules: strings, objects and object arrays are refused; with x64
-    off, integers that do not fit 32 bits and finite floats that overflow
-    float32 are refused (JAX would truncate them, or turn them into ``inf``).
-    """
+    """Why a host leaf can't be placed without loss (str, object, 64-bit overflow), or None."""
     if isinstance(leaf, PY_SCALARS):
         return _python_scalar_problem(leaf)
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -189,11 +161,7 @@ def _overflow_why(value: Any, what: Any) -> str:
 
 
 def asserts_disabled() -> bool:
-    """Whether ``chex.disable_asserts()`` switched assertions off (jaxdev's too).
-
-    chex has no public getter for its switch, so this asks a public chex
-    assertion that always fails (~3 us): it returns silently only when
-    assertions are off.
+    """Whether ``chex.disable_asserts()`` switched assertions off (asks a failing chex assertion).
 
     Example:
       >>> asserts_disabled()
@@ -222,12 +190,7 @@ def path_of(tree: Any, index: int) -> str:
 
 
 def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
-    """Key-path strings of ``tree``'s leaves (``jax.tree_util.keystr``), cached per treedef.
-
-    Key paths are a function of the structure alone, and a tree is usually
-    checked or reported many times (every epoch, every step of a debug
-    loop): the cache saves ``tree_flatten_with_path`` and the string joins.
-    """
+    """Key-path strings of ``tree``'s leaves (``jax.tree_util.keystr``), cached per treedef."""
     if treedef is None:
         treedef = jax.tree_util.tree_structure(tree)
     try:
@@ -308,13 +271,7 @@ def check_concrete(leaves: Sequence[Any], name: str) -> None:
 
 
 def sharding_key(s: Sharding) -> Any:
-    """A value equal exactly when the shardings are equal, cheap for single devices.
-
-    JAX's ``SingleDeviceSharding.__eq__``/``__hash__`` run in Python (~1 us);
-    every array put on its own gets its own sharding object, so a 2000-leaf
-    tree pays that 2000 times. Its ``(device, memory kind)`` pair is the same
-    test at a fraction of the cost. Other shardings are their own key.
-    """
+    """A value equal exactly when the shardings are equal: cheap for one device."""
     if type(s) is SingleDeviceSharding:
         try:
             return s._device, s._memory_kind
@@ -324,11 +281,7 @@ def sharding_key(s: Sharding) -> Any:
 
 
 def same_layout(have: Sharding, want: Sharding, ndim: int) -> bool:
-    """Whether an array of rank ``ndim`` laid out by ``have`` is laid out as ``want``.
-
-    The one "same layout?" test: equal shardings, or equivalent ones
-    (``is_equivalent_to``: same devices and shards, e.g. a 1-device mesh and
-    that device).
+    """Whether an array of rank ``ndim`` laid out by ``have`` is laid out as ``want`` (equivalent).
 
     Example:
       >>> import jax
@@ -351,9 +304,7 @@ def same_layout(have: Sharding, want: Sharding, ndim: int) -> bool:
 
 
 def typed_mesh(s: Sharding) -> Any:
-    """The mesh ``jit`` types an array laid out by ``s`` with, where it matters: the
-    abstract mesh of a mesh with an ``Explicit`` axis (JAX refuses such an array under
-    another mesh, or beside arrays of another mesh in one program), else None."""
+    """The abstract mesh ``jit`` types an array on ``s`` with (an ``Explicit`` axis), else None."""
     mesh = getattr(s, "mesh", None)
     explicit = isinstance(mesh, Mesh) and AxisType.Explicit in mesh.axis_types
     return mesh.abstract_mesh if explicit else None
@@ -385,13 +336,7 @@ def device_key(d: jax.Device) -> tuple[str, int]:
 
 
 def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | None:
-    """Which copies differ bitwise from the majority, or None when all agree.
-
-    The one drift check behind ``unreplicate(check=True)``,
-    ``unstack_from_pmap(check=True)`` and ``assert_replicated(check_values=True)``.
-    Copies compare by their bytes (NaN payloads and ``-0.0`` included); the
-    reference is the value most copies hold (the first on a tie).
-    """
+    """Which copies differ bitwise from the majority (first on a tie), or None."""
     keys = [np.ascontiguousarray(v).tobytes() for v in values]
     if len(set(keys)) == 1:
         return None
@@ -413,13 +358,7 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
 
 
 def raise_drift(tree: Any, copies: Sequence[tuple[int, Sequence[str], Sequence[Any]]], rule: str):
-    """Raise ShardingError listing every leaf whose copies drifted apart (else return).
-
-    Args:
-      tree: the tree the leaves belong to (for key paths).
-      copies: ``(leaf index, labels, values)`` per leaf with several copies.
-      rule: the header: what should have held, and the likely cause.
-    """
+    """Raise ShardingError listing every leaf whose ``copies`` drifted apart."""
     failures = [
         (i, line) for i, labels, values in copies if (line := replica_drift(labels, values))
     ]
