@@ -1,16 +1,8 @@
 """Out-of-memory errors that explain themselves.
 
-XLA reports a failed allocation as ``RESOURCE_EXHAUSTED`` with allocator
-numbers and no names. :func:`explained_oom` wraps jaxdev's allocating calls
-(``init_state``, :func:`jaxdev.init_sharded`, :func:`jaxdev.restore`; the
-train step has its own, richer explanation in :mod:`jaxdev.memory._explain`) so that
-such a failure is raised as :class:`jaxdev.OutOfMemoryError` naming what was
-live on the devices by pytree path (the :func:`jaxdev.memory` ledger's
-largest entries, and unattributed arrays shaped like the named trees' leaves:
-old states still referenced) and the device limit.
-
-:func:`live_lines` is the one writer of that "live now" section; the step's
-explanation uses it too.
+:func:`explained_oom` turns XLA's ``RESOURCE_EXHAUSTED`` in jaxdev's allocating
+calls into a :class:`jaxdev.OutOfMemoryError` naming what is live by pytree path
+(:func:`live_lines`, which the step's explanation uses too) and the device limit.
 """
 
 from __future__ import annotations
@@ -32,20 +24,7 @@ _SAID = "Out of memory"  # XLA's words, also where the status is INTERNAL (a que
 
 
 def is_resource_exhausted(err: BaseException) -> bool:
-    """Whether ``err`` is XLA's out-of-memory (``RESOURCE_EXHAUSTED``), not a jaxdev error.
-
-    The output of a call that ran out of memory, read later, raises
-    ``INTERNAL: Error dispatching computation: Out of memory ...``: that is one too.
-
-    Example:
-      >>> is_resource_exhausted(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 B"))
-      True
-      >>> is_resource_exhausted(RuntimeError("INTERNAL: Error dispatching computation: "
-      ...                                    "Out of memory allocating 8 bytes."))
-      True
-      >>> is_resource_exhausted(ValueError("shapes differ"))
-      False
-    """
+    """Whether ``err`` is XLA's out-of-memory (also ``INTERNAL: ... Out of memory``, read later)."""
     text = str(err)
     return not isinstance(err, JaxdevError) and (_MARK in text or _SAID in text)
 
@@ -78,18 +57,9 @@ def fullest(ledger: MemoryLedger) -> jax.Device | None:
 def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> list[str]:
     """The "live now" section: the fullest device's largest arrays by path, and likely leaks.
 
-    Unattributed arrays are grouped by shape and dtype; a group shaped like a
-    leaf of ``trees`` is marked as an old copy of it still referenced
-    somewhere (a kept history of states, a ``donate=False`` loop).
-
-    Example:
-      >>> import jax.numpy as jnp, jaxdev
-      >>> w, old = jnp.ones((512, 512)), jnp.zeros((512, 512))
-      >>> lines = live_lines(jaxdev.memory.ledger(params={"w": w}), {"params": {"w": w}})
-      >>> any(line.lstrip().startswith("params['w']") for line in lines)
-      True
-      >>> any("unattributed array shaped like params['w']" in line for line in lines)
-      True
+    Unattributed arrays are grouped by shape and dtype; a group shaped like a leaf
+    of ``trees`` is marked as an old copy of it (``LedgerEntry.like`` would also
+    count the optimizer's look-alikes: "(or 2 others of that shape)").
     """
     device = fullest(ledger)
     if device is None:
@@ -160,12 +130,8 @@ def explained_oom(
 ) -> Iterator[None]:
     """In this block, XLA's ``RESOURCE_EXHAUSTED`` becomes an explained :class:`OutOfMemoryError`.
 
-    Args:
-      what: the call, for the message (``'init_sharded'``).
-      trees: ``trees() -> {name: tree}``: what to name in the ledger (their
-        leaves' shapes also mark old copies); called only on failure.
-      extra: ``extra() -> [lines]``: more lines (what the call needed, the
-        alternatives); called only on failure, and dropped if it fails.
+    ``trees() -> {name: tree}`` (named in the ledger) and ``extra() -> [lines]``
+    are called only on failure, and dropped if they fail.
 
     Example:
       >>> try:

@@ -1,10 +1,7 @@
-"""A step as the memory modules see it: a frozen description, and the strategy it names.
+"""A step as the memory modules see it: a frozen :class:`StepSpec` and the strategy it names.
 
-The train subsystem (above this one) describes each step with a :class:`StepSpec`
-and gives it the factory that builds a step back from a description; the
-memory modules change descriptions (:meth:`StepSpec.replace`), lower them
-(:meth:`StepSpec.lower`) and ask the strategy for its layouts
-(:class:`StrategyLike`), never importing or rebuilding either.
+The train subsystem (above) builds specs and gives the factory back; the memory
+modules change, lower and ask them for layouts without importing it.
 """
 
 from __future__ import annotations
@@ -42,14 +39,8 @@ class StrategyLike(Protocol):
 class StepSpec:
     """A train or eval step, described: what the memory modules take.
 
-    Attributes:
-      strategy: where and how it runs (a ``jaxdev.Strategy``).
-      config: the ``loss_fn`` contract and options (``accumulate``, ``remat``).
-      steps_per_call: updates per call (``K``).
-      donate: whether a call donates the state and running metrics.
-      train: a train step (``False``: an eval step).
-      memory_limit: bytes per device a call may use (``None``: the devices' own).
-      build: ``build(spec)`` -> the step it describes (given by the train subsystem).
+    ``config`` holds the ``loss_fn`` contract and options (``accumulate``, ``remat``);
+    ``build(spec)`` gives the step back (the train subsystem's factory).
     """
 
     strategy: StrategyLike
@@ -96,11 +87,7 @@ class Described(Protocol):
 
 
 def spec_of(step: object, arg: str = "step") -> StepSpec:
-    """The description of ``step`` (a jaxdev step or a :class:`StepSpec`).
-
-    Raises:
-      UsageError: ``step`` is neither.
-    """
+    """The description of ``step`` (a jaxdev step or a :class:`StepSpec`)."""
     if isinstance(step, StepSpec):
         return step
     if isinstance(step, Described) and isinstance(step.spec, StepSpec):
