@@ -1,11 +1,4 @@
-"""Batches split over a mesh: padding with a validity mask, never a dropped row.
-
-:func:`shard_batch` places the leading axis of every leaf across a mesh
-(with several processes, each brings its local rows and the global batch is
-assembled after checking that every process brought the same shapes); with
-``pad=True`` it pads to a multiple and returns a :class:`Padded` with the
-mask. :func:`unpad` gives back exactly the real rows.
-"""
+"""Batches split over a mesh: padding with a validity mask, never a dropped row."""
 
 from __future__ import annotations
 
@@ -38,12 +31,9 @@ class Padded(NamedTuple):
     """A batch padded to a multiple of the device count, with its validity mask.
 
     Attributes:
-      batch: the placed batch; every leaf has ``mask.shape[0]`` rows (for the
-        pmap layout, leading shape ``mask.shape``).
-      mask: boolean ``jax.Array``, ``True`` for real rows, laid out like the
-        batch's leading axis (or axes).
-      size: the number of real rows this process brought (the rows before
-        padding).
+      batch: the placed batch; every leaf has ``mask.shape`` as leading shape.
+      mask: boolean ``jax.Array``, ``True`` for real rows, laid out like the batch's rows.
+      size: the real rows this process brought.
     """
 
     batch: Any
@@ -52,13 +42,7 @@ class Padded(NamedTuple):
 
 
 def rows_of(batch: Any, arg: str = "batch") -> int:
-    """The rows of ``batch``: the leading size its leaves share (checked, leaves named).
-
-    Example:
-      >>> import numpy as np
-      >>> rows_of({"x": np.zeros((5, 3)), "y": np.zeros(5)})
-      5
-    """
+    """The rows of ``batch``: the leading size its leaves share (checked, leaves named)."""
     return batch_rows(batch, jax.tree.leaves(batch), arg)
 
 
@@ -118,29 +102,11 @@ _ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned 
 def detach_host(tree: Any) -> Any:
     """Replace every host array of ``tree`` that could still change by a private copy.
 
-    Placing a numpy array does not always copy it by the time the call
-    returns: on CPU, JAX uses an aligned buffer in place (even with
-    ``may_alias=False``) and copies an unaligned one in the background; on
-    GPU the transfer may read the host buffer after the call. A loader that
-    refills one buffer would then change batches already handed over. Call
-    this on a batch before ``jax.device_put`` (:func:`jaxdev.shard_batch`,
-    :func:`jaxdev.pmap.shard_for_pmap` and :func:`jaxdev.prefetch_to_device` do)
-    and the device gets exactly the values the batch held at call time.
-
-    A numpy array is copied when it, or an array it views, is writeable, or
-    when its memory belongs to a writeable buffer (``bytearray``, a writeable
-    ``mmap``). Read-only arrays over read-only memory (``np.asarray`` of a
-    ``jax.Array``, ``np.frombuffer(bytes)``, this function's own copies) are
-    kept, as are ``jax.Array`` leaves and Python or numpy scalars. The copies
-    are read-only and 64-byte aligned, so on CPU JAX uses them in place: one
-    host copy in all.
-
-    Args:
-      tree: any pytree (a batch, or a list of leaves).
-
-    Returns:
-      ``tree`` itself when nothing needed a copy, else the same structure
-      with the copied leaves.
+    Placing a numpy array may read it after the call returns (CPU uses aligned
+    buffers in place, GPU transfers late), so a loader refilling one buffer would
+    change batches handed over. A numpy array is copied when it (or what it views)
+    is writeable or over writeable memory; the copies are read-only and 64-byte
+    aligned, so CPU uses them in place. Returns ``tree`` itself when nothing needed it.
 
     Example:
       >>> import numpy as np, jaxdev
@@ -148,10 +114,8 @@ def detach_host(tree: Any) -> Any:
       >>> buf = np.zeros((8, 2), np.float32)
       >>> batch = detach_host({"x": buf})
       >>> buf[:] = 1.0  # the loader refills its buffer
-      >>> float(jaxdev.shard_batch(batch)["x"].sum())
-      0.0
-      >>> detach_host(batch) is batch  # already private: no second copy
-      True
+      >>> float(jaxdev.shard_batch(batch)["x"].sum()), detach_host(batch) is batch
+      (0.0, True)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [_detached(x) for x in leaves]
@@ -195,29 +159,16 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray,
 
 
 def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
-    """Append ``extra`` copies of the last row (along ``axis``); host leaves come back detached.
+    """Append ``extra`` copies of the last row (along ``axis``): the one last-row padding.
 
-    The one last-row padding (``shard_batch``, ``put_batch`` of grouped
-    batches). Device arrays stay on device. Host arrays come back as a
-    private copy (see :func:`detach_host`) unless they can't change: the
-    padding is written into that one aligned copy.
+    Device arrays stay on device; host arrays come back as one private aligned
+    copy (see :func:`detach_host`).
     """
     if axis:  # rows behind group axes: pad along the row axis, as a view of the padded copy
-        moved = pad_rows(
-            jnp.moveaxis(x, axis, 0)
-            if isinstance(x, jax.Array)
-            else np.moveaxis(np.asarray(x), axis, 0),
-            extra,
-        )
-        return (
-            jnp.moveaxis(moved, 0, axis)
-            if isinstance(moved, jax.Array)
-            else np.moveaxis(moved, 0, axis)
-        )
+        xp = jnp if isinstance(x, jax.Array) else np
+        return xp.moveaxis(pad_rows(xp.moveaxis(xp.asarray(x), axis, 0), extra), 0, axis)
     if isinstance(x, jax.Array):
-        if extra == 0:
-            return x
-        return jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+        return x if extra == 0 else jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
     if extra == 0:
         return _detached(x)
     x = np.asarray(x)
@@ -231,32 +182,14 @@ def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
 
 
 def lead_spec(axis: AxisName, lead: int = 0, ndim: int | None = None) -> P:
-    """The spec of a batch leaf: rows (axis ``lead``, behind group axes) split over ``axis``.
-
-    A leaf of ``ndim`` axes with no row axis is replicated (``P()``). The
-    strategies' :meth:`jaxdev.Strategy.batch_spec` and a plan without a step
-    both read it.
-
-    Example:
-      >>> lead_spec("data", 1) == P(None, "data"), lead_spec("data", 1, ndim=1) == P()
-      (True, True)
-    """
+    """The spec of a batch leaf: rows (axis ``lead``) split over ``axis``; ``P()`` without rows."""
     return P() if ndim is not None and ndim <= lead else P(*([None] * lead), axis)
 
 
 def padded_shapes(batch: Any, n: int, n_lead: int = 0) -> tuple[Any, Any]:
-    """``(batch, mask)`` shapes of a batch padded as a step's ``put_batch`` pads it.
+    """``(batch, mask)`` shapes of a batch padded as ``put_batch`` pads it (rows at ``n_lead``).
 
-    Rows (axis ``n_lead``, behind ``steps_per_call`` / ``accumulate`` group
-    axes) that ``n`` devices do not divide are padded up to the next multiple
-    and a bool row mask is added; otherwise ``(batch, None)``. Lowering and
-    :func:`jaxdev.memory.plan` then accept the shapes of a raw batch.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> batch, mask = padded_shapes(jax.ShapeDtypeStruct((30, 256), jnp.float32), 8)
-      >>> batch.shape, mask.shape
-      ((32, 256), (32,))
+    ``(batch, None)`` when ``n`` devices divide the rows.
     """
     leaves, treedef = jax.tree.flatten(batch)
     if not leaves or any(np.ndim(x) <= n_lead for x in leaves):
@@ -282,14 +215,7 @@ def row_multiple(sharding: NamedSharding, n: int) -> int:
 
 
 def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> Any:
-    """Build global arrays from this process's batch: the one place that does it.
-
-    In a single process this is :func:`jaxdev.to_device`. With several
-    processes each one brings its local rows, and
-    ``jaxdev._multihost.global_batch`` checks that the processes agree on the
-    local shapes before building the global arrays. Host leaves are detached
-    first (:func:`detach_host`): both paths may alias or read them late.
-    """
+    """Global arrays from this process's batch (several processes: shapes checked to agree)."""
     tree = detach_host(tree)
     if jax.process_count() > 1:
         from ._multihost import global_batch
@@ -299,12 +225,7 @@ def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> An
 
 
 def _put_checked(leaves: list[Any], treedef: Any, sharding: NamedSharding) -> Any:
-    """Place leaves already checked (live, placeable, divisible) in one ``device_put``.
-
-    :func:`jaxdev.to_device` without its checks, which :func:`shard_batch`
-    has done: the per-call overhead matters for small batches. Returns None
-    when every leaf is already placed.
-    """
+    """Place leaves :func:`shard_batch` checked in one ``device_put`` (None: all placed)."""
     moving = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
     if not moving:
         return None
@@ -320,15 +241,11 @@ def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedShardi
     sizes = f"{hi}" if lo == 0 else f"{lo} or {hi}"
     return ShardingError(
         f"`batch` leaf {key_strings(tree)[0]} has {rows} rows, which do not split evenly over "
-        f"{multiple} {what} [{format_devices(_ordered(sharding))}] "
+        f"{multiple} {what} [{format_devices(list(sharding.mesh.devices.flat))}] "
         f"({rows} % {multiple} = {rows % multiple}). Pass `pad=True` to pad to {hi} rows "
         f"and get a validity mask, or use a batch size that is a multiple of {multiple} "
         f"(e.g. {sizes})."
     )
-
-
-def _ordered(sharding: NamedSharding) -> list[jax.Device]:
-    return list(sharding.mesh.devices.flat)
 
 
 def shard_batch(
@@ -339,50 +256,24 @@ def shard_batch(
     axis: AxisName | None = None,
     timeout_s: float | None = None,
 ) -> Any:
-    """Split the leading axis of every leaf of ``batch`` across ``mesh``.
+    """Split the leading axis of every leaf of ``batch`` across ``mesh`` (``P(axis)``).
 
-    Row ``i`` of every leaf goes to the same device, with the sharding
-    ``NamedSharding(mesh, P(axis))``. Nothing is ever dropped: a row count
-    that does not divide evenly raises unless ``pad=True``. Already placed
-    leaves are not copied again (built on :func:`jaxdev.to_device`). The
-    device gets the values the batch holds at call time: a host array the
-    loader may refill is copied first (:func:`detach_host`).
-
-    With ``pad=True`` the batch is padded to the next multiple of the device
-    count by repeating its last row (padded rows stay numerically sensible
-    inputs: no zero rows to divide by), and the result is always a
-    :class:`Padded` ``(batch, mask, size)`` whose boolean ``mask`` of shape
-    ``(rows_padded,)`` is sharded like the batch; ``mask`` is all ``True``
-    when no padding was needed. The return type depends only on ``pad``.
-    Weight per-row losses and metrics by ``mask``; :func:`unpad` removes the
-    padding from per-row outputs.
-
-    With several processes, ``batch`` is this process's local part, and the
-    global batch concatenates the processes' parts in process order. Every
-    process must bring the same local shapes and dtypes: they are compared
-    first (a few bytes through the coordinator, with a deadline), because
-    JAX would silently build a wrong global array from mismatched parts.
+    Nothing is dropped: rows that do not divide raise unless ``pad=True``, which
+    pads by repeating the last row and always returns a :class:`Padded` (weight
+    losses by its ``mask``; :func:`unpad` drops the padding). Placed leaves are
+    not copied again; host arrays are copied first (:func:`detach_host`). With
+    several processes ``batch`` is this process's part; the processes' shapes
+    are compared (within ``timeout_s``) before the global batch is built.
 
     Args:
-      batch: a pytree of arrays (numpy or jax) sharing their leading size.
-      mesh: the mesh; default :func:`data_mesh`.
-      pad: pad to a multiple of the device count and return a :class:`Padded`.
-      axis: the mesh axis (or axes) to split over; default the mesh's only
-        axis, or ``'data'``.
-      timeout_s: with several processes, how long to wait for the slowest
-        one in the shape check (default ``$JAXDEV_SYNC_TIMEOUT`` or 300 s).
-
-    Returns:
-      The placed batch (same structure), or a :class:`Padded` when ``pad``.
+      axis: the mesh axis (or axes) to split over; default the mesh's only axis, or ``'data'``.
+      timeout_s: the cross-process shape check's deadline (default
+        ``$JAXDEV_SYNC_TIMEOUT`` or 300 s).
 
     Raises:
-      ShardingError: the row count does not divide (without ``pad``), the
-        batch is empty, leaves have different leading sizes, a leaf is a
-        scalar, or a leaf has no elements (e.g. shape ``(8, 0)``); each names
-        the leaf path and the sizes.
-      DistributedError: processes brought different local shapes or dtypes
-        (each leaf and process named), or one never arrived.
-      LeafTypeError, LeafValueError, DeletedArrayError: as :func:`jaxdev.to_device`.
+      ShardingError: the rows do not divide (without ``pad``), the batch is
+        empty, or a leaf is a scalar, has no elements or other rows (named).
+      DistributedError: processes brought different local shapes or dtypes.
 
     Example:
       >>> import numpy as np, jaxdev
@@ -390,8 +281,6 @@ def shard_batch(
       >>> out = jaxdev.shard_batch({"x": np.ones((10, 3)), "y": np.arange(10)}, mesh, pad=True)
       >>> out.size, int(out.mask.sum()), out.batch["x"].shape[0] % mesh.size
       (10, 10, 0)
-      >>> jaxdev.unpad(out.batch, out)["y"].tolist() == list(range(10))
-      True
     """
     sharding, n = batch_layout(check_mesh(mesh), axis)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -415,10 +304,7 @@ def shard_batch(
 
 
 def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | None]:
-    """Return ``(size, indices, expected_rows)`` from a Padded, mask or int.
-
-    ``indices`` is None when the real rows are a prefix of length ``size``.
-    """
+    """``(size, indices or None for a prefix, expected rows)`` of a Padded, mask or int."""
     if isinstance(padding, Padded):
         if jax.process_count() == 1:
             return padding.size, None, int(padding.mask.size)
@@ -462,14 +348,10 @@ def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | Non
 def select_rows(
     x: Any, size: int | None, indices: np.ndarray | None = None, merge: bool = False
 ) -> Any:
-    """Rows of ``x``, bit for bit: the first ``size``, or those at ``indices``.
+    """Rows of ``x``, bit for bit: the first ``size`` (None: all), or those at ``indices``.
 
-    With ``merge`` the two leading axes are merged first (the pmap layout
-    ``(n, m, ...) -> (n * m, ...)``); ``size`` None keeps every row. Host
-    leaves are sliced with numpy. On several devices, XLA assembles a slice
-    or gather with a masked sum across devices (``x + 0.0``), which turns
-    ``-0.0`` into ``0.0`` and may flush denormals; floating point leaves are
-    therefore moved as unsigned integers of the same width.
+    ``merge`` merges the two leading axes first (pmap layout). On several devices
+    XLA's slice is a masked sum (``-0.0`` -> ``0.0``), so floats move as uints.
     """
     if not isinstance(x, jax.Array):
         x = np.asarray(x)
@@ -528,28 +410,18 @@ def _from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
 
 
 def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
-    """Remove the padded rows from every leaf of ``tree``, on device.
+    """Remove the padded rows from every leaf of ``tree``, on device, bit for bit.
 
     ``tree`` holds per-row values with the padded batch as leading axis (the
-    padded batch itself, or the outputs of a function applied row by row).
-    The real rows come back in their original order; ``jax.Array`` leaves stay
-    ``jax.Array`` (sliced where they live; the result's sharding is JAX's
-    choice, since the real row count need not divide), host leaves stay on
-    the host. Values come back bit for bit (``-0.0``, NaN payloads and
-    denormals included). ``jaxdev.to_host(jaxdev.unpad(tree, padding))``
-    fetches the real rows to host numpy.
+    batch itself, or per-row outputs); device leaves stay on device (JAX picks
+    the sharding), host leaves on the host.
 
     Args:
-      tree: a pytree whose leaves all have the padded leading size.
-      padding: the :class:`Padded` from :func:`shard_batch`, its boolean
-        ``mask``, or the number of real rows (an int: keep the first rows).
-
-    Returns:
-      The tree with exactly the real rows.
+      padding: the :class:`Padded` from :func:`shard_batch`, its boolean ``mask``,
+        or the number of real rows (keep the first).
 
     Raises:
-      ShardingError: a leaf's leading size does not match the padding, or
-        ``padding`` is not a Padded, bool mask or int.
+      ShardingError: a leaf's leading size does not match, or a bad ``padding``.
       PlacementError: called on traced values inside ``jit``.
 
     Example:
