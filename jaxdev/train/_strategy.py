@@ -1,13 +1,8 @@
 """Where and how a train step runs: one device, ``jax.pmap``, or sharded ``jit``.
 
-A :class:`Strategy` carries its own behaviour: :meth:`Strategy.single`,
-:meth:`Strategy.pmap` and :meth:`Strategy.sharded` return one of three
-subclasses, and each decides, for the step that composes them and for the
-memory modules, the state's layout (:meth:`Strategy.state_layout`,
-:meth:`Strategy.place_state`), the batch's (:meth:`Strategy.batch_spec`,
-:meth:`Strategy.batch_shape`, :meth:`Strategy.put_batch`) and how the step's
-body is compiled (:meth:`Strategy.compile`); :meth:`Strategy.replace` changes
-one. Nothing reads which kind it is.
+Each :class:`Strategy` subclass decides, for the step and the memory modules,
+the state's layout, the batch's, and how the step's body is compiled; nothing
+reads which kind it is.
 """
 
 from __future__ import annotations
@@ -70,21 +65,11 @@ class Strategy:
 
     Attributes:
       kind: ``'single'``, ``'pmap'`` or ``'sharded'``.
-      devices: the devices the step runs on, in order.
-      mesh: the mesh of the state and batch (one device's worth for
-        ``single``, the pmap devices along ``axis`` for ``pmap``).
-      axis: the mesh axis the batch is split over (``DEFAULT_AXIS``), or a
-        tuple of axes (``('data', 'fsdp')``) for a sharded step.
-      shard_map: whether the sharded step runs under ``jax.shard_map``.
-      rules: the rules that place the params and optimizer state
-        (:data:`jaxdev.Rules`; ``'replicate'`` unless ``sharded(rules=...)``).
-        A list of ``(regex, spec)`` pairs is stored as a tuple of pairs; the
-        field takes no part in hashing (a layout pytree is not hashable).
-      rule_options: the options the rules are applied with (``min_size``,
-        ``fsdp_axis``, ``logical_axis_rules``), as sorted ``(name, value)``
-        pairs; :attr:`options` gives them as a dict.
-      offload: the train-state fields kept in host memory between steps
-        (``('opt_state',)``, ``('opt_state', 'params')``; ``()``: none).
+      mesh: the mesh of the state and batch (one device for ``single``).
+      axis: the mesh axis (or tuple of axes) the batch is split over.
+      rules: the :data:`jaxdev.Rules` placing params and optimizer state (not hashed).
+      rule_options: ``(name, value)`` pairs of the rules' options (:attr:`options`: a dict).
+      offload: the train-state fields kept in host memory between steps.
     """
 
     kind: str
@@ -98,10 +83,7 @@ class Strategy:
 
     @classmethod
     def single(cls, device: DeviceSpec | None = None) -> Strategy:
-        """Run on one device with ``jax.jit`` (default: the first local device).
-
-        Args:
-          device: a ``jax.Device`` or spec; an int is a device index.
+        """Run on one device with ``jax.jit`` (a ``jax.Device``, spec or index; default: the first).
 
         Example:
           >>> import jaxdev
@@ -113,13 +95,7 @@ class Strategy:
 
     @classmethod
     def pmap(cls, devices: Any = None, axis: str = DEFAULT_AXIS) -> Strategy:
-        """Run on several local devices with ``jax.pmap``; gradients summed over ``axis``.
-
-        Args:
-          devices: ``None`` for every local device, an int ``n`` for the
-            first ``n``, a platform name, or a list of devices / specs.
-          axis: the pmap axis name (what ``lax.pmean`` and BatchNorm's
-            ``axis_name`` refer to).
+        """Run on local devices with ``jax.pmap`` (all, the first ``n``, a platform or a list).
 
         Example:
           >>> import jaxdev
@@ -146,43 +122,24 @@ class Strategy:
     ) -> Strategy:
         """Run with ``jax.jit`` + ``NamedSharding``: batch split, params placed by ``rules``.
 
-        With ``rules="replicate"`` every device holds the whole state (data
-        parallel). Any other :data:`jaxdev.Rules` (``"fsdp"``, ``"flax"``, a
-        list of ``(regex, PartitionSpec)`` pairs, a layout pytree) shards the
-        params, and the optimizer state follows them
-        (:func:`jaxdev.param_shardings` of the state); XLA inserts the gathers and
-        reduce-scatters. Every rule set gives the replicated run's numbers.
+        ``"replicate"`` is data parallel; other :data:`jaxdev.Rules` shard the
+        params with the optimizer state following, the same numbers.
 
         Args:
-          mesh: the mesh (:func:`jaxdev.make_mesh`); default
-            :func:`jaxdev.data_mesh`.
-          axis: the mesh axis, or tuple of axes, the batch is split over.
-            Default: every axis of the mesh except ``'model'`` and
-            ``'tensor'`` (which split the params), e.g. ``('data', 'fsdp')``
-            on a ``data`` x ``fsdp`` mesh and ``'data'`` on a ``data`` x
-            ``model`` mesh.
-          rules: the rules for the params (default ``"replicate"``), the
-            same keyword and values as :func:`jaxdev.param_shardings` and
-            :func:`jaxdev.memory.plan`.
-          shard_map: run the per-device step under ``jax.shard_map`` with
-            explicit collectives instead of letting the compiler partition it
+          mesh: default :func:`jaxdev.data_mesh`.
+          axis: the axis (or axes) the batch is split over; default every mesh
+            axis but ``'model'`` / ``'tensor'``.
+          rules: as :func:`jaxdev.param_shardings`; ``min_size``, ``fsdp_axis``
+            and ``logical_axis_rules`` are its options.
+          shard_map: run under ``jax.shard_map`` with explicit collectives
             (replicated params only).
-          min_size: under ``"fsdp"``, leaves with fewer elements are
-            replicated (default as :func:`jaxdev.param_shardings`).
-          fsdp_axis: under ``"fsdp"``, the mesh axis (or axes) to shard over
-            (default: the ``'fsdp'`` axis, else the batch axes).
-          logical_axis_rules: under ``"flax"``, flax's logical-to-mesh rules
-            for params whose metadata names logical axes.
-          offload: ``"opt_state"``, ``"params"`` or both as a tuple: keep
-            those fields of the train state in host memory (``pinned_host``)
-            between steps and stream them to the devices inside the compiled
-            step (the same numbers; host transfers every step).
+          offload: ``"opt_state"``, ``"params"`` or both: kept in host memory
+            between steps, streamed in by the compiled step.
           params: the old name of ``rules`` (deprecated, warns).
 
         Raises:
-          UsageError: ``shard_map=True`` with params that are not replicated.
-          ShardingError: ``axis`` names an axis the mesh lacks, or every mesh
-            axis is a model axis and ``axis`` is not given.
+          UsageError: ``shard_map=True`` with sharded params or offloading.
+          ShardingError: ``axis`` is not a mesh axis, or is needed (model axes only).
 
         Example:
           >>> import jaxdev
@@ -212,12 +169,7 @@ class Strategy:
         return _Sharded("sharded", devices, mesh, axis, bool(shard_map), params, options, offload)
 
     def replace(self, **changes: Any) -> Strategy:
-        """This strategy with ``changes``: the keywords of :meth:`Strategy.sharded`.
-
-        Its mesh, batch axis, rules, options, ``shard_map`` and offloading are
-        kept unless changed. A ``single`` or ``pmap`` strategy becomes a
-        sharded one over the same devices, the batch split the same way (the
-        memory advice asks for its options this way).
+        """This strategy with ``changes`` (keywords of :meth:`sharded`), always a sharded one.
 
         Example:
           >>> import jaxdev
@@ -229,13 +181,10 @@ class Strategy:
         return Strategy.sharded(check_mesh(self.mesh), **{**kwargs, **changes})
 
     def state_layout(self, state: Any, **options: Any) -> Any:
-        """The shardings of ``state`` (a train state or params, or their shapes) here.
+        """The shardings of ``state`` (or its shapes): the step's and :func:`jaxdev.memory.plan`'s.
 
-        The params by its rules (``options`` override its rule options), the
-        optimizer state following them, the fields it offloads in host
-        memory; under ``"flax"``, params already laid out on the mesh keep
-        their layout (:func:`jaxdev._rules.step_shardings`). The step's
-        program and :func:`jaxdev.memory.plan` both use it.
+        Params by the rules (``options`` override), the optimizer state following,
+        offloaded fields in host memory.
 
         Example:
           >>> import jax.numpy as jnp, jaxdev
@@ -247,7 +196,7 @@ class Strategy:
         return offloaded(layout, state, self.offload)
 
     def place_state(self, tree: Any) -> Any:
-        """A copy of ``tree`` (a train state, params, metrics) where this strategy keeps its state.
+        """A copy of ``tree`` (a train state, params, metrics) where this strategy keeps state.
 
         Example:
           >>> import jax.numpy as jnp, jaxdev
@@ -257,10 +206,7 @@ class Strategy:
         return copy_to(tree, self.state_target)
 
     def batch_spec(self, k: int = 1, m: int = 1, ndim: int | None = None) -> P:
-        """The spec of a placed batch leaf: its rows split over :attr:`axis`, group axes first.
-
-        ``k`` and ``m`` are the step's ``steps_per_call`` and ``accumulate``;
-        a leaf of ``ndim`` axes with no row axis is replicated (``P()``).
+        """The spec of a placed batch leaf for ``steps_per_call=k``, ``accumulate=m``.
 
         Example:
           >>> import jax, jaxdev
@@ -271,9 +217,6 @@ class Strategy:
 
     def batch_shape(self, rows: int, k: int = 1, m: int = 1) -> tuple[int, ...]:
         """The leading shape :meth:`put_batch` gives ``rows`` global rows per update.
-
-        ``(K, M, rows / M)`` without the axes of ``k`` or ``m`` that are 1;
-        under ``pmap`` the device axis comes first.
 
         Example:
           >>> import jaxdev
@@ -289,13 +232,7 @@ class Strategy:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The rule options as keywords for :func:`jaxdev.param_shardings`.
-
-        Example:
-          >>> import jaxdev
-          >>> jaxdev.Strategy.sharded(rules="fsdp", min_size=0).options
-          {'min_size': 0}
-        """
+        """The rule options as keywords for :func:`jaxdev.param_shardings`."""
         return dict(self.rule_options)
 
     @property
@@ -305,14 +242,9 @@ class Strategy:
 
     @property
     def collective_axis(self) -> AxisName | None:
-        """The axis name bound inside the step, for ``lax.pmean`` and BatchNorm's ``axis_name``.
+        """The axis name bound inside the step (``lax.pmean``, BatchNorm's ``axis_name``).
 
-        ``axis`` under ``pmap`` and ``sharded(shard_map=True)``, where each
-        device runs the step on its own rows; ``None`` under ``single`` and
-        sharded ``jit``, where the step sees the whole batch. Build the model
-        with it (``nn.BatchNorm(axis_name=strategy.collective_axis)``) and one
-        model definition computes batch statistics over the global batch
-        under every strategy.
+        ``None`` where the step sees the whole batch (``single``, sharded ``jit``).
 
         Example:
           >>> import jaxdev
@@ -334,9 +266,7 @@ class Strategy:
         return self.mesh
 
     def mesh_context(self) -> contextlib.AbstractContextManager:
-        """The context user code is traced in: ``jax.set_mesh(mesh)`` under ``sharded``
-        (:func:`jaxdev._mesh.under_mesh`); no mesh under ``single`` and ``pmap``
-        (:func:`jaxdev._mesh.outside_mesh`: a user's mesh is not theirs)."""
+        """The context user code is traced in: ``jax.set_mesh`` under ``sharded``, else none."""
         return outside_mesh()
 
     def local_shards(self) -> int:
@@ -348,10 +278,7 @@ class Strategy:
         raise NotImplementedError
 
     def put_batch(self, batch: Any, k: int = 1, m: int = 1) -> Any:
-        """Place a batch for a step with ``steps_per_call=k`` and ``accumulate=m``.
-
-        Uneven rows are padded (the last row repeated) and masked: a
-        :class:`jaxdev.Padded` comes back.
+        """Place a batch for ``steps_per_call=k``, ``accumulate=m``; uneven rows come back Padded.
 
         Example:
           >>> import numpy as np, jaxdev
@@ -363,14 +290,7 @@ class Strategy:
         return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
 
     def check_even(self, batch: Any, axis: int = 0) -> None:
-        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide.
-
-        ``jit`` would raise JAX's ``IndivisibleError``; this names the fix.
-
-        Example:
-          >>> import numpy as np, jaxdev
-          >>> jaxdev.Strategy.sharded().check_even({"x": np.zeros((16, 2))})
-        """
+        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide."""
         n = self.local_shards()
         if n == 1 or jax.process_count() > 1:
             return
@@ -417,11 +337,7 @@ class Strategy:
         donate: tuple[int, ...],
         layout: Any = None,
     ) -> Any:
-        """Compile ``run(axis, state, batch[, mask][, acc])`` for this strategy.
-
-        ``group`` is ``(steps_per_call, accumulate)``; ``layout`` the state's
-        shardings under rules (``None``: replicated).
-        """
+        """Compile ``run(axis, state, batch[, mask][, acc])``; ``layout``: None when replicated."""
         raise NotImplementedError
 
 
@@ -530,9 +446,8 @@ class _Sharded(Strategy):
         if layout is not None:  # sharded params: jit only (sharded() refuses shard_map)
             run = streamed(run, layout, train)  # offloaded fields: to the devices and back
         if self.shard_map:
-            # check_vma=False: gradients of replicated params are summed by the
-            # step's own psum, as under pmap (with vma checks JAX would already
-            # sum them, and the step would apply the gradient n times over).
+            # check_vma=False: the step's own psum sums replicated params' gradients, as
+            # under pmap (with vma checks JAX would sum them too: n times the gradient)
             specs = tuple(s.spec for s in ins)
             out_specs = (P(), P(), P()) if train else P()
             inner = jax.shard_map(
@@ -554,12 +469,7 @@ class _Sharded(Strategy):
 
 
 def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
-    """Place rows grouped as ``(K?, M?, rows, ...)``: steps and micro-batches kept whole.
-
-    Rows are padded (last row repeated, masked out) to a multiple of
-    ``M * devices``; micro-batch ``j`` takes rows ``[j*r, (j+1)*r)`` and
-    splits them over the devices.
-    """
+    """Place rows grouped as ``(K?, M?, rows, ...)``, padded to ``M * devices`` and masked."""
     leaves, treedef = jax.tree.flatten(batch)
     rows = _grouped_rows(leaves, k)
     extra = -rows % (m * strategy.local_shards())
@@ -576,15 +486,11 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
 
 def _grouped_rows(leaves: list[Any], k: int) -> int:
     what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
-    if not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves):
+    flat = not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves)
+    if flat or (k > 1 and any(np.shape(x)[0] != k for x in leaves)):
         raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    if k > 1 and any(np.shape(x)[0] != k for x in leaves):
-        raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what} with K={k}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
+            f"with `steps_per_call`={k} every batch leaf needs shape {what}"
+            f"{'' if flat else f' with K={k}'}; got {[np.shape(x) for x in leaves[:3]]}."
         )
     rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
     if len(rows) != 1 or 0 in rows:
@@ -612,8 +518,7 @@ def _renamed(rules: Any, params: Any) -> Any:
 
 
 def _check_sharded(mesh: Mesh, axis: Any, rules: Any, shard_map: bool, offload: tuple) -> None:
-    """Refuse what ``Strategy.sharded`` cannot run: shard_map with offloading or sharded params,
-    or no ``axis`` on a mesh of model axes only."""
+    """Refuse what ``Strategy.sharded`` cannot run."""
     if shard_map and offload:
         raise UsageError(
             f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
