@@ -25,6 +25,7 @@ from flax import nnx
 from flax.core import meta as flax_meta
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import tree_flatten_with_path
 
 from ._errors import LeafTypeError, ShardingError, available_devices, short
 from ._leaves import (
@@ -72,31 +73,21 @@ def _path(keys: tuple[Any, ...]) -> str:
 
 
 def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
-    """Every array leaf of ``tree`` (linen boxes unboxed, NNX variables seen through)."""
+    """Every array leaf of ``tree`` (linen boxes and NNX variables seen through)."""
     out: list[_Leaf] = []
-    outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
-    for path, node in outer:
-        annotation = node if _is_box(node) else None
-        if isinstance(node, flax_meta.AxisMetadata):
-            inner = jax.tree_util.tree_flatten_with_path(_unbox_one(node))[0]
-        elif isinstance(node, nnx.Variable):
-            inner = [
-                (sub[1:] if sub and _path(sub[:1]) == "value" else sub, leaf)
-                for sub, leaf in jax.tree_util.tree_flatten_with_path(node)[0]
-            ]
-        else:
-            inner = [((), node)]
-        for sub, leaf in inner:
-            keys = tuple(path) + tuple(sub)
-            out.append(
-                _Leaf(
-                    _path(keys),
-                    jax.tree_util.keystr(keys) or "<root>",
-                    _shape_of(leaf, keys, arg),
-                    annotation,
-                )
-            )
+    for path, node in tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+        box = node if _is_box(node) else None
+        for sub, leaf in tree_flatten_with_path(node)[0] if box is not None else [((), node)]:
+            keys = (*path, *(sub[1:] if sub[:1] == (_VALUE,) else sub))  # a box's `.value`
+            out.append(_Leaf(_path(keys), _keystr(keys), _shape_of(leaf, keys, arg), box))
     return out
+
+
+_VALUE = jax.tree_util.GetAttrKey("value")
+
+
+def _keystr(keys: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(keys) or "<root>"
 
 
 def _shape_of(leaf: Any, keys: tuple[Any, ...], arg: str) -> tuple[int, ...]:
@@ -105,7 +96,7 @@ def _shape_of(leaf: Any, keys: tuple[Any, ...], arg: str) -> tuple[int, ...]:
     if isinstance(leaf, PY_SCALARS):
         return ()
     raise LeafTypeError(
-        f"`{arg}` leaf {jax.tree_util.keystr(keys) or '<root>'}: a "
+        f"`{arg}` leaf {_keystr(keys)}: a "
         f"{type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected a "
         "jax.Array, numpy array, Python number or jax.ShapeDtypeStruct (None passes "
         f"through). {available_devices()}"
@@ -129,14 +120,10 @@ def unbox(tree: Any) -> Any:
       >>> unbox({"w": nn.Partitioned(jnp.ones(2), ("data",))})["w"].shape
       (2,)
     """
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata))
-    if not any(isinstance(x, flax_meta.AxisMetadata) for x in leaves):
-        return tree
-    return jax.tree.map(
-        lambda x: _unbox_one(x) if isinstance(x, flax_meta.AxisMetadata) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, flax_meta.AxisMetadata),
-    )
+    boxed = flax_meta.is_axis_metadata
+    if not any(map(boxed, jax.tree.leaves(tree, is_leaf=boxed))):
+        return tree  # the same object: nothing to unbox
+    return flax_meta.map_axis_meta(_unbox_one, tree)
 
 
 # ---------------------------------------------------------------- specs per rule set
@@ -239,45 +226,39 @@ def _as_spec(spec: Any, source: str) -> P:
 
 
 def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
-    """The spec a flax annotation declares, and where it came from (for errors)."""
-    box = leaf.annotation
-    if box is None:
-        return P(), ""
-    if isinstance(box, nn.LogicallyPartitioned):
-        names = tuple(box.names)
-        rules = box.rules or (
-            logical_axis_rules if logical_axis_rules is not None else nn.get_logical_axis_rules()
+    """The spec flax reads from a leaf's box, and where it came from (for errors).
+
+    ``nnx.get_partition_spec`` for NNX variables, ``nn.get_partition_spec`` for linen boxes
+    (logical names through ``nn.logical_to_mesh_axes``); ``logical_axis_rules=`` stands for
+    flax's ``nn.logical_axis_rules`` context, rules stored in a linen box win.
+    """
+    box, given = leaf.annotation, logical_axis_rules
+    given = None if given is None else tuple(map(tuple, given))
+    with contextlib.nullcontext() if given is None else nn.logical_axis_rules(given):
+        if isinstance(box, nnx.Variable):
+            names = box.get_metadata().get("out_sharding")
+            if not names:
+                return P(), ""
+            if isinstance(names, NamedSharding):  # a sharding, not names: its spec as it is
+                return _strip_unconstrained(names.spec), f"NNX out_sharding {names.spec}"
+            spec = P(*nnx.get_partition_spec(box).get_value())
+            return _strip_unconstrained(spec), f"NNX out_sharding {tuple(names)}"
+        if not isinstance(box, flax_meta.Partitioned):  # bridge's NNXMeta: flax's own reading
+            return P(), ""  # re-creates an NNX variable, which fails on abstract values
+        spec = nn.get_partition_spec(box)
+        if not isinstance(box, nn.LogicallyPartitioned):
+            return _strip_unconstrained(spec), f"flax {type(box).__name__} names {tuple(spec)}"
+        rules = tuple(map(tuple, box.rules or nn.get_logical_axis_rules()))
+    source = f"flax logical names {tuple(spec)}"
+    if not rules:
+        raise ShardingError(
+            f"`rules`='flax': {leaf.keys} of shape {leaf.shape} has {source} "
+            "(nn.with_logical_partitioning) but no logical-axis rules map them to mesh "
+            "axes. Pass `logical_axis_rules=[('batch', 'data'), ('mlp', 'model'), ...]` "
+            "or call inside `with nn.logical_axis_rules(...)`."
         )
-        source = f"flax logical names {names}"
-        if not rules:
-            raise ShardingError(
-                f"`rules`='flax': {leaf.keys} of shape {leaf.shape} has {source} "
-                "(nn.with_logical_partitioning) but no logical-axis rules map them to mesh "
-                "axes. Pass `logical_axis_rules=[('batch', 'data'), ('mlp', 'model'), ...]` "
-                "or call inside `with nn.logical_axis_rules(...)`."
-            )
-        spec = nn.logical_to_mesh_axes(names, tuple(map(tuple, rules)))
-        return _strip_unconstrained(spec), f"{source} via rules {tuple(map(tuple, rules))}"
-    if isinstance(box, flax_meta.Partitioned):
-        spec = box.get_partition_spec()
-        return _strip_unconstrained(spec), f"flax nn.Partitioned names {tuple(box.names)}"
-    if isinstance(box, nnx.Variable):
-        names = box.get_metadata().get("out_sharding")
-        if not names:
-            return P(), ""
-        if isinstance(names, NamedSharding):  # a sharding, not names: its spec as it is
-            return _strip_unconstrained(names.spec), f"NNX out_sharding {names.spec}"
-        # flax's own reading: the variable's sharding_rules over the context's rules
-        # (`logical_axis_rules=` given here stands for the context)
-        context = (
-            contextlib.nullcontext()
-            if logical_axis_rules is None
-            else nn.logical_axis_rules(tuple(map(tuple, logical_axis_rules)))
-        )
-        with context:
-            spec = nnx.get_partition_spec(box).get_value()
-        return _strip_unconstrained(P(*spec)), f"NNX out_sharding {tuple(names)}"
-    return P(), ""
+    spec = nn.logical_to_mesh_axes(tuple(spec), rules)
+    return _strip_unconstrained(spec), f"{source} via rules {rules}"
 
 
 def _strip_unconstrained(spec: P) -> P:
