@@ -1131,15 +1131,17 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     if not keys:
         return []
     item_args = ocp.args.PyTreeRestore(_nest(keys, abstract), restore_args=_nest(keys, args))
-    failure = None
+    failed = None
     try:
         out = reader(ocp.args.Composite(**{item: item_args}))[item]
     except Exception as err:  # a damaged or truncated data file
         if is_resource_exhausted(err):  # not damage: explained by restore_item
             raise
-        failure = f"{type(err).__name__}: {short(str(err), 400)}"
-    if failure is not None:
+        failed = err  # its frames hold orbax's abandoned reads: let go of them quietly, below
+    if failed is not None:
+        failure = f"{type(failed).__name__}: {short(str(failed), 400)}"
         with _quiet_leftovers():
+            failed = None
             broken = _broken_leaves(reader, item, keys, abstract, args, entries)
         raise CheckpointError(
             f"Could not read checkpoint {path} ({what}){broken}: {failure}. The checkpoint "
@@ -1172,8 +1174,8 @@ def _quiet_leftovers() -> Iterator[None]:
     sys.unraisablehook = lambda unraisable: None
     try:
         yield
-        gc.collect()
     finally:
+        gc.collect()
         sys.unraisablehook = hook
 
 
