@@ -1,29 +1,11 @@
 """The compiled step: one device, ``jax.pmap``, or sharded ``jit`` / ``shard_map``.
 
-``make_train_step(loss_fn, tx, strategy)`` returns a :class:`TrainStep`, a
-callable ``step(state, batch, metrics=None) -> (state, metrics)``. Every
-strategy runs the same per-example arithmetic (:mod:`jaxdev.train._train`) and
-gives the same parameters and metrics on the same data (to float32
-reassociation); with dropout they are statistically, not bitwise, equal.
-
-The step also places what it needs: :meth:`TrainStep.init_state` (params on
-the device, truly replicated, or placed by the strategy's rules with the
-optimizer state following them) and :meth:`TrainStep.put_batch` (the batch
-on the device, or split over devices, padded and masked when uneven, grouped
-for ``steps_per_call`` and ``accumulate``).
-
-Under sharded params (``Strategy.sharded(mesh, rules=rules)``) the compiled
-step's state in and out shardings are :func:`jaxdev.param_shardings` of the state of the
-state it is first called with (one program per state structure); with
-replicated params they are ``P()`` and a call costs one dict lookup more than
-the bare ``jax.jit`` call. A committed state or batch laid out otherwise (a
-replicated state given to an fsdp step, fsdp params given to a replicated eval
-step, a batch split over ``"data"`` only), which ``jax.jit`` would refuse, is
-moved to the program's layout on the devices; a train step returns its state in
-that layout, so only its first call moves anything. :meth:`TrainStep.lower`
-gives the ``jax`` lowering of the program a call would run, and
-``memory_limit`` checks the compiled program's ``memory_analysis()`` before
-its first run.
+:func:`make_train_step` returns a :class:`TrainStep`, ``step(state, batch,
+metrics=None) -> (state, metrics)``: every strategy runs the same per-example
+arithmetic (:mod:`jaxdev.train._train`) and gives the same numbers. The step
+also places what it needs (``init_state``, ``put_batch``); a committed input
+laid out otherwise than its program (which ``jax.jit`` would refuse) is moved
+on the devices, once: a train step returns its state in the program's layout.
 """
 
 from __future__ import annotations
@@ -39,16 +21,12 @@ import optax
 from jax.sharding import NamedSharding
 
 from .._batches import Padded, padded_shapes
-from .._errors import (
-    UsageError,
-)
+from .._errors import UsageError
 from .._leaves import deleted, is_jax_array, same_layout
 from .._pending import failed, record
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
-from .._rules import (
-    unbox,
-)
+from .._rules import unbox
 from ..distributed import same_program, step_call
 from ..memory import (
     OPTIONS,
@@ -155,12 +133,8 @@ class _Step:
         return out, jax.tree.leaves(out)[0]
 
     def _oom_later(self, key: tuple, treedef: Any, shapes: list, err: Any, where: str) -> Any:
-        """:func:`oom_error` of a call that failed after it returned, from shapes only.
-
-        Its arrays are not kept (they would outlive the loop as unnamed old
-        copies): the state and metrics are the variant's shapes, the batch's
-        were noted at the call.
-        """
+        """:func:`oom_error` of a call that failed after it returned, from shapes only
+        (its arrays are not kept: they would outlive the loop as unnamed old copies)."""
         state, metrics = self._arg_shapes[key]
         sds = [s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes]  # None: a number
         batch = treedef.unflatten(sds)
@@ -179,13 +153,8 @@ class _Step:
         return fn, args
 
     def _check_memory(self, key: tuple, args: list[Any], shapes: list) -> None:
-        """Check the memory budget of the program ``args`` run, before it first runs.
-
-        ``jax.jit`` compiles a program per variant ``key`` and per batch
-        ``shapes`` (with dtypes): with a budget (``memory_limit``, or the
-        devices' own) each is checked once, before anything runs or is
-        donated; then a set lookup.
-        """
+        """With a budget, check each program (variant ``key``, batch ``shapes``) once, before
+        it first runs; then a set lookup."""
         if self._checked is None:
             return
         program = (key, *shapes)
@@ -205,29 +174,16 @@ class _Step:
         return jitted
 
     def _relayout(self, key: tuple, args: list[Any], lowering: bool = False) -> list[Any] | None:
-        """``args`` with committed leaves laid out otherwise than the program's inputs moved.
-
-        ``jax.jit`` with ``in_shardings`` refuses a committed array laid out
-        another way (a replicated state given to a step with sharded params,
-        params trained under ``"fsdp"`` given to a replicated eval step, a
-        batch split over ``"data"`` only). The step moves just those leaves,
-        on the devices (``put_leaves``), as :func:`jaxdev.to_device` would; a train
-        step returns its state in the program's layout, so only the first
-        call moves anything. ``None`` when nothing is misplaced. When
-        ``lowering``, their shapes in the program's layout take their place.
-        """
+        """``args`` with committed leaves laid out otherwise than the program's inputs moved
+        (``lowering``: their shapes in its layout), or ``None`` when nothing is misplaced."""
         expected = self._in_shardings.get(key)
         moves = [] if expected is None else _misplaced(args, expected, unplaced=lowering)
         if not moves:
             return None
         leaves = [jax.tree.flatten(a) for a in args]
         old, targets = [leaves[a][0][i] for a, i, _ in moves], [s for _, _, s in moves]
-        if lowering:
-            moved = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=t) for x, t in zip(old, targets)
-            ]
-        else:
-            moved = put_leaves(old, targets)
+        sds = lambda x, t: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=t)  # noqa: E731
+        moved = list(map(sds, old, targets)) if lowering else put_leaves(old, targets)
         for (a, i, _), new in zip(moves, moved):
             leaves[a][0][i] = new
         return [treedef.unflatten(flat) for flat, treedef in leaves]
@@ -235,26 +191,9 @@ class _Step:
     def lower(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         """Return the ``jax`` lowering of the program ``step(state, batch, metrics)`` would run.
 
-        Nothing runs and nothing is donated or allocated: ``state``,
-        ``batch`` and ``metrics`` may hold ``jax.ShapeDtypeStruct`` s (with
-        their ``sharding``, e.g. from ``jax.eval_shape``), and the result is
-        the same variant (padded or not, running metrics or not, state
-        structure) that the call would compile. ``.compile()`` on it gives
-        the executable with ``memory_analysis()`` and ``cost_analysis()``;
-        ``.as_text()`` the StableHLO. :func:`jaxdev.memory.plan` uses it. Leaves
-        laid out otherwise than the program expects are lowered in its
-        layout (the call would move them), and under a sharded strategy a
-        batch whose rows the devices do not divide is lowered padded, with
-        a mask, as :meth:`put_batch` would place it.
-
-        Args:
-          state: the train state (or params, for an eval step), or its shapes.
-          batch: a placed batch, a :class:`Padded`, or their shapes (rows
-            behind the ``steps_per_call`` / ``accumulate`` group axes).
-          metrics: the running metrics the call would get (``None``: none).
-
-        Returns:
-          A ``jax.stages.Lowered``.
+        Nothing runs: the arguments may be ``jax.ShapeDtypeStruct`` s (with their
+        ``sharding``). Misplaced leaves are lowered in the program's layout, and
+        a sharded step lowers uneven rows padded, with a mask, as the call would.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -287,23 +226,10 @@ class _Step:
     ) -> MemoryExplanation:
         """What ``step(state, batch)`` needs per device, what is live, and which change fits.
 
-        Nothing runs: the step and each option (``rules='fsdp'``,
-        ``accumulate=M``, ``remat=True``, offloading, half the batch) are
-        compiled for the shapes of ``state`` and ``batch`` (see
-        :class:`jaxdev.memory.MemoryExplanation`), each compile logged by the
-        ``jaxdev`` logger (INFO) and their count and time given in the text.
-        ``str()`` of the result is the text the step's memory errors carry.
-
-        Args:
-          state: the state, or its shapes.
-          batch: the batch as the step takes it, or its shapes.
-          limit: bytes per device (default: the devices' ``bytes_limit``; CPU
-            reports none, and the options then come without a verdict).
-          metrics: the running metrics the call would get.
-          options: the changes to compile (each may take as long as the step
-            itself): some of ``("fsdp", "accumulate", "remat", "offload",
-            "half_batch")``, all by default; ``accumulate`` compiles up to 4
-            programs and ``offload`` up to 2.
+        Nothing runs: the step and each of ``options`` (some of ``"fsdp"``,
+        ``"accumulate"``, ``"remat"``, ``"offload"``, ``"half_batch"``) are
+        compiled for the shapes given (:class:`jaxdev.memory.MemoryExplanation`);
+        ``limit`` defaults to the devices' ``bytes_limit`` (none on CPU).
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -320,14 +246,8 @@ class _Step:
         return explain_memory(self.spec, state, batch, limit, metrics=metrics, options=options)
 
     def _bound_inflight(self, token: Any) -> None:
-        """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU.
-
-        XLA's CPU runtime deadlocks (rendezvous timeout, then abort) when
-        dozens of collective programs are queued on fake CPU devices with
-        few cores (measured: jax 0.10.2, 8 devices, 2 cores, ~100 queued
-        steps). Waiting for the call ``_MAX_INFLIGHT`` back is not a host
-        transfer and keeps the queue deep enough to overlap dispatch.
-        """
+        """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU, where XLA deadlocks
+        with ~100 queued collective programs (jax 0.10.2, 8 devices, 2 cores)."""
         if not self._bounded:
             return
         self._inflight.append(token)
@@ -343,41 +263,23 @@ class _Step:
     ) -> Any:
         """Return a :class:`TrainState` placed for this strategy (eval steps: ``params``).
 
-        The state is a fresh copy (``copy_to``): donating it in later steps
-        never deletes the caller's ``params`` arrays.
+        A fresh copy: donating it never deletes the caller's arrays. Under sharded
+        params the optimizer state is built by ``jax.jit(tx.init)`` directly in
+        the shardings following the params (no replicated copy of anything big).
+        A whole train state (flax's or jaxdev's) given as ``params`` is taken as
+        the state, its type kept.
 
         Args:
-          params: the model parameters.
-          tx: the optax transform; ``None`` (the default) uses the step's own
-            (an eval step then gets ``params``, or, with ``model_state``, a
-            ``TrainState`` without optimizer state). One whose state differs
-            from the step's ``tx`` is refused: the step could not update it.
-          rng: optional PRNG key for ``loss_fn``'s ``rng`` argument (dropout).
-          model_state: optional state the forward pass updates (BatchNorm's
-            ``batch_stats``), placed like the params.
-
-        A whole train state (flax's ``train_state.TrainState`` as Flax's
-        examples build it, or jaxdev's) given as ``params`` is taken as the
-        state: copied and laid out for the step, its type kept.
-
-        Under sharded params (``Strategy.sharded(rules=rules)``) the params
-        (and ``model_state``) are placed by the rules (a copy: the caller's
-        arrays are never donated) and the optimizer state is built by
-        ``jax.jit(tx.init)`` directly in the shardings that follow the params
-        (adam ``mu`` / ``nu`` sharded like them, counts replicated): no device
-        ever holds a replicated copy of anything big. Linen params boxed by
-        ``nn.with_partitioning`` come back unboxed, placed as they declare.
+          tx: ``None`` uses the step's own (an eval step then gets ``params``); a
+            ``tx`` whose state differs from the step's is refused.
+          rng: a PRNG key for ``loss_fn``'s ``rng`` argument (dropout).
+          model_state: state the forward pass updates (``batch_stats``).
 
         Example:
           >>> import jax.numpy as jnp, optax, jaxdev
-          >>> step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
-          >>> state = step.init_state(jnp.ones(()), optax.sgd(0.1))
-          >>> int(state.step), jaxdev.device_of(state.params) == jaxdev.device(0)
-          (0, True)
-          >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
-          >>> fsdp = jaxdev.Strategy.sharded(mesh, rules="fsdp")
+          >>> fsdp = jaxdev.Strategy.sharded(jaxdev.make_mesh({"data": 2, "fsdp": 4}), rules="fsdp")
           >>> step = jaxdev.make_train_step(lambda p, b: b @ p["w"], optax.adam(0.1), fsdp)
-          >>> state = step.init_state({"w": jnp.ones((4096, 2))}, optax.adam(0.1))
+          >>> state = step.init_state({"w": jnp.ones((4096, 2))})
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
@@ -388,7 +290,6 @@ class _Step:
         needs = lambda: _init_lines(self.strategy, params, tx, rng, model_state)  # noqa: E731
         oom = explained_oom("init_state", lambda: {"params": params}, needs)
         with oom, self.strategy.mesh_context():  # tx.init traced under the strategy's mesh
-            # its OOM raised here
             return jax.block_until_ready(new_state(self.strategy, params, tx, rng, model_state))
 
     def _adopt(self, state: Any, tx: Any, rng: Any, model_state: Any) -> Any:
@@ -406,12 +307,7 @@ class _Step:
             return jax.block_until_ready(self.strategy.place_state(state))
 
     def put_batch(self, batch: Any) -> Any:
-        """Place a host batch for this strategy; uneven sizes are padded and masked.
-
-        With ``steps_per_call=K`` every leaf has a leading axis of ``K`` steps;
-        with ``accumulate=M`` the rows of each step are split into ``M``
-        micro-batches. Returns the batch, or a :class:`Padded` when rows were
-        added.
+        """Place a host batch (leading ``K`` axis with ``steps_per_call``); uneven rows: Padded.
 
         Example:
           >>> import numpy as np, optax, jaxdev
@@ -424,10 +320,6 @@ class _Step:
 
     def prefetch(self, iterator: Iterable[Any], size: int = 2) -> Prefetcher:
         """Place the next ``size`` batches of ``iterator`` with :meth:`put_batch` in a thread.
-
-        The pmap, sharded and grouped (``steps_per_call``, ``accumulate``)
-        layouts all come from :meth:`put_batch`, so a pmap-era loop keeps
-        ``for batch in step.prefetch(loader)``.
 
         Example:
           >>> import numpy as np, optax, jaxdev
@@ -444,29 +336,11 @@ class _Step:
 class TrainStep(_Step):
     """A compiled train step: ``step(state, batch, metrics=None) -> (state, metrics)``.
 
-    Calling it is functional: the new state and metrics are returned and the
-    inputs are not mutated. They are donated by default, so reusing an old
-    ``state`` raises :class:`DeletedArrayError` naming its leaves. The object
-    itself is not a pure function, though: on several CPU devices it keeps a
-    short queue of in-flight results and waits on the oldest, to bound XLA's
-    dispatch depth (see ``_bound_inflight``), and it compiles one program per
-    combination of "padded batch" and "running metrics given".
-
-    ``metrics`` is an optional running :class:`Collection`; when given, this
-    call's metrics are merged into it inside the compiled step (no extra
-    dispatch, no host sync). Read values with ``metrics.fetch()`` (one
-    ``device_get``) every N steps, never per step.
-
-    Attributes:
-      strategy: the :class:`Strategy` it runs with.
-      steps_per_call: updates per call (``K``).
-      accumulate: micro-batches per update (``M``).
-      memory_limit: bytes per device the compiled step may use (``None``:
-        the device's ``bytes_limit`` where the backend reports one).
-      config: the ``loss_fn`` contract and options it was made with.
-      donate: whether a call donates the state and the running metrics.
-      n_lead: the group axes (``steps_per_call``, ``accumulate``) before a
-        batch's rows.
+    The inputs are donated by default (reusing an old ``state`` raises
+    :class:`DeletedArrayError` naming its leaves). A running ``metrics``
+    :class:`Collection` is merged inside the compiled step; read it with
+    ``metrics.fetch()`` every N steps. ``spec`` is its :class:`StepSpec`;
+    ``n_lead`` the group axes (``steps_per_call``, ``accumulate``) before a batch's rows.
     """
 
     def __call__(
@@ -481,9 +355,7 @@ class TrainStep(_Step):
 class EvalStep(_Step):
     """A compiled eval step: ``step(params_or_state, batch, metrics=None) -> metrics``.
 
-    Made by :func:`jaxdev.make_eval_step`; nothing is donated. It places,
-    prefetches and lowers like a :class:`TrainStep` (``init_state``,
-    ``put_batch``, ``prefetch``, ``lower``).
+    Made by :func:`jaxdev.make_eval_step`; nothing is donated.
     """
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
@@ -499,16 +371,8 @@ def _cpu_collectives(strategy: Strategy) -> bool:
 def _misplaced(
     args: list[Any], expected: list[Any], unplaced: bool = False
 ) -> list[tuple[int, int, Any]]:
-    """``(argument, leaf, sharding)`` of each committed leaf the program would refuse.
-
-    Committed arrays (and ``ShapeDtypeStruct`` s with a sharding) laid out
-    otherwise than the program's inputs; uncommitted arrays and host values
-    are placed by ``jit`` itself. Deleted arrays are left to the call's own
-    error. With ``unplaced`` (lowering), also the leaves with no layout of
-    their own (host arrays, shapes without a sharding): traced without one,
-    they would be typed replicated on an ``Explicit`` mesh, not as the call
-    places them.
-    """
+    """``(argument, leaf, sharding)`` of each committed leaf (or sharded shape) the program
+    would refuse; with ``unplaced`` (lowering) also host arrays and unsharded shapes."""
     out = []
     for a, (arg, want) in enumerate(zip(args, expected)):
         leaves, treedef = jax.tree.flatten(arg)
@@ -524,18 +388,13 @@ def _misplaced(
         for i, (x, s) in enumerate(zip(leaves, targets)):
             if isinstance(x, jax.ShapeDtypeStruct):
                 have = getattr(x, "sharding", None)
-                if isinstance(have, jax.sharding.Sharding) and not same_layout(have, s, x.ndim):
-                    out.append((a, i, s))
-                elif have is None and unplaced:
-                    out.append((a, i, s))
-            elif unplaced and not is_jax_array(x) and hasattr(x, "shape"):
-                out.append((a, i, s))
-            elif (
-                is_jax_array(x)
-                and not deleted(x)
-                and x.committed
-                and not same_layout(x.sharding, s, x.ndim)
-            ):
+                laid = isinstance(have, jax.sharding.Sharding) and not same_layout(have, s, x.ndim)
+                bad = laid or (have is None and unplaced)
+            elif is_jax_array(x):  # deleted: left to the call's own error
+                bad = not deleted(x) and x.committed and not same_layout(x.sharding, s, x.ndim)
+            else:
+                bad = unplaced and hasattr(x, "shape")
+            if bad:
                 out.append((a, i, s))
     return out
 
@@ -544,12 +403,8 @@ def _misplaced(
 
 
 def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None) -> Any:
-    """Compile ``run(state, batch[, mask][, acc])`` for the step's strategy.
-
-    Absent arguments are left out of the signature, never passed as
-    ``None``: jax 0.10.2's pmap mis-splits ``None`` arguments. ``layout`` is
-    the state's shardings under sharded params (``None``: replicated).
-    """
+    """Compile ``run(state, batch[, mask][, acc])`` (absent arguments left out: jax 0.10.2's
+    pmap mis-splits ``None`` ones)."""
     strategy, cfg, k, train = step.strategy, step.config, step.steps_per_call, step.is_train
     n_lead = step.n_lead
 
@@ -617,57 +472,38 @@ def make_train_step(
     weighted: bool = False,
     remat: bool | Callable[..., Any] = False,
 ) -> TrainStep:
-    """Return a compiled train step for ``strategy``.
+    """Return a compiled train step for ``strategy`` (``None``: ``Strategy.single()``).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> per_example_loss`` of shape ``(B,)``;
-        with ``has_aux`` ``(losses, aux)`` (``aux``: a dict of per-example arrays,
-        averaged over valid rows, ``Metric`` s or ``Collection`` s). With
-        ``has_state`` it is ``loss_fn(params, model_state, batch)`` and returns
-        the new model state last. A state with an ``rng`` passes a per-step (and
-        per-device) key after ``batch``; ``pass_mask`` passes ``mask=`` (bool, one
-        per row, for ``nn.BatchNorm``). ``Metric.from_value`` / ``from_logits``
-        inside it leave the padded rows out by themselves.
-      tx: any optax ``GradientTransformation`` (``optax.apply_if_finite``
-        skips non-finite updates; ``optax.chain`` scales or clips gradients).
-      strategy: a :class:`Strategy`; ``None`` is ``Strategy.single()``.
-      has_aux: ``loss_fn`` returns aux metrics.
-      has_state: ``loss_fn`` takes and returns a model state; under pmap and
-        shard_map its float leaves are averaged over the devices (``lax.pmean``).
-      pass_mask: pass the row validity mask as ``mask=``.
-      steps_per_call: K updates per dispatch (``lax.scan``) over leaves with a leading K axis.
-      accumulate: M micro-batches per update (``lax.scan``): one step's update.
-      donate: donate the state and running metrics buffers (default True).
-      regularizer: ``regularizer(params) -> scalar`` added once per update (reported).
-      lr_fn: ``lr_fn(step) -> learning rate`` (e.g. the optax schedule),
-        reported as the metric ``lr``.
-      memory_limit: bytes per device the step may use (``None``: the device's
-        ``bytes_limit``; CPU reports none). Before the first call of each
-        program (padded or not, running metrics or not, each batch shape) its
-        compiled ``memory_analysis()`` peak is compared with it.
-      weighted: ``loss_fn`` returns ``(losses, weights)`` of one shape ``(B, ...)``
-        (weight 0 on padding tokens): the objective, the ``loss`` metric and aux arrays
-        of that shape are ``sum(x * weight) / sum(weight)`` over the global batch.
+        with ``has_aux`` ``(losses, aux)`` (per-example arrays, ``Metric`` s or
+        ``Collection`` s). With ``has_state`` it is ``loss_fn(params,
+        model_state, batch)`` returning the new model state last (averaged over
+        devices under pmap / shard_map). A state with an ``rng`` passes a
+        per-step, per-device key after ``batch``; ``pass_mask`` passes ``mask=``.
+      tx: any optax ``GradientTransformation``.
+      steps_per_call: K updates per dispatch over leaves with a leading K axis.
+      accumulate: M micro-batches per update.
+      regularizer: ``regularizer(params) -> scalar`` added once per update.
+      lr_fn: ``lr_fn(step) -> learning rate``, reported as the metric ``lr``.
+      memory_limit: bytes per device; each program's compiled peak is checked
+        before its first call (``None``: the device's ``bytes_limit``, none on CPU).
+      weighted: ``loss_fn`` returns ``(losses, weights)``: means are
+        ``sum(x * weight) / sum(weight)`` over the global batch.
       remat: ``True`` or a ``jax.checkpoint_policies`` policy: the loss runs
-        under ``jax.checkpoint`` (the same numbers; ``step.explain_memory``
-        shows the temporaries saved; checkpoint blocks with ``nn.remat`` for more).
-
-    Returns:
-      A :class:`TrainStep`: ``state, metrics = step(state, batch, metrics)``.
+        under ``jax.checkpoint``.
 
     Raises:
       UsageError: a bad ``strategy``, count (< 1), ``memory_limit`` or ``remat``.
-      MemoryPlanError: at a program's first call, the compiled step needs more
-        than the budget (nothing ran): :meth:`TrainStep.explain_memory`'s text.
-      OutOfMemoryError: XLA ran out of memory, at the call or where its outputs
-        are read (``metrics.fetch()``, :func:`jaxdev.to_host`, the next call).
+      MemoryPlanError: at a program's first call, it needs more than the budget.
+      OutOfMemoryError: XLA ran out of memory, at the call or where its outputs are read.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxdev
       >>> def loss_fn(params, batch):
       ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
       >>> step = jaxdev.make_train_step(loss_fn, optax.sgd(0.1), jaxdev.Strategy.single())
-      >>> state = step.init_state({"w": jnp.zeros(2)}, optax.sgd(0.1))
+      >>> state = step.init_state({"w": jnp.zeros(2)})
       >>> batch = step.put_batch({"x": np.eye(2, dtype=np.float32), "y": np.ones(2, np.float32)})
       >>> state, metrics = step(state, batch)
       >>> state, metrics = step(state, batch, metrics)
@@ -693,11 +529,8 @@ def make_eval_step(
 ) -> EvalStep:
     """Return a compiled ``eval(state_or_params, batch, metrics=None) -> metrics``.
 
-    Same ``loss_fn`` contract and strategies as :func:`make_train_step`; no
-    gradient, nothing donated, no rng. With ``has_state`` the model state of
-    the :class:`TrainState` is passed and the one returned is dropped.
-    Padded rows never count. With ``weighted`` the loss is the weighted mean
-    of ``(losses, weights)`` as in :func:`make_train_step`.
+    The ``loss_fn`` contract of :func:`make_train_step`; no gradient, nothing
+    donated, no rng; with ``has_state`` the returned model state is dropped.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jaxdev
