@@ -23,7 +23,7 @@ from ._train import TrainState
 
 
 def _shapes(tree: Any) -> Any:
-    """``tree`` with every array replaced by its ``ShapeDtypeStruct`` (shape, dtype only)."""
+    """``tree`` with every array as a ``ShapeDtypeStruct`` (shape, dtype only)."""
 
     def shape(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
@@ -81,14 +81,7 @@ def is_state(tree: Any) -> bool:
 
 
 def check_tx(step_tx: Any, tx: Any, params: Any, opt_state: Any = None) -> None:
-    """Refuse an optimizer state that the step's own ``tx`` could not update.
-
-    ``make_train_step(loss_fn, optax.sgd(...))`` then ``init_state(params,
-    optax.adam(...))`` built an adam state that the sgd step trained on
-    without a word. ``tx`` (given to ``init_state``) or ``opt_state`` (of a
-    state given whole) must have the structure ``step_tx.init(params)`` has;
-    the same ``tx`` object, or ``None``, always passes.
-    """
+    """Refuse a ``tx`` or ``opt_state`` whose structure is not ``step_tx.init(params)``'s."""
     if step_tx is None or (tx is None and opt_state is None) or tx is step_tx:
         return
     want = jax.tree.structure(jax.eval_shape(step_tx.init, _shapes(params)))
@@ -126,11 +119,8 @@ def _copy(tree: Any, shardings: Any, arg: str = "params") -> Any:
 
 
 def _own_buffers(tree: Any, others: Any) -> Any:
-    """``tree`` with any leaf that is also a leaf of ``others`` (or of itself) copied.
-
-    ``tx.init`` may return the params themselves (lookahead's slow weights);
-    donating one buffer twice crashes XLA.
-    """
+    """``tree`` with leaves shared with ``others`` (or itself) copied: XLA crashes donating
+    one buffer twice (``tx.init`` may return the params: lookahead's slow weights)."""
     seen = {id(x) for x in jax.tree.leaves(others)}
 
     def own(x: Any) -> Any:
