@@ -1,15 +1,9 @@
 """Build parameters directly in their shardings: no full copy on any device or host.
 
-``model.init`` followed by ``shard_params`` first materialises every
-parameter whole (on one device, or on the host) and only then splits it: a
-model that fits only when sharded runs out of memory there (jax#19893,
-flax#3701). :func:`init_sharded` instead asks for the shapes first
-(``jax.eval_shape``: nothing is allocated), turns them into shardings by the
-rules (:func:`jaxdev.param_shardings`), and runs the init under ``jax.jit``
-with those ``out_shardings``: XLA partitions the init itself, so each device
-computes and holds only its own shard. JAX's random bits are partitionable
-(``jax_threefry_partitionable``, on by default), so the values equal those of
-an unsharded init.
+``model.init`` then sharding materialises every parameter whole first (jax#19893,
+flax#3701); :func:`init_sharded` takes the shapes (``jax.eval_shape``), their
+shardings by the rules, and runs the init under ``jax.jit`` with those
+``out_shardings``: each device computes only its shard, the same values.
 """
 
 from __future__ import annotations
@@ -41,43 +35,16 @@ def init_sharded(
 ) -> Any:
     """Call ``init_fn(*args)`` so that its result is born sharded on ``mesh`` by ``rules``.
 
-    Three kinds of ``init_fn`` are understood:
-
-    * a linen ``model.init`` (or any function returning a pytree of arrays):
-      the variables come back *unboxed* (``nn.Partitioned`` /
-      ``nn.LogicallyPartitioned`` boxes removed, their annotations used by
-      ``rules="flax"``), each leaf placed by its rule;
-    * a function returning an NNX module (``lambda: Model(nnx.Rngs(0))``):
-      the module's whole state (params, batch stats, RNG state) is built
-      sharded and merged back into a module, which is returned. Variables
-      annotated with ``nnx.with_partitioning`` are created on the shardings
-      ``rules`` give them (under ``"flax"``: their annotations), as the
-      outputs of one ``jax.jit``; flax's eager sharding is not used.
-
-    Array arguments (keys, example inputs) are traced; any other argument
-    is a constant (``init_sharded(model.init, key, x, False, mesh=...)``);
-    keywords go through ``functools.partial``. The init is traced under
-    ``jax.set_mesh(mesh)`` (bare ``PartitionSpec`` s work).
-
-    Args:
-      init_fn: the function to call.
-      *args: its positional arguments.
-      mesh: the mesh (:func:`jaxdev.make_mesh`).
-      rules: as in :func:`jaxdev.param_shardings`.
-      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
-        :func:`jaxdev.param_shardings`.
-
-    Returns:
-      The unboxed pytree, or the NNX module, with every leaf placed by
-      ``rules``.
+    A linen ``model.init`` (or any function returning arrays) gives its
+    variables back unboxed; a function returning an NNX module gives the module,
+    its whole state built sharded. Array arguments are traced, the others are
+    constants; the init is traced under ``jax.set_mesh(mesh)``. ``rules`` and
+    ``**options`` are as in :func:`jaxdev.param_shardings`.
 
     Raises:
-      ShardingError: a rule cannot apply to a leaf (the leaf, its shape, the
-        spec and the mesh are named); another mesh is set with ``jax.set_mesh``.
+      ShardingError: a rule cannot apply to a leaf (named), or another mesh is set.
       UsageError: ``init_fn`` is not callable.
-      DistributedError: (several processes) the processes built different
-        programs, e.g. an ``init_fn`` that draws from ``np.random``: each would
-        hold other shards and replicas. The process that differs is named.
+      DistributedError: the processes built different programs (one named).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdev
@@ -114,15 +81,8 @@ def init_sharded(
 
 
 def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> tuple[bool, Any]:
-    """``(under the mesh?, shapes)`` of the init, traced under the mesh where it can be.
-
-    Init code may name bare PartitionSpecs, which need the mesh in context. But
-    linen's ``nn.with_partitioning`` boxes apply their specs as sharding
-    constraints whenever a mesh is set: ``Explicit`` axes refuse that on a
-    fresh value (``AssertionError``), and an axis the mesh lacks is better
-    named by the rules (leaf path, spec, mesh) than by JAX deep in flax. Such
-    an init is traced without the mesh, where linen applies no constraint.
-    """
+    """``(under the mesh?, shapes)`` of the init: under the mesh (bare PartitionSpecs), else
+    without it (linen boxes constrain under a mesh; the rules name a missing axis better)."""
     with under_mesh(mesh):
         try:
             return True, nnx.eval_shape(call, *dynamic)
@@ -138,11 +98,7 @@ def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[s
     """Build an NNX module's state sharded, then merge it into a module."""
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh, rules, **options)
-
-    def build(*a: Any) -> Any:
-        return nnx.state(call(*a))
-
-    init = jax.jit(build, out_shardings=shardings)
+    init = jax.jit(lambda *a: nnx.state(call(*a)), out_shardings=shardings)
     state = same_program(init, name="init_sharded's init_fn")(*dynamic)
     return nnx.merge(graphdef, jax.block_until_ready(state))
 
