@@ -1,10 +1,8 @@
 """Donation safety: refuse a call that would donate a deleted or a shared buffer.
 
-A train step donates its state and running metrics. JAX segfaults (several
-devices) or raises a bare INVALID_ARGUMENT (one device) on a state that an
-earlier call already donated, and on one array reached twice through the
-donated arguments; :func:`check_donatable` names the leaves first, in one
-pass over them (11 us a call on the benchmark MLP state).
+JAX segfaults (several devices) or raises a bare INVALID_ARGUMENT (one device)
+on a state already donated, or one array reached twice through the donated
+arguments; :func:`check_donatable` names the leaves first, in one pass.
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from .._leaves import array_type, deleted, is_jax_array, key_strings
 def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     """Raise before a call that would donate (or read) a deleted or a shared buffer.
 
-    JAX segfaults (several devices) or raises a bare INVALID_ARGUMENT (one
-    device) on a state that an earlier call already donated, and on one
-    array reached twice through the donated arguments. With
-    ``donating=False`` (an eval step) only deleted leaves are refused.
+    ``donating=False`` (an eval step): only deleted leaves are refused.
     """
     impl, ids, n = array_type(), set(), 0
     for x in jax.tree.leaves((state, metrics)):  # one pass: it runs before every call
