@@ -265,16 +265,16 @@ def _strip_unconstrained(spec: P) -> P:
     return P(*(None if s is P.UNCONSTRAINED else s for s in spec))
 
 
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, (P, NamedSharding))
+
+
 def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, str]]:
     """Specs from an explicit layout tree (a prefix of the unboxed params)."""
-
-    def is_spec(x: Any) -> bool:
-        return x is None or isinstance(x, (P, NamedSharding))
-
-    bad = [x for x in jax.tree.leaves(layout, is_leaf=is_spec) if not is_spec(x)]
+    bad = [x for x in jax.tree.leaves(layout, is_leaf=_is_spec) if not _is_spec(x)]
     if bad:
         raise ShardingError(f"`rules` must be {_FORMS}; got {short(layout, 200)}.")
-    for s in jax.tree.leaves(layout, is_leaf=is_spec):
+    for s in jax.tree.leaves(layout, is_leaf=_is_spec):
         if isinstance(s, NamedSharding) and s.mesh != mesh:
             raise ShardingError(
                 f"`rules` holds a NamedSharding on another mesh ({_mesh_text(s.mesh)}, "
@@ -287,7 +287,7 @@ def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, s
             lambda s, sub: [s] * len(jax.tree.leaves(sub)),
             layout,
             unbox(tree),
-            is_leaf=is_spec,
+            is_leaf=_is_spec,
         )
     except (ValueError, TypeError) as err:
         raise ShardingError(
@@ -476,11 +476,8 @@ def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     if _regex_rules(rules) is not None:
         return
 
-    def is_spec(x: Any) -> bool:
-        return x is None or isinstance(x, (P, NamedSharding))
-
     layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
-    if not layout or not all(is_spec(x) for x in jax.tree.leaves(rules, is_leaf=is_spec)):
+    if not layout or not all(_is_spec(x) for x in jax.tree.leaves(rules, is_leaf=_is_spec)):
         raise ShardingError(
             f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
         )
@@ -665,32 +662,21 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     mesh = check_mesh(mesh)
     params = unbox(params)
     treedef = jax.tree.structure(params)
-    if treedef.num_leaves == 0:
-        return _replicated(opt_state, mesh)
-    shapes = [
-        np.shape(x) if not isinstance(x, jax.ShapeDtypeStruct) else x.shape
-        for x in treedef.flatten_up_to(params)
-    ]
-    targets = treedef.flatten_up_to(shardings)
-    replicated = named_sharding(mesh, P())
-    matched: dict[int, Any] = {}
+    shapes = [np.shape(x) for x in treedef.flatten_up_to(params)]
+    targets, replicated = treedef.flatten_up_to(shardings), named_sharding(mesh, P())
     # Match on shapes only: a failed `flatten_up_to` builds its message from the
     # node's repr, which would copy every array of a real state to the host.
     # Boxed params give boxed moments (tx.init maps over the boxes): unbox them too.
     opt_state = jax.tree.map(_as_shape, unbox(opt_state))
 
-    def mirrors(node: Any) -> bool:
-        found = _mirror(node, treedef, shapes, targets)
-        if found is not None:
-            matched[id(node)] = found
-            return True
-        return False
+    def mirror(node: Any) -> Any:
+        return _mirror(node, treedef, shapes, targets)
 
-    def leaf(node: Any) -> Any:
-        found = matched.pop(id(node), None)
-        return replicated if found is None else found
-
-    return jax.tree.map(leaf, opt_state, is_leaf=mirrors)
+    return jax.tree.map(
+        lambda node: replicated if (found := mirror(node)) is None else found,
+        opt_state,
+        is_leaf=lambda node: mirror(node) is not None,
+    )
 
 
 def _mirror(node: Any, treedef: Any, shapes: list[tuple[int, ...]], targets: list[Any]) -> Any:
@@ -704,7 +690,7 @@ def _mirror(node: Any, treedef: Any, shapes: list[tuple[int, ...]], targets: lis
     out, hits = [], 0
     for sub, shape, target in zip(subtrees, shapes, targets):
         if _is_leafish(sub):
-            if tuple(_shape(sub)) != tuple(shape):
+            if tuple(sub.shape) != shape:
                 return None
             out.append(target)
             hits += 1
@@ -721,7 +707,3 @@ def _as_shape(x: Any) -> Any:
 
 def _is_leafish(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape)
