@@ -215,12 +215,10 @@ def accumulate_options(spec, state, rows: BatchRows, limit: int | None) -> list[
             break
         s = spec.replace(accumulate=big)
         micro = rows.rows // big
-        what = f"{big} micro-batches of {micro} row{'s' if micro != 1 else ''}"
-        out.append(
-            option(
-                Variant(f"accumulate={big}", what, s), state, batch_for(s, rows, rows.rows), limit
-            )
+        v = Variant(
+            f"accumulate={big}", f"{big} micro-batches of {micro} row{'s' * (micro != 1)}", s
         )
+        out.append(option(v, state, batch_for(s, rows, rows.rows), limit))
         if out[-1].fits:
             break
     return out
@@ -428,17 +426,9 @@ def explain_memory(
     compiles += len(found_options)
     seconds = _since(start)
     _log.info("explain_memory: %d programs compiled in %.1f s", compiles, seconds)
+    opts, source = tuple(found_options), source or found
     return MemoryExplanation(
-        subject,
-        plan_,
-        limit,
-        source or found,
-        ledger,
-        tuple(found_options),
-        live,
-        error,
-        compiles,
-        seconds,
+        subject, plan_, limit, source, ledger, opts, live, error, compiles, seconds
     )
 
 
@@ -570,24 +560,7 @@ class MemoryFit:
     capped: bool = False
 
     def __str__(self) -> str:
-        """The result line and the table of trials.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, optax, jaxdev
-          >>> tx = optax.sgd(0.1)
-          >>> step = jaxdev.make_train_step(lambda p, b: jnp.tanh(b @ p["w"]).sum(-1), tx)
-          >>> state = jax.eval_shape(lambda: jaxdev.TrainState.create(
-          ...     {"w": jnp.ones((256, 256))}, tx))
-          >>> fit = jaxdev.memory.fit_memory(step, state, jax.ShapeDtypeStruct((8, 256), "float32"),
-          ...                         limit=2**20)
-          >>> print(str(fit).splitlines()[0])
-          largest batch that fits: 255 rows per device (255 rows per step),
-          peak 1022.1 KiB of 1.0 MiB (limit)
-          >>> print(*str(fit).splitlines()[1:4], sep=chr(10))
-          change  batch/device  rows/step  peak/device  fits
-          ------  ------------  ---------  -----------  ----
-          as is   1             1          259.1 KiB    yes
-        """
+        """The result line and the table of trials (``change  batch/device  ...  fits``)."""
         return "\n".join([self.headline(), *_table(self.tried)])
 
     def headline(self) -> str:
