@@ -215,14 +215,9 @@ class _Tally:
         self.count[category] += 1
 
     def rows(self) -> tuple[PlanRow, ...]:
+        top = {c: max(self.per_device[c].values(), default=0) for c in CATEGORIES}
         return tuple(
-            PlanRow(
-                c,
-                max(self.per_device[c].values(), default=0),
-                self.logical[c],
-                self.sharded[c],
-                self.count[c],
-            )
+            PlanRow(c, top[c], self.logical[c], self.sharded[c], self.count[c])
             for c in CATEGORIES
             if self.count[c]
         )
@@ -399,14 +394,8 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
     else:  # XLA:CPU counts offloaded arguments with the device's: take them out
         argument, output, alias = argument - h_arg, output - h_out, max(alias - h_alias, 0)
         host = h_arg + h_out - h_alias
-    return CompiledMemory(
-        argument,
-        output,
-        alias,
-        int(analysis.temp_size_in_bytes),
-        int(analysis.generated_code_size_in_bytes),
-        host,
-    )
+    temp, code = int(analysis.temp_size_in_bytes), int(analysis.generated_code_size_in_bytes)
+    return CompiledMemory(argument, output, alias, temp, code, host)
 
 
 # ---------------------------------------------------------------- budgets
