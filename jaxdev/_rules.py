@@ -269,7 +269,7 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, (P, NamedSharding))
 
 
-def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, str]]:
+def _layout_specs(tree: Any, layout: Any, mesh: Mesh) -> list[tuple[P, str]]:
     """Specs from an explicit layout tree (a prefix of the unboxed params)."""
     bad = [x for x in jax.tree.leaves(layout, is_leaf=_is_spec) if not _is_spec(x)]
     if bad:
@@ -282,30 +282,16 @@ def _layout_specs(tree: Any, layout: Any, mesh: Mesh, n: int) -> list[tuple[P, s
                 f"devices {list(mesh.device_ids.flat)}); give PartitionSpecs or shardings on "
                 "`mesh`."
             )
-    try:
-        per_leaf = jax.tree_util.tree_map(
-            lambda s, sub: [s] * len(jax.tree.leaves(sub)),
-            layout,
-            unbox(tree),
-            is_leaf=_is_spec,
-        )
+    layout = jax.tree.map(lambda s: P() if s is None else s, layout, is_leaf=_is_spec)
+    try:  # None in the params passes through (no leaf); None in the layout replicates
+        flat = jax.tree.leaves(jax.tree.broadcast(layout, unbox(tree), is_leaf=_is_spec))
     except (ValueError, TypeError) as err:
         raise ShardingError(
             "`rules` is a layout tree whose structure is not the params' structure (nor a "
             "prefix of it). Give a PartitionSpec / NamedSharding (None = replicate) for every "
             f"key, or use a list of (regex, PartitionSpec) pairs. JAX says: {err}"
         ) from None
-    specs = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
-    flat = [s for group in specs for s in group]
-    if len(flat) != n:  # pragma: no cover - tree_map guarantees it
-        raise ShardingError("`rules` layout does not cover every leaf of the params.")
-    return [
-        (
-            P() if s is None else (s.spec if isinstance(s, NamedSharding) else s),
-            "the `rules` layout",
-        )
-        for s in flat
-    ]
+    return [(s.spec if isinstance(s, NamedSharding) else s, "the `rules` layout") for s in flat]
 
 
 def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any]):
@@ -332,7 +318,7 @@ def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: di
             )
         return out
     if isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules):
-        return _layout_specs(tree, rules, mesh, len(leaves))
+        return _layout_specs(tree, rules, mesh)
     raise ShardingError(
         f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
     )
