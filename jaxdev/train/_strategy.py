@@ -55,13 +55,7 @@ from ..memory import check_offload, offloaded, streamed
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """Where and how a step runs. Make one with a constructor, not ``Strategy(...)``:
-
-    * :meth:`Strategy.single` — ``jax.jit`` on one device;
-    * :meth:`Strategy.pmap` — ``jax.pmap`` over local devices;
-    * :meth:`Strategy.sharded` — ``jax.jit`` with ``NamedSharding`` on a mesh
-      (optionally through ``jax.shard_map``), params replicated or placed by
-      rules (FSDP, tensor parallel, flax metadata).
+    """Where and how a step runs: make one with :meth:`single`, :meth:`pmap` or :meth:`sharded`.
 
     Attributes:
       kind: ``'single'``, ``'pmap'`` or ``'sharded'``.
@@ -151,15 +145,9 @@ class Strategy:
         """
         mesh = check_mesh(mesh)
         params = _hashable_rules(rules if params is None else _renamed(rules, params))
-        options = {
-            k: v
-            for k, v in (
-                ("min_size", min_size),
-                ("fsdp_axis", fsdp_axis),
-                ("logical_axis_rules", _hashable_rules(logical_axis_rules)),
-            )
-            if v is not None
-        }
+        logical = _hashable_rules(logical_axis_rules)
+        named = dict(min_size=min_size, fsdp_axis=fsdp_axis, logical_axis_rules=logical)
+        options = {k: v for k, v in named.items() if v is not None}
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         offload = check_offload(offload, mesh.devices.flat)
         _check_sharded(mesh, axis, params, shard_map, offload)
