@@ -136,20 +136,7 @@ class MemoryPlan:
         return self.peak <= resolve_limit(limit, self.mesh)[0]
 
     def __str__(self) -> str:
-        """The plan as a table, with the compiled step's figures when present.
-
-        Example:
-          >>> import jax, jaxdev
-          >>> mesh = jaxdev.make_mesh({"fsdp": 8})
-          >>> shapes = {"w": jax.ShapeDtypeStruct((4096, 256), "float32"),
-          ...           "b": jax.ShapeDtypeStruct((256,), "float32")}
-          >>> print(jaxdev.memory.plan(shapes, mesh, "fsdp"))
-          memory plan: mesh(fsdp=8), rules='fsdp'
-          category  bytes/device  total bytes  sharded
-          --------  ------------  -----------  -------
-          params    513.0 KiB     4.0 MiB      >99.9%
-          total     513.0 KiB     4.0 MiB      >99.9%
-        """
+        """The plan as a table (see :func:`plan`), with the compiled step's figures if any."""
         return _format(self)
 
     def __repr__(self) -> str:
