@@ -114,6 +114,7 @@ def test_markers_workers_processes_and_faults(inner):
         @pytest.mark.parametrize("how", ["segv", "abort", "exit", "kill"])
         def test_dies(how):
             record_pid()
+            print(f"last words before {how}", file=__import__("sys").stderr)
             if how == "segv":
                 ctypes.string_at(0)
             if how == "abort":
@@ -143,6 +144,12 @@ def test_markers_workers_processes_and_faults(inner):
         @pytest.mark.devices(2.0)
         def test_float(): pass
 
+        @pytest.mark.devices(2, 2)
+        def test_twice(): pass
+
+        @pytest.mark.processes(2, devices=1, foo=3)
+        def test_unknown(): pass
+
         @pytest.mark.processes(2)
         def test_no_devices(): pass
 
@@ -165,6 +172,7 @@ def test_markers_workers_processes_and_faults(inner):
         @pytest.mark.processes(2, devices=1)
         def test_fails_on_1():
             record_pid()
+            print(f"hello from {jax.process_index()}")
             assert jax.process_index() == 0, "only process 0 passes"
 
         @pytest.mark.processes(2, devices=1, timeout=4)
@@ -177,7 +185,7 @@ def test_markers_workers_processes_and_faults(inner):
     result = run(inner, "-v", "-k", "not not_selected")
     gpu = any(d.platform == "gpu" for d in jax.devices())
     # 1 passed, then left threads behind; the README example: 3 + 1
-    result.assert_outcomes(passed=8 + 4, failed=5 + 2, errors=7 - gpu)
+    result.assert_outcomes(passed=8 + 4, failed=5 + 2, errors=9 - gpu)
     out = result.stdout.str()
     assert "test_dev.py::test_count[devices=8-2] PASSED" in out
     assert "assert 6 == 7" in out and re.search(r"test_dev.py:\d+: AssertionError", out)
@@ -188,6 +196,8 @@ def test_markers_workers_processes_and_faults(inner):
     ]:
         assert re.search(rf"test_dies\[devices=2-{how}\] _+\n.*died running this test: {why}", out)
     assert "signal SIGKILL (the kernel's OOM killer sends SIGKILL)" in out
+    for how in ("segv", "abort", "exit", "kill"):  # its own last words, though pytest captures
+        assert f"last words before {how}" in out, how
     assert "Fatal Python error: Segmentation fault" in out
     assert re.search(r'test_dev.py", line \d+ in test_dies', out)  # the dead worker's stack
     assert (
@@ -198,6 +208,8 @@ def test_markers_workers_processes_and_faults(inner):
         ("test_zero", "devices(0): device counts must be ints >= 1"),
         ("test_negative", "devices(-1): device counts must be ints >= 1"),
         ("test_float", "devices(2.0): device counts must be ints >= 1"),
+        ("test_twice", "devices(2, 2): each device count once, got [2, 2]"),
+        ("test_unknown", "processes(2, devices=1, foo=3): give one process count >= 1"),
         ("test_no_devices", "processes(2): `devices=` is missing"),
         ("test_not_dividing[devices=8]", "processes(3): devices(8) in all do not divide over 3"),
     ]:
@@ -209,6 +221,8 @@ def test_markers_workers_processes_and_faults(inner):
 
     assert "FAILED test_proc.py::test_fails_on_1 - process 1 of 2: AssertionError" in out
     assert "AssertionError: only process 0 passes" in out  # its traceback
+    assert "(unknown ['foo']): processes(2, devices=4)." in out
+    assert "[p0] hello from 0" in out and "[p1] hello from 1" in out  # every process's output
     assert "process 1 of 2 failed; the processes' output" in out
     # the hang: every process prints its stacks at the timeout, then all end
     assert "process(es) [1] did not finish the call" in out
@@ -241,6 +255,25 @@ def test_jaxdev_devices_option(inner, monkeypatch):
         result.stderr.str()
     )
     assert re.search(r"conftest.py:\d+: `DEVICES = jax.devices\(\)`", result.stderr.str())
+
+
+def test_processes_after_a_conftest_started_jax_and_a_toml_int(inner, monkeypatch):
+    inner.makepyfile(
+        test_p="import pytest\n@pytest.mark.processes(2, devices=2)\ndef test_p(): pass\n"
+    )
+    monkeypatch.setenv("START_EARLY", "1")  # the conftest starts the backend (8 devices)
+    result = run(inner, "-q")
+    result.assert_outcomes(errors=1)
+    assert re.search(
+        r"test_p.py::test_p: processes\(2, devices=2\) asks JAX for 2 cpu device\(s\), but its "
+        r"backend already started with 8 at .*conftest.py:\d+: `DEVICES = jax.devices\(\)`",
+        result.stdout.str(),
+    )
+    if int(pytest.__version__.split(".")[0]) >= 9:  # its [tool.pytest] table is native TOML
+        inner.makefile(".toml", pyproject="[tool.pytest]\njaxdev_devices = 4\n")
+        result = run(inner, "-q")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert 'Write it as a string: jaxdev_devices = "4".' in result.stderr.str()
 
 
 def test_a_worker_that_never_starts(inner, monkeypatch):

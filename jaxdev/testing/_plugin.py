@@ -38,7 +38,8 @@ DEFAULT_TIMEOUT_S = 60.0
 _WORKER = json.loads(os.environ.pop(ENV, "null"))
 _STDERR = _WORKER and open(os.dup(2), "w")  # the real stderr, before pytest captures fd 2
 _START_S = 120  # start-up allowance of a processes test (launch + initialize + collection)
-_TAIL = 30  # stderr lines shown for a dead worker
+_TAIL = 30  # output lines shown for a dead worker
+_TEE = ["--capture=tee-sys"]  # a worker's output also reaches its log: a crash keeps its last lines
 _PINS = None  # the JAX start-up settings this process asks for (a _Pins)
 if _WORKER and sys.platform == "linux":  # die with the pytest that started it (SIGKILL, timeout)
     import ctypes
@@ -77,7 +78,10 @@ def pytest_load_initial_conftests(early_config, parser, args):
         _PINS = _Pins(_WORKER["pins"], _WORKER["platform"], _WORKER["count"], _WORKER["what"])
         return
     n = early_config.known_args_namespace.jaxdev_devices
-    n = early_config.getini("jaxdev_devices") if n is None else n
+    try:
+        n = early_config.getini("jaxdev_devices") if n is None else n
+    except (TypeError, pytest.UsageError) as e:  # pytest 9's [tool.pytest]: a TOML int
+        raise pytest.UsageError(f'{e}. Write it as a string: jaxdev_devices = "4".') from None
     if n != "":
         what = f"--jaxdev-devices {n}"
         if not str(n).isdigit() or int(n) < 1:
@@ -143,6 +147,8 @@ def _counts(mark) -> list[int] | str:
     if not mark.args or bad or extra:
         why = f"got {bad[0]!r}" if bad else f"unknown {sorted(extra)}" if extra else "got none"
         return f"device counts must be ints >= 1 and `platform=`, {why}. E.g. devices(1, 2, 8)."
+    if len(set(mark.args)) < len(mark.args):
+        return f"each device count once, got {list(mark.args)}. E.g. devices(1, 2, 8)."
     if mark.kwargs.get("platform", "cpu") not in ("cpu", "gpu"):
         return f"`platform` must be 'cpu' or 'gpu', got {mark.kwargs['platform']!r}."
     return list(mark.args)
@@ -171,8 +177,12 @@ def _is_count(x) -> bool:
 def _processes(mark, total: int | None) -> tuple | str:
     n, m = (mark.args or (None,))[0], mark.kwargs.get("devices")
     timeout = mark.kwargs.get("timeout", DEFAULT_TIMEOUT_S)
-    if len(mark.args) != 1 or not _is_count(n) or set(mark.kwargs) - {"devices", "timeout"}:
-        return "give one process count >= 1, `devices=`, `timeout=`: processes(2, devices=4)."
+    extra = sorted(set(mark.kwargs) - {"devices", "timeout"})
+    if len(mark.args) != 1 or not _is_count(n) or extra:
+        got = f"unknown {extra}" if extra else f"got {list(mark.args)}"
+        return (
+            f"give one process count >= 1, `devices=`, `timeout=` ({got}): processes(2, devices=4)."
+        )
     if total is not None and m is not None:
         return "give the devices once: `devices=` per process, or a devices(...) marker in all."
     if total is not None and total % n:
@@ -384,7 +394,7 @@ class _Controller:
         if msg is None:
             rc = worker.proc.wait()
             why = f"the jaxdev worker for {worker.what} (pid {worker.proc.pid}) died running "
-            why += f"this test: {_describe(rc)}. Its last stderr lines:\n{worker.tail()}\n"
+            why += f"this test: {_describe(rc)}. Its last output lines:\n{worker.tail()}\n"
             why += "The next test gets a new worker."
             reports.append(_failed(item, _next_phase(reports), why))
         if msg is None or msg.get("restart"):
@@ -434,11 +444,12 @@ class _Handle:
         env = {**os.environ, ENV: json.dumps(orders)}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", *config.invocation_params.args],
+            [sys.executable, "-m", "pytest", *config.invocation_params.args, *_TEE],
             cwd=config.invocation_params.dir,
             env=env,
             pass_fds=(cmd_r, res_w),
             stdin=subprocess.DEVNULL,
+            stdout=self.log,
             stderr=self.log,
         )
         os.close(cmd_r)
@@ -517,6 +528,7 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
         # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
         env = {ENV: json.dumps(orders), "JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
         out, cmd = io.StringIO(), [sys.executable, "-m", "pytest", *config.invocation_params.args]
+        cmd += _TEE
         try:  # the launcher's own timeout is a backstop: start-up, then the test's
             rc = launch(cmd, n, m, timeout_s=_START_S + timeout + 30, env=env, out=out)
         except (Exception, pytest.fail.Exception) as e:  # the processes were ended
@@ -581,7 +593,12 @@ class _Worker:
         if "run" in _WORKER:
             from jaxdev.distributed import initialize
 
-            initialize()
+            try:
+                initialize()
+            except Exception as e:  # e.g. a conftest started JAX's backend at import
+                why = _PINS.check() or f"jaxdev.distributed.initialize(): {type(e).__name__}: {e}"
+                print(f"{_WORKER['run']}: {why}", file=_STDERR, flush=True)
+                os._exit(3)
 
     def pytest_collectreport(self, report):
         if report.failed:
