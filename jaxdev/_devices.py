@@ -311,9 +311,8 @@ def use_fake_cpu_devices(n: int) -> None:
       >>> import jaxdev
       >>> jaxdev.testing.use_fake_cpu_devices(8)  # first line of a script  # doctest: +SKIP
     """
-    n = _check_index(n, "n")
-    if n < 1:
-        raise DeviceSpecError(f"`n` must be >= 1, got {n}.")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DeviceSpecError(f"`n` must be a device count (an int >= 1), got {n!r}.")
     if backend_started():
         have = len(_platform_devices("cpu"))
         if have == n:

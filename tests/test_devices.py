@@ -133,6 +133,12 @@ def test_describe_is_plain_data(devices):
     assert info["warnings"] == []
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_use_fake_cpu_devices_refuses_what_is_not_a_count(bad):
+    with pytest.raises(jaxdev.UsageError, match=r"`n` must be a device count \(an int >= 1\)"):
+        jaxdev.testing.use_fake_cpu_devices(bad)
+
+
 def test_use_fake_cpu_devices_before_start_in_subprocess():
     proc = run_python(
         """

@@ -16,6 +16,7 @@ Example:
 """
 
 from .._devices import use_fake_cpu_devices as use_fake_cpu_devices
+from .._errors import DisagreementError as DisagreementError
 from ._agree import assert_strategies_agree as assert_strategies_agree
 
-__all__ = ["assert_strategies_agree", "use_fake_cpu_devices"]
+__all__ = ["DisagreementError", "assert_strategies_agree", "use_fake_cpu_devices"]
