@@ -332,7 +332,7 @@ class _Controller:
                 self.next[last.get(key, "")] = item.nodeid
                 last[key] = item.nodeid
         if _PINS is not None and "jax" in sys.modules:
-            from jax._src import xla_bridge
+            from jax._src import xla_bridge  # no public API tells whether the backend started
 
             if xla_bridge.backends_are_initialized() and (why := _PINS.check()):
                 raise pytest.UsageError(why)
