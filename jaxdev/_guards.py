@@ -234,13 +234,11 @@ def _holds_device_array(x: Any = None, *args, **kwargs) -> bool:
 
 
 def _tree_has_device_array(x: Any = None, *args, **kwargs) -> bool:
-    array = array_type()
-    return any(isinstance(y, array) for y in jax.tree_util.tree_leaves(x))
+    return any(isinstance(y, array_type()) for y in jax.tree_util.tree_leaves(x))
 
 
 def _tree_has_host_data(x: Any = None, *args, **kwargs) -> bool:
-    array = array_type()
-    return any(not isinstance(y, array) for y in jax.tree_util.tree_leaves(x))
+    return not all(isinstance(y, array_type()) for y in jax.tree_util.tree_leaves(x))
 
 
 class _CountedUfunc:
@@ -454,17 +452,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_tap.forget)
 
 
-def _drain_implicit() -> None:
-    """Count the implicit transfers logged since the last drain."""
+def _drain_implicit(stop: bool = False) -> None:
+    """Count the implicit transfers logged since the last drain (``stop``: and drop a user)."""
     with _lock:
-        for kind in _tap.drain():
+        for kind in _tap.stop() if stop else _tap.drain():
             _emit(H2D, kind)
-
-
-def _guard_level() -> str | None:
-    """The host-to-device transfer-guard level in force on this thread."""
-    level = jax.config.jax_transfer_guard_host_to_device  # context-manager value included
-    return level if level is not None else jax.config.jax_transfer_guard
 
 
 # ------------------------------------------------------------- public API
@@ -510,21 +502,16 @@ def _activate(counter: TransferCounter, stack: contextlib.ExitStack) -> None:
             _install()
         _active.append(counter)
         stack.callback(_deactivate, counter)
-        level = _guard_level()
+        level = jax.config.jax_transfer_guard_host_to_device  # a context manager's included
+        level = level if level is not None else jax.config.jax_transfer_guard
         if not counter._implicit or level not in (None, "allow", "log"):
             return
         try:
             _tap.start(swallow=level != "log")
         except OSError:  # no usable fd 2: implicit transfers go uncounted
             return
-    stack.callback(_stop_tap)
+    stack.callback(_drain_implicit, stop=True)
     stack.enter_context(jax.transfer_guard_host_to_device("log"))
-
-
-def _stop_tap() -> None:
-    with _lock:
-        for kind in _tap.stop():
-            _emit(H2D, kind)
 
 
 def _deactivate(counter: TransferCounter) -> None:
@@ -580,15 +567,14 @@ def no_host_sync(
       ...     print(str(err).splitlines()[0])
       1 device-to-host sync in a block that allows 0 (`max_device_to_host=0`):
     """
-    limits = {
-        D2H: max_device_to_host,
-        H2D: max_host_to_device,
-        WAIT: max_waits,
-        COMPILE: max_compiles,
-        TRACE: max_traces,
-    }
-    for direction, limit in limits.items():
-        _check_budget(_BUDGETS[direction][0], limit)
+    budgets = (max_device_to_host, max_host_to_device, max_waits, max_compiles, max_traces)
+    limits = dict(zip(_BUDGETS, budgets))
+    for direction, n in limits.items():
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise GuardArgumentError(
+                f"`no_host_sync` expects `{_BUDGETS[direction][0]}` to be None (no limit) or an "
+                f"int >= 0, got {n!r}."
+            )
     with count_transfers(implicit=max_host_to_device is not None) as counter:
         yield counter
     failures = [
@@ -598,13 +584,6 @@ def no_host_sync(
     ]
     if failures:
         raise GuardError("\n".join(failures) + "\n" + _HINT)
-
-
-def _check_budget(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise GuardArgumentError(
-            f"`no_host_sync` expects `{name}` to be None (no limit) or an int >= 0, got {value!r}."
-        )
 
 
 def _over_budget(counter: TransferCounter, direction: str, limit: int) -> str:

@@ -73,11 +73,14 @@ def _next_round(tag: str) -> int:
     return next(_ROUNDS.setdefault(tag, itertools.count()))
 
 
-def _kv_exchange(client, tag: str, payload: str, timeout_s: float) -> list[str]:
-    """Publish ``payload`` and read every process's one, with a deadline."""
+def _publish_and_read(client, tag: str, value: str, timeout_s: float):
+    """Publish ``value`` in ``tag``'s next round; return ``(values read, processes missing)``.
+
+    The values stop at the first process that did not publish within ``timeout_s``.
+    """
     me, n, rnd = jax.process_index(), jax.process_count(), _next_round(tag)
     key = f"{_KEY_PREFIX}/{tag}/{rnd}/"
-    client.key_value_set(f"{key}{me}", payload)
+    client.key_value_set(f"{key}{me}", value)
     deadline = time.monotonic() + timeout_s
     out = []
     for p in range(n):
@@ -85,10 +88,10 @@ def _kv_exchange(client, tag: str, payload: str, timeout_s: float) -> list[str]:
         try:
             out.append(client.blocking_key_value_get(f"{key}{p}", remaining_ms))
         except Exception:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED
-            _raise_missing(client, key, tag, n, timeout_s)
+            return out, _missing(client, key, n)
     if rnd > 0:  # everyone published round `rnd`, so all have read `rnd - 1`
         client.key_value_delete(f"{_KEY_PREFIX}/{tag}/{rnd - 1}/{me}")
-    return out
+    return out, []
 
 
 def barrier(tag: str, timeout_s: float) -> list[int]:
@@ -105,30 +108,7 @@ def barrier(tag: str, timeout_s: float) -> list[int]:
     client = kv_client() if jax.process_count() > 1 else None
     if client is None:
         return []
-    me, n = jax.process_index(), jax.process_count()
-    key = f"{_KEY_PREFIX}/barrier/{tag}/{_next_round('barrier/' + tag)}/"
-    client.key_value_set(f"{key}{me}", "arrived")
-    deadline = time.monotonic() + timeout_s
-    for p in range(n):
-        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            client.blocking_key_value_get(f"{key}{p}", remaining_ms)
-        except Exception:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED
-            return _missing(client, key, n)
-    return []
-
-
-def _raise_missing(client, key: str, tag: str, n: int, timeout_s: float):
-    """Raise a DistributedError naming the processes that never published."""
-    missing = _missing(client, key, n)
-    names = ", ".join(str(p) for p in missing) or "?"
-    raise DistributedError(
-        f"`{tag}`: process {jax.process_index()} waited {timeout_s:g} s for every process to "
-        f"reach this check, but process(es) {names} of {n} never arrived. They are hung "
-        "(e.g. in the data loader), dead, or calling a different sequence of checks. "
-        f"Fix: find what process {names} is doing; raise `timeout_s` (or `{TIMEOUT_ENV}`) "
-        "if it is merely slow."
-    ) from None
+    return _publish_and_read(client, f"barrier/{tag}", "arrived", timeout_s)[1]
 
 
 def _missing(client, key: str, n: int) -> list[int]:
@@ -168,7 +148,18 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
     client = kv_client()
     if client is None:
         return _digest_exchange(payload)
-    return _kv_exchange(client, tag, payload, timeout_s)
+    out, missing = _publish_and_read(client, tag, payload, timeout_s)
+    n = jax.process_count()
+    if len(out) == n:
+        return out
+    names = ", ".join(map(str, missing)) or "?"
+    raise DistributedError(
+        f"`{tag}`: process {jax.process_index()} waited {timeout_s:g} s for every process to "
+        f"reach this check, but process(es) {names} of {n} never arrived. They are hung "
+        "(e.g. in the data loader), dead, or calling a different sequence of checks. "
+        f"Fix: find what process {names} is doing; raise `timeout_s` (or `{TIMEOUT_ENV}`) "
+        "if it is merely slow."
+    )
 
 
 def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
@@ -184,15 +175,15 @@ def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
     return groups
 
 
-def describe_groups(groups: dict[Any, list[int]], show: Callable[[Any], str] = str) -> str:
-    """Render ``{value: [ids]}`` as ``'process 0, 2: a; process 1: b'`` (``show`` prints a value).
+def describe_groups(values: Sequence[Any], show: Callable[[Any], str] = str) -> str:
+    """Render per-process ``values`` by group: ``'process 0, 2: a; process 1: b'``.
 
     Example:
-      >>> describe_groups({"a": [0, 2], "b": [1]})
-      'process 0, 2: a; process 1: b'
+      >>> describe_groups(["a", "b", "a"], show=str.upper)
+      'process 0, 2: A; process 1: B'
     """
-    parts = [f"process {', '.join(map(str, ids))}: {show(v)}" for v, ids in groups.items()]
-    return "; ".join(parts)
+    groups = group_processes(values).items()
+    return "; ".join(f"process {', '.join(map(str, ids))}: {show(v)}" for v, ids in groups)
 
 
 def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
@@ -207,7 +198,7 @@ def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
     for path in paths:
         values = [t.get(path, "<missing>") for t in tables]
         if len(set(values)) > 1:
-            lines.append(f"{path}: {describe_groups(group_processes(values))}")
+            lines.append(f"{path}: {describe_groups(values)}")
     return lines
 
 
@@ -232,11 +223,6 @@ def shape_dtype(leaf: Any) -> str:
     return f"{tuple(np.shape(leaf))} {np.result_type(leaf) if dtype is None else dtype}"
 
 
-def _shape_table(leaves_with_path) -> dict[str, str]:
-    """Return ``{path: 'shape dtype'}`` for the leaves of a local batch."""
-    return {keystr(path): shape_dtype(leaf) for path, leaf in leaves_with_path}
-
-
 def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) -> None:
     """Check every process brings the same local shape and dtype per leaf.
 
@@ -250,8 +236,8 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
     if jax.process_count() == 1:
         return
     leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
-    tables = _gathered_tables("shard_batch", _shape_table(leaves), timeout_s)
-    failures = compare_leaf_tables(tables)
+    table = {keystr(path): shape_dtype(leaf) for path, leaf in leaves}
+    failures = compare_leaf_tables(_gathered_tables("shard_batch", table, timeout_s))
     if failures:
         raise DistributedError(
             join_failures(
@@ -286,15 +272,6 @@ def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None =
     return jax.make_array_from_process_local_data(sharding, local_batch)
 
 
-def _host_value(leaf: Any) -> np.ndarray | None:
-    """Return the bytes-bearing host copy of a leaf, or None for sharded globals."""
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        if not leaf.is_fully_replicated:
-            return None  # one logical value spread over processes: nothing to compare
-        leaf = leaf.addressable_data(0)
-    return np.asarray(jax.device_get(leaf))
-
-
 def leaf_checksum(leaf: Any) -> str:
     """Return ``'shape dtype sha256[:16]'`` of a leaf's value (a cross-process array: ``global``).
 
@@ -304,9 +281,12 @@ def leaf_checksum(leaf: Any) -> str:
       >>> leaf_checksum(np.zeros(3)) == leaf_checksum(np.ones(3))
       False
     """
-    value = _host_value(jax.random.key_data(leaf) if is_prng_key(leaf) else leaf)
-    if value is None:
-        return f"{shape_dtype(leaf)} global"
+    value = jax.random.key_data(leaf) if is_prng_key(leaf) else leaf
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        if not value.is_fully_replicated:
+            return f"{shape_dtype(leaf)} global"  # one value spread over processes
+        value = value.addressable_data(0)
+    value = np.asarray(jax.device_get(value))
     digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
     return f"{shape_dtype(leaf)} {digest}"
 

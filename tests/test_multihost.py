@@ -376,13 +376,7 @@ def test_failure_reason_keeps_details_and_adds_hints():
 
 
 def _payload(fn, *args, name="step"):
-    text = _fingerprint.program_text(fn, *args)
-    return {
-        "name": name,
-        "sha": _fingerprint.fingerprint(text),
-        "ops": _fingerprint.op_counts(text),
-        "inputs": _fingerprint.input_table(args),
-    }
+    return _fingerprint.payload(name, _fingerprint.program_text(fn, *args), args, {})
 
 
 def test_fingerprint_is_stable_and_sees_a_different_reduction():

@@ -40,8 +40,6 @@ ENV_INIT_TIMEOUT = "JAXDEV_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAXDEV_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "JAXDEV_SHUTDOWN_TIMEOUT"
 ENV_JOIN_MARKER = "JAXDEV_JOIN_MARKER"
-ENV_HANG_TIMEOUT = _hang.ENV_HANG_TIMEOUT
-ENV_HANG_ACTION = _hang.ENV_HANG_ACTION
 
 DEFAULT_INIT_TIMEOUT_S = 60
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
@@ -70,29 +68,22 @@ class DistributedConfig(NamedTuple):
     hang_action: str = "exit"
 
 
-def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
-    """Read an integer environment variable, or ``None`` when unset."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
+def _setting(env: Mapping[str, str], arg: str, value: Any, var: str, low: int, default: Any):
+    """An integer setting: the argument, else its variable, else ``default``; both checked."""
+    raw = env.get(var) or None
     try:
-        value = int(raw)
+        from_env = None if raw is None else int(raw)
     except ValueError:
-        value = minimum - 1
-    if value < minimum:
+        from_env = low - 1
+    if from_env is not None and from_env < low:
         raise DistributedError(
-            f"`{name}` must be an integer >= {minimum}, got {raw!r}. "
+            f"`{var}` must be an integer >= {low}, got {raw!r}. "
             f"Fix: set it correctly or unset it (`jaxdev launch` sets it for you)."
         )
-    return value
-
-
-def _check_int(name: str, value: int | None, minimum: int) -> int | None:
-    """Validate an optional integer argument."""
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise DistributedError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+        return default if from_env is None else from_env
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise DistributedError(f"`{arg}` must be an int >= {low}, got {value!r}.")
     return value
 
 
@@ -134,34 +125,20 @@ def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> Distri
     hang_timeout, hang_action = given.get("hang_timeout_s"), given.get("hang_action")
     cfg = DistributedConfig(
         given.get("coordinator_address") or env.get(ENV_COORDINATOR) or None,
-        *(
-            _pick(_check_int(arg, given.get(arg), low), _env_int(env, var, low), default)
-            for arg, var, low, default in _INTS
-        ),
+        *(_setting(env, arg, given.get(arg), *rest) for arg, *rest in _INTS),
         _hang.check_timeout(hang_timeout)
-        or _hang.check_timeout(env.get(ENV_HANG_TIMEOUT), f"${ENV_HANG_TIMEOUT}"),
+        or _hang.check_timeout(env.get(_hang.ENV_HANG_TIMEOUT), f"${_hang.ENV_HANG_TIMEOUT}"),
         _hang.check_action(hang_action)
         if hang_action is not None
-        else _hang.check_action(env.get(ENV_HANG_ACTION), f"${ENV_HANG_ACTION}"),
+        else _hang.check_action(env.get(_hang.ENV_HANG_ACTION), f"${_hang.ENV_HANG_ACTION}"),
     )
-    _check_ids(cfg)
-    return cfg
-
-
-def _pick(*values: Any) -> Any:
-    """The first value that is not ``None`` (0 is a valid process id)."""
-    return next((v for v in values if v is not None), None)
-
-
-def _check_ids(cfg: DistributedConfig) -> None:
-    """Raise if ``process_id`` is outside ``[0, num_processes)``."""
-    if None in (cfg.num_processes, cfg.process_id):
-        return
-    if not 0 <= cfg.process_id < cfg.num_processes:
+    n, p = cfg.num_processes, cfg.process_id
+    if None not in (n, p) and not 0 <= p < n:
         raise DistributedError(
-            f"`process_id` must be in [0, {cfg.num_processes}) for `num_processes`="
-            f"{cfg.num_processes}, got {cfg.process_id}. Fix: number processes 0..N-1, once each."
+            f"`process_id` must be in [0, {n}) for `num_processes`={n}, got {p}. "
+            "Fix: number processes 0..N-1, once each."
         )
+    return cfg
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -275,20 +252,17 @@ def _diagnostic(cfg: DistributedConfig) -> str:
     )
 
 
-def _start_watchdog(cfg: DistributedConfig, seconds: float) -> threading.Timer:
-    """After ``seconds``, print :func:`_diagnostic` and end the process (before JAX aborts it)."""
+def install_fail_fast() -> None:
+    """Make an uncaught exception end this process at once (exit code 1) after its traceback.
 
-    def give_up():
-        _exit_now(_diagnostic(cfg))
+    Else it would wait at JAX's shutdown barrier for peers that may hang, then SIGABRT.
 
-    timer = threading.Timer(max(0.0, seconds), give_up)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def _fail_fast_hook(previous):
-    """Return an excepthook that reports, then exits without JAX's shutdown wait."""
+    Example:
+      >>> install_fail_fast()  # doctest: +SKIP
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_jaxdev_fail_fast", False):
+        return
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
@@ -299,24 +273,12 @@ def _fail_fast_hook(previous):
                 "barrier for peers that may never arrive."
             )
 
-    return hook
+    hook._jaxdev_fail_fast = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
-def install_fail_fast() -> None:
-    """Make an uncaught exception end this process at once (exit code 1) after its traceback.
-
-    Else it would wait at JAX's shutdown barrier for peers that may hang, then SIGABRT.
-
-    Example:
-      >>> install_fail_fast()  # doctest: +SKIP
-    """
-    if not getattr(sys.excepthook, "_jaxdev_fail_fast", False):
-        sys.excepthook = _fail_fast_hook(sys.excepthook)
-        sys.excepthook._jaxdev_fail_fast = True  # type: ignore[attr-defined]
-
-
-def _check_can_start() -> None:
-    """Raise unless ``initialize`` may run: once, before JAX's backend starts."""
+def _prepare(cfg: DistributedConfig, cpu_collectives: str | None, deadline: float) -> None:
+    """Before connecting: once, before the backend; CPU settings; port or reachability check."""
     if is_initialized():
         raise DistributedError(
             "`initialize` was already called in this process. Fix: call it "
@@ -328,18 +290,10 @@ def _check_can_start() -> None:
             "any computation, device_put, ...). Fix: call `jaxdev.distributed.initialize()` "
             "first thing in the script."
         )
-
-
-def _configure_cpu(cfg: DistributedConfig, cpu_collectives: str | None) -> None:
-    """Apply the local fake-device count and CPU collectives before start-up."""
     if cfg.local_device_count is not None:
         jax.config.update("jax_num_cpu_devices", cfg.local_device_count)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-
-
-def _preflight(cfg: DistributedConfig, deadline: float) -> None:
-    """Port check on process 0, coordinator reachability on the others."""
     if cfg.coordinator_address is None or cfg.process_id is None:
         return  # left to JAX's cluster auto-detection
     if cfg.process_id == 0:
@@ -349,16 +303,10 @@ def _preflight(cfg: DistributedConfig, deadline: float) -> None:
 
 
 def _connect(cfg: DistributedConfig, deadline: float) -> None:
-    """Call ``jax.distributed.initialize`` under the watchdog ending at ``deadline``."""
-    watchdog = _start_watchdog(cfg, deadline - time.monotonic())
-    try:
-        _jax_initialize(cfg)
-    finally:
-        watchdog.cancel()
-
-
-def _jax_initialize(cfg: DistributedConfig) -> None:
-    """``jax.distributed.initialize``; its "not defined" errors say what to set."""
+    """``jax.distributed.initialize``; at ``deadline`` print :func:`_diagnostic` and exit."""
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _exit_now, [_diagnostic(cfg)])
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(
             cfg.coordinator_address,
@@ -368,7 +316,7 @@ def _jax_initialize(cfg: DistributedConfig) -> None:
             heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
             shutdown_timeout_seconds=cfg.shutdown_timeout_s,
         )
-    except ValueError as e:
+    except ValueError as e:  # its "not defined" errors say what to set
         if "defined" not in str(e):
             raise
         raise DistributedError(
@@ -378,17 +326,8 @@ def _jax_initialize(cfg: DistributedConfig) -> None:
             f"-n N -- python ...`, set `{ENV_COORDINATOR}`, `{ENV_NUM_PROCESSES}` and "
             f"`{ENV_PROCESS_ID}`, or pass the arguments."
         ) from None
-
-
-def _check_job(expected_processes: int | None) -> None:
-    """After connecting: the process count asked for, equal local device counts."""
-    found = jax.process_count()
-    if expected_processes is not None and found != expected_processes:
-        raise DistributedError(
-            f"`num_processes`={expected_processes} but JAX connected {found} process(es). "
-            "Fix: pass the same `num_processes` to every process."
-        )
-    check_local_device_counts([d.process_index for d in jax.devices()], found)
+    finally:
+        watchdog.cancel()
 
 
 def _after_connect(cfg: DistributedConfig, fail_fast: bool) -> None:
@@ -397,7 +336,13 @@ def _after_connect(cfg: DistributedConfig, fail_fast: bool) -> None:
     atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
     if fail_fast:
         install_fail_fast()
-    _check_job(cfg.num_processes)
+    found = jax.process_count()
+    if cfg.num_processes is not None and found != cfg.num_processes:
+        raise DistributedError(
+            f"`num_processes`={cfg.num_processes} but JAX connected {found} process(es). "
+            "Fix: pass the same `num_processes` to every process."
+        )
+    check_local_device_counts([d.process_index for d in jax.devices()], found)
     _hang.install_stack_dumps()
     if cfg.hang_timeout_s is not None:
         _hang.start(cfg.hang_timeout_s, cfg.hang_action, _exit_now)
@@ -449,10 +394,8 @@ def initialize(
     given = {k: v for k, v in locals().items() if k in _ARGS}  # the arguments, by name
     leave_join_marker()
     cfg = resolve_config(**given)
-    _check_can_start()
-    _configure_cpu(cfg, cpu_collectives)
     deadline = time.monotonic() + cfg.init_timeout_s
-    _preflight(cfg, deadline)
+    _prepare(cfg, cpu_collectives, deadline)
     _connect(cfg, deadline)
     _after_connect(cfg, fail_fast)
     where = (jax.process_index(), cfg.num_processes, cfg.coordinator_address)

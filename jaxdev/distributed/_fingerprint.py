@@ -45,16 +45,6 @@ _SCALAR = re.compile(r"stablehlo\.constant (dense<[^<>]{1,40}> : tensor<[^<>]{0,
 _SIZE = re.compile(r"mhlo\.num_(?:partitions|replicas) = (\d+)")
 
 
-def enabled() -> bool:
-    """Whether the cross-process program check runs (``$JAXDEV_SAME_PROGRAM`` not 0/false/off/no).
-
-    Example:
-      >>> enabled()
-      True
-    """
-    return os.environ.get(ENV_SAME_PROGRAM, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
     """Return the StableHLO text of ``fn`` (jitted if it is not) lowered for the args.
 
@@ -65,20 +55,8 @@ def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
       >>> "stablehlo.multiply" in program_text(jax.jit(lambda x: 2 * x), jnp.ones(3))
       True
     """
-    lower = getattr(fn, "lower", None)
-    if lower is None:
-        lower = jax.jit(fn).lower
+    lower = getattr(fn, "lower", None) or jax.jit(fn).lower
     return lower(*args, **kwargs).as_text(debug_info=False)
-
-
-def fingerprint(text: str) -> str:
-    """Return the sha256 of a program text (64 hex digits).
-
-    Example:
-      >>> fingerprint("module {}") == fingerprint("module {}") != fingerprint("module { }")
-      True
-    """
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def op_counts(text: str) -> dict[str, int]:
@@ -97,14 +75,6 @@ def op_counts(text: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _describe_input(leaf: Any) -> str:
-    """``'shape dtype sharding-spec'`` of one argument leaf (no device ids)."""
-    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
-    if isinstance(sharding, NamedSharding):
-        return f"{shape_dtype(leaf)} {sharding.spec}"
-    return f"{shape_dtype(leaf)} {type(sharding).__name__ if sharding is not None else 'host'}"
-
-
 def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> dict[str, str]:
     """Describe every argument leaf: ``{path: 'shape dtype sharding'}`` (a spec, never device ids).
 
@@ -115,7 +85,11 @@ def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> di
     table = {}
     for root, tree in (("args", tuple(args)), ("kwargs", kwargs or {})):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            table[root + keystr(path)] = _describe_input(leaf)
+            sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
+            where = type(sharding).__name__ if sharding is not None else "host"
+            if isinstance(sharding, NamedSharding):
+                where = str(sharding.spec)
+            table[root + keystr(path)] = f"{shape_dtype(leaf)} {where}"
     return table
 
 
@@ -133,16 +107,10 @@ def spans_processes(text: str, args: Sequence[Any], kwargs: dict[str, Any] | Non
     return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
 
 
-def _payload(name: str, text: str, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-    return json.dumps(
-        {
-            "name": name,
-            "sha": fingerprint(text),
-            "ops": op_counts(text),
-            "inputs": input_table(args, kwargs),
-        },
-        sort_keys=True,
-    )
+def payload(name: str, text: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a process sends: the function's name, the program's sha256, its ops, its inputs."""
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    return {"name": name, "sha": sha, "ops": op_counts(text), "inputs": input_table(args, kwargs)}
 
 
 def _parse(payload: str) -> dict[str, Any]:
@@ -170,8 +138,8 @@ def program_differences(payloads: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     names = [p["name"] for p in payloads]
     if len(set(names)) > 1:
-        lines.append(f"function: {describe_groups(group_processes(names))}")
-    lines.append(f"program sha256: {describe_groups(group_processes(shas), lambda s: s[:12])}")
+        lines.append(f"function: {describe_groups(names)}")
+    lines.append(f"program sha256: {describe_groups(shas, lambda s: s[:12])}")
     ops = set().union(*(p["ops"] for p in payloads))
     op_tables = [{op: str(p["ops"].get(op, 0)) for op in ops} for p in payloads]
     op_lines = sorted(compare_leaf_tables(op_tables), key=lambda ln: ln.startswith("constant"))
@@ -198,23 +166,6 @@ def _who_differs(shas: Sequence[str]) -> str:
         )
     listing = " vs ".join(", ".join(map(str, ids)) for ids in groups.values())
     return f"processes {listing} differ (no majority to compare against)"
-
-
-def _raise_different(name: str, payloads: Sequence[dict[str, Any]]) -> None:
-    me = jax.process_index()
-    raise DistributedError(
-        join_failures(
-            f"`{name}`: the processes compiled different programs for its first call; "
-            f"{_who_differs([p['sha'] for p in payloads])} (seen from process {me}):",
-            program_differences(payloads),
-        )
-        + "\nEvery process of a multi-process job must run the same program: JAX pairs "
-        "their collectives by order only, so different programs give wrong numbers on "
-        "every process (exit code 0) or hang. Fix: keep process-dependent choices "
-        "(`jax.process_index()`, per-host flags, constants, shapes) out of the traced "
-        f"function and pass them as data; if the difference is intended, set "
-        f"{ENV_SAME_PROGRAM}=0 on every process."
-    )
 
 
 def check_same_program(
@@ -250,16 +201,31 @@ def check_same_program(
       >>> jaxdev.distributed.check_same_program(step, jnp.ones(4)) is None  # one process
       True
     """
-    if jax.process_count() == 1 or not enabled():
+    off = os.environ.get(ENV_SAME_PROGRAM, "1").strip().lower() in ("0", "false", "off", "no")
+    if jax.process_count() == 1 or off:
         return None
     name = name or getattr(fn, "__name__", None) or type(fn).__name__
     text = program_text(fn, *args, **kwargs)
     if not spans_processes(text, args, kwargs):
         return None
-    payloads = [_parse(p) for p in exchange(_TAG, _payload(name, text, args, kwargs), timeout_s)]
-    if len({p["sha"] for p in payloads}) > 1:
-        _raise_different(name, payloads)
-    return payloads[0]["sha"]
+    own = json.dumps(payload(name, text, args, kwargs), sort_keys=True)
+    payloads = [_parse(p) for p in exchange(_TAG, own, timeout_s)]
+    if len({p["sha"] for p in payloads}) == 1:
+        return payloads[0]["sha"]
+    who = _who_differs([p["sha"] for p in payloads])
+    raise DistributedError(
+        join_failures(
+            f"`{name}`: the processes compiled different programs for its first call; "
+            f"{who} (seen from process {jax.process_index()}):",
+            program_differences(payloads),
+        )
+        + "\nEvery process of a multi-process job must run the same program: JAX pairs "
+        "their collectives by order only, so different programs give wrong numbers on "
+        "every process (exit code 0) or hang. Fix: keep process-dependent choices "
+        "(`jax.process_index()`, per-host flags, constants, shapes) out of the traced "
+        f"function and pass them as data; if the difference is intended, set "
+        f"{ENV_SAME_PROGRAM}=0 on every process."
+    )
 
 
 class SameProgram:

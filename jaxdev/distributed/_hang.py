@@ -93,12 +93,10 @@ def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
     """
     if value is None or value == "":
         return None
-    seconds = value
-    if isinstance(value, str):
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = None
+    try:
+        seconds = float(value) if isinstance(value, str) else value
+    except ValueError:
+        seconds = None
     if (
         isinstance(seconds, bool)
         or not isinstance(seconds, (int, float))
@@ -156,8 +154,10 @@ def step_call(train: bool, compiling: bool) -> None:
     Example:
       >>> step_call(True, False)  # no watchdog: nothing happens
     """
-    if _WATCH is not None:
-        _WATCH.record_step(train, compiling)
+    watch = _WATCH
+    if watch is not None:
+        step = (watch.last[2] or 0) + 1 if train else None
+        watch.record("compile" if compiling else "step" if train else "eval", step)
 
 
 # ------------------------------------------------------ where and stacks
@@ -318,18 +318,6 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
     return len(over) == len(running) and any(r["state"] != "host" for r in over)
 
 
-def _order(rec: Mapping[str, Any]) -> tuple:
-    """Sort key: the first record is the one most behind."""
-    step = rec.get("step")
-    return (
-        rec.get("state") in ("step", "barrier"),  # waits on the others (or computes)
-        -1 if step is None else step,
-        bool(rec.get("answers", True)),
-        -float(rec.get("idle", 0.0)),
-        rec["process"],
-    )
-
-
 def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The heartbeat of the unfinished process most behind (``None`` when all finished).
 
@@ -342,7 +330,17 @@ def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
       1
     """
     running = [r for r in records if r.get("phase") != "finished"]
-    return min(running, key=_order) if running else None
+    return min(
+        running,
+        key=lambda r: (
+            r.get("state") in ("step", "barrier"),  # waits on the others (or computes)
+            -1 if r.get("step") is None else r["step"],
+            bool(r.get("answers", True)),
+            -float(r.get("idle", 0.0)),
+            r["process"],
+        ),
+        default=None,
+    )
 
 
 def _state(rec: Mapping[str, Any]) -> str:
@@ -489,12 +487,6 @@ class _Watchdog:
     def record(self, phase: str, step: int | None) -> None:
         seq, _, old = self.last[:3]
         step = old if step is None else step
-        self.last = (seq + 1, phase, step, time.monotonic(), threading.get_ident())
-
-    def record_step(self, train: bool, compiling: bool) -> None:
-        seq, _, old = self.last[:3]
-        phase = "compile" if compiling else "step" if train else "eval"
-        step = (old or 0) + 1 if train else old
         self.last = (seq + 1, phase, step, time.monotonic(), threading.get_ident())
 
     # -- the thread

@@ -32,7 +32,6 @@ from .._errors import UsageError
 from . import _hang
 from ._distributed import (
     ENV_COORDINATOR,
-    ENV_HANG_TIMEOUT,
     ENV_JOIN_MARKER,
     ENV_LOCAL_DEVICES,
     ENV_NUM_PROCESSES,
@@ -224,33 +223,17 @@ def _end(procs: Sequence[_Proc], grace_s: float) -> None:
             p.popen.wait()
 
 
-def _first_failure(procs: Sequence[_Proc]) -> _Proc | None:
-    """Return a process that exited non-zero, or ``None``."""
-    for p in procs:
-        rc = p.popen.poll()
-        if rc is not None and rc != 0:
-            return p
-    return None
-
-
-def _left_alone(procs: Sequence[_Proc]) -> _Proc | None:
-    """Return a process that exited 0 without joining while another joined, or ``None``."""
-    if not any(p.joined() for p in procs):
-        return None
-    for p in procs:
-        if p.popen.poll() == 0 and p.joined() is False:
-            return p
-    return None
-
-
 def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None | bool:
     """Wait until all succeed (``True``), one fails or never joins (it), or time runs out."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        failed = _first_failure(procs) or _left_alone(procs)
-        if failed is not None:
-            return failed
-        if all(p.popen.poll() == 0 for p in procs):
+        codes = [p.popen.poll() for p in procs]
+        failed = [p for p, rc in zip(procs, codes) if rc not in (None, 0)]
+        if any(p.joined() for p in procs):  # one exited 0 without joining, while another joined
+            failed += [p for p, rc in zip(procs, codes) if rc == 0 and p.joined() is False]
+        if failed:
+            return failed[0]
+        if all(rc == 0 for rc in codes):
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return None
@@ -333,14 +316,9 @@ def _check_launch_args(
     """Raise UsageError naming the first bad launch argument."""
     if not cmd:
         raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise UsageError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
-    if (
-        isinstance(devices_per_process, bool)
-        or not isinstance(devices_per_process, int)
-        or devices_per_process < 1
-    ):
-        raise UsageError(f"`devices_per_process` must be an int >= 1, got {devices_per_process!r}.")
+    for name, n in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"`{name}` must be an int >= 1, got {n!r}.")
     if port is not None and not 0 < port < 65536:
         raise UsageError(f"`port` must be in 1..65535, got {port!r}.")
     if timeout_s is not None and not timeout_s > 0:
@@ -409,7 +387,7 @@ def launch(
     _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
     base = {**os.environ, **(env or {})}
     if hang_timeout_s is not None:
-        base[ENV_HANG_TIMEOUT] = f"{_hang.check_timeout(hang_timeout_s):g}"
+        base[_hang.ENV_HANG_TIMEOUT] = f"{_hang.check_timeout(hang_timeout_s):g}"
     port = free_port() if port is None else port
     lock, start = threading.Lock(), time.monotonic()
     procs: list[_Proc] = []
