@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -78,17 +77,11 @@ def ambient_value(name: str) -> Any:
     return stack[-1] if stack else None
 
 
-def row_mask(mask: jax.Array | None) -> contextlib.AbstractContextManager[None]:
-    """Make ``mask`` the default ``mask`` of every ``from_value`` in this block (this thread).
-
-    jaxdev's steps wrap ``loss_fn`` in it, so a metric built there leaves padded rows out;
-    a value with no entry per row (a scalar) is refused there.
-    """
-    return ambient("mask", mask)
-
-
 def _ambient_mask(value: jax.Array, owner: str, strict: bool = True) -> jax.Array | None:
-    """The enclosing step's row mask for ``value``, or None outside a step."""
+    """The row mask of the enclosing step (its ``ambient("mask", mask)``), or None outside one.
+
+    A value with no entry per row (a scalar) is refused there (``strict``).
+    """
     mask = ambient_value("mask")
     if mask is None:
         return None
@@ -134,22 +127,6 @@ def _masked_fill(value: jax.Array, valid: jax.Array | None, fill: float) -> jax.
     return value if valid is None else jnp.where(valid, value, fill)
 
 
-def _count(value: jax.Array, valid: jax.Array | None) -> jax.Array:
-    """Return how many elements of ``value`` are valid, as an int32 scalar."""
-    if valid is None:
-        return jnp.asarray(value.size, _I32)
-    return jnp.sum(jnp.broadcast_to(valid, value.shape), dtype=_I32)
-
-
-def _check_partner(self: Metric, other: Any) -> None:
-    """Raise unless ``other`` is the same metric class as ``self``."""
-    if type(other) is not type(self):
-        raise MetricError(
-            f"`{type(self).__name__}.merge` expects `other` to be a "
-            f"{type(self).__name__}, got {type(other).__name__}."
-        )
-
-
 def _host_value(x: Any) -> Any:
     """Return a 0-d numpy value as a Python number; other arrays unchanged."""
     return x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
@@ -159,7 +136,13 @@ def _host_value(x: Any) -> Any:
 
 
 class Metric:
-    """Base class: a mergeable accumulator, a frozen dataclass registered as a pytree."""
+    """Base class: a mergeable accumulator, a frozen dataclass registered as a pytree.
+
+    ``merge`` and ``reduce`` combine every field with ``_ops`` (sums by default).
+    """
+
+    # (two accumulators to one: a jnp ufunc, across devices, the empty accumulator)
+    _ops: ClassVar[tuple[Any, Callable[..., jax.Array], float]] = (jnp.add, lax.psum, 0.0)
 
     @classmethod
     def empty(cls) -> Metric:
@@ -173,14 +156,19 @@ class Metric:
 
     def merge(self, other: Metric) -> Metric:
         """Return the accumulator of both ``self`` and ``other`` (pure, on device)."""
-        raise NotImplementedError
+        if type(other) is not type(self):
+            raise MetricError(
+                f"`{type(self).__name__}.merge` expects `other` to be a "
+                f"{type(self).__name__}, got {type(other).__name__}."
+            )
+        return jax.tree.map(self._ops[0], self, other)
 
     def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
         """Return the accumulator combined over the named mesh or pmap axis ``axis``.
 
         Use inside ``jax.pmap`` or ``shard_map``; every device gets the result.
         """
-        raise NotImplementedError
+        return jax.tree.map(lambda x: self._ops[1](x, axis), self)
 
     def _compute(self, xp: Any) -> Any:
         raise NotImplementedError
@@ -199,23 +187,8 @@ def _metric(cls: type) -> type:
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
-class _Sums(Metric):
-    """A metric whose every field is a sum: merging adds them, reducing ``psum`` s them."""
-
-    def merge(self, other: Metric) -> Metric:
-        """Return the accumulator of both metrics' elements (fields added)."""
-        _check_partner(self, other)
-        names = [f.name for f in dataclasses.fields(self)]
-        return type(self)(**{n: getattr(self, n) + getattr(other, n) for n in names})
-
-    def reduce(self, axis: Any = DEFAULT_AXIS) -> Metric:
-        """Return the accumulator over every device on ``axis`` (``psum`` of each field)."""
-        names = [f.name for f in dataclasses.fields(self)]
-        return type(self)(**{n: lax.psum(getattr(self, n), axis) for n in names})
-
-
 @_metric
-class Mean(_Sums):
+class Mean(Metric):
     """Mean of every valid element seen: ``total / count`` (NaN when nothing was seen).
 
     Example:
@@ -245,7 +218,8 @@ class Mean(_Sums):
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
         value, valid = _checked_value(cls, value, mask)
-        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=_count(value, valid))
+        count = value.size if valid is None else jnp.sum(jnp.broadcast_to(valid, value.shape))
+        return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=jnp.asarray(count, _I32))
 
     def _compute(self, xp: Any) -> Any:
         mean = self.total / xp.maximum(self.count, 1)
@@ -253,7 +227,7 @@ class Mean(_Sums):
 
 
 @_metric
-class WeightedMean(_Sums):
+class WeightedMean(Metric):
     """Weighted mean ``sum(value * weight) / sum(weight)`` of the valid elements (e.g. per token).
 
     Normalised by the total weight of everything merged (devices, micro-batches, steps).
@@ -321,15 +295,6 @@ class Accuracy(Mean):
     """
 
     @classmethod
-    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Accuracy:
-        """Return the accuracy of a correctness vector (bool or 0/1 per row).
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
-        return super().from_value(value, mask)
-
-    @classmethod
     def from_logits(
         cls, logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike, mask: Any = None
     ) -> Accuracy:
@@ -354,55 +319,34 @@ class Accuracy(Mean):
         return cls.from_value(jnp.argmax(logits, axis=-1) == labels, mask)
 
 
-class _Op(NamedTuple):
-    """The four ingredients of a fold metric (see :class:`_Reduce`)."""
+class _Fold(Metric):
+    """Base of Sum, Min, Max: one float32 field, a batch folded with ``_ops[0].reduce``.
 
-    fold: Callable[..., jax.Array]  # one batch to a scalar (identity if empty): jnp.sum
-    pair: Callable[..., jax.Array]  # two accumulators to one: jnp.add
-    collective: Callable[..., jax.Array]  # across devices: lax.psum
-    identity: float  # the empty accumulator; fills masked-out rows
-
-
-class _Reduce(Metric):
-    """Base of Sum, Min, Max: one float32 field folded with ``_op``; masked rows: its identity."""
-
-    _op: ClassVar[_Op]
-
-    def _value(self) -> jax.Array:
-        return getattr(self, dataclasses.fields(self)[0].name)
+    Masked-out rows are filled with the empty accumulator ``_ops[2]``.
+    """
 
     @classmethod
-    def empty(cls) -> _Reduce:
+    def empty(cls) -> _Fold:
         """Return the identity accumulator (``0``, ``+inf`` or ``-inf``)."""
-        return cls(jnp.full((), cls._op.identity, _F32))
+        return cls(jnp.full((), cls._ops[2], _F32))
 
     @classmethod
-    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Reduce:
+    def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Fold:
         """Return the accumulator of ``value``'s valid elements.
 
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
-        owner = f"{cls.__name__}.from_value"
-        value = _as_array(value, "value", owner)
-        filled = _masked_fill(value, _valid(value, mask, owner), cls._op.identity)
-        return cls(cls._op.fold(filled))
-
-    def merge(self, other: _Reduce) -> _Reduce:
-        """Return the accumulator of both (their sum, smaller or larger value)."""
-        _check_partner(self, other)
-        return type(self)(self._op.pair(self._value(), other._value()))
-
-    def reduce(self, axis: Any = DEFAULT_AXIS) -> _Reduce:
-        """Return the accumulator over every device on ``axis`` (``psum``/``pmin``/``pmax``)."""
-        return type(self)(self._op.collective(self._value(), axis))
+        value, valid = _checked_value(cls, value, mask)
+        pair, _, identity = cls._ops
+        return cls(pair.reduce(_masked_fill(value, valid, identity), axis=None, initial=identity))
 
     def _compute(self, xp: Any) -> Any:
-        return self._value()
+        return jax.tree.leaves(self)[0]
 
 
 @_metric
-class Sum(_Reduce):
+class Sum(_Fold):
     """Sum of every valid element seen (float32); ``0.0`` when nothing was seen.
 
     Example:
@@ -415,11 +359,10 @@ class Sum(_Reduce):
     """
 
     total: jax.Array
-    _op = _Op(jnp.sum, jnp.add, lax.psum, 0.0)
 
 
 @_metric
-class Min(_Reduce):
+class Min(_Fold):
     """Smallest valid element seen (float32); ``+inf`` when nothing was seen; NaN propagates.
 
     Example:
@@ -432,11 +375,11 @@ class Min(_Reduce):
     """
 
     value: jax.Array
-    _op = _Op(functools.partial(jnp.min, initial=math.inf), jnp.minimum, lax.pmin, math.inf)
+    _ops = (jnp.minimum, lax.pmin, math.inf)
 
 
 @_metric
-class Max(_Reduce):
+class Max(_Fold):
     """Largest valid element seen: :class:`Min` mirrored (``value``, ``-inf`` when empty).
 
     Example:
@@ -447,7 +390,7 @@ class Max(_Reduce):
     """
 
     value: jax.Array
-    _op = _Op(functools.partial(jnp.max, initial=-math.inf), jnp.maximum, lax.pmax, -math.inf)
+    _ops = (jnp.maximum, lax.pmax, -math.inf)
 
 
 @_metric
@@ -496,9 +439,9 @@ class Last(Metric):
 
     def merge(self, other: Last) -> Last:
         """Return ``other`` if it saw anything, else ``self`` (counts add)."""
-        _check_partner(self, other)
+        counted = super().merge(other)  # checks ``other``; the counts add
         value = jnp.where(other.count > 0, other.value, self.value)
-        return type(self)(value=value, count=self.count + other.count)
+        return dataclasses.replace(counted, value=value)
 
     def reduce(self, axis: Any = DEFAULT_AXIS) -> Last:
         """Return the value of the last device on ``axis`` that saw one."""
@@ -543,15 +486,6 @@ class NonFinite(Metric):
         bad = ~jnp.isfinite(value)
         bad = bad if valid is None else bad & valid
         return cls(count=jnp.sum(bad, dtype=_I32))
-
-    def merge(self, other: NonFinite) -> NonFinite:
-        """Return the sum of both counts."""
-        _check_partner(self, other)
-        return type(self)(count=self.count + other.count)
-
-    def reduce(self, axis: Any = DEFAULT_AXIS) -> NonFinite:
-        """Return the count over every device on ``axis`` (``psum``)."""
-        return type(self)(count=lax.psum(self.count, axis))
 
     def _compute(self, xp: Any) -> Any:
         return self.count

@@ -25,7 +25,7 @@ import optax
 
 from .._batches import rows_of
 from .._errors import MetricError, UsageError
-from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value, row_mask
+from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value
 
 LossFn = Callable[..., Any]
 """``loss_fn(params[, model_state], batch[, rng][, mask=]) -> losses[, aux][, new_state]``."""
@@ -120,7 +120,7 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
             "`rng: jax.Array` (the step folds in the step number, as Flax's examples do), "
             "or build jaxdev's state from `state.params`."
         )
-    with row_mask(mask):  # Metric.from_value inside loss_fn skips padded rows
+    with ambient("mask", mask):  # Metric.from_value inside loss_fn skips padded rows
         try:
             out = cfg.loss_fn(*args, **kwargs)
         except NameError as err:  # a collective (BatchNorm's axis_name) over an axis not here
