@@ -142,7 +142,7 @@ def _scan(leaves: list[Any], checks: _Checks, committed: bool | None = None) -> 
         if why is None and committed is not None and is_concrete(x) and x.committed != committed:
             state = "committed" if x.committed else "uncommitted"
             why = f"found {state} on {describe_sharding(x.sharding)}, expected " + (
-                "committed" if committed else "uncommitted"
+                "committed to a device" if committed else "uncommitted"
             )
         if why is not None:
             bad.append((i, why))
@@ -538,19 +538,9 @@ def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
     if asserts_disabled():
         return
     leaves = jax.tree_util.tree_leaves(tree)
-    impl = array_type()
     want = "committed to a device" if committed else "uncommitted"
-    bad = []
-    for i, x in enumerate(leaves):
-        if type(x) is impl and not x.is_deleted() and x.committed == committed:
-            continue
-        problem = _live_array_problem(x, f"a jax.Array {want}")
-        if problem is None and x.committed == committed:
-            continue
-        if problem is None:
-            state = "committed" if x.committed else "uncommitted"
-            problem = f"found {state} on {describe_sharding(x.sharding)}, expected {want}"
-        bad.append((i, problem))
+    checks = _Checks(lambda s: True, lambda x: _live_array_problem(x, f"a jax.Array {want}"), want)
+    bad = _scan(leaves, checks, committed)
     fix = (
         "Fix: `tree = jaxdev.to_device(tree, device)` commits every leaf."
         if committed

@@ -132,10 +132,11 @@ class _Kind:
 
     __slots__ = ("row_head", "info", "nbytes", "count")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, info: _ShardingInfo, nbytes: int):
+    def __init__(self, shape: tuple[int, ...], dtype: Any, s: Sharding, info: _ShardingInfo):
         # The row fields after the path: shape, dtype, devices, sharding, memory kind.
-        self.row_head = (shape, dtype, info.devices, info.description, info.memory_kind)
-        self.info, self.nbytes, self.count = info, nbytes, 0
+        self.row_head = (shape, str(dtype), info.devices, info.description, info.memory_kind)
+        self.info, self.count = info, 0
+        self.nbytes = math.prod(s.shard_shape(shape)) * dtype.itemsize
 
 
 class _ReportBuilder:
@@ -165,8 +166,7 @@ class _ReportBuilder:
         info = self._infos.get(s)
         if info is None:
             info = self._infos[s] = _sharding_info(s)
-        nbytes = math.prod(s.shard_shape(shape)) * dtype.itemsize
-        kind = self._kinds[key] = _Kind(shape, str(dtype), info, nbytes)
+        kind = self._kinds[key] = _Kind(shape, dtype, s, info)
         return kind
 
     def add_all(self, paths: Sequence[str], leaves: Sequence[Any]) -> None:
@@ -186,38 +186,22 @@ class _ReportBuilder:
             append(new_row(row_type, (path, *kind.row_head, leaf.committed, kind.nbytes, False)))
 
     def _add_unusual(self, path: str, leaf: Any) -> None:
-        if type(leaf) is array_type():  # deleted
-            shape, dtype = leaf.shape, str(leaf.dtype)
-            self.rows.append(LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True))
-        elif not isinstance(leaf, jax.Array):
+        if not isinstance(leaf, jax.Array):
             self.rows.append(_host_row(path, leaf))
-        elif is_tracer(leaf):
-            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
-            self.rows.append(LeafPlacement(path, shape, dtype, (), "traced", None, None, 0))
-        else:  # another jax.Array implementation: take the general route
-            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
-            if deleted(leaf):
-                self.rows.append(
-                    LeafPlacement(path, shape, dtype, (), "deleted", None, None, 0, True)
-                )
-                return
-            info = _sharding_info(leaf.sharding)
-            nbytes = math.prod(leaf.sharding.shard_shape(shape)) * leaf.dtype.itemsize
-            self.rows.append(
-                LeafPlacement(
-                    path,
-                    shape,
-                    dtype,
-                    info.devices,
-                    info.description,
-                    info.memory_kind,
-                    leaf.committed,
-                    nbytes,
-                )
-            )
-            extra = self._extra[info.sharded]
-            for name in info.local:
-                extra[name] = extra.get(name, 0) + nbytes
+            return
+        shape, dtype = tuple(leaf.shape), str(leaf.dtype)
+        if is_tracer(leaf) or deleted(leaf):
+            gone = not is_tracer(leaf)
+            where = "deleted" if gone else "traced"
+            self.rows.append(LeafPlacement(path, shape, dtype, (), where, None, None, 0, gone))
+            return
+        # another jax.Array implementation: the general route, totals summed here
+        info = _sharding_info(leaf.sharding)
+        kind = _Kind(shape, leaf.dtype, leaf.sharding, info)
+        self.rows.append(LeafPlacement(path, *kind.row_head, leaf.committed, kind.nbytes))
+        extra = self._extra[info.sharded]
+        for name in info.local:
+            extra[name] = extra.get(name, 0) + kind.nbytes
 
 
 def _host_row(path: str, leaf: Any) -> LeafPlacement:
