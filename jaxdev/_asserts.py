@@ -66,7 +66,7 @@ class _Checks(NamedTuple):
     """How one assertion judges leaves (see :func:`_scan`)."""
 
     fast: Callable[[Sharding], bool]  # per sharding: True passes the leaf, no more work
-    check: Callable[[Any], str | None]  # per leaf: why it fails, or None
+    check: Callable[[Any], str | None]  # per live array: why it fails, or None
     expected: str  # what a passing leaf is, for the failure lines
 
 
@@ -109,12 +109,6 @@ def _kind_note(x: jax.Array, kind: str | None) -> str:
     return "" if kind is None or have == kind else f" in {kind!r} memory"
 
 
-def _expected_str(s: Sharding) -> str:
-    out = describe_sharding(s)
-    kind = s.memory_kind
-    return out if kind in (None, _default_kind(s)) else f"{out} in {kind!r} memory"
-
-
 def _live_array_problem(x: Any, expected: str) -> str | None:
     """Reason ``x`` is not a live concrete array (found vs expected), else None."""
     if is_concrete(x) and not deleted(x):
@@ -138,8 +132,8 @@ def _scan(leaves: list[Any], checks: _Checks, committed: bool | None = None) -> 
                 passed, ok_s, ok_key = True, s, sharding_key(s)
             if passed and (committed is None or x.committed == committed):
                 continue
-        why = check(x)
-        if why is None and committed is not None and is_concrete(x) and x.committed != committed:
+        why = _live_array_problem(x, checks.expected) or check(x)
+        if why is None and committed is not None and x.committed != committed:
             state = "committed" if x.committed else "uncommitted"
             why = f"found {state} on {describe_sharding(x.sharding)}, expected " + (
                 "committed to a device" if committed else "uncommitted"
@@ -168,15 +162,9 @@ def _message(header: str, lines: list[str], fix: str) -> str:
 # ---------------------------------------------------------------- targets
 
 
-def _with_kind(s: Sharding, memory_kind: str | None) -> Sharding:
-    """``s`` in ``memory_kind`` (checked to exist); ``s`` itself for None."""
-    if memory_kind is None:
-        return s
-    _check_memory_kind(s.device_set, memory_kind)
-    return s.with_memory_kind(memory_kind)
-
-
-def _check_memory_kind(devices: Any, kind: str) -> None:
+def _check_memory_kind(devices: Any, kind: str | None) -> None:
+    if kind is None:
+        return
     d = next(iter(devices))
     kinds = [m.kind for m in d.addressable_memories()]
     if kind not in kinds:
@@ -186,17 +174,21 @@ def _check_memory_kind(devices: Any, kind: str) -> None:
         )
 
 
-def _sharding_checks(want: Sharding) -> _Checks:
-    """Checks for one sharding: equal passes fast, an equivalent one per leaf."""
-    expected = _expected_str(want)
+def _sharding_checks(want: Sharding, memory_kind: str | None) -> _Checks:
+    """Checks for ``want`` in ``memory_kind``: equal passes fast, an equivalent one per leaf."""
+    if memory_kind is not None:
+        _check_memory_kind(want.device_set, memory_kind)
+        want = want.with_memory_kind(memory_kind)
+    expected = describe_sharding(want)
+    if want.memory_kind not in (None, _default_kind(want)):
+        expected += f" in {want.memory_kind!r} memory"
 
     def fast(s: Sharding) -> bool:
         return s is want or s == want
 
     def check(x: Any) -> str | None:
-        problem = _live_array_problem(x, expected)
-        if problem is not None or same_layout(x.sharding, want, x.ndim):
-            return problem
+        if same_layout(x.sharding, want, x.ndim):
+            return None
         note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
         return f"found {_where(x)}, expected {expected}{note}"
 
@@ -221,9 +213,8 @@ def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
         return s.memory_kind == kinds[key]
 
     def check(x: Any) -> str | None:
-        problem = _live_array_problem(x, expected)
-        if problem is not None or fast(x.sharding):
-            return problem
+        if fast(x.sharding):
+            return None
         kind = kinds.get(id(next(iter(x.sharding.device_set))))  # None: wrong platform
         return f"found {_where(x)}, expected {expected}" + _kind_note(x, kind)
 
@@ -277,7 +268,7 @@ def assert_on_device(
     if target is None:
         checks, rule, fix = _backend_checks(memory_kind)
     else:
-        checks = _sharding_checks(_with_kind(as_sharding(target), memory_kind))
+        checks = _sharding_checks(as_sharding(target), memory_kind)
         rule = f"are not on {checks.expected}"
         fix = "Fix: `tree = jaxdev.to_device(tree, target)` with the expected target."
     leaves = jax.tree_util.tree_leaves(tree)
@@ -387,8 +378,7 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
     else:
         s = as_sharding(target)
         devices, kind = frozenset(s.device_set), s.memory_kind
-    if memory_kind is not None:
-        _check_memory_kind(devices, memory_kind)
+    _check_memory_kind(devices, memory_kind)
     default = next(iter(devices)).default_memory().kind
     kind = memory_kind or kind or default
     expected = f"fully replicated on {len(devices)} device(s)"
@@ -399,9 +389,8 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
         return s.is_fully_replicated and s.memory_kind == kind and s.device_set == devices
 
     def check(x: Any) -> str | None:
-        problem = _live_array_problem(x, expected)
-        if problem is not None or fast(x.sharding):
-            return problem
+        if fast(x.sharding):
+            return None
         return f"found {_where(x)}{_stacked_note(x)}, expected {expected}"
 
     return _Checks(fast, check, expected), devices
@@ -469,7 +458,7 @@ def assert_sharded(
     if isinstance(target, PartitionSpec) and mesh is None:
         checks = _spec_checks(target, memory_kind)
     else:
-        checks = _sharding_checks(_with_kind(_sharded_target(target, mesh), memory_kind))
+        checks = _sharding_checks(_sharded_target(target, mesh), memory_kind)
     leaves = jax.tree_util.tree_leaves(tree)
     bad = _scan(leaves, checks)
     fix = "Fix: `tree = jaxdev.to_device(tree, NamedSharding(mesh, spec))`."
@@ -507,9 +496,6 @@ def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
         return isinstance(s, NamedSharding) and s.spec == spec and kind_ok(s)
 
     def check(x: Any) -> str | None:
-        problem = _live_array_problem(x, expected)
-        if problem is not None:
-            return problem
         s = x.sharding
         if isinstance(s, NamedSharding) and kind_ok(s):
             try:
@@ -539,7 +525,7 @@ def assert_committed(tree: chex.ArrayTree, committed: bool = True) -> None:
         return
     leaves = jax.tree_util.tree_leaves(tree)
     want = "committed to a device" if committed else "uncommitted"
-    checks = _Checks(lambda s: True, lambda x: _live_array_problem(x, f"a jax.Array {want}"), want)
+    checks = _Checks(lambda s: True, lambda x: None, f"a jax.Array {want}")
     bad = _scan(leaves, checks, committed)
     fix = (
         "Fix: `tree = jaxdev.to_device(tree, device)` commits every leaf."
