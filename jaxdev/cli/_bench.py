@@ -73,11 +73,6 @@ def _wall_seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _reported_seconds(fn: Callable[[], float]) -> float:
-    """Seconds ``fn()`` measured itself (e.g. in a worker process) and returned."""
-    return fn()
-
-
 def sample_side_by_side(
     variants: dict[str, Callable[[], Any]],
     reps: int,
@@ -97,7 +92,7 @@ def sample_side_by_side(
       >>> sorted(s), len(s["a"])
       (['a', 'b'], 3)
     """
-    measure = _reported_seconds if self_timed else _wall_seconds
+    measure = (lambda fn: fn()) if self_timed else _wall_seconds
     names = list(variants)
     after = after or (lambda: None)
     for name in names:
@@ -115,12 +110,7 @@ def sample_side_by_side(
 def time_side_by_side(
     variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
 ) -> dict[str, float]:
-    """Return the median seconds of every variant (:func:`sample_side_by_side`).
-
-    Example:
-      >>> sorted(time_side_by_side({"a": lambda: 1}, reps=2))
-      ['a']
-    """
+    """Return the median seconds of every variant (:func:`sample_side_by_side`)."""
     samples = sample_side_by_side(variants, reps, self_timed=self_timed)
     return {name: float(np.median(seconds)) for name, seconds in samples.items()}
 
@@ -140,8 +130,7 @@ def _repeat(fn: Callable[[], Any], n: int) -> Callable[[], Any]:
 # ---------------------------------------------------------------- exercise 1
 
 
-def _matmul_fn() -> Callable:
-    return jax.jit(lambda a, b: a @ b)
+_MATMUL = jax.jit(jnp.matmul)
 
 
 def _operands(size: int, where: Any) -> tuple[jax.Array, jax.Array]:
@@ -154,7 +143,7 @@ def _operands(size: int, where: Any) -> tuple[jax.Array, jax.Array]:
 def matmul_cpu_vs_accelerator(size: int, reps: int) -> Result:
     """Exercise 1 with an accelerator: the same matmul on ``cpu:0`` and on GPU/TPU 0."""
     accel = jax.local_devices()[0]
-    mm = _matmul_fn()
+    mm = _MATMUL
     on_cpu = _operands(size, jaxdev.d2l.cpu())
     on_accel = _operands(size, accel)
     name = f"{accel.platform}:{accel.id}"
@@ -337,7 +326,7 @@ def two_devices_at_once(size: int, reps: int) -> Result:
             {},
             f"skipped: needs 2 devices, this process has 1 ({devs[0].platform})",
         )
-    mm = _matmul_fn()
+    mm = _MATMUL
     a0, b0 = _operands(size, devs[0])
     a1, b1 = _operands(size, devs[1])
     c0, d0 = jaxdev.copy_to((a1, b1), devs[0])
@@ -497,28 +486,11 @@ def host_summary() -> dict[str, Any]:
     }
 
 
-def to_json(results: Sequence[Result], quick: bool) -> dict[str, Any]:
-    """Return the results as a JSON-ready dict."""
-    return {
-        "host": host_summary(),
-        "quick": quick,
-        "results": [
-            {
-                "key": r.key,
-                "title": r.title,
-                "median_seconds": r.times,
-                "ratios": r.ratios,
-                "note": r.note,
-            }
-            for r in results
-        ],
-    }
-
-
 def write_json(path: str, results: Sequence[Result], quick: bool) -> None:
-    """Write :func:`to_json` to ``path``."""
+    """Write the results, where they ran and ``quick`` to ``path`` as JSON."""
+    rows = [dict(zip(("key", "title", "median_seconds", "ratios", "note"), r)) for r in results]
     with open(path, "w") as f:
-        json.dump(to_json(results, quick), f, indent=2)
+        json.dump({"host": host_summary(), "quick": quick, "results": rows}, f, indent=2)
         f.write("\n")
 
 

@@ -239,11 +239,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop."""
-    _check_writable(args.plot, "--plot")
-    if args.plot:
-        from ._bench import check_plotting
-
-        check_plotting()  # fail before the run, not after it
+    _check_outputs(args)
     note, _ = configure_devices(args.devices)
     from ._demo import DemoConfig, memory_demo
 
@@ -264,15 +260,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     note, accel = configure_devices(args.devices)
     from ._demo import DemoConfig, run_demo
 
-    flag = {"learning_rate": "lr"}  # every other field has the flag of its name
-    names = [flag.get(f.name, f.name) for f in dataclasses.fields(DemoConfig)]
-    config = DemoConfig(
-        **{
-            f.name: getattr(args, n)
-            for f, n in zip(dataclasses.fields(DemoConfig), names)
-            if hasattr(args, n)
-        }
-    )
+    fields = [f.name for f in dataclasses.fields(DemoConfig)]  # every flag has a field's name
+    config = DemoConfig(**{name: getattr(args, name) for name in fields if hasattr(args, name)})
     ui = Ui(quiet=args.quiet)
     ui.line(note)
     ui.line(started_note(accel))
@@ -298,22 +287,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- bench
 
 
-def _check_writable(path: str | None, flag: str) -> None:
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"`{flag} {path}`: the folder {folder} does not exist.")
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before the run, not after it: the folders of ``--json``/``--plot``, matplotlib."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if path is not None and not os.path.isdir(folder):
+            raise UsageError(f"`--{flag} {path}`: the folder {folder} does not exist.")
+    if args.plot:
+        from ._bench import check_plotting
+
+        check_plotting()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``jaxdev bench [--quick] [--json PATH] [--plot PATH.png]``."""
-    _check_writable(args.json, "--json")
-    _check_writable(args.plot, "--plot")
-    from ._bench import BenchConfig, check_plotting, run_bench, write_json, write_plot
+    _check_outputs(args)
+    from ._bench import BenchConfig, run_bench, write_json, write_plot
 
-    if args.plot:
-        check_plotting()  # fail before the run, not after it
     note, accel = configure_devices(args.devices)
     ui = Ui()
     ui.line(note)
@@ -355,14 +346,23 @@ def print_bench(results: Sequence[Any], ui: Ui) -> None:
 # ---------------------------------------------------------------- parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
-    return value
+def _number(cast: type, low: float, high: float, what: str):
+    """An argparse type: ``cast(text)`` within ``[low, high]``, else ``expected {what}``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _number(int, 1, float("inf"), "a positive int")
+_fraction = _number(float, 0.0, 1.0, "a number in [0, 1]")
 
 
 def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
@@ -380,16 +380,6 @@ def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
             )
         axes.append((name.strip(), value))
     return tuple(axes)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,7 +425,11 @@ def _add_demo(sub: Any) -> None:
         help="global batch, rounded up to a multiple of the device count",
     )
     demo.add_argument(
-        "--lr", type=float, default=1e-2, help="Adam's initial learning rate (cosine decay)"
+        "--lr",
+        dest="learning_rate",
+        type=float,
+        default=1e-2,
+        help="Adam's initial learning rate (cosine decay)",
     )
     demo.add_argument("--hidden", type=_positive, default=128, help="hidden layer width")
     demo.add_argument(
@@ -497,13 +491,7 @@ _USAGE_ERRORS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``jaxdev`` command line on ``argv``; return the exit code (0, 2 usage, 1 failure).
-
-    Example:
-      >>> from jaxdev.cli._cli import main
-      >>> main(["info", "--json"])  # doctest: +SKIP
-      0
-    """
+    """Run the ``jaxdev`` command line on ``argv``; return the exit code (0, 2 usage, 1 failure)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         from ..distributed import launch_main

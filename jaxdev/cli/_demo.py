@@ -126,16 +126,6 @@ def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
     return {"x": xtr, "y": ytr}, {"x": xte, "y": yte}
 
 
-def round_batch(batch_size: int, n_devices: int) -> int:
-    """Return ``batch_size`` rounded up to a multiple of ``n_devices``."""
-    return math.ceil(batch_size / n_devices) * n_devices
-
-
-def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
-    """The generator of epoch ``epoch``'s order: a pure function of ``(seed, epoch)``."""
-    return np.random.default_rng((seed, epoch))
-
-
 def epoch_batches(data: dict, batch_size: int, rng: np.random.Generator) -> list[dict]:
     """Shuffle ``data`` and cut it into batches; the last one keeps the remainder."""
     order = rng.permutation(len(data["y"]))
@@ -245,36 +235,24 @@ def check_config(config: DemoConfig) -> None:
 
 class _Steps(NamedTuple):
     one: jaxdev.TrainStep
-    many: jaxdev.TrainStep | None
+    many: jaxdev.TrainStep  # ``steps_per_call`` steps per call
     eval: jaxdev.TrainStep
 
 
-def _make_steps(loss_fn: Callable, tx: Any, strategy: jaxdev.Strategy, k: int) -> _Steps:
-    one = jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True)
-    many = (
-        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=k)
-        if k > 1
-        else None
-    )
-    return _Steps(one, many, jaxdev.make_eval_step(loss_fn, strategy, has_aux=True))
+def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, Any]:
+    """``(strategy, train, test, global batch, model, params)`` of a run (settings checked)."""
+    check_config(config)
+    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
+    train, test = load_data(config.seed, config.test_fraction)
+    batch_size = math.ceil(config.batch_size / strategy.n_devices) * strategy.n_devices
+    model = MLP(config.hidden)
+    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
+    return strategy, train, test, batch_size, model, params
 
 
 def _empty_metrics() -> jaxdev.metrics.Collection:
     return jaxdev.metrics.Collection.empty(
         {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
-    )
-
-
-def _epoch_stats(epoch: int, train: Any, test: Any, seconds: float) -> EpochStats:
-    """Fetch the epoch's train and test metrics with one ``device_get``."""
-    got = jaxdev.metrics.fetch_metrics({"train": train, "test": test})
-    return EpochStats(
-        epoch,
-        got["train"]["loss"],
-        got["train"]["accuracy"],
-        got["test"]["loss"],
-        got["test"]["accuracy"],
-        seconds,
     )
 
 
@@ -311,20 +289,11 @@ def _train_epoch(
     return state, metrics
 
 
-def per_device_bytes(tree: Any) -> int:
-    """The most bytes any one device holds of ``tree`` (its shards' sizes, summed)."""
-    held: dict[Any, int] = {}
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values(), default=0)
-
-
 def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
     """``params + optimizer state per device: 31.0 KiB (replicated: 125.5 KiB; ...)``."""
     tree = (state.params, state.opt_state)
     replicated = sum(x.nbytes for x in jax.tree.leaves(tree))
-    mine = per_device_bytes(tree)
+    mine = max(jaxdev.placement(tree).bytes_by_device.values())
     mesh = " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
     return (
         f"params + optimizer state per device: {mine / 1024:.1f} KiB with "
@@ -350,17 +319,17 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     Raises:
       UsageError: bad settings, too many devices, scikit-learn missing.
     """
-    check_config(config)
     start = time.perf_counter()
-    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
-    train, test = load_data(config.seed, config.test_fraction)
-    batch_size = round_batch(config.batch_size, strategy.n_devices)
+    strategy, train, test, batch_size, model, params = _setup(config)
     per_epoch = math.ceil(len(train["y"]) / batch_size)
     ui.line(_describe_setup(config, strategy, batch_size, train, test, per_epoch))
-    model = MLP(config.hidden)
     tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, config.epochs * per_epoch))
-    steps = _make_steps(make_loss(model), tx, strategy, config.steps_per_call)
-    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
+    loss_fn, k = make_loss(model), config.steps_per_call
+    steps = _Steps(
+        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True),
+        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=k),
+        jaxdev.make_eval_step(loss_fn, strategy, has_aux=True),
+    )
     state = steps.one.init_state(params, tx)
     if not strategy.replicated:
         ui.line(state_bytes_line(state, strategy))
@@ -373,7 +342,7 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             bar.advance(min(resumed, total), "resumed")
         for epoch in range(resumed // per_epoch + 1, config.epochs + 1):
             t0 = time.perf_counter()
-            batches = epoch_batches(train, batch_size, epoch_rng(config.seed, epoch))
+            batches = epoch_batches(train, batch_size, np.random.default_rng((config.seed, epoch)))
             groups = list(group_steps(batches, config.steps_per_call))
             show = _show_placement(ui) if epoch == 1 and partial is None else None
             label = f"epoch {epoch}/{config.epochs}"
@@ -381,8 +350,10 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             after = _saver(ckpt, base, history)
             state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, after)
             partial = None
-            test_metrics = steps.eval(state, test_batch)
-            history.append(_epoch_stats(epoch, metrics, test_metrics, time.perf_counter() - t0))
+            both = {"train": metrics, "test": steps.eval(state, test_batch)}
+            got = jaxdev.metrics.fetch_metrics(both)  # one device_get per epoch
+            losses = (got[s][m] for s in ("train", "test") for m in ("loss", "accuracy"))
+            history.append(EpochStats(epoch, *losses, time.perf_counter() - t0))
             ui.line(_format_epoch(history[-1], config.epochs))
             if ckpt is not None:
                 ckpt.save(base + per_epoch, state, {"epoch": metrics, "history": history})
@@ -409,17 +380,12 @@ def memory_demo(config: DemoConfig, steps: int = 3) -> jaxdev.memory.MemoryLedge
     Raises:
       UsageError: as :func:`run_demo`.
     """
-    check_config(config)
-    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
-    train, _ = load_data(config.seed, config.test_fraction)
-    batch_size = round_batch(config.batch_size, strategy.n_devices)
-    model = MLP(config.hidden)
+    strategy, train, _, batch_size, model, params = _setup(config)
     tx = optax.adam(config.learning_rate)
     step = jaxdev.make_train_step(make_loss(model), tx, strategy, has_aux=True)
-    params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
     state, metrics = step.init_state(params, tx), None
     del params  # init_state copied them: the init output would show as unattributed
-    batches = epoch_batches(train, batch_size, epoch_rng(config.seed, 1))[:steps]
+    batches = epoch_batches(train, batch_size, np.random.default_rng((config.seed, 1)))[:steps]
     for host in batches:
         batch = step.put_batch(host)
         state, metrics = step(state, batch, metrics)
