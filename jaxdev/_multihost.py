@@ -39,10 +39,6 @@ def default_timeout_s() -> float:
 
     Raises:
       DistributedError: ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
-
-    Example:
-      >>> default_timeout_s() > 0
-      True
     """
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
@@ -100,10 +96,6 @@ def barrier(tag: str, timeout_s: float) -> list[int]:
     Never raises for a missing process: the caller says what it is likely doing. Every
     process calls it with the same ``tag`` in the same order; empty with one process or
     without a coordinator client.
-
-    Example:
-      >>> barrier("demo", 1.0)  # one process
-      []
     """
     client = kv_client() if jax.process_count() > 1 else None
     if client is None:
@@ -137,10 +129,6 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
 
     Raises:
       DistributedError: a process did not publish within ``timeout_s``; names it.
-
-    Example:
-      >>> exchange("demo", "hello")  # one process
-      ['hello']
     """
     if jax.process_count() == 1:
         return [payload]
@@ -163,12 +151,7 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
 
 
 def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
-    """Group process ids by their value: ``{value: [process ids]}`` in order of first appearance.
-
-    Example:
-      >>> group_processes(["a", "b", "a"])
-      {'a': [0, 2], 'b': [1]}
-    """
+    """Group process ids by their value: ``{value: [process ids]}`` in order of first appearance."""
     groups: dict[Any, list[int]] = {}
     for p, v in enumerate(values):
         groups.setdefault(v, []).append(p)
@@ -229,9 +212,6 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
     Raises:
       DistributedError: shapes, dtypes or structure differ (each leaf and process named),
         or a process never arrived.
-
-    Example:
-      >>> check_same_local_shapes({"x": np.zeros((4, 3))})  # one process
     """
     if jax.process_count() == 1:
         return
@@ -260,27 +240,13 @@ def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None =
     Raises:
       DistributedError: processes brought different local shapes or dtypes, or one
         never arrived.
-
-    Example:
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-      >>> x = np.arange(2.0 * len(jax.devices()))
-      >>> global_batch({"x": x}, NamedSharding(mesh, P("data")))["x"].shape == x.shape
-      True
     """
     check_same_local_shapes(local_batch, timeout_s)
     return jax.make_array_from_process_local_data(sharding, local_batch)
 
 
 def leaf_checksum(leaf: Any) -> str:
-    """Return ``'shape dtype sha256[:16]'`` of a leaf's value (a cross-process array: ``global``).
-
-    Example:
-      >>> leaf_checksum(np.zeros(3, np.float32)).split()[:2]
-      ['(3,)', 'float32']
-      >>> leaf_checksum(np.zeros(3)) == leaf_checksum(np.ones(3))
-      False
-    """
+    """``'shape dtype sha256[:16]'`` of a leaf's value (spread over processes: ``global``)."""
     value = jax.random.key_data(leaf) if is_prng_key(leaf) else leaf
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
         if not value.is_fully_replicated:

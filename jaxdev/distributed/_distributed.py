@@ -142,12 +142,7 @@ def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> Distri
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port, or raise DistributedError.
-
-    Example:
-      >>> split_address("127.0.0.1:1234")
-      ('127.0.0.1', 1234)
-    """
+    """Split ``'host:port'`` (or ``'[v6]:port'``) into host and port, or raise DistributedError."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DistributedError(
@@ -162,12 +157,6 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None 
 
     Raises:
       DistributedError: nothing accepted a connection; names the address and this process.
-
-    Example:
-      >>> server = socket.create_server(("127.0.0.1", 0))  # a coordinator listens
-      >>> wait_for_coordinator(f"127.0.0.1:{server.getsockname()[1]}", 5.0) < 5.0
-      True
-      >>> server.close()
     """
     host, port = split_address(address)
     start = time.monotonic()
@@ -191,15 +180,7 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None 
 
 
 def check_port_free(address: str) -> None:
-    """Check process 0 can listen on the coordinator port (taken: most often a duplicate process 0).
-
-    Example:
-      >>> server = socket.create_server(("127.0.0.1", 0))  # someone holds the port
-      >>> check_port_free(f"127.0.0.1:{server.getsockname()[1]}")  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      jaxdev._errors.DistributedError: process 0 cannot listen on coordinator port ...
-      >>> server.close()
-    """
+    """Check process 0 can listen on the coordinator port (taken: most often a duplicate 0)."""
     _, port = split_address(address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -215,11 +196,7 @@ def check_port_free(address: str) -> None:
 
 
 def check_local_device_counts(process_indices: Sequence[int], num_processes: int) -> None:
-    """Check every process contributes the same number of devices, naming each count.
-
-    Example:
-      >>> check_local_device_counts([0, 0, 1, 1], 2)
-    """
+    """Check every process contributes the same number of devices, naming each count."""
     counts = Counter(process_indices)
     per_process = {p: counts.get(p, 0) for p in range(num_processes)}
     if len(set(per_process.values())) > 1:
@@ -256,9 +233,6 @@ def install_fail_fast() -> None:
     """Make an uncaught exception end this process at once (exit code 1) after its traceback.
 
     Else it would wait at JAX's shutdown barrier for peers that may hang, then SIGABRT.
-
-    Example:
-      >>> install_fail_fast()  # doctest: +SKIP
     """
     previous = sys.excepthook
     if getattr(previous, "_jaxdev_fail_fast", False):
@@ -415,12 +389,7 @@ def is_initialized() -> bool:
 
 
 def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
-    """Create the file ``$JAXDEV_JOIN_MARKER`` names; its path, or ``None`` (unset or unwritable).
-
-    Example:
-      >>> leave_join_marker({}) is None  # not under `jaxdev launch`
-      True
-    """
+    """Create the file ``$JAXDEV_JOIN_MARKER`` names; its path, or ``None`` (unset, unwritable)."""
     path = (os.environ if env is None else env).get(ENV_JOIN_MARKER)
     if not path:
         return None

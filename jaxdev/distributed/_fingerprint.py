@@ -49,11 +49,6 @@ def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
     """Return the StableHLO text of ``fn`` (jitted if it is not) lowered for the args.
 
     The text has no debug information: nothing that depends on the process.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> "stablehlo.multiply" in program_text(jax.jit(lambda x: 2 * x), jnp.ones(3))
-      True
     """
     lower = getattr(fn, "lower", None) or jax.jit(fn).lower
     return lower(*args, **kwargs).as_text(debug_info=False)
@@ -76,12 +71,7 @@ def op_counts(text: str) -> dict[str, int]:
 
 
 def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> dict[str, str]:
-    """Describe every argument leaf: ``{path: 'shape dtype sharding'}`` (a spec, never device ids).
-
-    Example:
-      >>> input_table(({"w": np.zeros((2, 3), np.float32)},))
-      {"args[0]['w']": '(2, 3) float32 host'}
-    """
+    """Describe every argument leaf: ``{path: 'shape dtype sharding'}`` (specs, no device ids)."""
     table = {}
     for root, tree in (("args", tuple(args)), ("kwargs", kwargs or {})):
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -94,12 +84,7 @@ def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> di
 
 
 def spans_processes(text: str, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
-    """Whether a program uses more devices than this process has, or a non-addressable argument.
-
-    Example:
-      >>> spans_processes("module @m attributes {mhlo.num_partitions = 1 : i32}", ())
-      False
-    """
+    """Whether a program uses more devices than this process has, or a non-addressable argument."""
     devices = int(np.prod([int(n) for n in _SIZE.findall(text)] or [1]))
     if devices > jax.local_device_count():
         return True

@@ -83,13 +83,6 @@ def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
 
     Raises:
       UsageError: not a finite number > 0 (``True``, ``-1``, ``"x"``).
-
-    Example:
-      >>> check_timeout("7.5"), check_timeout(None)
-      (7.5, None)
-      >>> check_timeout(-1)
-      Traceback (most recent call last):
-      jaxdev._errors.UsageError: `hang_timeout_s` must be a number of seconds > 0 ..., got -1.
     """
     if value is None or value == "":
         return None
@@ -110,27 +103,12 @@ def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
 
 
 def check_action(value: Any, name: str = "hang_action") -> str:
-    """Return ``value`` (``"exit"``, ``"wait"``; ``None``/``""``: ``"exit"``) or raise.
-
-    Example:
-      >>> check_action(None), check_action("wait")
-      ('exit', 'wait')
-    """
+    """Return ``value`` (``"exit"``, ``"wait"``; ``None``/``""``: ``"exit"``) or raise."""
     if value is None or value == "":
         return "exit"
     if value not in ACTIONS:
         raise UsageError(f"`{name}` must be 'exit' or 'wait', got {value!r}.")
     return value
-
-
-def interval_s(timeout_s: float) -> float:
-    """Seconds between two heartbeat publications: ``S / 10``, within 0.5..5 s.
-
-    Example:
-      >>> interval_s(10), interval_s(600)
-      (1.0, 5.0)
-    """
-    return min(5.0, max(0.5, timeout_s / 10))
 
 
 # ------------------------------------------------------------- heartbeats
@@ -139,21 +117,13 @@ _WATCH: _Watchdog | None = None  # the running watchdog of this process
 
 
 def beat(phase: str, step: int | None = None) -> None:
-    """Record progress of this process in ``phase`` (``step=None`` keeps the last step).
-
-    Example:
-      >>> beat("data")  # no watchdog: nothing happens
-    """
+    """Record progress of this process in ``phase`` (``step=None`` keeps the last step)."""
     if _WATCH is not None:
         _WATCH.record(phase, step)
 
 
 def step_call(train: bool, compiling: bool) -> None:
-    """Record a jaxdev step call: a train call is the next step (1, 2, ...), an eval call is not.
-
-    Example:
-      >>> step_call(True, False)  # no watchdog: nothing happens
-    """
+    """Record a jaxdev step call: a train call is the next step (1, 2, ...), an eval call is not."""
     watch = _WATCH
     if watch is not None:
         step = (watch.last[2] or 0) + 1 if train else None
@@ -163,13 +133,11 @@ def step_call(train: bool, compiling: bool) -> None:
 # ------------------------------------------------------ where and stacks
 
 
-def _library_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return tuple(os.path.abspath(d) + os.sep for d in dirs) + (_PACKAGE,)
-
-
-_LIBRARY = _library_dirs()
+_LIBRARY = (_PACKAGE,) + tuple(  # Python's own and installed packages' files, and jaxdev's
+    os.path.abspath(d) + os.sep
+    for k, d in sysconfig.get_paths().items()
+    if k in ("stdlib", "platstdlib", "purelib", "platlib")
+)
 
 
 def is_user_file(filename: str) -> bool:
@@ -198,13 +166,7 @@ def where(frame: Any) -> str:
 
 
 def inside(frame: Any) -> frozenset[str]:
-    """Tags: ``compile``, ``barrier``, ``jax``; jaxdev's ``step``, ``check``, ``checkpoint``.
-
-    Example:
-      >>> import sys
-      >>> inside(sys._getframe())
-      frozenset()
-    """
+    """Tags: ``compile``, ``barrier``, ``jax``; jaxdev's ``step``, ``check``, ``checkpoint``."""
     tags = set()
     if frame is not None and "wait_at_barrier" in linecache.getline(
         frame.f_code.co_filename, frame.f_lineno
@@ -248,25 +210,13 @@ def progressed(before: tuple, now: tuple) -> bool:
 
     A heartbeat or a new state is progress; in JAX code (``compile``, ``step``, ``barrier``)
     so is a main thread that moved (another innermost frame or instruction).
-
-    Example:
-      >>> frame = object()
-      >>> progressed((3, "step", frame, 8), (3, "step", frame, 8))
-      False
-      >>> progressed((3, "step", frame, 8), (3, "step", object(), 8))
-      True
     """
     moved = before[2] is not now[2] or before[3] != now[3]
     return before[:2] != now[:2] or (now[1] in _MOVES and moved)
 
 
 def thread_stacks(skip: int | None = None, limit: int = _STACK_CHARS) -> str:
-    """Return every thread's Python stack but ``skip``'s, the main thread first, cut at ``limit``.
-
-    Example:
-      >>> "Thread MainThread" in thread_stacks()
-      True
-    """
+    """Every thread's Python stack but ``skip``'s, the main thread first, cut at ``limit``."""
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     frames = sys._current_frames()
@@ -281,11 +231,7 @@ def thread_stacks(skip: int | None = None, limit: int = _STACK_CHARS) -> str:
 
 
 def install_stack_dumps() -> None:
-    """Make ``SIGUSR1`` print every thread's stack (chaining an older handler), and faulthandler.
-
-    Example:
-      >>> install_stack_dumps()  # doctest: +SKIP
-    """
+    """Make ``SIGUSR1`` print every thread's stack (chaining an older handler), and faulthandler."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
     if hasattr(signal, "SIGUSR1"):
@@ -323,11 +269,6 @@ def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
 
     Not in a step or barrier first, then the lowest step, then not answering, then the
     longest without progress.
-
-    Example:
-      >>> recs = [{"process": 0, "step": 5, "state": "step"}, {"process": 1, "step": 6}]
-      >>> behind(recs)["process"]
-      1
     """
     running = [r for r in records if r.get("phase") != "finished"]
     return min(
@@ -471,7 +412,7 @@ class _Watchdog:
     ):
         self.client, self.process = client, process
         self.timeout_s, self.action, self.exit_fn = timeout_s, action, exit_fn
-        self.interval = interval_s(timeout_s)
+        self.interval = min(5.0, max(0.5, timeout_s / 10))  # between two publications
         # (seq, phase, step, when, thread): the latest heartbeat, replaced whole (no lock)
         self.last: tuple = (0, "start", None, time.monotonic(), threading.main_thread().ident)
         # the last sample (seq, state, frame, lasti; holding the frame, no new one takes its id)
@@ -659,9 +600,6 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
 
     Raises:
       DistributedError: ``jax.distributed`` has no coordination client.
-
-    Example:
-      >>> start(10, "exit", print)  # doctest: +SKIP
     """
     global _WATCH
     import jax
@@ -683,11 +621,7 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
 
 
 def stop() -> None:
-    """Stop this process's watchdog (heartbeats become no-ops again).
-
-    Example:
-      >>> stop()
-    """
+    """Stop this process's watchdog (heartbeats become no-ops again)."""
     global _WATCH
     watch, _WATCH = _WATCH, None
     if watch is not None:

@@ -60,12 +60,7 @@ class Outcome(NamedTuple):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now.
-
-    Example:
-      >>> 0 < free_port() < 65536
-      True
-    """
+    """Return a TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -82,10 +77,6 @@ def process_env(
     """Return ``base`` plus the ``JAXDEV_*`` / ``JAX_*`` variables of process ``process_id``.
 
     ``join_dir``: where ``initialize`` leaves the marker (``None``: no marker variable).
-
-    Example:
-      >>> process_env(1, 2, 4, 1234, {})["JAXDEV_PROCESS_ID"]
-      '1'
     """
     env = dict(base)
     env.update(
@@ -107,12 +98,7 @@ def process_env(
 
 
 def describe_returncode(rc: int) -> str:
-    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a ``Popen.returncode``.
-
-    Example:
-      >>> describe_returncode(-9)
-      'signal SIGKILL'
-    """
+    """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a ``Popen.returncode``."""
     if rc < 0:
         try:
             return f"signal {signal.Signals(-rc).name}"
@@ -149,12 +135,7 @@ def _is_detail(line: str) -> bool:
 
 
 def exit_code(outcome: Outcome | None) -> int:
-    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout).
-
-    Example:
-      >>> exit_code(Outcome(1, -9, False, ""))
-      137
-    """
+    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout)."""
     if outcome is None:
         return 124  # whole-run timeout
     return 128 - outcome.returncode if outcome.returncode < 0 else outcome.returncode
@@ -241,12 +222,7 @@ def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None 
 
 
 def never_joined(outcomes: Sequence[Outcome]) -> list[int]:
-    """Return the processes that never called ``initialize`` while another did.
-
-    Example:
-      >>> never_joined([Outcome(0, 1, False, "", True), Outcome(1, 0, False, "", False)])
-      [1]
-    """
+    """Return the processes that never called ``initialize`` while another did."""
     if not any(o.joined for o in outcomes):
         return []
     return [o.process_id for o in outcomes if o.joined is False]
@@ -415,13 +391,7 @@ def launch(
 
 
 class UsageParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s (exit code 2).
-
-    Example:
-      >>> UsageParser(prog="tool").parse_args(["--nope"])  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      jaxdev._errors.UsageError: unrecognized arguments: --nope (see `tool --help`)
-    """
+    """An ArgumentParser whose errors are one-line :class:`~jaxdev.UsageError` s (exit code 2)."""
 
     def error(self, message: str):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
@@ -469,12 +439,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry ``jaxdev launch ... -- cmd``: :func:`launch`'s code; 2 on a usage error.
-
-    Example:
-      >>> main(["-n", "2", "--", sys.executable, "-c", "print(1)"])  # doctest: +SKIP
-      0
-    """
+    """Command-line entry ``jaxdev launch ... -- cmd``: :func:`launch`'s code; 2: usage error."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         opts, cmd = _split_argv(argv)
