@@ -43,11 +43,6 @@ def nnx_split(model: nnx.Module) -> tuple[nnx.State, nnx.State]:
     return params, rest
 
 
-def _streams(model: nnx.Module) -> list[str]:
-    nodes = (node for _, node in nnx.iter_graph(model))
-    return sorted({node.tag for node in nodes if isinstance(node, nnx.RngStream)})
-
-
 def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``loss_fn(model, batch, **kw)`` for ``make_train_step(..., has_state=True)``.
 
@@ -76,7 +71,8 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     """
     _check_module(model, "model")
     graphdef = nnx.graphdef(model)
-    streams = _streams(model)
+    nodes = (node for _, node in nnx.iter_graph(model))
+    streams = sorted({node.tag for node in nodes if isinstance(node, nnx.RngStream)})
     takes_rngs = _takes_rngs(loss_fn)
 
     def wrapped(params, model_state, batch, rng=None, **kwargs):
@@ -135,18 +131,11 @@ def _stream_keys(module: nnx.Module) -> list[tuple[Any, jax.Array]]:
 
 
 def _fold_device_index(module: nnx.Module, axis: str) -> None:
-    """Fold this device's index into every RNG stream's key."""
+    """Fold this device's index into every key of every RNG stream (one per layer under vmap)."""
     index = jax.lax.axis_index(axis)
+    fold_in = jax.vmap(jax.random.fold_in, in_axes=(0, None))
     for key_var, key in _stream_keys(module):
-        key_var[...] = _fold_in(key, index)
-
-
-def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
-    """``jax.random.fold_in`` of every key in ``key`` (a key per layer under nnx.vmap)."""
-    if key.ndim == 0:
-        return jax.random.fold_in(key, data)
-    flat = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
-    return flat.reshape(key.shape)
+        key_var[...] = fold_in(key.reshape(-1), index).reshape(key.shape)
 
 
 def nnx_update(model: nnx.Module, state: Any) -> None:
