@@ -10,7 +10,6 @@ never count; ``accumulate=M`` gives the M-times-larger batch's gradient); with
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
@@ -90,16 +89,11 @@ class StepConfig:
 _log = logging.getLogger("jaxdev")
 
 
-def device_axis(axis: str | None) -> contextlib.AbstractContextManager[None]:
-    """Make ``axis`` the device axis :func:`current_device_axis` reports in this block."""
-    return ambient("axis", axis)
-
-
 def current_device_axis() -> str | None:
     """The device axis of the enclosing jaxdev step's body (``None`` outside one).
 
     Example:
-      >>> with device_axis("data"):
+      >>> with ambient("axis", "data"):  # as the step's body sets it
       ...     current_device_axis()
       'data'
     """
@@ -386,7 +380,7 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
     rng = _device_rng(state, axis)
     if rng is not None and (axis is not None or cfg.accumulate > 1):
         _tell_keys_once(cfg, axis)
-    with device_axis(axis):
+    with ambient("axis", axis):
         grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
@@ -455,7 +449,7 @@ def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
         params, model_state = state.params, _model_state(state)
     else:
         params, model_state = state, None
-    with device_axis(axis):
+    with ambient("axis", axis):
         losses, weights, aux, _ = _call_loss(cfg, params, model_state, batch, None, mask)
     metrics = metrics_of(losses, aux, mask, weights)
     return metrics if axis is None else metrics.reduce(axis)
