@@ -1,62 +1,16 @@
-"""Checkpoints that know their placement and never lose the last good state, on orbax.
+"""``save`` and ``restore``: any pytree, any layout, on orbax's public items (README, Checkpoints).
 
-:func:`save` writes any pytree (arrays of any layout: one device, replicated,
-batch- or rule-sharded, pmap-stacked, multi-process global arrays; typed
-PRNG keys; numpy arrays; Python numbers; None) with orbax's public
-``PyTreeSave`` / ``JsonSave`` items; :func:`restore` reads it back onto any
-target. :class:`jaxdev.Checkpointer` (``_checkpointer``) numbers them by step.
-
-A checkpoint is one orbax composite directory:
-
-* ``state``: the tree's non-empty arrays as a nested dict of strings (each
-  key-path entry written as a string), so plain orbax can read it too;
-  absent when the tree has none (a tree of Python numbers);
-* ``jaxdev``: JSON metadata: the format version, the step, the tree's
-  structure (to rebuild it without a target), per leaf its key path, shape,
-  dtype, saved sharding, a 64-bit checksum of its bytes, Python scalars by
-  value; and a SHA-256 digest of all of it;
-* ``running_metrics`` (``Checkpointer.save(..., metrics=...)``): a second tree
-  saved like ``state``.
-
-Promises (each with a regression test in ``tests/test_checkpoint_safety.py``):
-
-* **the last good checkpoint survives**: a new checkpoint is written beside
-  the old one and swapped in atomically only once complete (``_ckpt_files``);
-  a failed or killed ``save(..., overwrite=True)`` leaves the old one
-  restorable, and the error says so only when it is true.
-* **nothing that is not ours is deleted**: ``overwrite=True`` replaces only
-  a jaxdev checkpoint (or an empty folder).
-* **one writer**: a second writer of the same path is refused (a lock the
-  kernel drops when its holder dies).
-* **no wrong value without an error**: every array's bytes are checked
-  against a 64-bit non-linear checksum (``_checksum``) after each restore;
-  the metadata (Python scalars, steps, checksums) against its digest; a
-  Python scalar restored onto an array target of a dtype that cannot hold
-  it exactly is refused; several processes must restore the same step of
-  the same checkpoint (one small exchange), the one that differs is named.
-* **a reader racing a writer** gets one whole checkpoint, or an error saying
-  it is being written, never "damaged" (:func:`read_unchanged`).
-
-Decisions:
-
-* **pmap-stacked leaves** (leading size ``n`` equal to the size of the
-  one-axis ``Auto`` mesh they are split over, ``P(axis)``) whose ``n`` rows
-  are bitwise equal are written once and recorded as stacked. That is
-  storage only: they come back in their saved ``(n, ...)`` shape on every
-  target, except a tree target whose leaf has the row shape (a pmap state
-  restored as a jit state), which gets the one copy. (Rows can be equal by
-  chance, e.g. a zero buffer: its shape must never change.)
-* **typed PRNG keys** are written as their ``jax.random.key_data`` and
-  wrapped again with their implementation on restore.
-* **zero-size arrays** are recorded in the metadata only (no bytes).
-* ``target=None`` rebuilds the saved structure: dicts, lists, tuples,
-  ``None``, NamedTuples (``TrainState``, optax states) and jax-registered
-  dataclasses (jaxdev metrics) whose class is already imported, and
-  :class:`jaxdev.metrics.Collection`; any other node comes back as a dict of its
-  children. Arrays come back with their saved sharding when every saved
-  device exists here, else on ``jax.devices()[0]`` (replicated over every
-  device when several processes run). Numpy leaves come back as numpy, and numpy
-  scalars (``np.float64(1e-3)``) as numpy scalars on any target but a tree asking another type.
+A checkpoint is one orbax composite directory: ``state`` (the non-empty
+arrays as a nested dict of string keys, so plain orbax reads it; absent when
+there are none), ``jaxdev`` (JSON: format version, step, the tree's
+structure, per leaf its key path, shape, dtype, saved sharding, 64-bit
+checksum (``_checksum``), Python scalars by value; a SHA-256 digest of all
+of it) and, with ``Checkpointer.save(..., metrics=...)``, ``running_metrics``
+saved like ``state``. The files' safety (atomic overwrite, one writer) is
+``_ckpt_files``'s. pmap-stacked leaves whose rows are bitwise equal are
+written once and come back ``(n, ...)`` on every target but a row-shaped tree
+leaf (rows can be equal by chance: a shape never changes); typed PRNG keys
+are written as their ``key_data``; zero-size arrays live in the metadata.
 """
 
 from __future__ import annotations
@@ -67,6 +21,7 @@ import errno
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -82,10 +37,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from .._errors import CheckpointError, UsageError, join_failures, short
-from .._leaves import PY_SCALARS, is_host_value, is_tracer, keystr, x64
+from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
 from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
 from .._placement import as_sharding
+from .._pmap_layout import unstack_from_pmap
 from .._report import human_bytes
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
@@ -112,38 +68,48 @@ def _key(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(jax.tree_util.keystr((k,), simple=True) for k in path) or ("<root>",)
 
 
-def _one_level(node: Any) -> list[tuple[Any, Any]]:
-    """``(key entry, child)`` pairs of one pytree node, in jax's flatten order."""
-    pairs, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
-    return [(path[0], child) for path, child in pairs]
-
-
-def _cls_name(obj: Any) -> str:
-    return f"{type(obj).__module__}:{type(obj).__qualname__}"
-
-
-def _skeleton(node: Any, counter: list[int]) -> Any:
+def _skeleton(node: Any, counter: Iterator[int]) -> Any:
     """The structure of ``node`` as JSON; leaves numbered in jax's flatten order."""
     if node is None:
         return {"t": "none"}
-    leaves = jax.tree_util.tree_leaves(node)
+    leaves = jax.tree.leaves(node)
     if len(leaves) == 1 and leaves[0] is node:
-        counter[0] += 1
-        return {"t": "leaf", "i": counter[0] - 1}
-    children = _one_level(node)
-    raw = [getattr(k, "key", getattr(k, "idx", "")) for k, _ in children]  # int keys stay ints
-    kids = [
-        [*_key([k]), type(r).__name__, _skeleton(c, counter)] for (k, c), r in zip(children, raw)
-    ]
-    if type(node) is dict:
-        kind = "dict"
-    elif type(node) in (list, tuple):
-        kind = type(node).__name__
-    elif isinstance(node, tuple) and hasattr(node, "_fields"):
+        return {"t": "leaf", "i": next(counter)}
+    pairs, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    raw = [getattr(p[0], "key", getattr(p[0], "idx", "")) for p, _ in pairs]  # int keys: ints
+    kids = [[*_key(p), type(r).__name__, _skeleton(c, counter)] for (p, c), r in zip(pairs, raw)]
+    kind = {dict: "dict", list: "list", tuple: "tuple"}.get(type(node), "node")
+    if kind == "node" and isinstance(node, tuple) and hasattr(node, "_fields"):
         kind = "namedtuple"
-    else:
-        kind = "node"
-    return {"t": kind, "cls": _cls_name(node), "c": kids}
+    return {"t": kind, "cls": f"{type(node).__module__}:{type(node).__qualname__}", "c": kids}
+
+
+def _rebuild(sk: Any, leaves: Sequence[Any]) -> Any:
+    """Undo :func:`_skeleton` with ``leaves`` in place of its numbered leaves.
+
+    A NamedTuple, a registered dataclass, ``FrozenDict`` or jaxdev's
+    ``Collection`` is rebuilt when its class is already imported (nothing is
+    imported); any other node becomes the dict of its children.
+    """
+    t = sk["t"]
+    if t in ("none", "leaf"):
+        return None if t == "none" else leaves[sk["i"]]
+    kids = {
+        int(k) if kt.startswith(("int", "uint")) else k: _rebuild(c, leaves)  # numpy ints too
+        for k, kt, c in sk["c"]
+    }
+    if t in ("list", "tuple", "namedtuple"):
+        values = list(kids.values())
+        cls = {"list": list, "tuple": tuple}.get(t) or _imported_class(sk["cls"])
+        return kids if cls is None else cls(values) if t != "namedtuple" else cls(*values)
+    cls = None if t == "dict" else _imported_class(sk["cls"])
+    ours = cls is not None and cls.__name__ == "Collection" and cls.__module__.startswith("jaxdev")
+    if ours or (cls is not None and cls.__name__ == "FrozenDict"):
+        return cls(kids)
+    with contextlib.suppress(TypeError):
+        if cls is not None and dataclasses.is_dataclass(cls):
+            return cls(**kids)
+    return kids
 
 
 def _imported_class(name: str) -> type | None:
@@ -155,58 +121,7 @@ def _imported_class(name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _rebuild(sk: Any, leaves: Sequence[Any]) -> Any:
-    """Undo :func:`_skeleton` with ``leaves`` in place of its numbered leaves."""
-    t = sk["t"]
-    if t == "none":
-        return None
-    if t == "leaf":
-        return leaves[sk["i"]]
-    kids = [(_typed_key(k, kt), _rebuild(c, leaves)) for k, kt, c in sk["c"]]
-    values = [v for _, v in kids]
-    if t == "list":
-        return values
-    if t == "tuple":
-        return tuple(values)
-    as_dict = {k: v for k, v in kids}
-    if t == "dict":
-        return as_dict
-    cls = _imported_class(sk["cls"])
-    if cls is None:
-        return as_dict
-    if t == "namedtuple":
-        return cls(*values)
-    return _rebuild_node(cls, as_dict)
-
-
-def _typed_key(k: str, kind: str) -> Any:
-    return int(k) if kind.startswith(("int", "uint")) else k  # numpy integer keys too
-
-
-def _rebuild_node(cls: type, children: dict) -> Any:
-    """A registered node of an imported class from its named children, else the dict."""
-    if cls.__name__ == "Collection" and cls.__module__.startswith("jaxdev"):
-        return cls(children)
-    if cls.__name__ == "FrozenDict":
-        return cls(children)
-    if dataclasses.is_dataclass(cls):
-        try:
-            return cls(**children)
-        except TypeError:
-            return children
-    return children
-
-
-# ---------------------------------------------------------------- leaf kinds
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+# ---------------------------------------------------------------- pmap-stacked leaves
 
 
 @jax.jit
@@ -215,33 +130,20 @@ def _rows_equal(xs: list[jax.Array]) -> jax.Array:
 
 
 def _stacked_mesh(x: Any) -> Mesh | None:
-    """The one-axis mesh ``x`` is stacked over (pmap layout), else None."""
-    if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] < 2:
-        return None
-    if not x.is_fully_addressable:
+    """The one-axis ``Auto`` mesh ``x`` is stacked over (``P(axis)``, pmap layout), else None."""
+    if not (isinstance(x, jax.Array) and x.ndim and x.is_fully_addressable):
         return None
     s = x.sharding
-    if not isinstance(s, NamedSharding) or len(s.mesh.axis_names) != 1:
+    if not isinstance(s, NamedSharding) or s.mesh.axis_types != (AxisType.Auto,):
         return None
-    if any(t != AxisType.Auto for t in s.mesh.axis_types):  # pmap layouts have Auto axes
-        return None
-    axis = s.mesh.axis_names[0]
     spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))
-    if spec[0] != axis or any(e is not None for e in spec[1:]) or s.mesh.size != x.shape[0]:
-        return None
-    return s.mesh
-
-
-def _row0(x: jax.Array) -> jax.Array:
-    shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return shard.data[0]
+    stacked = spec == (*s.mesh.axis_names, *[None] * (x.ndim - 1))
+    return s.mesh if stacked and s.mesh.size == x.shape[0] > 1 else None
 
 
 def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
     """Leaves in pmap layout whose rows are bitwise equal: index -> their mesh."""
     found = {i: m for i, x in enumerate(leaves) if (m := _stacked_mesh(x)) is not None}
-    if not found:
-        return {}
     idx = list(found)
     equal = np.zeros(len(idx), bool)
     for group in by_devices([leaves[i] for i in idx]).values():
@@ -299,16 +201,6 @@ class _Prepared(NamedTuple):
     meta: dict  # JSON
 
 
-def _nest(keys: Sequence[tuple[str, ...]], values: Sequence[Any]) -> dict:
-    out: dict = {}
-    for key, value in zip(keys, values):
-        node = out
-        for k in key[:-1]:
-            node = node.setdefault(k, {})
-        node[key[-1]] = value
-    return out
-
-
 def _flat(tree: Any, arg: str) -> list[tuple[tuple[str, ...], str, Any]]:
     """``(orbax key, key path, leaf)`` per leaf; raises on key collisions."""
     out, seen = [], {}
@@ -335,7 +227,7 @@ def _leaf_problem(x: Any) -> str | None:
         return "a tracer (checkpoints are written outside jit)"
     if isinstance(x, jax.Array) and x.is_deleted():
         return "deleted or donated"
-    if not (_is_array(x) or isinstance(x, PY_SCALARS)):
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, *PY_SCALARS)):
         return f"{type(x).__name__} (only arrays, Python numbers and None)"
     if isinstance(x, (np.ndarray, np.generic)) and not is_host_value(x):
         return f"numpy array of dtype {x.dtype} (only numeric and bool arrays)"
@@ -351,27 +243,23 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     bad = [f"{name}: {why}" for _, name, x in flat if (why := _leaf_problem(x))]
     if bad:
         raise CheckpointError(join_failures(f"`{arg}` has leaves that cannot be saved:", bad))
-    entries: list[dict] = []
-    for key, name, x in flat:
-        entry: dict[str, Any] = {"key": list(key), "path": name}
-        if isinstance(x, PY_SCALARS) and not isinstance(x, np.generic):  # np.float64 is a float
-            entry.update(kind="scalar", type=type(x).__name__, value=_scalar_json(x))
-        elif _is_key(x):
-            entry["key_impl"] = str(jax.random.key_impl(x))
-            entry["key_shape"] = list(x.shape)
-        entries.append(entry)
-    leaves = [jax.random.key_data(x) if _is_key(x) else x for _, _, x in flat]
+    leaves = [jax.random.key_data(x) if is_prng_key(x) else x for _, _, x in flat]
     if jax.process_count() > 1:
         leaves = _globalize(flat, leaves, arg)
     stacked = _find_stacked(leaves)
-    keys, arrays, written = [], [], []
-    for i, (entry, x) in enumerate(zip(entries, leaves)):
-        if entry.get("kind") == "scalar":
+    entries: list[dict] = []
+    written: dict[tuple[str, ...], tuple[dict, Any]] = {}
+    for i, ((key, name, leaf), x) in enumerate(zip(flat, leaves)):
+        entry: dict[str, Any] = {"key": list(key), "path": name}
+        entries.append(entry)
+        if isinstance(leaf, PY_SCALARS) and not isinstance(leaf, np.generic):  # np.float64 too
+            entry.update(kind="scalar", type=type(leaf).__name__, value=_scalar_json(leaf))
             continue
+        if is_prng_key(leaf):
+            entry.update(key_impl=str(jax.random.key_impl(leaf)), key_shape=list(leaf.shape))
         if i in stacked:
-            mesh = stacked[i]
-            entry["stacked"] = {"n": x.shape[0], "devices": [d.id for d in mesh.devices.flat]}
-            x = _row0(x)
+            entry["stacked"] = {"n": x.shape[0], "devices": [d.id for d in stacked[i].devices.flat]}
+            x = unstack_from_pmap(x)
         if isinstance(x, np.generic):  # written as a 0-d array, read back as a numpy scalar
             x, entry["item"] = np.asarray(x), True
         entry.update(
@@ -382,14 +270,12 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
         )
         if np.size(x) == 0:
             entry["empty"] = True  # no bytes: the metadata says it all
-            continue
-        keys.append(tuple(entry["key"]))
-        arrays.append(x)
-        written.append(entry)
-    for entry, s in zip(written, checksums(arrays)):
+        else:
+            written[key] = (entry, x)
+    for (entry, _), s in zip(written.values(), checksums([x for _, x in written.values()])):
         entry["checksum"] = s
-    meta = {"leaves": entries, "skeleton": _skeleton(tree, [0])}
-    return _Prepared(_nest(keys, arrays), meta)
+    arrays = orbax().tree.from_flat_dict({k: x for k, (_, x) in written.items()})
+    return _Prepared(arrays, {"leaves": entries, "skeleton": _skeleton(tree, itertools.count())})
 
 
 def _globalize(flat: list, leaves: list, arg: str) -> list:
@@ -572,15 +458,6 @@ def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
     return lock
 
 
-@contextlib.contextmanager
-def _writer(lock_path: str, what: str) -> Iterator[None]:
-    lock = take_writer_lock(lock_path, what)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = False) -> None:
     """Write ``tree`` to the checkpoint directory ``path`` (blocking), whatever its layout.
 
@@ -621,7 +498,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
     path = os.path.realpath(os.fsdecode(path))  # a link: its target is what is replaced
     prepared = prepare(tree)
     args = composite(prepared, None if step is None else check_step(step), None)
-    with _writer(files.sibling(path, "lock"), f"Checkpoint {path}"):
+    with take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}"):
         if jax.process_index() == 0:
             _refuse_managed(path)
             files.recover(path)
@@ -808,10 +685,6 @@ class _Want(NamedTuple):
     item: bool = False  # a numpy scalar (the 0-d array's item), not a 0-d array
 
 
-def _is_target_leaf(x: Any) -> bool:
-    return isinstance(x, (Sharding, Mesh, jax.Device, jax.ShapeDtypeStruct))
-
-
 def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: Any, what: str):
     """Per saved leaf a :class:`_Want`, and how to build the tree from the leaves.
 
@@ -823,18 +696,14 @@ def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: 
         leaves = [_as_saved(e, None) if _on_host(e) else next(ruled) for e in entries]
         target = _rebuild(skeleton, leaves)
     elif target is None or isinstance(target, (Sharding, Mesh, jax.Device, str, int)):
-        common = None if target is None else _as_target_sharding(path, target)
+        try:
+            common = None if target is None else as_sharding(target)
+        except Exception as err:
+            raise CheckpointError(
+                f"Cannot restore checkpoint {path} onto `target` {target!r}: {err}"
+            ) from err
         target = _rebuild(skeleton, [_as_saved(e, common) for e in entries])
     return _resolve_tree(path, entries, target, what)
-
-
-def _as_target_sharding(path: str, target: Any) -> Sharding:
-    try:
-        return as_sharding(target)
-    except Exception as err:
-        raise CheckpointError(
-            f"Cannot restore checkpoint {path} onto `target` {target!r}: {err}"
-        ) from err
 
 
 def _on_host(e: dict) -> bool:
@@ -854,32 +723,25 @@ def _as_saved(e: dict, common: Sharding | None) -> Any:
 
 
 def _where_saved(e: dict) -> Sharding | None:
-    """A saved jax.Array's sharding here: where it was if those devices exist, else the default."""
+    """A saved jax.Array's sharding here: where it was if those devices exist, else the default.
+
+    A stacked leaf goes back onto its devices in the pmap layout.
+    """
     if e["kind"] != "jax":
         return None
-    if e.get("stacked"):
-        return _restack_sharding(e)
-    return _saved_sharding(e.get("sharding")) or _default_sharding()
+    if not e.get("stacked"):
+        return _saved_sharding(e.get("sharding")) or _default_sharding()
+    by_id = {d.id: d for d in jax.devices()}
+    ids = e["stacked"]["devices"]
+    if e["sharding"] is None or not all(i in by_id for i in ids):
+        return _default_sharding()
+    return batch_sharding(mesh_of(tuple(by_id[i] for i in ids), DEFAULT_AXIS))
 
 
 def _full_shape(e: dict) -> tuple[int, ...]:
     """The shape the leaf had when saved (a stacked leaf was written as one row)."""
     rows = (e["stacked"]["n"],) if e.get("stacked") else ()
     return (*rows, *e["shape"])
-
-
-def _stacked_shape(e: dict) -> tuple[int, ...] | None:
-    """The saved shape of a stacked leaf (to stack it again), None for others (as written)."""
-    return _full_shape(e) if e.get("stacked") else None
-
-
-def _restack_sharding(e: dict) -> Sharding:
-    """Where a stacked leaf goes with no target: its devices again, else the default."""
-    by_id = {d.id: d for d in jax.devices()}
-    ids = e["stacked"]["devices"]
-    if all(i in by_id for i in ids) and e["sharding"] is not None:
-        return batch_sharding(mesh_of(tuple(by_id[i] for i in ids), DEFAULT_AXIS))
-    return _default_sharding()
 
 
 def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any) -> list:
@@ -905,11 +767,10 @@ def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any)
 
 
 def _resolve_tree(path: str, entries: list[dict], target: Any, what: str):
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)
+    is_leaf = lambda x: isinstance(x, (Sharding, Mesh, jax.Device, jax.ShapeDtypeStruct))  # noqa: E731
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     saved = {tuple(e["key"]): i for i, e in enumerate(entries)}
-    asked = {}
-    for p, leaf in pairs:
-        asked[_key(p)] = (keystr(p), leaf)
+    asked = {_key(p): (keystr(p), leaf) for p, leaf in pairs}
     missing = [(name, leaf) for k, (name, leaf) in asked.items() if k not in saved]
     extra = [e for e in entries if tuple(e["key"]) not in asked]
     if missing or extra:
@@ -924,17 +785,11 @@ def _resolve_tree(path: str, entries: list[dict], target: Any, what: str):
                 lines,
             )
         )
+    order = [saved[k] for k in asked]
     wants: list[_Want | None] = [None] * len(entries)
-    order = []
-    for k, (_, leaf) in asked.items():
-        i = saved[k]
+    for i, (_, leaf) in zip(order, asked.values()):
         wants[i] = _want_of(entries[i], leaf)
-        order.append(i)
-
-    def build(leaves: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(treedef, [leaves[i] for i in order])
-
-    return wants, build
+    return wants, lambda leaves: jax.tree_util.tree_unflatten(treedef, [leaves[i] for i in order])
 
 
 def _saved_text(e: dict) -> str:
@@ -950,7 +805,7 @@ def _asked_text(x: Any) -> str:
 
 
 def _want_of(e: dict, leaf: Any) -> _Want:
-    if _is_key(leaf):  # a typed key target: read its uint32 data, then wrap
+    if is_prng_key(leaf):  # a typed key target: read its uint32 data, then wrap
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         s = getattr(leaf, "sharding", None)
         s = s if isinstance(s, Sharding) else _where_saved(e)
@@ -962,7 +817,8 @@ def _want_of(e: dict, leaf: Any) -> _Want:
     if isinstance(leaf, PY_SCALARS):
         return _Want("pytype", None, None, type(leaf))
     if isinstance(leaf, (Sharding, jax.Device, Mesh)):
-        return _Want("jax", as_sharding(leaf), _stacked_shape(e), None, e.get("key_impl"))
+        shape = _full_shape(e) if e.get("stacked") else None
+        return _Want("jax", as_sharding(leaf), shape, None, e.get("key_impl"))
     if isinstance(leaf, jax.ShapeDtypeStruct):
         s = leaf.sharding if isinstance(leaf.sharding, Sharding) else None
         return _Want("jax", s or _where_saved(e), leaf.shape, np.dtype(leaf.dtype))
@@ -990,11 +846,10 @@ def _sds_impl(e: dict, leaf: Any) -> str:
 
 
 class _Read(NamedTuple):
-    """How one array leaf is read and then turned into what was asked."""
+    """How one array leaf is read: onto ``sharding`` (None: numpy), then stacked or not."""
 
-    sharding: Sharding | None  # None: numpy
-    post: str  # "none" | "stack" (broadcast onto a leading device axis)
-    final: Sharding | None
+    sharding: Sharding | None
+    stack: bool = False  # broadcast onto the target's leading device axis (its sharding)
     empty: bool = False  # a zero-size array: nothing to read, built from the metadata
 
 
@@ -1002,23 +857,22 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
     reads: list[_Read | None] = []
     bad = []
     for e, w in zip(entries, wants):
+        reads.append(None)
         if e["kind"] == "scalar":
-            reads.append(None)
             if w.kind in ("jax", "numpy") and w.shape not in (None, ()):
                 bad.append(f"{e['path']}: saved a Python {e['type']}, asked shape {w.shape}")
             elif why := _lossy(e, w):
                 bad.append(f"{e['path']}: {why}")
             continue
-        saved_shape, saved_dtype = tuple(e["shape"]), np.dtype(e["dtype"])
-        if w.kind == "pytype" and saved_shape == ():  # cast exactly once read (_finish)
-            reads.append(_Read(None, "none", None))
-            continue
+        saved_shape, saved_dtype, empty = tuple(e["shape"]), np.dtype(e["dtype"]), "empty" in e
         if w.kind == "pytype":
-            bad.append(
-                f"{e['path']}: saved an array {saved_dtype}{list(saved_shape)}, asked a "
-                f"Python {w.dtype.__name__}"
-            )
-            reads.append(None)
+            if saved_shape == ():  # cast exactly once read (_finish)
+                reads[-1] = _Read(None)
+            else:
+                bad.append(
+                    f"{e['path']}: saved an array {saved_dtype}{list(saved_shape)}, asked a "
+                    f"Python {w.dtype.__name__}"
+                )
             continue
         if w.dtype is not None and np.dtype(w.dtype) != saved_dtype:
             bad.append(f"{e['path']}: saved dtype {saved_dtype}, asked {np.dtype(w.dtype)}")
@@ -1029,24 +883,17 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
                 f"{'on' if x64() else 'off'}): restore it onto a numpy target leaf (np.ndarray "
                 "or numpy dtype), or enable x64"
             )
-        post = "none"
-        if w.shape is not None and tuple(w.shape) != saved_shape:
-            if tuple(w.shape[1:]) == saved_shape and len(w.shape) == len(saved_shape) + 1:
-                post = "stack"
-            else:
-                bad.append(
-                    f"{e['path']}: saved shape {saved_shape} ({saved_dtype}), asked "
-                    f"{tuple(w.shape)}"
-                )
+        shape = saved_shape if w.shape is None else tuple(w.shape)
+        stack = shape[1:] == saved_shape and len(shape) == len(saved_shape) + 1
+        if shape != saved_shape and not stack:
+            bad.append(f"{e['path']}: saved shape {saved_shape} ({saved_dtype}), asked {shape}")
         if w.kind == "numpy":
-            reads.append(_Read(None, post, None, e.get("empty", False)))
+            reads[-1] = _Read(None, stack, empty)
             continue
-        shape = tuple(w.shape) if post == "stack" else saved_shape
-        problem = _indivisible(w.sharding, shape)
-        if problem:
+        shape = shape if stack else saved_shape
+        if problem := _indivisible(w.sharding, shape):
             bad.append(f"{e['path']}: shape {shape} cannot be split by {problem}")
-        read = _stack_source(w.sharding) if post == "stack" else w.sharding
-        reads.append(_Read(read, post, w.sharding, e.get("empty", False)))
+        reads[-1] = _Read(_stack_source(w.sharding) if stack else w.sharding, stack, empty)
     if bad:
         raise CheckpointError(
             join_failures(f"Checkpoint {path} ({what}) cannot be restored onto `target`:", bad)
@@ -1107,68 +954,74 @@ def _indivisible(s: Sharding | None, shape: tuple[int, ...]) -> str | None:
 def _stack_source(s: Sharding) -> Sharding:
     """Read a stacked leaf's one copy replicated over the devices it will be stacked on."""
     if isinstance(s, NamedSharding):
-        return NamedSharding(s.mesh, P())
+        return replicated_sharding(s.mesh)
     devs = tuple(sorted(s.device_set, key=lambda d: d.id))
     return replicated_sharding(mesh_of(devs, DEFAULT_AXIS))
 
 
 def _orbax_restore(path, reader, item, entries, reads, what):
     ocp = orbax()
-    keys, abstract, args = [], [], []
+    abstract, args = {}, {}
     for e, r in zip(entries, reads):
         if r is None or r.empty:
             continue
-        shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
-        keys.append(tuple(e["key"]))
+        key, shape, dtype = tuple(e["key"]), tuple(e["shape"]), np.dtype(e["dtype"])
         if r.sharding is None:
-            abstract.append(
-                np.zeros(shape, dtype) if not shape else jax.ShapeDtypeStruct(shape, dtype)
-            )
-            args.append(ocp.RestoreArgs(restore_type=np.ndarray))
+            abstract[key] = jax.ShapeDtypeStruct(shape, dtype) if shape else np.zeros((), dtype)
+            args[key] = ocp.RestoreArgs(restore_type=np.ndarray)
         else:
-            abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=r.sharding))
-            args.append(ocp.ArrayRestoreArgs(sharding=r.sharding, global_shape=shape, dtype=dtype))
-    if not keys:
+            abstract[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=r.sharding)
+            args[key] = ocp.ArrayRestoreArgs(sharding=r.sharding, global_shape=shape, dtype=dtype)
+    if not abstract:
         return []
-    item_args = ocp.args.PyTreeRestore(_nest(keys, abstract), restore_args=_nest(keys, args))
+
+    def read(keys: Sequence[tuple[str, ...]], **options: Any) -> Any:
+        one = ocp.args.PyTreeRestore(
+            ocp.tree.from_flat_dict({k: abstract[k] for k in keys}),
+            restore_args=ocp.tree.from_flat_dict({k: args[k] for k in keys}),
+            **options,
+        )
+        return ocp.tree.to_flat_dict(reader(ocp.args.Composite(**{item: one}))[item])
+
     failed = None
     try:
-        out = reader(ocp.args.Composite(**{item: item_args}))[item]
+        out = read(list(abstract))
     except Exception as err:  # a damaged or truncated data file
         if is_resource_exhausted(err):  # not damage: explained by restore_item
             raise
         failed = err  # its frames hold orbax's abandoned reads: let go of them quietly, below
-    if failed is not None:
-        failure = f"{type(failed).__name__}: {short(str(failed), 400)}"
-        with _quiet_leftovers():
-            failed = None
-            broken = _broken_leaves(reader, item, keys, abstract, args, entries)
-        raise CheckpointError(
-            f"Could not read checkpoint {path} ({what}){broken}: {failure}. The checkpoint "
-            "is damaged or incomplete: restore an earlier one."
-        )
-    got = []
-    for key in keys:
-        node = out
-        for k in key:
-            node = node[k]
-        got.append(node)
-    return got
+    if failed is None:
+        return [out[k] for k in abstract]
+    failure = f"{type(failed).__name__}: {short(str(failed), 400)}"
+    with _quiet_leftovers():
+        failed = None
+        broken = [e["path"] for e in entries if tuple(e["key"]) in abstract and _fails(read, e)]
+    shown = f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
+    raise CheckpointError(
+        f"Could not read checkpoint {path} ({what}){shown if broken else ''}: {failure}. The "
+        "checkpoint is damaged or incomplete: restore an earlier one."
+    )
+
+
+def _fails(read: Callable[..., Any], e: dict) -> bool:
+    """Whether reading leaf ``e`` alone fails (to name the broken leaves after a failed read)."""
+    try:
+        read([tuple(e["key"])], partial_restore=True)
+    except Exception:
+        return True
+    return False
 
 
 @contextlib.contextmanager
 def _quiet_leftovers() -> Iterator[None]:
-    """Collect the read coroutines orbax abandoned after a failed read, without noise.
+    """Collect the read coroutines orbax 0.12.8 abandoned after a failed read, without noise.
 
-    Orbax 0.12.8 bug worked around here: when one array read fails, orbax
-    leaves the other reads' coroutines to the garbage collector, which
-    reports each as an unraisable exception ("coroutine ... was never
-    awaited"; pytest turns those into errors). Orbax offers no way to cancel
-    them, and the failure itself is reported by the caller, so they are
-    collected here with the report switched off: ``sys.unraisablehook`` is
-    replaced only for this block after a failed read, and put back. (Ignoring
-    the warning alone is not enough: closing an abandoned read can raise its
-    own error, or tensorstore's "Event loop is closed"; 5 runs in 10 failed.)
+    When one array read fails, orbax leaves the others' coroutines to the
+    garbage collector, which reports each as unraisable ("coroutine ... was
+    never awaited", or closing it raises tensorstore's "Event loop is
+    closed"; pytest makes those errors). Orbax cannot cancel them, and the
+    failure is reported by the caller: ``sys.unraisablehook`` is off for this
+    block only (ignoring the warning alone failed 5 runs in 10).
     """
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
@@ -1177,24 +1030,6 @@ def _quiet_leftovers() -> Iterator[None]:
     finally:
         gc.collect()
         sys.unraisablehook = hook
-
-
-def _broken_leaves(reader, item, keys, abstract, args, entries) -> str:
-    """Read the leaves one by one after a failed read: name the ones that fail."""
-    ocp = orbax()
-    names = {tuple(e["key"]): e["path"] for e in entries}
-    broken = []
-    for key, a, r in zip(keys, abstract, args):
-        one = ocp.args.PyTreeRestore(
-            _nest([key], [a]), restore_args=_nest([key], [r]), partial_restore=True
-        )
-        try:
-            reader(ocp.args.Composite(**{item: one}))
-        except Exception:
-            broken.append(names[key])
-    if not broken:
-        return ""
-    return f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
 
 
 def _verify(path: str, entries: list[dict], got: list[Any], version: int, what: str) -> None:
@@ -1220,13 +1055,6 @@ def _verify(path: str, entries: list[dict], got: list[Any], version: int, what: 
         )
 
 
-def _empty(e: dict, w: _Want, r: _Read) -> Any:
-    shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
-    if r.sharding is None:
-        return np.zeros(shape, dtype)
-    return jax.device_put(np.zeros(shape, dtype), r.sharding)
-
-
 def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
     """Verify checksums, stack where asked, make scalars and keys; one value per saved leaf."""
     it = iter(arrays)
@@ -1246,9 +1074,10 @@ def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
         if w.item:
             x = x[()]
         if r.empty:
-            x = _empty(e, w, r)
-        if r.post == "stack":
-            x = _stack(x, w.shape[0], r.final)
+            x = np.zeros(e["shape"], e["dtype"])
+            x = x if r.sharding is None else jax.device_put(x, r.sharding)
+        if r.stack:
+            x = _stack(x, w.shape[0], w.sharding)
         if w.key_impl is not None and isinstance(x, jax.Array):
             x = jax.random.wrap_key_data(x, impl=w.key_impl)
         out.append(x)
@@ -1298,21 +1127,12 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
     Args:
       path: a checkpoint written by :func:`save` (or one step directory of a
         :class:`Checkpointer`).
-      target: where and what to restore:
-
-        * ``None``: the saved structure (see the module notes), arrays with
-          their saved sharding when its devices exist here, else on
-          ``jax.devices()[0]``; stacked leaves stacked again;
-        * a device or spec (``'cpu:0'``), a ``Sharding``, or a ``Mesh``
-          (replicated): every array leaf there (stacked leaves as one copy);
-        * a ``Mesh`` with ``rules`` (``"fsdp"``, ``"replicate"``, regex
-          list, ...): :func:`jaxdev.param_shardings` of the state of the saved shapes;
-        * a tree like the saved one whose leaves are arrays (restore like
-          this state), ``ShapeDtypeStruct`` s with shardings, ``Sharding``
-          or ``Device`` objects, numpy arrays (read to host) or Python
-          numbers. The result has the target's structure (a ``TrainState``
-          target gives a ``TrainState``). A target leaf of shape
-          ``(n, *saved)`` gets the saved leaf stacked ``n`` times (pmap).
+      target: ``None`` (the saved structure, arrays where saved if those
+        devices exist, else on ``jax.devices()[0]``), a device, spec
+        (``'cpu:0'``), ``Sharding`` or ``Mesh`` (every array there), a ``Mesh``
+        with ``rules``, or a tree like the saved one whose leaves are arrays,
+        ``ShapeDtypeStruct`` s, shardings, devices, numpy arrays or Python
+        numbers (its structure is the result's; README's table has each case).
       rules: sharding rules, with a ``Mesh`` target.
 
     Returns:
@@ -1412,20 +1232,3 @@ def checkpoint_step(path: Any) -> int | None:
     ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         return read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")
-
-
-__all__ = [
-    "check_step",
-    "checkpoint_step",
-    "composite",
-    "handler_options",
-    "orbax",
-    "prepare",
-    "read_meta",
-    "read_unchanged",
-    "restore",
-    "restore_item",
-    "save",
-    "take_writer_lock",
-    "write_error",
-]

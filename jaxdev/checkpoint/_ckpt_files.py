@@ -1,32 +1,19 @@
-"""The files of a checkpoint: one writer at a time, atomic replacement, only our own deletions.
+"""The files of a checkpoint: one writer, atomic replacement, only our own deletions.
 
-Three promises, each kept by one function here:
-
-* **one writer**: :class:`WriterLock` is an exclusive ``flock`` on a lock
-  file beside (or inside) what is written. The kernel drops it when its
-  process dies (a forked child closes its copy of the fd), so a killed
-  writer never leaves a stale lock; a second writer (another process,
-  another ``Checkpointer``, another thread) is refused at once with the
-  holder's pid, host and start time.
-* **atomic overwrite**: :func:`replace` swaps a complete new checkpoint with
-  the old one in one ``renameat2(RENAME_EXCHANGE)`` (Linux), then deletes
-  the old one. Where the exchange is not available it renames the old one
-  aside, the new one in, then deletes the old one; a crash between those
-  two renames is undone by :func:`recover`, which the next ``save`` or
-  ``restore`` of the path runs. Either way a checkpoint is at ``path`` (old
-  or new) or recoverable beside it at every instant. A leftover is put back
-  only in that one state (both renamed-aside names present, ``path``
-  missing): any other leftover beside a missing ``path`` may be a checkpoint
-  its user deleted, and is never brought back.
-* **never delete what is not ours**: :func:`check_replaceable` refuses to
-  replace a folder that is not a jaxdev checkpoint (naming what is in it);
-  :func:`remove_leftovers` removes only the exact reserved names
-  ``.<name>.jaxdev-new`` / ``.<name>.jaxdev-old`` and orbax's temporary
-  folders of ``<name>`` and ``.<name>.jaxdev-new`` (:func:`leftovers`).
-* **recoverable deletion of old steps**: a ``Checkpointer``'s ``keep`` has
-  orbax rename a step it drops into ``.jaxdev-deleted/`` (one atomic
-  rename, orbax's ``todelete_subdir``); :func:`remove_tombstones` deletes it
-  there, and again after a kill. A half-deleted step is never a numbered folder.
+* **one writer**: :class:`WriterLock`, an exclusive ``flock`` the kernel
+  drops when its process dies (a forked child closes its copy of the fd); a
+  second writer (process, ``Checkpointer``, thread) is refused at once,
+  naming the holder's pid, host and start time.
+* **atomic overwrite**: :func:`replace` swaps the complete new checkpoint in
+  with one ``renameat2(RENAME_EXCHANGE)``, else renames the old one aside and
+  the new one in; a crash between those two renames is the one state
+  :func:`recover` repairs (:func:`was_cut`): a checkpoint is at ``path`` or
+  recoverable beside it at every instant.
+* **only our names are deleted**: :func:`check_replaceable` refuses a folder
+  jaxdev did not write; :func:`remove_leftovers` and
+  :func:`remove_tombstones` delete only jaxdev's reserved names and orbax's
+  temporary folders. A ``Checkpointer``'s ``keep`` has orbax rename a dropped
+  step into ``.jaxdev-deleted/`` (one atomic rename) before it is deleted.
 """
 
 from __future__ import annotations
@@ -70,24 +57,10 @@ def sibling(path: str, role: str) -> str:
 
 
 def is_checkpoint(path: str) -> bool:
-    """True if ``path`` is a folder that jaxdev's :func:`~jaxdev.save` wrote.
-
-    It must hold orbax's ``_CHECKPOINT_METADATA`` file and jaxdev's metadata
-    file ``jaxdev/metadata`` (a folder merely named ``jaxdev``, as in a source
-    checkout, is not enough).
-
-    Example:
-      >>> is_checkpoint("/")
-      False
-    """
+    """True if ``path`` holds orbax's ``_CHECKPOINT_METADATA`` and jaxdev's ``jaxdev/metadata``."""
     return os.path.isfile(os.path.join(path, META_ITEM, "metadata")) and os.path.isfile(
         os.path.join(path, _ORBAX_FILES[0])
     )
-
-
-def _foreign(path: str) -> list[str]:
-    """Entries at the top of a checkpoint folder that neither jaxdev nor orbax wrote."""
-    return sorted(n for n in os.listdir(path) if n not in ITEMS and n not in _ORBAX_FILES)
 
 
 class WriterLock:
@@ -160,7 +133,7 @@ class WriterLock:
         return self._fd is not None
 
     def __enter__(self) -> WriterLock:
-        return self.acquire()
+        return self if self.held else self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
@@ -188,14 +161,7 @@ os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def holder(lock_path: str) -> str | None:
-    """Who holds the writer lock ``lock_path`` now (its owner text), or None if nobody.
-
-    Example:
-      >>> holder("/nonexistent/.lock") is None
-      True
-    """
-    if not os.path.exists(lock_path):
-        return None
+    """Who holds the writer lock ``lock_path`` now (its owner text), or None if nobody."""
     try:
         fd = os.open(lock_path, os.O_RDONLY)
     except OSError:
@@ -252,7 +218,8 @@ def check_replaceable(path: str) -> None:
     if not names:
         return
     ours = is_checkpoint(path)
-    if ours and not (foreign := _foreign(path)):
+    foreign = [n for n in names if n not in ITEMS and n not in _ORBAX_FILES]
+    if ours and not foreign:
         return
     shown = foreign if ours else names
     listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} entries)" if len(shown) > 8 else "")
@@ -274,10 +241,6 @@ def leftovers(path: str) -> list[str]:
     ``.<name>.jaxdev-new``, ``.<name>.jaxdev-old``, and orbax's temporary
     folders of the two it writes, ``<name>`` and ``.<name>.jaxdev-new``:
     ``<that>.orbax-checkpoint-tmp`` (older orbax: ``-<timestamp>`` after it).
-
-    Example:
-      >>> leftovers("/nonexistent/ckpt")
-      []
     """
     parent, name = os.path.split(path)
     new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
@@ -377,12 +340,10 @@ def replace(new: str, path: str) -> None:
 def was_cut(path: str) -> bool:
     """True in the one state :func:`recover` repairs: the fallback swap cut between its renames.
 
-    ``path`` is missing, the old checkpoint was renamed aside
-    (``.<name>.jaxdev-old`` exists) and the complete new one is at
-    ``.<name>.jaxdev-new``. Only :func:`replace`'s first rename makes that
-    state (a save removes every leftover before writing); the exchange never
-    leaves ``path`` missing. Any other leftover beside a missing ``path``
-    may be a checkpoint its user deleted after a crash, so it is not evidence.
+    ``path`` missing, ``.<name>.jaxdev-old`` there and a complete checkpoint at
+    ``.<name>.jaxdev-new``: only :func:`replace`'s first rename makes it (a save
+    removes every leftover first). Any other leftover beside a missing ``path``
+    may be a checkpoint its user deleted after a crash: it is never put back.
     """
     return (
         not os.path.lexists(path)
@@ -406,21 +367,3 @@ def recover(path: str) -> bool:
         os.path.basename(sibling(path, "new")),
     )
     return True
-
-
-__all__ = [
-    "ITEMS",
-    "META_ITEM",
-    "WriterLock",
-    "check_replaceable",
-    "holder",
-    "is_checkpoint",
-    "leftovers",
-    "lookalikes",
-    "recover",
-    "remove_leftovers",
-    "remove_tombstones",
-    "replace",
-    "sibling",
-    "was_cut",
-]
