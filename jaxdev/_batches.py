@@ -32,7 +32,8 @@ class Padded(NamedTuple):
 
     Attributes:
       batch: the placed batch; every leaf has ``mask.shape`` as leading shape.
-      mask: boolean ``jax.Array``, ``True`` for real rows, laid out like the batch's rows.
+      mask: boolean ``jax.Array``, ``True`` for real rows (``shard_batch``: laid out like the
+        rows; ``put_batch``: as the strategy's ``mask_spec``, replicated for a jit step).
       size: the real rows this process brought.
     """
 

@@ -7,6 +7,8 @@ hand-written optax loop to the same tolerance.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -129,6 +131,27 @@ def test_uneven_batch_is_padded_and_counted_exactly(name):
     fetched = metrics.fetch()
     np.testing.assert_allclose(fetched["loss"], float(losses.mean()), **TOL)
     np.testing.assert_allclose(fetched["accuracy"], float(aux["accuracy"].mean()), **TOL)
+
+
+def test_an_uneven_batch_adds_no_collective_and_a_shard_batch_mask_still_works(mesh):
+    """put_batch replicates the mask of a jit step, so each device counts the real rows:
+    the loss's denominator needs no all-reduce before the backward pass (it had one)."""
+    x, y = _data(steps=1, batch=29, seed=3)
+    sharded = jaxdev.Strategy.sharded(mesh)
+    step = jaxdev.make_train_step(loss_fn, TX, sharded, has_aux=True, donate=False)
+    state = step.init_state(_params(), TX)
+    even = step.put_batch({"x": x[0][:24], "y": y[0][:24]})
+    uneven = step.put_batch({"x": x[0], "y": y[0]})
+    assert uneven.mask.sharding.is_fully_replicated
+    assert step.strategy.mask_spec() == jax.sharding.PartitionSpec()
+    texts = [step.lower(state, b).compile().as_text() for b in (even, uneven)]
+    assert [len(re.findall(r"\ball-reduce(?:-start)?\(", t)) for t in texts] == [1, 1]
+    # shard_batch's Padded keeps its mask split like the rows; the step moves it
+    own = jaxdev.shard_batch({"x": x[0], "y": y[0]}, mesh, pad=True)
+    assert not own.mask.sharding.is_fully_replicated
+    for a, b in zip(jax.tree.leaves(step(state, own)), jax.tree.leaves(step(state, uneven))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert step.strategy.replace(shard_map=True).mask_spec() == jax.sharding.PartitionSpec("data")
 
 
 def test_eval_step_matches_direct_computation():

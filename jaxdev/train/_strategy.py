@@ -203,6 +203,17 @@ class Strategy:
         """
         return lead_spec(self.axis, self.row_axis(k, m), ndim)
 
+    def mask_spec(self, k: int = 1, m: int = 1) -> P:
+        """The spec of a padded batch's mask: split like the rows, unless the program can
+        count the real rows without a collective (a jit step on one process: replicated).
+
+        Example:
+          >>> import jax, jaxdev
+          >>> jaxdev.Strategy.sharded().mask_spec() == jax.sharding.PartitionSpec()
+          True
+        """
+        return self.batch_spec(k, m)
+
     def batch_shape(self, rows: int, k: int = 1, m: int = 1) -> tuple[int, ...]:
         """The leading shape :meth:`put_batch` gives ``rows`` global rows per update.
 
@@ -305,7 +316,9 @@ class Strategy:
 
     def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         """Place a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` (and its mask)."""
-        return to_device(grouped, named_sharding(self.mesh, self.batch_spec(k, m)))
+        batch, mask = grouped
+        mask = to_device(mask, named_sharding(self.mesh, self.mask_spec(k, m)))
+        return to_device(batch, named_sharding(self.mesh, self.batch_spec(k, m))), mask
 
     def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         """What a compiled program expects of each argument, or None (no check needed)."""
@@ -409,7 +422,18 @@ class _Sharded(Strategy):
         return row_multiple(sharding, n)
 
     def put_rows(self, batch: Any, pad: bool) -> Any:
-        return shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
+        out = shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
+        if not pad or self.mask_spec() != P():
+            return out
+        mask = np.arange(out.mask.size) < out.size  # the same prefix mask, on every device
+        return out._replace(mask=to_device(mask, named_sharding(self.mesh, P())))
+
+    def mask_spec(self, k: int = 1, m: int = 1) -> P:
+        # replicated, jit counts the real rows on each device: the loss's denominator
+        # needs no all-reduce before the backward pass (uneven batches: 2 all-reduces -> 1)
+        if self.shard_map or jax.process_count() > 1:  # per-device code / per-process rows
+            return self.batch_spec(k, m)
+        return P()
 
     def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         if jax.process_count() > 1:  # each process's local rows -> global arrays
@@ -425,8 +449,9 @@ class _Sharded(Strategy):
     def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         rows = named_sharding(self.mesh, self.batch_spec(*group))
         replicated = named_sharding(self.mesh, P())
+        mask = named_sharding(self.mesh, self.mask_spec(*group))
         out = [replicated if layout is None else layout, rows]
-        return out + ([rows] if has_mask else []) + ([replicated] if has_acc else [])
+        return out + ([mask] if has_mask else []) + ([replicated] if has_acc else [])
 
     def compile(self, run, group, has_mask, has_acc, train, donate, layout=None):
         mesh, axis = self.mesh, self.axis
