@@ -587,20 +587,15 @@ def _check_keys(owner: str, arg: str, expected: set, got: set) -> None:
         )
 
 
-def _flatten_collection(c: Collection):
-    keys = tuple(c._metrics)
-    return [(jax.tree_util.DictKey(k), c._metrics[k]) for k in keys], keys
-
-
-def _unflatten_collection(keys: tuple[str, ...], children) -> Collection:
-    out = object.__new__(Collection)
+def _unflatten_collection(keys: tuple[str, ...], children: Any) -> Collection:
+    out = object.__new__(Collection)  # unchecked: tree ops put other leaves in
     out._metrics = dict(zip(keys, children, strict=True))
     return out
 
 
 jax.tree_util.register_pytree_with_keys(
     Collection,
-    _flatten_collection,
+    lambda c: ([(jax.tree_util.DictKey(k), m) for k, m in c._metrics.items()], tuple(c._metrics)),
     _unflatten_collection,
     flatten_func=lambda c: (list(c._metrics.values()), tuple(c._metrics)),
 )
