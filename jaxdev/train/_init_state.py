@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .._errors import UsageError
@@ -17,20 +16,9 @@ from .._leaves import is_jax_array
 from .._mesh import named_sharding
 from .._placement import place_tree
 from .._rules import follow_params, param_shardings, state_shardings, unbox
-from ..memory import offloaded
+from ..memory import offloaded, state_shapes
 from ._strategy import Strategy
 from ._train import TrainState
-
-
-def _shapes(tree: Any) -> Any:
-    """``tree`` with every array as a ``ShapeDtypeStruct`` (shape, dtype only)."""
-
-    def shape(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "dtype"):
-            return x
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-    return jax.tree.map(shape, tree)
 
 
 def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
@@ -51,7 +39,7 @@ def init_by_rules(strategy: Strategy, params: Any, tx: Any, rng: Any, model_stat
     step = _copy(jnp.zeros((), jnp.int32), replicated)
     rng = None if rng is None else _copy(rng, replicated, "rng")
     if model_state is not None:
-        shape = _shapes(TrainState(step, params, None, None, model_state))
+        shape = state_shapes(TrainState(step, params, None, None, model_state))
         model_state = _copy(
             model_state, state_shardings(shape, mesh, rules, **options).model_state, "model_state"
         )
@@ -84,8 +72,8 @@ def check_tx(step_tx: Any, tx: Any, params: Any, opt_state: Any = None) -> None:
     """Refuse a ``tx`` or ``opt_state`` whose structure is not ``step_tx.init(params)``'s."""
     if step_tx is None or (tx is None and opt_state is None) or tx is step_tx:
         return
-    want = jax.tree.structure(jax.eval_shape(step_tx.init, _shapes(params)))
-    got = opt_state if tx is None else jax.eval_shape(tx.init, _shapes(params))
+    want = jax.tree.structure(jax.eval_shape(step_tx.init, state_shapes(params)))
+    got = opt_state if tx is None else jax.eval_shape(tx.init, state_shapes(params))
     if jax.tree.structure(got) != want:
         what = "the state's `opt_state`" if tx is None else "`tx`"
         raise UsageError(
