@@ -97,7 +97,30 @@ class PlacementReport(NamedTuple):
           ['w']  2x3    float32  cpu:0      device  yes        24 B
           1 leaves, 24 B on devices (cpu:0: 24 B); per device: 24 B replicated, 0 B sharded (0.0%)
         """
-        return _format(self)
+        head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
+        body = [
+            (
+                r.path,
+                "x".join(map(str, r.shape)) or "()",
+                r.dtype,
+                _shown(r.sharding, len(r.devices)),
+                r.memory_kind or "-",
+                "-" if r.committed is None else ("yes" if r.committed else "no"),
+                human_bytes(r.bytes_per_device),
+            )
+            for r in self.leaves
+        ]
+        lines = text_table(head, body)
+        total = sum(self.bytes_by_device.values())
+        per = ", ".join(f"{k}: {human_bytes(v)}" for k, v in self.bytes_by_device.items())
+        footer = f"{len(self.leaves)} leaves, {human_bytes(total)} on devices ({per or 'none'})"
+        if total:
+            footer += (
+                f"; per device: {human_bytes(self.replicated_bytes)} replicated, "
+                f"{human_bytes(self.sharded_bytes)} sharded ({self.sharded_share:.1%})"
+            )
+        lines.append(footer)
+        return "\n".join(lines)
 
     def diff(self, other: PlacementReport) -> list[str]:
         """Return one line per leaf whose placement differs in ``other`` (or is in one tree only).
@@ -109,7 +132,19 @@ class PlacementReport(NamedTuple):
           >>> a.diff(a), a.diff(b)
           ([], ["['w']: sharding 'cpu:0' != 'cpu:1'", "['w']: devices ('cpu:0',) != ('cpu:1',)"])
         """
-        return _diff(self, other)
+        rows_a = {r.path: r for r in self.leaves}
+        rows_b = {r.path: r for r in other.leaves}
+        out = []
+        for path in list(rows_a) + [p for p in rows_b if p not in rows_a]:
+            ra, rb = rows_a.get(path), rows_b.get(path)
+            if ra is None or rb is None:
+                out.append(f"{path}: only in {'first' if rb is None else 'second'} tree")
+                continue
+            for field in ("sharding", "devices", "memory_kind", "committed", "deleted"):
+                va, vb = getattr(ra, field), getattr(rb, field)
+                if va != vb:
+                    out.append(f"{path}: {field} {va!r} != {vb!r}")
+        return out
 
 
 class _ShardingInfo(NamedTuple):
@@ -258,33 +293,6 @@ def text_table(head: tuple[str, ...], body: list[tuple], rstrip: bool = False) -
     )
 
 
-def _format(report: PlacementReport) -> str:
-    head = ("path", "shape", "dtype", "placement", "memory", "committed", "bytes/device")
-    body = [
-        (
-            r.path,
-            "x".join(map(str, r.shape)) or "()",
-            r.dtype,
-            _shown(r.sharding, len(r.devices)),
-            r.memory_kind or "-",
-            "-" if r.committed is None else ("yes" if r.committed else "no"),
-            human_bytes(r.bytes_per_device),
-        )
-        for r in report.leaves
-    ]
-    lines = text_table(head, body)
-    total = sum(report.bytes_by_device.values())
-    per = ", ".join(f"{k}: {human_bytes(v)}" for k, v in report.bytes_by_device.items())
-    footer = f"{len(report.leaves)} leaves, {human_bytes(total)} on devices ({per or 'none'})"
-    if total:
-        footer += (
-            f"; per device: {human_bytes(report.replicated_bytes)} replicated, "
-            f"{human_bytes(report.sharded_bytes)} sharded ({report.sharded_share:.1%})"
-        )
-    lines.append(footer)
-    return "\n".join(lines)
-
-
 _NAMED = re.compile(r"mesh\((.*?)\) (P\(.*\))$")
 
 
@@ -307,19 +315,3 @@ def human_bytes(n: float) -> str:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-def _diff(a: PlacementReport, b: PlacementReport) -> list[str]:
-    rows_a = {r.path: r for r in a.leaves}
-    rows_b = {r.path: r for r in b.leaves}
-    out = []
-    for path in list(rows_a) + [p for p in rows_b if p not in rows_a]:
-        ra, rb = rows_a.get(path), rows_b.get(path)
-        if ra is None or rb is None:
-            out.append(f"{path}: only in {'first' if rb is None else 'second'} tree")
-            continue
-        for field in ("sharding", "devices", "memory_kind", "committed", "deleted"):
-            va, vb = getattr(ra, field), getattr(rb, field)
-            if va != vb:
-                out.append(f"{path}: {field} {va!r} != {vb!r}")
-    return out
