@@ -621,23 +621,19 @@ def fetch_metrics(tree: Any) -> Any:
       >>> fetch_metrics({"loss": Mean.from_value(jnp.array([1.0, 2.0])), "top": Max.from_value(3)})
       {'loss': 1.5, 'top': 3.0}
     """
-    check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
-    named = isinstance(tree, (Metric, Collection))
-    with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
-        return _compute_host(jax.device_get(tree))
 
-
-def _compute_host(tree: Any) -> Any:
-    """Finish ``compute`` with numpy on a tree already on the host."""
-
-    def one(node: Any) -> Any:
+    def one(node: Any) -> Any:  # on the host: compute finished with numpy
         if isinstance(node, Collection):
             return {k: one(m) for k, m in node.items()}
         if isinstance(node, Metric):
             return _host_value(np.asarray(node._compute(np)))
         return _host_value(node)
 
-    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
+    check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
+    named = isinstance(tree, (Metric, Collection))
+    with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
+        host = jax.device_get(tree)
+        return jax.tree.map(one, host, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
 
 
 # ---------------------------------------------------------------- the log
