@@ -461,13 +461,10 @@ def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
 def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = False) -> None:
     """Write ``tree`` to the checkpoint directory ``path`` (blocking), whatever its layout.
 
-    Every process of a multi-process run calls it with the same tree: each
-    writes its own shards (orbax). pmap-stacked leaves with equal rows are
-    written once (see the module notes); a checksum per leaf is stored and
-    verified by :func:`restore`. The directory appears only when complete.
-    With ``overwrite=True`` the new checkpoint is written beside the old one
-    and swapped in atomically once complete: a failed or killed save leaves
-    the old one restorable at ``path``.
+    Every process of a multi-process run calls it with the same tree (each
+    writes its own shards). The directory appears only when complete; with
+    ``overwrite=True`` the new checkpoint is written beside the old one and
+    swapped in atomically: a failed or killed save leaves the old one at ``path``.
 
     Args:
       path: a directory that does not exist yet (or, with ``overwrite``, a
@@ -479,12 +476,10 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
       overwrite: replace the jaxdev checkpoint at ``path``.
 
     Raises:
-      CheckpointError: ``path`` exists (and not ``overwrite``), or is not a
-        jaxdev checkpoint (a folder of other files, the working directory, its
-        parents and the home directory are never replaced);
-        another writer is saving to ``path``; a leaf cannot be saved (its
-        key path named); the write failed (disk full, not writable): the
-        previous checkpoint and ``tree`` are unchanged.
+      CheckpointError: ``path`` exists (and not ``overwrite``) or is not a
+        jaxdev checkpoint (nor an empty folder); another writer is saving to
+        ``path``; a leaf cannot be saved (its key path named); the write
+        failed (disk full, not writable): the old checkpoint is unchanged.
       UsageError: ``step`` is not a non-negative int.
 
     Example:
@@ -544,10 +539,8 @@ def _refuse_managed(path: str) -> None:
 def handler_options() -> Any:
     """Orbax's options for jaxdev: item folders made before any array is written.
 
-    By default orbax's array writers wait in non-daemon threads for a
-    "directory created" signal that a save failing before it never sends,
-    holding the interpreter's exit for the coordination timeout (5 minutes,
-    orbax 0.12.8). Made synchronously, there is nothing to wait for.
+    Else orbax 0.12.8's writer threads wait for a "directory created" signal
+    that a save failing first never sends, holding the exit for 5 minutes.
     """
     return orbax().AsyncOptions(create_directories_asynchronously=False)
 
@@ -577,7 +570,7 @@ def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
             f"{path} is not a jaxdev checkpoint (no `{META}` item inside). " + _steps_hint(path)
         )
     try:
-        meta = reader(ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        meta = reader(args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as err:  # orbax raises many types on a damaged file
         raise CheckpointError(
             f"Could not read the metadata of checkpoint {path} ({type(err).__name__}: {err}): "
@@ -981,7 +974,7 @@ def _orbax_restore(path, reader, item, entries, reads, what):
             restore_args=ocp.tree.from_flat_dict({k: args[k] for k in keys}),
             **options,
         )
-        return ocp.tree.to_flat_dict(reader(ocp.args.Composite(**{item: one}))[item])
+        return ocp.tree.to_flat_dict(reader(args=ocp.args.Composite(**{item: one}))[item])
 
     failed = None
     try:
@@ -1016,12 +1009,10 @@ def _fails(read: Callable[..., Any], e: dict) -> bool:
 def _quiet_leftovers() -> Iterator[None]:
     """Collect the read coroutines orbax 0.12.8 abandoned after a failed read, without noise.
 
-    When one array read fails, orbax leaves the others' coroutines to the
-    garbage collector, which reports each as unraisable ("coroutine ... was
-    never awaited", or closing it raises tensorstore's "Event loop is
-    closed"; pytest makes those errors). Orbax cannot cancel them, and the
-    failure is reported by the caller: ``sys.unraisablehook`` is off for this
-    block only (ignoring the warning alone failed 5 runs in 10).
+    Collected later, each is reported as unraisable ("never awaited", or
+    tensorstore's "Event loop is closed" as it closes); orbax cannot cancel
+    them and the caller reports the failure, so ``sys.unraisablehook`` is off
+    for this block only (ignoring the warning alone failed 5 runs in 10).
     """
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
@@ -1109,8 +1100,11 @@ def _stacker(n: int, s: Sharding) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(lambda y: jnp.broadcast_to(y, (n, *y.shape)), out_shardings=s)
 
 
-def restore_item(path, reader, meta, item, target, rules, what):
-    """Restore the item ``item`` of the checkpoint whose metadata is ``meta``."""
+def restore_item(path, reader, item, target, rules, what):
+    """Restore the item ``item`` of the checkpoint at ``path`` (None if it was not saved)."""
+    meta = read_meta(path, reader)
+    if item not in meta:
+        return None
     entries, skeleton = meta[item]["leaves"], meta[item]["skeleton"]
     wants, build = _resolve(path, entries, skeleton, target, rules, what)
     reads = _plan(path, entries, wants, what)
@@ -1162,12 +1156,8 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
     def read(path: str) -> Any:
         _recover_for_read(path)
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-
-            def reader(args: Any) -> Any:
-                return ckptr.restore(path, args=args)
-
-            meta = read_meta(path, reader)
-            return restore_item(path, reader, meta, STATE, target, rules, "state")
+            reader = functools.partial(ckptr.restore, path)
+            return restore_item(path, reader, STATE, target, rules, "state")
 
     return read_unchanged(lambda: path, read)
 
@@ -1184,17 +1174,11 @@ def _identity(path: str) -> tuple[int, int, int] | None:
 def read_unchanged(locate: Callable[[], str], read: Callable[[str], Any], tries: int = 5) -> Any:
     """``read(locate())``, again while a writer replaced or deleted that checkpoint meanwhile.
 
-    A reader racing a writer (``save(..., overwrite=True)``, a Checkpointer's
-    ``keep``) can read the old metadata with the new arrays, or lose files
-    mid-read: that is not damage, so a failed read is repeated when the
-    folder at the path is no longer the one it started with (or is missing
-    while a writer holds its lock). A successful read is always one whole
-    checkpoint: each array matched the checksums of the metadata read.
-
-    Raises:
-      CheckpointError: as ``read`` when nothing changed; after ``tries``
-        reads that each saw a change, one saying the checkpoint is being
-        written or replaced (never that it is damaged).
+    A reader racing a writer (``overwrite=True``, ``keep``) can mix old
+    metadata and new arrays, or lose files: a failed read is repeated when the
+    folder at the path changed (or is missing while a writer holds its lock),
+    and after ``tries`` such reads the error says it is being written, never
+    damaged. A successful read matched every checksum of its metadata.
     """
     for attempt in range(tries):
         path = locate()
@@ -1220,15 +1204,8 @@ def checkpoint_step(path: Any) -> int | None:
     Raises:
       CheckpointError: no jaxdev checkpoint at ``path``.
 
-    Example:
-      >>> import tempfile, jax.numpy as jnp, jaxdev
-      >>> from jaxdev.checkpoint._checkpoint import checkpoint_step
-      >>> d = tempfile.mkdtemp()
-      >>> jaxdev.save(f"{d}/c", {"w": jnp.ones(2)}, step=12)
-      >>> checkpoint_step(f"{d}/c")
-      12
     """
     path = os.path.realpath(os.fsdecode(path))
     ocp = orbax()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        return read_meta(path, lambda args: ckptr.restore(path, args=args)).get("step")
+        return read_meta(path, functools.partial(ckptr.restore, path)).get("step")

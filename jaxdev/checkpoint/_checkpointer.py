@@ -1,29 +1,17 @@
 """Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
 
-What jaxdev decides on top of orbax (each tested in
-``tests/test_checkpoint_safety.py``):
-
-* **the latest checkpoint is the highest step**, for this ``Checkpointer``
-  and for any later one on the same folder. A save of a step below the
-  latest is refused (orbax would make it "latest" in this process only,
-  restore the older state, and let ``keep`` delete the newest); so ``keep``
-  always deletes the oldest steps, never the newest.
-* **one writer per folder**: the first ``save`` takes a lock in the folder
-  (``.jaxdev-lock``, dropped by the kernel if the process dies) and holds it
-  until :meth:`Checkpointer.close`; a second ``Checkpointer`` or process
-  saving there is refused with the holder named. Restoring needs no lock.
-* **a kill while ``keep`` deletes a step blocks nothing**: orbax renames the
-  step into ``.jaxdev-deleted/`` first (its ``todelete_subdir``, one atomic
-  rename), jaxdev deletes it there after each save; the writer of a restarted
-  run finishes what a kill interrupted (``_ckpt_files.remove_tombstones``).
-* orbax's options keep their orbax names underneath: ``keep`` is
-  ``max_to_keep``, ``every`` is ``save_interval_steps``, ``async_`` is
-  ``enable_async_checkpointing``.
+On top of orbax (README, "Training loops"): the latest checkpoint is the
+highest step (a save below it is refused, so ``keep`` deletes the oldest);
+one writer per folder (``.jaxdev-lock``, taken by the first ``save``, held
+until :meth:`Checkpointer.close`); a step ``keep`` drops is renamed into
+``.jaxdev-deleted/`` (orbax's ``todelete_subdir``) and deleted there, again
+after a kill (``_ckpt_files.remove_tombstones``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import weakref
@@ -37,13 +25,10 @@ from . import _ckpt_files as files
 class Checkpointer:
     """Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
 
-    ``save(step, state)`` writes ``directory/<step>`` every ``every`` steps,
-    keeps the ``keep`` newest, and (``async_``) returns once the arrays are
-    copied off the devices while a background thread writes them; the step
-    loop goes on meanwhile. A checkpoint appears (and ``latest_step`` sees
-    it) only once complete: orbax writes into a temporary directory and
-    renames it, so a process killed mid-save leaves the previous checkpoint
-    as the latest one. Steps only go forward (see the module notes).
+    ``save(step, state)`` writes ``directory/<step>`` every ``every`` steps and
+    keeps the ``keep`` newest; with ``async_`` it returns once the arrays are
+    copied off the devices. A checkpoint appears (and ``latest_step`` sees it)
+    only once complete, so a process killed mid-save leaves the previous one.
 
     Args:
       directory: where the numbered checkpoints go (created if missing).
@@ -107,15 +92,12 @@ class Checkpointer:
           multiple of ``every``, or already saved by this ``Checkpointer``.
 
         Raises:
-          CheckpointError: a checkpoint of ``step`` written before this
-            ``Checkpointer`` exists (another run's: one is never overwritten),
-            or ``step`` is below the latest checkpoint's; another
-            writer saves into this directory; a folder of the user's there
-            has a name orbax would delete in place of a step
-            (``<step>.orbax-checkpoint-tmp.bak``); a leaf cannot be saved; the
-            write failed (disk full, not writable; an asynchronous write that
-            failed earlier is reported by the next ``save``, ``wait`` or
-            ``close``). ``state`` and the earlier checkpoints are never changed.
+          CheckpointError: ``step`` was saved before this ``Checkpointer`` (never
+            overwritten) or is below the latest; another writer saves here; a
+            folder there has a name orbax would delete in place of a step; a
+            leaf cannot be saved; the write failed (an asynchronous failure is
+            reported by the next ``save``, ``wait`` or ``close``). ``state`` and
+            the earlier checkpoints are never changed.
           UsageError: ``step`` is not a non-negative int (a bool, float, str).
 
         Example:
@@ -200,11 +182,11 @@ class Checkpointer:
         self._started &= done
         if lost and path != os.path.join(self.directory, str(lost[-1])):
             path = f"{path} (the failure was in the background save of step(s) {lost})"
-        return ckpt.write_error(path, err, previous=self._previous(), need=need)
-
-    def _previous(self) -> str:
         steps = self.all_steps()
-        return f"the checkpoints of steps {steps} are intact" if steps else "no checkpoint exists"
+        previous = (
+            f"the checkpoints of steps {steps} are intact" if steps else "no checkpoint exists"
+        )
+        return ckpt.write_error(path, err, previous=previous, need=need)
 
     def latest_step(self) -> int | None:
         """The highest step with a complete checkpoint (None when there is none).
@@ -229,9 +211,8 @@ class Checkpointer:
     def _steps(self) -> list[int]:
         """Complete jaxdev checkpoints; read from the folder again unless this is its writer.
 
-        A reader lists again (5 tries) when its listing raced the writer: orbax
-        failed on a step that ``keep`` deleted meanwhile, or it listed steps
-        but none complete (the newest being committed, the one before deleted).
+        A reader lists again (5 tries) when its listing raced the writer: orbax failed
+        on a step ``keep`` deleted, or listed steps but none complete.
         """
         if self._lock is not None:
             return [s for s in self._manager.all_steps() if self._is_ours(s)]
@@ -264,13 +245,8 @@ class Checkpointer:
 
     def _read(self, step: int | None, item: str, target: Any, rules: Any) -> Any:
         def read(path: str) -> Any:
-            def reader(args: Any) -> Any:
-                return self._manager.restore(int(os.path.basename(path)), args=args)
-
-            meta = ckpt.read_meta(path, reader)
-            if item not in meta:
-                return None
-            return ckpt.restore_item(path, reader, meta, item, target, rules, item)
+            reader = functools.partial(self._manager.restore, int(os.path.basename(path)))
+            return ckpt.restore_item(path, reader, item, target, rules, item)
 
         # the latest step again if `keep` deleted it mid-read; a step asked for: its error
         locate = lambda: os.path.join(self.directory, str(self._step(step)))  # noqa: E731
@@ -279,19 +255,11 @@ class Checkpointer:
     def restore(self, target: Any = None, step: int | None = None, *, rules: Any = None) -> Any:
         """Restore the state of ``step`` (default: the latest) onto ``target``.
 
-        Args:
-          target: as :func:`jaxdev.restore` (``None``, a device, mesh,
-            sharding, a mesh with ``rules``, or a tree like the state).
-          step: which checkpoint; default :meth:`latest_step` (after
-            :meth:`wait`).
-          rules: sharding rules, with a ``Mesh`` target.
-
-        Returns:
-          The state only; see :meth:`restore_metrics` for the metrics.
+        ``target`` and ``rules`` are :func:`jaxdev.restore`'s; ``step`` defaults to
+        :meth:`latest_step` (after :meth:`wait`). The metrics: :meth:`restore_metrics`.
 
         Raises:
-          CheckpointError: no checkpoint (or not that step), or as
-            :func:`jaxdev.restore`.
+          CheckpointError: no checkpoint (or not that step), or as :func:`jaxdev.restore`.
 
         Example:
           >>> import tempfile, jax.numpy as jnp, jaxdev
@@ -367,6 +335,3 @@ def _abandon(manager: Any, lock: files.WriterLock) -> None:
         pass
     finally:
         lock.release()
-
-
-__all__ = ["Checkpointer"]

@@ -145,10 +145,8 @@ _HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()  # the locks this process
 def _drop_in_child() -> None:
     """A forked child (a data-loader worker) closes its copy of every lock fd, unlocking nothing.
 
-    A ``flock`` belongs to the open file description, which ``fork`` shares:
-    a child that kept the fd kept the lock held after its parent's SIGKILL,
-    and every restarted writer was refused. The lock stays the parent's; the
-    child neither unlocks nor removes it.
+    A ``flock`` belongs to the open file description ``fork`` shares: a child
+    keeping it kept the lock after its parent's SIGKILL, refusing every restart.
     """
     for lock in list(_HELD):
         with contextlib.suppress(OSError):
@@ -277,10 +275,8 @@ def remove_leftovers(path: str) -> None:
 def remove_tombstones(directory: str, folder: bool = True) -> None:
     """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
 
-    Only orbax's step names there (``0``, ``17``: ASCII digits, no padding) are deleted. With
-    ``folder`` (no save running: the writer starts or closes), then
-    ``.jaxdev-deleted`` itself if empty, and the temporary folders of steps
-    whose save was killed (exactly ``<step>.orbax-checkpoint-tmp``).
+    Only orbax's step names there are deleted; with ``folder`` (no save running)
+    also ``.jaxdev-deleted`` if empty and killed saves' ``<step>.orbax-checkpoint-tmp``.
     """
     graves = os.path.join(directory, TOMBSTONES)
     for n in _names(graves, _STEP):
@@ -320,9 +316,7 @@ def _exchange(a: str, b: str) -> bool:
 def replace(new: str, path: str) -> None:
     """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last.
 
-    Raises:
-      OSError: only before the new checkpoint is at ``path``, with the old
-        one still there (a failed cleanup afterwards is left to the next save).
+    An ``OSError`` is raised only before ``new`` is at ``path``, the old one still there.
     """
     old = sibling(path, "old")
     if _exchange(new, path):
