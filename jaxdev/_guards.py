@@ -103,11 +103,8 @@ class TransferCounter:
         return "\n".join([head] + [f"  {line}" for line in _describe(self.events)])
 
     def __repr__(self) -> str:
-        return (
-            f"TransferCounter(device_to_host={self.device_to_host}, "
-            f"host_to_device={self.host_to_device}, waits={self.waits}, "
-            f"compiles={self.compiles}, traces={self.traces})"
-        )
+        names = ("device_to_host", "host_to_device", "waits", "compiles", "traces")
+        return f"TransferCounter({', '.join(f'{n}={getattr(self, n)}' for n in names)})"
 
 
 def _describe(events: list[TransferEvent], direction: str | None = None) -> list[str]:
@@ -171,17 +168,13 @@ def not_counted() -> contextlib.AbstractContextManager[Any]:
     return _outermost("host") if _active else contextlib.nullcontext()
 
 
-def _always(*args, **kwargs) -> bool:
-    return True
-
-
-def _counted(fn: Callable, direction: str, kind: str, when: Callable = _always) -> Callable:
+def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = None) -> Callable:
     """Wrap ``fn`` so each outermost call (reads and waits share one depth) with ``when`` counts."""
     key = "host" if direction in (D2H, WAIT) else direction
 
     def wrapper(*args, **kwargs):
         with _outermost(key) as outer:
-            if outer and _active and when(*args, **kwargs):
+            if outer and _active and (when is None or when(*args, **kwargs)):
                 _emit(direction, kind, _call_site())
             return fn(*args, **kwargs)
 

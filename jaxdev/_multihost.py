@@ -41,10 +41,8 @@ def default_timeout_s() -> float:
       DistributedError: ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
     """
     raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
     try:
-        value = float(raw)
+        value = DEFAULT_TIMEOUT_S if raw is None else float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:

@@ -153,21 +153,11 @@ class Ui:
     @contextlib.contextmanager
     def progress(self, total: int) -> Iterator[_Bar]:
         """Show a transient progress bar of ``total`` units while the block runs."""
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich import progress as rp
 
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=self.err, transient=True, disable=self.quiet) as p:
+        columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn())
+        columns += (rp.TimeElapsedColumn(),)
+        with rp.Progress(*columns, console=self.err, transient=True, disable=self.quiet) as p:
             yield _Bar(p, p.add_task("starting", total=total))
 
 

@@ -31,23 +31,10 @@ N_CLASSES = 10
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Settings of one demo run (the ``jaxdev demo`` flags; see the README's "Command line").
+    """Settings of one demo run: the ``jaxdev demo`` flags (see their ``--help``).
 
-    Attributes:
-      strategy: ``'single'``, ``'pmap'`` or ``'sharded'``.
-      devices: how many local devices to use (``None``: all of them).
-      epochs: passes over the training set.
-      batch_size: the global batch, rounded up to a multiple of the device count.
-      learning_rate: Adam's initial learning rate (cosine decay to 0 over the run).
-      hidden: width of the MLP's hidden layer.
-      steps_per_call: full batches per dispatch (``lax.scan``).
-      seed: seed of the split, the shuffling and the initialisation.
-      test_fraction: share of the 1,797 digits held out for testing.
-      checkpoint_dir: save checkpoints there and resume from the latest one.
-      checkpoint_every: save every N steps (``None``: at each epoch's end).
-      params: rules for the params under ``sharded``; ``None``: ``'fsdp'`` when ``mesh``
-        has an ``fsdp`` axis, else ``'replicate'``.
-      mesh: ``(("data", 2), ("fsdp", 4))`` for ``sharded`` (``None``: one ``data`` axis).
+    ``seed`` draws the split, the shuffling and the initialisation; ``test_fraction`` (no
+    flag) of the 1,797 digits is held out; ``mesh`` is e.g. ``(("data", 2), ("fsdp", 4))``.
     """
 
     strategy: str = "sharded"
@@ -262,15 +249,15 @@ def _train_epoch(
     groups: list[tuple[int, dict]],
     bar: Any,
     label: str,
-    show: Callable[[Any, Any], None] | None = None,
+    show: Any = None,
     start: tuple[int, jaxdev.metrics.Collection] | None = None,
-    after: Callable[[Any, Any], None] | None = None,
+    after: Callable[[Any, Any, int], None] | None = None,
 ) -> tuple[jaxdev.TrainState, jaxdev.metrics.Collection]:
     """Run one epoch's steps; return the state and the epoch's metrics (on device).
 
-    ``show(state, batch)`` sees the last (padded) batch placed; ``start = (done, metrics)``
-    resumes inside the epoch; ``after(state, metrics, done)`` runs after every call but the
-    last (checkpoints).
+    The ui ``show`` shows the placement of the params and the last (padded) batch;
+    ``start = (done, metrics)`` resumes inside the epoch; ``after(state, metrics, done)``
+    runs after every call but the last (checkpoints).
     """
     done, metrics = start if start is not None else (0, _empty_metrics())
     pos = 0  # steps of this epoch behind us
@@ -281,7 +268,8 @@ def _train_epoch(
         step = steps.one if count == 1 else steps.many
         batch = step.put_batch(host_batch)
         if show is not None and i == len(groups) - 1:
-            show(state, batch)
+            show.section("placement of the parameters", str(jaxdev.placement(state.params)))
+            show.section("placement of the last batch of epoch 1", str(jaxdev.placement(batch)))
         state, metrics = step(state, batch, metrics)
         bar.advance(count, label)
         if after is not None and i < len(groups) - 1:
@@ -300,14 +288,6 @@ def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
         f"rules={strategy.rules!r} on mesh {mesh} (replicated: {replicated / 1024:.1f} KiB; "
         f"{mine / replicated:.0%}); batch split over {strategy.axis}"
     )
-
-
-def _show_placement(ui: Any) -> Callable[[Any, Any], None]:
-    def show(state: Any, batch: Any) -> None:
-        ui.section("placement of the parameters", str(jaxdev.placement(state.params)))
-        ui.section("placement of the last batch of epoch 1", str(jaxdev.placement(batch)))
-
-    return show
 
 
 def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
@@ -334,7 +314,10 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     if not strategy.replicated:
         ui.line(state_bytes_line(state, strategy))
     test_batch = steps.eval.put_batch(test)
-    ckpt = _checkpointer(config, per_epoch)
+    ckpt = None
+    if config.checkpoint_dir is not None:
+        every = config.checkpoint_every or per_epoch
+        ckpt = jaxdev.Checkpointer(config.checkpoint_dir, keep=2, every=every)
     state, history, resumed, partial = _resume(ckpt, state, per_epoch, ui)
     total = config.epochs * per_epoch
     with ui.progress(total) as bar:
@@ -344,11 +327,14 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             t0 = time.perf_counter()
             batches = epoch_batches(train, batch_size, np.random.default_rng((config.seed, epoch)))
             groups = list(group_steps(batches, config.steps_per_call))
-            show = _show_placement(ui) if epoch == 1 and partial is None else None
+            show = ui if epoch == 1 and partial is None else None
             label = f"epoch {epoch}/{config.epochs}"
-            base = (epoch - 1) * per_epoch
-            after = _saver(ckpt, base, history)
-            state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, after)
+
+            def after(s: Any, m: Any, done: int, base: int = (epoch - 1) * per_epoch) -> None:
+                ckpt.save(base + done, s, {"epoch": m, "history": history})  # type: ignore[union-attr]
+
+            saver = after if ckpt is not None else None
+            state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, saver)
             partial = None
             both = {"train": metrics, "test": steps.eval(state, test_batch)}
             got = jaxdev.metrics.fetch_metrics(both)  # one device_get per epoch
@@ -356,7 +342,7 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             history.append(EpochStats(epoch, *losses, time.perf_counter() - t0))
             ui.line(_format_epoch(history[-1], config.epochs))
             if ckpt is not None:
-                ckpt.save(base + per_epoch, state, {"epoch": metrics, "history": history})
+                after(state, metrics, per_epoch)
     if ckpt is not None:
         if resumed < total:  # else the run resumed at its end: that step is saved
             ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
@@ -403,13 +389,6 @@ def params_fingerprint(params: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _checkpointer(config: DemoConfig, per_epoch: int) -> jaxdev.Checkpointer | None:
-    if config.checkpoint_dir is None:
-        return None
-    every = config.checkpoint_every or per_epoch
-    return jaxdev.Checkpointer(config.checkpoint_dir, keep=2, every=every)
-
-
 def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: Any):
     """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start."""
     if ckpt is None or ckpt.latest_step() is None:
@@ -420,17 +399,6 @@ def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: An
     ui.line(f"resumed from the checkpoint of step {step} in {ckpt.directory}")
     done = step % per_epoch
     return state, list(saved["history"]), step, (done, saved["epoch"]) if done else None
-
-
-def _saver(ckpt: jaxdev.Checkpointer | None, base: int, history: list) -> Callable | None:
-    """``after(state, metrics, done)`` for :func:`_train_epoch`: a checkpoint when due."""
-    if ckpt is None:
-        return None
-
-    def after(state: Any, metrics: Any, done: int) -> None:
-        ckpt.save(base + done, state, {"epoch": metrics, "history": history})
-
-    return after
 
 
 def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:

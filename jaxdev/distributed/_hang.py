@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from .._errors import UsageError
+from .._errors import DistributedError, UsageError
 
 _log = logging.getLogger("jaxdev")
 ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
@@ -604,7 +604,6 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
     global _WATCH
     import jax
 
-    from .._errors import DistributedError
     from .._multihost import kv_client
 
     client = kv_client()

@@ -135,10 +135,14 @@ def _is_detail(line: str) -> bool:
 
 
 def exit_code(outcome: Outcome | None) -> int:
-    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout)."""
+    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout).
+
+    A first failure that exited 0 never joined: :data:`NEVER_JOINED_EXIT_CODE`.
+    """
     if outcome is None:
         return 124  # whole-run timeout
-    return 128 - outcome.returncode if outcome.returncode < 0 else outcome.returncode
+    rc = outcome.returncode
+    return 128 - rc if rc < 0 else rc or NEVER_JOINED_EXIT_CODE
 
 
 class _Proc:
@@ -228,18 +232,6 @@ def never_joined(outcomes: Sequence[Outcome]) -> list[int]:
     return [o.process_id for o in outcomes if o.joined is False]
 
 
-def _never_joined_head(first: Outcome, outcomes: Sequence[Outcome], elapsed_s: float) -> str:
-    joined = [str(o.process_id) for o in outcomes if o.joined]
-    return (
-        f"jaxdev launch: process {first.process_id} never called jaxdev.distributed.initialize: "
-        f"it exited 0 having run alone, while process(es) {', '.join(joined)} joined the job "
-        f"and waited for it; stopped after {elapsed_s:.1f} s (exit code "
-        f"{NEVER_JOINED_EXIT_CODE}). Fix: call `jaxdev.distributed.initialize()` first thing in "
-        "every process (not only on some, e.g. not under `if process_id == 0`, and not after an "
-        "early return)."
-    )
-
-
 def summarize(
     first: Outcome | None, outcomes: Sequence[Outcome], timeout_s: float | None, elapsed_s: float
 ) -> str:
@@ -252,7 +244,15 @@ def summarize(
     """
     unjoined = never_joined(outcomes)
     if first is not None and first.returncode == 0 and first.process_id in unjoined:
-        head = _never_joined_head(first, outcomes, elapsed_s)
+        joined = ", ".join(str(o.process_id) for o in outcomes if o.joined)
+        head = (
+            f"jaxdev launch: process {first.process_id} never called jaxdev.distributed."
+            f"initialize: it exited 0 having run alone, while process(es) {joined} joined the "
+            f"job and waited for it; stopped after {elapsed_s:.1f} s (exit code "
+            f"{NEVER_JOINED_EXIT_CODE}). Fix: call `jaxdev.distributed.initialize()` first thing "
+            "in every process (not only on some, e.g. not under `if process_id == 0`, and not "
+            "after an early return)."
+        )
     elif first is None:
         still = [o.process_id for o in outcomes if o.ended_by_launcher]
         head = (
@@ -385,9 +385,7 @@ def launch(
     summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
     with lock:
         print(summary, file=out or sys.stderr, flush=True)
-    return (
-        NEVER_JOINED_EXIT_CODE if first is not None and first.returncode == 0 else exit_code(first)
-    )
+    return exit_code(first)
 
 
 class UsageParser(argparse.ArgumentParser):
