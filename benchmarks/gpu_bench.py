@@ -213,12 +213,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--parts", default="transfers,train,memory")
     args = parser.parse_args(argv)
     if not any(d.platform == "gpu" for d in jax.devices()):
         raise SystemExit("gpu_bench needs a GPU (jax.devices() has none)")
     info = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
     rows = []
-    for part in (lambda: _transfers(args.repeats), lambda: _train(args.repeats), _memory):
+    parts = {
+        "transfers": lambda: _transfers(args.repeats),
+        "train": lambda: _train(args.repeats),
+        "memory": _memory,
+    }
+    for part in (parts[name] for name in args.parts.split(",")):
         try:  # one part's failure is a row; the others still run (one lease, one call)
             rows += part()
         except Exception as e:  # noqa: BLE001

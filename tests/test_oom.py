@@ -122,6 +122,44 @@ def test_the_memory_limit_error_carries_the_same_explanation():
     del history
 
 
+def test_a_program_whose_autotuning_runs_out_of_memory_is_still_checked(monkeypatch):
+    """XLA:GPU autotunes on real buffers, so a step that cannot fit fails to *compile*
+    (seen on an H100: ``NOT_FOUND: Failed to get configs ... RESOURCE_EXHAUSTED: Out of
+    memory``, a raw JaxRuntimeError from the ordinary loop). The check compiles it untuned."""
+    mesh = jaxdev.data_mesh()
+    tuned = []
+    compile_ = jax.stages.Lowered.compile
+
+    def autotuning(self, compiler_options=None, **kwargs):
+        if not (compiler_options or {}).get("xla_gpu_autotune_level") == 0:
+            tuned.append(1)
+            raise jax.errors.JaxRuntimeError(
+                "NOT_FOUND: Failed to get configs for: 7 out of 14 instructions.\nFailures (1):"
+                "\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                "256.02GiB with allocator GPU_0_bfc on device 0."
+            )
+        return compile_(self, compiler_options, **kwargs)
+
+    loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    state = loose.init_state(_params(), TX)
+    batch = loose.put_batch(_host_batch())
+    need = jaxdev.memory.plan(jax.eval_shape(lambda: state), step=loose, batch=batch).peak
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=need - 1)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", autotuning)
+    with pytest.raises(jaxdev.MemoryPlanError, match="the train step needs .* Nothing ran"):
+        step(state, batch)
+    assert tuned and not any(x.is_deleted() for x in jax.tree.leaves(state))
+    monkeypatch.undo()  # another error than an out-of-memory is not taken for one
+    monkeypatch.setattr(
+        jax.stages.Lowered,
+        "compile",
+        lambda *a, **k: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: boom")),
+    )
+    other = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=need)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: boom"):
+        other(state, batch)
+
+
 def test_the_memory_limit_holds_for_every_batch_shape_the_step_compiles():
     """Checked at a program's first call only, 16x the rows compiled a new program that ran
     over the limit without a word."""
@@ -381,3 +419,25 @@ def test_an_eval_step_explains_itself_as_the_eval_step():
     assert train.explain_memory(state, _shapes(_host_batch(64)), limit=2**30).subject == (
         "the train step"
     )
+
+
+@pytest.mark.gpu
+def test_a_step_that_cannot_fit_on_the_gpu_is_named_in_the_ordinary_loop():
+    """On a real card (XLA:GPU autotunes on real buffers), in the loop as users write it."""
+    dev = jaxdev.d2l.gpu(0)
+
+    def huge(params, batch):  # a (rows, 4096, 4096) float32 temporary: 256 GiB
+        h = batch["x"][:, :, None] * params["w"][None]
+        return jnp.sum((h @ params["v"]) ** 2, axis=(1, 2))
+
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(huge, tx, jaxdev.Strategy.single(dev))
+    params = {"w": jnp.full((4096, 4096), 1e-3), "v": jnp.full((4096, 8), 1e-3)}
+    state, metrics = step.init_state(params, tx), None
+    with pytest.raises(jaxdev.MemoryPlanError, match=r"(?s)the train step needs .*Nothing ran"):
+        for _ in range(3):
+            state, metrics = step(
+                state, step.put_batch({"x": np.ones((4096, 4096), "f4")}), metrics
+            )
+    small = step.put_batch({"x": np.ones((2, 4096), "f4")})  # 2 rows fit: the step still runs
+    assert np.isfinite(step(state, small)[1].fetch()["loss"])

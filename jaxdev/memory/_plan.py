@@ -365,7 +365,14 @@ def _same_rules(a: Any, b: Any) -> bool:
 
 
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # XLA:GPU's autotuner runs candidate kernels on real buffers, so
+        from ._oom import is_resource_exhausted  # (_oom imports this module)
+
+        if not is_resource_exhausted(err):  # a program that cannot fit fails to compile
+            raise  # (measured on an H100: NOT_FOUND of RESOURCE_EXHAUSTEDs): analyse it untuned
+        compiled = lowered.compile({"xla_gpu_autotune_level": 0})
     analysis = compiled.memory_analysis()
     if analysis is None:  # the backend does not analyse memory
         return None
