@@ -493,7 +493,8 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
     path = os.path.realpath(os.fsdecode(path))  # a link: its target is what is replaced
     prepared = prepare(tree)
     args = composite(prepared, None if step is None else check_step(step), None)
-    with take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}"):
+    lock = take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}")  # process 0's
+    try:
         if jax.process_index() == 0:
             _refuse_managed(path)
             files.recover(path)
@@ -522,6 +523,8 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
                 except OSError as err:
                     raise write_error(path, err, previous=previous) from err
             _sync("replaced")
+    finally:
+        lock.release()
 
 
 def _refuse_managed(path: str) -> None:

@@ -133,7 +133,7 @@ class WriterLock:
         return self._fd is not None
 
     def __enter__(self) -> WriterLock:
-        return self if self.held else self.acquire()
+        return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
