@@ -19,7 +19,6 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh
 
 from .._errors import UsageError
-from .._leaves import is_jax_array
 from .._mesh import check_mesh, under_mesh
 from .._rules import Rules, param_shardings, unbox
 from ..distributed import same_program
@@ -103,14 +102,10 @@ def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[s
     return nnx.merge(graphdef, jax.block_until_ready(state))
 
 
-def _is_dynamic(x: Any) -> bool:
-    return is_jax_array(x) or isinstance(x, (np.ndarray, np.generic))
-
-
 def _split_args(init_fn: Callable[..., Any], args: tuple[Any, ...]):
     """``(call, dynamic)``: array leaves of ``args`` are traced, the rest are constants."""
     leaves, treedef = jax.tree.flatten(args)
-    where = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
     if len(where) == len(leaves):
         return init_fn, args
 
