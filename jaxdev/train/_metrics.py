@@ -43,18 +43,15 @@ def _checked_value(cls: type, value: Any, mask: Any) -> tuple[jax.Array, Any]:
 
 def _as_array(value: Any, name: str, owner: str) -> jax.Array:
     """Return ``value`` as a jax array, or raise naming the argument."""
-    if isinstance(value, (str, bytes)) or value is None:
-        raise MetricError(
-            f"`{owner}` expects `{name}` to be an array or number, got "
-            f"{type(value).__name__} {value!r}."
-        )
-    try:
-        return jnp.asarray(value)
-    except TypeError as err:
-        raise MetricError(
-            f"`{owner}` expects `{name}` to be an array or number, got "
-            f"{type(value).__name__}: {err}"
-        ) from None
+    why = f" {value!r}."
+    if not isinstance(value, (str, bytes)) and value is not None:
+        try:
+            return jnp.asarray(value)
+        except TypeError as err:
+            why = f": {err}"
+    raise MetricError(
+        f"`{owner}` expects `{name}` to be an array or number, got {type(value).__name__}{why}"
+    )
 
 
 _AMBIENT = threading.local()
