@@ -14,25 +14,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import JaxdevError, OutOfMemoryError, device_name
+from .._errors import OutOfMemoryError, device_name
 from .._report import human_bytes, text_table
 from ._memory import MemoryLedger, ledger
-from ._plan import bytes_limit, fsdp_alternative, plan
-
-_MARK = "RESOURCE_EXHAUSTED"
-_SAID = "Out of memory"  # XLA's words, also where the status is INTERNAL (a queued call's)
-
-
-def is_resource_exhausted(err: BaseException) -> bool:
-    """Whether ``err`` is XLA's out-of-memory (also ``INTERNAL: ... Out of memory``, read later)."""
-    text = str(err)
-    return not isinstance(err, JaxdevError) and (_MARK in text or _SAID in text)
+from ._plan import XLA_OOM, bytes_limit, fsdp_alternative, is_resource_exhausted, plan
 
 
 def first_line(err: BaseException) -> str:
     """The XLA message's first line: ``RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.``"""
     text = str(err).strip()
-    at = text.find(_MARK)
+    at = text.find(XLA_OOM)
     return (text[at:] if at >= 0 else text).splitlines()[0][:300]
 
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
-from .._errors import MemoryPlanError, UsageError, device_name, short
+from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
 from .._leaves import PY_SCALARS, device_key, is_jax_array
 from .._mesh import batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
@@ -54,6 +54,13 @@ class CompiledMemory(NamedTuple):
     def peak(self) -> int:
         """Estimated peak bytes per device: ``argument + output - alias + temp``."""
         return self.argument + self.output - self.alias + self.temp
+
+    def terms(self) -> str:
+        """``arguments 3.9 MiB + outputs 3.8 MiB - donated 3.8 MiB + temporaries 2.5 MiB``."""
+        return (
+            f"arguments {human_bytes(self.argument)} + outputs {human_bytes(self.output)} - "
+            f"donated {human_bytes(self.alias)} + temporaries {human_bytes(self.temp)}"
+        )
 
 
 class PlanRow(NamedTuple):
@@ -222,26 +229,17 @@ def _is_sharded(s: Sharding) -> bool:
     return len(s.device_set) > 1 and not s.is_fully_replicated
 
 
-def _category(path: tuple[Any, ...], is_state: bool) -> str:
-    if not is_state:
-        return "params"
-    name = getattr(path[0], "name", None) if path else None
-    return name if name in _STATE_CATEGORIES else "other"
-
-
-def _add_state(tally: _Tally, state: Any, shardings: Any, is_state: bool) -> None:
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
-    for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
-        tally.add(_category(path, is_state), *_shape_dtype(leaf), s)
-
-
 def _build(
     state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
     """``(rows, total, bytes by device, host bytes by device)``."""
-    tally = _Tally(list(mesh.devices.flat))
-    _add_state(tally, state, shardings, is_train_state(state))
+    tally, is_state = _Tally(list(mesh.devices.flat)), is_train_state(state)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
+        field = getattr(path[0], "name", None) if is_state else "params"
+        category = field if field in _STATE_CATEGORIES else "other"
+        tally.add(category, *_shape_dtype(leaf), s)
     for leaf in jax.tree.leaves(batch):
         shape, dtype = _shape_dtype(leaf)
         tally.add("batch", shape, dtype, named_sharding(mesh, batch_spec(len(shape))))
@@ -364,12 +362,20 @@ def _same_rules(a: Any, b: Any) -> bool:
         return a is b
 
 
+XLA_OOM = "RESOURCE_EXHAUSTED"
+XLA_OOM_WORDS = "Out of memory"  # also where the status is INTERNAL (a queued call's)
+
+
+def is_resource_exhausted(err: BaseException) -> bool:
+    """Whether ``err`` is XLA's out-of-memory (also ``INTERNAL: ... Out of memory``, read later)."""
+    text = str(err)
+    return not isinstance(err, JaxdevError) and (XLA_OOM in text or XLA_OOM_WORDS in text)
+
+
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA:GPU's autotuner runs candidate kernels on real buffers, so
-        from ._oom import is_resource_exhausted  # (_oom imports this module)
-
         if not is_resource_exhausted(err):  # a program that cannot fit fails to compile
             raise  # (measured on an H100: NOT_FOUND of RESOURCE_EXHAUSTEDs): analyse it untuned
         compiled = lowered.compile({"xla_gpu_autotune_level": 0})
@@ -472,13 +478,7 @@ def check_fits(
     if need <= limit_:
         return
     c = plan_.compiled
-    detail = (
-        ""
-        if c is None
-        else f" (compiled step: arguments {human_bytes(c.argument)} + outputs "
-        f"{human_bytes(c.output)} - donated {human_bytes(c.alias)} + temporaries "
-        f"{human_bytes(c.temp)})"
-    )
+    detail = "" if c is None else f" (compiled step: {c.terms()})"
     explanation, failed = None, ""
     if explain is not None:
         try:
