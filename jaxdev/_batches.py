@@ -13,16 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._errors import ShardingError, format_devices, join_failures
-from ._leaves import (
-    check_concrete,
-    check_host_leaves,
-    check_live,
-    is_host_value,
-    is_placed,
-    is_tracer,
-    key_strings,
-)
+from ._errors import ShardingError, format_devices
+from ._leaves import checked_leaves, is_host_value, key_strings, raise_leaves
 from ._mesh import AxisName, batch_layout, check_mesh
 from ._placement import to_device
 
@@ -52,28 +44,23 @@ def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
     shapes = [np.shape(x) for x in leaves]
     if not leaves:
         raise ShardingError(f"`{arg}` has no array leaves: there is nothing to shard.")
-    scalars = [i for i, s in enumerate(shapes) if not s]
-    if scalars:
-        paths = key_strings(tree)
-        raise ShardingError(
-            join_failures(
-                f"`{arg}` has scalar leaves where a leading batch axis is needed (every leaf "
-                "is split along its first axis). Give them a batch axis (e.g. `x[None]` "
-                "repeated per row), or pass them separately, replicated with "
-                "`jaxdev.replicate`. Leaves:",
-                [f"{paths[i]}: shape ()" for i in scalars],
-            )
-        )
+    raise_leaves(
+        tree,
+        [i for i, s in enumerate(shapes) if not s],
+        f"`{arg}` has scalar leaves where a leading batch axis is needed (every leaf is split "
+        "along its first axis). Give them a batch axis (e.g. `x[None]` repeated per row), or "
+        "pass them separately, replicated with `jaxdev.replicate`. Leaves:",
+        lambda i: "shape ()",
+    )
     rows = shapes[0][0]
     if any(s[0] != rows for s in shapes):
-        paths = key_strings(tree)
-        raise ShardingError(
-            join_failures(
-                f"`{arg}` leaves have different leading (batch) sizes; every leaf must have "
-                "the same number of rows so row i of each belongs together. Leaves and "
-                "their leading sizes:",
-                [f"{paths[i]}: {s[0]} (shape {tuple(s)})" for i, s in enumerate(shapes)],
-            )
+        raise_leaves(
+            tree,
+            range(len(shapes)),
+            f"`{arg}` leaves have different leading (batch) sizes; every leaf must have the "
+            "same number of rows so row i of each belongs together. Leaves and their leading "
+            "sizes:",
+            lambda i: f"{shapes[i][0]} (shape {shapes[i]})",
         )
     if rows == 0:
         raise ShardingError(
@@ -81,19 +68,16 @@ def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
             "An empty batch cannot be split or padded (there is no row to pad with); skip "
             "the step, or check the data loader's last batch."
         )
-    empty = [i for i, s in enumerate(shapes) if 0 in s]
-    if empty:
-        paths = key_strings(tree)
-        raise ShardingError(
-            join_failures(
-                f"`{arg}` has leaves with no elements although the batch has {rows} rows. JAX "
-                "builds split zero-size arrays whose per-device pieces it cannot read back "
-                "(e.g. the output of `jax.pmap` over one fails with a numpy broadcast error), "
-                "so they are refused here. Drop these leaves from the batch (they carry no "
-                "data) or pass them to the step separately. Leaves:",
-                [f"{paths[i]}: shape {tuple(shapes[i])}" for i in empty],
-            )
-        )
+    raise_leaves(
+        tree,
+        [i for i, s in enumerate(shapes) if 0 in s],
+        f"`{arg}` has leaves with no elements although the batch has {rows} rows. JAX builds "
+        "split zero-size arrays whose per-device pieces it cannot read back (e.g. the output "
+        "of `jax.pmap` over one fails with a numpy broadcast error), so they are refused here. "
+        "Drop these leaves from the batch (they carry no data) or pass them to the step "
+        "separately. Leaves:",
+        lambda i: f"shape {shapes[i]}",
+    )
     return rows
 
 
@@ -225,18 +209,6 @@ def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> An
     return to_device(tree, sharding)
 
 
-def _put_checked(leaves: list[Any], treedef: Any, sharding: NamedSharding) -> Any:
-    """Place leaves :func:`shard_batch` checked in one ``device_put`` (None: all placed)."""
-    moving = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
-    if not moving:
-        return None
-    out = list(leaves)
-    sources = [_detached(leaves[i]) for i in moving]
-    for i, new in zip(moving, jax.device_put(sources, sharding)):
-        out[i] = new
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedSharding, what: str):
     lo, hi = (rows // multiple) * multiple, -(-rows // multiple) * multiple
     sizes = f"{hi}" if lo == 0 else f"{lo} or {hi}"
@@ -284,19 +256,14 @@ def shard_batch(
       (10, 10, 0)
     """
     sharding, n = batch_layout(check_mesh(mesh), axis)
-    leaves, treedef = jax.tree_util.tree_flatten(batch)
-    check_live(batch, leaves, "batch")
-    check_host_leaves(batch, leaves, "batch")
+    leaves, treedef = checked_leaves(batch, "batch")
     rows = batch_rows(batch, leaves, "batch")
     multiple = row_multiple(sharding, n)
     extra = -rows % multiple
     if not pad:
         if extra:
             raise indivisible_error(batch, rows, multiple, sharding, "devices")
-        if jax.process_count() > 1 or any(is_tracer(x) for x in leaves):
-            return to_global(batch, sharding, timeout_s)
-        placed = _put_checked(leaves, treedef, sharding)
-        return batch if placed is None else placed
+        return to_global(batch, sharding, timeout_s)
     padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
     mask = np.arange(rows + extra) < rows
     mask.flags.writeable = False  # private: nothing to detach
@@ -326,24 +293,21 @@ def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | No
     return count, np.flatnonzero(mask), mask.size
 
 
-def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | None, lead: int):
+def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | None):
     bad = []
     for i, x in enumerate(leaves):
-        shape = np.shape(x)
-        have = math.prod(shape[:lead]) if len(shape) >= lead else None
+        have = np.shape(x)[0] if np.ndim(x) else None
         if have is None or (have != expected if expected is not None else have < size):
             bad.append(i)
-    if bad:
-        paths = key_strings(tree)
-        want = f"{expected}" if expected is not None else f"at least {size}"
-        raise ShardingError(
-            join_failures(
-                f"`tree` leaves must have {want} leading rows to remove the padding (outputs of "
-                "a function applied per row keep the batch as their leading axis; a reduction "
-                "over the batch would have mixed in the padded rows). Leaves:",
-                [f"{paths[i]}: shape {tuple(np.shape(leaves[i]))}" for i in bad],
-            )
-        )
+    want = f"{expected}" if expected is not None else f"at least {size}"
+    raise_leaves(
+        tree,
+        bad,
+        f"`tree` leaves must have {want} leading rows to remove the padding (outputs of a "
+        "function applied per row keep the batch as their leading axis; a reduction over the "
+        "batch would have mixed in the padded rows). Leaves:",
+        lambda i: f"shape {np.shape(leaves[i])}",
+    )
 
 
 def select_rows(
@@ -358,7 +322,9 @@ def select_rows(
         x = np.asarray(x)
         if merge:
             x = x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
-        return x if indices is None and size in (None, x.shape[0]) else _host_rows(x, size, indices)
+        if indices is not None:
+            return x[indices]
+        return x if size in (None, x.shape[0]) else x[:size]
     rows = x.shape[0] * x.shape[1] if merge else x.shape[0]
     if indices is None and size in (None, rows) and not merge:
         return x
@@ -368,10 +334,6 @@ def select_rows(
     exact = len(x.sharding.device_set) == 1 or _bits_dtype(dtype) is None
     out = _rows_jit(x, indices, size, merge, not exact)
     return out if exact else _from_bits(out, dtype)
-
-
-def _host_rows(x: np.ndarray, size: int | None, indices: np.ndarray | None) -> np.ndarray:
-    return x[indices] if indices is not None else x[:size]
 
 
 def _bits_dtype(dtype: np.dtype) -> np.dtype | None:
@@ -432,9 +394,7 @@ def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
       [0.0, 1.0, 2.0, 3.0, 4.0]
     """
     size, indices, expected = _padding_rows(padding)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    check_concrete(leaves, "unpad")
-    check_live(tree, leaves, "tree")
-    _check_rows(tree, leaves, size, expected, 1)
+    leaves, treedef = checked_leaves(tree, "tree", "unpad", host=False)
+    _check_rows(tree, leaves, size, expected)
     out = [select_rows(x, size, indices) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)

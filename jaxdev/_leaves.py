@@ -257,6 +257,25 @@ def check_host_leaves(tree: Any, leaves: Sequence[Any], arg: str) -> None:
                 raise_leaf(tree, i, arg, *problem)
 
 
+def checked_leaves(tree: Any, arg: str, caller: str | None = None, host: bool = True):
+    """``tree``'s leaves and treedef, checked: not traced (when ``caller`` is named), not
+    deleted, and (``host``) every host leaf placeable without loss."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if caller is not None:
+        check_concrete(leaves, caller)
+    check_live(tree, leaves, arg)
+    if host:
+        check_host_leaves(tree, leaves, arg)
+    return leaves, treedef
+
+
+def raise_leaves(tree: Any, idx: Sequence[int], header: str, line: Any) -> None:
+    """Raise ShardingError: ``header``, then ``path: line(i)`` for each leaf ``i`` of ``idx``."""
+    if idx:
+        paths = key_strings(tree)
+        raise ShardingError(join_failures(header, [f"{paths[i]}: {line(i)}" for i in idx]))
+
+
 def check_concrete(leaves: Sequence[Any], name: str) -> None:
     """Raise PlacementError when ``name`` is called on traced values inside ``jit``."""
     if any(is_tracer(x) for x in leaves):
@@ -359,12 +378,8 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
 
 def raise_drift(tree: Any, copies: Sequence[tuple[int, Sequence[str], Sequence[Any]]], rule: str):
     """Raise ShardingError listing every leaf whose ``copies`` drifted apart."""
-    failures = [
-        (i, line) for i, labels, values in copies if (line := replica_drift(labels, values))
-    ]
-    if failures:
-        paths = key_strings(tree)
-        raise ShardingError(join_failures(rule, [f"{paths[i]}: {line}" for i, line in failures]))
+    drift = {i: line for i, labels, values in copies if (line := replica_drift(labels, values))}
+    raise_leaves(tree, list(drift), rule, drift.get)
 
 
 def _element_bytes(a: np.ndarray) -> np.ndarray:

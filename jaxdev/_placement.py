@@ -27,9 +27,9 @@ from ._errors import (
 )
 from ._leaves import (
     array_type,
-    check_concrete,
     check_host_leaves,
     check_live,
+    checked_leaves,
     deleted,
     describe_sharding,
     device_key,
@@ -290,10 +290,7 @@ def to_host(tree: Any) -> Any:
       >>> jaxdev.to_host({"x": jnp.arange(3)})["x"].tolist()
       [0, 1, 2]
     """
-    leaves, _ = jax.tree_util.tree_flatten(tree)
-    check_concrete(leaves, "to_host")
-    check_live(tree, leaves, "tree")
-    check_host_leaves(tree, leaves, "tree")
+    checked_leaves(tree, "tree", "to_host")
     with explained_reads("to_host"):  # a step's out-of-memory, named
         return jax.device_get(tree)
 
@@ -335,10 +332,7 @@ def devices_of(tree: Any) -> set[jax.Device]:
       >>> jaxdev.devices_of({"a": jaxdev.to_device(jnp.ones(2), "cpu:0"), "b": 1.0})
       {CpuDevice(id=0)}
     """
-    leaves, _ = jax.tree_util.tree_flatten(tree)
-    check_concrete(leaves, "devices_of")
-    check_live(tree, leaves, "tree")
-    check_host_leaves(tree, leaves, "tree")
+    leaves, _ = checked_leaves(tree, "tree", "devices_of")
     out: set[jax.Device] = set()
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -358,10 +352,7 @@ def common_device(tree: Any) -> jax.Device | None:
       >>> common_device(t) == jaxdev.d2l.cpu(0)
       True
     """
-    leaves, _ = jax.tree_util.tree_flatten(tree)
-    check_concrete(leaves, "common_device")
-    check_live(tree, leaves, "tree")
-    check_host_leaves(tree, leaves, "tree")
+    leaves, _ = checked_leaves(tree, "tree", "common_device")
     committed = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
     sets = {frozenset(x.sharding.device_set) for _, x in committed}
     if not sets:
@@ -418,10 +409,7 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
                 "to place. Use `jaxdev.param_shardings` for shapes, or `jaxdev.init_sharded` "
                 "to build the values directly in their shardings."
             )
-        problem = None if is_jax_array(x) else host_problem(x)
-        if problem is not None:  # JAX would truncate int64 / overflow float64 silently
-            exc, why = problem
-            raise exc(f"`{arg}` leaf {key_strings(tree)[i]}: {why}. {available_devices()}")
+    check_host_leaves(tree, leaves, arg)  # JAX would truncate int64 / overflow float64 silently
     moving = [i for i, (x, s) in enumerate(zip(leaves, targets)) if copy or not _on(x, s)]
     if not moving:
         return tree
@@ -435,31 +423,19 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
 
 
 def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[Any]:
-    """Place each leaf: across processes, re-laid out on its own devices, or put."""
-    out, relaid, put = list(xs), [], []
+    """Place each leaf: across processes, or on this process's devices by :func:`put_leaves`."""
+    out, local = list(xs), []
     for i, (x, s) in enumerate(zip(xs, targets)):
-        if not s.is_fully_addressable and is_jax_array(x) and not x.is_fully_addressable:
+        if s.is_fully_addressable:
+            local.append(i)
+        elif is_jax_array(x) and not x.is_fully_addressable:
             out[i] = jax.jit(jnp.copy, out_shardings=s)(x)  # a global array: on the devices
-        elif not s.is_fully_addressable:  # several processes: each builds its own shards
+        else:  # several processes: each builds its own shards
             value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
             out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
-        elif (  # spread over the same devices another way: re-laid out on them
-            is_jax_array(x)
-            and len(x.sharding.device_set) > 1
-            and x.sharding.device_set == s.device_set
-            and not same_layout(x.sharding, s, x.ndim)
-        ):
-            relaid.append(i)
-        else:
-            put.append(i)
-    for i, new in zip(relaid, put_leaves([xs[i] for i in relaid], [targets[i] for i in relaid])):
+    placed = put_leaves([xs[i] for i in local], [targets[i] for i in local], copy, host_copies=True)
+    for i, new in zip(local, placed):
         out[i] = new
-    if put:  # copies of host leaves first: JAX aliases aligned numpy buffers on CPU
-        sources = [xs[i] if is_jax_array(xs[i]) else np.array(xs[i], copy=True) for i in put]
-        may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
-        placed = jax.device_put(sources, [targets[i] for i in put], may_alias=may_alias)
-        for i, new in zip(put, unalias(sources, list(placed)) if copy else placed):
-            out[i] = new
     return out
 
 
@@ -468,11 +444,15 @@ def _on(x: Any, s: Sharding) -> bool:
     return is_placed(x, s) and getattr(x.sharding, "mesh", None) == getattr(s, "mesh", None)
 
 
-def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
+def put_leaves(
+    leaves: list[Any], targets: list[Any], copy: bool = False, host_copies: bool = False
+) -> list[Any]:
     """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
 
     ``jax.device_put`` re-lays such an array through the host (jax 0.10.2); a jitted
-    identity with ``out_shardings`` does it on the devices. New buffers either way.
+    identity with ``out_shardings`` does it on the devices. ``host_copies``: host leaves
+    are copied first (JAX aliases aligned numpy buffers on CPU); ``copy``: no output shares
+    a buffer with its leaf.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -481,7 +461,7 @@ def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
       >>> put_leaves([rep], [jaxdev.batch_sharding(mesh)])[0].sharding.spec
       P('data',)
     """
-    out: list[Any] = [None] * len(leaves)
+    out: list[Any] = list(leaves)
     on_device = [
         i
         for i, (x, s) in enumerate(zip(leaves, targets))
@@ -489,6 +469,7 @@ def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
         and len(x.sharding.device_set) > 1
         and x.sharding.device_set == s.device_set
         and x.sharding.memory_kind == s.memory_kind
+        and not same_layout(x.sharding, s, x.ndim)
     ]
     if on_device:
         moved = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))(
@@ -496,11 +477,14 @@ def put_leaves(leaves: list[Any], targets: list[Any]) -> list[Any]:
         )
         for i, new in zip(on_device, moved):
             out[i] = new
-    rest = [i for i in range(len(leaves)) if out[i] is None]
+    rest = sorted(set(range(len(leaves))) - set(on_device))
     if rest:
-        for i, new in zip(
-            rest, jax.device_put([leaves[i] for i in rest], [targets[i] for i in rest])
-        ):
+        sources = [leaves[i] for i in rest]
+        if host_copies:
+            sources = [x if is_jax_array(x) else np.array(x, copy=True) for x in sources]
+        may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
+        placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
+        for i, new in zip(rest, unalias(sources, list(placed)) if copy else placed):
             out[i] = new
     return out
 

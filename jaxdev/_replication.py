@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from ._errors import ShardingError, device_name, join_failures
-from ._leaves import check_concrete, check_live, key_strings, raise_drift
+from ._errors import device_name
+from ._leaves import checked_leaves, raise_drift, raise_leaves
 from ._mesh import check_mesh, replicated_sharding
 from ._placement import to_device
 
@@ -54,66 +53,39 @@ def unreplicate(tree: Any, check: bool = False) -> Any:
       >>> len(one["w"].devices()), one["w"].tolist()
       (1, [0.0, 1.0, 2.0])
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    check_concrete(leaves, "unreplicate")
-    check_live(tree, leaves, "tree")
-    sharded = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not _one_copy(x)]
-    if sharded:
-        _raise_not_replicated(tree, leaves, sharded)
+    leaves, treedef = checked_leaves(tree, "tree", "unreplicate", host=False)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    raise_leaves(
+        tree,
+        [i for i in arrays if not leaves[i].sharding.is_fully_replicated],
+        "`tree` has leaves that are sharded, not replicated, so no single device holds a full "
+        "copy. Fetch them with `jaxdev.to_host`, or replicate them first with "
+        "`jaxdev.replicate`. Leaves:",
+        lambda i: _not_replicated(leaves[i]),
+    )
+    multi = [i for i in arrays if len(leaves[i].sharding.device_set) > 1]
     if check:
-        _check_replicas(tree, leaves)
-    out = [_first_replica(x) for x in leaves]
+        shards = [leaves[i].addressable_shards for i in multi]
+        hosts = jax.device_get([[s.data for s in ss] for ss in shards])
+        labels = [[device_name(s.device) for s in ss] for ss in shards]
+        raise_drift(
+            tree,
+            zip(multi, labels, hosts),
+            "`tree` has replicas that drifted apart: every device should hold bitwise "
+            "identical values, but these differ from the majority. Something updated the "
+            "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "
+            "an in-place host write); re-replicate from a trusted copy. Leaves:",
+        )
+    out = list(leaves)
+    for i in multi:
+        out[i] = leaves[i].addressable_shards[0].data
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _one_copy(x: jax.Array) -> bool:
-    return x.sharding.is_fully_replicated
-
-
-def _spans(x: jax.Array) -> bool:
-    return len(x.sharding.device_set) > 1
-
-
-def _first_replica(x: Any) -> Any:
-    if isinstance(x, jax.Array) and _spans(x):
-        return x.addressable_shards[0].data
-    return x
-
-
-def _raise_not_replicated(tree: Any, leaves: Sequence[Any], idx: Sequence[int]) -> None:
-    paths = key_strings(tree)
-    lines = []
-    for i in idx:
-        x = leaves[i]
-        hint = ""
-        if x.ndim and x.shape[0] == len(x.sharding.device_set):
-            hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)"
-        lines.append(f"{paths[i]}: shape {tuple(x.shape)}, sharding {_spec_of(x)}{hint}")
-    raise ShardingError(
-        join_failures(
-            "`tree` has leaves that are sharded, not replicated, so no single device holds "
-            "a full copy. Fetch them with `jaxdev.to_host`, or replicate "
-            "them first with `jaxdev.replicate`. Leaves:",
-            lines,
-        )
-    )
-
-
-def _spec_of(x: jax.Array) -> str:
+def _not_replicated(x: jax.Array) -> str:
     s = x.sharding
-    return f"{s.spec}" if isinstance(s, NamedSharding) else type(s).__name__
-
-
-def _check_replicas(tree: Any, leaves: Sequence[Any]) -> None:
-    multi = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and _spans(x)]
-    shards = [leaves[i].addressable_shards for i in multi]
-    hosts = jax.device_get([[s.data for s in ss] for ss in shards])
-    labels = [[device_name(s.device) for s in ss] for ss in shards]
-    raise_drift(
-        tree,
-        zip(multi, labels, hosts),
-        "`tree` has replicas that drifted apart: every device should hold bitwise "
-        "identical values, but these differ from the majority. Something updated the "
-        "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "
-        "an in-place host write); re-replicate from a trusted copy. Leaves:",
-    )
+    spec = s.spec if isinstance(s, NamedSharding) else type(s).__name__
+    hint = ""
+    if x.ndim and x.shape[0] == len(s.device_set):
+        hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)"
+    return f"shape {tuple(x.shape)}, sharding {spec}{hint}"
