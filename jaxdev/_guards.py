@@ -31,13 +31,6 @@ from . import _stderr_relay
 from ._errors import GuardArgumentError, GuardError
 from ._leaves import array_type
 
-__all__ = [
-    "TransferCounter",
-    "TransferEvent",
-    "count_transfers",
-    "no_host_sync",
-]
-
 D2H = "device_to_host"
 H2D = "host_to_device"
 WAIT = "wait"
@@ -78,10 +71,10 @@ class TransferCounter:
         self._counts: Counter[str] = Counter()
         self._implicit = implicit
 
-    def _add(self, event: TransferEvent, n: int = 1) -> None:
-        self._counts[event.direction] += n
-        room = _MAX_EVENTS - len(self.events)
-        self.events.extend([event] * min(n, max(room, 0)))
+    def _add(self, event: TransferEvent) -> None:
+        self._counts[event.direction] += 1
+        if len(self.events) < _MAX_EVENTS:
+            self.events.append(event)
 
     def _count(self, direction: str) -> int:
         if direction == H2D:
@@ -129,13 +122,13 @@ _PACKAGE = os.path.dirname(_HERE) + os.sep
 _SKIP = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, np))
 
 
-def _emit(direction: str, kind: str, where: str = "", n: int = 1) -> None:
+def _emit(direction: str, kind: str, where: str = "") -> None:
     """Add an event to every active counter."""
     event = TransferEvent(direction, kind, where)
     with _lock:
         for counter in _active:
             if direction != H2D or not kind.startswith("implicit") or counter._implicit:
-                counter._add(event, n)
+                counter._add(event)
 
 
 def _call_site() -> str:
@@ -289,12 +282,6 @@ def _install() -> None:
         _set(np, name, _CountedUfunc(getattr(np, name)))
     jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
     _undo.append(lambda: jax.monitoring.unregister_event_duration_listener(_on_compile_event))
-
-
-def _uninstall() -> None:
-    """Undo every patch, newest first."""
-    while _undo:
-        _undo.pop()()
 
 
 def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
@@ -511,8 +498,8 @@ def _deactivate(counter: TransferCounter) -> None:
     with _lock:
         _drain_implicit()
         _active.remove(counter)
-        if not _active:
-            _uninstall()
+        while not _active and _undo:  # the last counter: undo every patch, newest first
+            _undo.pop()()
 
 
 _BUDGETS = {  # direction: (its no_host_sync parameter, its noun in a GuardError)

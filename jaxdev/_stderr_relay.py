@@ -42,16 +42,10 @@ def write_all(fd: int, data: bytes) -> bool:
 
 
 def split_guard_lines(data: bytes, swallow: bool) -> tuple[bytes, list[bytes]]:
-    """Return ``data`` to pass on (guard lines cut when ``swallow``) and their avals.
+    """Return ``(data to pass on, one aval per guard line)``; ``swallow`` cuts the guard records.
 
-    Args:
-      data: bytes read from the pipe.
-      swallow: leave JAX's transfer-guard records out of what is passed on
-        (the text before a record on its line, e.g. ``"\\r 50%"``, stays).
-
-    Returns:
-      ``(passed_on, avals)``: one aval per guard line, ``b""`` when the line
-      names none.
+    The text before a record on its line (e.g. ``"\\r 50%"``) stays; a line naming no aval
+    gives ``b""``.
 
     Example:
       >>> split_guard_lines(b"a\\nhost-to-device transfer: aval=f32[3]\\nb", True)

@@ -143,11 +143,11 @@ def _operands(size: int, where: Any) -> tuple[jax.Array, jax.Array]:
 def matmul_cpu_vs_accelerator(size: int, reps: int) -> Result:
     """Exercise 1 with an accelerator: the same matmul on ``cpu:0`` and on GPU/TPU 0."""
     accel = jax.local_devices()[0]
-    mm = _MATMUL
     on_cpu = _operands(size, jaxdev.d2l.cpu())
     on_accel = _operands(size, accel)
     name = f"{accel.platform}:{accel.id}"
-    times = time_side_by_side({"cpu:0": lambda: mm(*on_cpu), name: lambda: mm(*on_accel)}, reps)
+    variants = {"cpu:0": lambda: _MATMUL(*on_cpu), name: lambda: _MATMUL(*on_accel)}
+    times = time_side_by_side(variants, reps)
     return Result(
         f"ex1_matmul_{size}",
         f"d2l ex. 1: matmul {size}x{size}, CPU vs {accel.platform}",
@@ -326,14 +326,13 @@ def two_devices_at_once(size: int, reps: int) -> Result:
             {},
             f"skipped: needs 2 devices, this process has 1 ({devs[0].platform})",
         )
-    mm = _MATMUL
     a0, b0 = _operands(size, devs[0])
     a1, b1 = _operands(size, devs[1])
     c0, d0 = jaxdev.copy_to((a1, b1), devs[0])
     times = time_side_by_side(
         {
-            "2 devices at once": lambda: (mm(a0, b0), mm(a1, b1)),
-            "1 device, in sequence": lambda: (mm(a0, b0), mm(c0, d0)),
+            "2 devices at once": lambda: (_MATMUL(a0, b0), _MATMUL(a1, b1)),
+            "1 device, in sequence": lambda: (_MATMUL(a0, b0), _MATMUL(c0, d0)),
         },
         reps,
     )

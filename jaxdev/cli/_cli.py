@@ -83,13 +83,7 @@ def requested_cpu_count() -> int | None:
 
 
 def configure_devices(devices: int | None) -> tuple[str, bool]:
-    """Apply the fake-device rule before JAX starts; ``(note, accelerator_expected)``.
-
-    Raises:
-      UsageError: ``devices`` < 1.
-    """
-    if devices is not None and devices < 1:
-        raise UsageError(f"`--devices` must be >= 1, got {devices}.")
+    """Apply the fake-device rule (``--devices``) before JAX starts; ``(note, accel expected)``."""
     if backend_started():
         return "JAX already started in this process: using the devices it has", False
     accel, why = accelerator_expected()
@@ -102,15 +96,18 @@ def configure_devices(devices: int | None) -> tuple[str, bool]:
     return f"no accelerator ({why}): {count} fake CPU devices (`--devices N` to change)", False
 
 
-def started_note(expected_accel: bool) -> str:
-    """Describe the devices JAX started (starts the backend)."""
+def started_ui(devices: int | None, quiet: bool = False) -> Ui:
+    """Apply the fake-device rule, start JAX; a :class:`Ui` that said both."""
     import jax
 
-    local = jax.local_devices()
-    note = f"JAX started {len(local)} {jax.default_backend()} device(s)"
+    note, expected_accel = configure_devices(devices)
+    ui = Ui(quiet=quiet)
+    ui.line(note)
+    note = f"JAX started {len(jax.local_devices())} {jax.default_backend()} device(s)"
     if expected_accel and jax.default_backend() == "cpu":
         note += " -- an accelerator was expected but JAX fell back to CPU (see `jaxdev info`)"
-    return note
+    ui.line(note)
+    return ui
 
 
 # ---------------------------------------------------------------- output
@@ -247,14 +244,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``jaxdev demo``: train on digits; exit 1 if ``--min-accuracy`` is missed."""
-    note, accel = configure_devices(args.devices)
+    ui = started_ui(args.devices, args.quiet)
     from ._demo import DemoConfig, run_demo
 
     fields = [f.name for f in dataclasses.fields(DemoConfig)]  # every flag has a field's name
     config = DemoConfig(**{name: getattr(args, name) for name in fields if hasattr(args, name)})
-    ui = Ui(quiet=args.quiet)
-    ui.line(note)
-    ui.line(started_note(accel))
     result = run_demo(config, ui)
     print(
         f"test accuracy: {result.test_accuracy:.4f} ({result.n_devices} "
@@ -295,10 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_outputs(args)
     from ._bench import BenchConfig, run_bench, write_json, write_plot
 
-    note, accel = configure_devices(args.devices)
-    ui = Ui()
-    ui.line(note)
-    ui.line(started_note(accel))
+    ui = started_ui(args.devices)
     config = BenchConfig.quick() if args.quick else BenchConfig()
     results = run_bench(config, ui)
     print_bench(results, ui)

@@ -174,21 +174,17 @@ _MAKE_STRATEGY: dict[str, Callable[[list[jax.Device]], jaxdev.Strategy]] = {
     "pmap": lambda devices: jaxdev.Strategy.pmap(devices),
     "sharded": lambda devices: jaxdev.Strategy.sharded(jaxdev.data_mesh(devices)),
 }
-STRATEGIES = tuple(_MAKE_STRATEGY)
 
 
-def make_strategy(
-    name: str, devices: list[jax.Device], config: DemoConfig | None = None
-) -> jaxdev.Strategy:
-    """Return the :class:`jaxdev.Strategy` ``name`` over ``devices`` (with ``--params``/``--mesh``).
+def make_strategy(config: DemoConfig, devices: list[jax.Device]) -> jaxdev.Strategy:
+    """The :class:`jaxdev.Strategy` ``--strategy`` over ``devices`` (``--params``, ``--mesh``).
 
     Raises:
-      UsageError: an unknown ``name``; ``--params`` or ``--mesh`` without ``sharded``; a
-        mesh whose sizes do not multiply to the device count.
+      UsageError: ``--params`` or ``--mesh`` without ``sharded``; a mesh whose sizes do not
+        multiply to the device count.
     """
-    if name not in _MAKE_STRATEGY:
-        raise UsageError(f"`--strategy {name}` is unknown: choose one of {', '.join(STRATEGIES)}.")
-    if config is None or (config.params is None and config.mesh is None):
+    name = config.strategy
+    if config.params is None and config.mesh is None:
         return _MAKE_STRATEGY[name](devices)
     if name != "sharded":
         raise UsageError(
@@ -204,19 +200,6 @@ def make_strategy(
     return jaxdev.Strategy.sharded(mesh, rules=params)
 
 
-def check_config(config: DemoConfig) -> None:
-    """Raise :class:`UsageError` for settings no run can use."""
-    for name in ("epochs", "batch_size", "steps_per_call", "hidden"):
-        value = getattr(config, name)
-        if value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"`{flag}` must be >= 1, got {value}.")
-    if config.checkpoint_every is not None and config.checkpoint_every < 1:
-        raise UsageError(f"`--checkpoint-every` must be >= 1, got {config.checkpoint_every}.")
-    if not 0.0 < config.test_fraction < 1.0:
-        raise UsageError(f"`test_fraction` must be in (0, 1), got {config.test_fraction}.")
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -227,9 +210,8 @@ class _Steps(NamedTuple):
 
 
 def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, Any]:
-    """``(strategy, train, test, global batch, model, params)`` of a run (settings checked)."""
-    check_config(config)
-    strategy = make_strategy(config.strategy, select_devices(config.devices), config)
+    """``(strategy, train, test, global batch, model, params)`` of a run."""
+    strategy = make_strategy(config, select_devices(config.devices))
     train, test = load_data(config.seed, config.test_fraction)
     batch_size = math.ceil(config.batch_size / strategy.n_devices) * strategy.n_devices
     model = MLP(config.hidden)
@@ -297,7 +279,7 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
     manager whose value has ``advance(n, description)``).
 
     Raises:
-      UsageError: bad settings, too many devices, scikit-learn missing.
+      UsageError: a strategy its options do not fit, too many devices, scikit-learn missing.
     """
     start = time.perf_counter()
     strategy, train, test, batch_size, model, params = _setup(config)
@@ -402,31 +384,22 @@ def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: An
 
 
 def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:
-    devices = strategy.devices
-    n = strategy.n_devices
-    last = len(train["y"]) % batch_size
-    uneven = (
-        f"last batch {last} rows, padded to a multiple of {n} and masked"
-        if last
-        else "every batch full"
-    )
-    k = config.steps_per_call
+    n, k, last = strategy.n_devices, config.steps_per_call, len(train["y"]) % batch_size
+    uneven = f"last batch {last} rows, padded to a multiple of {n} and masked" if last else ""
+    full, folded = per_epoch - (1 if last else 0), ""
     if k > 1:
-        full = per_epoch - (1 if last else 0)
-        rest = full % k
         folded = (
             f"; {k} steps per call: {full // k} call(s) of {k} full batches"
-            + (f", then {rest} full batch(es) one step at a time" if rest else "")
+            + (f", then {full % k} full batch(es) one step at a time" if full % k else "")
             + (", then the last batch one step" if last else "")
         )
-    else:
-        folded = ""
-    devs = ", ".join(f"{d.platform}:{d.id}" for d in devices[:8]) + (" ..." if n > 8 else "")
+    devs = ", ".join(f"{d.platform}:{d.id}" for d in strategy.devices[:8])
+    devs += " ..." if n > 8 else ""
     return (
         f"digits: {len(train['y'])} train / {len(test['y'])} test images (8x8, 10 classes)\n"
         f"strategy {config.strategy} on {n} device(s) [{devs}]\n"
         f"global batch {batch_size} ({batch_size // n} per device), {per_epoch} steps per "
-        f"epoch ({uneven}){folded}"
+        f"epoch ({uneven or 'every batch full'}){folded}"
     )
 
 

@@ -1,13 +1,7 @@
 """``jax.distributed`` with preflight checks and bounded, explained failures.
 
-:func:`initialize` takes its arguments from the call, else the ``JAXDEV_*`` variables
-``jaxdev launch`` sets, else JAX's cluster auto-detection; checks the coordinator port
-(process 0) or reachability (the others) first; ends a connect that outlasts ``timeout_s``
-with a diagnostic (JAX would SIGABRT); checks the process and local device counts; leaves
-a join marker for the launcher; and at exit waits, bounded, for every process to finish,
-naming the late ones. Timeouts default to 60/30/30 s (init, heartbeat, shutdown). With
-``hang_timeout_s`` the hang watchdog (:mod:`jaxdev.distributed._hang`) runs. The README's
-"Multi-host" section tells the whole story.
+The README's "Multi-host" section tells the whole story: where :func:`initialize` takes
+its arguments from, what it checks before and after connecting, and its timeouts.
 """
 
 from __future__ import annotations
@@ -102,21 +96,13 @@ _ARGS = ("coordinator_address", *(a for a, *_ in _INTS), "hang_timeout_s", "hang
 def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> DistributedConfig:
     """Merge :func:`initialize`'s job arguments with the ``JAXDEV_*`` environment; arguments win.
 
-    Args:
-      env: the environment to read (default ``os.environ``).
-      **given: :func:`initialize`'s job and timeout arguments; one missing or ``None``
-        comes from its variable (this module's ``ENV_*``), else its default.
+    ``env`` defaults to ``os.environ``; an argument missing or ``None`` comes from its
+    variable (this module's ``ENV_*``), else its default.
 
     Raises:
       DistributedError: a value is malformed, or ``process_id`` is not in
         ``[0, num_processes)``.
       UsageError: an unknown argument, or a bad ``hang_timeout_s`` / ``hang_action``.
-
-    Example:
-      >>> env = {"JAXDEV_COORDINATOR": "127.0.0.1:1234",
-      ...        "JAXDEV_NUM_PROCESSES": "2", "JAXDEV_PROCESS_ID": "1"}
-      >>> resolve_config(env=env).process_id
-      1
     """
     env = os.environ if env is None else env
     unknown = sorted(set(given) - set(_ARGS))

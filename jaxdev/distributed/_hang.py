@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from .._errors import DistributedError, UsageError
+from .._errors import UsageError
 
 _log = logging.getLogger("jaxdev")
 ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
@@ -473,11 +473,9 @@ class _Watchdog:
     def _set(self, key: str, value: str, overwrite: bool = True) -> None:
         self.client.key_value_set(_KEY + key, value, allow_overwrite=overwrite)
 
-    def _publish(self) -> dict[str, Any]:
+    def _publish(self) -> None:
         self.published += 1
-        beat_now = self._heartbeat()
-        self._set(f"beat/{self.process}", json.dumps(beat_now))
-        return beat_now
+        self._set(f"beat/{self.process}", json.dumps(self._heartbeat()))
 
     def _entries(self) -> dict[str, str]:
         return {k[len(_KEY) :]: v for k, v in self.client.key_value_dir_get(_KEY)}
@@ -514,10 +512,8 @@ class _Watchdog:
     def _handle(self, records: list[dict[str, Any]]) -> None:
         """Dump and publish this process's stacks, get the verdict, then exit or wait."""
         n, me = self.incident, self.process
-        try:
+        with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process noticed first
             self._set(f"fired/{n}", str(me), overwrite=False)
-        except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process noticed first
-            pass
         mine = self._heartbeat()
         stacks = thread_stacks(skip=threading.get_ident())
         _say(
@@ -596,25 +592,14 @@ def _say(text: str) -> None:
 
 
 def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None:
-    """Start this process's hang watchdog (after ``jax.distributed.initialize``).
-
-    Raises:
-      DistributedError: ``jax.distributed`` has no coordination client.
-    """
+    """Start this process's hang watchdog (``initialize`` does, once connected)."""
     global _WATCH
     import jax
 
     from .._multihost import kv_client
 
-    client = kv_client()
-    if client is None:
-        raise DistributedError(
-            "the hang watchdog needs jax.distributed's coordination service, and this process "
-            "has no client. Fix: call `jaxdev.distributed.initialize(hang_timeout_s=...)` "
-            "(not jax.distributed directly), or leave `hang_timeout_s` unset."
-        )
     stop()
-    watch = _Watchdog(client, jax.process_index(), timeout_s, action, exit_fn)
+    watch = _Watchdog(kv_client(), jax.process_index(), timeout_s, action, exit_fn)
     _WATCH = watch
     watch.thread.start()
 

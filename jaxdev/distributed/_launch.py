@@ -1,13 +1,8 @@
 """Local multi-process launcher: ``jaxdev launch -n N --devices-per-process M -- cmd``.
 
-Starts ``N`` copies of a command on 127.0.0.1 (``M`` fake CPU devices, gloo collectives;
-the ``JAXDEV_*`` variables of :func:`process_env` make ``jaxdev.distributed.initialize()``
-need no arguments), prefixes output lines with ``[p<id>]``, and when one process fails
-or the run times out ends the others by pid (SIGTERM, then SIGKILL after a grace) with a
-summary naming the failed process. A process that exits without the join marker
-``initialize`` leaves, while another left one, is named as never having joined.
-``--hang-timeout S`` starts every process's hang watchdog; ``SIGUSR1`` to the launcher
-is forwarded to every live process (each prints its stacks).
+What each process gets, and how a failure ends the run, is in the README's "Multi-host".
+A process that exits 0 without the join marker ``initialize`` leaves, while another left
+one, is named as never having joined; ``SIGUSR1`` to the launcher goes to every process.
 """
 
 from __future__ import annotations
