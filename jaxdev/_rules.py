@@ -28,11 +28,8 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import tree_flatten_with_path
 
 from ._errors import LeafTypeError, ShardingError, available_devices, short
-from ._leaves import (
-    PY_SCALARS,
-    is_jax_array,
-)
-from ._mesh import batch_axis, check_mesh, named_sharding
+from ._leaves import PY_SCALARS, is_jax_array, keystr
+from ._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from ._placement import place_tree
 
 Rules = Any
@@ -79,15 +76,11 @@ def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
         box = node if _is_box(node) else None
         for sub, leaf in tree_flatten_with_path(node)[0] if box is not None else [((), node)]:
             keys = (*path, *(sub[1:] if sub[:1] == (_VALUE,) else sub))  # a box's `.value`
-            out.append(_Leaf(_path(keys), _keystr(keys), _shape_of(leaf, keys, arg), box))
+            out.append(_Leaf(_path(keys), keystr(keys), _shape_of(leaf, keys, arg), box))
     return out
 
 
 _VALUE = jax.tree_util.GetAttrKey("value")
-
-
-def _keystr(keys: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(keys) or "<root>"
 
 
 def _shape_of(leaf: Any, keys: tuple[Any, ...], arg: str) -> tuple[int, ...]:
@@ -96,7 +89,7 @@ def _shape_of(leaf: Any, keys: tuple[Any, ...], arg: str) -> tuple[int, ...]:
     if isinstance(leaf, PY_SCALARS):
         return ()
     raise LeafTypeError(
-        f"`{arg}` leaf {_keystr(keys)}: a "
+        f"`{arg}` leaf {keystr(keys)}: a "
         f"{type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected a "
         "jax.Array, numpy array, Python number or jax.ShapeDtypeStruct (None passes "
         f"through). {available_devices()}"
@@ -144,46 +137,37 @@ def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
       >>> fsdp_axis_of(jaxdev.make_mesh({"data": 2, "model": 4}))
       'data'
     """
-    names = mesh.axis_names
-    if fsdp_axis is None:
-        if "fsdp" in names and mesh.shape["fsdp"] > 1:
-            return "fsdp"
-        try:
-            return batch_axis(mesh, None)
-        except ShardingError:
+    if fsdp_axis is None and "fsdp" in mesh.axis_names and mesh.shape["fsdp"] > 1:
+        return "fsdp"
+    try:
+        axis = batch_axis(mesh, fsdp_axis)
+    except ShardingError:
+        if fsdp_axis is not None:
             raise ShardingError(
-                f"`rules`='fsdp' needs an axis to shard over: every axis of the mesh "
-                f"({_mesh_text(mesh)}) is a model axis. Pass `fsdp_axis=` (an axis name, or a "
-                "tuple of names to shard over several), or build the mesh with an 'fsdp' axis: "
-                "jaxdev.make_mesh({'data': 2, 'fsdp': -1})."
+                f"`fsdp_axis`={fsdp_axis!r} is not an axis of the mesh ({_mesh_text(mesh)}); "
+                f"pick one of {mesh.axis_names}."
             ) from None
-    wanted = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis)
-    missing = [a for a in wanted if a not in names]
-    if missing or not wanted:
         raise ShardingError(
-            f"`fsdp_axis`={fsdp_axis!r} is not an axis of the mesh ({_mesh_text(mesh)}); "
-            f"pick one of {names}."
-        )
-    if all(mesh.shape[a] == 1 for a in wanted):
+            f"`rules`='fsdp' needs an axis to shard over: every axis of the mesh "
+            f"({_mesh_text(mesh)}) is a model axis. Pass `fsdp_axis=` (an axis name, or a "
+            "tuple of names to shard over several), or build the mesh with an 'fsdp' axis: "
+            "jaxdev.make_mesh({'data': 2, 'fsdp': -1})."
+        ) from None
+    if fsdp_axis is not None and axis_size(mesh, axis) == 1:
         raise ShardingError(
             f"`fsdp_axis`={fsdp_axis!r} has size 1 on the mesh ({_mesh_text(mesh)}): "
             "`rules`='fsdp' over it would shard nothing. Pick an axis of size > 1, or leave "
             "`fsdp_axis` out to shard over the batch axes."
         )
-    return fsdp_axis if isinstance(fsdp_axis, str) else wanted
+    return axis
 
 
 def _fsdp_spec(shape: tuple[int, ...], axis: Any, n: int, min_size: int) -> P:
     """Shard the largest dim divisible by ``n`` (ties: the last one); else replicate."""
-    if int(np.prod(shape, dtype=np.int64)) < min_size:
+    dims = [d for d, size in enumerate(shape) if size > 0 and size % n == 0]
+    if int(np.prod(shape, dtype=np.int64)) < min_size or not dims:
         return P()
-    best = None
-    for d, size in enumerate(shape):
-        if size > 0 and size % n == 0 and (best is None or size >= shape[best]):
-            best = d
-    if best is None:
-        return P()
-    return P(*([None] * best), axis)
+    return P(*([None] * max(dims, key=lambda d: (shape[d], d))), axis)
 
 
 def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
@@ -271,9 +255,6 @@ def _is_spec(x: Any) -> bool:
 
 def _layout_specs(tree: Any, layout: Any, mesh: Mesh) -> list[tuple[P, str]]:
     """Specs from an explicit layout tree (a prefix of the unboxed params)."""
-    bad = [x for x in jax.tree.leaves(layout, is_leaf=_is_spec) if not _is_spec(x)]
-    if bad:
-        raise ShardingError(f"`rules` must be {_FORMS}; got {short(layout, 200)}.")
     for s in jax.tree.leaves(layout, is_leaf=_is_spec):
         if isinstance(s, NamedSharding) and s.mesh != mesh:
             raise ShardingError(
@@ -296,32 +277,40 @@ def _layout_specs(tree: Any, layout: Any, mesh: Mesh) -> list[tuple[P, str]]:
 
 def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any]):
     """One ``(spec, source)`` per leaf under ``rules``."""
-    min_size = options["min_size"]
+    form = _form(rules)
+    if form == "replicate":
+        return [(P(), "`rules`='replicate'")] * len(leaves)
+    if form == "fsdp":
+        axis = fsdp_axis_of(mesh, options["fsdp_axis"])
+        n, min_size = axis_size(mesh, axis), options["min_size"]
+        return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
+    if form == "flax":
+        return [_flax_spec(x, options["logical_axis_rules"]) for x in leaves]
+    if form == "layout":
+        return _layout_specs(tree, rules, mesh)
+    out = []
+    for x in leaves:
+        hit = next(((spec, src) for pat, spec, src in form if pat.search(x.path)), None)
+        out.append((hit[0], f"`rules` pattern {hit[1]!r} (path {x.path!r})") if hit else (P(), ""))
+    return out
+
+
+def _form(rules: Rules) -> Any:
+    """``rules``' form: ``'replicate'``, ``'fsdp'``, ``'flax'``, ``'layout'`` or the compiled
+    ``(pattern, spec, source)`` list; raise ``ShardingError`` for anything else."""
     if isinstance(rules, str):
-        if rules == "replicate":
-            return [(P(), "`rules`='replicate'")] * len(leaves)
-        if rules == "fsdp":
-            axis = fsdp_axis_of(mesh, options["fsdp_axis"])
-            n = int(np.prod([mesh.shape[a] for a in _names(axis)]))
-            return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
-        if rules == "flax":
-            lar = options["logical_axis_rules"]
-            return [_flax_spec(x, lar) for x in leaves]
-        raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
+        if rules not in ("replicate", "flax", "fsdp"):
+            raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
+        return rules
     regex = _regex_rules(rules)
     if regex is not None:
-        out = []
-        for x in leaves:
-            hit = next(((spec, src) for pat, spec, src in regex if pat.search(x.path)), None)
-            out.append(
-                (hit[0], f"`rules` pattern {hit[1]!r} (path {x.path!r})") if hit else (P(), "")
-            )
-        return out
-    if isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules):
-        return _layout_specs(tree, rules, mesh)
-    raise ShardingError(
-        f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
-    )
+        return regex
+    layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
+    if not layout or not all(_is_spec(x) for x in jax.tree.leaves(rules, is_leaf=_is_spec)):
+        raise ShardingError(
+            f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
+        )
+    return "layout"
 
 
 def _is_container(x: Any) -> bool:
@@ -455,18 +444,7 @@ def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
         _check_min_size(options["min_size"])
     if options.get("fsdp_axis") is not None or (isinstance(rules, str) and rules == "fsdp"):
         fsdp_axis_of(mesh, options.get("fsdp_axis"))
-    if isinstance(rules, str):
-        if rules not in ("replicate", "flax", "fsdp"):
-            raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
-        return
-    if _regex_rules(rules) is not None:
-        return
-
-    layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
-    if not layout or not all(_is_spec(x) for x in jax.tree.leaves(rules, is_leaf=_is_spec)):
-        raise ShardingError(
-            f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
-        )
+    _form(rules)
 
 
 def _check_min_size(min_size: Any) -> None:
@@ -479,7 +457,7 @@ def _shardings(
 ) -> Any:
     leaves = _leaves_of(tree, arg)
     specs = _specs(leaves, tree, mesh, rules, options)
-    if params and leaves and _regex_rules(rules) is not None and not any(src for _, src in specs):
+    if params and leaves and isinstance(_form(rules), list) and not any(s for _, s in specs):
         paths = ", ".join(repr(x.path) for x in leaves[:4]) + (" ..." if len(leaves) > 4 else "")
         raise ShardingError(
             f"no pattern of `rules` matches any leaf of `{arg}`, so every leaf would be "
@@ -489,7 +467,7 @@ def _shardings(
         )
     if params and leaves and rules == "fsdp" and all(s == P() for s, _ in specs):
         big = max(leaves, key=lambda x: int(np.prod(x.shape, dtype=np.int64)))
-        n = int(np.prod([mesh.shape[a] for a in _names(fsdp_axis_of(mesh, options["fsdp_axis"]))]))
+        n = axis_size(mesh, fsdp_axis_of(mesh, options["fsdp_axis"]))
         raise ShardingError(
             f"`rules`='fsdp' shards no leaf of `{arg}` over {n} devices, so every device would "
             f"hold the whole model: each leaf has fewer than `min_size`={options['min_size']} "
@@ -499,10 +477,6 @@ def _shardings(
         )
     out = [named_sharding(mesh, _check_spec(x, s, src, mesh)) for x, (s, src) in zip(leaves, specs)]
     return jax.tree.structure(unbox(tree)).unflatten(out)
-
-
-def _names(axis: Any) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def shard_params(
@@ -581,14 +555,13 @@ def state_shardings(
     }
     model_state = getattr(state, "model_state", None)
     if model_state is not None:  # the rules are written for the params: no match is fine here
-        layout = not isinstance(rules, str) and _regex_rules(rules) is None
+        layout = _form(rules) == "layout"
         full = {"min_size": DEFAULT_MIN_SIZE, "fsdp_axis": None, "logical_axis_rules": None}
         full.update(options)
         fields["model_state"] = _shardings(
             model_state, mesh, "replicate" if layout else rules, full, "model_state", False
         )
-    out = _replicated(state, mesh)  # step, rng and any other field
-    return out._replace(**fields) if isinstance(out, tuple) else out.replace(**fields)
+    return _with_fields(_replicated(state, mesh), fields)  # step, rng, ...: replicated
 
 
 def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
@@ -598,19 +571,18 @@ def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options
     mesh = check_mesh(mesh)
     shapes = jax.tree.map(_as_shape, state)  # never arrays: a failed match repr()s its input
     layout = state_shardings(shapes, mesh, rules, **options)
-    if not (isinstance(rules, str) and rules == "flax"):
-        return layout
-    if not is_train_state(state):
-        carried = _carried(state, mesh)
+    train, carried = is_train_state(state), None
+    if isinstance(rules, str) and rules == "flax":
+        carried = _carried(state.params if train else state, mesh)
+    if carried is None or not train:
         return layout if carried is None else carried
-    carried = _carried(state.params, mesh)
-    if carried is None:
-        return layout
-    fields = {
-        "params": carried,
-        "opt_state": follow_params(shapes.opt_state, shapes.params, carried, mesh),
-    }
-    return layout._replace(**fields) if isinstance(layout, tuple) else layout.replace(**fields)
+    follow = follow_params(shapes.opt_state, shapes.params, carried, mesh)
+    return _with_fields(layout, {"params": carried, "opt_state": follow})
+
+
+def _with_fields(state: Any, fields: dict[str, Any]) -> Any:
+    """``state`` (a NamedTuple or a ``.replace``-able dataclass) with ``fields`` replaced."""
+    return state._replace(**fields) if isinstance(state, tuple) else state.replace(**fields)
 
 
 def _carried(tree: Any, mesh: Mesh) -> Any:
