@@ -1,14 +1,11 @@
 """Count host syncs, waits, host<->device transfers and compiles inside a block.
 
-``jax.transfer_guard`` does not see device-to-host reads on CPU, so the Python entry
-points that read a device array on the host (``float()``, ``.item()``, ``__array__``,
-``jax.device_get``, ``np.asarray`` and the numpy calls in ``_NUMPY_FUNCTIONS``...) and
-``block_until_ready`` (a wait) are wrapped while a counter is active, one event per
-outermost call. Explicit ``jax.device_put`` of host data is wrapped; implicit
-host-to-device transfers are read from JAX's ``transfer_guard("log")`` lines, with fd 2
-a pipe read by a relay process (:mod:`jaxdev._stderr_relay`) that passes every other
-byte on unchanged, even after a crash. Compiles and traces come from ``jax.monitoring``.
-The wrappers are process-wide. The blind spots are listed in the README's "Design notes".
+While a counter is active, the Python entry points that read a device array on the host or
+wait for it are wrapped (``jax.transfer_guard`` misses device-to-host reads on CPU), one
+event per outermost call; implicit host-to-device transfers are JAX's ``transfer_guard("log")``
+lines, read from fd 2 through a relay process (:mod:`jaxdev._stderr_relay`) that passes every
+other byte on, even after a crash; compiles and traces come from ``jax.monitoring``. What it
+sees and misses: the README's "Design notes".
 """
 
 from __future__ import annotations

@@ -30,21 +30,13 @@ from .._errors import JaxdevError, UsageError
 
 
 class Result(NamedTuple):
-    """One benchmark: median seconds per variant and the ratios between them.
+    """One benchmark: median seconds per variant and the ratios between them."""
 
-    Attributes:
-      key: short identifier, e.g. ``'ex3_log'``.
-      title: what was measured.
-      times: ``{variant: median seconds}``, in table order.
-      ratios: ``{label: value}``, e.g. ``{'host log / device log': 3.1}``.
-      note: how to read the figure (or why it was skipped).
-    """
-
-    key: str
-    title: str
-    times: dict[str, float]
-    ratios: dict[str, float]
-    note: str = ""
+    key: str  # e.g. 'ex3_log'
+    title: str  # what was measured
+    times: dict[str, float]  # {variant: median seconds}, in table order
+    ratios: dict[str, float]  # {label: value}, e.g. {'host log / device log': 3.1}
+    note: str = ""  # how to read the figure (or why it was skipped)
 
 
 class BenchConfig(NamedTuple):
@@ -439,8 +431,7 @@ def _ratio(times: dict[str, float]) -> float:
 
 def benchmarks(config: BenchConfig) -> list[tuple[str, Callable[[], list[Result]]]]:
     """Return the benchmarks to run, as ``(label, thunk)`` in table order."""
-    accelerated = jax.default_backend() != "cpu"
-    if accelerated:
+    if jax.default_backend() != "cpu":
         ex1 = [
             (f"ex. 1 matmul {s}", lambda s=s: [matmul_cpu_vs_accelerator(s, config.reps)])
             for s in (config.big, config.small)

@@ -184,10 +184,15 @@ def _memory(stats: dict[str, Any] | None) -> str:
     return f"{used / 2**30:.2f} / {limit / 2**30:.2f} GiB in use"
 
 
-def print_info(data: dict[str, Any], ui: Ui) -> None:
-    """Print ``info_data()`` as tables."""
+def cmd_info(args: argparse.Namespace) -> int:
+    """``jaxdev info [--json]``: :func:`info_data` as JSON or as tables."""
+    data = info_data()
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
     from rich.table import Table
 
+    ui = Ui()
     head = Table(title="jaxdev info", show_header=False)
     head.add_row("jax", data["jax_version"])
     head.add_row("default backend", data["default_backend"])
@@ -209,15 +214,6 @@ def print_info(data: dict[str, Any], ui: Ui) -> None:
     ui.out.print(table)
     for warning in data["warnings"]:
         ui.out.print(f"warning: {warning}", markup=False, style="bold yellow")
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    """``jaxdev info [--json]``."""
-    data = info_data()
-    if args.json:
-        print(json.dumps(data, indent=2, default=str))
-    else:
-        print_info(data, Ui())
     return 0
 
 
@@ -231,8 +227,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from ._demo import DemoConfig, memory_demo
 
     ledger = memory_demo(DemoConfig(strategy=args.strategy, devices=args.devices))
-    if note:
-        print(note)
+    print(note)
     print(ledger)
     if args.plot:
         print(f"wrote {ledger.plot(args.plot)}")

@@ -1,14 +1,10 @@
 """Every process runs the same program: a fingerprint of each step, compared once.
 
-JAX pairs the processes' collectives by order only: programs that differ with the same
-collectives finish with wrong numbers, with one collective more or less they hang.
-:func:`check_same_program` lowers a function for its arguments (the trace is cached for
-the call), hashes the StableHLO text without debug information, and compares the hash
-across processes in one bounded exchange (:func:`jaxdev._multihost.exchange`); a
-mismatch raises :class:`~jaxdev.DistributedError` on every process naming the processes,
-the operations and the inputs that differ. Only programs spanning several processes are
-compared; jaxdev's steps check each program they compile; ``JAXDEV_SAME_PROGRAM=0``
-turns it off.
+JAX pairs the processes' collectives by order only, so different programs give wrong
+numbers or hang. :func:`check_same_program` hashes the StableHLO text (no debug
+information) of a program spanning several processes and compares it in one bounded
+exchange (:func:`jaxdev._multihost.exchange`), naming the processes, operations and inputs
+that differ.
 """
 
 from __future__ import annotations

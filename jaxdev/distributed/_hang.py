@@ -1,14 +1,10 @@
 """The hang watchdog: when a multi-process run stops making progress, say who and where.
 
-With ``jaxdev.distributed.initialize(hang_timeout_s=S)`` (or ``JAXDEV_HANG_TIMEOUT=S``, set
-by ``jaxdev launch --hang-timeout S``) every process runs a daemon thread that publishes its
-heartbeat (step, phase, state, seconds since progress, where its main thread is) to the
-coordinator's key-value store every ``clamp(S / 10, 0.5 s, 5 s)``, reads the others', and,
-when :func:`stalled` says so, dumps every thread's stack, prints one summary naming the
-process that is behind, and (``hang_action="exit"``) ends every process with exit code 1.
-The states, their allowances (:data:`ALLOWANCE`) and the limits are in the README's "Hang
-watchdog". The key-value store is reached through :func:`jaxdev._multihost.kv_client`
-(JAX has no public API for it).
+Every process's daemon thread publishes its heartbeat (step, phase, state, seconds since
+progress, where its main thread is) to the coordinator's key-value store, reads the others',
+and when :func:`stalled` says so, dumps every stack and names the process that is behind.
+The states, their allowances (:data:`ALLOWANCE`) and the options are in the README's "Hang
+watchdog"; the store is reached through :func:`jaxdev._multihost.kv_client`.
 """
 
 from __future__ import annotations
