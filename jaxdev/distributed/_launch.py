@@ -255,12 +255,11 @@ def summarize(
             f"{', '.join(map(str, still)) or 'none'} still running were ended."
         )
     else:
-        reason = f": {first.reason}" if first.reason else ""
+        reason = f": {first.reason}" if first.reason else "."
         head = (
             f"jaxdev launch: process {first.process_id} failed "
             f"({describe_returncode(first.returncode)}) after {elapsed_s:.1f} s{reason}"
         )
-        head = head if reason else head + "."
     lines = [head]
     for o in outcomes:
         how = "ended by launcher, " if o.ended_by_launcher else ""
