@@ -183,12 +183,14 @@ def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
     return lines
 
 
-def _gathered_tables(tag: str, table: dict[str, str], timeout_s: float | None):
-    """Exchange ``table`` and return one table per process (digests as fallback)."""
-    payloads = exchange(tag, json.dumps(table, sort_keys=True), timeout_s)
-    if kv_client() is None and jax.process_count() > 1:
-        return [{"<tree>": p} for p in payloads]
-    return [json.loads(p) for p in payloads]
+def _differences(tag: str, tree: Any, describe: Callable, timeout_s: float | None) -> list[str]:
+    """Exchange ``{path: describe(leaf)}``; one line per leaf that differs (digests: fallback)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    table = json.dumps({keystr(path): describe(leaf) for path, leaf in leaves}, sort_keys=True)
+    payloads = exchange(tag, table, timeout_s)
+    if kv_client() is None:
+        return compare_leaf_tables([{"<tree>": p} for p in payloads])
+    return compare_leaf_tables([json.loads(p) for p in payloads])
 
 
 def shape_dtype(leaf: Any) -> str:
@@ -213,9 +215,7 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
     """
     if jax.process_count() == 1:
         return
-    leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
-    table = {keystr(path): shape_dtype(leaf) for path, leaf in leaves}
-    failures = compare_leaf_tables(_gathered_tables("shard_batch", table, timeout_s))
+    failures = _differences("shard_batch", local_batch, shape_dtype, timeout_s)
     if failures:
         raise DistributedError(
             join_failures(
@@ -272,11 +272,7 @@ def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -
     """
     if jax.process_count() == 1 or asserts_disabled():
         return
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    table = {keystr(p): leaf_checksum(x) for p, x in leaves}
-    failures = compare_leaf_tables(
-        _gathered_tables("assert_same_across_processes", table, timeout_s)
-    )
+    failures = _differences("assert_same_across_processes", tree, leaf_checksum, timeout_s)
     if failures:
         raise PlacementAssertionError(
             join_failures(
