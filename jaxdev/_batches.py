@@ -113,11 +113,7 @@ def _detached(x: Any) -> Any:
     """``x``, or a private read-only copy when ``x`` is host memory that may change."""
     if not isinstance(x, np.ndarray) or not is_host_value(x) or not _may_change(x):
         return x  # not numeric: left to the placement checks, which name the leaf
-    out, raw = _aligned_empty(x.shape, x.dtype)
-    np.copyto(out, x, casting="no")
-    raw.flags.writeable = False
-    out.flags.writeable = False
-    return out
+    return _aligned_copy(x, 0)
 
 
 def _may_change(x: np.ndarray) -> bool:
@@ -135,12 +131,20 @@ def _may_change(x: np.ndarray) -> bool:
         return True
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """An uninitialised C-order array starting on an ``_ALIGN`` boundary, and its owner."""
-    nbytes = math.prod(shape) * dtype.itemsize
+def _aligned_copy(x: np.ndarray, extra: int) -> np.ndarray:
+    """A read-only C-order copy of ``x`` starting on an ``_ALIGN`` boundary, with ``extra``
+    copies of its last row appended."""
+    shape = (x.shape[0] + extra, *x.shape[1:]) if extra else x.shape
+    nbytes = math.prod(shape) * x.dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape), raw
+    out = raw[start : start + nbytes].view(x.dtype).reshape(shape)
+    np.copyto(out[: x.shape[0]] if extra else out, x, casting="no")
+    if extra:
+        out[x.shape[0] :] = x[-1:]
+    raw.flags.writeable = False
+    out.flags.writeable = False
+    return out
 
 
 def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
@@ -154,16 +158,7 @@ def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
         return xp.moveaxis(pad_rows(xp.moveaxis(xp.asarray(x), axis, 0), extra), 0, axis)
     if isinstance(x, jax.Array):
         return x if extra == 0 else jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
-    if extra == 0:
-        return _detached(x)
-    x = np.asarray(x)
-    rows = x.shape[0]
-    out, raw = _aligned_empty((rows + extra, *x.shape[1:]), x.dtype)
-    out[:rows] = x
-    out[rows:] = x[-1:]
-    raw.flags.writeable = False
-    out.flags.writeable = False
-    return out
+    return _detached(x) if extra == 0 else _aligned_copy(np.asarray(x), extra)
 
 
 def lead_spec(axis: AxisName, lead: int = 0, ndim: int | None = None) -> P:

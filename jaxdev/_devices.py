@@ -83,9 +83,14 @@ def _pick(platform: str, i: Any, arg: str = "i") -> jax.Device:
             f"No {platform} device: JAX started the platforms "
             f"[{', '.join(_started_platforms())}].{hint} {available_devices()}"
         )
+    return _nth(devices, i, arg, f"{platform} ")
+
+
+def _nth(devices: list[jax.Device], i: int, arg: str, what: str = "") -> jax.Device:
+    """``devices[i]``, or DeviceNotFoundError naming ``arg``, the devices and the valid range."""
     if i >= len(devices):
         raise DeviceNotFoundError(
-            f"`{arg}`={i} is out of range: this process has {len(devices)} {platform} "
+            f"`{arg}`={i} is out of range: this process has {len(devices)} {what}"
             f"device(s) [{format_devices(devices)}], valid indexes 0..{len(devices) - 1}. "
             + available_devices()
         )
@@ -191,14 +196,7 @@ def resolve_device(spec: DeviceSpec, arg: str) -> jax.Device:
             f"`{arg}` must be a jax.Device, an int or a string like 'gpu:1', "
             f"got {type(spec).__name__} {spec!r}."
         )
-    i = _check_index(spec, arg)
-    devices = _local_devices()
-    if i >= len(devices):
-        raise DeviceNotFoundError(
-            f"`{arg}`={i} is out of range: this process has {len(devices)} device(s), "
-            f"valid indexes 0..{len(devices) - 1}. " + available_devices()
-        )
-    return devices[i]
+    return _nth(_local_devices(), _check_index(spec, arg), arg)
 
 
 def _parse(spec: str, arg: str = "spec") -> jax.Device:

@@ -58,12 +58,7 @@ def data_mesh(
     """
     if not isinstance(axis, str) or not axis:
         raise ShardingError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
-    kind = _axis_type(axis_type)
-    if devices is None and jax.process_count() > 1:
-        devs = list(jax.devices())
-    else:
-        devs = device_list(devices)
-    return mesh_of(tuple(devs), axis, kind)
+    return make_mesh({axis: -1}, devices, axis_type)
 
 
 @functools.lru_cache(maxsize=64)
@@ -346,7 +341,7 @@ def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def _axis_types(axis_type: Any, names: tuple[str, ...]) -> tuple[AxisType, ...]:
-    if isinstance(axis_type, (AxisType, str)):
+    if isinstance(axis_type, (AxisType, str)) or not isinstance(axis_type, Sequence):
         return (_axis_type(axis_type),) * len(names)
     kinds = tuple(_axis_type(k) for k in axis_type)
     if len(kinds) != len(names):

@@ -161,10 +161,8 @@ def to_device(tree: Any, target: Target) -> Any:
 
 
 def _put_target(target: Target, s: Sharding) -> Sharding | jax.Device:
-    """What to hand ``jax.device_put``: the device itself when ``target`` named one.
-
-    JAX's put is ~5% faster given a device than its ``SingleDeviceSharding``.
-    """
+    """What to hand ``jax.device_put``: the device itself when ``target`` named one (JAX's
+    put of host arrays is faster given a device than its ``SingleDeviceSharding``)."""
     return s if isinstance(target, (Sharding, Mesh)) else next(iter(s.device_set))
 
 
@@ -243,10 +241,9 @@ def copy_to(tree: Any, target: Target) -> Any:
             "Copy before or after the jitted call."
         )
     _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
-    # On CPU, JAX aliases aligned numpy buffers even with may_alias=False
-    # (measured on jax 0.10.2), so host leaves are copied first.
+    # Host leaves copied first: on CPU, JAX aliases aligned numpy buffers even with
+    # may_alias=False (jax 0.10.2); the fresh copies may be aliased, device arrays not.
     leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
-    # The fresh numpy copies may be aliased; device arrays must be copied.
     may_alias = [None if isinstance(x, np.ndarray) else False for x in leaves]
     copied = jax.device_put(leaves, _put_target(target, sharding), may_alias=may_alias)
     return jax.tree_util.tree_unflatten(treedef, unalias(leaves, copied))
@@ -433,7 +430,7 @@ def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[An
         else:  # several processes: each builds its own shards
             value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
             out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
-    placed = put_leaves([xs[i] for i in local], [targets[i] for i in local], copy, host_copies=True)
+    placed = put_leaves([xs[i] for i in local], [targets[i] for i in local], copy)
     for i, new in zip(local, placed):
         out[i] = new
     return out
@@ -444,15 +441,13 @@ def _on(x: Any, s: Sharding) -> bool:
     return is_placed(x, s) and getattr(x.sharding, "mesh", None) == getattr(s, "mesh", None)
 
 
-def put_leaves(
-    leaves: list[Any], targets: list[Any], copy: bool = False, host_copies: bool = False
-) -> list[Any]:
+def put_leaves(leaves: list[Any], targets: list[Any], copy: bool = False) -> list[Any]:
     """``jax.device_put(leaves, targets)``, re-laying out multi-device arrays on the devices.
 
     ``jax.device_put`` re-lays such an array through the host (jax 0.10.2); a jitted
-    identity with ``out_shardings`` does it on the devices. ``host_copies``: host leaves
-    are copied first (JAX aliases aligned numpy buffers on CPU); ``copy``: no output shares
-    a buffer with its leaf.
+    identity with ``out_shardings`` does it on the devices. Host leaves are copied first:
+    on CPU, JAX aliases aligned numpy buffers even with ``may_alias=False`` (jax 0.10.2).
+    ``copy``: no output shares a buffer with its leaf.
 
     Example:
       >>> import jax.numpy as jnp, jaxdev
@@ -480,8 +475,7 @@ def put_leaves(
     rest = sorted(set(range(len(leaves))) - set(on_device))
     if rest:
         sources = [leaves[i] for i in rest]
-        if host_copies:
-            sources = [x if is_jax_array(x) else np.array(x, copy=True) for x in sources]
+        sources = [x if is_jax_array(x) else np.array(x, copy=True) for x in sources]
         may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
         placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
         for i, new in zip(rest, unalias(sources, list(placed)) if copy else placed):

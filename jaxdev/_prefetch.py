@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh, NamedSharding
 
 from ._batches import detach_host, shard_batch
 from ._errors import ShardingError
@@ -213,19 +213,11 @@ def _placer(target: Target | None, pad: bool) -> Callable[[Any], Any]:
             "`jaxdev.batch_sharding(mesh)`; to replicate, `jaxdev.as_sharding(mesh)`."
         )
     s = batch_sharding(check_mesh(None)) if target is None else as_sharding(target)
-    axis = _leading_axis(s)
-    if axis is not None:
-        return lambda item: shard_batch(item, s.mesh, pad=pad, axis=axis)
+    if isinstance(s, NamedSharding) and len(s.spec) and s.spec[0] is not None:  # splits rows
+        return lambda item: shard_batch(item, s.mesh, pad=pad, axis=s.spec[0])
     if pad:
         raise ShardingError(
             "`pad=True` needs a `target` that splits the batch's leading axis, such as "
             f"`jaxdev.batch_sharding(mesh)`; got {target!r}."
         )
     return lambda item: to_device(detach_host(item), s)
-
-
-def _leading_axis(s: Sharding) -> Any:
-    """The mesh axis (or axes) ``s`` splits the leading dimension over, else None."""
-    if isinstance(s, NamedSharding) and len(s.spec) and s.spec[0] is not None:
-        return s.spec[0]
-    return None

@@ -101,6 +101,8 @@ def test_make_mesh_bad_axes(axes, match):
 def test_make_mesh_bad_axis_type():
     with pytest.raises(ShardingError, match="`axis_type` must be"):
         jaxdev.make_mesh({"a": 8}, axis_type="manual")
+    with pytest.raises(ShardingError, match="`axis_type` must be .* got 3"):
+        jaxdev.make_mesh({"a": 8}, axis_type=3)  # was a bare TypeError (not iterable)
     with pytest.raises(ShardingError, match="lists 3 types for 2 axes"):
         jaxdev.make_mesh({"a": 2, "b": 4}, axis_type=("auto",) * 3)
 
