@@ -160,6 +160,26 @@ def test_a_program_whose_autotuning_runs_out_of_memory_is_still_checked(monkeypa
         other(state, batch)
 
 
+def test_a_compile_out_of_memory_even_untuned_is_named_at_the_step_and_in_the_plan(monkeypatch):
+    """Autotuned and untuned compiles both out of memory: never XLA's raw error."""
+
+    def exhausted(self, compiler_options=None, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3.2GiB")
+
+    mesh = jaxdev.data_mesh()
+    loose = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh))
+    state = loose.init_state(_params(), TX)
+    batch = loose.put_batch(_host_batch())
+    shapes = jax.eval_shape(lambda: state)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", exhausted)
+    with pytest.raises(jaxdev.MemoryPlanError, match="ran out of device memory, autotuned and"):
+        jaxdev.memory.plan(shapes, step=loose, batch=batch)
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=10**12)
+    with pytest.raises(jaxdev.MemoryPlanError, match="out of device memory"):  # the check's
+        step(state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
 def test_the_memory_limit_holds_for_every_batch_shape_the_step_compiles():
     """Checked at a program's first call only, 16x the rows compiled a new program that ran
     over the limit without a word."""

@@ -378,7 +378,17 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
     except Exception as err:  # XLA:GPU's autotuner runs candidate kernels on real buffers, so
         if not is_resource_exhausted(err):  # a program that cannot fit fails to compile
             raise  # (measured on an H100: NOT_FOUND of RESOURCE_EXHAUSTEDs): analyse it untuned
-        compiled = lowered.compile({"xla_gpu_autotune_level": 0})
+        try:
+            compiled = lowered.compile({"xla_gpu_autotune_level": 0})
+        except Exception as again:
+            if not is_resource_exhausted(again):
+                raise
+            raise MemoryPlanError(
+                "compiling the step for its memory analysis ran out of device memory, "
+                f"autotuned and untuned ({short(again, 300)}): it needs more than this "
+                "device has free. Free device memory (jaxdev.memory.ledger() lists what "
+                "is live) or use fewer rows per device."
+            ) from again
     analysis = compiled.memory_analysis()
     if analysis is None:  # the backend does not analyse memory
         return None

@@ -102,13 +102,13 @@ class _Step:
         shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
         fn = self._compiled.get(key)
         step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
-        if fn is None:
-            fn, args = self._first_call(key, args, shapes)
-        else:
-            if key in self._in_shardings:  # jit would refuse committed leaves laid out otherwise
-                args = self._relayout(key, args) or args
-            self._check_memory(key, args, shapes)
-        try:  # XLA's RESOURCE_EXHAUSTED (this call's, or a queued one's) is explained
+        try:  # XLA's RESOURCE_EXHAUSTED (its compile's, this call's, a queued one's) explained
+            if fn is None:
+                fn, args = self._first_call(key, args, shapes)
+            else:
+                if key in self._in_shardings:  # jit refuses committed leaves laid out otherwise
+                    args = self._relayout(key, args) or args
+                self._check_memory(key, args, shapes)
             out, token = self._outputs(fn(*args))
             self._bound_inflight(token)
         except Exception as err:
