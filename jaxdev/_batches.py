@@ -92,15 +92,6 @@ def detach_host(tree: Any) -> Any:
     change batches handed over. A numpy array is copied when it (or what it views)
     is writeable or over writeable memory; the copies are read-only and 64-byte
     aligned, so CPU uses them in place. Returns ``tree`` itself when nothing needed it.
-
-    Example:
-      >>> import numpy as np, jaxdev
-      >>> from jaxdev._batches import detach_host
-      >>> buf = np.zeros((8, 2), np.float32)
-      >>> batch = detach_host({"x": buf})
-      >>> buf[:] = 1.0  # the loader refills its buffer
-      >>> float(jaxdev.shard_batch(batch)["x"].sum()), detach_host(batch) is batch
-      (0.0, True)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [_detached(x) for x in leaves]

@@ -281,13 +281,7 @@ def _check_distinct(devices: list[jax.Device]) -> None:
 
 
 def backend_started() -> bool:
-    """Return whether JAX's backends are initialised (start-up settings apply only before).
-
-    Example:
-      >>> import jaxdev
-      >>> isinstance(backend_started(), bool)
-      True
-    """
+    """Return whether JAX's backends are initialised (start-up settings apply only before)."""
     # private: no public API tells whether the backends started without starting them
     # (jax-ml/jax#23320, open; jax.extend.backend.backends() starts them)
     from jax._src import xla_bridge

@@ -114,12 +114,7 @@ def available_devices() -> str:
 
 
 def short(x: Any, limit: int = 120) -> str:
-    """``repr(x)`` (a string: as is) on one line, cut to ``limit`` characters for messages.
-
-    Example:
-      >>> short("a   b"), short("x" * 200, 8)
-      ('a b', 'xxxxxxxx ...')
-    """
+    """``repr(x)`` (a string: as is) on one line, cut to ``limit`` characters for messages."""
     text = " ".join((x if isinstance(x, str) else repr(x)).split())
     return text if len(text) <= limit else text[:limit] + " ..."
 

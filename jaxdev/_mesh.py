@@ -79,13 +79,7 @@ def _axis_type(axis_type: AxisType | str) -> AxisType:
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
-    """Return ``NamedSharding(mesh, P())``: a full copy on every device of ``mesh``.
-
-    Example:
-      >>> import jaxdev
-      >>> jaxdev.as_sharding(jaxdev.data_mesh()).is_fully_replicated
-      True
-    """
+    """Return ``NamedSharding(mesh, P())``: a full copy on every device of ``mesh``."""
     return named_sharding(check_mesh(mesh), P())
 
 

@@ -342,12 +342,6 @@ def common_device(tree: Any) -> jax.Device | None:
 
     Raises:
       PlacementError: leaves committed to different devices or spanning several, each listed.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxdev
-      >>> t = jaxdev.to_device({"a": jnp.ones(2), "b": jnp.zeros(2)}, "cpu:0")
-      >>> common_device(t) == jaxdev.d2l.cpu(0)
-      True
     """
     leaves, _ = checked_leaves(tree, "tree", "common_device")
     committed = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]

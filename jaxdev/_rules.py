@@ -105,14 +105,7 @@ def _unbox_one(box: Any) -> Any:
 
 
 def unbox(tree: Any) -> Any:
-    """``tree`` with linen ``nn.Partitioned`` boxes replaced by their values (no constraint added).
-
-    Example:
-      >>> import jax.numpy as jnp, flax.linen as nn
-      >>> from jaxdev._rules import unbox
-      >>> unbox({"w": nn.Partitioned(jnp.ones(2), ("data",))})["w"].shape
-      (2,)
-    """
+    """``tree`` with linen ``nn.Partitioned`` boxes replaced by their values (no constraint)."""
     boxed = flax_meta.is_axis_metadata
     if not any(map(boxed, jax.tree.leaves(tree, is_leaf=boxed))):
         return tree  # the same object: nothing to unbox
@@ -131,11 +124,6 @@ def fsdp_axis_of(mesh: Mesh, fsdp_axis: Any = None) -> str | tuple[str, ...]:
 
     ``fsdp_axis`` when given; else a ``'fsdp'`` axis of size > 1; else the batch axes
     (every axis but ``'model'``/``'tensor'``).
-
-    Example:
-      >>> import jaxdev
-      >>> fsdp_axis_of(jaxdev.make_mesh({"data": 2, "model": 4}))
-      'data'
     """
     if fsdp_axis is None and "fsdp" in mesh.axis_names and mesh.shape["fsdp"] > 1:
         return "fsdp"
@@ -536,14 +524,6 @@ def state_shardings(
     ``TrainState``): ``params`` and ``model_state`` by ``rules`` (a layout tree: model state
     replicated), ``opt_state`` by :func:`follow_params`, anything else replicated. Any other
     tree: as :func:`param_shardings`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxdev
-      >>> mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
-      >>> state = jaxdev.TrainState.create({"w": jnp.ones((1024, 4))}, optax.adam(1e-3))
-      >>> s = jaxdev.param_shardings(state, mesh, "fsdp")
-      >>> s.params["w"].spec, s.opt_state[0].mu["w"].spec, s.opt_state[0].count.spec, s.step.spec
-      (P('fsdp', None), P('fsdp', None), P(), P())
     """
     mesh = check_mesh(mesh)
     if not is_train_state(state):
@@ -605,17 +585,6 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     each leaf its parameter's shape: adam's ``mu``/``nu``, momentum, the inner states of
     ``chain``/``masked``/``inject_hyperparams``. Other leaves are replicated on ``mesh``.
     No ``tx`` needed: it works on ``jax.eval_shape(tx.init, params)``; boxes are unboxed.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax, jaxdev
-      >>> from jaxdev._rules import follow_params
-      >>> mesh = jaxdev.make_mesh({"fsdp": 8})
-      >>> params = {"w": jnp.ones((2048, 2)), "b": jnp.ones(2)}
-      >>> tx = optax.sgd(0.1, momentum=0.9)
-      >>> s = follow_params(jax.eval_shape(tx.init, params), params,
-      ...                   jaxdev.param_shardings(params, mesh, "fsdp"), mesh)
-      >>> s[0].trace["w"].spec, s[0].trace["b"].spec
-      (P('fsdp', None), P())
     """
     mesh = check_mesh(mesh)
     params = unbox(params)
