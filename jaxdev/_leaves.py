@@ -107,11 +107,8 @@ def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
                 f"a numpy value of dtype {leaf.dtype} cannot live on a device; "
                 "expected a numeric or bool dtype"
             )
-        if leaf.dtype.itemsize == 8 and not x64() and leaf.size:
-            if kind in "iu":
-                return _int64_problem(leaf, kind)
-            if kind == "f":
-                return _float64_problem(leaf)
+        if leaf.dtype.itemsize == 8 and not x64() and leaf.size and kind in "iuf":
+            return _wide_problem(leaf, kind)
         return None
     return LeafTypeError, (
         f"a {type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected "
@@ -132,7 +129,12 @@ def _python_scalar_problem(leaf: Any) -> tuple[type[Exception], str] | None:
     return None
 
 
-def _int64_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | None:
+def _wide_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | None:
+    """Why 64-bit values do not fit int32 / uint32 / float32 (x64 disabled), or None."""
+    if kind == "f":
+        finite = np.abs(leaf[np.isfinite(leaf)]) if leaf.ndim else np.abs(leaf[()])
+        big = np.max(finite, initial=0.0)
+        return (LeafValueError, _overflow_why(big, leaf.dtype)) if big > _FLOAT32_MAX else None
     bounds = _INT32 if kind == "i" else _UINT32
     lo, hi = leaf.min(), leaf.max()
     if lo < bounds.min or hi > bounds.max:
@@ -141,14 +143,6 @@ def _int64_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] |
             f"{'int32' if kind == 'i' else 'uint32'} and x64 is disabled, so JAX "
             "would silently truncate them; enable `jax_enable_x64` or cast first"
         )
-    return None
-
-
-def _float64_problem(leaf: np.ndarray) -> tuple[type[Exception], str] | None:
-    finite = np.abs(leaf[np.isfinite(leaf)]) if leaf.ndim else np.abs(leaf[()])
-    big = np.max(finite, initial=0.0)
-    if big > _FLOAT32_MAX:
-        return LeafValueError, _overflow_why(big, leaf.dtype)
     return None
 
 

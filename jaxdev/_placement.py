@@ -150,8 +150,16 @@ def to_device(tree: Any, target: Target) -> Any:
     if _all_placed(leaves, sharding):
         return tree
     moving = _plan_moves(tree, leaves, sharding)
-    if moving is None:  # inside a trace
-        return _constrain(tree, leaves, treedef, target, sharding)
+    if moving is None:  # inside a trace: a sharding constraint; a device, refused
+        if not isinstance(target, (Sharding, Mesh)):
+            raise PlacementError(
+                f"`to_device(tree, {target!r})` inside a jax.jit trace: JAX ignores placing on "
+                "a single device inside jit, so this would silently do nothing. Place the inputs "
+                "before calling the jitted function, or pass a Sharding (e.g. "
+                "NamedSharding(mesh, P())) to constrain the layout inside jit."
+            )
+        _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
+        return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, sharding))
     _check_fits(tree, leaves, moving, sharding, "tree")
     moved = jax.device_put([leaves[i] for i in moving], _put_target(target, sharding))
     out = list(leaves)
@@ -204,18 +212,6 @@ def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | No
     if problem is not None:
         raise_leaf(tree, problem[0], "tree", *problem[1])
     return moving
-
-
-def _constrain(tree: Any, leaves: list[Any], treedef: Any, target: Target, s: Sharding):
-    if not isinstance(target, (Sharding, Mesh)):
-        raise PlacementError(
-            f"`to_device(tree, {target!r})` inside a jax.jit trace: JAX ignores placing on "
-            "a single device inside jit, so this would silently do nothing. Place the inputs "
-            "before calling the jitted function, or pass a Sharding (e.g. "
-            "NamedSharding(mesh, P())) to constrain the layout inside jit."
-        )
-    _check_fits(tree, leaves, range(len(leaves)), s, "tree")
-    return jax.tree_util.tree_unflatten(treedef, jax.lax.with_sharding_constraint(leaves, s))
 
 
 def copy_to(tree: Any, target: Target) -> Any:

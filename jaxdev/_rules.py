@@ -340,16 +340,12 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh) -> P:
                 "may split at most one dimension of a leaf."
             )
         used.extend(axes)
-        n = int(np.prod([mesh.shape[a] for a in axes]))
+        n = axis_size(mesh, axes)
         if shape[d] % n:
-            what = (
-                f"mesh axis {axes[0]!r} of size {n}"
-                if len(axes) == 1
-                else f"mesh axes {axes} of total size {n}"
-            )
+            what = f"axis {axes[0]!r} of" if len(axes) == 1 else f"axes {axes} of total"
             raise ShardingError(
-                f"{where}: dimension {d} ({shape[d]}) is not divisible by {what}. Pad the "
-                "dimension to a multiple, split another dimension, or use a smaller axis."
+                f"{where}: dimension {d} ({shape[d]}) is not divisible by mesh {what} size {n}. "
+                "Pad the dimension to a multiple, split another dimension, or use a smaller axis."
             )
     if not used:
         return P()  # replicated is always written P()
