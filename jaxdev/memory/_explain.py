@@ -25,8 +25,8 @@ from .._leaves import is_jax_array
 from .._mesh import check_mesh
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state
-from ._memory import MemoryLedger, ledger
-from ._oom import first_line, is_resource_exhausted, limit_line, live_lines
+from ._memory import MemoryLedger
+from ._oom import first_line, is_resource_exhausted, limit_line, live_now
 from ._plan import MemoryPlan, check_fits, plan, resolve_limit, step_plan
 from ._spec import Described, StepSpec, spec_of
 
@@ -133,7 +133,8 @@ def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOptio
     except Exception as err:  # an option that does not compile is shown as such
         return MemoryOption(change, what, None, None, None, f"does not compile: {short(err, 160)}")
     finally:
-        _log.info("explain_memory: compiled %s (%s) in %.1f s", change, what, _since(start))
+        took = time.perf_counter() - start
+        _log.info("explain_memory: compiled %s (%s) in %.1f s", change, what, took)
     if p.compiled is None:
         return MemoryOption(change, what, None, None, None, "the backend gives no memory analysis")
     fits = None if limit is None else p.peak <= limit
@@ -186,74 +187,39 @@ def offload_variants(spec: StepSpec, state: Any) -> list[Variant]:
     return out
 
 
-def all_variant(spec: StepSpec, state: Any) -> Variant | None:
-    """fsdp, remat and params + optimizer state offloaded, together (what can apply)."""
-    changes, config = {}, {}
-    if fsdp_variant(spec) is not None:
-        changes["rules"] = "fsdp"
-    if offload_variants(spec, state):
-        changes["offload"] = ("opt_state", "params")
-    if remat_variant(spec) is not None:
-        config["remat"] = True
-    if len(changes) + len(config) < 2:
-        return None
-    try:
-        changed = spec.strategy.replace(**changes, shard_map=False) if changes else None
-    except Exception:  # advice only
-        return None
-    parts = [f"{k}={v!r}" for k, v in changes.items()] + [f"{k}=True" for k in config]
-    return Variant(", ".join(parts), "all together", spec.replace(changed, **config))
-
-
-def accumulate_options(spec, state, rows: BatchRows, limit: int | None) -> list[MemoryOption]:
-    """``accumulate=M`` for M = 2, 4, ... times the step's, until one fits (4 compiles at most)."""
-    m, n = spec.accumulate, spec.strategy.n_devices
-    out = []
-    for factor in (2, 4, 8, 16):
-        big = m * factor
-        if rows.rows % (big * n):  # micro-batches the devices split evenly
-            break
-        s = spec.replace(accumulate=big)
-        micro = rows.rows // big
-        v = Variant(
-            f"accumulate={big}", f"{big} micro-batches of {micro} row{'s' * (micro != 1)}", s
-        )
-        out.append(option(v, state, batch_for(s, rows, rows.rows), limit))
-        if out[-1].fits:
-            break
-    return out
-
-
-def half_batch_option(spec, state, rows: BatchRows, limit: int | None) -> MemoryOption | None:
-    """Half the global batch (rows that still split over the devices and micro-batches)."""
-    unit = spec.accumulate * spec.strategy.n_devices
-    half = (rows.rows // 2) // unit * unit
-    if half < unit or half == rows.rows:
-        return None
-    v = Variant(f"a batch of {half} rows", f"now {rows.rows} rows per step", spec)
-    return option(v, state, batch_for(spec, rows, half), limit)
-
-
 def memory_options(
     spec: StepSpec, state: Any, batch: Any, limit: int | None, names: tuple[str, ...] = OPTIONS
 ) -> list[MemoryOption]:
-    """The options ``names`` (of :data:`OPTIONS`) for the step on ``(state, batch)``, compiled."""
-    rows = batch_rows(spec, batch)
+    """The options ``names`` (of :data:`OPTIONS`) for the step on ``(state, batch)``, compiled.
 
-    def of(v: Variant | None) -> MemoryOption | None:
-        return None if v is None else option(v, state, batch_for(v.spec, rows, rows.rows), limit)
+    ``accumulate=M`` for M = 2, 4, 8, 16 times the step's until one fits, the offloads
+    until one fits, and half the batch (rows the devices and micro-batches still split).
+    """
+    rows, out = batch_rows(spec, batch), []
+    m, n = spec.accumulate, spec.strategy.n_devices
 
-    out = [of(fsdp_variant(spec)) if "fsdp" in names else None]
-    if spec.train and "accumulate" in names:
-        out += accumulate_options(spec, state, rows, limit)
-    out.append(of(remat_variant(spec)) if "remat" in names else None)
+    def fits(v: Variant | None, n_rows: int = rows.rows) -> bool:  # compiled and listed
+        if v is not None:
+            out.append(option(v, state, batch_for(v.spec, rows, n_rows), limit))
+        return v is not None and bool(out[-1].fits)
+
+    if "fsdp" in names:
+        fits(fsdp_variant(spec))
+    for big in (m * 2, m * 4, m * 8, m * 16) if spec.train and "accumulate" in names else ():
+        micro = rows.rows // big
+        what = f"{big} micro-batches of {micro} row{'s' * (micro != 1)}"
+        v = Variant(f"accumulate={big}", what, spec.replace(accumulate=big))
+        if rows.rows % (big * n) or fits(v):
+            break  # micro-batches the devices cannot split evenly, or one that fits
+    if "remat" in names:
+        fits(remat_variant(spec))
     for v in offload_variants(spec, state) if "offload" in names else ():
-        out.append(of(v))
-        if out[-1].fits:
+        if fits(v):
             break
-    if "half_batch" in names:
-        out.append(half_batch_option(spec, state, rows, limit))
-    return [o for o in out if o is not None]
+    half = (rows.rows // 2) // (m * n) * (m * n)
+    if "half_batch" in names and m * n <= half != rows.rows:
+        fits(Variant(f"a batch of {half} rows", f"now {rows.rows} rows per step", spec), half)
+    return out
 
 
 def check_options(options: Any) -> tuple[str, ...]:
@@ -268,10 +234,6 @@ def check_options(options: Any) -> tuple[str, ...]:
             f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
         )
     return names
-
-
-def _since(start: float) -> float:
-    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- explanation
@@ -347,10 +309,7 @@ class MemoryExplanation:
         c = self.plan.compiled
         if c is not None:
             lines.append(
-                f"compiled step (memory_analysis, per device): arguments "
-                f"{human_bytes(c.argument)} + outputs {human_bytes(c.output)} - donated "
-                f"{human_bytes(c.alias)} + temporaries {human_bytes(c.temp)} = "
-                f"{human_bytes(c.peak)}"
+                f"compiled step (memory_analysis, per device): {c.terms()} = {human_bytes(c.peak)}"
             )
         rows = ", ".join(f"{r.category} {human_bytes(r.bytes_per_device)}" for r in self.plan.rows)
         lines.append(f"state and batch per device (jaxdev.memory.plan): {rows}")
@@ -362,23 +321,13 @@ class MemoryExplanation:
                 "options, each compiled for this state and batch (none run; "
                 f"{self.compiles} programs compiled in {self.seconds:.1f} s):"
             )
-            lines += ["  " + line for line in self.option_table()]
+            fits = lambda o: o.note or ("?" if o.fits is None else "yes" if o.fits else "no")  # noqa: E731
+            body = [
+                (o.change, o.what, _bytes(o.peak), _bytes(o.temp), fits(o)) for o in self.options
+            ]
+            head = ("change", "what", "peak/device", "temporaries", "fits")
+            lines += ["  " + line for line in text_table(head, body, rstrip=True)]
         return "\n".join(lines)
-
-    def option_table(self) -> list[str]:
-        """The options as table lines."""
-        head = ("change", "what", "peak/device", "temporaries", "fits")
-        body = [
-            (
-                o.change,
-                o.what,
-                "-" if o.peak is None else human_bytes(o.peak),
-                "-" if o.temp is None else human_bytes(o.temp),
-                o.note or ("?" if o.fits is None else "yes" if o.fits else "no"),
-            )
-            for o in self.options
-        ]
-        return text_table(head, body, rstrip=True)
 
     def __str__(self) -> str:
         return self.headline() + "\n" + self.details()
@@ -410,7 +359,7 @@ def explain_memory(
         compiled already; ``error``: XLA's message after an out-of-memory.
     """
     names = check_options(options)
-    spec, limit, found = _budget(step, limit, required=False)
+    spec, limit, by = _budget(step, limit, required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
     subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
@@ -421,14 +370,15 @@ def explain_memory(
     if plan_ is None:
         lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
         plan_ = step_plan(spec, shapes, batch_shapes, lowered)
-    ledger, live = _live({"state": state, "batch": batch})
-    found_options = memory_options(spec, shapes, batch_shapes, limit, names)
-    compiles += len(found_options)
-    seconds = _since(start)
+    trees = {"state": state, "batch": batch}  # those holding arrays (shapes would flag copies)
+    trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
+    book, live = live_now(trees)
+    found = tuple(memory_options(spec, shapes, batch_shapes, limit, names))
+    compiles += len(found)
+    seconds = time.perf_counter() - start
     _log.info("explain_memory: %d programs compiled in %.1f s", compiles, seconds)
-    opts, source = tuple(found_options), source or found
     return MemoryExplanation(
-        subject, plan_, limit, source, ledger, opts, live, error, compiles, seconds
+        subject, plan_, limit, source or by, book, found, tuple(live), error, compiles, seconds
     )
 
 
@@ -438,31 +388,15 @@ def _budget(step: StepSpec | Described, limit: Any, **kwargs: Any) -> tuple[Step
     return (spec, *resolve_limit(limit, check_mesh(spec.strategy.mesh), **kwargs))
 
 
-def _live(trees: dict[str, Any]) -> tuple[MemoryLedger | None, tuple[str, ...]]:
-    """The ledger and "live now" lines of the trees holding arrays (shapes would flag copies)."""
-    trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
-    try:
-        book = ledger(**trees)
-        return book, tuple(live_lines(book, trees))
-    except Exception as e:  # the explanation never fails on the ledger
-        return None, (f"live now: could not read the ledger ({type(e).__name__}: {e})",)
-
-
 # ---------------------------------------------------------------- out of memory
 
 
-def split_args(args: list[Any]) -> tuple[Any, Any, Any]:
-    """``(state, batch, metrics)`` of a step's ``[state, batch, (mask), (metrics)]``."""
+def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplanation:
+    """:func:`explain_memory` of a compiled step's ``[state, batch, (mask), (metrics)]``."""
     state, batch, rest = args[0], args[1], list(args[2:])
     if rest and isinstance(rest[0], jax.Array):
         batch = Padded(batch, rest.pop(0), 0)
-    return state, batch, (rest[0] if rest else None)
-
-
-def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplanation:
-    """:func:`explain_memory` of a compiled step's arguments (see :func:`split_args`)."""
-    state, batch, metrics = split_args(args)
-    return explain_memory(spec, state, batch, metrics=metrics, **kwargs)
+    return explain_memory(spec, state, batch, metrics=rest[0] if rest else None, **kwargs)
 
 
 def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
@@ -577,44 +511,37 @@ class MemoryFit:
 def _table(tried: tuple[FitTrial, ...]) -> list[str]:
     """The trials as table lines."""
     head = ("change", "batch/device", "rows/step", "peak/device", "fits")
-    body = [
-        (
-            t.change,
-            t.batch_size,
-            t.rows,
-            "-" if t.peak is None else human_bytes(t.peak),
-            t.note or ("yes" if t.fits else "no"),
-        )
-        for t in tried
-    ]
+    fits = lambda t: t.note or ("yes" if t.fits else "no")  # noqa: E731
+    body = [(t.change, t.batch_size, t.rows, _bytes(t.peak), fits(t)) for t in tried]
     return text_table(head, body, rstrip=True)
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else human_bytes(n)
 
 
 class _Search:
     """Compiles candidates of one step (cached), recording each as a trial."""
 
-    def __init__(self, rows: BatchRows, state: Any, limit: int, tried: list[FitTrial]):
-        self.rows, self.state, self.limit, self.tried = rows, state, limit, tried
-        self._peaks: dict[tuple[str, int], int | None] = {}
+    def __init__(self, rows: BatchRows, state: Any, limit: int):
+        self.rows, self.state, self.limit = rows, state, limit
+        self.tried: dict[tuple[str, int], FitTrial] = {}
 
-    def peak(self, v: Variant, b: int) -> int | None:
-        key = (v.change, b)
-        if key not in self._peaks:
-            n = v.spec.strategy.n_devices
+    def trial(self, v: Variant, b: int) -> FitTrial:
+        """``v`` with ``b`` rows per device, compiled once."""
+        if (v.change, b) not in self.tried:
+            n, note, peak = v.spec.strategy.n_devices, "", None
             batch = batch_for(v.spec, self.rows, b * n)
-            note, peak = "", None
             try:
                 peak = plan(state_shapes(self.state), step=v.spec, batch=batch).peak
             except Exception as err:  # a candidate that does not compile does not fit
                 note = f"does not compile: {type(err).__name__}"
             fits = peak is not None and peak <= self.limit
-            self.tried.append(FitTrial(v.change, b, b * n, peak, fits, note))
-            self._peaks[key] = peak
-        return self._peaks[key]
+            self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)
+        return self.tried[v.change, b]
 
     def fits(self, v: Variant, b: int) -> bool:
-        peak = self.peak(v, b)
-        return peak is not None and peak <= self.limit
+        return self.trial(v, b).fits
 
     def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
         """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?"""
@@ -686,40 +613,39 @@ def fit_memory(
     # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     with spec.strategy.mesh_context():
         rows = batch_rows(spec, example_batch, "example_batch")
-        tried: list[FitTrial] = []
-        search = _Search(rows, state, limit_, tried)
+        search = _Search(rows, state, limit_)
         for v in _candidates(spec, state):
             unit = v.spec.accumulate  # 1 for an eval step
             if unit > max_batch_size or not search.fits(v, unit):
                 continue
             b, capped = search.largest(v, unit, max_batch_size)
-            n_rows = b * v.spec.strategy.n_devices
-            batch, peak = batch_for(v.spec, rows, n_rows), search.peak(v, b)
+            t, tried = search.trial(v, b), tuple(search.tried.values())
+            batch = batch_for(v.spec, rows, t.rows)
             change, found = (None, step) if v.spec is spec else (v.change, v.spec.step())
-            return MemoryFit(
-                b, n_rows, change, found, batch, peak, limit_, source, tuple(tried), capped
-            )
-    raise _nothing_fits(limit_, source, spec.accumulate, tried)
-
-
-def _nothing_fits(limit: int, source: str, unit: int, tried: list[FitTrial]) -> MemoryPlanError:
+            return MemoryFit(b, t.rows, change, found, batch, t.peak, limit_, source, tried, capped)
+    unit = spec.accumulate
     head = (
-        f"nothing fits in {human_bytes(limit)} ({source}): not even {unit} "
+        f"nothing fits in {human_bytes(limit_)} ({source}): not even {unit} "
         f"row{'s' if unit > 1 else ''} per device, as the step is or with any change "
         "below (each compiled, none run). Use more devices, a smaller model, or raise "
         "the limit if it is wrong."
     )
-    return MemoryPlanError("\n".join([head, *_table(tuple(tried))]))
+    raise MemoryPlanError("\n".join([head, *_table(tuple(search.tried.values()))]))
 
 
 def _candidates(spec: StepSpec, state: Any) -> Iterator[Variant]:
-    """The step as is, then each change in order of cost per step (lazily)."""
+    """The step as is, then each change in order of cost per step, then all that apply."""
     yield Variant("as is", "", spec)
-    for make in (fsdp_variant, remat_variant):
-        v = make(spec)
-        if v is not None:
-            yield v
-    yield from offload_variants(spec, state)
-    v = all_variant(spec, state)
-    if v is not None:
-        yield v
+    fsdp, remat, offload = fsdp_variant(spec), remat_variant(spec), offload_variants(spec, state)
+    yield from (v for v in (fsdp, remat, *offload) if v is not None)
+    changes = {"rules": "fsdp"} if fsdp else {}
+    changes.update({"offload": ("opt_state", "params")} if offload else {})
+    config = {"remat": True} if remat else {}
+    if len(changes) + len(config) < 2:
+        return
+    try:
+        changed = spec.strategy.replace(**changes, shard_map=False) if changes else None
+    except Exception:  # advice only
+        return
+    parts = [f"{k}={v!r}" for k, v in changes.items()] + [f"{k}=True" for k in config]
+    yield Variant(", ".join(parts), "all together", spec.replace(changed, **config))

@@ -23,7 +23,15 @@ from .._report import human_bytes, text_table
 from ._offload import HOST_KINDS
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
-_STATE_FIELDS = {"params": "params", "opt_state": "opt_state", "model_state": "model_state"}
+_LABELS = {
+    "params": ("params", "tab:blue"),
+    "opt_state": ("optimizer state", "tab:orange"),
+    "model_state": ("model state", "tab:green"),
+    "batch": ("batch", "tab:purple"),
+    "other": ("other named trees", "tab:gray"),
+    "unattributed": ("unattributed", "tab:red"),
+    "free": ("free (up to the limit)", "whitesmoke"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +133,29 @@ class MemoryLedger:
         if not folder.is_dir():
             raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
         path = str(path) if pathlib.Path(path).suffix else f"{path}.png"  # what matplotlib writes
-        fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(self.per_device)), 4.5))
-        _draw(self, fig, limit).savefig(path, dpi=100)
+        cats, devices = self.by_category(), list(self.per_device)
+        parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
+        limits = [limit or (self.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
+        if any(limits):
+            parts["free"] = [
+                max((m or 0) - sum(cats[d].values()), 0) for d, m in zip(devices, limits)
+            ]
+        unit = human_bytes(max([sum(col) for col in zip(*parts.values())] + [1])).split()[1]
+        scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
+        fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(devices)), 4.5))
+        ax, x, bottom = fig.subplots(), np.arange(len(devices)), np.zeros(len(devices))
+        for c, values in parts.items():
+            if any(values):
+                label, color = _LABELS[c]
+                ax.bar(x, np.array(values) / scale, 0.6, bottom, label=label, color=color, ec="k")
+                bottom += np.array(values) / scale
+        ax.set_xticks(x, [device_name(d) for d in devices], rotation=90 if len(x) > 16 else 0)
+        ax.set(xlabel="device", ylabel=f"bytes per device ({unit})")
+        ax.set_title(f"live device memory (jaxdev.memory): {self.attributed:.1%} attributed")
+        handles, labels = ax.get_legend_handles_labels()  # listed top-down, as stacked
+        ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
         return path
 
 
@@ -147,7 +176,7 @@ def ledger(**trees: Any) -> MemoryLedger:
       >>> ledger.entries[0].path, ledger.entries[0].total
       ("params['w']", 1048576)
     """
-    names, shapes = _named_arrays(trees)
+    names, shapes = named_arrays(trees)
     live = [(x, _buffers(x)) for x in jax.live_arrays() if not x.is_deleted()]
     # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
     live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
@@ -170,27 +199,27 @@ def ledger(**trees: Any) -> MemoryLedger:
         if named:
             entry = LedgerEntry(*named[0], counts)
         else:
-            kind = (tuple(x.shape), x.dtype, x.sharding)  # one look-up per kind of array
+            kind = (tuple(x.shape), str(x.dtype), x.sharding)  # one look-up per kind of array
             if kind not in likes:
                 likes[kind] = _like(x, shapes.get(kind[:2]))
-            unnamed = ("<unattributed>", "unattributed", kind[0], str(x.dtype))
+            unnamed = ("<unattributed>", "unattributed", *kind[:2])
             entry = LedgerEntry(*unnamed, counts, likes[kind])
         (offloaded if in_host else entries if named else others).append(entry)
     for rows in (entries, others, offloaded):
         rows.sort(key=lambda e: (-e.fullest, -e.total))
     for d in host:  # a device holding only offloaded arrays is listed with 0
         per_device.setdefault(d, 0)
-    stats = {d: _stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
+    stats = {d: memory_stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
     per_device = {d: per_device[d] for d in stats}
     host = {d: host[d] for d in stats if d in host}
     return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
 
 
-def _named_arrays(trees: Mapping[str, Any]) -> tuple[dict, dict]:
+def named_arrays(trees: Mapping[str, Any]) -> tuple[dict, dict]:
     """``{buffer: (path, category, shape, dtype)}`` of the named trees' arrays, and
-    ``{(stored shape, dtype): [(path, sharding), ...]}`` of their leaves (look-alikes)."""
+    ``{(stored shape, dtype name): [(path, sharding), ...]}`` of their leaves (look-alikes)."""
     names: dict[tuple[jax.Device, int], tuple[str, str, tuple, str]] = {}
-    shapes: dict[tuple[tuple[int, ...], Any], list] = {}
+    shapes: dict[tuple[tuple[int, ...], str], list] = {}
     for name, tree in trees.items():
         for path, leaf, category in _named_leaves(name, tree):
             if isinstance(leaf, jax.core.Tracer):
@@ -199,8 +228,9 @@ def _named_arrays(trees: Mapping[str, Any]) -> tuple[dict, dict]:
                 )
             if getattr(leaf, "ndim", 0) > 0 and hasattr(leaf, "dtype"):
                 like = (path, getattr(leaf, "sharding", None))  # numpy leaves have none
-                stored = _stored(leaf)
-                shapes.setdefault((tuple(stored.shape), stored.dtype), []).append(like)
+                # a typed PRNG key lives as its uint32 data (what JAX lists live)
+                stored = jax.eval_shape(jax.random.key_data, leaf) if is_prng_key(leaf) else leaf
+                shapes.setdefault((tuple(stored.shape), str(stored.dtype)), []).append(like)
             if is_jax_array(leaf) and not leaf.is_deleted():
                 for key in _buffers(leaf):
                     names.setdefault(key, (path, category, tuple(leaf.shape), str(leaf.dtype)))
@@ -216,26 +246,17 @@ def _like(x: jax.Array, leaves: list | None) -> str | None:
     return f"{path} (or {more} other{'s' * (more > 1)} of that shape)" if more else path
 
 
-def _stored(leaf: Any) -> Any:
-    """``leaf``, or the shape of a typed PRNG key's uint32 data (what JAX lists live)."""
-    if is_prng_key(leaf):
-        return jax.eval_shape(jax.random.key_data, leaf)
-    return leaf
-
-
 def _named_leaves(name: str, tree: Any):
     """``(path, leaf, category)`` of every leaf of a named tree."""
     fields = _state_fields(tree)
-    if fields is None:
-        category = "batch" if name == "batch" else ("params" if name == "params" else "other")
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            yield f"{name}{jax.tree_util.keystr(keys)}", leaf, category
-        return
-    for field in fields:
-        sub = getattr(tree, field)
-        category = _STATE_FIELDS.get(field, "other")
+    if fields is None:  # a tree named params or batch is that category
+        subtrees = [(name, tree, name if name in ("params", "batch") else "other")]
+    else:  # a state's params, opt_state and model_state fields are theirs
+        own = lambda f: f if f in CATEGORIES[:3] else "other"  # noqa: E731
+        subtrees = [(f"{name}.{f}", getattr(tree, f), own(f)) for f in fields]
+    for prefix, sub, category in subtrees:
         for keys, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-            yield f"{name}.{field}{jax.tree_util.keystr(keys)}", leaf, category
+            yield f"{prefix}{jax.tree_util.keystr(keys)}", leaf, category
 
 
 def _state_fields(tree: Any) -> list[str] | None:
@@ -260,7 +281,8 @@ def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
     return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
 
 
-def _stats(device: jax.Device) -> Any:
+def memory_stats(device: jax.Device) -> dict[str, Any] | None:
+    """``device.memory_stats()``, None where the backend reports none: the one reader."""
     try:
         return device.memory_stats()
     except Exception:  # CPU and some backends report none
@@ -271,28 +293,15 @@ def _stats(device: jax.Device) -> Any:
 
 
 def _format(ledger: MemoryLedger, top: int = 12) -> str:
-    lines = []
     head = ("device", "live", "attributed", "allocator in use", "peak", "limit")
-    cats = ledger.by_category()
-    body = []
+    cats, body = ledger.by_category(), []
     for d, total in ledger.per_device.items():
         stats = ledger.device_stats.get(d) or {}
-        named = total - cats[d]["unattributed"]
-
-        def stat(key, stats=stats):
-            return human_bytes(stats[key]) if key in stats else "-"
-
-        body.append(
-            (
-                device_name(d),
-                human_bytes(total),
-                human_bytes(named),
-                stat("bytes_in_use"),
-                stat("peak_bytes_in_use"),
-                stat("bytes_limit"),
-            )
-        )
-    lines.append(f"live device memory: {ledger.attributed:.1%} attributed to named trees")
+        named = human_bytes(total - cats[d]["unattributed"])
+        shown = [stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")]
+        shown = ["-" if n is None else human_bytes(n) for n in shown]
+        body.append((device_name(d), human_bytes(total), named, *shown))
+    lines = [f"live device memory: {ledger.attributed:.1%} attributed to named trees"]
     lines += text_table(head, body, rstrip=True)
     most = lambda e: human_bytes(e.fullest)  # noqa: E731
     rows = [(e.path, e.category, str(e.shape), e.dtype, most(e)) for e in ledger.entries]
@@ -325,44 +334,6 @@ def _where(e: LedgerEntry) -> str:
     """``cpu:3`` for an array on one device, ``8 devices`` for one on several."""
     devices = list(e.bytes_per_device)
     return device_name(devices[0]) if len(devices) == 1 else f"{len(devices)} devices"
-
-
-# ---------------------------------------------------------------- picture
-
-_LABELS = {
-    "params": ("params", "tab:blue"),
-    "opt_state": ("optimizer state", "tab:orange"),
-    "model_state": ("model state", "tab:green"),
-    "batch": ("batch", "tab:purple"),
-    "other": ("other named trees", "tab:gray"),
-    "unattributed": ("unattributed", "tab:red"),
-    "free": ("free (up to the limit)", "whitesmoke"),
-}
-
-
-def _draw(ledger: MemoryLedger, fig: Any, limit: int | None) -> Any:
-    """Draw ``ledger`` on ``fig``: one stacked bar per device, in one binary unit."""
-    cats, devices = ledger.by_category(), list(ledger.per_device)
-    parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
-    limits = [limit or (ledger.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
-    if any(limits):
-        parts["free"] = [max((m or 0) - sum(cats[d].values()), 0) for d, m in zip(devices, limits)]
-    top = max([sum(col) for col in zip(*parts.values())] + [1])
-    unit = human_bytes(top).split()[1]
-    scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
-    ax, x, bottom = fig.subplots(), np.arange(len(devices)), np.zeros(len(devices))
-    for c, values in parts.items():
-        if any(values):
-            label, color = _LABELS[c]
-            ax.bar(x, np.array(values) / scale, 0.6, bottom, label=label, color=color, ec="k")
-            bottom += np.array(values) / scale
-    ax.set_xticks(x, [device_name(d) for d in devices], rotation=90 if len(x) > 16 else 0)
-    ax.set(xlabel="device", ylabel=f"bytes per device ({unit})")
-    ax.set_title(f"live device memory (jaxdev.memory): {ledger.attributed:.1%} attributed")
-    handles, labels = ax.get_legend_handles_labels()  # listed top-down, as stacked
-    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    return fig
 
 
 __all__ = ["CATEGORIES", "LedgerEntry", "MemoryLedger", "ledger"]

@@ -8,6 +8,7 @@ bit. :func:`offloaded` is the one place that turns a layout into its offloaded l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -109,41 +110,26 @@ def kept_host(layout: Any, state: Any) -> Any:
     return treedef.unflatten(out)
 
 
-def _moved(tree: Any, layout: Any, kind: Callable[[Sharding], Sharding | None]) -> Any:
-    shardings = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, Sharding))
-    leaves, treedef = jax.tree.flatten(tree)
-    if len(shardings) != len(leaves):  # another structure: jit will say so
-        return tree
-    out = []
-    for x, s in zip(leaves, shardings):
-        target = kind(s)
-        out.append(x if target is None else jax.device_put(x, target))
-    return treedef.unflatten(out)
-
-
-def stream_in(state: Any, layout: Any) -> Any:
-    """Inside ``jit``: the offloaded leaves of ``state`` moved to device memory."""
-    return _moved(state, layout, lambda s: s.with_memory_kind("device") if is_host(s) else None)
-
-
-def stream_out(state: Any, layout: Any) -> Any:
-    """Inside ``jit``: the offloaded leaves of ``state`` moved back to host memory."""
-    return _moved(state, layout, lambda s: s if is_host(s) else None)
-
-
 def streamed(run: Callable, layout: Any, train: bool) -> Callable:
     """``run(axis, state, ...)`` with the state's offloaded leaves streamed in and out.
 
     ``run`` itself when ``layout`` offloads nothing.
     """
-    if not any(is_host(s) for s in jax.tree.leaves(layout, is_leaf=_is_sharding)):
+    shardings = jax.tree.leaves(layout, is_leaf=_is_sharding)
+    if not any(is_host(s) for s in shardings):
         return run
 
+    def moved(tree: Any, back: bool) -> Any:  # inside jit: offloaded leaves in (or back)
+        leaves, treedef = jax.tree.flatten(tree)
+        if len(shardings) != len(leaves):  # another structure: jit will say so
+            return tree
+        to = lambda s: s if back else s.with_memory_kind("device")  # noqa: E731
+        out = [jax.device_put(x, to(s)) if is_host(s) else x for x, s in zip(leaves, shardings)]
+        return treedef.unflatten(out)
+
     def inner(axis: Any, state: Any, *rest: Any) -> Any:
-        out = run(axis, stream_in(state, layout), *rest)
-        if not train:
-            return out
-        return (stream_out(out[0], layout), *out[1:])
+        out = run(axis, moved(state, False), *rest)
+        return (moved(out[0], True), *out[1:]) if train else out
 
     return inner
 
@@ -179,8 +165,4 @@ def host_bytes(lowered: Any, compiled: Any) -> tuple[int, int, int]:
 
 
 def _shard_bytes(s: Sharding, info: Any) -> int:
-    shape = s.shard_shape(tuple(info.shape))
-    n = 1
-    for d in shape:
-        n *= d
-    return n * info.dtype.itemsize
+    return math.prod(s.shard_shape(tuple(info.shape))) * info.dtype.itemsize

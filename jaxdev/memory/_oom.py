@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._errors import OutOfMemoryError, device_name
 from .._report import human_bytes, text_table
-from ._memory import MemoryLedger, ledger
+from ._memory import MemoryLedger, ledger, named_arrays
 from ._plan import XLA_OOM, bytes_limit, fsdp_alternative, is_resource_exhausted, plan
 
 
@@ -27,24 +26,6 @@ def first_line(err: BaseException) -> str:
     return (text[at:] if at >= 0 else text).splitlines()[0][:300]
 
 
-def named_shapes(trees: Mapping[str, Any]) -> dict[tuple[tuple[int, ...], str], str]:
-    """``{(shape, dtype): first key path}`` of the array-like leaves of named trees."""
-    out: dict[tuple[tuple[int, ...], str], str] = {}
-    for name, tree in trees.items():
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if hasattr(leaf, "shape") and hasattr(leaf, "dtype") and np.ndim(leaf) > 0:
-                key = (tuple(leaf.shape), str(leaf.dtype))
-                out.setdefault(key, f"{name}{jax.tree_util.keystr(keys)}")
-    return out
-
-
-def fullest(ledger: MemoryLedger) -> jax.Device | None:
-    """The device holding the most live bytes (None when nothing is live)."""
-    if not ledger.per_device:
-        return None
-    return max(ledger.per_device, key=lambda d: ledger.per_device[d])
-
-
 def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> list[str]:
     """The "live now" section: the fullest device's largest arrays by path, and likely leaks.
 
@@ -52,9 +33,9 @@ def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> 
     of ``trees`` is marked as an old copy of it (``LedgerEntry.like`` would also
     count the optimizer's look-alikes: "(or 2 others of that shape)").
     """
-    device = fullest(ledger)
-    if device is None:
+    if not ledger.per_device:
         return ["live now: no live arrays"]
+    device = max(ledger.per_device, key=lambda d: ledger.per_device[d])  # the fullest
     total = ledger.per_device[device]
     on = lambda e: e.bytes_per_device.get(device, 0)  # noqa: E731
     lines = [
@@ -66,17 +47,16 @@ def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> 
         for e in sorted(ledger.entries, key=lambda e: -on(e))[:top]
         if on(e)
     ]
-    shapes = named_shapes(trees)
+    shapes = named_arrays(trees)[1]  # the leaves an old copy may be of
     groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
     for e in ledger.unattributed:
         if on(e):
             g = groups.setdefault((e.shape, e.dtype), [0, 0])
             g[0], g[1] = g[0] + 1, g[1] + on(e)
     for (shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
-        like = shapes.get((shape, dtype))
         what = f"{count} unattributed array{'s' if count > 1 else ''}"
-        if like is not None:
-            what += f" shaped like {like} (old copies still referenced?)"
+        if (shape, dtype) in shapes:
+            what += f" shaped like {shapes[shape, dtype][0][0]} (old copies still referenced?)"
         rows.append((what, _shape(shape), dtype, human_bytes(n)))
     if rows:
         lines += [
@@ -100,17 +80,13 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) or "()"
 
 
-def oom_message(what: str, err: BaseException, trees: Mapping[str, Any], extra: list[str]) -> str:
-    """The message of an :class:`OutOfMemoryError` without a compiled step to explain."""
+def live_now(trees: Mapping[str, Any]) -> tuple[MemoryLedger | None, list[str]]:
+    """The ledger naming ``trees`` and its "live now" lines; a failure is a line, not raised."""
     try:
         book = ledger(**{k: v for k, v in trees.items() if v is not None})
-        live = live_lines(book, trees)
+        return book, live_lines(book, trees)
     except Exception as e:  # never hide the out-of-memory behind a second error
-        live = [f"live now: could not read the ledger ({type(e).__name__}: {e})"]
-    devices = jax.local_devices()
-    return "\n".join(
-        [f"{what} ran out of device memory ({first_line(err)})", *extra, *live, limit_line(devices)]
-    )
+        return None, [f"live now: could not read the ledger ({type(e).__name__}: {e})"]
 
 
 @contextlib.contextmanager
@@ -137,9 +113,9 @@ def explained_oom(
     except Exception as err:
         if not is_resource_exhausted(err):
             raise
-        named = _safe(trees, {})
-        lines = _safe(extra, [])
-        raise OutOfMemoryError(oom_message(what, err, named, lines)) from err
+        head = f"{what} ran out of device memory ({first_line(err)})"
+        lines = [head, *_safe(extra, []), *live_now(_safe(trees, {}))[1]]
+        raise OutOfMemoryError("\n".join([*lines, limit_line(jax.local_devices())])) from err
 
 
 def _safe(fn: Callable[[], Any] | None, default: Any) -> Any:

@@ -26,6 +26,7 @@ from .._leaves import PY_SCALARS, device_key, is_jax_array
 from .._mesh import batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
+from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host
 from ._spec import Described, StepSpec, StrategyLike, spec_of
 
@@ -419,11 +420,7 @@ def device_memory_limit(devices: Any) -> int | None:
 
 def bytes_limit(device: jax.Device) -> int | None:
     """``device.memory_stats()["bytes_limit"]`` (``None``: not reported): the one reader."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # backends without memory statistics
-        return None
-    limit = (stats or {}).get("bytes_limit")
+    limit = (memory_stats(device) or {}).get("bytes_limit")
     return int(limit) if limit else None
 
 
@@ -454,12 +451,8 @@ def resolve_limit(
             f"'bytes_limit'), so there is nothing to compare with: pass `{arg}=` in bytes "
             f"per device, e.g. `{example}`."
         )
-    if (
-        isinstance(limit, bool)
-        or not isinstance(limit, (int, float, np.integer, np.floating))
-        or not math.isfinite(limit)
-        or limit <= 0
-    ):
+    number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
+    if not (number and math.isfinite(limit) and limit > 0):
         raise UsageError(
             f"`{arg}` must be a number of bytes per device > 0 (e.g. 16 * 2**30) or None for "
             f"the devices' own limit, got {limit!r}."
@@ -495,7 +488,16 @@ def check_fits(
             explanation = explain(limit_, source)
         except Exception as e:  # advice only: the check's own message stands
             failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
-    alternative, fix = _fix(plan_, explanation)
+    advice = "" if explanation is None else explanation.advice()  # the compiled options' fix
+    shard = (
+        ""
+        if advice or _no_fsdp_advice(plan_)
+        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
+        "`rules='fsdp'` in `jaxdev.memory.plan`), "
+    )
+    other = "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
+    alternative = "" if advice else fsdp_alternative(plan_)
+    fix = f"{advice}." if advice else shard + other
     lead = f"{subject} needs" if subject else "needs"
     message = (
         f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
@@ -506,19 +508,6 @@ def check_fits(
     err = MemoryPlanError(message)
     err.explanation = explanation
     raise err
-
-
-def _fix(plan_: MemoryPlan, explanation: Any) -> tuple[str, str]:
-    """``(alternative, fix)`` of a plan that does not fit: the compiled advice, else fsdp's."""
-    if explanation is not None and explanation.advice():  # what the compiled options show
-        return "", explanation.advice() + "."
-    fix = (
-        ""
-        if _no_fsdp_advice(plan_)
-        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
-        "`rules='fsdp'` in `jaxdev.memory.plan`), "
-    ) + "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
-    return fsdp_alternative(plan_), fix
 
 
 def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
@@ -551,17 +540,13 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
 def _format(p: MemoryPlan) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.shape.items())
     rules = repr(p.rules) if isinstance(p.rules, str) else short(p.rules, 80)
-    head = ("category", "bytes/device", "total bytes", "sharded")
+    logical, sharded = sum(r.total_bytes for r in p.rows), sum(r.sharded_bytes for r in p.rows)
     body = [
         (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))
-        for r in p.rows
+        for r in [*p.rows, PlanRow("total", p.total, logical, sharded, 0)]
     ]
-    logical = sum(r.total_bytes for r in p.rows)
-    sharded = sum(r.sharded_bytes for r in p.rows)
-    everything = PlanRow("total", p.total, logical, sharded, 0)
-    body.append(("total", human_bytes(p.total), human_bytes(logical), _pct(everything)))
     lines = [f"memory plan: mesh({mesh}), rules={rules}"]
-    lines += text_table(head, body, rstrip=True)
+    lines += text_table(("category", "bytes/device", "total bytes", "sharded"), body, rstrip=True)
     if p.host:
         lines.append(
             f"offloaded to host memory (pinned_host): {human_bytes(p.host)} per device "
