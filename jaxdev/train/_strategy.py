@@ -97,7 +97,8 @@ class Strategy:
           2
         """
         devs = tuple(device_list(devices))
-        _check_axis_name(axis)
+        if not isinstance(axis, str) or not axis:
+            raise UsageError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
         return _Pmap("pmap", devs, mesh_of(devs, axis), axis)
 
     @classmethod
@@ -347,15 +348,8 @@ class _Single(Strategy):
     """``jax.jit`` on one device."""
 
     @property
-    def n_devices(self) -> int:
-        return 1
-
-    @property
     def state_target(self) -> Any:
         return self.devices[0]
-
-    def local_shards(self) -> int:
-        return 1
 
     def put_rows(self, batch: Any, pad: bool) -> Any:
         return to_device(detach_host(batch), self.devices[0])  # a copy the loader cannot refill
@@ -560,11 +554,6 @@ def _hashable_rules(rules: Any) -> Any:
     if isinstance(rules, list) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
         return tuple((pattern, spec) for pattern, spec in rules)
     return rules
-
-
-def _check_axis_name(axis: Any) -> None:
-    if not isinstance(axis, str) or not axis:
-        raise UsageError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
 
 
 def as_strategy(strategy: Any) -> Strategy:
