@@ -150,3 +150,22 @@ def test_masked_batchnorm_under_jit_is_exact_and_silent():
     ref, _ = single(ref, single.put_batch(_batch(rows=13)))  # one device: nothing padded
     for a, b in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(ref.model_state)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "pmap"])
+@pytest.mark.parametrize("groups", [{"accumulate": 2}, {"steps_per_call": 2}])
+@pytest.mark.parametrize("rows", [32, 29])
+def test_a_batch_not_grouped_for_k_steps_or_micro_batches_is_named_at_call_and_lower(
+    strategy, groups, rows
+):
+    """Was: '`batch` has 3 rows (leaf shape (32, 3))' at the call, and a bare ValueError
+    from `lax.scan` in `lower`."""
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[strategy](), donate=False, **groups)
+    state = step.init_state(_params(), SGD)
+    raw = {"x": np.ones((rows, 4), np.float32), "y": np.ones((rows,), np.float32)}
+    for call in (step, step.lower):
+        with pytest.raises(jaxdev.UsageError, match=r"takes its rows grouped as \(2,\).*put_batch"):
+            call(state, raw)
+    if "steps_per_call" in groups:  # K batches stacked by the caller, as put_batch takes them
+        raw = {k: np.stack([v, v]) for k, v in raw.items()}
+    step(state, step.put_batch(raw))  # grouped (and padded) by put_batch: runs

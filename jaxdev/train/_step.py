@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -88,6 +89,7 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
         if mask is None:
+            self._check_grouped(inner)
             axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
             self.strategy.check_even(inner, axis if self.is_train else 0)
         elif self.is_train and not self._warned_padding:
@@ -119,6 +121,20 @@ class _Step:
         # its error surfaces later, where its outputs are read: explained there (_pending)
         record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
         return out
+
+    def _check_grouped(self, batch: Any) -> None:
+        """Refuse a raw batch whose leading axes are not the step's groups (K steps, M micro)."""
+        k, m = self.steps_per_call, self.accumulate
+        groups = ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) if self.is_train else ()
+        at = 0 if self.strategy.row_axis(k, m) else 1  # pmap: the device axis leads
+        leaves = jax.tree.leaves(batch)
+        shape = np.shape(leaves[0]) if leaves else ()
+        if groups and (tuple(shape[at : at + len(groups)]) != groups or len(shape) <= at + 1):
+            raise UsageError(
+                f"`batch` has leaf shape {shape}, but this step (steps_per_call={k}, "
+                f"accumulate={m}) takes its rows grouped as {groups} from axis {at}. Place it "
+                "with `step.put_batch(batch)`: it groups (and pads) the rows."
+            )
 
     def _args(self, state: Any, batch: Any, mask: Any, metrics: Any) -> tuple[list[Any], tuple]:
         """The program's arguments (absent ones left out) and its key: one program per
@@ -210,6 +226,8 @@ class _Step:
           36868
         """
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if mask is None:
+            self._check_grouped(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
