@@ -126,10 +126,12 @@ class _Step:
         """Refuse a raw batch whose leading axes are not the step's groups (K steps, M micro)."""
         k, m = self.steps_per_call, self.accumulate
         groups = ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) if self.is_train else ()
+        if not groups:  # the common case, at every call: nothing to read
+            return
         at = 0 if self.strategy.row_axis(k, m) else 1  # pmap: the device axis leads
         leaves = jax.tree.leaves(batch)
         shape = np.shape(leaves[0]) if leaves else ()
-        if groups and (tuple(shape[at : at + len(groups)]) != groups or len(shape) <= at + 1):
+        if tuple(shape[at : at + len(groups)]) != groups or len(shape) <= at + 1:
             raise UsageError(
                 f"`batch` has leaf shape {shape}, but this step (steps_per_call={k}, "
                 f"accumulate={m}) takes its rows grouped as {groups} from axis {at}. Place it "
