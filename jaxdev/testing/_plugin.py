@@ -376,7 +376,7 @@ class _Controller:
                 self.broken[key] = why
                 self._close(key)
                 return [_failed(item, "setup", f"{item.nodeid}: {why}")]
-            worker.send(run=item.nodeid, next=self.next.get(item.nodeid))
+            _send(worker.cmd, run=item.nodeid, next=self.next.get(item.nodeid))
             while (msg := worker.recv()) is not None and "report" in msg:
                 reports.append(_report(self.config, msg["report"]))
             if msg is not None and "missing" in msg:
@@ -415,6 +415,12 @@ class _Controller:
             self.ending.append(worker)
 
 
+def _send(pipe, **msg) -> None:
+    """One message, a JSON line (the worker protocol both ways)."""
+    pipe.write(json.dumps(msg, default=repr) + "\n")
+    pipe.flush()
+
+
 def _next_phase(reports: list) -> str:
     return ("setup", "call", "teardown")[min(len(reports), 2)]
 
@@ -439,9 +445,7 @@ class _Handle:
         (cmd_r, cmd_w), (res_r, res_w) = os.pipe(), os.pipe()
         orders = dict(pins=pins, platform=platform, count=n, what=f"the worker for {self.what}")
         orders.update(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
-        orders["parent"] = os.getpid()
-        orders["basetemp"] = _basetemp(config, f"{platform}{n}-{number}")
-        env = {**os.environ, ENV: json.dumps(orders)}
+        env = {**os.environ, ENV: _orders(config, f"{platform}{n}-{number}", orders)}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *config.invocation_params.args, *_TEE],
@@ -455,10 +459,6 @@ class _Handle:
         os.close(cmd_r)
         os.close(res_w)
         self.cmd, self.res = os.fdopen(cmd_w, "w"), os.fdopen(res_r, "r")
-
-    def send(self, **msg) -> None:
-        self.cmd.write(json.dumps(msg) + "\n")
-        self.cmd.flush()
 
     def recv(self) -> dict | None:
         line = self.res.readline()
@@ -510,9 +510,11 @@ def _quiet(text: str, limit: int) -> str:
     return "\n".join(kept[-limit:])
 
 
-def _basetemp(config, name: str) -> str | None:
+def _orders(config, name: str, orders: dict) -> str:
+    """A worker's orders (JSON), with its parent's pid and a basetemp of its own, ``name``."""
     factory = getattr(config, "_tmp_path_factory", None)  # pytest's own (as xdist uses it)
-    return None if factory is None else str(factory.getbasetemp() / f"jaxdev-{name}")
+    base = None if factory is None else str(factory.getbasetemp() / f"jaxdev-{name}")
+    return json.dumps({**orders, "parent": os.getpid(), "basetemp": base})
 
 
 def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
@@ -523,10 +525,10 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
     with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
         orders = dict(pins={"jax_platforms": "cpu", "jax_num_cpu_devices": m}, platform="cpu")
         orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid, id="jaxdev-p")
-        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout, parent=os.getpid())
-        orders["basetemp"] = _basetemp(config, os.path.basename(run_dir))
+        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout)
         # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
-        env = {ENV: json.dumps(orders), "JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
+        env = {"JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
+        env[ENV] = _orders(config, os.path.basename(run_dir), orders)
         out, cmd = io.StringIO(), [sys.executable, "-m", "pytest", *config.invocation_params.args]
         cmd += _TEE
         try:  # the launcher's own timeout is a backstop: start-up, then the test's
@@ -585,10 +587,6 @@ class _Worker:
         config.pluginmanager.unregister(name="terminalreporter")  # the controller prints
         config.pluginmanager.register(_Quiet(config, open(os.devnull, "w")), "terminalreporter")
 
-    def send(self, **msg) -> None:
-        self.out.write(json.dumps(msg, default=repr) + "\n")
-        self.out.flush()
-
     def pytest_sessionstart(self, session):
         if "run" in _WORKER:
             from jaxdev.distributed import initialize
@@ -606,7 +604,7 @@ class _Worker:
 
     def pytest_runtest_logreport(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.send(report=data)
+        _send(self.out, report=data)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session):
@@ -615,15 +613,15 @@ class _Worker:
             return self._run_once(session, items.get(_WORKER["run"]))
         commands, self.out = os.fdopen(_WORKER["fds"][0]), os.fdopen(_WORKER["fds"][1], "w")
         why = _PINS.check()
-        self.send(**({"error": why} if why else {"ready": len(items)}))
+        _send(self.out, **({"error": why} if why else {"ready": len(items)}))
         for line in () if why else commands:
             msg = json.loads(line)
             item = items.get(msg["run"])
             if item is None:
-                self.send(missing=self._missing(msg["run"]))
+                _send(self.out, missing=self._missing(msg["run"]))
                 continue
             item.ihook.pytest_runtest_protocol(item=item, nextitem=items.get(msg["next"]))
-            self.send(done=True, restart=self.tainted)
+            _send(self.out, done=True, restart=self.tainted)
         return True
 
     def _run_once(self, session, item) -> bool:
