@@ -99,24 +99,27 @@ def sample_side_by_side(
     return samples
 
 
-def time_side_by_side(
-    variants: dict[str, Callable[[], Any]], reps: int, *, self_timed: bool = False
-) -> dict[str, float]:
-    """Return the median seconds of every variant (:func:`sample_side_by_side`)."""
+def _compared(
+    key: str,
+    title: str,
+    variants: dict[str, Callable[[], Any]],
+    reps: int,
+    ratios: dict[str, tuple[str, str]],
+    note: str,
+    *,
+    calls: int = 1,
+    self_timed: bool = False,
+) -> Result:
+    """The median seconds of ``variants`` timed side by side, and ``ratios`` of them.
+
+    ``ratios``: label -> (numerator, denominator) variant. ``calls`` > 1 times that many
+    calls per sample (microsecond-scale calls) and reports the seconds of one.
+    """
+    if calls > 1:
+        variants = {k: lambda fn=fn: [fn() for _ in range(calls)] for k, fn in variants.items()}
     samples = sample_side_by_side(variants, reps, self_timed=self_timed)
-    return {name: float(np.median(seconds)) for name, seconds in samples.items()}
-
-
-def _repeat(fn: Callable[[], Any], n: int) -> Callable[[], Any]:
-    """Return a callable running ``fn`` ``n`` times (for microsecond-scale calls)."""
-
-    def run() -> Any:
-        out = None
-        for _ in range(n):
-            out = fn()
-        return out
-
-    return run
+    times = {k: float(np.median(v)) / calls for k, v in samples.items()}
+    return Result(key, title, times, {k: times[a] / times[b] for k, (a, b) in ratios.items()}, note)
 
 
 # ---------------------------------------------------------------- exercise 1
@@ -138,13 +141,12 @@ def matmul_cpu_vs_accelerator(size: int, reps: int) -> Result:
     on_cpu = _operands(size, jaxdev.d2l.cpu())
     on_accel = _operands(size, accel)
     name = f"{accel.platform}:{accel.id}"
-    variants = {"cpu:0": lambda: _MATMUL(*on_cpu), name: lambda: _MATMUL(*on_accel)}
-    times = time_side_by_side(variants, reps)
-    return Result(
+    return _compared(
         f"ex1_matmul_{size}",
         f"d2l ex. 1: matmul {size}x{size}, CPU vs {accel.platform}",
-        times,
-        {f"cpu / {accel.platform}": times["cpu:0"] / times[name]},
+        {"cpu:0": lambda: _MATMUL(*on_cpu), name: lambda: _MATMUL(*on_accel)},
+        reps,
+        {f"cpu / {accel.platform}": ("cpu:0", name)},
         "above 1: the accelerator is faster; small matrices mostly measure dispatch",
     )
 
@@ -215,24 +217,22 @@ def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
             )
             for size in sizes
         ]
-    workers = {"1 core": _Worker(True), f"all {cores} cores": _Worker(False)}
+    every = f"all {cores} cores"
+    workers = {"1 core": _Worker(True), every: _Worker(False)}
     try:
-        out = []
-        for size in sizes:
-            variants = {k: w.time(size) for k, w in workers.items()}
-            times = time_side_by_side(variants, reps, self_timed=True)
-            one, every = times.values()
-            out.append(
-                Result(
-                    f"ex1_matmul_{size}",
-                    f"d2l ex. 1: matmul {size}x{size}, no accelerator: CPU 1 core vs {cores} cores",
-                    times,
-                    {f"1 core / {cores} cores": one / every},
-                    f"no accelerator here; {cores} cores can give about {cores}x on a large "
-                    "matrix (cache effects add noise); small matrices barely use the extra cores",
-                )
+        return [
+            _compared(
+                f"ex1_matmul_{size}",
+                f"d2l ex. 1: matmul {size}x{size}, no accelerator: CPU 1 core vs {cores} cores",
+                {k: w.time(size) for k, w in workers.items()},
+                reps,
+                {f"1 core / {cores} cores": ("1 core", every)},
+                f"no accelerator here; {cores} cores can give about {cores}x on a large "
+                "matrix (cache effects add noise); small matrices barely use the extra cores",
+                self_timed=True,
             )
-        return out
+            for size in sizes
+        ]
     finally:
         for w in workers.values():
             w.close()
@@ -285,20 +285,13 @@ def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
         return log.fetch()
 
     np.testing.assert_allclose(host_log(), device_log(), rtol=1e-4)
-    times = time_side_by_side(
-        {
-            "float() per step": host_log,
-            "DeviceLog, 1 fetch": device_log,
-            "DeviceLog in lax.scan": device_scan,
-        },
-        reps,
-    )
-    host, dlog, scan = times.values()
-    return Result(
+    host, dlog, scan = "float() per step", "DeviceLog, 1 fetch", "DeviceLog in lax.scan"
+    return _compared(
         "ex3_log",
         f"d2l ex. 3: {steps} matmuls {size}x{size} on {dev.platform}, norm logged every step",
-        times,
-        {"host log / DeviceLog": host / dlog, "host log / DeviceLog+scan": host / scan},
+        {host: host_log, dlog: device_log, scan: device_scan},
+        reps,
+        {"host log / DeviceLog": (host, dlog), "host log / DeviceLog+scan": (host, scan)},
         "above 1: keeping the log on device is faster (one transfer instead of "
         f"{steps} syncs); the logged values are checked equal",
     )
@@ -321,14 +314,6 @@ def two_devices_at_once(size: int, reps: int) -> Result:
     a0, b0 = _operands(size, devs[0])
     a1, b1 = _operands(size, devs[1])
     c0, d0 = jaxdev.copy_to((a1, b1), devs[0])
-    times = time_side_by_side(
-        {
-            "2 devices at once": lambda: (_MATMUL(a0, b0), _MATMUL(a1, b1)),
-            "1 device, in sequence": lambda: (_MATMUL(a0, b0), _MATMUL(c0, d0)),
-        },
-        reps,
-    )
-    at_once, seq = times.values()
     platform = devs[0].platform
     shared = (
         f"; these are fake CPU devices sharing the host's {os.cpu_count()} cores, so "
@@ -336,11 +321,16 @@ def two_devices_at_once(size: int, reps: int) -> Result:
         if platform == "cpu"
         else ""
     )
-    return Result(
+    at_once, seq = "2 devices at once", "1 device, in sequence"
+    return _compared(
         "ex4_two_devices",
         f"d2l ex. 4: two matmuls {size}x{size} on {platform}:0 and {platform}:1 vs on {platform}:0",
-        times,
-        {"sequence / at once": seq / at_once},
+        {
+            at_once: lambda: (_MATMUL(a0, b0), _MATMUL(a1, b1)),
+            seq: lambda: (_MATMUL(a0, b0), _MATMUL(c0, d0)),
+        },
+        reps,
+        {"sequence / at once": (seq, at_once)},
         f"ideal 2x (linear scaling){shared}",
     )
 
@@ -365,65 +355,51 @@ def placement_figures(reps: int, inner: int) -> list[Result]:
     dev = jax.local_devices()[0]
     host = _params_tree()
     placed = jax.device_put(host, dev)
-    noop = time_side_by_side(
-        {
-            "jax.device_put": _repeat(lambda: jax.device_put(placed, dev), inner),
-            "jaxdev.to_device": _repeat(lambda: jaxdev.to_device(placed, dev), inner),
-        },
-        reps,
-    )
-    noop = {k: v / inner for k, v in noop.items()}
     mesh = jaxdev.data_mesh()
-    rep = NamedSharding(mesh, P())
-    replicated = time_side_by_side(
-        {
-            "jax.device_put(P())": lambda: jax.device_put(host, rep),
-            "jaxdev.replicate": lambda: jaxdev.replicate(host, mesh),
-        },
-        reps,
-    )
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     rows = 128 * mesh.size
     batch = {
         "x": np.random.default_rng(1).normal(size=(rows, 64)).astype(np.float32),
         "y": np.arange(rows, dtype=np.int32),
     }
-    split = NamedSharding(mesh, P("data"))
-    sharded = time_side_by_side(
-        {
-            "jax.device_put(P('data'))": lambda: jax.device_put(batch, split),
-            "jaxdev.shard_batch": lambda: jaxdev.shard_batch(batch, mesh),
-        },
-        reps,
-    )
     n_leaves = len(jax.tree.leaves(host))
+    no_overhead = "1 = no overhead over the raw call (target <= 1.10)"
     return [
-        Result(
+        _compared(
             "place_noop",
             f"placement: move a {n_leaves}-leaf params tree already on {dev.platform}:{dev.id}",
-            noop,
-            {"device_put / to_device": noop["jax.device_put"] / noop["jaxdev.to_device"]},
+            {
+                "jax.device_put": lambda: jax.device_put(placed, dev),
+                "jaxdev.to_device": lambda: jaxdev.to_device(placed, dev),
+            },
+            reps,
+            {"device_put / to_device": ("jax.device_put", "jaxdev.to_device")},
             "above 1: to_device returns placed leaves as they are (target >= 20x)",
+            calls=inner,
         ),
-        Result(
+        _compared(
             "place_replicate",
             f"placement: replicate a {n_leaves}-leaf params tree on {mesh.size} devices",
-            replicated,
-            {"replicate / device_put": _ratio(replicated)},
-            "1 = no overhead over the raw call (target <= 1.10)",
+            {
+                "jax.device_put(P())": lambda: jax.device_put(host, rep),
+                "jaxdev.replicate": lambda: jaxdev.replicate(host, mesh),
+            },
+            reps,
+            {"replicate / device_put": ("jaxdev.replicate", "jax.device_put(P())")},
+            no_overhead,
         ),
-        Result(
+        _compared(
             "place_shard",
             f"placement: split a batch of {rows} rows over {mesh.size} devices",
-            sharded,
-            {"shard_batch / device_put": _ratio(sharded)},
-            "1 = no overhead over the raw call (target <= 1.10)",
+            {
+                "jax.device_put(P('data'))": lambda: jax.device_put(batch, split),
+                "jaxdev.shard_batch": lambda: jaxdev.shard_batch(batch, mesh),
+            },
+            reps,
+            {"shard_batch / device_put": ("jaxdev.shard_batch", "jax.device_put(P('data'))")},
+            no_overhead,
         ),
     ]
-
-
-def _ratio(times: dict[str, float]) -> float:
-    raw, ours = times.values()
-    return ours / raw
 
 
 # ---------------------------------------------------------------- the run
