@@ -66,14 +66,14 @@ class _Step:
         self.strategy = strategy = spec.strategy
         k = self.steps_per_call = spec.steps_per_call
         self.accumulate = spec.accumulate
-        self.memory_limit = spec.memory_limit
         self.n_lead = (k > 1) + (spec.accumulate > 1)  # group axes before a batch's rows
         self.config, self.donate, self.is_train = spec.config, spec.donate, spec.train
         self._compiled: dict[tuple, Callable] = {}
         self._jitted: dict[tuple, Any] = {}  # the jax.jit / pmap objects, for lower()
         self._in_shardings: dict[tuple, list[Any]] = {}  # sharded: what each argument expects
         self._by_rules = strategy.by_rules
-        self._bounded = _cpu_collectives(strategy)
+        cpus = [d.platform == "cpu" for d in strategy.devices]
+        self._bounded = len(cpus) > 1 and all(cpus)  # collectives across CPU devices
         self._target = strategy.state_target
         self._inflight: collections.deque = collections.deque()
         self._warned_padding = False
@@ -82,7 +82,7 @@ class _Step:
         self._checked: set[tuple] | None = None if budget is None else set()
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
 
-    def _call(self, state: Any, batch: Any, metrics: Collection | None) -> Any:
+    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         explained = failed("the next call of the step", self)  # the last call ran out of memory
         if explained is not None:
             raise explained
@@ -363,11 +363,6 @@ class TrainStep(_Step):
     ``n_lead`` the group axes (``steps_per_call``, ``accumulate``) before a batch's rows.
     """
 
-    def __call__(
-        self, state: Any, batch: Any, metrics: Collection | None = None
-    ) -> tuple[Any, Collection]:
-        return self._call(state, batch, metrics)
-
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
         return out[:2], out[2]  # the token: an undonated copy of the step counter
 
@@ -377,15 +372,6 @@ class EvalStep(_Step):
 
     Made by :func:`jaxdev.make_eval_step`; nothing is donated.
     """
-
-    def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Collection:
-        return self._call(state, batch, metrics)
-
-
-def _cpu_collectives(strategy: Strategy) -> bool:
-    """Whether steps run collectives across several CPU devices."""
-    devices = strategy.devices
-    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
 def _misplaced(
@@ -426,11 +412,11 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
     """Compile ``run(state, batch[, mask][, acc])`` (absent arguments left out: jax 0.10.2's
     pmap mis-splits ``None`` ones)."""
     strategy, cfg, k, train = step.strategy, step.config, step.steps_per_call, step.is_train
-    n_lead = step.n_lead
+    lead = step.n_lead + 1  # an unpadded batch's mask covers the group axes and the rows
 
     def run(axis, *args):
         state, batch = args[0], args[1]
-        mask = args[2] if has_mask else _all_rows(batch, n_lead)
+        mask = args[2] if has_mask else jnp.ones(jnp.shape(jax.tree.leaves(batch)[0])[:lead], bool)
         acc = args[-1] if has_acc else None
         if not train:
             metrics = eval_body(cfg, axis, state, batch, mask)
@@ -446,11 +432,6 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
     n_args = 2 + has_mask + has_acc
     donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
     return strategy.compile(run, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
-
-
-def _all_rows(batch: Any, n_lead: int) -> jax.Array:
-    leaf = jax.tree.leaves(batch)[0]
-    return jnp.ones(jnp.shape(leaf)[: n_lead + 1], bool)
 
 
 # ---------------------------------------------------------------- factories

@@ -424,7 +424,7 @@ def warn_padded_model_state(
             "(exact); or drop the remainder yourself (give a row count the devices divide); "
             "or silence this warning if the state ignores rows.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
         return True
     if collective_axis is not None:
@@ -437,7 +437,7 @@ def warn_padded_model_state(
             "(`Strategy.sharded(mesh)`, the step sees the whole batch), or give a row count "
             "the devices divide.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
         return True
     return False
