@@ -27,7 +27,7 @@ from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state
 from ._memory import MemoryLedger
 from ._oom import first_line, is_resource_exhausted, limit_line, live_now
-from ._plan import MemoryPlan, check_fits, plan, resolve_limit, step_plan
+from ._plan import MemoryPlan, check_fits, fsdp_applies, plan, resolve_limit, step_plan
 from ._spec import Described, StepSpec, spec_of
 
 _log = logging.getLogger("jaxdev")
@@ -143,8 +143,8 @@ def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOptio
 
 def fsdp_variant(spec: StepSpec) -> Variant | None:
     """``rules='fsdp'`` over the mesh, only for ``rules='replicate'`` (keeps a user's layout)."""
-    strategy, rules = spec.strategy, spec.strategy.rules
-    if strategy.mesh.size < 2 or not (isinstance(rules, str) and rules == "replicate"):
+    strategy = spec.strategy
+    if not fsdp_applies(strategy.mesh, strategy.rules):
         return None
     try:
         fsdp = strategy.replace(rules="fsdp", shard_map=False)
@@ -321,9 +321,10 @@ class MemoryExplanation:
                 "options, each compiled for this state and batch (none run; "
                 f"{self.compiles} programs compiled in {self.seconds:.1f} s):"
             )
-            fits = lambda o: o.note or ("?" if o.fits is None else "yes" if o.fits else "no")  # noqa: E731
+            fits = {None: "?", True: "yes", False: "no"}
             body = [
-                (o.change, o.what, _bytes(o.peak), _bytes(o.temp), fits(o)) for o in self.options
+                (o.change, o.what, _bytes(o.peak), _bytes(o.temp), o.note or fits[o.fits])
+                for o in self.options
             ]
             head = ("change", "what", "peak/device", "temporaries", "fits")
             lines += ["  " + line for line in text_table(head, body, rstrip=True)]
@@ -359,7 +360,8 @@ def explain_memory(
         compiled already; ``error``: XLA's message after an out-of-memory.
     """
     names = check_options(options)
-    spec, limit, by = _budget(step, limit, required=False)
+    spec = spec_of(step)
+    limit, by = resolve_limit(limit, check_mesh(spec.strategy.mesh), required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
     subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
@@ -380,12 +382,6 @@ def explain_memory(
     return MemoryExplanation(
         subject, plan_, limit, source or by, book, found, tuple(live), error, compiles, seconds
     )
-
-
-def _budget(step: StepSpec | Described, limit: Any, **kwargs: Any) -> tuple[StepSpec, Any, str]:
-    """The step's description and ``(limit, source)`` (:func:`resolve_limit` over its mesh)."""
-    spec = spec_of(step)
-    return (spec, *resolve_limit(limit, check_mesh(spec.strategy.mesh), **kwargs))
 
 
 # ---------------------------------------------------------------- out of memory
@@ -609,7 +605,7 @@ def fit_memory(
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
-    spec, limit_, source = _budget(spec, limit, example=example)
+    limit_, source = resolve_limit(limit, check_mesh(spec.strategy.mesh), example=example)
     # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     with spec.strategy.mesh_context():
         rows = batch_rows(spec, example_batch, "example_batch")

@@ -152,16 +152,9 @@ def host_bytes(lowered: Any, compiled: Any) -> tuple[int, int, int]:
         return 0, 0, 0
     if len(ins) != len(infos) or len(outs) != len(out_info):
         return 0, 0, 0
-    arg = donated = out = 0
-    for s, info in zip(ins, infos):
-        if is_host(s):
-            n = _shard_bytes(s, info)
-            arg += n
-            donated += n if info.donated else 0
-    for s, info in zip(outs, out_info):
-        if is_host(s):
-            out += _shard_bytes(s, info)
-    return arg, out, min(donated, out)
+    host_in = [(_shard_bytes(s, i), i.donated) for s, i in zip(ins, infos) if is_host(s)]
+    out = sum(_shard_bytes(s, i) for s, i in zip(outs, out_info) if is_host(s))
+    return sum(n for n, _ in host_in), out, min(sum(n for n, d in host_in if d), out)
 
 
 def _shard_bytes(s: Sharding, info: Any) -> int:

@@ -199,7 +199,8 @@ class _Tally:
         if hit is None:
             per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
             names = tuple(device_name(d) for d in s.device_set)
-            hit = self._cache[key] = (per, names, _is_sharded(s))
+            sharded = len(s.device_set) > 1 and not s.is_fully_replicated  # split over several
+            hit = self._cache[key] = (per, names, sharded)
         per, names, sharded = hit
         logical = math.prod(shape) * dtype.itemsize
         row = self.host if is_host(s) else self.per_device[category]
@@ -223,11 +224,6 @@ class _Tally:
             for name, n in row.items():
                 out[name] = out.get(name, 0) + n
         return out
-
-
-def _is_sharded(s: Sharding) -> bool:
-    """Split over several devices (not fully replicated, not one device)."""
-    return len(s.device_set) > 1 and not s.is_fully_replicated
 
 
 def _build(
@@ -491,7 +487,7 @@ def check_fits(
     advice = "" if explanation is None else explanation.advice()  # the compiled options' fix
     shard = (
         ""
-        if advice or _no_fsdp_advice(plan_)
+        if advice or not fsdp_applies(plan_.mesh, plan_.rules)
         else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
         "`rules='fsdp'` in `jaxdev.memory.plan`), "
     )
@@ -510,15 +506,16 @@ def check_fits(
     raise err
 
 
-def _no_fsdp_advice(plan_: MemoryPlan) -> bool:
-    """One device, or params the rules already lay out ('fsdp' would replace the user's rules)."""
-    return plan_.mesh.size == 1 or not _same_rules(plan_.rules, "replicate")
+def fsdp_applies(mesh: Mesh, rules: Any) -> bool:
+    """Whether to offer ``rules='fsdp'``: several devices and replicated params (not a user's
+    own rules, which 'fsdp' would replace)."""
+    return mesh.size > 1 and _same_rules(rules, "replicate")
 
 
 def fsdp_alternative(plan_: MemoryPlan) -> str:
     """``"; with rules='fsdp' over 8 devices: 8.1 GiB"`` for replicated params, else ``""``."""
     mesh, inputs = plan_.mesh, plan_._inputs
-    if inputs is None or _no_fsdp_advice(plan_):
+    if inputs is None or not fsdp_applies(mesh, plan_.rules):
         return ""
     options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
     try:
