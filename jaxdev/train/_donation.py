@@ -36,12 +36,12 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
 
 
 def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
-    named = [(f"state{p}", x) for p, x in zip(key_strings(state), jax.tree.leaves(state))]
-    if metrics is not None:
-        named += [
-            (f"metrics{p}", x) for p, x in zip(key_strings(metrics), jax.tree.leaves(metrics))
-        ]
-    return named
+    trees = {"state": state, "metrics": metrics}
+    return [
+        (name + p, x)
+        for name, t in trees.items()
+        for p, x in zip(key_strings(t), jax.tree.leaves(t))
+    ]
 
 
 def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
