@@ -251,7 +251,12 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
             "`devices` is empty: a mesh, a strategy or a replication needs at least one "
             f"device. Pass None for every local device. {available_devices()}"
         )
-    _check_distinct(out)
+    if len(set(out)) < len(out):
+        twice = next(d for i, d in enumerate(out) if d in out[:i])
+        raise DeviceSpecError(
+            f"`devices` lists {device_name(twice)} twice: [{format_devices(out)}]. Each "
+            "device may appear once."
+        )
     return out
 
 
@@ -267,17 +272,6 @@ def _first_n(n: int) -> list[jax.Device]:
             + available_devices()
         )
     return list(local[:n])
-
-
-def _check_distinct(devices: list[jax.Device]) -> None:
-    seen: set[jax.Device] = set()
-    for d in devices:
-        if d in seen:
-            raise DeviceSpecError(
-                f"`devices` lists {device_name(d)} twice: "
-                f"[{format_devices(devices)}]. Each device may appear once."
-            )
-        seen.add(d)
 
 
 def backend_started() -> bool:
@@ -316,12 +310,9 @@ def use_fake_cpu_devices(n: int) -> None:
             "before Python starts. " + available_devices()
         )
     jax.config.update("jax_num_cpu_devices", n)
-    os.environ["XLA_FLAGS"] = _with_device_count_flag(os.environ.get("XLA_FLAGS", ""), n)
-
-
-def _with_device_count_flag(flags: str, n: int) -> str:
-    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={n}"])
 
 
 def describe() -> dict[str, Any]:

@@ -155,13 +155,6 @@ class _ShardingInfo(NamedTuple):
     sharded: bool  # split over several devices (not fully replicated)
 
 
-def _sharding_info(s: Sharding) -> _ShardingInfo:
-    names = tuple(device_name(d) for d in sorted(s.device_set, key=device_key))
-    local = tuple(device_name(d) for d in sorted(s.addressable_devices, key=device_key))
-    sharded = len(names) > 1 and not s.is_fully_replicated
-    return _ShardingInfo(describe_sharding(s), names, s.memory_kind, local, sharded)
-
-
 class _Kind:
     """What every leaf with one (sharding, shape, dtype) shares in the report."""
 
@@ -184,25 +177,31 @@ class _ReportBuilder:
         self.rows: list[LeafPlacement] = []
         self._kinds: dict[tuple[Any, tuple[int, ...], Any], _Kind] = {}
         self._infos: dict[Sharding, _ShardingInfo] = {}
-        # totals of leaves outside the fast path: (replicated, sharded) per device
-        self._extra: tuple[dict[str, int], dict[str, int]] = ({}, {})
 
     def totals(self) -> tuple[dict[str, int], dict[str, int]]:
         """``(replicated, sharded)`` bytes per device name."""
-        replicated, sharded = dict(self._extra[0]), dict(self._extra[1])
+        replicated: dict[str, int] = {}
+        sharded: dict[str, int] = {}
         for kind in self._kinds.values():
             out = sharded if kind.info.sharded else replicated
             for name in kind.info.local:
                 out[name] = out.get(name, 0) + kind.nbytes * kind.count
         return replicated, sharded
 
-    def _kind(self, key: tuple[Any, tuple[int, ...], Any], s: Sharding) -> _Kind:
-        _, shape, dtype = key
-        info = self._infos.get(s)
-        if info is None:
-            info = self._infos[s] = _sharding_info(s)
-        kind = self._kinds[key] = _Kind(shape, dtype, s, info)
-        return kind
+    def _kind(self, leaf: jax.Array) -> _Kind:
+        """The kind of ``leaf`` (made on its first leaf; the caller counts the leaf)."""
+        s = leaf.sharding
+        key = (sharding_key(s), leaf.shape, leaf.dtype)
+        if key not in self._kinds:
+            info = self._infos.get(s)
+            if info is None:
+                names = tuple(device_name(d) for d in sorted(s.device_set, key=device_key))
+                local = tuple(device_name(d) for d in sorted(s.addressable_devices, key=device_key))
+                sharded = len(names) > 1 and not s.is_fully_replicated
+                info = _ShardingInfo(describe_sharding(s), names, s.memory_kind, local, sharded)
+                self._infos[s] = info
+            self._kinds[key] = _Kind(tuple(leaf.shape), leaf.dtype, s, info)
+        return self._kinds[key]
 
     def add_all(self, paths: Sequence[str], leaves: Sequence[Any]) -> None:
         """Add leaves with their key-path strings; the common array case is inlined (hot loop)."""
@@ -212,39 +211,29 @@ class _ReportBuilder:
             if type(leaf) is not impl or leaf.is_deleted():
                 self._add_unusual(path, leaf)
                 continue
-            s = leaf.sharding
-            key = (sharding_key(s), leaf.shape, leaf.dtype)
-            kind = kinds.get(key)
-            if kind is None:
-                kind = self._kind(key, s)
+            kind = kinds.get((sharding_key(leaf.sharding), leaf.shape, leaf.dtype))
+            kind = kind or self._kind(leaf)
             kind.count += 1
             append(new_row(row_type, (path, *kind.row_head, leaf.committed, kind.nbytes, False)))
 
     def _add_unusual(self, path: str, leaf: Any) -> None:
         if not isinstance(leaf, jax.Array):
-            self.rows.append(_host_row(path, leaf))
+            problem = host_problem(leaf)
+            if problem is not None and problem[0] is LeafTypeError:
+                raise LeafTypeError(f"`tree` leaf {path}: {problem[1]}.")
+            a = np.asarray(leaf)
+            row = (path, a.shape, str(a.dtype), (), "host", None, None, a.nbytes)
+            self.rows.append(LeafPlacement(*row))
             return
-        shape, dtype = tuple(leaf.shape), str(leaf.dtype)
         if is_tracer(leaf) or deleted(leaf):
             gone = not is_tracer(leaf)
             where = "deleted" if gone else "traced"
+            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
             self.rows.append(LeafPlacement(path, shape, dtype, (), where, None, None, 0, gone))
             return
-        # another jax.Array implementation: the general route, totals summed here
-        info = _sharding_info(leaf.sharding)
-        kind = _Kind(shape, leaf.dtype, leaf.sharding, info)
+        kind = self._kind(leaf)  # another jax.Array implementation
+        kind.count += 1
         self.rows.append(LeafPlacement(path, *kind.row_head, leaf.committed, kind.nbytes))
-        extra = self._extra[info.sharded]
-        for name in info.local:
-            extra[name] = extra.get(name, 0) + kind.nbytes
-
-
-def _host_row(path: str, leaf: Any) -> LeafPlacement:
-    problem = host_problem(leaf)
-    if problem is not None and problem[0] is LeafTypeError:
-        raise LeafTypeError(f"`tree` leaf {path}: {problem[1]}.")
-    arr = np.asarray(leaf)
-    return LeafPlacement(path, arr.shape, str(arr.dtype), (), "host", None, None, arr.nbytes)
 
 
 def placement(tree: Any) -> PlacementReport:

@@ -64,11 +64,6 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, (flax_meta.AxisMetadata, nnx.Variable))
 
 
-def _path(keys: tuple[Any, ...]) -> str:
-    """``'params/Dense_0/kernel'``: the key path regex rules match."""
-    return jax.tree_util.keystr(keys, simple=True, separator="/")
-
-
 def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
     """Every array leaf of ``tree`` (linen boxes and NNX variables seen through)."""
     out: list[_Leaf] = []
@@ -76,7 +71,8 @@ def _leaves_of(tree: Any, arg: str) -> list[_Leaf]:
         box = node if _is_box(node) else None
         for sub, leaf in tree_flatten_with_path(node)[0] if box is not None else [((), node)]:
             keys = (*path, *(sub[1:] if sub[:1] == (_VALUE,) else sub))  # a box's `.value`
-            out.append(_Leaf(_path(keys), keystr(keys), _shape_of(leaf, keys, arg), box))
+            slashed = jax.tree_util.keystr(keys, simple=True, separator="/")
+            out.append(_Leaf(slashed, keystr(keys), _shape_of(leaf, keys, arg), box))
     return out
 
 
@@ -293,17 +289,14 @@ def _form(rules: Rules) -> Any:
     regex = _regex_rules(rules)
     if regex is not None:
         return regex
-    layout = isinstance(rules, (dict, list, tuple, P, NamedSharding)) or _is_container(rules)
+    # a pytree node (an NNX State, a dataclass registered with JAX, ...) may be a layout
+    node = not jax.tree_util.treedef_is_leaf(jax.tree.structure(rules))
+    layout = node or isinstance(rules, (dict, list, tuple, P, NamedSharding))
     if not layout or not all(_is_spec(x) for x in jax.tree.leaves(rules, is_leaf=_is_spec)):
         raise ShardingError(
             f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
         )
     return "layout"
-
-
-def _is_container(x: Any) -> bool:
-    """Whether ``x`` is a pytree node (an NNX State, a dataclass registered with JAX, ...)."""
-    return not jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
 
 
 # ---------------------------------------------------------------- checking a spec
@@ -537,7 +530,8 @@ def state_shardings(
         fields["model_state"] = _shardings(
             model_state, mesh, "replicate" if layout else rules, full, "model_state", False
         )
-    return _with_fields(_replicated(state, mesh), fields)  # step, rng, ...: replicated
+    everywhere = named_sharding(mesh, P())
+    return _with_fields(jax.tree.map(lambda _: everywhere, unbox(state)), fields)  # step, rng
 
 
 def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
@@ -567,11 +561,6 @@ def _carried(tree: Any, mesh: Mesh) -> Any:
     if not shardings or not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
         return None
     return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def _replicated(tree: Any, mesh: Mesh) -> Any:
-    s = named_sharding(mesh, P())
-    return jax.tree.map(lambda _: s, unbox(tree))
 
 
 def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:

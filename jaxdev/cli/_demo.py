@@ -169,13 +169,6 @@ def select_devices(n: int | None) -> list[jax.Device]:
         ) from None
 
 
-_MAKE_STRATEGY: dict[str, Callable[[list[jax.Device]], jaxdev.Strategy]] = {
-    "single": lambda devices: jaxdev.Strategy.single(devices[0]),
-    "pmap": lambda devices: jaxdev.Strategy.pmap(devices),
-    "sharded": lambda devices: jaxdev.Strategy.sharded(jaxdev.data_mesh(devices)),
-}
-
-
 def make_strategy(config: DemoConfig, devices: list[jax.Device]) -> jaxdev.Strategy:
     """The :class:`jaxdev.Strategy` ``--strategy`` over ``devices`` (``--params``, ``--mesh``).
 
@@ -184,13 +177,15 @@ def make_strategy(config: DemoConfig, devices: list[jax.Device]) -> jaxdev.Strat
         multiply to the device count.
     """
     name = config.strategy
-    if config.params is None and config.mesh is None:
-        return _MAKE_STRATEGY[name](devices)
-    if name != "sharded":
+    if name != "sharded" and (config.params is not None or config.mesh is not None):
         raise UsageError(
             f"`--params` and `--mesh` need `--strategy sharded` (got `--strategy {name}`): "
             "only the sharded step places params by rules."
         )
+    if name == "single":
+        return jaxdev.Strategy.single(devices[0])
+    if name == "pmap":
+        return jaxdev.Strategy.pmap(devices)
     try:
         mesh = jaxdev.make_mesh(dict(config.mesh), devices) if config.mesh else None
     except jaxdev.ShardingError as err:
@@ -321,8 +316,13 @@ def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
             both = {"train": metrics, "test": steps.eval(state, test_batch)}
             got = jaxdev.metrics.fetch_metrics(both)  # one device_get per epoch
             losses = (got[s][m] for s in ("train", "test") for m in ("loss", "accuracy"))
-            history.append(EpochStats(epoch, *losses, time.perf_counter() - t0))
-            ui.line(_format_epoch(history[-1], config.epochs))
+            s = EpochStats(epoch, *losses, time.perf_counter() - t0)
+            history.append(s)
+            ui.line(
+                f"epoch {s.epoch:>3}/{config.epochs}  train loss {s.train_loss:.4f}  "
+                f"train acc {s.train_accuracy:.4f}  test loss {s.test_loss:.4f}  "
+                f"test acc {s.test_accuracy:.4f}  ({s.seconds:.2f} s)"
+            )
             if ckpt is not None:
                 after(state, metrics, per_epoch)
     if ckpt is not None:
@@ -400,12 +400,4 @@ def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str
         f"strategy {config.strategy} on {n} device(s) [{devs}]\n"
         f"global batch {batch_size} ({batch_size // n} per device), {per_epoch} steps per "
         f"epoch ({uneven or 'every batch full'}){folded}"
-    )
-
-
-def _format_epoch(s: EpochStats, epochs: int) -> str:
-    return (
-        f"epoch {s.epoch:>3}/{epochs}  train loss {s.train_loss:.4f}  "
-        f"train acc {s.train_accuracy:.4f}  test loss {s.test_loss:.4f}  "
-        f"test acc {s.test_accuracy:.4f}  ({s.seconds:.2f} s)"
     )
