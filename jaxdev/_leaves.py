@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -193,7 +194,11 @@ def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
         cached, treedef = None, None
     if cached is not None:
         return cached
-    out = _build_key_strings(tree)
+    names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
+    out = tuple(
+        "".join(names.get(k) or names.setdefault(k, str(k)) for k in path) or "<root>"
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
     if treedef is not None:
         if len(_KEY_STRINGS) >= _KEY_STRINGS_MAX:
             try:  # drop the oldest; another thread may be doing the same
@@ -206,20 +211,6 @@ def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
 
 _KEY_STRINGS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' key paths
 _KEY_STRINGS_MAX = 64
-
-
-def _build_key_strings(tree: Any) -> tuple[str, ...]:
-    names: dict[Any, str] = {}  # key -> str(key): upper levels repeat on every leaf
-    paths = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = []
-        for k in path:
-            name = names.get(k)
-            if name is None:
-                name = names[k] = str(k)
-            parts.append(name)
-        paths.append("".join(parts) or "<root>")
-    return tuple(paths)
 
 
 # ---------------------------------------------------------------- checks that raise
@@ -255,8 +246,12 @@ def checked_leaves(tree: Any, arg: str, caller: str | None = None, host: bool = 
     """``tree``'s leaves and treedef, checked: not traced (when ``caller`` is named), not
     deleted, and (``host``) every host leaf placeable without loss."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if caller is not None:
-        check_concrete(leaves, caller)
+    if caller is not None and any(is_tracer(x) for x in leaves):
+        raise PlacementError(
+            f"`{caller}` inside a jax.jit trace: buffers, replicas and shards exist only on "
+            "concrete arrays. Call it outside the jitted function (return the values "
+            "from it first)."
+        )
     check_live(tree, leaves, arg)
     if host:
         check_host_leaves(tree, leaves, arg)
@@ -268,16 +263,6 @@ def raise_leaves(tree: Any, idx: Sequence[int], header: str, line: Any) -> None:
     if idx:
         paths = key_strings(tree)
         raise ShardingError(join_failures(header, [f"{paths[i]}: {line(i)}" for i in idx]))
-
-
-def check_concrete(leaves: Sequence[Any], name: str) -> None:
-    """Raise PlacementError when ``name`` is called on traced values inside ``jit``."""
-    if any(is_tracer(x) for x in leaves):
-        raise PlacementError(
-            f"`{name}` inside a jax.jit trace: buffers, replicas and shards exist only on "
-            "concrete arrays. Call it outside the jitted function (return the values "
-            "from it first)."
-        )
 
 
 # ---------------------------------------------------------------- shardings
@@ -353,10 +338,7 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
     keys = [np.ascontiguousarray(v).tobytes() for v in values]
     if len(set(keys)) == 1:
         return None
-    counts: dict[bytes, int] = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
-    ref = max(counts, key=counts.get)  # dicts keep order: the first wins a tie
+    ref = collections.Counter(keys).most_common(1)[0][0]  # the first wins a tie
     ref_value = np.asarray(values[keys.index(ref)])
     bad = [j for j, k in enumerate(keys) if k != ref]
     good = [labels[j] for j, k in enumerate(keys) if k == ref]
