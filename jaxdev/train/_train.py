@@ -280,21 +280,14 @@ def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
         if weights is None:
             total = jnp.sum(jnp.where(mask, losses, 0.0)) / denom
             return total, (losses, weights, aux, new_state, None)
-        w = _valid_weights(jax.lax.stop_gradient(weights), mask)
-        total = jnp.sum(jnp.where(w != 0, losses * w, 0.0))
-        return total, (losses, weights, aux, new_state, jnp.sum(w))
+        summed = WeightedMean.from_value(losses, jax.lax.stop_gradient(weights), mask)
+        return summed.total, (losses, weights, aux, new_state, summed.weight)
 
     if cfg.remat:  # the forward pass is recomputed in the backward one, as the policy says
         objective = jax.checkpoint(objective, policy=None if cfg.remat is True else cfg.remat)
     grads, (losses, weights, aux, new_state, weight) = jax.grad(objective, has_aux=True)(params)
     new_state = model_state if not cfg.has_state else new_state
     return grads, new_state, metrics_of(losses, aux, mask, weights), weight
-
-
-def _valid_weights(weights: jax.Array, mask: jax.Array) -> jax.Array:
-    """float32 weights, 0 on padded rows."""
-    row = jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(weights) - mask.ndim))
-    return jnp.where(row, weights.astype(jnp.float32), 0.0)
 
 
 def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collection]:
