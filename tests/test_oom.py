@@ -149,6 +149,10 @@ def test_a_program_whose_autotuning_runs_out_of_memory_is_still_checked(monkeypa
     with pytest.raises(jaxdev.MemoryPlanError, match="the train step needs .* Nothing ran"):
         step(state, batch)
     assert tuned and not any(x.is_deleted() for x in jax.tree.leaves(state))
+    # fit_memory: a candidate the device cannot build autotuned does not fit, however small
+    shapes = jax.eval_shape(lambda: state)
+    with pytest.raises(jaxdev.MemoryPlanError, match="(?s)nothing fits.*autotuned compile ran"):
+        jaxdev.memory.fit_memory(loose, shapes, batch, limit=need * 4, max_batch_size=64)
     monkeypatch.undo()  # another error than an out-of-memory is not taken for one
     monkeypatch.setattr(
         jax.stages.Lowered,
@@ -158,6 +162,8 @@ def test_a_program_whose_autotuning_runs_out_of_memory_is_still_checked(monkeypa
     other = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(mesh), memory_limit=need)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: boom"):
         other(state, batch)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: boom"):  # not 'nothing fits'
+        jaxdev.memory.fit_memory(loose, shapes, batch, limit=need * 4)
 
 
 def test_a_compile_out_of_memory_even_untuned_is_named_at_the_step_and_in_the_plan(monkeypatch):

@@ -124,6 +124,9 @@ class Variant(NamedTuple):
     spec: StepSpec
 
 
+_UNTUNED = "its autotuned compile ran out of device memory (untuned figures)"
+
+
 def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOption:
     """Compile the variant ``v`` for ``(state, batch)`` shapes: its :class:`MemoryOption`."""
     change, what, spec = v
@@ -137,8 +140,9 @@ def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOptio
         _log.info("explain_memory: compiled %s (%s) in %.1f s", change, what, took)
     if p.compiled is None:
         return MemoryOption(change, what, None, None, None, "the backend gives no memory analysis")
-    fits = None if limit is None else p.peak <= limit
-    return MemoryOption(change, what, p.peak, p.compiled.temp, fits)
+    fits = None if limit is None else p.peak <= limit and not p.compiled.untuned
+    note = _UNTUNED if p.compiled.untuned else ""
+    return MemoryOption(change, what, p.peak, p.compiled.temp, fits, note)
 
 
 def fsdp_variant(spec: StepSpec) -> Variant | None:
@@ -522,17 +526,20 @@ class _Search:
     def __init__(self, rows: BatchRows, state: Any, limit: int):
         self.rows, self.state, self.limit = rows, state, limit
         self.tried: dict[tuple[str, int], FitTrial] = {}
+        self.errors: dict[tuple[str, int], Exception] = {}
 
     def trial(self, v: Variant, b: int) -> FitTrial:
         """``v`` with ``b`` rows per device, compiled once."""
         if (v.change, b) not in self.tried:
-            n, note, peak = v.spec.strategy.n_devices, "", None
+            n, note, peak, untuned = v.spec.strategy.n_devices, "", None, False
             batch = batch_for(v.spec, self.rows, b * n)
             try:
-                peak = plan(state_shapes(self.state), step=v.spec, batch=batch).peak
+                p = plan(state_shapes(self.state), step=v.spec, batch=batch)
+                peak, untuned = p.peak, p.compiled is not None and p.compiled.untuned
             except Exception as err:  # a candidate that does not compile does not fit
-                note = f"does not compile: {type(err).__name__}"
-            fits = peak is not None and peak <= self.limit
+                note, self.errors[v.change, b] = f"does not compile: {type(err).__name__}", err
+            fits = peak is not None and peak <= self.limit and not untuned
+            note = _UNTUNED if untuned else note
             self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)
         return self.tried[v.change, b]
 
@@ -613,6 +620,9 @@ def fit_memory(
         for v in _candidates(spec, state):
             unit = v.spec.accumulate  # 1 for an eval step
             if unit > max_batch_size or not search.fits(v, unit):
+                err = search.errors.get((v.change, unit))
+                if v.spec is spec and err is not None and not _memory_error(err):
+                    raise err  # the step itself does not compile: not a question of memory
                 continue
             b, capped = search.largest(v, unit, max_batch_size)
             t, tried = search.trial(v, b), tuple(search.tried.values())
@@ -627,6 +637,10 @@ def fit_memory(
         "the limit if it is wrong."
     )
     raise MemoryPlanError("\n".join([head, *_table(tuple(search.tried.values()))]))
+
+
+def _memory_error(err: BaseException) -> bool:
+    return isinstance(err, MemoryPlanError) or is_resource_exhausted(err)
 
 
 def _candidates(spec: StepSpec, state: Any) -> Iterator[Variant]:

@@ -42,6 +42,8 @@ class CompiledMemory(NamedTuple):
     ``alias`` is the output bytes reusing donated inputs; ``host`` the arguments
     and outputs kept in host memory (offloaded state), net of donation and not
     in the other figures (XLA:CPU counts them with the device's: taken out).
+    ``untuned``: the autotuned compile ran out of device memory, these are the
+    untuned program's figures (as the device would build it, it does not fit).
     """
 
     argument: int
@@ -50,6 +52,7 @@ class CompiledMemory(NamedTuple):
     temp: int
     generated_code: int
     host: int = 0
+    untuned: bool = False
 
     @property
     def peak(self) -> int:
@@ -370,13 +373,14 @@ def is_resource_exhausted(err: BaseException) -> bool:
 
 
 def _compiled_memory(lowered: Any) -> CompiledMemory | None:
+    untuned = False
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA:GPU's autotuner runs candidate kernels on real buffers, so
         if not is_resource_exhausted(err):  # a program that cannot fit fails to compile
             raise  # (measured on an H100: NOT_FOUND of RESOURCE_EXHAUSTEDs): analyse it untuned
         try:
-            compiled = lowered.compile({"xla_gpu_autotune_level": 0})
+            compiled, untuned = lowered.compile({"xla_gpu_autotune_level": 0}), True
         except Exception as again:
             if not is_resource_exhausted(again):
                 raise
@@ -402,7 +406,7 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
         argument, output, alias = argument - h_arg, output - h_out, max(alias - h_alias, 0)
         host = h_arg + h_out - h_alias
     temp, code = int(analysis.temp_size_in_bytes), int(analysis.generated_code_size_in_bytes)
-    return CompiledMemory(argument, output, alias, temp, code, host)
+    return CompiledMemory(argument, output, alias, temp, code, host, untuned)
 
 
 # ---------------------------------------------------------------- budgets
