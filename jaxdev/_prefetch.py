@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import threading
 import time
 import weakref
@@ -201,11 +202,6 @@ def prefetch_to_device(
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ShardingError(f"`size` must be an int >= 1 (elements to keep ready), got {size!r}.")
-    return Prefetcher(iterator, size, _placer(target, pad))
-
-
-def _placer(target: Target | None, pad: bool) -> Callable[[Any], Any]:
-    """The function that places one element for ``target``."""
     if isinstance(target, Mesh):
         raise ShardingError(
             "`target` is a Mesh, which as a placement target means a full copy of every "
@@ -214,10 +210,11 @@ def _placer(target: Target | None, pad: bool) -> Callable[[Any], Any]:
         )
     s = batch_sharding(check_mesh(None)) if target is None else as_sharding(target)
     if isinstance(s, NamedSharding) and len(s.spec) and s.spec[0] is not None:  # splits rows
-        return lambda item: shard_batch(item, s.mesh, pad=pad, axis=s.spec[0])
+        split = functools.partial(shard_batch, mesh=s.mesh, pad=pad, axis=s.spec[0])
+        return Prefetcher(iterator, size, split)
     if pad:
         raise ShardingError(
             "`pad=True` needs a `target` that splits the batch's leading axis, such as "
             f"`jaxdev.batch_sharding(mesh)`; got {target!r}."
         )
-    return lambda item: to_device(detach_host(item), s)
+    return Prefetcher(iterator, size, lambda item: to_device(detach_host(item), s))

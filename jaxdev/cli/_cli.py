@@ -204,9 +204,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     expected = data["accelerator_expected"]
     head.add_row("accelerator expected", f"{expected['expected']} ({expected['why']})")
     ui.out.print(head)
-    table = Table(title="devices")
-    for col in ("id", "platform", "kind", "process", "memory"):
-        table.add_column(col)
+    table = Table("id", "platform", "kind", "process", "memory", title="devices")
     for d in data["devices"]:
         table.add_row(
             str(d["id"]), d["platform"], d["kind"], str(d["process_index"]), _memory(d["memory"])
@@ -458,12 +456,7 @@ def _add_demo(sub: Any) -> None:
 _COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "memory": cmd_memory}
 
 
-_USAGE_ERRORS = (
-    UsageError,
-    jaxdev.DeviceNotFoundError,
-    jaxdev.UsageError,
-    jaxdev.BackendStartedError,
-)
+_USAGE_ERRORS = (UsageError, jaxdev.DeviceNotFoundError, jaxdev.BackendStartedError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
