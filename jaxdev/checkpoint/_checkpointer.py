@@ -1,12 +1,5 @@
-"""Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
-
-On top of orbax (README, "Training loops"): the latest checkpoint is the
-highest step (a save below it is refused, so ``keep`` deletes the oldest);
-one writer per folder (``.jaxdev-lock``, taken by the first ``save``, held
-until :meth:`Checkpointer.close`); a step ``keep`` drops is renamed into
-``.jaxdev-deleted/`` (orbax's ``todelete_subdir``) and deleted there, again
-after a kill (``_ckpt_files.remove_tombstones``).
-"""
+"""``Checkpointer`` (README, "Training loops"); a step ``keep`` drops is renamed into
+``.jaxdev-deleted/`` (orbax's ``todelete_subdir``), deleted there, again after a kill."""
 
 from __future__ import annotations
 
@@ -92,12 +85,7 @@ class Checkpointer:
           multiple of ``every``, or already saved by this ``Checkpointer``.
 
         Raises:
-          CheckpointError: ``step`` was saved before this ``Checkpointer`` (never
-            overwritten) or is below the latest; another writer saves here; a
-            folder there has a name orbax would delete in place of a step; a
-            leaf cannot be saved; the write failed (an asynchronous failure is
-            reported by the next ``save``, ``wait`` or ``close``). ``state`` and
-            the earlier checkpoints are never changed.
+          CheckpointError: as README says (``state`` and the earlier checkpoints unchanged).
           UsageError: ``step`` is not a non-negative int (a bool, float, str).
 
         Example:

@@ -1,19 +1,9 @@
 """The files of a checkpoint: one writer, atomic replacement, only our own deletions.
 
-* **one writer**: :class:`WriterLock`, an exclusive ``flock`` the kernel
-  drops when its process dies (a forked child closes its copy of the fd); a
-  second writer (process, ``Checkpointer``, thread) is refused at once,
-  naming the holder's pid, host and start time.
-* **atomic overwrite**: :func:`replace` swaps the complete new checkpoint in
-  with one ``renameat2(RENAME_EXCHANGE)``, else renames the old one aside and
-  the new one in; a crash between those two renames is the one state
-  :func:`recover` repairs (:func:`was_cut`): a checkpoint is at ``path`` or
-  recoverable beside it at every instant.
-* **only our names are deleted**: :func:`check_replaceable` refuses a folder
-  jaxdev did not write; :func:`remove_leftovers` and
-  :func:`remove_tombstones` delete only jaxdev's reserved names and orbax's
-  temporary folders. A ``Checkpointer``'s ``keep`` has orbax rename a dropped
-  step into ``.jaxdev-deleted/`` (one atomic rename) before it is deleted.
+One writer: :class:`WriterLock`, a ``flock`` the kernel drops when its process
+dies. Atomic overwrite: :func:`replace`; a crash between its fallback's two
+renames is the one state :func:`recover` repairs. Only jaxdev's reserved
+names and orbax's temporary folders are ever deleted.
 """
 
 from __future__ import annotations
@@ -46,12 +36,7 @@ _RENAME_EXCHANGE = 2
 
 
 def sibling(path: str, role: str) -> str:
-    """The reserved name beside ``path`` for ``role`` (``new``, ``old``, ``lock``).
-
-    Example:
-      >>> sibling("/runs/ckpt", "new")
-      '/runs/.ckpt.jaxdev-new'
-    """
+    """The reserved name beside ``path`` for ``role``: ``.<name>.jaxdev-<role>``."""
     parent, name = os.path.split(path)
     return os.path.join(parent, f".{name}.jaxdev-{role}")
 
@@ -69,15 +54,6 @@ class WriterLock:
     Args:
       lock_path: the lock file (created; removed again on release).
       what: the thing being written, for the error message.
-
-    Example:
-      >>> import tempfile
-      >>> d = tempfile.mkdtemp()
-      >>> with WriterLock(f"{d}/.lock", "demo"):
-      ...     WriterLock(f"{d}/.lock", "demo").acquire()
-      Traceback (most recent call last):
-      ...
-      jaxdev._errors.CheckpointError: demo is being written by another writer ...
     """
 
     def __init__(self, lock_path: str, what: str) -> None:
@@ -188,10 +164,6 @@ def check_replaceable(path: str) -> None:
       CheckpointError: ``path`` is a file, or a folder jaxdev did not write
         (the message lists what is in it), or the working directory, one of
         its parents, the home directory or ``/`` (even empty).
-
-    Example:
-      >>> import tempfile
-      >>> check_replaceable(tempfile.mkdtemp())  # empty: nothing to lose
     """
     try:
         here = os.path.realpath(os.getcwd())
