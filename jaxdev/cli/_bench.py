@@ -405,31 +405,21 @@ def placement_figures(reps: int, inner: int) -> list[Result]:
 # ---------------------------------------------------------------- the run
 
 
-def benchmarks(config: BenchConfig) -> list[tuple[str, Callable[[], list[Result]]]]:
-    """Return the benchmarks to run, as ``(label, thunk)`` in table order."""
+def run_bench(config: BenchConfig, ui: Any) -> list[Result]:
+    """Run every benchmark with a progress bar; return the results in table order."""
+    sizes, reps = (config.big, config.small), config.reps
     if jax.default_backend() != "cpu":
         ex1 = [
-            (f"ex. 1 matmul {s}", lambda s=s: [matmul_cpu_vs_accelerator(s, config.reps)])
-            for s in (config.big, config.small)
+            (f"ex. 1 matmul {s}", lambda s=s: [matmul_cpu_vs_accelerator(s, reps)]) for s in sizes
         ]
     else:
-        ex1 = [
-            (
-                "ex. 1 matmul, 1 vs all cores",
-                lambda: matmul_one_core_vs_all((config.big, config.small), config.reps),
-            )
-        ]
-    return [
+        ex1 = [("ex. 1 matmul, 1 vs all cores", lambda: matmul_one_core_vs_all(sizes, reps))]
+    todo = [
         *ex1,
-        ("ex. 3 logging", lambda: [log_on_host_vs_device(config.log_steps, config.reps)]),
-        ("ex. 4 two devices", lambda: [two_devices_at_once(config.pair, config.reps)]),
-        ("placement", lambda: placement_figures(config.reps, config.inner)),
+        ("ex. 3 logging", lambda: [log_on_host_vs_device(config.log_steps, reps)]),
+        ("ex. 4 two devices", lambda: [two_devices_at_once(config.pair, reps)]),
+        ("placement", lambda: placement_figures(reps, config.inner)),
     ]
-
-
-def run_bench(config: BenchConfig, ui: Any) -> list[Result]:
-    """Run every benchmark with a progress bar; return the results in order."""
-    todo = benchmarks(config)
     results: list[Result] = []
     with ui.progress(len(todo)) as bar:
         for label, thunk in todo:
