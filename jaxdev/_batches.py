@@ -280,15 +280,11 @@ def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | No
 
 
 def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | None):
-    bad = []
-    for i, x in enumerate(leaves):
-        have = np.shape(x)[0] if np.ndim(x) else None
-        if have is None or (have != expected if expected is not None else have < size):
-            bad.append(i)
+    rows = [np.shape(x)[0] if np.ndim(x) else -1 for x in leaves]
     want = f"{expected}" if expected is not None else f"at least {size}"
     raise_leaves(
         tree,
-        bad,
+        [i for i, r in enumerate(rows) if r < size or (expected is not None and r != expected)],
         f"`tree` leaves must have {want} leading rows to remove the padding (outputs of a "
         "function applied per row keep the batch as their leading axis; a reduction over the "
         "batch would have mixed in the padded rows). Leaves:",

@@ -67,17 +67,6 @@ def mesh_of(devices: tuple[jax.Device, ...], axis: str, kind: AxisType = AxisTyp
     return Mesh(np.array(devices), (axis,), axis_types=(kind,))
 
 
-def _axis_type(axis_type: AxisType | str) -> AxisType:
-    if isinstance(axis_type, AxisType):
-        return axis_type
-    if isinstance(axis_type, str) and axis_type.lower() in _AXIS_TYPES:
-        return _AXIS_TYPES[axis_type.lower()]
-    raise ShardingError(
-        f"`axis_type` must be AxisType.Auto, AxisType.Explicit, 'auto' or 'explicit', "
-        f"got {axis_type!r}."
-    )
-
-
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
     """Return ``NamedSharding(mesh, P())``: a full copy on every device of ``mesh``."""
     return named_sharding(check_mesh(mesh), P())
@@ -335,15 +324,20 @@ def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def _axis_types(axis_type: Any, names: tuple[str, ...]) -> tuple[AxisType, ...]:
-    if isinstance(axis_type, (AxisType, str)) or not isinstance(axis_type, Sequence):
-        return (_axis_type(axis_type),) * len(names)
-    kinds = tuple(_axis_type(k) for k in axis_type)
+    one = isinstance(axis_type, (AxisType, str)) or not isinstance(axis_type, Sequence)
+    kinds = (axis_type,) * len(names) if one else tuple(axis_type)
+    for k in kinds:
+        if not isinstance(k, AxisType) and not (isinstance(k, str) and k.lower() in _AXIS_TYPES):
+            raise ShardingError(
+                f"`axis_type` must be AxisType.Auto, AxisType.Explicit, 'auto' or 'explicit', "
+                f"got {k!r}."
+            )
     if len(kinds) != len(names):
         raise ShardingError(
             f"`axis_type` lists {len(kinds)} types for {len(names)} axes {names}; give one "
             "per axis or a single 'auto' / 'explicit' for all."
         )
-    return kinds
+    return tuple(k if isinstance(k, AxisType) else _AXIS_TYPES[k.lower()] for k in kinds)
 
 
 def _resolve_sizes(
