@@ -189,17 +189,13 @@ def resolve_device(spec: DeviceSpec, arg: str) -> jax.Device:
     """:func:`device` whose errors name the argument ``arg`` (``target``, ``device``...)."""
     if isinstance(spec, jax.Device):
         return spec
-    if isinstance(spec, str):
-        return _parse(spec, arg)
-    if isinstance(spec, bool) or not hasattr(spec, "__index__"):
-        raise DeviceSpecError(
-            f"`{arg}` must be a jax.Device, an int or a string like 'gpu:1', "
-            f"got {type(spec).__name__} {spec!r}."
-        )
-    return _nth(_local_devices(), _check_index(spec, arg), arg)
-
-
-def _parse(spec: str, arg: str = "spec") -> jax.Device:
+    if not isinstance(spec, str):
+        if isinstance(spec, bool) or not hasattr(spec, "__index__"):
+            raise DeviceSpecError(
+                f"`{arg}` must be a jax.Device, an int or a string like 'gpu:1', "
+                f"got {type(spec).__name__} {spec!r}."
+            )
+        return _nth(_local_devices(), _check_index(spec, arg), arg)
     match = _SPEC_RE.match(spec)
     if match is None:
         raise DeviceSpecError(
@@ -244,7 +240,18 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
     if isinstance(devices, (str, jax.Device)):
         return [device(devices)]
     if isinstance(devices, int) and not isinstance(devices, bool):
-        return _first_n(devices)
+        local = _local_devices()
+        if devices < 1:
+            raise DeviceSpecError(f"`devices`={devices}: need at least 1 device.")
+        if devices > len(local):
+            raise DeviceNotFoundError(
+                f"`devices`={devices} asks for more devices than exist: this process has "
+                f"{len(local)}. For fake CPU devices call `jaxdev.testing.use_fake_cpu_devices"
+                f"({devices})` before JAX starts, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices}. "
+                + available_devices()
+            )
+        return list(local[:devices])
     out = [device(d) for d in devices]
     if not out:
         raise DeviceSpecError(
@@ -258,20 +265,6 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
             "device may appear once."
         )
     return out
-
-
-def _first_n(n: int) -> list[jax.Device]:
-    local = _local_devices()
-    if n < 1:
-        raise DeviceSpecError(f"`devices`={n}: need at least 1 device.")
-    if n > len(local):
-        raise DeviceNotFoundError(
-            f"`devices`={n} asks for more devices than exist: this process has "
-            f"{len(local)}. For fake CPU devices call `jaxdev.testing.use_fake_cpu_devices({n})` "
-            f"before JAX starts, or set XLA_FLAGS=--xla_force_host_platform_device_count={n}. "
-            + available_devices()
-        )
-    return list(local[:n])
 
 
 def backend_started() -> bool:
@@ -328,25 +321,37 @@ def describe() -> dict[str, Any]:
       True
     """
     local = _local_devices()
+    platforms = _started_platforms()
+    devices = [_describe_device(d) for d in jax.devices()]
     requested = {
         "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
         "jax_platforms": jax.config.jax_platforms,
         "jax_num_cpu_devices": jax.config.jax_num_cpu_devices,
     }
-    info = {
+    warnings = []
+    wanted = requested["JAX_PLATFORMS"] or requested["jax_platforms"] or ""
+    if any(p in wanted.lower() for p in ("cuda", "gpu", "rocm")) and "gpu" not in platforms:
+        warnings.append(
+            f"A GPU was requested ({wanted.strip()!r}) but JAX runs on {platforms}: install "
+            "jax[cuda12] and check the driver."
+        )
+    count = requested["jax_num_cpu_devices"]
+    have_cpu = sum(d["platform"] == "cpu" for d in devices)
+    if count and count > 0 and "cpu" in platforms and have_cpu != count:
+        warnings.append(f"{count} fake CPU devices were requested but JAX started {have_cpu}.")
+    return {
         "jax_version": jax.__version__,
         "default_backend": jax.default_backend(),
-        "platforms": _started_platforms(),
+        "platforms": platforms,
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "local_device_count": len(local),
         "device_count": jax.device_count(),
-        "devices": [_describe_device(d) for d in jax.devices()],
+        "devices": devices,
         "requested": requested,
+        "warnings": warnings,
     }
-    info["warnings"] = _warnings(info)
-    return info
 
 
 def _describe_device(d: jax.Device) -> dict[str, Any]:
@@ -361,18 +366,3 @@ def _describe_device(d: jax.Device) -> dict[str, Any]:
         "process_index": d.process_index,
         "memory": dict(stats) if stats else None,
     }
-
-
-def _warnings(info: dict[str, Any]) -> list[str]:
-    wanted = info["requested"]["JAX_PLATFORMS"] or info["requested"]["jax_platforms"] or ""
-    out = []
-    if any(p in wanted.lower() for p in ("cuda", "gpu", "rocm")) and "gpu" not in info["platforms"]:
-        out.append(
-            f"A GPU was requested ({wanted.strip()!r}) but JAX runs on "
-            f"{info['platforms']}: install jax[cuda12] and check the driver."
-        )
-    count = info["requested"]["jax_num_cpu_devices"]
-    have_cpu = sum(d["platform"] == "cpu" for d in info["devices"])
-    if count and count > 0 and "cpu" in info["platforms"] and have_cpu != count:
-        out.append(f"{count} fake CPU devices were requested but JAX started {have_cpu}.")
-    return out
