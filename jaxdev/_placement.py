@@ -402,17 +402,9 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
         return tree
     for i in moving:
         _check_fits(tree, leaves, [i], targets[i], arg)
-    out = list(leaves)
-    placed = _place_leaves([leaves[i] for i in moving], [targets[i] for i in moving], copy)
-    for i, new in zip(moving, placed):
-        out[i] = new
-    return treedef.unflatten(out)
-
-
-def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[Any]:
-    """Place each leaf: across processes, or on this process's devices by :func:`put_leaves`."""
-    out, local = list(xs), []
-    for i, (x, s) in enumerate(zip(xs, targets)):
+    out, local = list(leaves), []  # local: on this process's devices, by put_leaves
+    for i in moving:
+        x, s = leaves[i], targets[i]
         if s.is_fully_addressable:
             local.append(i)
         elif is_jax_array(x) and not x.is_fully_addressable:
@@ -420,10 +412,10 @@ def _place_leaves(xs: list[Any], targets: list[Sharding], copy: bool) -> list[An
         else:  # several processes: each builds its own shards
             value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
             out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
-    placed = put_leaves([xs[i] for i in local], [targets[i] for i in local], copy)
+    placed = put_leaves([leaves[i] for i in local], [targets[i] for i in local], copy)
     for i, new in zip(local, placed):
         out[i] = new
-    return out
+    return treedef.unflatten(out)
 
 
 def _on(x: Any, s: Sharding) -> bool:
