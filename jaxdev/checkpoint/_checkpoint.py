@@ -38,7 +38,7 @@ from .._report import human_bytes
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
 from . import _ckpt_files as files
-from ._checksum import by_devices, checksums, legacy_checksums, words
+from ._checksum import bits, by_devices, checksums, legacy_checksums
 
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
@@ -77,12 +77,7 @@ def _skeleton(node: Any, counter: Iterator[int]) -> Any:
 
 
 def _rebuild(sk: Any, leaves: Sequence[Any]) -> Any:
-    """Undo :func:`_skeleton` with ``leaves`` in place of its numbered leaves.
-
-    A NamedTuple, a registered dataclass, ``FrozenDict`` or jaxdev's
-    ``Collection`` is rebuilt when its class is already imported (nothing is
-    imported); any other node becomes the dict of its children.
-    """
+    """Undo :func:`_skeleton` with ``leaves``: the classes README names, if imported; else dicts."""
     t = sk["t"]
     if t in ("none", "leaf"):
         return None if t == "none" else leaves[sk["i"]]
@@ -118,7 +113,7 @@ def _imported_class(name: str) -> type | None:
 
 @jax.jit
 def _rows_equal(xs: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.all(words(x).reshape(x.shape[0], -1) == words(x[:1])) for x in xs])
+    return jnp.stack([jnp.all(bits(x).reshape(x.shape[0], -1) == bits(x[:1]).ravel()) for x in xs])
 
 
 def _stacked_mesh(x: Any) -> Mesh | None:
@@ -149,10 +144,9 @@ def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
 def _describe(s: Any) -> dict | None:
     """A saved sharding as JSON (NamedSharding and one device); None for others."""
     if isinstance(s, NamedSharding):
-        ids = np.vectorize(lambda d: d.id, otypes=[int])(s.mesh.devices)
         return {
             "kind": "named",
-            "devices": ids.tolist(),
+            "devices": s.mesh.device_ids.tolist(),
             "axes": list(s.mesh.axis_names),
             "types": [t.name for t in s.mesh.axis_types],  # Explicit axes type the arrays
             "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
@@ -195,16 +189,14 @@ class _Prepared(NamedTuple):
 
 def _flat(tree: Any, arg: str) -> list[tuple[tuple[str, ...], str, Any]]:
     """``(orbax key, key path, leaf)`` per leaf; raises on key collisions."""
-    out, seen = [], {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        key, name = _key(path), keystr(path)
-        if key in seen:
+    out = [(_key(p), keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    seen: dict[tuple[str, ...], str] = {}
+    for key, name, _ in out:
+        if (first := seen.setdefault(key, name)) != name:
             raise CheckpointError(
-                f"`{arg}` leaves {seen[key]} and {name} have the same key "
+                f"`{arg}` leaves {first} and {name} have the same key "
                 f"{'/'.join(key)} once written as strings: rename one of them."
             )
-        seen[key] = name
-        out.append((key, name, leaf))
     return out
 
 
@@ -302,12 +294,7 @@ def _scalar_value(kind: str, value: Any) -> Any:
 
 
 def check_step(step: Any) -> int:
-    """``step`` as an int: a non-negative int, numpy integer or 0-d integer array (a
-    ``TrainState``'s ``step``), never a bool, float or str.
-
-    Raises:
-      UsageError: anything else, named with its type.
-    """
+    """``step`` as an int: a non-negative int, numpy integer or 0-d integer array, not a bool."""
     value = step
     if isinstance(step, (jax.Array, np.ndarray)) and jnp.issubdtype(step.dtype, jnp.integer):
         value = int(step) if step.ndim == 0 else step
@@ -351,9 +338,8 @@ def write_error(
 ) -> CheckpointError:
     """A failed write as a CheckpointError; ``previous`` says what became of the old state.
 
-    A full disk is named as such with ``path``, the bytes ``need`` ed (if
-    known) and the free space, whether it came as an ``OSError`` (ENOSPC) or
-    only in the message of an error orbax or tensorstore raised or chained.
+    A full disk (ENOSPC, or its message in an error orbax or tensorstore
+    chained) is named with the bytes ``need`` ed and the free space.
     """
     why = f"{type(err).__name__}: {err}"
     hint = ""
@@ -396,18 +382,8 @@ def nbytes(*parts: _Prepared | None) -> int:
     return sum(x.nbytes for p in parts if p is not None for x in jax.tree.leaves(p.arrays))
 
 
-def _sync(tag: str) -> None:
-    """Every process reaches ``tag`` before any goes on (one process: nothing)."""
-    if jax.process_count() > 1:
-        exchange(f"checkpoint/{tag}", "here")
-
-
 def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
-    """The one-writer lock of ``what``: process 0 takes it, every process learns the outcome.
-
-    Raises:
-      CheckpointError: another writer holds it (on every process alike).
-    """
+    """The one-writer lock of ``what``: process 0 takes it, every process raises if it failed."""
     lock = files.WriterLock(lock_path, what)
     problem = ""
     if jax.process_index() == 0:
@@ -417,8 +393,7 @@ def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
             problem = str(err)
         except OSError as err:
             problem = str(write_error(what, err, previous="nothing was changed"))
-    if jax.process_count() > 1:
-        problem = exchange("checkpoint/lock", problem)[0]
+    problem = exchange("checkpoint/lock", problem)[0]
     if problem:
         lock.release()
         raise CheckpointError(problem)
@@ -460,7 +435,12 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
     lock = take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}")  # process 0's
     try:
         if jax.process_index() == 0:
-            _refuse_managed(path)
+            if owner := files.holder(os.path.join(os.path.dirname(path), MANAGER_LOCK)):
+                raise CheckpointError(
+                    f"Cannot save {path}: its folder {os.path.dirname(path)} is being written by "
+                    f"a jaxdev.Checkpointer ({owner}), which numbers and deletes the checkpoints "
+                    "there. Save through that Checkpointer, or write elsewhere."
+                )
             files.recover(path)
         exists = os.path.lexists(path)
         if exists and not overwrite:
@@ -478,7 +458,7 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
         )
         if jax.process_index() == 0:
             files.remove_leftovers(path)
-        _sync("cleaned")
+        _agree("cleaned", {}, "")  # a barrier: every process waits for the cleanup
         _write(target, args, previous, nbytes(prepared))
         if exists:
             if jax.process_index() == 0:
@@ -486,21 +466,9 @@ def save(path: Any, tree: Any, *, step: int | None = None, overwrite: bool = Fal
                     files.replace(target, path)
                 except OSError as err:
                     raise write_error(path, err, previous=previous) from err
-            _sync("replaced")
+            _agree("replaced", {}, "")
     finally:
         lock.release()
-
-
-def _refuse_managed(path: str) -> None:
-    """Refuse a save into a folder that a :class:`jaxdev.Checkpointer` is writing."""
-    parent = os.path.dirname(path)
-    owner = files.holder(os.path.join(parent, MANAGER_LOCK))
-    if owner is not None:
-        raise CheckpointError(
-            f"Cannot save {path}: its folder {parent} is being written by a jaxdev.Checkpointer "
-            f"({owner}), which numbers and deletes the checkpoints there. Save through that "
-            "Checkpointer, or write elsewhere."
-        )
 
 
 def handler_options() -> Any:
@@ -986,18 +954,14 @@ def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
         if r.empty:
             x = np.zeros(e["shape"], e["dtype"])
             x = x if r.sharding is None else jax.device_put(x, r.sharding)
-        if r.stack:
-            x = _stack(x, w.shape[0], w.sharding)
+        if r.stack and w.sharding is None:
+            x = np.broadcast_to(x, (w.shape[0], *np.shape(x))).copy()
+        elif r.stack:
+            x = stacker(w.shape[0], w.sharding)([x])[0]
         if w.key_impl is not None and isinstance(x, jax.Array):
             x = jax.random.wrap_key_data(x, impl=w.key_impl)
         out.append(x)
     return out
-
-
-def _stack(x: Any, n: int, s: Sharding | None) -> Any:
-    if s is None:
-        return np.broadcast_to(x, (n, *np.shape(x))).copy()
-    return stacker(n, s)([x])[0]
 
 
 def restore_item(path, reader, item, target, rules, what):
@@ -1028,12 +992,8 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
     Args:
       path: a checkpoint written by :func:`save` (or one step directory of a
         :class:`Checkpointer`).
-      target: ``None`` (the saved structure, arrays where saved if those
-        devices exist, else on ``jax.devices()[0]``), a device, spec
-        (``'cpu:0'``), ``Sharding`` or ``Mesh`` (every array there), a ``Mesh``
-        with ``rules``, or a tree like the saved one whose leaves are arrays,
-        ``ShapeDtypeStruct`` s, shardings, devices, numpy arrays or Python
-        numbers (its structure is the result's; README's table has each case).
+      target: ``None`` (where saved), a device, spec, ``Sharding`` or ``Mesh``, a
+        ``Mesh`` with ``rules``, or a tree like the saved one (README's table).
       rules: sharding rules, with a ``Mesh`` target.
 
     Returns:
@@ -1083,11 +1043,9 @@ def _identity(path: str) -> tuple[int, int, int] | None:
 def read_unchanged(locate: Callable[[], str], read: Callable[[str], Any], tries: int = 5) -> Any:
     """``read(locate())``, again while a writer replaced or deleted that checkpoint meanwhile.
 
-    A reader racing a writer (``overwrite=True``, ``keep``) can mix old
-    metadata and new arrays, or lose files: a failed read is repeated when the
-    folder at the path changed (or is missing while a writer holds its lock),
-    and after ``tries`` such reads the error says it is being written, never
-    damaged. A successful read matched every checksum of its metadata.
+    A reader racing a writer (``overwrite=True``, ``keep``) can mix old metadata
+    and new arrays: a failed read is repeated when the folder changed (or is
+    missing while a writer holds its lock), never reported as damage.
     """
     for attempt in range(tries):
         path = locate()

@@ -31,9 +31,6 @@ class Checkpointer:
         always happens; ``force=True`` saves any step.
       async_: write in the background (``wait()`` blocks until done).
 
-    Raises:
-      CheckpointError: ``directory`` cannot be created or written.
-
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, jaxdev
       >>> state = jaxdev.TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1))
@@ -171,10 +168,8 @@ class Checkpointer:
         if lost and path != os.path.join(self.directory, str(lost[-1])):
             path = f"{path} (the failure was in the background save of step(s) {lost})"
         steps = self.all_steps()
-        previous = (
-            f"the checkpoints of steps {steps} are intact" if steps else "no checkpoint exists"
-        )
-        return ckpt.write_error(path, err, previous=previous, need=need)
+        intact = f"the checkpoints of steps {steps} are intact" if steps else "no checkpoint exists"
+        return ckpt.write_error(path, err, previous=intact, need=need)
 
     def latest_step(self) -> int | None:
         """The highest step with a complete checkpoint (None when there is none).
@@ -246,9 +241,6 @@ class Checkpointer:
         ``target`` and ``rules`` are :func:`jaxdev.restore`'s; ``step`` defaults to
         :meth:`latest_step` (after :meth:`wait`). The metrics: :meth:`restore_metrics`.
 
-        Raises:
-          CheckpointError: no checkpoint (or not that step), or as :func:`jaxdev.restore`.
-
         Example:
           >>> import tempfile, jax.numpy as jnp, jaxdev
           >>> with jaxdev.Checkpointer(tempfile.mkdtemp()) as ckpt:
@@ -274,9 +266,6 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every asynchronous save has finished (and report its failure).
-
-        Raises:
-          CheckpointError: a background write failed.
 
         Example:
           >>> import tempfile, jaxdev

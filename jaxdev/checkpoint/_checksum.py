@@ -68,11 +68,6 @@ def bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as a flat uint32 array (inside jit)."""
-    return bits(x).ravel()
-
-
 def _positions(shape: tuple[int, ...]) -> jax.Array:
     """Each element's row-major (flat) index mod 2**32, in ``shape``: no reshape needed."""
     i = jnp.zeros((), jnp.uint32)
@@ -91,11 +86,7 @@ def _fmix(h: jax.Array) -> jax.Array:
 
 
 def _lanes(b: jax.Array, i: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """The checksum's two uint32 lanes of words ``b`` at global positions ``i``.
-
-    Lane ``L`` sums ``fmix32(b + i*K_L + C_L)``; words where ``valid`` is
-    False add nothing.
-    """
+    """The two uint32 lanes of words ``b`` at global positions ``i`` (only where ``valid``)."""
     mixed = [_fmix(b + i * jnp.uint32(k) + jnp.uint32(c)) for k, c in _LANES]
     if valid is not None:
         mixed = [jnp.where(valid, m, 0) for m in mixed]
@@ -119,7 +110,7 @@ def _split_checksums(mesh: Mesh) -> Callable[[list[jax.Array]], jax.Array]:
     n, parts = mesh.size, NamedSharding(mesh, P("checksum"))
 
     def one(x: jax.Array) -> jax.Array:
-        b = words(x)
+        b = bits(x).ravel()
         size = b.size
         b = jnp.pad(b, (0, -size % n)).reshape(n, -1)
         i = jax.lax.iota(jnp.uint32, b.size).reshape(n, -1)
@@ -189,10 +180,6 @@ def _legacy(xs: list[jax.Array]) -> jax.Array:
 
 
 def legacy_checksums(arrays: Sequence[Any]) -> list[int]:
-    """The checksum of format-1 checkpoints (jaxdev 0.1 before 64-bit checksums), to read them.
-
-    A position-weighted uint32 sum; numpy leaves were cast by ``jnp.asarray``
-    first, as that version did.
-    """
+    """Format 1's checksum: a position-weighted uint32 sum, numpy leaves cast by jnp.asarray."""
     xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
     return [int(v) for v in _fetch(_legacy(xs))] if xs else []

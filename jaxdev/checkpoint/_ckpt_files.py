@@ -49,12 +49,8 @@ def is_checkpoint(path: str) -> bool:
 
 
 class WriterLock:
-    """An exclusive, non-blocking lock held by the one writer of a checkpoint path.
-
-    Args:
-      lock_path: the lock file (created; removed again on release).
-      what: the thing being written, for the error message.
-    """
+    """The one writer's exclusive, non-blocking lock: ``lock_path`` (removed on release);
+    ``what`` is written, for the error message."""
 
     def __init__(self, lock_path: str, what: str) -> None:
         self.lock_path = lock_path
@@ -160,10 +156,7 @@ def _read_owner(fd: int) -> str:
 def check_replaceable(path: str) -> None:
     """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder.
 
-    Raises:
-      CheckpointError: ``path`` is a file, or a folder jaxdev did not write
-        (the message lists what is in it), or the working directory, one of
-        its parents, the home directory or ``/`` (even empty).
+    Never the working directory, one of its parents, the home directory or ``/``.
     """
     try:
         here = os.path.realpath(os.getcwd())
@@ -206,24 +199,16 @@ def check_replaceable(path: str) -> None:
 
 
 def leftovers(path: str) -> list[str]:
-    """The names beside ``path`` that an interrupted save of it left (exact reserved names).
-
-    ``.<name>.jaxdev-new``, ``.<name>.jaxdev-old``, and orbax's temporary
-    folders of the two it writes, ``<name>`` and ``.<name>.jaxdev-new``:
-    ``<that>.orbax-checkpoint-tmp`` (older orbax: ``-<timestamp>`` after it).
-    """
+    """What an interrupted save of ``path`` left beside it: ``.<name>.jaxdev-new``, ``-old``,
+    and ``<name>`` or ``.<name>.jaxdev-new`` + ``.orbax-checkpoint-tmp[-<timestamp>]``."""
     parent, name = os.path.split(path)
     new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
     return _names(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
 
 
 def lookalikes(directory: str, steps: set[int]) -> list[str]:
-    """Names in ``directory`` that orbax's ``keep`` would delete instead of one of ``steps``.
-
-    Orbax takes any name that starts with ``<step>.orbax-checkpoint-tmp`` for
-    the temporary folder of that step's unfinished save, and deletes it in
-    place of the step. Its exact names (:func:`remove_tombstones`) are not counted.
-    """
+    """Names in ``directory`` that orbax's ``keep`` would delete instead of one of ``steps``:
+    any ``<step>.orbax-checkpoint-tmp...`` but orbax's exact names."""
     names = _names(directory, rf"{_STEP}\.orbax-checkpoint-tmp(?s:.+)")
     own = rf"{_STEP}{_ORBAX_TMP}"
     return [n for n in names if int(n.split(".")[0]) in steps and not re.fullmatch(own, n)]
@@ -270,11 +255,8 @@ def _remove(path: str) -> None:
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Swap two directories atomically; False where the kernel or libc cannot, or it failed.
-
-    A failed exchange changed nothing: :func:`replace` goes on with its two
-    renames, which fail with their own ``OSError`` if the cause remains.
-    """
+    """Swap two directories atomically; False where the kernel or libc cannot, or it failed
+    (then nothing changed: :func:`replace` goes on with two renames)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
@@ -319,11 +301,7 @@ def was_cut(path: str) -> bool:
 
 
 def recover(path: str) -> bool:
-    """If the fallback swap was cut between its two renames, put the new checkpoint at ``path``.
-
-    Returns True if it was put back (see :func:`was_cut`); the old one is
-    left to the next save's :func:`remove_leftovers`.
-    """
+    """If :func:`was_cut`, put the new checkpoint at ``path`` (True); the old is the next save's."""
     if not was_cut(path):
         return False
     os.rename(sibling(path, "new"), path)
