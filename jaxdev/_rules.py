@@ -542,8 +542,11 @@ def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options
     shapes = jax.tree.map(_as_shape, state)  # never arrays: a failed match repr()s its input
     layout = state_shardings(shapes, mesh, rules, **options)
     train, carried = is_train_state(state), None
-    if isinstance(rules, str) and rules == "flax":
-        carried = _carried(state.params if train else state, mesh)
+    if isinstance(rules, str) and rules == "flax":  # kept when every leaf is on `mesh`
+        tree = state.params if train else state
+        have = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+        if have and all(isinstance(s, NamedSharding) and s.mesh == mesh for s in have):
+            carried = jax.tree.map(lambda x: x.sharding, tree)
     if carried is None or not train:
         return layout if carried is None else carried
     follow = follow_params(shapes.opt_state, shapes.params, carried, mesh)
@@ -553,14 +556,6 @@ def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options
 def _with_fields(state: Any, fields: dict[str, Any]) -> Any:
     """``state`` (a NamedTuple or a ``.replace``-able dataclass) with ``fields`` replaced."""
     return state._replace(**fields) if isinstance(state, tuple) else state.replace(**fields)
-
-
-def _carried(tree: Any, mesh: Mesh) -> Any:
-    """The shardings of ``tree``'s leaves when every one is a NamedSharding on ``mesh``."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
-    if not shardings or not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
-        return None
-    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
@@ -582,35 +577,31 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     opt_state = jax.tree.map(_as_shape, unbox(opt_state))
 
     def mirror(node: Any) -> Any:
-        return _mirror(node, treedef, shapes, targets)
+        """``node``'s shardings if it mirrors the params (structure + shapes), else None."""
+        if node is None or _is_leafish(node) and treedef.num_leaves != 1:
+            return None
+        try:
+            subtrees = treedef.flatten_up_to(node)
+        except (ValueError, TypeError):
+            return None
+        out, hits = [], 0
+        for sub, shape, target in zip(subtrees, shapes, targets):
+            if _is_leafish(sub):
+                if tuple(sub.shape) != shape:
+                    return None
+                out.append(target)
+                hits += 1
+            elif not jax.tree.leaves(sub):  # MaskedNode / empty: masked out
+                out.append(sub)
+            else:
+                return None
+        return treedef.unflatten(out) if hits else None
 
     return jax.tree.map(
         lambda node: replicated if (found := mirror(node)) is None else found,
         opt_state,
         is_leaf=lambda node: mirror(node) is not None,
     )
-
-
-def _mirror(node: Any, treedef: Any, shapes: list[tuple[int, ...]], targets: list[Any]) -> Any:
-    """``node``'s shardings if it mirrors the params (structure + shapes), else None."""
-    if node is None or _is_leafish(node) and treedef.num_leaves != 1:
-        return None
-    try:
-        subtrees = treedef.flatten_up_to(node)
-    except (ValueError, TypeError):
-        return None
-    out, hits = [], 0
-    for sub, shape, target in zip(subtrees, shapes, targets):
-        if _is_leafish(sub):
-            if tuple(sub.shape) != shape:
-                return None
-            out.append(target)
-            hits += 1
-        elif not jax.tree.leaves(sub):  # MaskedNode / empty: masked out
-            out.append(sub)
-        else:
-            return None
-    return treedef.unflatten(out) if hits else None
 
 
 def _as_shape(x: Any) -> Any:
