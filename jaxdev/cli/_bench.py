@@ -338,22 +338,17 @@ def two_devices_at_once(size: int, reps: int) -> Result:
 # ---------------------------------------------------------------- placement
 
 
-def _params_tree(n_leaves: int = 50, width: int = 64) -> dict[str, np.ndarray]:
-    """A Flax-like params dict: ``n_leaves // 2`` dense layers (kernel + bias)."""
-    rng = np.random.default_rng(0)
-    return {
-        f"Dense_{i}": {
-            "kernel": rng.normal(size=(width, width)).astype(np.float32),
-            "bias": np.zeros(width, np.float32),
-        }
-        for i in range(n_leaves // 2)
-    }
-
-
 def placement_figures(reps: int, inner: int) -> list[Result]:
     """No-op ``to_device``, ``replicate`` and ``shard_batch`` vs raw ``jax.device_put``."""
     dev = jax.local_devices()[0]
-    host = _params_tree()
+    rng = np.random.default_rng(0)
+    host = {  # a Flax-like params dict: 25 dense layers, 50 leaves
+        f"Dense_{i}": {
+            "kernel": rng.normal(size=(64, 64)).astype(np.float32),
+            "bias": np.zeros(64, np.float32),
+        }
+        for i in range(25)
+    }
     placed = jax.device_put(host, dev)
     mesh = jaxdev.data_mesh()
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
