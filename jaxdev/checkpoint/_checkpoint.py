@@ -499,7 +499,16 @@ def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
     beat("checkpoint")  # every restore starts here: progress for the hang watchdog
     ocp = orbax()
     if not os.path.isdir(path):
-        raise CheckpointError(_missing_message(path))
+        left = ", ".join(files.leftovers(path))
+        note = (
+            f"{left} beside it was left by an interrupted save and is not restored: it may hold "
+            f"a checkpoint that was deleted from {path} (move it there yourself to restore it). "
+            if left
+            else ""
+        )
+        raise CheckpointError(
+            f"No checkpoint at {path}: the directory does not exist. {note}" + _steps_hint(path)
+        )
     if not os.path.isdir(os.path.join(path, META)):
         raise CheckpointError(
             f"{path} is not a jaxdev checkpoint (no `{META}` item inside). " + _steps_hint(path)
@@ -549,17 +558,6 @@ def _agree(tag: str, table: dict[str, str], header: str, where: str = "") -> Non
     if bad := compare_leaf_tables([t for t, _ in seen]):
         bad += [describe_groups([w for _, w in seen])] if where else []
         raise CheckpointError(join_failures(header, bad))
-
-
-def _missing_message(path: str) -> str:
-    left = ", ".join(files.leftovers(path))
-    note = (
-        f"{left} beside it was left by an interrupted save and is not restored: it may hold "
-        f"a checkpoint that was deleted from {path} (move it there yourself to restore it). "
-        if left
-        else ""
-    )
-    return f"No checkpoint at {path}: the directory does not exist. {note}" + _steps_hint(path)
 
 
 def _steps_hint(path: str) -> str:
@@ -646,10 +644,8 @@ def _as_saved(e: dict, common: Sharding | None) -> Any:
 
 
 def _where_saved(e: dict) -> Sharding | None:
-    """A saved jax.Array's sharding here: where it was if those devices exist, else the default.
-
-    A stacked leaf goes back onto its devices in the pmap layout.
-    """
+    """A saved jax.Array's sharding here: where it was (a stacked leaf: in the pmap layout)
+    if those devices exist, else the default."""
     if e["kind"] != "jax":
         return None
     if not e.get("stacked"):
@@ -690,9 +686,7 @@ def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any)
 
 
 def _saved_text(e: dict) -> str:
-    if e["kind"] == "scalar":
-        return f"Python {e['type']}"
-    return f"{e['dtype']}{e['shape']}"
+    return f"Python {e['type']}" if e["kind"] == "scalar" else f"{e['dtype']}{e['shape']}"
 
 
 def _asked_text(x: Any) -> str:
