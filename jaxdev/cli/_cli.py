@@ -161,20 +161,6 @@ class Ui:
 # ---------------------------------------------------------------- info
 
 
-def info_data() -> dict[str, Any]:
-    """``jaxdev.describe()`` plus the accelerator detection, as plain data."""
-    accel, why = accelerator_expected()
-    data = jaxdev.describe()
-    data["accelerator_expected"] = {"expected": accel, "why": why}
-    data["plugins"] = installed_plugins()
-    if accel and data["platforms"] == ["cpu"] and not data["warnings"]:
-        data["warnings"].append(
-            f"An accelerator was expected ({why}) but JAX started only the CPU: check the "
-            "driver (nvidia-smi) and that the plugin matches your jax version."
-        )
-    return data
-
-
 def _memory(stats: dict[str, Any] | None) -> str:
     if not stats:
         return "n/a on CPU"
@@ -185,8 +171,16 @@ def _memory(stats: dict[str, Any] | None) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """``jaxdev info [--json]``: :func:`info_data` as JSON or as tables."""
-    data = info_data()
+    """``jaxdev info [--json]``: ``jaxdev.describe()`` plus the accelerator detection."""
+    accel, why = accelerator_expected()
+    data = jaxdev.describe()
+    data["accelerator_expected"] = {"expected": accel, "why": why}
+    data["plugins"] = installed_plugins()
+    if accel and data["platforms"] == ["cpu"] and not data["warnings"]:
+        data["warnings"].append(
+            f"An accelerator was expected ({why}) but JAX started only the CPU: check the "
+            "driver (nvidia-smi) and that the plugin matches your jax version."
+        )
     if args.json:
         print(json.dumps(data, indent=2, default=str))
         return 0
@@ -201,8 +195,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     head.add_row("devices", f"{data['local_device_count']} local / {data['device_count']} global")
     for key, value in data["requested"].items():
         head.add_row(f"requested {key}", "(not set)" if value in (None, "") else str(value))
-    expected = data["accelerator_expected"]
-    head.add_row("accelerator expected", f"{expected['expected']} ({expected['why']})")
+    head.add_row("accelerator expected", f"{accel} ({why})")
     ui.out.print(head)
     table = Table("id", "platform", "kind", "process", "memory", title="devices")
     for d in data["devices"]:
