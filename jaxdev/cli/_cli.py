@@ -273,12 +273,21 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``jaxdev bench [--quick] [--json PATH] [--plot PATH.png]``."""
     _check_outputs(args)
+    from rich.table import Table
+
     from ._bench import BenchConfig, run_bench, write_json, write_plot
 
     ui = started_ui(args.devices)
     config = BenchConfig.quick() if args.quick else BenchConfig()
     results = run_bench(config, ui)
-    print_bench(results, ui)
+    table = Table(title="jaxdev bench (medians, interleaved repetitions)", show_lines=True)
+    for col in ("benchmark", "median time per variant", "ratio", "note"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        times = "\n".join(f"{k}: {_seconds(v)}" for k, v in r.times.items()) or "-"
+        ratios = "\n".join(f"{k} = {v:.2f}x" for k, v in r.ratios.items()) or "-"
+        table.add_row(r.title, times, ratios, r.note)
+    ui.out.print(table)
     if args.json:
         write_json(args.json, results, args.quick)
         ui.line(f"wrote {args.json}")
@@ -294,20 +303,6 @@ def _seconds(s: float) -> str:
     if s < 1:
         return f"{s * 1e3:.2f} ms"
     return f"{s:.2f} s"
-
-
-def print_bench(results: Sequence[Any], ui: Ui) -> None:
-    """Print the benchmark results as a table."""
-    from rich.table import Table
-
-    table = Table(title="jaxdev bench (medians, interleaved repetitions)", show_lines=True)
-    for col in ("benchmark", "median time per variant", "ratio", "note"):
-        table.add_column(col, overflow="fold")
-    for r in results:
-        times = "\n".join(f"{k}: {_seconds(v)}" for k, v in r.times.items()) or "-"
-        ratios = "\n".join(f"{k} = {v:.2f}x" for k, v in r.ratios.items()) or "-"
-        table.add_row(r.title, times, ratios, r.note)
-    ui.out.print(table)
 
 
 # ---------------------------------------------------------------- parser
