@@ -59,7 +59,9 @@ _NOTES = {
         "outside the jitted function."
     ),
 }
-_HOST_KINDS = ("pinned_host", "unpinned_host")
+HOST_KINDS = ("pinned_host", "unpinned_host")
+"""Memory kinds in host memory (not counted on the devices)."""
+_MAX_LISTED = 10  # leaves listed by assert_sharded_fraction
 
 
 class _Checks(NamedTuple):
@@ -299,14 +301,12 @@ def assert_on_host(tree: chex.ArrayTree) -> None:
     if asserts_disabled():
         return
     leaves = jax.tree_util.tree_leaves(tree)
-    expected = "host memory"
-    bad = []
-    for i, x in enumerate(leaves):
-        if is_host_value(x):
-            continue
-        if is_concrete(x) and not deleted(x) and x.sharding.memory_kind in _HOST_KINDS:
-            continue
-        bad.append((i, f"found {_where(x)}, expected {expected}"))
+    bad = [
+        (i, f"found {_where(x)}, expected host memory")
+        for i, x in enumerate(leaves)
+        if not is_host_value(x)
+        and not (is_concrete(x) and not deleted(x) and x.sharding.memory_kind in HOST_KINDS)
+    ]
     fix = "Fix: `tree = jaxdev.to_host(tree)` (one `jax.device_get`)."
     rule = (
         "are not in host memory (numpy, a Python number, or a jax.Array in "
@@ -361,13 +361,11 @@ def assert_replicated(
         bad = sorted(bad + _drifted(leaves, skip={i for i, _ in bad}))
     rule = f"are not replicated on [{format_devices(sorted(devices, key=device_key))}]"
     rule += " with bitwise identical replicas" if check_values else ""
-    _fail("assert_replicated", tree, "tree", len(leaves), bad, rule, _REPLICATE_FIX)
-
-
-_REPLICATE_FIX = (
-    "Fix: replicate with `jaxdev.to_device(tree, mesh)` (a full copy on each device); for a "
-    "stacked (pmap) tree take one copy first (`jaxdev.pmap.unstack_from_pmap(tree)`)."
-)
+    fix = (
+        "Fix: replicate with `jaxdev.to_device(tree, mesh)` (a full copy on each device); for a "
+        "stacked (pmap) tree take one copy first (`jaxdev.pmap.unstack_from_pmap(tree)`)."
+    )
+    _fail("assert_replicated", tree, "tree", len(leaves), bad, rule, fix)
 
 
 def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Checks, frozenset]:
@@ -389,22 +387,18 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
         return s.is_fully_replicated and s.memory_kind == kind and s.device_set == devices
 
     def check(x: Any) -> str | None:
-        if fast(x.sharding):
+        s, note = x.sharding, ""
+        if fast(s):
             return None
-        return f"found {_where(x)}{_stacked_note(x)}, expected {expected}"
+        n = len(s.device_set)
+        if x.ndim and x.shape[0] == n and n > 1 and not s.is_fully_replicated:
+            note = (
+                f": a stacked (pmap-layout) array, leading axis {n} = one different slice per "
+                "device, not one replicated copy"
+            )
+        return f"found {_where(x)}{note}, expected {expected}"
 
     return _Checks(fast, check, expected), devices
-
-
-def _stacked_note(x: jax.Array) -> str:
-    s = x.sharding
-    n = len(s.device_set)
-    if x.ndim and x.shape[0] == n and n > 1 and not s.is_fully_replicated:
-        return (
-            f": a stacked (pmap-layout) array, leading axis {n} = one different slice per "
-            "device, not one replicated copy"
-        )
-    return ""
 
 
 def _drifted(leaves: list[Any], skip: set[int]) -> list[tuple[int, str]]:
@@ -632,7 +626,15 @@ def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None
     """
     if asserts_disabled():
         return
-    _check_fraction(at_least)
+    if (
+        isinstance(at_least, bool)
+        or not isinstance(at_least, (int, float, np.integer, np.floating))
+        or not 0 <= at_least <= 1  # NaN fails too
+    ):
+        raise UsageError(
+            f"`at_least` must be a fraction in [0, 1] (0.9: 90% of the bytes in sharded "
+            f"leaves), got {at_least!r}."
+        )
     leaves = jax.tree_util.tree_leaves(tree)
     total, sharded, whole, bad = _sharded_bytes(leaves)
     if bad:
@@ -660,21 +662,6 @@ def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None
         "(regex, PartitionSpec) rule naming them), or lower `at_least`."
     )
     raise PlacementAssertionError(_message(header, lines, fix))
-
-
-_MAX_LISTED = 10
-
-
-def _check_fraction(at_least: Any) -> None:
-    if (
-        isinstance(at_least, bool)
-        or not isinstance(at_least, (int, float, np.integer, np.floating))
-        or not 0 <= at_least <= 1  # NaN fails too
-    ):
-        raise UsageError(
-            f"`at_least` must be a fraction in [0, 1] (0.9: 90% of the bytes in sharded "
-            f"leaves), got {at_least!r}."
-        )
 
 
 def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:

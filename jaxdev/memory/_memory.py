@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._asserts import HOST_KINDS
 from .._errors import UsageError, device_name
 from .._leaves import is_jax_array, is_prng_key
 from .._report import human_bytes, text_table
-from ._offload import HOST_KINDS
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
 _LABELS = {

@@ -15,13 +15,11 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
+from .._asserts import HOST_KINDS
 from .._errors import UsageError
 
 HOST = "pinned_host"
 """The memory kind offloaded fields live in."""
-
-HOST_KINDS = ("pinned_host", "unpinned_host")
-"""Memory kinds in host memory (not counted on the devices)."""
 
 FIELDS = ("params", "opt_state")
 """The train-state fields that can be offloaded."""
