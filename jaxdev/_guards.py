@@ -33,8 +33,10 @@ H2D = "host_to_device"
 WAIT = "wait"
 COMPILE = "compile"
 TRACE = "trace"
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+_MONITORED = {  # jax.monitoring's duration events -> the direction they count as
+    "/jax/core/compile/backend_compile_duration": COMPILE,
+    "/jax/core/compile/jaxpr_trace_duration": TRACE,
+}
 _MAX_EVENTS = 1000  # events kept per counter; the counts are always exact
 
 
@@ -195,15 +197,7 @@ _ARRAY_METHODS = {
 }
 _ARRAY_WAITS = {"block_until_ready": ".block_until_ready()"}
 _NUMPY_FUNCTIONS = (
-    "asarray",
-    "array",
-    "asanyarray",
-    "ascontiguousarray",
-    "copy",
-    "concatenate",
-    "stack",
-    "vstack",
-    "hstack",
+    "asarray array asanyarray ascontiguousarray copy concatenate stack vstack hstack".split()
 )
 _NUMPY_UFUNCS = ("isfinite", "isnan", "isinf")
 
@@ -282,10 +276,8 @@ def _install() -> None:
 
 
 def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
-    if event == _COMPILE_EVENT:
-        _emit(COMPILE, str(kwargs.get("fun_name", "?")))
-    elif event == _TRACE_EVENT:
-        _emit(TRACE, str(kwargs.get("fun_name", "?")))
+    if event in _MONITORED:
+        _emit(_MONITORED[event], str(kwargs.get("fun_name", "?")))
 
 
 # ------------------------------------------ implicit host-to-device (stderr)
@@ -554,21 +546,15 @@ def no_host_sync(
             )
     with count_transfers(implicit=max_host_to_device is not None) as counter:
         yield counter
-    failures = [
-        _over_budget(counter, direction, limit)
-        for direction, limit in limits.items()
-        if limit is not None and counter._count(direction) > limit
-    ]
+    failures = []  # per exceeded count: a head line, then its events
+    for direction, limit in limits.items():
+        if limit is not None and (n := counter._count(direction)) > limit:
+            name, noun = _BUDGETS[direction]
+            head = f"{n} {noun}{'s' if n != 1 else ''} in a block that allows {limit}"
+            failures.append(f"{head} (`{name}={limit}`):")
+            failures += [f"  {line}" for line in _describe(counter.events, direction)]
     if failures:
         raise GuardError("\n".join(failures) + "\n" + _HINT)
-
-
-def _over_budget(counter: TransferCounter, direction: str, limit: int) -> str:
-    """The GuardError paragraph of one exceeded count: a head line, then its events."""
-    name, noun = _BUDGETS[direction]
-    n = counter._count(direction)
-    head = f"{n} {noun}{'s' if n != 1 else ''} in a block that allows {limit} (`{name}={limit}`):"
-    return "\n".join([head] + [f"  {line}" for line in _describe(counter.events, direction)])
 
 
 _HINT = (
