@@ -253,13 +253,8 @@ def placement(tree: Any) -> PlacementReport:
     builder.add_all(key_strings(tree, treedef), leaves)
     replicated, sharded = builder.totals()
     names = sorted(replicated.keys() | sharded.keys(), key=_name_key)
-    totals = {n: replicated.get(n, 0) + sharded.get(n, 0) for n in names}
-    return PlacementReport(
-        tuple(builder.rows),
-        totals,
-        {n: replicated.get(n, 0) for n in names},
-        {n: sharded.get(n, 0) for n in names},
-    )
+    rep, shd = ({n: d.get(n, 0) for n in names} for d in (replicated, sharded))
+    return PlacementReport(tuple(builder.rows), {n: rep[n] + shd[n] for n in names}, rep, shd)
 
 
 def _name_key(name: str) -> tuple[str, int]:

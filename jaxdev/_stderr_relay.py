@@ -10,6 +10,7 @@ words survive a crash; else jaxdev runs it in a thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -77,20 +78,17 @@ def relay(in_fd: int, out_fd: int, report_fd: int, swallow: bool) -> None:
       >>> os.close(out_r); os.close(rep_r)
     """
     try:
-        while data := os.read(in_fd, READ_SIZE):
-            *before_syncs, rest = data.split(SYNC)
-            for part in before_syncs:
-                _pass_on(part, out_fd, report_fd, swallow)
-                write_all(report_fd, b"S\n")
-            _pass_on(rest, out_fd, report_fd, swallow)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            while data := os.read(in_fd, READ_SIZE):
+                *before_syncs, rest = data.split(SYNC)
+                for part in before_syncs:
+                    _pass_on(part, out_fd, report_fd, swallow)
+                    write_all(report_fd, b"S\n")
+                _pass_on(rest, out_fd, report_fd, swallow)
     finally:
         for fd in (in_fd, out_fd, report_fd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def _pass_on(data: bytes, out_fd: int, report_fd: int, swallow: bool) -> None:
