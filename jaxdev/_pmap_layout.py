@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -92,7 +92,14 @@ def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
         lambda i: "shape ()",
     )
     if check:
-        _check_rows_equal(tree, leaves)
+        hosts = [list(np.asarray(h)) for h in jax.device_get(list(leaves))]
+        raise_drift(
+            tree,
+            [(i, _row_labels(x), hosts[i]) for i, x in enumerate(leaves)],
+            "`tree` has per-device copies that drifted apart: every row of a stacked "
+            "leaf should be bitwise identical, but these differ from the majority "
+            "(a pmapped update without `lax.pmean`?). Leaves:",
+        )
     out = [_row0(x) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -113,18 +120,6 @@ def _row_labels(x: Any) -> list[str]:
             for r in range(lo, hi):
                 labels[r] = f"{device_name(d)} (row {r})" if hi - lo > 1 else device_name(d)
     return labels
-
-
-def _check_rows_equal(tree: Any, leaves: Sequence[Any]) -> None:
-    hosts = jax.device_get(list(leaves))
-    rows = [(i, _row_labels(x), list(np.asarray(h))) for i, (x, h) in enumerate(zip(leaves, hosts))]
-    raise_drift(
-        tree,
-        rows,
-        "`tree` has per-device copies that drifted apart: every row of a stacked "
-        "leaf should be bitwise identical, but these differ from the majority "
-        "(a pmapped update without `lax.pmean`?). Leaves:",
-    )
 
 
 def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:

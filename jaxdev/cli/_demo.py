@@ -150,25 +150,6 @@ def make_loss(model: MLP) -> Callable:
     return loss_fn
 
 
-def select_devices(n: int | None) -> list[jax.Device]:
-    """Return :func:`jaxdev.device_list` ``(n)``: the first ``n`` local devices (all: ``None``).
-
-    Raises:
-      UsageError: ``n`` is more than exist (says how to get fake CPU devices).
-      DeviceSpecError: ``n`` < 1.
-    """
-    try:
-        return jaxdev.device_list(n)
-    except jaxdev.DeviceNotFoundError:
-        local = jaxdev.device_list()
-        raise UsageError(
-            f"`--devices {n}` asks for more devices than exist: this process has "
-            f"{len(local)} {local[0].platform} device(s). For fake CPU devices run "
-            f"`JAX_PLATFORMS=cpu jaxdev demo --devices {n}` (from a fresh process: the "
-            "device count is fixed once JAX has started)."
-        ) from None
-
-
 def make_strategy(config: DemoConfig, devices: list[jax.Device]) -> jaxdev.Strategy:
     """The :class:`jaxdev.Strategy` ``--strategy`` over ``devices`` (``--params``, ``--mesh``).
 
@@ -205,8 +186,24 @@ class _Steps(NamedTuple):
 
 
 def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, Any]:
-    """``(strategy, train, test, global batch, model, params)`` of a run."""
-    strategy = make_strategy(config, select_devices(config.devices))
+    """``(strategy, train, test, global batch, model, params)`` of a run.
+
+    Raises:
+      UsageError: ``--devices`` asks for more devices than exist (says how to get fake CPU
+        devices), or as :func:`make_strategy`.
+    """
+    n = config.devices
+    try:
+        devices = jaxdev.device_list(n)
+    except jaxdev.DeviceNotFoundError:
+        local = jaxdev.device_list()
+        raise UsageError(
+            f"`--devices {n}` asks for more devices than exist: this process has "
+            f"{len(local)} {local[0].platform} device(s). For fake CPU devices run "
+            f"`JAX_PLATFORMS=cpu jaxdev demo --devices {n}` (from a fresh process: the "
+            "device count is fixed once JAX has started)."
+        ) from None
+    strategy = make_strategy(config, devices)
     train, test = load_data(config.seed, config.test_fraction)
     batch_size = math.ceil(config.batch_size / strategy.n_devices) * strategy.n_devices
     model = MLP(config.hidden)
