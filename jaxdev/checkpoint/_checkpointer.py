@@ -192,11 +192,7 @@ class Checkpointer:
         return sorted(self._steps())
 
     def _steps(self) -> list[int]:
-        """Complete jaxdev checkpoints; read from the folder again unless this is its writer.
-
-        A reader lists again (5 tries) when its listing raced the writer: orbax failed
-        on a step ``keep`` deleted, or listed steps but none complete.
-        """
+        """Complete jaxdev checkpoints; a reader lists again (5 tries) while it races the writer."""
         if self._lock is not None:
             return [s for s in self._manager.all_steps() if self._is_ours(s)]
         ours: list[int] = []

@@ -72,12 +72,9 @@ class WriterLock:
                     "other's files, so this one is refused: wait for the other to finish "
                     "(close its Checkpointer), or write to another path."
                 ) from None
-            try:  # the holder before us may have removed the file we opened: retry
-                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):  # the last holder removed it: retry
+                if os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
             os.close(fd)
         owner = (
             f"pid {os.getpid()} on {socket.gethostname()}, thread "
@@ -92,10 +89,8 @@ class WriterLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        try:  # remove first, then unlock: a waiter re-checks the inode (see acquire)
+        with contextlib.suppress(OSError):  # remove, then unlock: a waiter re-checks the inode
             os.unlink(self.lock_path)
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
         _HELD.discard(self)
