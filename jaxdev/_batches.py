@@ -279,19 +279,6 @@ def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | No
     return count, np.flatnonzero(mask), mask.size
 
 
-def _check_rows(tree: Any, leaves: Sequence[Any], size: int, expected: int | None):
-    rows = [np.shape(x)[0] if np.ndim(x) else -1 for x in leaves]
-    want = f"{expected}" if expected is not None else f"at least {size}"
-    raise_leaves(
-        tree,
-        [i for i, r in enumerate(rows) if r < size or (expected is not None and r != expected)],
-        f"`tree` leaves must have {want} leading rows to remove the padding (outputs of a "
-        "function applied per row keep the batch as their leading axis; a reduction over the "
-        "batch would have mixed in the padded rows). Leaves:",
-        lambda i: f"shape {np.shape(leaves[i])}",
-    )
-
-
 def select_rows(
     x: Any, size: int | None, indices: np.ndarray | None = None, merge: bool = False
 ) -> Any:
@@ -377,6 +364,15 @@ def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
     """
     size, indices, expected = _padding_rows(padding)
     leaves, treedef = checked_leaves(tree, "tree", "unpad", host=False)
-    _check_rows(tree, leaves, size, expected)
+    rows = [np.shape(x)[0] if np.ndim(x) else -1 for x in leaves]
+    want = f"{expected}" if expected is not None else f"at least {size}"
+    raise_leaves(
+        tree,
+        [i for i, r in enumerate(rows) if r < size or (expected is not None and r != expected)],
+        f"`tree` leaves must have {want} leading rows to remove the padding (outputs of a "
+        "function applied per row keep the batch as their leading axis; a reduction over the "
+        "batch would have mixed in the padded rows). Leaves:",
+        lambda i: f"shape {np.shape(leaves[i])}",
+    )
     out = [select_rows(x, size, indices) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
