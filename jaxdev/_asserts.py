@@ -666,28 +666,18 @@ def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None
 
 def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
     """``(total bytes, sharded bytes, [(bytes, index)] not sharded, [(index, why)] unusable)``."""
-    impl = array_type()
-    verdicts: dict[Any, bool] = {}  # sharding_key -> split over devices?
     total = sharded = 0
     whole: list[tuple[int, int]] = []
     bad: list[tuple[int, str]] = []
     for i, x in enumerate(leaves):
-        if type(x) is not impl or x.is_deleted():
-            if is_host_value(x):
-                n = np.asarray(x).nbytes
-                total += n
-                whole.append((n, i))
-                continue
-            problem = _live_array_problem(x, "a live jax.Array")
-            if problem is not None:
-                bad.append((i, problem))
-                continue
-        s = x.sharding
-        key = sharding_key(s)
-        split = verdicts.get(key)
-        if split is None:
-            split = verdicts[key] = len(s.device_set) > 1 and not s.is_fully_replicated
-        n = x.nbytes
+        if is_host_value(x):
+            n, split = np.asarray(x).nbytes, False
+        elif (problem := _live_array_problem(x, "a live jax.Array")) is not None:
+            bad.append((i, problem))
+            continue
+        else:
+            n, s = x.nbytes, x.sharding
+            split = len(s.device_set) > 1 and not s.is_fully_replicated
         total += n
         if split:
             sharded += n
