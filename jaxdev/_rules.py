@@ -173,24 +173,19 @@ def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
             raise ShardingError(
                 f"`rules` pattern {pattern!r} is not a valid regular expression: {err}."
             ) from None
-        out.append((compiled, _as_spec(spec, f"`rules` pattern {compiled.pattern!r}"), pattern))
+        spec = P() if spec is None else spec
+        if not isinstance(spec, P):
+            if not isinstance(spec, (tuple, list)) or not all(
+                s is None or isinstance(s, (str, tuple)) for s in spec
+            ):
+                raise ShardingError(
+                    f"`rules` pattern {compiled.pattern!r} maps to {spec!r}, which is not a "
+                    "PartitionSpec: write P(None, 'model') (from jax.sharding import "
+                    "PartitionSpec as P), a tuple of axis names / None, or None to replicate."
+                )
+            spec = P(*spec)
+        out.append((compiled, spec, pattern))
     return out
-
-
-def _as_spec(spec: Any, source: str) -> P:
-    if spec is None:
-        return P()
-    if isinstance(spec, P):
-        return spec
-    if isinstance(spec, (tuple, list)) and all(
-        s is None or isinstance(s, str) or isinstance(s, tuple) for s in spec
-    ):
-        return P(*spec)
-    raise ShardingError(
-        f"{source} maps to {spec!r}, which is not a PartitionSpec: write "
-        "P(None, 'model') (from jax.sharding import PartitionSpec as P), a tuple of axis "
-        "names / None, or None to replicate."
-    )
 
 
 def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
