@@ -280,7 +280,24 @@ def make_mesh(
         devs = tuple(jax.devices())
     else:
         devs = tuple(device_list(devices))
-    sizes = _resolve_sizes(names, sizes, devs)
+    shape = ", ".join(f"{n}={s}" for n, s in zip(names, sizes))
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devs) % known:
+            raise ShardingError(
+                f"`axes` ({shape}) cannot fill {len(devs)} devices: the fixed sizes multiply "
+                f"to {known}, which does not divide {len(devs)}. Devices: "
+                f"[{format_devices(devs)}]. Choose sizes whose product divides the device "
+                "count, or pass `devices=`."
+            )
+        sizes = tuple(len(devs) // known if s == -1 else s for s in sizes)
+    elif known != len(devs):
+        raise ShardingError(
+            f"`axes` ({shape}) multiply to {known} devices but {len(devs)} were given: "
+            f"[{format_devices(devs)}]. Make the sizes multiply to {len(devs)} (one size may "
+            "be -1 for the rest)"
+            + (f", or pass `devices={known}` for the first {known}." if known < len(devs) else ".")
+        )
     return _nd_mesh(devs, names, sizes, kinds)
 
 
@@ -338,31 +355,6 @@ def _axis_types(axis_type: Any, names: tuple[str, ...]) -> tuple[AxisType, ...]:
             "per axis or a single 'auto' / 'explicit' for all."
         )
     return tuple(k if isinstance(k, AxisType) else _AXIS_TYPES[k.lower()] for k in kinds)
-
-
-def _resolve_sizes(
-    names: tuple[str, ...], sizes: tuple[int, ...], devs: tuple[jax.Device, ...]
-) -> tuple[int, ...]:
-    """Fill in the ``-1`` size; raise unless the sizes multiply to ``len(devs)``."""
-    shape = ", ".join(f"{n}={s}" for n, s in zip(names, sizes))
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        if len(devs) % known:
-            raise ShardingError(
-                f"`axes` ({shape}) cannot fill {len(devs)} devices: the fixed sizes multiply "
-                f"to {known}, which does not divide {len(devs)}. Devices: "
-                f"[{format_devices(devs)}]. Choose sizes whose product divides the device "
-                "count, or pass `devices=`."
-            )
-        sizes = tuple(len(devs) // known if s == -1 else s for s in sizes)
-    elif known != len(devs):
-        raise ShardingError(
-            f"`axes` ({shape}) multiply to {known} devices but {len(devs)} were given: "
-            f"[{format_devices(devs)}]. Make the sizes multiply to {len(devs)} (one size may "
-            "be -1 for the rest)"
-            + (f", or pass `devices={known}` for the first {known}." if known < len(devs) else ".")
-        )
-    return sizes
 
 
 @functools.lru_cache(maxsize=64)
