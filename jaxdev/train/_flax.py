@@ -78,7 +78,9 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     def wrapped(params, model_state, batch, rng=None, **kwargs):
         # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
         module = nnx.merge(graphdef, params, model_state, copy=True)
-        saved = _stream_keys(module)  # put back after the call: the stored state stays
+        saved = [  # every stream's key, put back after the call: the stored state stays
+            (n.key, n.key[...]) for _, n in nnx.iter_graph(module) if isinstance(n, nnx.RngStream)
+        ]
         if rng is not None and streams:  # replicated although each device drew its own keys
             keys = jax.random.split(rng, len(streams))
             # match_shape: a stream with a key per layer (nnx.vmap / scan over layers) gets
@@ -87,8 +89,10 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
         if rng is not None and takes_rngs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         axis = current_device_axis()
-        if rng is None and axis is not None:
-            _fold_device_index(module, axis)
+        if rng is None and axis is not None:  # this device's index in every key (one per layer)
+            fold_in = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+            for key_var, key in saved:
+                key_var[...] = fold_in(key.reshape(-1), jax.lax.axis_index(axis)).reshape(key.shape)
         try:
             out = loss_fn(module, batch, **kwargs)
         except ValueError as err:
@@ -119,23 +123,6 @@ def _takes_rngs(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
-
-
-def _stream_keys(module: nnx.Module) -> list[tuple[Any, jax.Array]]:
-    """``(key variable, key)`` of every RNG stream of ``module``."""
-    return [
-        (node.key, node.key[...])
-        for _, node in nnx.iter_graph(module)
-        if isinstance(node, nnx.RngStream)
-    ]
-
-
-def _fold_device_index(module: nnx.Module, axis: str) -> None:
-    """Fold this device's index into every key of every RNG stream (one per layer under vmap)."""
-    index = jax.lax.axis_index(axis)
-    fold_in = jax.vmap(jax.random.fold_in, in_axes=(0, None))
-    for key_var, key in _stream_keys(module):
-        key_var[...] = fold_in(key.reshape(-1), index).reshape(key.shape)
 
 
 def nnx_update(model: nnx.Module, state: Any) -> None:

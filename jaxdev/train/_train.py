@@ -239,37 +239,20 @@ def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None
         elif weights is not None and jnp.shape(value) == jnp.shape(weights):
             items[name] = WeightedMean.from_value(value, weights, mask)
         else:
-            items[name] = Mean.from_value(_per_row(name, value, mask), mask)
+            value = jnp.asarray(value)
+            if value.ndim == 0 or value.shape[0] != mask.shape[0]:
+                raise MetricError(
+                    f"`loss_fn`'s aux[{name!r}] has shape {value.shape}; an aux array needs one "
+                    f"value per example, shape ({mask.shape[0]}, ...), so padded rows can be "
+                    "left out. A per-batch scalar cannot be masked: compute it per example, or "
+                    "return `jaxdev.metrics.Last.from_value(x)` if the last value is what you "
+                    "want."
+                )
+            items[name] = Mean.from_value(value, mask)
     return Collection(items)
 
 
-def _per_row(name: str, value: Any, mask: jax.Array) -> jax.Array:
-    value = jnp.asarray(value)
-    if value.ndim == 0 or value.shape[0] != mask.shape[0]:
-        raise MetricError(
-            f"`loss_fn`'s aux[{name!r}] has shape {value.shape}; an aux array needs one "
-            f"value per example, shape ({mask.shape[0]}, ...), so padded rows can be left "
-            "out. A per-batch scalar cannot be masked: compute it per example, or return "
-            "`jaxdev.metrics.Last.from_value(x)` if the last value is what you want."
-        )
-    return value
-
-
 # ---------------------------------------------------------------- one update
-
-
-def _device_rng(state: Any, axis: str | None) -> jax.Array | None:
-    """``fold_in(rng, step)``, and the device index where each device draws for its rows."""
-    rng = getattr(state, "rng", None)
-    if rng is None:
-        return None
-    rng = jax.random.fold_in(rng, state.step)
-    return rng if axis is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-
-
-def _valid_count(mask: jax.Array, axis: str | None) -> jax.Array:
-    count = jnp.sum(mask, dtype=jnp.int32)
-    return count if axis is None else jax.lax.psum(count, axis)
 
 
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
@@ -310,7 +293,9 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
 
     Unweighted, divided by the global valid-row count; weighted, sums (divided later).
     """
-    denom = jnp.maximum(_valid_count(mask, axis), 1).astype(jnp.float32)
+    count = jnp.sum(mask, dtype=jnp.int32)
+    count = count if axis is None else jax.lax.psum(count, axis)
+    denom = jnp.maximum(count, 1).astype(jnp.float32)
     if cfg.accumulate == 1:
         return _micro_grads(cfg, state.params, _model_state(state), batch, mask, rng, denom)
 
@@ -370,9 +355,13 @@ def _tell_keys_once(cfg: StepConfig, axis: str | None) -> None:
 
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
     """One update of ``state`` on this device's rows (all rows when ``axis`` is None)."""
-    rng = _device_rng(state, axis)
-    if rng is not None and (axis is not None or cfg.accumulate > 1):
-        _tell_keys_once(cfg, axis)
+    rng = getattr(state, "rng", None)
+    if rng is not None:  # fold_in(rng, step), then the device index: each device its own rows
+        rng = jax.random.fold_in(rng, state.step)
+        if axis is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        if axis is not None or cfg.accumulate > 1:
+            _tell_keys_once(cfg, axis)
     with ambient("axis", axis):
         grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:
@@ -404,36 +393,31 @@ def warn_padded_model_state(
     cfg: StepConfig, collective_axis: Any, shard_map: bool, batch: Any, k: int
 ) -> bool:
     """Warn (once per step) where padded rows reach a model state the mask cannot guard."""
-    if not cfg.has_state:
+    if not cfg.has_state or (cfg.pass_mask and collective_axis is None):
         return False
     rows, padded = batch.size, int(np.size(batch.mask)) // k  # per step
     if not cfg.pass_mask:
-        warnings.warn(
+        message = (
             f"padded rows reach the model: the batch was padded from {rows} to {padded} rows "
             "(copies of the last row) and this step has model state (`has_state=True`, e.g. "
             "BatchNorm statistics) but does not give the model the mask (`pass_mask=False`), "
             "so the padded rows change that state (losses and metrics never count them). "
             "Choose: `pass_mask=True` and hand `mask` to `nn.BatchNorm(...)(x, mask=...)` "
             "(exact); or drop the remainder yourself (give a row count the devices divide); "
-            "or silence this warning if the state ignores rows.",
-            UserWarning,
-            stacklevel=3,
+            "or silence this warning if the state ignores rows."
         )
-        return True
-    if collective_axis is not None:
-        warnings.warn(
+    else:
+        message = (
             f"a padded batch ({rows} real of {padded} rows) under "
             f"{'shard_map' if shard_map else 'pmap'}: flax's masked BatchNorm "
             "averages each device's masked mean (`lax.pmean`), which is the global mean only "
             "when every device holds as many real rows, so the statistics are slightly off "
             "(losses and metrics are exact). For exact statistics train with sharded jit "
             "(`Strategy.sharded(mesh)`, the step sees the whole batch), or give a row count "
-            "the devices divide.",
-            UserWarning,
-            stacklevel=3,
+            "the devices divide."
         )
-        return True
-    return False
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return True
 
 
 def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
