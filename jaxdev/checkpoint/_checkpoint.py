@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
 from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
-from .._multihost import compare_leaf_tables, describe_groups, exchange
+from .._multihost import exchange
 from .._placement import as_sharding
 from .._pmap_layout import stacker, unstack_from_pmap
 from .._report import human_bytes
@@ -265,9 +265,9 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     mine = [entries[i] for i in local]  # saved when every process holds the same bits
     _agree(
         "local",
-        {e["path"]: f"{_saved_text(e)} checksum {e.get('checksum')}" for e in mine},
+        {e["path"]: ((e["shape"], e.get("checksum")), hex(e.get("checksum", 0))) for e in mine},
         f"`{arg}` has leaves held by each process separately whose values differ across "
-        "processes, so no single value can be saved (dtype, shape, checksum):",
+        "processes, so no single value can be saved (checksums):",
     )
     arrays = orbax().tree.from_flat_dict({k: x for k, (_, x) in written.items()})
     return _Prepared(arrays, {"leaves": entries, "skeleton": _skeleton(tree, itertools.count())})
@@ -548,15 +548,20 @@ def _damaged(path: str, why: str) -> str:
     return f"The metadata of checkpoint {path} is damaged: {why}. Restore an earlier checkpoint."
 
 
-def _agree(tag: str, table: dict[str, str], header: str, where: str = "") -> None:
-    """Several processes: raise ``header``, each entry of ``table`` that differs between them
-    and ``where`` each process is."""
+def _agree(tag: str, table: dict[str, tuple[Any, str]], header: str) -> None:
+    """Several processes: raise ``header`` and, per entry ``name: (value, shown)`` of ``table``
+    whose value differs between them, every process's ``shown`` (an empty table: a barrier)."""
     if jax.process_count() == 1:
         return
-    sent = exchange(f"checkpoint/{tag}", json.dumps([table, where], sort_keys=True))
-    seen = [json.loads(t) if t[:1] == "[" else [{"": t}, "?"] for t in sent]  # t: a digest
-    if bad := compare_leaf_tables([t for t, _ in seen]):
-        bad += [describe_groups([w for _, w in seen])] if where else []
+    sent = exchange(f"checkpoint/{tag}", json.dumps(table, sort_keys=True))
+    seen = [json.loads(t) if t[:1] == "{" else {"digest": [t, t]} for t in sent]  # t: a digest
+    gone = [None, "<missing>"]
+    bad = [
+        f"{name}: " + ", ".join(f"process {p}: {t.get(name, gone)[1]}" for p, t in enumerate(seen))
+        for name in sorted(set().union(*seen))
+        if len({json.dumps(t.get(name, gone)[0]) for t in seen}) > 1
+    ]
+    if bad:
         raise CheckpointError(join_failures(header, bad))
 
 
@@ -966,13 +971,13 @@ def restore_item(path, reader, item, target, rules, what):
     entries, skeleton = meta[item]["leaves"], meta[item]["skeleton"]
     wants, build = _resolve(path, entries, skeleton, target, rules, what)
     reads = _plan(path, entries, wants, what)
+    step, digest = meta.get("step"), str(meta.get("digest"))
     _agree(
         "restore",
-        {"restored": f"step {meta.get('step')} (digest {str(meta.get('digest'))[:12]})"},
+        {"restored": ((step, digest), f"step {step} of {path} (digest {digest[:12]})")},
         "The processes restore different checkpoints, so the replicas of one array would "
         "disagree: every process must restore the same step of the same checkpoint (same "
         "directory and step on a shared file system):",
-        path,
     )
     with explained_oom(f"restore of {path} ({what})", lambda: {"target": target}):
         arrays = _orbax_restore(path, reader, item, entries, reads, what)
