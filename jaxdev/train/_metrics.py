@@ -34,13 +34,6 @@ _I32 = jnp.int32
 # ----------------------------------------------------------------- helpers
 
 
-def _checked_value(cls: type, value: Any, mask: Any) -> tuple[jax.Array, Any]:
-    """``(value as an array, valid-element mask)`` for ``cls.from_value``, checked."""
-    where = f"{cls.__name__}.from_value"
-    value = _as_array(value, "value", where)
-    return value, _valid(value, mask, where)
-
-
 def _as_array(value: Any, name: str, owner: str) -> jax.Array:
     """Return ``value`` as a jax array, or raise naming the argument."""
     why = f" {value!r}."
@@ -74,35 +67,26 @@ def ambient_value(name: str) -> Any:
     return stack[-1] if stack else None
 
 
-def _ambient_mask(value: jax.Array, owner: str, strict: bool = True) -> jax.Array | None:
-    """The row mask of the enclosing step (its ``ambient("mask", mask)``), or None outside one.
+def _checked_value(cls: type, value: Any, mask: Any, strict: bool = True) -> tuple[Any, Any]:
+    """``(value as an array, mask broadcast to its shape or None)`` for ``cls.from_value``.
 
-    A value with no entry per row (a scalar) is refused there (``strict``).
+    Without ``mask``, the row mask of an enclosing jaxdev step applies; a value with no entry
+    per row (a scalar) is refused there (``strict``), else taken whole.
     """
-    mask = ambient_value("mask")
+    owner = f"{cls.__name__}.from_value"
+    value = _as_array(value, "value", owner)
+    if mask is None and (mask := ambient_value("mask")) is not None:
+        if not value.ndim or value.shape[0] != mask.shape[0]:
+            if strict:
+                raise MetricError(
+                    f"`{owner}` got a value of shape {value.shape} inside a jaxdev step whose "
+                    f"batch has {mask.shape[0]} rows here, some of which may be padding; a value "
+                    "without one entry per row cannot leave them out. Pass per-example values "
+                    "(one per row), or an explicit `mask=`."
+                )
+            mask = None
     if mask is None:
-        return None
-    if value.ndim and value.shape[0] == mask.shape[0]:
-        return mask
-    if not strict:
-        return None
-    raise MetricError(
-        f"`{owner}` got a value of shape {value.shape} inside a jaxdev step whose batch has "
-        f"{mask.shape[0]} rows here, some of which may be padding; a value without one entry "
-        "per row cannot leave them out. Pass per-example values (one per row), or an "
-        "explicit `mask=`."
-    )
-
-
-def _valid(value: jax.Array, mask: Any, owner: str) -> jax.Array | None:
-    """Return the mask broadcast to ``value.shape`` (bool), or ``None``.
-
-    Without ``mask``, the row mask of an enclosing jaxdev step applies.
-    """
-    if mask is None:
-        mask = _ambient_mask(value, owner)
-    if mask is None:
-        return None
+        return value, None
     mask = _as_array(mask, "mask", owner)
     if mask.dtype != jnp.bool_:
         raise MetricError(
@@ -115,7 +99,7 @@ def _valid(value: jax.Array, mask: Any, owner: str) -> jax.Array | None:
             f"`value` has shape {value.shape}, `mask` has shape {mask.shape}. "
             "A per-row mask has shape (batch,)."
         )
-    return jnp.reshape(mask, mask.shape + (1,) * (value.ndim - mask.ndim))
+    return value, jnp.reshape(mask, mask.shape + (1,) * (value.ndim - mask.ndim))
 
 
 def _masked_fill(value: jax.Array, valid: jax.Array | None, fill: float) -> jax.Array:
@@ -406,18 +390,15 @@ class Last(Metric):
         Raises:
           MetricError: ``value`` is not numeric or ``mask`` does not fit it.
         """
-        owner = f"{cls.__name__}.from_value"
-        value = _as_array(value, "value", owner)
-        if mask is None:
-            mask = _ambient_mask(value, owner, strict=False)
-        if mask is None:
+        value, valid = _checked_value(cls, value, mask, strict=False)
+        if valid is None:
             return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
-        mask = _as_array(mask, "mask", owner)
-        if mask.ndim != 1:
-            raise MetricError(f"`{owner}` expects a 1-D row `mask`, got shape {mask.shape}.")
-        _valid(value, mask, owner)
-        last = mask.shape[0] - 1 - jnp.argmax(mask[::-1])
-        return cls(value=value[last].astype(_F32), count=jnp.any(mask).astype(_I32))
+        if mask is not None and jnp.ndim(mask) != 1:
+            owner = f"{cls.__name__}.from_value"
+            raise MetricError(f"`{owner}` expects a 1-D row `mask`, got shape {jnp.shape(mask)}.")
+        rows = valid.reshape(-1)
+        last = rows.shape[0] - 1 - jnp.argmax(rows[::-1])
+        return cls(value=value[last].astype(_F32), count=jnp.any(rows).astype(_I32))
 
     def merge(self, other: Last) -> Last:
         """Return ``other`` if it saw anything, else ``self`` (counts add)."""
