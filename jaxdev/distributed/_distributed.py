@@ -202,19 +202,6 @@ def _exit_now(message: str) -> None:
     os._exit(1)
 
 
-def _diagnostic(cfg: DistributedConfig) -> str:
-    """The message printed when not every process registered in time."""
-    n = cfg.num_processes
-    ids = f"0..{n - 1}" if n else "0..N-1"
-    return (
-        f"jaxdev: process {cfg.process_id} of {n} gave up after {cfg.init_timeout_s} s "
-        f"(`timeout_s`) waiting for every process to register with the coordinator at "
-        f"{cfg.coordinator_address}; exiting with code 1 (JAX would abort it with SIGABRT a "
-        "little later). Likely causes: a peer never started or died during start-up, or two "
-        f"processes share a `process_id` (duplicate process id; ids must be {ids}, each once)."
-    )
-
-
 def install_fail_fast() -> None:
     """Make an uncaught exception end this process at once (exit code 1) after its traceback.
 
@@ -263,8 +250,17 @@ def _prepare(cfg: DistributedConfig, cpu_collectives: str | None, deadline: floa
 
 
 def _connect(cfg: DistributedConfig, deadline: float) -> None:
-    """``jax.distributed.initialize``; at ``deadline`` print :func:`_diagnostic` and exit."""
-    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _exit_now, [_diagnostic(cfg)])
+    """``jax.distributed.initialize``; at ``deadline``, say why and exit with code 1."""
+    n = cfg.num_processes
+    diagnostic = (
+        f"jaxdev: process {cfg.process_id} of {n} gave up after {cfg.init_timeout_s} s "
+        f"(`timeout_s`) waiting for every process to register with the coordinator at "
+        f"{cfg.coordinator_address}; exiting with code 1 (JAX would abort it with SIGABRT a "
+        "little later). Likely causes: a peer never started or died during start-up, or two "
+        f"processes share a `process_id` (duplicate process id; ids must be "
+        f"{f'0..{n - 1}' if n else '0..N-1'}, each once)."
+    )
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _exit_now, [diagnostic])
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -387,25 +383,10 @@ def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
     return path
 
 
-def _not_finished_message(missing: Sequence[int], timeout_s: float) -> str:
-    """The diagnostic when some processes did not reach the end of the job."""
-    names = ", ".join(map(str, missing))
-    return (
-        f"jaxdev: process(es) {names} of {jax.process_count()} never finished: process "
-        f"{jax.process_index()} finished and waited {timeout_s:g} s (`shutdown_timeout_s`) for "
-        "them. They are most likely stuck in a collective the other processes never ran (an "
-        "extra or a different jitted computation over the devices of several processes, e.g. "
-        "a metric computed only `if jax.process_index() == 0`), or hung or slow. Fix: make every "
-        "process run the same sequence of multi-process computations (wrap jitted functions with "
-        "`jaxdev.distributed.same_program` to find the first that differs); raise "
-        f"`shutdown_timeout_s` (`{ENV_SHUTDOWN_TIMEOUT}`) if they are merely slow."
-    )
-
-
-def _unfinished() -> list[int]:
-    """Mark this process finished; return the processes not finished within the timeout."""
+def _unfinished() -> str | None:
+    """Mark this process finished; name the processes not finished within the timeout."""
     if _FINISH.get("done", True) or not is_initialized():
-        return []
+        return None
     _FINISH["done"] = True
     _hang.beat("finished")  # waiting for the others is not being behind
     try:
@@ -414,14 +395,25 @@ def _unfinished() -> list[int]:
         missing = []
     if not missing:
         _hang.stop()  # before JAX shuts its client down
-    return missing
+        return None
+    return (
+        f"jaxdev: process(es) {', '.join(map(str, missing))} of {jax.process_count()} never "
+        f"finished: process {jax.process_index()} finished and waited {_FINISH['timeout_s']:g} "
+        "s (`shutdown_timeout_s`) for them. They are most likely stuck in a collective the "
+        "other processes never ran (an extra or a different jitted computation over the "
+        "devices of several processes, e.g. a metric computed only `if jax.process_index() == "
+        "0`), or hung or slow. Fix: make every process run the same sequence of multi-process "
+        "computations (wrap jitted functions with `jaxdev.distributed.same_program` to find "
+        "the first that differs); raise `shutdown_timeout_s` "
+        f"(`{ENV_SHUTDOWN_TIMEOUT}`) if they are merely slow."
+    )
 
 
 def _finish_at_exit() -> None:
     """At interpreter exit: name the processes that never finished and exit 1."""
-    missing = _unfinished()
-    if missing:
-        _exit_now(_not_finished_message(missing, float(_FINISH["timeout_s"])))
+    message = _unfinished()
+    if message:
+        _exit_now(message)
 
 
 def shutdown() -> None:
@@ -437,10 +429,8 @@ def shutdown() -> None:
     """
     if not is_initialized():
         return
-    missing = _unfinished()
-    if missing:
-        raise DistributedError(
-            _not_finished_message(missing, float(_FINISH["timeout_s"])).removeprefix("jaxdev: ")
-        )
+    message = _unfinished()
+    if message:
+        raise DistributedError(message.removeprefix("jaxdev: "))
     _hang.stop()
     jax.distributed.shutdown()

@@ -34,14 +34,9 @@ ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
 ENV_HANG_ACTION = "JAXDEV_HANG_ACTION"
 ACTIONS = ("exit", "wait")
 LONG_FACTOR = 10  # compile, checkpoint, a barrier and start-up count as progress for up to 10 * S
-ALLOWANCE = {  # state: how long (x S) it counts as progress; "finished" never stalls
-    "start": LONG_FACTOR,
-    "compile": LONG_FACTOR,
-    "checkpoint": LONG_FACTOR,
-    "barrier": LONG_FACTOR,
-    "step": 1,
-    "host": 1,
-}
+# state: how long (x S) it counts as progress; "finished" never stalls
+ALLOWANCE = dict.fromkeys(("start", "compile", "checkpoint", "barrier"), LONG_FACTOR)
+ALLOWANCE |= {"step": 1, "host": 1}
 _MOVES = ("compile", "step", "barrier")  # in JAX code, a main thread that moved made progress
 _IN_CALL = ("compile", "step", "eval")  # phases of a jaxdev step call
 _OWN_FILES = {  # jaxdev's files: what the main thread does while inside them
@@ -154,8 +149,6 @@ def where(frame: Any) -> str:
     while f is not None and not is_user_file(f.f_code.co_filename):
         f = f.f_back
     f = f or innermost
-    if f is None:
-        return ""
     code = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
     site = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
     return f"{site}: `{code}`" if code else site
@@ -381,8 +374,7 @@ def report(
             f"  process {r['process']}: {state}, {float(r.get('idle', 0.0)):.1f} s since its "
             f"last heartbeat, at {r.get('where') or '?'}{silent}"
         )
-    first = [late] if late is not None else []
-    for r in first + [r for r in ordered if r is not late]:
+    for r in sorted(ordered, key=lambda r: r is not late):  # the one behind first
         tag = " (behind)" if r is late else ""
         text = stacks.get(r["process"])
         if text is None:
@@ -436,8 +428,7 @@ class _Watchdog:
                 if type(err).__name__ not in failures:  # once per kind: never a flood
                     failures.add(type(err).__name__)
                     _log.warning("jaxdev hang watchdog: %s: %s", type(err).__name__, err)
-            if self.stopped.wait(self.interval):
-                return
+            self.stopped.wait(self.interval)
 
     def _heartbeat(self) -> dict[str, Any]:
         """This process's heartbeat now: its state, and where its main thread is."""
@@ -497,10 +488,9 @@ class _Watchdog:
         self._publish()
         entries = self._entries()
         records = self._records(entries)
-        if self.resume_after is not None:  # reported; wait for progress to re-arm
-            if {r["process"]: r["seq"] for r in records} == self.resume_after:
-                return
-            self.resume_after, self.incident = None, self.incident + 1
+        if self.resume_after is not None:  # reported; progress re-arms it
+            if {r["process"]: r["seq"] for r in records} != self.resume_after:
+                self.resume_after, self.incident = None, self.incident + 1
             return
         if f"fired/{self.incident}" in entries or stalled(records, self.timeout_s):
             self._handle(records)
@@ -568,10 +558,10 @@ class _Watchdog:
         return self._wait_for(ready, 3 * _GATHER_S) or "no verdict (the store did not answer)"
 
     def _report(self, n: int, entries: Mapping[str, str], stacks: Mapping[int, Any]) -> str:
-        records = []
-        for r in self._records(entries):
-            dumped = stacks.get(r["process"], {}).get("record")
-            records.append({**dumped, "answers": True} if dumped else r)
+        records = [  # a dumped heartbeat is newer than the published one
+            {**s["record"], "answers": True} if (s := stacks.get(r["process"])) else r
+            for r in self._records(entries)
+        ]
         text = verdict(records, self.timeout_s)
         summary = report(records, {p: s["stacks"] for p, s in stacks.items()}, self.timeout_s)
         _say(summary)
@@ -595,9 +585,8 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
     from .._multihost import kv_client
 
     stop()
-    watch = _Watchdog(kv_client(), jax.process_index(), timeout_s, action, exit_fn)
-    _WATCH = watch
-    watch.thread.start()
+    _WATCH = _Watchdog(kv_client(), jax.process_index(), timeout_s, action, exit_fn)
+    _WATCH.thread.start()
 
 
 def stop() -> None:

@@ -37,6 +37,7 @@ DEFAULT_GRACE_S = 2.0
 _TAIL_LINES = 40
 NEVER_JOINED_EXIT_CODE = 1
 _FATAL = re.compile(r"(^jaxdev: .*|absl::Status: .*|\b\w*(Error|Exception)\b: .*|unhealthy.*)")
+_DETAIL = re.compile(r"  (?!\s*(File |@))|Fix:")  # continues an error: indented (no frame), Fix:
 _HINTS = {
     "ALREADY_EXISTS": "two processes registered with the same process id (duplicate id)",
     "RegisterTask": "a peer never registered with the coordinator in time",
@@ -73,19 +74,17 @@ def process_env(
 
     ``join_dir``: where ``initialize`` leaves the marker (``None``: no marker variable).
     """
-    env = dict(base)
-    env.update(
-        {
-            ENV_COORDINATOR: f"127.0.0.1:{port}",
-            ENV_NUM_PROCESSES: str(num_processes),
-            ENV_PROCESS_ID: str(process_id),
-            ENV_LOCAL_DEVICES: str(devices_per_process),
-            "JAX_PLATFORMS": "cpu",
-            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
-            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env = {
+        **base,
+        ENV_COORDINATOR: f"127.0.0.1:{port}",
+        ENV_NUM_PROCESSES: str(num_processes),
+        ENV_PROCESS_ID: str(process_id),
+        ENV_LOCAL_DEVICES: str(devices_per_process),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop(ENV_JOIN_MARKER, None)
     if join_dir is not None:
         env[ENV_JOIN_MARKER] = os.path.join(join_dir, f"joined-{process_id}")
@@ -113,20 +112,11 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
     for i in range(len(lines) - 1, -1, -1):
         match = _FATAL.search(lines[i])
         if match and not lines[i].lstrip().startswith("@"):
-            details = list(itertools.takewhile(_is_detail, lines[i + 1 :]))
+            details = list(itertools.takewhile(_DETAIL.match, lines[i + 1 :]))
             text = "\n".join([match.group(0).strip()[:600], *details][:max_lines])
             hints = [h for key, h in _HINTS.items() if key in "\n".join(lines)]
             return text + (f" [likely: {hints[0]}]" if hints else "")
     return ""
-
-
-def _is_detail(line: str) -> bool:
-    """Whether a line continues an error message (indented list, ``Fix:``)."""
-    return (
-        line.startswith("  ")
-        and not line.lstrip().startswith(("File ", "@"))
-        or line.startswith("Fix:")
-    )
 
 
 def exit_code(outcome: Outcome | None) -> int:
@@ -183,8 +173,7 @@ class _Proc:
 
     def outcome(self) -> Outcome:
         self.thread.join(timeout=2.0)
-        rc = self.popen.returncode
-        reason = failure_reason(list(self.tail))
+        rc, reason = self.popen.returncode, failure_reason(list(self.tail))
         return Outcome(self.id, rc, self.ended_by_launcher, reason, self.joined())
 
 
@@ -276,25 +265,6 @@ def summarize(
     return "\n".join(lines)
 
 
-def _check_launch_args(
-    cmd: Sequence[str],
-    num_processes: int,
-    devices_per_process: int,
-    port: int | None,
-    timeout_s: float | None,
-) -> None:
-    """Raise UsageError naming the first bad launch argument."""
-    if not cmd:
-        raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
-    for name, n in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UsageError(f"`{name}` must be an int >= 1, got {n!r}.")
-    if port is not None and not 0 < port < 65536:
-        raise UsageError(f"`port` must be in 1..65535, got {port!r}.")
-    if timeout_s is not None and not timeout_s > 0:
-        raise UsageError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
-
-
 @contextlib.contextmanager
 def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
     """While supervising: a ``SIGUSR1`` to the launcher goes to every live child (by pid)."""
@@ -354,7 +324,15 @@ def launch(
       [p0] hi
       0
     """
-    _check_launch_args(cmd, num_processes, devices_per_process, port, timeout_s)
+    if not cmd:
+        raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
+    for name, n in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UsageError(f"`{name}` must be an int >= 1, got {n!r}.")
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(f"`port` must be in 1..65535, got {port!r}.")
+    if timeout_s is not None and not timeout_s > 0:
+        raise UsageError(f"`timeout_s` must be > 0 seconds, got {timeout_s!r}.")
     base = {**os.environ, **(env or {})}
     if hang_timeout_s is not None:
         base[_hang.ENV_HANG_TIMEOUT] = f"{_hang.check_timeout(hang_timeout_s):g}"
