@@ -645,10 +645,11 @@ def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None
         return
     whole.sort(key=lambda t: (-t[0], t[1]))
     paths = key_strings(tree)
-    lines = [
-        f"{paths[i]}: {_dtype_shape(leaves[i])}, {human_bytes(n)}, found {_where(leaves[i])}"
-        for n, i in whole[:_MAX_LISTED]
-    ]
+    lines = []
+    for n, i in whole[:_MAX_LISTED]:
+        x = leaves[i]
+        dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else type(x).__name__
+        lines.append(f"{paths[i]}: {dtype}{list(np.shape(x))}, {human_bytes(n)}, found {_where(x)}")
     if len(whole) > _MAX_LISTED:
         rest = sum(n for n, _ in whole[_MAX_LISTED:])
         lines.append(f"... and {len(whole) - _MAX_LISTED} smaller leaves ({human_bytes(rest)})")
@@ -684,8 +685,3 @@ def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
         else:
             whole.append((n, i))
     return total, sharded, whole, bad
-
-
-def _dtype_shape(x: Any) -> str:
-    """``float32[4096, 64]``."""
-    return f"{np.dtype(x.dtype) if hasattr(x, 'dtype') else type(x).__name__}{list(np.shape(x))}"

@@ -282,8 +282,6 @@ def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
 
 # ------------------------------------------ implicit host-to-device (stderr)
 
-_RELAY_FILE = _stderr_relay.__file__
-
 
 class _Relay:
     """The far end of the stderr pipe: a relay process (else a thread); owns both fds."""
@@ -339,7 +337,7 @@ def _spawn_relay(read_fd: int, out_fd: int, report_w: int, swallow: bool):
         return None
     try:  # its own session: a Ctrl-C in the terminal never reaches it
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", _RELAY_FILE, "1" if swallow else "0"],
+            [sys.executable, "-I", "-S", _stderr_relay.__file__, "1" if swallow else "0"],
             stdin=read_fd,
             stdout=report_w,
             stderr=out_fd,

@@ -252,14 +252,11 @@ def placement(tree: Any) -> PlacementReport:
     builder = _ReportBuilder()
     builder.add_all(key_strings(tree, treedef), leaves)
     replicated, sharded = builder.totals()
-    names = sorted(replicated.keys() | sharded.keys(), key=_name_key)
+    names = sorted(
+        replicated.keys() | sharded.keys(), key=lambda n: (n.split(":")[0], int(n.split(":")[1]))
+    )
     rep, shd = ({n: d.get(n, 0) for n in names} for d in (replicated, sharded))
     return PlacementReport(tuple(builder.rows), {n: rep[n] + shd[n] for n in names}, rep, shd)
-
-
-def _name_key(name: str) -> tuple[str, int]:
-    platform, _, index = name.partition(":")
-    return platform, int(index)
 
 
 def text_table(head: tuple[str, ...], body: list[tuple], rstrip: bool = False) -> list[str]:
