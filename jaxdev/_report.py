@@ -147,24 +147,21 @@ class PlacementReport(NamedTuple):
         return out
 
 
-class _ShardingInfo(NamedTuple):
-    description: str
-    devices: tuple[str, ...]
-    memory_kind: str | None
-    local: tuple[str, ...]  # this process's devices, for the per-device totals
-    sharded: bool  # split over several devices (not fully replicated)
-
-
 class _Kind:
-    """What every leaf with one (sharding, shape, dtype) shares in the report."""
+    """What every leaf with one (sharding, shape, dtype) shares in the report.
 
-    __slots__ = ("row_head", "info", "nbytes", "count")
+    ``local``: this process's devices, for the per-device totals; ``sharded``: split over
+    several devices (not fully replicated).
+    """
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, s: Sharding, info: _ShardingInfo):
+    __slots__ = ("row_head", "local", "sharded", "nbytes", "count")
+
+    def __init__(self, leaf: jax.Array, described: tuple[str, tuple, tuple, bool]):
+        description, devices, self.local, self.sharded = described
+        s, shape = leaf.sharding, tuple(leaf.shape)
         # The row fields after the path: shape, dtype, devices, sharding, memory kind.
-        self.row_head = (shape, str(dtype), info.devices, info.description, info.memory_kind)
-        self.info, self.count = info, 0
-        self.nbytes = math.prod(s.shard_shape(shape)) * dtype.itemsize
+        self.row_head = (shape, str(leaf.dtype), devices, description, s.memory_kind)
+        self.nbytes, self.count = math.prod(s.shard_shape(shape)) * leaf.dtype.itemsize, 0
 
 
 class _ReportBuilder:
@@ -176,15 +173,15 @@ class _ReportBuilder:
     def __init__(self) -> None:
         self.rows: list[LeafPlacement] = []
         self._kinds: dict[tuple[Any, tuple[int, ...], Any], _Kind] = {}
-        self._infos: dict[Sharding, _ShardingInfo] = {}
+        self._described: dict[Sharding, tuple[str, tuple, tuple, bool]] = {}  # per sharding
 
     def totals(self) -> tuple[dict[str, int], dict[str, int]]:
         """``(replicated, sharded)`` bytes per device name."""
         replicated: dict[str, int] = {}
         sharded: dict[str, int] = {}
         for kind in self._kinds.values():
-            out = sharded if kind.info.sharded else replicated
-            for name in kind.info.local:
+            out = sharded if kind.sharded else replicated
+            for name in kind.local:
                 out[name] = out.get(name, 0) + kind.nbytes * kind.count
         return replicated, sharded
 
@@ -193,14 +190,12 @@ class _ReportBuilder:
         s = leaf.sharding
         key = (sharding_key(s), leaf.shape, leaf.dtype)
         if key not in self._kinds:
-            info = self._infos.get(s)
-            if info is None:
+            if s not in self._described:
                 names = tuple(device_name(d) for d in sorted(s.device_set, key=device_key))
                 local = tuple(device_name(d) for d in sorted(s.addressable_devices, key=device_key))
                 sharded = len(names) > 1 and not s.is_fully_replicated
-                info = _ShardingInfo(describe_sharding(s), names, s.memory_kind, local, sharded)
-                self._infos[s] = info
-            self._kinds[key] = _Kind(tuple(leaf.shape), leaf.dtype, s, info)
+                self._described[s] = (describe_sharding(s), names, local, sharded)
+            self._kinds[key] = _Kind(leaf, self._described[s])
         return self._kinds[key]
 
     def add_all(self, paths: Sequence[str], leaves: Sequence[Any]) -> None:
