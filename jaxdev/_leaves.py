@@ -100,7 +100,16 @@ def x64() -> bool:
 def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
     """Why a host leaf can't be placed without loss (str, object, 64-bit overflow), or None."""
     if isinstance(leaf, PY_SCALARS):
-        return _python_scalar_problem(leaf)
+        is_int = isinstance(leaf, int) and not isinstance(leaf, bool)
+        if is_int and not x64() and not _INT32.min <= leaf <= _INT32.max:
+            return LeafValueError, (
+                f"the Python int {leaf} does not fit int32 and x64 is disabled (JAX "
+                "refuses it, and truncates the same value silently once it is a numpy "
+                "int64); enable `jax_enable_x64` or pass a float"
+            )
+        if isinstance(leaf, float) and not x64() and abs(leaf) > _FLOAT32_MAX and np.isfinite(leaf):
+            return LeafValueError, _overflow_why(leaf, leaf)
+        return None
     if isinstance(leaf, (np.ndarray, np.generic)):
         kind = leaf.dtype.kind
         if kind in "OUSMm" or (kind == "V" and not is_ml_dtype(leaf.dtype)):
@@ -115,19 +124,6 @@ def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
         f"a {type(leaf).__module__}.{type(leaf).__qualname__} is not an array; expected "
         "a jax.Array, numpy array or Python number (None passes through)"
     )
-
-
-def _python_scalar_problem(leaf: Any) -> tuple[type[Exception], str] | None:
-    if isinstance(leaf, int) and not isinstance(leaf, bool) and not x64():
-        if not _INT32.min <= leaf <= _INT32.max:
-            return LeafValueError, (
-                f"the Python int {leaf} does not fit int32 and x64 is disabled (JAX "
-                "refuses it, and truncates the same value silently once it is a numpy "
-                "int64); enable `jax_enable_x64` or pass a float"
-            )
-    if isinstance(leaf, float) and not x64() and abs(leaf) > _FLOAT32_MAX and np.isfinite(leaf):
-        return LeafValueError, _overflow_why(leaf, leaf)
-    return None
 
 
 def _wide_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | None:
@@ -344,7 +340,13 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
     good = [labels[j] for j, k in enumerate(keys) if k == ref]
     first = np.asarray(values[bad[0]])
     n_el = int(np.sum(np.any(_element_bytes(first) != _element_bytes(ref_value), axis=1)))
-    diff = _max_abs_diff(ref_value, [np.asarray(values[j]) for j in bad])
+    diff = None  # the largest |difference| of a numeric leaf
+    if ref_value.dtype.kind in "fiuc":
+        wide = np.complex128 if ref_value.dtype.kind == "c" else np.float64
+        ref64 = np.asarray(ref_value, wide)
+        diff = max(
+            float(np.max(np.abs(np.asarray(values[j], wide) - ref64), initial=0)) for j in bad
+        )
     return (
         f"{', '.join(labels[j] for j in bad)} differ bitwise from {', '.join(good)} "
         f"({n_el} of {first.size} elements differ on {labels[bad[0]]}"
@@ -361,11 +363,3 @@ def raise_drift(tree: Any, copies: Sequence[tuple[int, Sequence[str], Sequence[A
 def _element_bytes(a: np.ndarray) -> np.ndarray:
     """Each element's raw bytes as one row, for an element-wise bitwise compare."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(max(a.size, 1), -1)
-
-
-def _max_abs_diff(ref: np.ndarray, others: Sequence[np.ndarray]) -> float | None:
-    if ref.dtype.kind not in "fiuc":
-        return None
-    wide = np.complex128 if ref.dtype.kind == "c" else np.float64
-    ref64 = np.asarray(ref, dtype=wide)
-    return max(float(np.max(np.abs(np.asarray(o, wide) - ref64), initial=0)) for o in others)
