@@ -286,8 +286,8 @@ def _shown(description: str, n: int) -> str:
 
 def human_bytes(n: float) -> str:
     """``24 B``, ``1.5 KiB``, ``61.2 GiB``: bytes in binary units, one decimal."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
