@@ -62,17 +62,13 @@ def kv_client():
     return distributed.global_state.client
 
 
-def _next_round(tag: str) -> int:
-    """Return this process's call number for ``tag`` (same order everywhere)."""
-    return next(_ROUNDS.setdefault(tag, itertools.count()))
-
-
 def _publish_and_read(client, tag: str, value: str, timeout_s: float):
     """Publish ``value`` in ``tag``'s next round; return ``(values read, processes missing)``.
 
     The values stop at the first process that did not publish within ``timeout_s``.
     """
-    me, n, rnd = jax.process_index(), jax.process_count(), _next_round(tag)
+    me, n = jax.process_index(), jax.process_count()
+    rnd = next(_ROUNDS.setdefault(tag, itertools.count()))  # this call's number for `tag`
     key = f"{_KEY_PREFIX}/{tag}/{rnd}/"
     client.key_value_set(f"{key}{me}", value)
     deadline = time.monotonic() + timeout_s
@@ -112,13 +108,6 @@ def _missing(client, key: str, n: int) -> list[int]:
     return missing
 
 
-def _digest_exchange(payload: str) -> list[str]:
-    """Gather a fixed-size digest of ``payload`` with ``process_allgather``."""
-    digest = np.frombuffer(hashlib.sha256(payload.encode()).digest(), np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(digest))
-    return [row.tobytes().hex()[:16] for row in gathered]
-
-
 def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str]:
     """Return every process's ``payload`` string, indexed by process id.
 
@@ -132,8 +121,10 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
         return [payload]
     timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
     client = kv_client()
-    if client is None:
-        return _digest_exchange(payload)
+    if client is None:  # a fixed-size digest through process_allgather
+        digest = np.frombuffer(hashlib.sha256(payload.encode()).digest(), np.uint8)
+        gathered = np.asarray(multihost_utils.process_allgather(digest))
+        return [row.tobytes().hex()[:16] for row in gathered]
     out, missing = _publish_and_read(client, tag, payload, timeout_s)
     n = jax.process_count()
     if len(out) == n:
@@ -174,13 +165,8 @@ def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
       >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
       ["['x']: process 0: (4,); process 1: (6,)"]
     """
-    paths = sorted(set().union(*tables))
-    lines = []
-    for path in paths:
-        values = [t.get(path, "<missing>") for t in tables]
-        if len(set(values)) > 1:
-            lines.append(f"{path}: {describe_groups(values)}")
-    return lines
+    by_path = {p: [t.get(p, "<missing>") for t in tables] for p in sorted(set().union(*tables))}
+    return [f"{p}: {describe_groups(v)}" for p, v in by_path.items() if len(set(v)) > 1]
 
 
 def _differences(tag: str, tree: Any, describe: Callable, timeout_s: float | None) -> list[str]:
@@ -188,9 +174,8 @@ def _differences(tag: str, tree: Any, describe: Callable, timeout_s: float | Non
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     table = json.dumps({keystr(path): describe(leaf) for path, leaf in leaves}, sort_keys=True)
     payloads = exchange(tag, table, timeout_s)
-    if kv_client() is None:
-        return compare_leaf_tables([{"<tree>": p} for p in payloads])
-    return compare_leaf_tables([json.loads(p) for p in payloads])
+    digests = kv_client() is None  # then each payload is the whole tree's digest
+    return compare_leaf_tables([{"<tree>": p} if digests else json.loads(p) for p in payloads])
 
 
 def shape_dtype(leaf: Any) -> str:
