@@ -460,12 +460,12 @@ class _Watchdog:
     def _set(self, key: str, value: str, overwrite: bool = True) -> None:
         self.client.key_value_set(_KEY + key, value, allow_overwrite=overwrite)
 
-    def _publish(self) -> None:
+    def _round(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Publish this process's heartbeat; read the store's entries and every heartbeat."""
         self.published += 1
         self._set(f"beat/{self.process}", json.dumps(self._heartbeat()))
-
-    def _entries(self) -> dict[str, str]:
-        return {k[len(_KEY) :]: v for k, v in self.client.key_value_dir_get(_KEY)}
+        entries = {k[len(_KEY) :]: v for k, v in self.client.key_value_dir_get(_KEY)}
+        return entries, self._records(entries)
 
     def _records(self, entries: Mapping[str, str]) -> list[dict[str, Any]]:
         """Every published heartbeat, aged by how long it has not changed here."""
@@ -485,9 +485,7 @@ class _Watchdog:
         return out
 
     def _tick(self) -> None:
-        self._publish()
-        entries = self._entries()
-        records = self._records(entries)
+        entries, records = self._round()
         if self.resume_after is not None:  # reported; progress re-arms it
             if {r["process"]: r["seq"] for r in records} != self.resume_after:
                 self.resume_after, self.incident = None, self.incident + 1
@@ -526,9 +524,8 @@ class _Watchdog:
         """Poll the store until ``done(entries, answering processes)`` is truthy or time is up."""
         deadline = time.monotonic() + seconds
         while True:
-            self._publish()  # keep answering while waiting
-            entries = self._entries()
-            live = [r["process"] for r in self._records(entries) if r["answers"]]
+            entries, records = self._round()  # keep answering while waiting
+            live = [r["process"] for r in records if r["answers"]]
             result = done(entries, live)
             if result or time.monotonic() >= deadline:
                 return result

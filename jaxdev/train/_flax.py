@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._errors import UsageError
-from ._train import current_device_axis
+from ._metrics import ambient_value
 
 
 def _check_module(model: Any, name: str) -> None:
@@ -88,7 +88,7 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
             nnx.reseed(module, policy="match_shape", **dict(zip(streams, keys)))
         if rng is not None and takes_rngs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
-        axis = current_device_axis()
+        axis = ambient_value("axis")  # the device axis of the step's body
         if rng is None and axis is not None:  # this device's index in every key (one per layer)
             fold_in = jax.vmap(jax.random.fold_in, in_axes=(0, None))
             for key_var, key in saved:

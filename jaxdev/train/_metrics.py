@@ -108,11 +108,6 @@ def _masked_fill(value: jax.Array, valid: jax.Array | None, fill: float) -> jax.
     return value if valid is None else jnp.where(valid, value, fill)
 
 
-def _host_value(x: Any) -> Any:
-    """Return a 0-d numpy value as a Python number; other arrays unchanged."""
-    return x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
-
-
 # ----------------------------------------------------------------- metrics
 
 
@@ -231,8 +226,7 @@ class WeightedMean(Metric):
         """
         value, valid = _checked_value(cls, value, mask)
         owner = f"{cls.__name__}.from_value"
-        if weights is None:
-            weights = jnp.ones(value.shape, _F32)
+        weights = jnp.ones(value.shape, _F32) if weights is None else weights
         weights = _as_array(weights, "weights", owner)
         if weights.shape != value.shape:
             raise MetricError(
@@ -604,8 +598,8 @@ def fetch_metrics(tree: Any) -> Any:
         if isinstance(node, Collection):
             return {k: one(m) for k, m in node.items()}
         if isinstance(node, Metric):
-            return _host_value(np.asarray(node._compute(np)))
-        return _host_value(node)
+            node = np.asarray(node._compute(np))
+        return node.item() if isinstance(node, np.ndarray) and node.ndim == 0 else node
 
     check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
     named = isinstance(tree, (Metric, Collection))

@@ -89,17 +89,6 @@ class StepConfig:
 _log = logging.getLogger("jaxdev")
 
 
-def current_device_axis() -> str | None:
-    """The device axis of the enclosing jaxdev step's body (``None`` outside one).
-
-    Example:
-      >>> with ambient("axis", "data"):  # as the step's body sets it
-      ...     current_device_axis()
-      'data'
-    """
-    return ambient_value("axis")
-
-
 def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
     """Call ``loss_fn`` by its contract; ``(losses, weights, aux, new_model_state)``."""
     args = (params, model_state, batch) if cfg.has_state else (params, batch)
@@ -146,7 +135,7 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
 
 
 def _unbound_axis_text(err: NameError) -> str:
-    axis = current_device_axis()
+    axis = ambient_value("axis")  # the device axis of the step's body
     mesh = jax.sharding.get_abstract_mesh()
     axes = f"; the mesh's axes are {tuple(mesh.axis_names)}" if not mesh.empty else ""
     return (
@@ -308,13 +297,9 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
         return (jax.tree.map(jnp.add, total, g), model_state, weight), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
+    init = (zeros, _model_state(state), jnp.zeros((), jnp.float32))
     xs = (batch, mask, jnp.arange(cfg.accumulate))
-    (grads, model_state, weight), metrics = fold_steps(
-        micro,
-        (zeros, _model_state(state), jnp.zeros((), jnp.float32)),
-        xs,
-        cfg.accumulate,
-    )
+    (grads, model_state, weight), metrics = fold_steps(micro, init, xs, cfg.accumulate)
     return grads, model_state, metrics, (weight if cfg.weighted else None)
 
 
