@@ -77,16 +77,11 @@ def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
     """
     if value is None or value == "":
         return None
-    try:
+    seconds = value
+    with contextlib.suppress(ValueError):  # a number in a string (the environment's)
         seconds = float(value) if isinstance(value, str) else value
-    except ValueError:
-        seconds = None
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not math.isfinite(seconds)
-        or seconds <= 0
-    ):
+    number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+    if not number or not 0 < seconds < math.inf:  # NaN too
         raise UsageError(
             f"`{name}` must be a number of seconds > 0 (or None: no hang watchdog), got {value!r}."
         )
