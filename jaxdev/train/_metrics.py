@@ -122,8 +122,8 @@ class Metric:
 
     @classmethod
     def empty(cls) -> Metric:
-        """Return the identity accumulator (merging it changes nothing): an empty batch's."""
-        return cls.from_value(jnp.zeros((0,), _F32), mask=jnp.zeros((0,), bool))
+        """Return the identity accumulator (merging it changes nothing)."""
+        raise NotImplementedError
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Metric:
@@ -182,6 +182,11 @@ class Mean(Metric):
     count: jax.Array
 
     @classmethod
+    def empty(cls) -> Mean:
+        """Return a mean with no elements (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), count=jnp.zeros((), _I32))
+
+    @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
         """Return the mean accumulator of ``value``'s valid elements (each element counts once).
 
@@ -214,6 +219,11 @@ class WeightedMean(Metric):
 
     total: jax.Array
     weight: jax.Array
+
+    @classmethod
+    def empty(cls) -> WeightedMean:
+        """Return a weighted mean of nothing (computes to NaN)."""
+        return cls(total=jnp.zeros((), _F32), weight=jnp.zeros((), _F32))
 
     @classmethod
     def from_value(
@@ -289,6 +299,11 @@ class _Fold(Metric):
 
     Masked-out rows are filled with the empty accumulator ``_ops[2]``.
     """
+
+    @classmethod
+    def empty(cls) -> _Fold:
+        """Return the identity accumulator (``0``, ``+inf`` or ``-inf``)."""
+        return cls(jnp.full((), cls._ops[2], _F32))
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Fold:
@@ -426,6 +441,11 @@ class NonFinite(Metric):
     """
 
     count: jax.Array
+
+    @classmethod
+    def empty(cls) -> NonFinite:
+        """Return a zero count."""
+        return cls(count=jnp.zeros((), _I32))
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
