@@ -183,13 +183,6 @@ def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
             "(the pmap layout?): give the batch laid out by `jaxdev.shard_batch`, or flatten "
             "both with `jaxdev.pmap.unshard_from_pmap`."
         )
-    _check_maskable(metrics)
-    shape = _element_shape(values, jnp.shape(mask)[0])
-    row = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (len(shape) - 1))
-    metrics.update(**values, mask=jnp.broadcast_to(row, shape))
-
-
-def _check_maskable(metrics: Any) -> None:
     names = getattr(metrics, "_metric_names", None)  # nnx.MultiMetric's sub-metrics
     parts = {n: getattr(metrics, n) for n in names} if names is not None else {"": metrics}
     bad = [
@@ -203,10 +196,7 @@ def _check_maskable(metrics: Any) -> None:
             f"subclasses (Accuracy); these would count them: {', '.join(bad)}. Update them "
             "with the real rows only (`jaxdev.unpad`), outside the masked call."
         )
-
-
-def _element_shape(values: dict[str, Any], rows: int) -> tuple[int, ...]:
-    """The per-element shape of ``values`` (the shortest; ``logits`` may add one axis)."""
+    rows = jnp.shape(mask)[0]
     shapes = {name: jnp.shape(v) for name, v in values.items()}
     for name, s in shapes.items():
         if not s or s[0] != rows:
@@ -215,11 +205,12 @@ def _element_shape(values: dict[str, Any], rows: int) -> tuple[int, ...]:
                 f"shape ({rows}, ...). A scalar (a batch mean: `loss.mean()`) already counts "
                 "the padded rows: pass per-example values (no `.mean()`)."
             )
-    shape = min(shapes.values(), key=len)
+    shape = min(shapes.values(), key=len)  # per element (logits may add one axis)
     odd = {n: s for n, s in shapes.items() if s != shape and s[:-1] != shape}
     if odd:
         raise UsageError(
             f"values of different per-element shapes: {shapes}; each must be {shape} (or, "
             "for logits, one more axis). Update the metrics of each shape in its own call."
         )
-    return shape
+    row = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (len(shape) - 1))
+    metrics.update(**values, mask=jnp.broadcast_to(row, shape))
