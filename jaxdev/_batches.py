@@ -14,7 +14,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._errors import ShardingError, format_devices
-from ._leaves import checked_leaves, is_host_value, key_strings, raise_leaves
+from ._leaves import (
+    checked_leaves,
+    is_host_value,
+    is_placed,
+    is_tracer,
+    key_strings,
+    raise_leaves,
+)
 from ._mesh import AxisName, batch_layout, check_mesh
 from ._placement import to_device
 
@@ -249,7 +256,17 @@ def shard_batch(
     if not pad:
         if extra:
             raise indivisible_error(batch, rows, multiple, sharding, "devices")
-        return to_global(batch, sharding, timeout_s)
+        if jax.process_count() > 1 or any(is_tracer(x) for x in leaves):
+            return to_global(batch, sharding, timeout_s)
+        # checked above: one device_put of the leaves that move (to_device would check the
+        # host leaves again: 1.7x the time of a host batch with int64/float64 leaves)
+        moving = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
+        if not moving:
+            return batch
+        out = list(leaves)
+        for i, new in zip(moving, jax.device_put(detach_host([out[i] for i in moving]), sharding)):
+            out[i] = new
+        return jax.tree_util.tree_unflatten(treedef, out)
     padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
     mask = np.arange(rows + extra) < rows
     mask.flags.writeable = False  # private: nothing to detach

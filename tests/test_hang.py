@@ -560,3 +560,10 @@ def test_a_killed_process_is_named_by_the_watchdog_without_a_launcher(runs):
     assert run.returncodes == [1, -signal.SIGKILL], run.returncodes
     assert "process 1 does not answer (dead, or stuck in C code holding the GIL)" in run.output
     assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
+
+
+def test_starting_the_watchdog_without_a_coordination_client_is_refused():
+    """A watchdog with no client would log an AttributeError once and never fire."""
+    with pytest.raises(jaxdev.DistributedError, match="has no client"):
+        _hang.start(5.0, "exit", lambda why: None)
+    assert _hang._WATCH is None

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from .._errors import UsageError
+from .._errors import DistributedError, UsageError
 
 _log = logging.getLogger("jaxdev")
 ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
@@ -576,8 +576,15 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
 
     from .._multihost import kv_client
 
+    client = kv_client()
+    if client is None:  # JAX's private client unset: refused, not a thread that never fires
+        raise DistributedError(
+            "the hang watchdog needs jax.distributed's coordination service, and this process "
+            "has no client. Fix: call `jaxdev.distributed.initialize(hang_timeout_s=...)` "
+            "(not jax.distributed directly), or leave `hang_timeout_s` unset."
+        )
     stop()
-    _WATCH = _Watchdog(kv_client(), jax.process_index(), timeout_s, action, exit_fn)
+    _WATCH = _Watchdog(client, jax.process_index(), timeout_s, action, exit_fn)
     _WATCH.thread.start()
 
 
