@@ -9,6 +9,7 @@ session also checks that no worker or process outlives it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -312,13 +313,16 @@ def test_a_worker_ends_with_its_pytest(inner, sig):
     pids, parent = inner.path / "pids.txt", None
     try:
         cmd, out = [sys.executable, "-m", "pytest", "-q"], subprocess.DEVNULL
-        parent = inner.popen(cmd, stdout=out, stderr=out)
+        # Ctrl-C as in a terminal: a shell's background job (CI's second leg) ignores SIGINT,
+        # and a Python started so never raises KeyboardInterrupt
+        default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+        parent = inner.popen(cmd, stdout=out, stderr=out, preexec_fn=default)
         deadline = time.monotonic() + 120
         while not pids.exists() and parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         worker = int(pids.read_text())  # it runs its test
         os.kill(parent.pid, sig)  # Ctrl-C, or what `timeout -s KILL` and a CI cancel send
-        parent.wait(60)  # SIGINT: pytest ends promptly (~1 s idle; over 15 s once in CI's two legs)
+        parent.wait(15)  # SIGINT: pytest ends promptly
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _alive(worker):
             time.sleep(0.1)
