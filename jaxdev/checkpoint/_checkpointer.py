@@ -196,14 +196,15 @@ class Checkpointer:
         if self._lock is not None:
             return [s for s in self._manager.all_steps() if self._is_ours(s)]
         ours: list[int] = []
-        for _ in range(5):
+        writing = files.holder(os.path.join(self.directory, ckpt.MANAGER_LOCK)) is not None
+        for attempt in range(5):
             with contextlib.suppress(OSError):
                 self._manager.reload()
                 listed = self._manager.all_steps()
                 ours = [s for s in listed if self._is_ours(s)]
-                if ours or not listed:
+                if ours or not (listed or writing):  # nothing listed while a writer saves: again
                     return ours
-            time.sleep(0.02)
+            time.sleep(0.02 * (attempt + 1))
         return ours
 
     def _step(self, step: int | None) -> int:
