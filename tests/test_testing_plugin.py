@@ -9,7 +9,6 @@ session also checks that no worker or process outlives it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import signal
@@ -312,11 +311,16 @@ def test_a_worker_ends_with_its_pytest(inner, sig):
     )
     pids, parent = inner.path / "pids.txt", None
     try:
-        cmd, out = [sys.executable, "-m", "pytest", "-q"], subprocess.DEVNULL
         # Ctrl-C as in a terminal: a shell's background job (CI's second leg) ignores SIGINT,
-        # and a Python started so never raises KeyboardInterrupt
-        default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
-        parent = inner.popen(cmd, stdout=out, stderr=out, preexec_fn=default)
+        # and a Python started so never raises KeyboardInterrupt (no preexec_fn: threads)
+        main = (
+            "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler)"
+        )
+        cmd, out = (
+            [sys.executable, "-c", main + "; sys.exit(pytest.main(['-q']))"],
+            subprocess.DEVNULL,
+        )
+        parent = inner.popen(cmd, stdout=out, stderr=out)
         deadline = time.monotonic() + 120
         while not pids.exists() and parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
