@@ -40,19 +40,12 @@ def main(argv=None) -> int:
     step = jaxdev.make_train_step(tb.per_example_loss, tb.TX, old)
     batches = [step.put_batch({"x": a[:-6], "y": b[:-6]}) for a, b in zip(x, y)]
 
-    def run(state):
-        metrics = None
-        for b in batches:
-            state, metrics = step(state, b, metrics)
-        metrics.fetch()
-        return state, state.params
-
     loops = {
         hand: loops[hand],
         even: loops[even],
         uneven: loops[uneven],
         "uneven, mask split like the rows (before)": tb.Loop(
-            step.init_state(tb.init_params(), tb.TX), run
+            step.init_state(tb.init_params(), tb.TX), tb._k_loop(step, batches)
         ),
     }
     state = step.init_state(tb.init_params(), tb.TX)
