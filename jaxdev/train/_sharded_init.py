@@ -71,12 +71,15 @@ def init_sharded(
     with nnx.use_eager_sharding(False), explained_oom("init_sharded", extra=needs):
         in_mesh, abstract = _shapes(call, dynamic, mesh)
         with under_mesh(mesh) if in_mesh else contextlib.nullcontext():
-            if graphlib.is_graph_node(abstract):
-                return _init_nnx(call, dynamic, abstract, mesh, rules, options)
-            shardings = param_shardings(abstract, mesh, rules, **options)
-            init = jax.jit(lambda *a: unbox(call(*a)), out_shardings=shardings)
+            graphdef, tree = None, abstract
+            if graphlib.is_graph_node(abstract):  # an NNX module: its state built, then merged
+                graphdef, tree = nnx.split(abstract)
+            shardings = param_shardings(tree, mesh, rules, **options)
+            part = unbox if graphdef is None else nnx.state
+            init = jax.jit(lambda *a: part(call(*a)), out_shardings=shardings)
             out = same_program(init, name="init_sharded's init_fn")(*dynamic)
-        return jax.block_until_ready(out)  # an out-of-memory is raised (and explained) here
+        out = jax.block_until_ready(out)  # an out-of-memory is raised (and explained) here
+        return out if graphdef is None else nnx.merge(graphdef, out)
 
 
 def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> tuple[bool, Any]:
@@ -91,15 +94,6 @@ def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> t
         return False, nnx.eval_shape(call, *dynamic)
     except Exception:
         raise under from None
-
-
-def _init_nnx(call, dynamic, abstract, mesh: Mesh, rules: Rules, options: dict[str, Any]):
-    """Build an NNX module's state sharded, then merge it into a module."""
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, mesh, rules, **options)
-    init = jax.jit(lambda *a: nnx.state(call(*a)), out_shardings=shardings)
-    state = same_program(init, name="init_sharded's init_fn")(*dynamic)
-    return nnx.merge(graphdef, jax.block_until_ready(state))
 
 
 def _split_args(init_fn: Callable[..., Any], args: tuple[Any, ...]):
