@@ -283,58 +283,8 @@ def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
 # ------------------------------------------ implicit host-to-device (stderr)
 
 
-class _Relay:
-    """The far end of the stderr pipe: a relay process (else a thread); owns both fds."""
-
-    def __init__(self, read_fd: int, out_fd: int, swallow: bool, on_gone: Callable):
-        self.reports, report_w = os.pipe()
-        self.pending, self.done = b"", False
-        self.order = threading.Lock()  # one SYNC in flight: answers come back in order
-        self.process = _spawn_relay(read_fd, out_fd, report_w, swallow)
-        if self.process is None:
-            args = (read_fd, out_fd, report_w, swallow)
-            threading.Thread(
-                target=_stderr_relay.relay, args=args, name="jaxdev-stderr", daemon=True
-            ).start()
-            return
-        for fd in (read_fd, out_fd, report_w):
-            os.close(fd)
-        threading.Thread(  # reaps it; a relay gone early gives fd 2 back (no EPIPE)
-            target=self._reap, args=(on_gone,), name="jaxdev-stderr-reaper", daemon=True
-        ).start()
-
-    def _reap(self, on_gone: Callable) -> None:
-        self.process.wait()
-        on_gone(self)
-
-    def take(self, write_fd: int) -> list[str]:
-        """Return the kinds of every guard line written before this call."""
-        with self.order:
-            if not self.done and not _stderr_relay.write_all(write_fd, _stderr_relay.SYNC):
-                self.done = True  # the relay is gone; what it passed on is all there is
-            kinds, answered = [], self.done
-            while not answered:
-                while b"\n" not in self.pending and not self.done:
-                    chunk = os.read(self.reports, 1 << 16)
-                    self.pending += chunk
-                    self.done = not chunk
-                line, _, self.pending = self.pending.partition(b"\n")
-                if line.startswith(b"K"):
-                    kinds.append(f"implicit {line[2:].decode(errors='replace')}".strip())
-                answered = line == b"S" or self.done
-        return kinds
-
-    def close(self) -> None:
-        """Stop reading reports (the relay itself ends when the pipe has no writer)."""
-        with self.order:
-            self.done = True
-            os.close(self.reports)
-
-
 def _spawn_relay(read_fd: int, out_fd: int, report_w: int, swallow: bool):
     """Start ``python -I -S _stderr_relay.py`` on the pipe; ``None`` if it cannot start."""
-    if not sys.executable:
-        return None
     try:  # its own session: a Ctrl-C in the terminal never reaches it
         return subprocess.Popen(
             [sys.executable, "-I", "-S", _stderr_relay.__file__, "1" if swallow else "0"],
@@ -354,64 +304,74 @@ def _flush_stderr() -> None:
 
 
 class _StderrTap:
-    """Points fd 2 at a :class:`_Relay` while some counter needs JAX's transfer-guard log."""
+    """Points fd 2 at a relay (a process, else a thread) while a counter reads JAX's
+    transfer-guard log, and reads the relay's reports. Used under ``_lock``."""
 
     def __init__(self) -> None:
-        self.users = 0
-        self.relay: _Relay | None = None
+        self.users, self.process, self.done = 0, None, True
         self.saved = self.write_fd = -1
-        self.lock = threading.RLock()
+        self.reports: Any = None  # the relay's reports, a binary file
 
-    def start(self, swallow: bool) -> None:
-        """Route fd 2 through a new relay (first user); raise OSError without a usable fd 2."""
-        with self.lock:
-            if self.users == 0:
-                _flush_stderr()
+    def start(self, swallow: bool) -> bool:
+        """Route fd 2 through a new relay (first user); ``False`` without a usable fd 2."""
+        if self.users == 0:
+            _flush_stderr()
+            try:
                 saved = os.dup(2)
-                read_fd, write_fd = os.pipe()
-                with contextlib.suppress(ImportError, AttributeError, OSError):
-                    import fcntl  # a larger pipe: writers rarely wait for the relay
+                (read_fd, write_fd), (report_r, report_w) = os.pipe(), os.pipe()
+                fds = (read_fd, os.dup(saved), report_w)
+            except OSError:  # no usable fd 2: implicit transfers go uncounted
+                return False
+            with contextlib.suppress(ImportError, AttributeError, OSError):
+                import fcntl  # a larger pipe: writers rarely wait for the relay
 
-                    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _stderr_relay.READ_SIZE)
-                self.relay = _Relay(read_fd, os.dup(saved), swallow, self._relay_gone)
-                self.saved, self.write_fd = saved, write_fd
-                os.dup2(write_fd, 2)
-            self.users += 1
+                fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _stderr_relay.READ_SIZE)
+            self.process = _spawn_relay(*fds, swallow)
+            if self.process is None:
+                target, args, name = _stderr_relay.relay, (*fds, swallow), "jaxdev-stderr"
+            else:  # the reaper: a relay gone early gives fd 2 back (no EPIPE)
+                target, args, name = self._reap, (self.process,), "jaxdev-stderr-reaper"
+                for fd in fds:
+                    os.close(fd)
+            threading.Thread(target=target, args=args, name=name, daemon=True).start()
+            self.reports, self.done = os.fdopen(report_r, "rb"), False
+            self.saved, self.write_fd = saved, write_fd
+            os.dup2(write_fd, 2)
+        self.users += 1
+        return True
 
-    def _relay_gone(self, relay: _Relay) -> None:
-        """A relay process ended while fd 2 still pointed at it: give fd 2 back."""
-        with self.lock:
-            if relay is self.relay and self.users:
+    def _reap(self, process: subprocess.Popen) -> None:
+        process.wait()
+        with _lock:
+            if process is self.process and self.users:
                 os.dup2(self.saved, 2)
 
-    def drain(self) -> list[str]:
-        """Return the kinds of the transfer-guard lines logged since the last drain."""
-        with self.lock:
-            if self.relay is None:
-                return []
-            _flush_stderr()
-            return self.relay.take(self.write_fd)
-
-    def stop(self) -> list[str]:
-        """Drop one user; the last one restores fd 2. Return the kinds not yet drained."""
-        with self.lock:
-            if self.relay is None:
-                return []
-            self.users -= 1
-            if self.users:
-                return self.drain()
-            _flush_stderr()
+    def drain(self, stop: bool = False) -> list[str]:
+        """The kinds of the guard lines logged since the last drain; ``stop`` drops a user,
+        and the last one gives fd 2 back and lets the relay end."""
+        if not self.users:
+            return []
+        self.users -= stop
+        _flush_stderr()
+        if not self.users:
             os.dup2(self.saved, 2)
             os.close(self.saved)
-            kinds = self.relay.take(self.write_fd)
-            os.close(self.write_fd)  # the relay ends once no child process holds the pipe
-            self.relay.close()
-            self.relay, self.saved, self.write_fd = None, -1, -1
-            return kinds
+        kinds = []
+        if not self.done and not _stderr_relay.write_all(self.write_fd, _stderr_relay.SYNC):
+            self.done = True  # the relay is gone; what it passed on is all there is
+        while not self.done and (line := self.reports.readline()) != b"S\n":
+            self.done = not line.endswith(b"\n")  # the relay ended
+            if line.startswith(b"K"):
+                kinds.append(f"implicit {line[2:].decode(errors='replace')}".strip())
+        if not self.users:  # the relay ends once no child process holds the pipe
+            os.close(self.write_fd)
+            self.reports.close()
+            self.process, self.done = None, True
+        return kinds
 
     def forget(self) -> None:
         """In a forked child: the relay is the parent's; fd 2 stays the parent's pipe."""
-        self.users, self.relay, self.lock = 0, None, threading.RLock()
+        self.users, self.process = 0, None
 
 
 _tap = _StderrTap()
@@ -422,7 +382,7 @@ if hasattr(os, "register_at_fork"):
 def _drain_implicit(stop: bool = False) -> None:
     """Count the implicit transfers logged since the last drain (``stop``: and drop a user)."""
     with _lock:
-        for kind in _tap.stop() if stop else _tap.drain():
+        for kind in _tap.drain(stop):
             _emit(H2D, kind)
 
 
@@ -457,28 +417,18 @@ def count_transfers(implicit: bool = True) -> Iterator[TransferCounter]:
     """
     counter = TransferCounter(implicit=implicit)
     with contextlib.ExitStack() as stack:
-        _activate(counter, stack)
+        with _lock:
+            _drain_implicit()
+            if not _active:
+                _install()
+            _active.append(counter)
+            stack.callback(_deactivate, counter)
+            level = jax.config.jax_transfer_guard_host_to_device  # a context manager's included
+            level = level if level is not None else jax.config.jax_transfer_guard
+            if implicit and level in (None, "allow", "log") and _tap.start(level != "log"):
+                stack.callback(_drain_implicit, stop=True)
+                stack.enter_context(jax.transfer_guard_host_to_device("log"))
         yield counter
-
-
-def _activate(counter: TransferCounter, stack: contextlib.ExitStack) -> None:
-    """Install the wrappers (first user), register ``counter``, tap stderr if asked."""
-    with _lock:
-        _drain_implicit()
-        if not _active:
-            _install()
-        _active.append(counter)
-        stack.callback(_deactivate, counter)
-        level = jax.config.jax_transfer_guard_host_to_device  # a context manager's included
-        level = level if level is not None else jax.config.jax_transfer_guard
-        if not counter._implicit or level not in (None, "allow", "log"):
-            return
-        try:
-            _tap.start(swallow=level != "log")
-        except OSError:  # no usable fd 2: implicit transfers go uncounted
-            return
-    stack.callback(_drain_implicit, stop=True)
-    stack.enter_context(jax.transfer_guard_host_to_device("log"))
 
 
 def _deactivate(counter: TransferCounter) -> None:

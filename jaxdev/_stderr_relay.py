@@ -26,14 +26,7 @@ _LINES = re.compile(rb"[^\n]*\n|[^\n]+")  # split at newlines only: "\r" belongs
 
 
 def write_all(fd: int, data: bytes) -> bool:
-    """Write all of ``data`` to ``fd``; return ``False`` (data dropped) if ``fd`` is gone.
-
-    Example:
-      >>> r, w = os.pipe()
-      >>> write_all(w, b"hi"), os.read(r, 2)
-      (True, b'hi')
-      >>> os.close(r); os.close(w)
-    """
+    """Write all of ``data`` to ``fd``; return ``False`` (data dropped) if ``fd`` is gone."""
     while data:
         try:
             data = data[os.write(fd, data) :]
@@ -42,40 +35,11 @@ def write_all(fd: int, data: bytes) -> bool:
     return True
 
 
-def split_guard_lines(data: bytes, swallow: bool) -> tuple[bytes, list[bytes]]:
-    """Return ``(data to pass on, one aval per guard line)``; ``swallow`` cuts the guard records.
-
-    The text before a record on its line (e.g. ``"\\r 50%"``) stays; a line naming no aval
-    gives ``b""``.
-
-    Example:
-      >>> split_guard_lines(b"a\\nhost-to-device transfer: aval=f32[3]\\nb", True)
-      (b'a\\nb', [b'f32[3]'])
-    """
-    out, avals = [], []
-    for line in _LINES.findall(data):
-        found = GUARD_LINE.search(line)
-        if found:
-            avals.append(found.group(1) or b"")
-            if swallow:
-                line = line[: found.start()]
-        out.append(line)
-    return b"".join(out), avals
-
-
 def relay(in_fd: int, out_fd: int, report_fd: int, swallow: bool) -> None:
     """Copy ``in_fd`` to ``out_fd`` until every write end closes, reporting on ``report_fd``.
 
     Closes the three descriptors when done; a closed ``out_fd`` or ``report_fd`` never
     stops the copy. ``swallow`` leaves the guard lines out.
-
-    Example:
-      >>> r, w = os.pipe(); out_r, out_w = os.pipe(); rep_r, rep_w = os.pipe()
-      >>> _ = os.write(w, b"hello\\n" + SYNC); os.close(w)
-      >>> relay(r, out_w, rep_w, True)
-      >>> os.read(out_r, 100), os.read(rep_r, 100)
-      (b'hello\\n', b'S\\n')
-      >>> os.close(out_r); os.close(rep_r)
     """
     try:
         with contextlib.suppress(OSError):
@@ -92,19 +56,20 @@ def relay(in_fd: int, out_fd: int, report_fd: int, swallow: bool) -> None:
 
 
 def _pass_on(data: bytes, out_fd: int, report_fd: int, swallow: bool) -> None:
-    text, avals = split_guard_lines(data, swallow)
-    write_all(out_fd, text)
-    if avals:
-        write_all(report_fd, b"".join(b"K " + a + b"\n" for a in avals))
+    """``data`` to ``out_fd`` (``swallow``: less the guard records, but the text before one
+    on its line, e.g. ``"\\r 50%"``, stays); ``K <aval or nothing>`` per guard line reported."""
+    out, reports = [], []
+    for line in _LINES.findall(data):
+        if found := GUARD_LINE.search(line):
+            reports.append(b"K " + (found.group(1) or b"") + b"\n")
+            line = line[: found.start()] if swallow else line
+        out.append(line)
+    write_all(out_fd, b"".join(out))
+    write_all(report_fd, b"".join(reports))
 
 
-def main(argv: list[str]) -> None:
-    """Process entry: relay fd 0 to fd 2, report on fd 1 (``'1'`` swallows); signals ignored."""
+if __name__ == "__main__":  # python -I -S _stderr_relay.py 0|1 ('1' swallows); signals ignored
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    relay(0, 2, 1, swallow=argv[1:2] == ["1"])
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+    relay(0, 2, 1, swallow=sys.argv[1:2] == ["1"])
