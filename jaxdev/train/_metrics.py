@@ -5,7 +5,9 @@ device, inside ``jit``) and ``compute()``; only :func:`fetch_metrics` / ``.fetch
 data, with one ``jax.device_get`` of the raw accumulators. ``mask`` is a boolean mask over
 the leading (row) axes of ``value``: rows where it is ``False`` never count (padding may be
 NaN). Values accumulate in float32, counts in int32 (exact up to 2**31 - 1). ``reduce(axis)``
-combines accumulators inside ``jax.pmap`` / ``shard_map``.
+combines accumulators inside ``jax.pmap`` / ``shard_map``. Every constructor raises
+:class:`~jaxdev.MetricError` naming the argument for a value that is not numeric, a mask or
+shape that does not fit, or keys that differ (the missing and unexpected ones named).
 """
 
 from __future__ import annotations
@@ -183,16 +185,11 @@ class Mean(Metric):
 
     @classmethod
     def empty(cls) -> Mean:
-        """Return a mean with no elements (computes to NaN)."""
         return cls(total=jnp.zeros((), _F32), count=jnp.zeros((), _I32))
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
-        """Return the mean accumulator of ``value``'s valid elements (each element counts once).
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
+        """Return the mean accumulator of ``value``'s valid elements (each element counts once)."""
         value, valid = _checked_value(cls, value, mask)
         count = value.size if valid is None else jnp.sum(jnp.broadcast_to(valid, value.shape))
         return cls(total=jnp.sum(_masked_fill(value, valid, 0.0)), count=jnp.asarray(count, _I32))
@@ -222,18 +219,13 @@ class WeightedMean(Metric):
 
     @classmethod
     def empty(cls) -> WeightedMean:
-        """Return a weighted mean of nothing (computes to NaN)."""
         return cls(total=jnp.zeros((), _F32), weight=jnp.zeros((), _F32))
 
     @classmethod
     def from_value(
         cls, value: jax.typing.ArrayLike, weights: Any = None, mask: Any = None
     ) -> WeightedMean:
-        """Return the accumulator of ``value`` weighted by ``weights`` (same shape; ``None``: 1).
-
-        Raises:
-          MetricError: ``value`` or ``weights`` is not numeric, or a shape does not fit.
-        """
+        """Return the accumulator of ``value`` weighted by ``weights`` (same shape; ``None``: 1)."""
         value, valid = _checked_value(cls, value, mask)
         owner = f"{cls.__name__}.from_value"
         weights = jnp.ones(value.shape, _F32) if weights is None else weights
@@ -273,11 +265,7 @@ class Accuracy(Mean):
     def from_logits(
         cls, logits: jax.typing.ArrayLike, labels: jax.typing.ArrayLike, mask: Any = None
     ) -> Accuracy:
-        """Return the accuracy of ``argmax(logits, -1) == labels`` (per row).
-
-        Raises:
-          MetricError: shapes do not match or ``labels`` is not integer.
-        """
+        """Return the accuracy of ``argmax(logits, -1) == labels`` (per row)."""
         owner = f"{cls.__name__}.from_logits"
         logits = _as_array(logits, "logits", owner)
         labels = _as_array(labels, "labels", owner)
@@ -302,16 +290,11 @@ class _Fold(Metric):
 
     @classmethod
     def empty(cls) -> _Fold:
-        """Return the identity accumulator (``0``, ``+inf`` or ``-inf``)."""
         return cls(jnp.full((), cls._ops[2], _F32))
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> _Fold:
-        """Return the accumulator of ``value``'s valid elements.
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
+        """Return the accumulator of ``value``'s valid elements."""
         value, valid = _checked_value(cls, value, mask)
         pair, _, identity = cls._ops
         return cls(pair.reduce(_masked_fill(value, valid, identity), axis=None, initial=identity))
@@ -394,11 +377,7 @@ class Last(Metric):
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Last:
-        """Return ``value`` itself, or with a 1-D ``mask`` its last valid row (count 0 if none).
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
+        """Return ``value`` itself, or with a 1-D ``mask`` its last valid row (count 0 if none)."""
         value, valid = _checked_value(cls, value, mask, strict=False)
         if valid is None:
             return cls(value=value.astype(_F32), count=jnp.ones((), _I32))
@@ -444,16 +423,11 @@ class NonFinite(Metric):
 
     @classmethod
     def empty(cls) -> NonFinite:
-        """Return a zero count."""
         return cls(count=jnp.zeros((), _I32))
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
-        """Return the number of non-finite valid elements of ``value``.
-
-        Raises:
-          MetricError: ``value`` is not numeric or ``mask`` does not fit it.
-        """
+        """Return the number of non-finite valid elements of ``value``."""
         value, valid = _checked_value(cls, value, mask)
         bad = ~jnp.isfinite(value)
         bad = bad if valid is None else bad & valid
@@ -485,11 +459,7 @@ class Collection(Mapping):
     """
 
     def __init__(self, metrics: Mapping[str, Metric]):
-        """Wrap ``metrics``, a mapping from names to :class:`Metric` objects.
-
-        Raises:
-          MetricError: a value is not a ``Metric`` or a key is not a string.
-        """
+        """Wrap ``metrics``, a mapping from names to :class:`Metric` objects."""
         bad = [
             f"{k!r}: {type(v).__name__}"
             for k, v in metrics.items()
@@ -514,22 +484,14 @@ class Collection(Mapping):
         values: Mapping[str, jax.typing.ArrayLike],
         mask: Any = None,
     ) -> Collection:
-        """Return ``spec[k].from_value(values[k], mask)`` for every name ``k``.
-
-        Raises:
-          MetricError: the keys of ``values`` differ from ``spec``'s.
-        """
+        """Return ``spec[k].from_value(values[k], mask)`` for every name ``k``."""
         _check_keys("Collection.from_values", "values", set(spec), set(values))
         return cls(
             {k: _metric_class(k, kind).from_value(values[k], mask) for k, kind in spec.items()}
         )
 
     def merge(self, other: Collection) -> Collection:
-        """Return every metric merged with the same-named one in ``other``.
-
-        Raises:
-          MetricError: ``other`` is not a Collection with the same names.
-        """
+        """Return every metric merged with the same-named one in ``other``."""
         if not isinstance(other, Collection):
             raise MetricError(
                 f"`Collection.merge` expects `other` to be a Collection, got "
@@ -661,11 +623,7 @@ class DeviceLog:
     def create(
         cls, capacity: int, shape: tuple[int, ...] = (), dtype: Any = jnp.float32
     ) -> DeviceLog:
-        """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``.
-
-        Raises:
-          MetricError: ``capacity`` is not a positive int or ``shape`` is bad.
-        """
+        """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``."""
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise MetricError(
                 f"`DeviceLog.create` expects `capacity` to be a positive int, got "
@@ -690,11 +648,7 @@ class DeviceLog:
         return self.buffer.shape[0]
 
     def record(self, value: jax.typing.ArrayLike) -> DeviceLog:
-        """Return the log with ``value`` recorded (jit-safe; the oldest is overwritten when full).
-
-        Raises:
-          MetricError: ``value`` has another shape than the log's records.
-        """
+        """Return the log with ``value`` recorded (jit-safe; when full, the oldest is dropped)."""
         value = _as_array(value, "value", "DeviceLog.record")
         if value.shape != self.buffer.shape[1:]:
             raise MetricError(
