@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import MemoryPlanError, UsageError
-from jaxdev.memory._plan import CompiledMemory, _shard_shape, check_fits, device_memory_limit
+from jaxdev.memory._plan import CompiledMemory, _shard_shape, check_fits, resolve_limit
 
 MiB = 2**20
 
@@ -276,7 +276,7 @@ def test_plan_table_is_exact():
 def test_fits_with_a_limit_and_without_one_on_cpu():
     p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)})
     assert p.fits(limit=4 * MiB) and p.fits(4 * MiB + 0.5) and not p.fits(limit=4 * MiB - 1)
-    assert device_memory_limit(jax.devices()) is None
+    assert resolve_limit(None, jax.devices(), required=False) == (None, "no limit known")
     with pytest.raises(UsageError, match=r"reports no memory limit .* pass `limit=`"):
         p.fits()
     for bad in (-1, "16GB", True, float("nan"), float("inf"), [1]):

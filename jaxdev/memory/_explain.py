@@ -22,7 +22,7 @@ import numpy as np
 from .._batches import Padded
 from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
 from .._leaves import is_jax_array
-from .._mesh import check_mesh
+from .._mesh import axis_size, check_mesh
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state
 from ._memory import MemoryLedger
@@ -73,10 +73,7 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
 
 def _dtype(x: Any) -> Any:
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except Exception:  # typed PRNG keys: no numpy dtype
-        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)  # typed keys kept
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
@@ -152,10 +149,9 @@ def fsdp_variant(spec: StepSpec) -> Variant | None:
         return None
     try:
         fsdp = strategy.replace(rules="fsdp", shard_map=False)
-        axis = fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis"))
+        n = axis_size(fsdp.mesh, fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis")))
     except Exception:  # a mesh fsdp cannot use: no option
         return None
-    n = math.prod(fsdp.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     return Variant(
         "Strategy.sharded(mesh, rules='fsdp')", f"fsdp over {n} devices", spec.replace(fsdp)
     )

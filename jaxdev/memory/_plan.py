@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .._batches import lead_spec
 from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
 from .._leaves import PY_SCALARS, device_key, is_jax_array
-from .._mesh import batch_axis, check_mesh, named_sharding
+from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 from ._memory import memory_stats
@@ -178,73 +178,42 @@ def _shard_shape(s: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
             raise
     out = list(shape)
     for i, entry in enumerate(s.spec[: len(shape)]):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        parts = math.prod(s.mesh.shape[a] for a in names)
-        out[i] = -(-shape[i] // parts)
+        out[i] = -(-shape[i] // (1 if entry is None else axis_size(s.mesh, entry)))
     return tuple(out)
-
-
-class _Tally:
-    """Sums bytes per device and logical bytes per category; one cache entry per layout."""
-
-    def __init__(self, devices: list[jax.Device]) -> None:
-        names = [device_name(d) for d in sorted(devices, key=device_key)]
-        self.per_device = {c: dict.fromkeys(names, 0) for c in CATEGORIES}
-        self.logical = dict.fromkeys(CATEGORIES, 0)
-        self.sharded = dict.fromkeys(CATEGORIES, 0)
-        self.count = dict.fromkeys(CATEGORIES, 0)
-        self.host = dict.fromkeys(names, 0)  # offloaded: host memory, 0 on the devices
-        self._cache: dict[Any, tuple[int, tuple[str, ...], bool]] = {}
-
-    def add(self, category: str, shape: tuple[int, ...], dtype: Any, s: Sharding) -> None:
-        key = (s, shape, dtype)
-        hit = self._cache.get(key)
-        if hit is None:
-            per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
-            names = tuple(device_name(d) for d in s.device_set)
-            sharded = len(s.device_set) > 1 and not s.is_fully_replicated  # split over several
-            hit = self._cache[key] = (per, names, sharded)
-        per, names, sharded = hit
-        logical = math.prod(shape) * dtype.itemsize
-        row = self.host if is_host(s) else self.per_device[category]
-        for name in names:
-            row[name] = row.get(name, 0) + per
-        self.logical[category] += logical
-        self.sharded[category] += logical if sharded else 0
-        self.count[category] += 1
-
-    def rows(self) -> tuple[PlanRow, ...]:
-        top = {c: max(self.per_device[c].values(), default=0) for c in CATEGORIES}
-        return tuple(
-            PlanRow(c, top[c], self.logical[c], self.sharded[c], self.count[c])
-            for c in CATEGORIES
-            if self.count[c]
-        )
-
-    def by_device(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for row in self.per_device.values():
-            for name, n in row.items():
-                out[name] = out.get(name, 0) + n
-        return out
 
 
 def _build(
     state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
-    """``(rows, total, bytes by device, host bytes by device)``."""
-    tally, is_state = _Tally(list(mesh.devices.flat)), is_train_state(state)
+    """``(rows, total, bytes by device, host bytes by device)``; one shard shape per layout."""
+    names = [device_name(d) for d in sorted(mesh.devices.flat, key=device_key)]
+    per_device = {c: dict.fromkeys(names, 0) for c in (*CATEGORIES, "host")}  # host: offloaded
+    totals = {c: [0, 0, 0] for c in CATEGORIES}  # logical bytes, of them split, leaves
+    leaves, is_state, cache = [], is_train_state(state), {}
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
         field = getattr(path[0], "name", None) if is_state else "params"
-        category = field if field in _STATE_CATEGORIES else "other"
-        tally.add(category, *_shape_dtype(leaf), s)
-    for leaf in jax.tree.leaves(batch):
-        shape, dtype = _shape_dtype(leaf)
-        tally.add("batch", shape, dtype, named_sharding(mesh, batch_spec(len(shape))))
-    by_device = tally.by_device()
-    return tally.rows(), max(by_device.values(), default=0), by_device, tally.host
+        leaves.append((field if field in _STATE_CATEGORIES else "other", _shape_dtype(leaf), s))
+    for shape, dtype in map(_shape_dtype, jax.tree.leaves(batch)):
+        leaves.append(("batch", (shape, dtype), named_sharding(mesh, batch_spec(len(shape)))))
+    for category, (shape, dtype), s in leaves:
+        if (s, shape, dtype) not in cache:
+            per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
+            split = len(s.device_set) > 1 and not s.is_fully_replicated  # over several devices
+            cache[s, shape, dtype] = per, [device_name(d) for d in s.device_set], split
+        per, on, split = cache[s, shape, dtype]
+        row = per_device["host" if is_host(s) else category]
+        for name in on:
+            row[name] = row.get(name, 0) + per
+        logical, t = math.prod(shape) * dtype.itemsize, totals[category]
+        t[0], t[1], t[2] = t[0] + logical, t[1] + logical * split, t[2] + 1
+    by_device: dict[str, int] = {}
+    for row in (per_device[c] for c in CATEGORIES):
+        by_device.update({name: by_device.get(name, 0) + n for name, n in row.items()})
+    rows = [PlanRow(c, max(per_device[c].values()), *totals[c]) for c in CATEGORIES]
+    rows = tuple(r for r in rows if r.leaves)
+    return rows, max(by_device.values(), default=0), by_device, per_device["host"]
 
 
 # ---------------------------------------------------------------- plan
@@ -412,12 +381,6 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
 # ---------------------------------------------------------------- budgets
 
 
-def device_memory_limit(devices: Any) -> int | None:
-    """The smallest ``bytes_limit`` of ``devices``, or None if any reports none."""
-    limits = [bytes_limit(d) for d in devices]
-    return None if None in limits else min(limits, default=None)
-
-
 def bytes_limit(device: jax.Device) -> int | None:
     """``device.memory_stats()["bytes_limit"]`` (``None``: not reported): the one reader."""
     limit = (memory_stats(device) or {}).get("bytes_limit")
@@ -440,9 +403,9 @@ def resolve_limit(
     if limit is None:
         flat = devices.devices.flat if isinstance(devices, Mesh) else devices
         local = [d for d in flat if d.process_index == jax.process_index()]
-        found = device_memory_limit(local)
-        if found is not None:
-            return found, "bytes_limit of the devices"
+        limits = [bytes_limit(d) for d in local]
+        if local and None not in limits:
+            return min(limits), "bytes_limit of the devices"
         if not required:
             return None, "no limit known"
         platform = local[0].platform if local else "?"
@@ -523,11 +486,10 @@ def fsdp_alternative(plan_: MemoryPlan) -> str:
         return ""
     options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
     try:
-        axis = fsdp_axis_of(mesh)
+        n = axis_size(mesh, fsdp_axis_of(mesh))
         shardings = state_shardings(inputs.state, mesh, "fsdp", **options)
     except Exception:  # the alternative is advice only
         return ""
-    n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     if n <= 1:
         return ""
     _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_spec, mesh)
