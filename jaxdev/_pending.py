@@ -54,10 +54,6 @@ def failed(where: str, owner: Any = None) -> BaseException | None:
 
     A failed call is forgotten once asked about.
     """
-    if owner is not None:  # the fast path, at every step call
-        pending = _PENDING.get(owner)
-        if pending is None or not pending[0].is_ready():
-            return None
     for key in list(_PENDING) if owner is None else [owner]:
         token, explain = _PENDING.get(key, (None, None))
         err = None if token is None else _error(token)

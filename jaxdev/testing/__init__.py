@@ -5,14 +5,6 @@ The plugin (``jaxdev/testing/_plugin.py``) is registered through pytest's
 test is marked ``@pytest.mark.devices(1, 2, 8)`` or
 ``@pytest.mark.processes(2, devices=4)``, or pytest is given
 ``--jaxdev-devices N``. See the README section "Testing your own code".
-
-Example:
-  >>> import jax.numpy as jnp, numpy as np, jaxdev
-  >>> def loss_fn(params, batch):  # per-example losses, as make_train_step takes them
-  ...     return (batch["x"] @ params["w"] - batch["y"]) ** 2
-  >>> batch = {"x": np.ones((16, 8), np.float32), "y": np.ones(16, np.float32)}
-  >>> jaxdev.testing.assert_strategies_agree(loss_fn, None, {"w": jnp.zeros(8)}, [batch] * 2)
-  ('single', 'pmap', 'sharded', 'shard_map', 'fsdp')
 """
 
 from .._devices import use_fake_cpu_devices as use_fake_cpu_devices

@@ -13,33 +13,11 @@ from .._errors import DisagreementError, ShardingError, UsageError
 from .._mesh import data_mesh
 from ..train import Strategy, make_train_step
 
+_SPLIT = ("pmap", "shard_map")  # the strategies whose loss sees one device's rows
 _PER_DEVICE = (
     " A loss that depends on how many rows one call sees (e.g. divided by a hard-coded global "
     "batch size) is right on one device and wrong per device under pmap and shard_map."
 )
-_HINTS = {"pmap": _PER_DEVICE, "shard_map": _PER_DEVICE}
-
-
-def _strategies() -> dict[str, Strategy]:
-    """Every strategy the local devices allow, ``single`` first (the reference)."""
-    found = {"single": Strategy.single()}
-    if jax.local_device_count() > 1:
-        mesh = data_mesh()
-        found["pmap"] = Strategy.pmap()
-        found["sharded"] = Strategy.sharded(mesh)
-        found["shard_map"] = Strategy.sharded(mesh, shard_map=True)
-        found["fsdp"] = Strategy.sharded(mesh, rules="fsdp", min_size=0)
-    return found
-
-
-def _train(strategy: Strategy, loss_fn, tx, params, batches, options) -> list[Any]:
-    """The params after each step, on the host."""
-    step = make_train_step(loss_fn, tx, strategy, donate=False, **options)
-    state, trail = step.init_state(params, tx), []
-    for batch in batches:
-        state, _ = step(state, step.put_batch(batch))
-        trail.append(jax.device_get(state.params))
-    return trail
 
 
 def _first_difference(got: Any, want: Any, rtol: float, atol: float) -> str | None:
@@ -106,10 +84,22 @@ def assert_strategies_agree(
     if not (rtol >= 0 and atol >= 0):
         raise UsageError(f"`rtol` and `atol` must be >= 0, got rtol={rtol!r}, atol={atol!r}.")
     tx = optax.sgd(0.1) if tx is None else tx
-    trails = {}
-    for name, strategy in _strategies().items():
+    strategies = {"single": Strategy.single()}  # the reference, then what the devices allow
+    if jax.local_device_count() > 1:
+        mesh = data_mesh()
+        strategies["pmap"] = Strategy.pmap()
+        strategies["sharded"] = Strategy.sharded(mesh)
+        strategies["shard_map"] = Strategy.sharded(mesh, shard_map=True)
+        strategies["fsdp"] = Strategy.sharded(mesh, rules="fsdp", min_size=0)
+    trails = {}  # strategy: the params after each step, on the host
+    for name, strategy in strategies.items():
         try:
-            trails[name] = _train(strategy, loss_fn, tx, params, batches, step_options)
+            step = make_train_step(loss_fn, tx, strategy, donate=False, **step_options)
+            state, trail = step.init_state(params, tx), []
+            for batch in batches:
+                state, _ = step(state, step.put_batch(batch))
+                trail.append(jax.device_get(state.params))
+            trails[name] = trail
         except ShardingError:  # fsdp over params none of whose leaves it can split
             if name != "fsdp":
                 raise
@@ -120,6 +110,6 @@ def assert_strategies_agree(
                 raise DisagreementError(
                     f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
                     f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
-                    f"atol={atol:g} + rtol={rtol:g} * |single|.{_HINTS.get(name, '')}"
+                    f"atol={atol:g} + rtol={rtol:g} * |single|.{_PER_DEVICE * (name in _SPLIT)}"
                 )
     return tuple(trails)

@@ -223,10 +223,8 @@ class _Pins:
     def __init__(self, settings: dict, platform: str, n: int, what: str):
         self.settings, self.platform, self.n, self.what = settings, platform, n, what
         self.started_by, self.hooked = None, False
-        env = {"jax_platforms": "JAX_PLATFORMS", "jax_num_cpu_devices": "JAX_NUM_CPU_DEVICES"}
-        for name, value in settings.items():  # read when jax is imported
-            if name in env:
-                os.environ[env[name]] = str(value)
+        for name, value in settings.items():  # JAX_PLATFORMS...: read when jax is imported
+            os.environ[name.upper()] = str(value)
         if "jax" in sys.modules:
             self.apply(None)
         else:  # hook the backend's start as soon as jax is imported, to name who starts it
@@ -243,39 +241,34 @@ class _Pins:
         return spec
 
     def _hook(self, xla_bridge) -> None:
+        """Record who starts the backend: its first ``backends()`` call (jax has no public
+        hook on it; 0.10's private one is gone in 0.12)."""
         if self.hooked:
             return
-        self.hooked = True
-        register = getattr(xla_bridge, "register_backend_initialization_hook", None)
-        if register is not None:  # jax < 0.12
-            register(self._record)
-            return
-        backends = xla_bridge.backends  # jax 0.12 has no hook: the first call starts them
+        self.hooked, backends = True, xla_bridge.backends
 
         def first_call():
-            if not xla_bridge.backends_are_initialized():
-                self._record(None)
+            if self.started_by is None and not xla_bridge.backends_are_initialized():
+                self.started_by = traceback.extract_stack()
             return backends()
 
         xla_bridge.backends = first_call
 
-    def apply(self, where: str | None) -> None:
+    def apply(self, where: str | None) -> bool:
+        """Apply the settings if JAX is imported; ``True``: too late, its backend started."""
         if "jax" not in sys.modules:
-            return
+            return False
         import jax
         from jax._src import xla_bridge  # no public API tells whether the backend started
 
         if xla_bridge.backends_are_initialized():
             if self.started_by is None:
                 self.started_by = f"while pytest imported {where}" if where else "before pytest ran"
-            return
+            return True
         for name, value in self.settings.items():
             jax.config.update(name, value)
         self._hook(xla_bridge)
-
-    def _record(self, backend) -> None:
-        if self.started_by is None:
-            self.started_by = traceback.extract_stack()
+        return False
 
     def check(self) -> str | None:
         """Start the backend; return what is wrong with its devices, or None."""
@@ -331,11 +324,8 @@ class _Controller:
                 self.files.setdefault(key, set()).add(str(item.path))
                 self.next[last.get(key, "")] = item.nodeid
                 last[key] = item.nodeid
-        if _PINS is not None and "jax" in sys.modules:
-            from jax._src import xla_bridge  # no public API tells whether the backend started
-
-            if xla_bridge.backends_are_initialized() and (why := _PINS.check()):
-                raise pytest.UsageError(why)
+        if _PINS is not None and _PINS.apply(None) and (why := _PINS.check()):
+            raise pytest.UsageError(why)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
@@ -410,8 +400,9 @@ class _Controller:
 
     def _close(self, key: tuple) -> None:
         worker = self.workers.pop(key, None)
-        if worker is not None:
-            worker.end()
+        if worker is not None:  # EOF on its commands: it tears its fixtures down and exits
+            with contextlib.suppress(OSError):  # it died: the pipe is broken
+                worker.cmd.close()
             self.ending.append(worker)
 
 
@@ -438,14 +429,10 @@ class _Handle:
     def __init__(self, config, key: tuple, files: list[str], number: int):
         _, platform, n = key
         self.what, self.ready = f"devices={n}" + (", platform='gpu'" * (platform == "gpu")), False
-        pins = {"jax_platforms": "cpu", "jax_num_cpu_devices": n}
-        if platform == "gpu":  # the first n GPUs
-            gpus = ",".join(map(str, range(n)))
-            pins = {"jax_platforms": "cuda", "jax_cuda_visible_devices": gpus}
         (cmd_r, cmd_w), (res_r, res_w) = os.pipe(), os.pipe()
-        orders = dict(pins=pins, platform=platform, count=n, what=f"the worker for {self.what}")
-        orders.update(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
-        env = {**os.environ, ENV: _orders(config, f"{platform}{n}-{number}", orders)}
+        what, name = f"the worker for {self.what}", f"{platform}{n}-{number}"
+        orders = dict(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
+        env = {**os.environ, ENV: _orders(config, name, platform, n, what, orders)}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *config.invocation_params.args, *_TEE],
@@ -479,11 +466,6 @@ class _Handle:
         self.log.seek(0)
         return _quiet(self.log.read().decode(errors="replace"), _TAIL) or "(none)"
 
-    def end(self) -> None:
-        """EOF on its commands: it tears its fixtures down and exits."""
-        with contextlib.suppress(OSError):  # it died: the pipe is broken
-            self.cmd.close()
-
     def wait(self, wait_s: float) -> None:
         """Wait for its exit; kill it after ``wait_s``."""
         if self.res.closed:
@@ -510,10 +492,15 @@ def _quiet(text: str, limit: int) -> str:
     return "\n".join(kept[-limit:])
 
 
-def _orders(config, name: str, orders: dict) -> str:
-    """A worker's orders (JSON), with its parent's pid and a basetemp of its own, ``name``."""
+def _orders(config, name: str, platform: str, n: int, what: str, orders: dict) -> str:
+    """A worker's orders (JSON): JAX's settings for ``n`` devices of ``platform``, its
+    parent's pid and a basetemp of its own, ``name``."""
+    pins = {"jax_platforms": "cpu", "jax_num_cpu_devices": n}
+    if platform == "gpu":  # the first n GPUs
+        pins = {"jax_platforms": "cuda", "jax_cuda_visible_devices": ",".join(map(str, range(n)))}
     factory = getattr(config, "_tmp_path_factory", None)  # pytest's own (as xdist uses it)
     base = None if factory is None else str(factory.getbasetemp() / f"jaxdev-{name}")
+    orders.update(pins=pins, platform=platform, count=n, what=what)
     return json.dumps({**orders, "parent": os.getpid(), "basetemp": base})
 
 
@@ -523,12 +510,12 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
 
     head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
     with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
-        orders = dict(pins={"jax_platforms": "cpu", "jax_num_cpu_devices": m}, platform="cpu")
-        orders.update(count=m, what=f"processes({n}, devices={m})", run=item.nodeid, id="jaxdev-p")
-        orders.update(run_dir=run_dir, files=[str(item.path)], timeout=timeout)
+        orders = dict(run=item.nodeid, id="jaxdev-p", run_dir=run_dir, files=[str(item.path)])
+        orders.update(timeout=timeout)
+        what = f"processes({n}, devices={m})"
         # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
         env = {"JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
-        env[ENV] = _orders(config, os.path.basename(run_dir), orders)
+        env[ENV] = _orders(config, os.path.basename(run_dir), "cpu", m, what, orders)
         out, cmd = io.StringIO(), [sys.executable, "-m", "pytest", *config.invocation_params.args]
         cmd += _TEE
         try:  # the launcher's own timeout is a backstop: start-up, then the test's
