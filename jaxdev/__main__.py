@@ -1,9 +1,4 @@
-"""``python -m jaxdev``: the ``jaxdev`` command without the installed script.
-
-``python -m jaxdev info``, ``python -m jaxdev launch -n 2 -- python train.py``
-and every other subcommand behave as ``jaxdev ...`` does (see
-:func:`jaxdev.cli._cli.main`).
-"""
+"""``python -m jaxdev ...``: the ``jaxdev`` command (every subcommand) without its script."""
 
 import sys
 

@@ -10,6 +10,7 @@ tree, ``replicate``, ``shard_batch`` vs the raw ``jax.device_put``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -170,42 +171,31 @@ for line in sys.stdin:
 """
 
 
-class _Worker:
-    """A child Python process timing matmuls on request (one line in, one time out)."""
+def _worker(one_core: bool) -> subprocess.Popen:
+    """A child Python process timing matmuls on request (one size in, its seconds out)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    return subprocess.Popen(
+        [sys.executable, "-c", _WORKER, "1" if one_core else "all"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
 
-    def __init__(self, one_core: bool):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-        env["JAX_PLATFORMS"] = "cpu"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, "1" if one_core else "all"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
 
-    def time(self, size: int) -> Callable[[], float]:
-        def ask() -> float:
-            self.proc.stdin.write(f"{size}\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-            if not line:
-                raise JaxdevError(f"the benchmark worker exited (code {self.proc.poll()}).")
-            return float(line)
-
-        return ask
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+def _ask(worker: subprocess.Popen, size: int) -> float:
+    worker.stdin.write(f"{size}\n")
+    worker.stdin.flush()
+    line = worker.stdout.readline()
+    if not line:
+        raise JaxdevError(f"the benchmark worker exited (code {worker.poll()}).")
+    return float(line)
 
 
 def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
     """Exercise 1 on a CPU-only host: one core vs every core, in two worker processes."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if not hasattr(os, "sched_setaffinity"):
+    if not hasattr(os, "sched_setaffinity"):  # Linux only, as sched_getaffinity
         return [
             Result(
                 f"ex1_matmul_{size}",
@@ -217,14 +207,15 @@ def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
             )
             for size in sizes
         ]
+    cores = len(os.sched_getaffinity(0))
     every = f"all {cores} cores"
-    workers = {"1 core": _Worker(True), every: _Worker(False)}
-    try:
+    with _worker(True) as one, _worker(False) as all_cores:  # exit: stdin closed, waited for
+        workers = {"1 core": one, every: all_cores}
         return [
             _compared(
                 f"ex1_matmul_{size}",
                 f"d2l ex. 1: matmul {size}x{size}, no accelerator: CPU 1 core vs {cores} cores",
-                {k: w.time(size) for k, w in workers.items()},
+                {k: functools.partial(_ask, w, size) for k, w in workers.items()},
                 reps,
                 {f"1 core / {cores} cores": ("1 core", every)},
                 f"no accelerator here; {cores} cores can give about {cores}x on a large "
@@ -233,18 +224,16 @@ def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
             )
             for size in sizes
         ]
-    finally:
-        for w in workers.values():
-            w.close()
 
 
 # ---------------------------------------------------------------- exercise 3
 
 
-def _norm_step(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _norm_step(x: jax.Array, w: jax.Array, log: Any = None) -> tuple[jax.Array, Any]:
+    """``x @ w`` normalised, and its norm: returned, or recorded into ``log`` (a DeviceLog)."""
     y = x @ w
     norm = jnp.linalg.norm(y)
-    return y / norm, norm
+    return y / norm, (norm if log is None else log.record(norm))
 
 
 def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
@@ -254,16 +243,9 @@ def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
     step = jax.jit(_norm_step)
 
     @jax.jit
-    def step_log(x, w, log):
-        x, norm = _norm_step(x, w)
-        return x, log.record(norm)
-
-    @jax.jit
     def scan_log(x, w, log):
         def body(carry, _):
-            x, log = carry
-            x, norm = _norm_step(x, w)
-            return (x, log.record(norm)), None
+            return _norm_step(carry[0], w, carry[1]), None
 
         return jax.lax.scan(body, (x, log), None, length=steps)[0]
 
@@ -277,7 +259,7 @@ def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
     def device_log():
         x, log = x0, jaxdev.to_device(jaxdev.metrics.DeviceLog.create(steps), dev)
         for _ in range(steps):
-            x, log = step_log(x, w, log)
+            x, log = step(x, w, log)
         return log.fetch()
 
     def device_scan():
@@ -416,11 +398,11 @@ def run_bench(config: BenchConfig, ui: Any) -> list[Result]:
         ("placement", lambda: placement_figures(reps, config.inner)),
     ]
     results: list[Result] = []
-    with ui.progress(len(todo)) as bar:
+    with ui.progress(len(todo)) as advance:
         for label, thunk in todo:
-            bar.advance(0, label)
+            advance(0, label)
             results.extend(thunk())
-            bar.advance(1, label)
+            advance(1, label)
     return results
 
 
@@ -460,21 +442,14 @@ def check_plotting() -> Any:
 def write_plot(path: str, results: Sequence[Result]) -> None:
     """Draw every ratio as a horizontal bar (log scale, 1x marked) into ``path``."""
     plt = check_plotting()
-    labels, values = [], []
-    for r in results:
-        for label, value in r.ratios.items():
-            labels.append(f"{r.key}: {label}")
-            values.append(value)
+    ratios = {f"{r.key}: {label}": v for r in results for label, v in r.ratios.items()}
     host = host_summary()
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(values) + 1.5))
-    y = np.arange(len(values))
-    ax.barh(y, values, color="tab:blue")
-    ax.set_yticks(y, labels)
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(ratios) + 1.5))
+    bars = ax.barh(list(ratios), list(ratios.values()), color="tab:blue")
+    ax.bar_label(bars, fmt=" {:.2f}x")
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.axvline(1.0, color="black", linewidth=1)
-    for yi, v in zip(y, values):
-        ax.text(v, yi, f" {v:.2f}x", va="center")
     ax.set_xlabel("ratio (log scale; the label says which time is divided by which)")
     ax.set_title(
         f"jaxdev bench on {host['platform']} ({host['devices']} devices, "

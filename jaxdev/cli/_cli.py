@@ -17,9 +17,13 @@ import os
 import pkgutil
 import re
 import sys
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 import jaxdev
 from jaxdev import UsageError
@@ -102,63 +106,38 @@ def started_ui(devices: int | None, quiet: bool = False) -> Ui:
 
     note, expected_accel = configure_devices(devices)
     ui = Ui(quiet=quiet)
-    ui.line(note)
+    ui.print(note)
     note = f"JAX started {len(jax.local_devices())} {jax.default_backend()} device(s)"
     if expected_accel and jax.default_backend() == "cpu":
         note += " -- an accelerator was expected but JAX fell back to CPU (see `jaxdev info`)"
-    ui.line(note)
+    ui.print(note)
     return ui
 
 
 # ---------------------------------------------------------------- output
 
 
-class _Bar:
-    """What ``Ui.progress`` yields: ``advance(n, description)``."""
-
-    def __init__(self, progress: Any, task: Any):
-        self._progress, self._task = progress, task
-        self.completed = 0
-
-    def advance(self, n: int, description: str) -> None:
-        self.completed += n
-        self._progress.update(self._task, advance=n, description=description)
-
-
-class Ui:
-    """Human output: lines and sections on stdout, a rich progress bar on stderr."""
+class Ui(Console):
+    """Human output: stdout as rich prints it (nothing when quiet), a progress bar on stderr."""
 
     def __init__(self, quiet: bool = False):
-        from rich.console import Console
-
-        self.quiet = quiet
         wide = None if sys.stdout.isatty() else 160  # rich assumes 80 columns in a pipe
-        self.out = Console(highlight=False, soft_wrap=True, width=wide)
-        self.err = Console(stderr=True)
-
-    def line(self, text: str) -> None:
-        """Print ``text`` (unless quiet)."""
-        if not self.quiet:
-            self.out.print(text, markup=False)
-
-    def section(self, title: str, text: str) -> None:
-        """Print a titled block (unless quiet)."""
-        if not self.quiet:
-            self.out.rule(title)
-            self.out.print(text, markup=False)
+        super().__init__(highlight=False, markup=False, soft_wrap=True, width=wide, quiet=quiet)
 
     @contextlib.contextmanager
-    def progress(self, total: int) -> Iterator[_Bar]:
-        """Show a transient progress bar of ``total`` units while the block runs."""
+    def progress(self, total: int) -> Iterator[Callable[[int, str], None]]:
+        """Show a transient bar of ``total`` units; yield its ``advance(n, description)``."""
         from rich import progress as rp
 
         columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn())
         columns += (rp.TimeElapsedColumn(),)
-        with rp.Progress(*columns, console=self.err, transient=True, disable=self.quiet) as p:
-            yield _Bar(p, p.add_task("starting", total=total))
+        err = Console(stderr=True)
+        with rp.Progress(*columns, console=err, transient=True, disable=self.quiet) as p:
+            task = p.add_task("starting", total=total)
+            yield lambda n, description: p.update(task, advance=n, description=description)
 
 
-# ---------------------------------------------------------------- info
+# ---------------------------------------------------------------- commands
 
 
 def _memory(stats: dict[str, Any] | None) -> str:
@@ -184,8 +163,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2, default=str))
         return 0
-    from rich.table import Table
-
     ui = Ui()
     head = Table(title="jaxdev info", show_header=False)
     head.add_row("jax", data["jax_version"])
@@ -196,19 +173,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in data["requested"].items():
         head.add_row(f"requested {key}", "(not set)" if value in (None, "") else str(value))
     head.add_row("accelerator expected", f"{accel} ({why})")
-    ui.out.print(head)
+    ui.print(head)
     table = Table("id", "platform", "kind", "process", "memory", title="devices")
     for d in data["devices"]:
         table.add_row(
             str(d["id"]), d["platform"], d["kind"], str(d["process_index"]), _memory(d["memory"])
         )
-    ui.out.print(table)
+    ui.print(table)
     for warning in data["warnings"]:
-        ui.out.print(f"warning: {warning}", markup=False, style="bold yellow")
+        ui.print(f"warning: {warning}", style="bold yellow")
     return 0
-
-
-# ---------------------------------------------------------------- memory
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -225,36 +199,32 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- demo
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """``jaxdev demo``: train on digits; exit 1 if ``--min-accuracy`` is missed."""
-    ui = started_ui(args.devices, args.quiet)
-    from ._demo import DemoConfig, run_demo
+    ui = started_ui(vars(args).get("devices"), args.quiet)
+    from ._demo import DemoConfig, params_fingerprint, run_demo
 
-    fields = [f.name for f in dataclasses.fields(DemoConfig)]  # every flag has a field's name
-    config = DemoConfig(**{name: getattr(args, name) for name in fields if hasattr(args, name)})
-    result = run_demo(config, ui)
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}  # every flag has a field's name
+    config = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    start = time.perf_counter()
+    strategy, state, history = run_demo(config, ui)
+    n, accuracy = strategy.n_devices, history[-1].test_accuracy
     print(
-        f"test accuracy: {result.test_accuracy:.4f} ({result.n_devices} "
-        f"{result.platform} device{'s' if result.n_devices > 1 else ''}, {result.strategy}, "
-        f"{result.steps} steps, {result.seconds:.1f} s)",
+        f"test accuracy: {accuracy:.4f} ({n} {strategy.devices[0].platform} "
+        f"device{'s' if n > 1 else ''}, {config.strategy}, {int(state.step)} steps, "
+        f"{time.perf_counter() - start:.1f} s)",
         flush=True,
     )
-    if args.checkpoint_dir is not None:  # resumed or not, the same run gives the same bits
-        print(f"params fingerprint: {result.fingerprint}", flush=True)
-    if args.min_accuracy is not None and result.test_accuracy < args.min_accuracy:
+    if config.checkpoint_dir is not None:  # resumed or not, the same run gives the same bits
+        print(f"params fingerprint: {params_fingerprint(state.params)}", flush=True)
+    if args.min_accuracy is not None and accuracy < args.min_accuracy:
         print(
-            f"jaxdev demo: test accuracy {result.test_accuracy:.4f} is below "
+            f"jaxdev demo: test accuracy {accuracy:.4f} is below "
             f"--min-accuracy {args.min_accuracy}",
             file=sys.stderr,
         )
         return 1
     return 0
-
-
-# ---------------------------------------------------------------- bench
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -273,8 +243,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``jaxdev bench [--quick] [--json PATH] [--plot PATH.png]``."""
     _check_outputs(args)
-    from rich.table import Table
-
     from ._bench import BenchConfig, run_bench, write_json, write_plot
 
     ui = started_ui(args.devices)
@@ -287,13 +255,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         times = "\n".join(f"{k}: {_seconds(v)}" for k, v in r.times.items()) or "-"
         ratios = "\n".join(f"{k} = {v:.2f}x" for k, v in r.ratios.items()) or "-"
         table.add_row(r.title, times, ratios, r.note)
-    ui.out.print(table)
+    ui.print(table)
     if args.json:
         write_json(args.json, results, args.quick)
-        ui.line(f"wrote {args.json}")
+        ui.print(f"wrote {args.json}")
     if args.plot:
         write_plot(args.plot, results)
-        ui.line(f"wrote {args.plot}")
+        ui.print(f"wrote {args.plot}")
     return 0
 
 
@@ -376,44 +344,37 @@ def _add_demo(sub: Any) -> None:
         help="train a Flax MLP on digits over every local device",
         description="Train a Flax MLP on scikit-learn's digits, data parallel over every "
         "local device (8 fake CPU devices when there is no accelerator).",
+        argument_default=argparse.SUPPRESS,  # only the flags given: the defaults are DemoConfig's
     )
     demo.add_argument("--devices", type=_positive, help="number of devices (default: all)")
-    demo.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
-    demo.add_argument("--epochs", type=_positive, default=10)
+    demo.add_argument("--strategy", choices=["single", "pmap", "sharded"])
+    demo.add_argument("--epochs", type=_positive)
     demo.add_argument(
         "--batch-size",
         type=_positive,
-        default=128,
         help="global batch, rounded up to a multiple of the device count",
     )
     demo.add_argument(
-        "--lr",
-        dest="learning_rate",
-        type=float,
-        default=1e-2,
-        help="Adam's initial learning rate (cosine decay)",
+        "--lr", dest="learning_rate", type=float, help="Adam's initial learning rate (cosine decay)"
     )
-    demo.add_argument("--hidden", type=_positive, default=128, help="hidden layer width")
+    demo.add_argument("--hidden", type=_positive, help="hidden layer width")
     demo.add_argument(
         "--steps-per-call",
         type=_positive,
-        default=1,
         metavar="K",
         help="full batches per dispatch (lax.scan); when K does not divide an epoch's full "
         "batches, the rest and the uneven last batch run one step at a time (nothing dropped)",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int)
     demo.add_argument(
         "--params",
         choices=["replicate", "fsdp", "flax"],
-        default=None,
         help="how the sharded step places the params and optimizer state (default: fsdp "
         "when --mesh has an fsdp axis, else replicate); prints the bytes per device",
     )
     demo.add_argument(
         "--mesh",
         type=_mesh_axes,
-        default=None,
         metavar="AXES",
         help="the device mesh of the sharded step, e.g. data=2,fsdp=4 (the batch splits "
         "over every axis but model/tensor)",
@@ -421,14 +382,12 @@ def _add_demo(sub: Any) -> None:
     demo.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        default=None,
         help="save checkpoints in DIR and resume from the latest one there (run again with "
         "the same flags after a crash: the final parameters are bit-identical)",
     )
     demo.add_argument(
         "--checkpoint-every",
         type=_positive,
-        default=None,
         metavar="N",
         help="save every N steps (default: at each epoch's end) and at the end",
     )
@@ -438,13 +397,12 @@ def _add_demo(sub: Any) -> None:
         default=None,
         help="exit 1 when the final test accuracy is lower",
     )
-    demo.add_argument("--quiet", action="store_true", help="print only the final line")
+    demo.add_argument(
+        "--quiet", action="store_true", default=False, help="print only the final line"
+    )
 
 
 _COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "memory": cmd_memory}
-
-
-_USAGE_ERRORS = (UsageError, jaxdev.DeviceNotFoundError, jaxdev.BackendStartedError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -467,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `jaxdev info --json | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except _USAGE_ERRORS as e:
+    except (UsageError, jaxdev.DeviceNotFoundError, jaxdev.BackendStartedError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # a failure, not a user mistake: keep the traceback
@@ -478,7 +436,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

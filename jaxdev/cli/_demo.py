@@ -27,6 +27,7 @@ import jaxdev
 from .._errors import UsageError
 
 N_CLASSES = 10
+_METRICS = {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,20 +64,6 @@ class EpochStats(NamedTuple):
     seconds: float
 
 
-class DemoResult(NamedTuple):
-    """What a demo run produced."""
-
-    test_accuracy: float
-    history: tuple[EpochStats, ...]
-    n_devices: int
-    strategy: str
-    platform: str
-    seconds: float
-    steps: int
-    fingerprint: str = ""
-    resumed_from: int | None = None
-
-
 class MLP(nn.Module):
     """A one-hidden-layer perceptron for 8x8 digits (64 inputs, 10 classes)."""
 
@@ -88,7 +75,7 @@ class MLP(nn.Module):
         return nn.Dense(N_CLASSES)(x)  # Dense_1: the output layer
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- data and model
 
 
 def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
@@ -135,9 +122,6 @@ def group_steps(batches: list[dict], k: int) -> Iterator[tuple[int, dict]]:
         yield 1, b
 
 
-# ---------------------------------------------------------------- model and steps
-
-
 def make_loss(model: MLP) -> Callable:
     """Return ``loss_fn(params, batch) -> (per-example loss, {"accuracy": ...})``."""
 
@@ -150,39 +134,7 @@ def make_loss(model: MLP) -> Callable:
     return loss_fn
 
 
-def make_strategy(config: DemoConfig, devices: list[jax.Device]) -> jaxdev.Strategy:
-    """The :class:`jaxdev.Strategy` ``--strategy`` over ``devices`` (``--params``, ``--mesh``).
-
-    Raises:
-      UsageError: ``--params`` or ``--mesh`` without ``sharded``; a mesh whose sizes do not
-        multiply to the device count.
-    """
-    name = config.strategy
-    if name != "sharded" and (config.params is not None or config.mesh is not None):
-        raise UsageError(
-            f"`--params` and `--mesh` need `--strategy sharded` (got `--strategy {name}`): "
-            "only the sharded step places params by rules."
-        )
-    if name == "single":
-        return jaxdev.Strategy.single(devices[0])
-    if name == "pmap":
-        return jaxdev.Strategy.pmap(devices)
-    try:
-        mesh = jaxdev.make_mesh(dict(config.mesh), devices) if config.mesh else None
-    except jaxdev.ShardingError as err:
-        raise UsageError(f"`--mesh`: {err}") from None
-    mesh = mesh if mesh is not None else jaxdev.data_mesh(devices)
-    params = config.params or ("fsdp" if "fsdp" in mesh.axis_names else "replicate")
-    return jaxdev.Strategy.sharded(mesh, rules=params)
-
-
 # ---------------------------------------------------------------- the run
-
-
-class _Steps(NamedTuple):
-    one: jaxdev.TrainStep
-    many: jaxdev.TrainStep  # ``steps_per_call`` steps per call
-    eval: jaxdev.TrainStep
 
 
 def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, Any]:
@@ -190,9 +142,10 @@ def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, A
 
     Raises:
       UsageError: ``--devices`` asks for more devices than exist (says how to get fake CPU
-        devices), or as :func:`make_strategy`.
+        devices); ``--params`` or ``--mesh`` without ``sharded``; a mesh whose sizes do not
+        multiply to the device count.
     """
-    n = config.devices
+    n, name = config.devices, config.strategy
     try:
         devices = jaxdev.device_list(n)
     except jaxdev.DeviceNotFoundError:
@@ -203,52 +156,28 @@ def _setup(config: DemoConfig) -> tuple[jaxdev.Strategy, dict, dict, int, MLP, A
             f"`JAX_PLATFORMS=cpu jaxdev demo --devices {n}` (from a fresh process: the "
             "device count is fixed once JAX has started)."
         ) from None
-    strategy = make_strategy(config, devices)
+    if name != "sharded" and (config.params is not None or config.mesh is not None):
+        raise UsageError(
+            f"`--params` and `--mesh` need `--strategy sharded` (got `--strategy {name}`): "
+            "only the sharded step places params by rules."
+        )
+    if name == "single":
+        strategy = jaxdev.Strategy.single(devices[0])
+    elif name == "pmap":
+        strategy = jaxdev.Strategy.pmap(devices)
+    else:
+        try:
+            mesh = jaxdev.make_mesh(dict(config.mesh), devices) if config.mesh else None
+        except jaxdev.ShardingError as err:
+            raise UsageError(f"`--mesh`: {err}") from None
+        mesh = mesh if mesh is not None else jaxdev.data_mesh(devices)
+        params = config.params or ("fsdp" if "fsdp" in mesh.axis_names else "replicate")
+        strategy = jaxdev.Strategy.sharded(mesh, rules=params)
     train, test = load_data(config.seed, config.test_fraction)
     batch_size = math.ceil(config.batch_size / strategy.n_devices) * strategy.n_devices
     model = MLP(config.hidden)
     params = model.init(jax.random.key(config.seed), jnp.zeros((1, 64)))["params"]
     return strategy, train, test, batch_size, model, params
-
-
-def _empty_metrics() -> jaxdev.metrics.Collection:
-    return jaxdev.metrics.Collection.empty(
-        {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
-    )
-
-
-def _train_epoch(
-    steps: _Steps,
-    state: jaxdev.TrainState,
-    groups: list[tuple[int, dict]],
-    bar: Any,
-    label: str,
-    show: Any = None,
-    start: tuple[int, jaxdev.metrics.Collection] | None = None,
-    after: Callable[[Any, Any, int], None] | None = None,
-) -> tuple[jaxdev.TrainState, jaxdev.metrics.Collection]:
-    """Run one epoch's steps; return the state and the epoch's metrics (on device).
-
-    The ui ``show`` shows the placement of the params and the last (padded) batch;
-    ``start = (done, metrics)`` resumes inside the epoch; ``after(state, metrics, done)``
-    runs after every call but the last (checkpoints).
-    """
-    done, metrics = start if start is not None else (0, _empty_metrics())
-    pos = 0  # steps of this epoch behind us
-    for i, (count, host_batch) in enumerate(groups):
-        pos += count
-        if pos <= done:
-            continue
-        step = steps.one if count == 1 else steps.many
-        batch = step.put_batch(host_batch)
-        if show is not None and i == len(groups) - 1:
-            show.section("placement of the parameters", str(jaxdev.placement(state.params)))
-            show.section("placement of the last batch of epoch 1", str(jaxdev.placement(batch)))
-        state, metrics = step(state, batch, metrics)
-        bar.advance(count, label)
-        if after is not None and i < len(groups) - 1:
-            after(state, metrics, pos)
-    return state, metrics
 
 
 def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
@@ -264,79 +193,79 @@ def state_bytes_line(state: Any, strategy: jaxdev.Strategy) -> str:
     )
 
 
-def run_demo(config: DemoConfig, ui: Any) -> DemoResult:
-    """Train the MLP as ``config`` says and return the :class:`DemoResult`.
+def run_demo(config: DemoConfig, ui: Any) -> tuple[jaxdev.Strategy, jaxdev.TrainState, list]:
+    """Train the MLP as ``config`` says; return the strategy, the final state, the history.
 
-    ``ui`` has ``line(text)``, ``section(title, text)`` and ``progress(total)`` (a context
-    manager whose value has ``advance(n, description)``).
+    ``ui`` is the command's ``Ui``: a rich ``Console`` with ``progress(total)``. With
+    ``checkpoint_dir``, the run resumes from the latest checkpoint there, mid-epoch too.
 
     Raises:
       UsageError: a strategy its options do not fit, too many devices, scikit-learn missing.
     """
-    start = time.perf_counter()
     strategy, train, test, batch_size, model, params = _setup(config)
     per_epoch = math.ceil(len(train["y"]) / batch_size)
-    ui.line(_describe_setup(config, strategy, batch_size, train, test, per_epoch))
-    tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, config.epochs * per_epoch))
-    loss_fn, k = make_loss(model), config.steps_per_call
-    steps = _Steps(
-        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True),
-        jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=k),
-        jaxdev.make_eval_step(loss_fn, strategy, has_aux=True),
-    )
-    state = steps.one.init_state(params, tx)
+    total, k = config.epochs * per_epoch, config.steps_per_call
+    ui.print(_describe_setup(config, strategy, batch_size, train, test, per_epoch))
+    tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, total))
+    loss_fn = make_loss(model)
+    steps = {  # by the steps a call runs: 1, and K full batches stacked
+        n: jaxdev.make_train_step(loss_fn, tx, strategy, has_aux=True, steps_per_call=n)
+        for n in {1, k}
+    }
+    evaluate = jaxdev.make_eval_step(loss_fn, strategy, has_aux=True)
+    state = steps[1].init_state(params, tx)
     if not strategy.replicated:
-        ui.line(state_bytes_line(state, strategy))
-    test_batch = steps.eval.put_batch(test)
-    ckpt = None
+        ui.print(state_bytes_line(state, strategy))
+    test_batch = evaluate.put_batch(test)
+    ckpt, history, resumed, metrics = None, [], 0, None
     if config.checkpoint_dir is not None:
         every = config.checkpoint_every or per_epoch
         ckpt = jaxdev.Checkpointer(config.checkpoint_dir, keep=2, every=every)
-    state, history, resumed, partial = _resume(ckpt, state, per_epoch, ui)
-    total = config.epochs * per_epoch
-    with ui.progress(total) as bar:
+        resumed = ckpt.latest_step() or 0
         if resumed:
-            bar.advance(min(resumed, total), "resumed")
+            state = ckpt.restore(state, resumed)  # like the fresh state: same placement
+            saved = ckpt.restore_metrics(step=resumed)
+            history, metrics = list(saved["history"]), saved["epoch"]
+            ui.print(f"resumed from the checkpoint of step {resumed} in {ckpt.directory}")
+    with ui.progress(total) as advance:
+        if resumed:
+            advance(min(resumed, total), "resumed")
         for epoch in range(resumed // per_epoch + 1, config.epochs + 1):
-            t0 = time.perf_counter()
-            batches = epoch_batches(train, batch_size, np.random.default_rng((config.seed, epoch)))
-            groups = list(group_steps(batches, config.steps_per_call))
-            show = ui if epoch == 1 and partial is None else None
-            label = f"epoch {epoch}/{config.epochs}"
-
-            def after(s: Any, m: Any, done: int, base: int = (epoch - 1) * per_epoch) -> None:
-                ckpt.save(base + done, s, {"epoch": m, "history": history})  # type: ignore[union-attr]
-
-            saver = after if ckpt is not None else None
-            state, metrics = _train_epoch(steps, state, groups, bar, label, show, partial, saver)
-            partial = None
-            both = {"train": metrics, "test": steps.eval(state, test_batch)}
-            got = jaxdev.metrics.fetch_metrics(both)  # one device_get per epoch
+            t0, pos = time.perf_counter(), (epoch - 1) * per_epoch  # steps behind us
+            rng = np.random.default_rng((config.seed, epoch))
+            groups = list(group_steps(epoch_batches(train, batch_size, rng), k))
+            if pos >= resumed:  # else: resumed inside this epoch, with its saved metrics
+                metrics = jaxdev.metrics.Collection.empty(_METRICS)
+            for i, (count, host_batch) in enumerate(groups):
+                pos += count
+                if pos <= resumed:
+                    continue
+                batch = steps[count].put_batch(host_batch)
+                if epoch == 1 and not resumed and i == len(groups) - 1:
+                    ui.rule("placement of the parameters")
+                    ui.print(str(jaxdev.placement(state.params)))
+                    ui.rule("placement of the last batch of epoch 1")
+                    ui.print(str(jaxdev.placement(batch)))
+                state, metrics = steps[count](state, batch, metrics)
+                advance(count, f"epoch {epoch}/{config.epochs}")
+                if ckpt is not None and i < len(groups) - 1:
+                    ckpt.save(pos, state, {"epoch": metrics, "history": history})
+            got = jaxdev.metrics.fetch_metrics(
+                {"train": metrics, "test": evaluate(state, test_batch)}
+            )
             losses = (got[s][m] for s in ("train", "test") for m in ("loss", "accuracy"))
             s = EpochStats(epoch, *losses, time.perf_counter() - t0)
             history.append(s)
-            ui.line(
+            ui.print(
                 f"epoch {s.epoch:>3}/{config.epochs}  train loss {s.train_loss:.4f}  "
                 f"train acc {s.train_accuracy:.4f}  test loss {s.test_loss:.4f}  "
                 f"test acc {s.test_accuracy:.4f}  ({s.seconds:.2f} s)"
             )
-            if ckpt is not None:
-                after(state, metrics, per_epoch)
+            if ckpt is not None:  # the end is saved whatever `every` says
+                ckpt.save(pos, state, {"epoch": metrics, "history": history}, force=pos == total)
     if ckpt is not None:
-        if resumed < total:  # else the run resumed at its end: that step is saved
-            ckpt.save(total, state, {"epoch": _empty_metrics(), "history": history}, force=True)
         ckpt.close()
-    return DemoResult(
-        history[-1].test_accuracy,
-        tuple(history),
-        strategy.n_devices,
-        config.strategy,
-        strategy.devices[0].platform,
-        time.perf_counter() - start,
-        int(jax.device_get(state.step)),
-        params_fingerprint(state.params),
-        resumed or None,
-    )
+    return strategy, state, history
 
 
 def memory_demo(config: DemoConfig, steps: int = 3) -> jaxdev.memory.MemoryLedger:
@@ -366,18 +295,6 @@ def params_fingerprint(params: Any) -> str:
         h.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()[:16]
-
-
-def _resume(ckpt: jaxdev.Checkpointer | None, state: Any, per_epoch: int, ui: Any):
-    """``(state, history, step, partial)`` from the latest checkpoint, or the fresh start."""
-    if ckpt is None or ckpt.latest_step() is None:
-        return state, [], 0, None
-    step = ckpt.latest_step()
-    state = ckpt.restore(state, step)  # like the fresh state: same placement
-    saved = ckpt.restore_metrics(step=step)
-    ui.line(f"resumed from the checkpoint of step {step} in {ckpt.directory}")
-    done = step % per_epoch
-    return state, list(saved["history"]), step, (done, saved["epoch"]) if done else None
 
 
 def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str:

@@ -9,6 +9,7 @@ pending asynchronous checkpoint writes), as a preempted node would die.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,14 +19,23 @@ from jaxdev.cli import _cli
 
 def main() -> int:
     kill_at = int(sys.argv[1])
-    advance = _cli._Bar.advance
+    progress = _cli.Ui.progress
 
-    def advance_then_die(self, n, description):
-        advance(self, n, description)
-        if kill_at and self.completed >= kill_at and description != "resumed":
-            os.kill(os.getpid(), signal.SIGKILL)
+    @contextlib.contextmanager
+    def progress_then_die(self, total):
+        completed = 0
+        with progress(self, total) as advance:
 
-    _cli._Bar.advance = advance_then_die
+            def advance_then_die(n, description):
+                nonlocal completed
+                advance(n, description)
+                completed += n
+                if kill_at and completed >= kill_at and description != "resumed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            yield advance_then_die
+
+    _cli.Ui.progress = progress_then_die
     return _cli.main(["demo", *sys.argv[2:]])
 
 
