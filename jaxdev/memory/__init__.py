@@ -8,7 +8,7 @@ their result types, and the explanation of an out-of-memory error.
 Imports the core only (``jaxdev._*``). The names after ``__all__`` are the
 interface the train and checkpoint subsystems use: a step is taken as its
 description (:class:`StepSpec`, which train builds), its strategy asked for
-layouts through the methods :class:`StrategyLike` names.
+every layout.
 
 Example:
   >>> import jax.numpy as jnp, jaxdev
@@ -43,4 +43,4 @@ from ._explain import OPTIONS, check_step_memory, explain_memory, oom_error, sta
 from ._offload import check_offload, offloaded, streamed
 from ._oom import explained_oom, is_resource_exhausted, plan_lines
 from ._plan import resolve_limit
-from ._spec import StepSpec, StrategyLike
+from ._spec import StepSpec

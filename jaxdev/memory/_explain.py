@@ -224,11 +224,10 @@ def memory_options(
 
 def check_options(options: Any) -> tuple[str, ...]:
     """``options`` as a tuple of names of :data:`OPTIONS` (one name alone is allowed)."""
-    names = (options,) if isinstance(options, str) else options
     try:
-        names = tuple(names)
-    except TypeError:
-        names = (names,)
+        names = (options,) if isinstance(options, str) else tuple(options)
+    except TypeError:  # not a sequence: refused below
+        names = (options,)
     if any(n not in OPTIONS for n in names):
         raise UsageError(
             f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
@@ -367,8 +366,7 @@ def explain_memory(
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
     start, compiles = time.perf_counter(), int(plan_ is None)
-    shapes = state_shapes(state)
-    batch_shapes = state_shapes(batch)
+    shapes, batch_shapes = state_shapes(state), state_shapes(batch)
     if plan_ is None:
         lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
         plan_ = step_plan(spec, shapes, batch_shapes, lowered)
@@ -617,7 +615,8 @@ def fit_memory(
             unit = v.spec.accumulate  # 1 for an eval step
             if unit > max_batch_size or not search.fits(v, unit):
                 err = search.errors.get((v.change, unit))
-                if v.spec is spec and err is not None and not _memory_error(err):
+                memory = isinstance(err, MemoryPlanError) or is_resource_exhausted(err)
+                if v.spec is spec and err is not None and not memory:
                     raise err  # the step itself does not compile: not a question of memory
                 continue
             b, capped = search.largest(v, unit, max_batch_size)
@@ -633,10 +632,6 @@ def fit_memory(
         "the limit if it is wrong."
     )
     raise MemoryPlanError("\n".join([head, *_table(tuple(search.tried.values()))]))
-
-
-def _memory_error(err: BaseException) -> bool:
-    return isinstance(err, MemoryPlanError) or is_resource_exhausted(err)
 
 
 def _candidates(spec: StepSpec, state: Any) -> Iterator[Variant]:

@@ -21,6 +21,7 @@ from .._asserts import HOST_KINDS
 from .._errors import UsageError, device_name
 from .._leaves import is_jax_array, is_prng_key
 from .._report import human_bytes, text_table
+from .._rules import is_train_state
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
 _LABELS = {
@@ -247,27 +248,12 @@ def _like(x: jax.Array, leaves: list | None) -> str | None:
 
 
 def _named_leaves(name: str, tree: Any):
-    """``(path, leaf, category)`` of every leaf of a named tree."""
-    fields = _state_fields(tree)
-    if fields is None:  # a tree named params or batch is that category
-        subtrees = [(name, tree, name if name in ("params", "batch") else "other")]
-    else:  # a state's params, opt_state and model_state fields are theirs
-        own = lambda f: f if f in CATEGORIES[:3] else "other"  # noqa: E731
-        subtrees = [(f"{name}.{f}", getattr(tree, f), own(f)) for f in fields]
-    for prefix, sub, category in subtrees:
-        for keys, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]:
-            yield f"{prefix}{jax.tree_util.keystr(keys)}", leaf, category
-
-
-def _state_fields(tree: Any) -> list[str] | None:
-    """The fields of a train state (jaxdev's NamedTuple or flax's dataclass), else None."""
-    if not all(hasattr(tree, f) for f in ("step", "params", "opt_state")):
-        return None
-    if hasattr(tree, "_fields"):
-        return list(tree._fields)
-    if dataclasses.is_dataclass(tree):
-        return [f.name for f in dataclasses.fields(tree) if f.metadata.get("pytree_node", True)]
-    return ["step", "params", "opt_state"]
+    """``(path, leaf, category)`` of every leaf of a named tree (a train state's by field)."""
+    state = is_train_state(tree)  # its fields: params, opt_state, model_state, else other
+    own = CATEGORIES[:3] if state else ("params", "batch")  # a tree named so: that category
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        part = getattr(keys[0], "name", None) if state else name
+        yield f"{name}{jax.tree_util.keystr(keys)}", leaf, part if part in own else "other"
 
 
 def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:

@@ -31,10 +31,6 @@ def check_offload(offload: Any, devices: Any = ()) -> tuple[str, ...]:
     Raises:
       UsageError: a field other than ``'params'`` / ``'opt_state'``, or devices without
         ``pinned_host`` memory.
-
-    Example:
-      >>> check_offload("opt_state"), check_offload(["opt_state", "params"]), check_offload(None)
-      (('opt_state',), ('opt_state', 'params'), ())
     """
     if offload is None:
         return ()
@@ -63,13 +59,6 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     """``layout`` (shardings of ``state``) with ``fields`` moved to ``pinned_host`` memory.
 
     A bare params tree (an eval step's) moves whole when ``'params'`` is offloaded.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxdev
-      >>> state = jaxdev.TrainState.create({"w": jnp.ones(8)}, optax.sgd(0.1, momentum=0.9))
-      >>> host = offloaded(jaxdev.param_shardings(state, jaxdev.data_mesh()), state, ("opt_state",))
-      >>> host.params["w"].memory_kind, host.opt_state[0].trace["w"].memory_kind
-      ('device', 'pinned_host')
     """
     if not fields or layout is None:
         return layout
@@ -85,15 +74,7 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
 
 
 def kept_host(layout: Any, state: Any) -> Any:
-    """``layout`` with the leaves of ``state`` that already live in host memory kept there.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jaxdev
-      >>> mesh = jaxdev.data_mesh()
-      >>> host = jax.device_put(jnp.ones(8), jaxdev.as_sharding(mesh).with_memory_kind(HOST))
-      >>> kept_host(jaxdev.param_shardings({"w": host}, mesh), {"w": host})["w"].memory_kind
-      'pinned_host'
-    """
+    """``layout`` with the leaves of ``state`` that already live in host memory kept there."""
     shardings, treedef = jax.tree.flatten(layout, is_leaf=lambda x: isinstance(x, Sharding))
     leaves = jax.tree.leaves(state)
     if len(shardings) != len(leaves):

@@ -28,7 +28,7 @@ from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host
-from ._spec import Described, StepSpec, StrategyLike, spec_of
+from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
@@ -289,8 +289,18 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
         # the rows split as jaxdev.shard_batch splits them
         batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
     else:  # the step's layout: the fields it keeps in host memory count there
-        strategy = spec.strategy
-        mesh, rules = _check_step(mesh, rules, strategy)
+        strategy, leave = spec.strategy, "when passing `step` (the plan uses the step's)."
+        if mesh is not None and check_mesh(mesh) != strategy.mesh:
+            raise UsageError(
+                f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
+                f"leave `mesh` out {leave}"
+            )
+        if not _same_rules(rules, strategy.rules) and not _same_rules(rules, "replicate"):
+            raise UsageError(
+                f"`rules`={short(rules, 80)} differ from the step's params rules "
+                f"{short(strategy.rules, 80)}; leave `rules` out {leave}"
+            )
+        mesh, rules = strategy.mesh, strategy.rules
         shardings = strategy.state_layout(state_or_shapes, **options)
         options = {**strategy.options, **options}
         batch_spec = functools.partial(strategy.batch_spec, spec.steps_per_call, spec.accumulate)
@@ -300,22 +310,6 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
     inputs = _Inputs(state, batch, batch_spec, dict(options))
     host = host if any(host.values()) else {}
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
-
-
-def _check_step(mesh: Any, rules: Any, strategy: StrategyLike) -> tuple[Mesh, Any]:
-    """The step's mesh and rules; a ``mesh`` or ``rules`` given besides them must agree."""
-    if mesh is not None and check_mesh(mesh) != strategy.mesh:
-        raise UsageError(
-            f"`mesh` {dict(mesh.shape)} is not the step's mesh {dict(strategy.mesh.shape)}; "
-            "leave `mesh` out when passing `step` (the plan uses the step's)."
-        )
-    own = strategy.rules
-    if not _same_rules(rules, own) and not _same_rules(rules, "replicate"):
-        raise UsageError(
-            f"`rules`={short(rules, 80)} differ from the step's params rules {short(own, 80)}; "
-            "leave `rules` out when passing `step` (the plan uses the step's)."
-        )
-    return strategy.mesh, own
 
 
 def _same_rules(a: Any, b: Any) -> bool:

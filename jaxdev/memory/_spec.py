@@ -6,44 +6,24 @@ modules change, lower and ask them for layouts without importing it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-
 from .._errors import UsageError
-
-
-class StrategyLike(Protocol):
-    """What the memory modules ask of a strategy (``jaxdev.Strategy`` is one)."""
-
-    devices: tuple[Any, ...]
-    mesh: Mesh
-    rules: Any
-    shard_map: bool
-    offload: tuple[str, ...]
-    options: dict[str, Any]  # a property of jaxdev.Strategy, as is n_devices
-    n_devices: int
-
-    def replace(self, **changes: Any) -> StrategyLike: ...
-    def state_layout(self, state: Any, **options: Any) -> Any: ...
-    def batch_spec(self, k: int = 1, m: int = 1, ndim: int | None = None) -> P: ...
-    def batch_shape(self, rows: int, k: int = 1, m: int = 1) -> tuple[int, ...]: ...
-    def mesh_context(self) -> contextlib.AbstractContextManager: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """A train or eval step, described: what the memory modules take.
 
-    ``config`` holds the ``loss_fn`` contract and options (``accumulate``, ``remat``);
-    ``build(spec)`` gives the step back (the train subsystem's factory).
+    ``strategy`` is a ``jaxdev.Strategy``: its methods give every layout (``state_layout``,
+    ``batch_spec``, ``batch_shape``) and changed copies (``replace``). ``config`` holds
+    the ``loss_fn`` contract and options (``accumulate``, ``remat``); ``build(spec)``
+    gives the step back (the train subsystem's factory).
     """
 
-    strategy: StrategyLike
+    strategy: Any  # memory does not import train
     config: Any
     steps_per_call: int = 1
     donate: bool = False
@@ -63,7 +43,7 @@ class StepSpec:
         """What needs the memory, for messages: ``'the train step'`` or ``'the eval step'``."""
         return f"the {'train' if self.train else 'eval'} step"
 
-    def replace(self, strategy: StrategyLike | None = None, **config: Any) -> StepSpec:
+    def replace(self, strategy: Any = None, **config: Any) -> StepSpec:
         """This step with another strategy or options (``accumulate``, ``remat``), no budget."""
         cfg = dataclasses.replace(self.config, **config) if config else self.config
         return dataclasses.replace(
