@@ -1,15 +1,9 @@
 """jaxdev's pytest plugin: one test on several device counts, or as several JAX processes.
 
-Inert unless asked (README, "Testing your own code"). ``devices(1, 2, 8)``:
-one worker process per count, as in pytest-xdist a pytest session of its own
-that collects the same files, runs the items it is sent and reports pytest's
-own reports back over a pipe; reused, replaced when it dies or a test leaves
-threads behind. ``processes(n, devices=m)``: ``jaxdev.distributed.launch``
-of ``n`` such sessions, each running the one test after
-``jaxdev.distributed.initialize``. ``--jaxdev-devices N``: this process's
-count, re-applied after each conftest. Only the standard library and pytest
-are imported at start-up (``_jaxdev_pytest`` loads this file without
-``import jaxdev``).
+What it does: README, "Testing your own code". A worker is a pytest session of its own
+(as pytest-xdist's) that reports pytest's own reports back, over a pipe or, under
+``jaxdev.distributed.launch``, in a file per process. Only the standard library and
+pytest are imported at start-up (``_jaxdev_pytest`` loads this file without ``import jaxdev``).
 """
 
 from __future__ import annotations
@@ -129,8 +123,7 @@ def pytest_cmdline_main(config):
 
 def pytest_generate_tests(metafunc):
     mark = metafunc.definition.get_closest_marker("devices")
-    counts = None if mark is None else _counts(mark)
-    if isinstance(counts, list):
+    if mark is not None and isinstance(counts := _counts(mark), list):
         if "jaxdev_devices" not in metafunc.fixturenames:
             metafunc.fixturenames.append("jaxdev_devices")
         ids = [f"devices={n}" for n in counts]
@@ -282,22 +275,18 @@ class _Pins:
             return f"{self.what} asks for {self.n} {self.platform} device(s); JAX has none ({why})."
         if have == self.n:
             return None
+        at = self.started_by or ""
+        if isinstance(at, list):  # a stack: the innermost user frame
+            from jaxdev.distributed import is_user_file
+
+            user = [f for f in at if is_user_file(f.filename) and f.filename != __file__]
+            at = f"at {user[-1].filename}:{user[-1].lineno}: `{user[-1].line}`" if user else ""
         return (
             f"{self.what} asks JAX for {self.n} {self.platform} device(s), but its backend "
-            f"already started with {have} {_call(self.started_by)}. Fix: nothing may touch a "
+            f"already started with {have} {at}. Fix: nothing may touch a "
             "device (jax.devices(), an array, device_put) at import of a conftest or test "
             "module: move that call into a fixture or the test."
         )
-
-
-def _call(started_by) -> str:
-    """The user's call that started JAX's backend (innermost frame outside libraries)."""
-    if not isinstance(started_by, list):
-        return started_by or ""
-    from jaxdev.distributed import is_user_file as _is_user_file
-
-    frames = [f for f in started_by if _is_user_file(f.filename) and f.filename != __file__]
-    return f"at {frames[-1].filename}:{frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
 
 
 # ------------------------------------------------------------- controller
@@ -528,8 +517,16 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
     for when in ("setup", "call", "teardown"):
         got = [next((r for r in reports if r.when == when), None) for reports in per]
         failed = [(i, r) for i, r in enumerate(got) if r is not None and r.failed]
-        if failed:
-            return [*done, _name_process(failed[0][1], f"process {failed[0][0]} of {n}", tail)]
+        if failed:  # named in its crash line, with a section of every process's output
+            who, report = f"process {failed[0][0]} of {n}", failed[0][1]
+            longrepr = report.longrepr
+            if hasattr(longrepr, "addsection"):
+                if getattr(longrepr, "reprcrash", None) is not None:
+                    longrepr.reprcrash.message = f"{who}: {longrepr.reprcrash.message}"
+                longrepr.addsection(f"{who} failed; the processes' output", tail)
+            else:
+                report.longrepr = f"{who} failed:\n{longrepr}\n\nThe processes' output:\n{tail}"
+            return [*done, report]
         if None not in got:
             done.append(got[0])
         elif rc != 0 or any(got):
@@ -548,18 +545,6 @@ def _read(config, path: str) -> list:
             return [_report(config, json.loads(line)["report"]) for line in f]
     except FileNotFoundError:
         return []
-
-
-def _name_process(report, who: str, output: str):
-    """Name the failing process in a report: its crash line and a section with every output."""
-    longrepr = report.longrepr
-    if hasattr(longrepr, "addsection"):
-        if getattr(longrepr, "reprcrash", None) is not None:
-            longrepr.reprcrash.message = f"{who}: {longrepr.reprcrash.message}"
-        longrepr.addsection(f"{who} failed; the processes' output", output)
-    else:
-        report.longrepr = f"{who} failed:\n{longrepr}\n\nThe processes' output:\n{output}"
-    return report
 
 
 # ----------------------------------------------------------- worker side
@@ -617,8 +602,19 @@ class _Worker:
         self.out = open(os.path.join(_WORKER["run_dir"], f"p{jax.process_index()}.jsonl"), "w")
         if item is None:
             print(self._missing(_WORKER["run"]), file=_STDERR)
-        else:
-            _end_after(_WORKER["timeout"], f"{item.nodeid} in process {jax.process_index()}")
+        else:  # at the timeout each process still running prints its stacks (faulthandler:
+            # even with the GIL held; all at about the same time), and ends 2 s later
+            seconds, what = _WORKER["timeout"], f"{item.nodeid} in process {jax.process_index()}"
+            why = (
+                f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
+                "above); ending it."
+            )
+            faulthandler.dump_traceback_later(seconds, file=_STDERR)
+            end = threading.Timer(
+                seconds + 2, lambda: (print(why, file=_STDERR, flush=True), os._exit(1))
+            )
+            end.daemon = True
+            end.start()
             item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
         self.out.close()
         if item is None or session.testsfailed:  # the others may wait for this one forever
@@ -642,8 +638,13 @@ class _Worker:
     def pytest_runtest_teardown(self, item, nextitem):
         result = yield
         before, self.before = self.before, None
-        left = [] if before is None else _left_running(before)
-        if left:
+        new = [] if before is None else [t for t in threading.enumerate() if t not in before]
+        if new:  # still alive after a collection (a Prefetcher nobody holds closes) and 1 s
+            gc.collect()
+            deadline = time.monotonic() + 1.0
+            for t in new:
+                t.join(max(0.0, deadline - time.monotonic()))
+        if left := [t for t in new if t.is_alive()]:
             self.tainted = True
             names = ", ".join(repr(t.name) for t in left)
             hint = (
@@ -666,36 +667,3 @@ class _Quiet(TerminalReporter):
     imports hypothesis for its summary: seconds where bytecode is not cached)."""
 
     pytest_sessionfinish = None
-
-
-def _end_after(seconds: float, what: str) -> None:
-    """Print every thread's stack after ``seconds`` (even with the GIL held); exit 2 s later.
-
-    Each process of a ``processes`` test arms it when the test starts, so
-    every one still running prints its stacks at about the same time.
-    """
-
-    def end():
-        print(
-            f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
-            "above); ending it.",
-            file=_STDERR,
-            flush=True,
-        )
-        os._exit(1)
-
-    faulthandler.dump_traceback_later(seconds, file=_STDERR)
-    timer = threading.Timer(seconds + 2, end)
-    timer.daemon = True
-    timer.start()
-
-
-def _left_running(before: set) -> list:
-    """Threads started since ``before`` still alive after a collection and up to 1 s."""
-    new = [t for t in threading.enumerate() if t not in before]
-    if new:
-        gc.collect()  # a Prefetcher nobody holds closes itself
-        deadline = time.monotonic() + 1.0
-        for t in new:
-            t.join(max(0.0, deadline - time.monotonic()))
-    return [t for t in new if t.is_alive()]
