@@ -1,13 +1,9 @@
 """Cross-process checks for multi-process JAX: global batches, same values.
 
-``jax.make_array_from_process_local_data`` silently builds a wrong global array when
-local batches differ; these functions first exchange a small description of each
-process's data and raise naming the leaves and processes that differ
-(:class:`~jaxdev.DistributedError` for shapes/dtypes, ``PlacementAssertionError`` for
-values). The exchange goes through the coordinator's key-value store, so every wait has
-a deadline and a process that never arrives is named (a collective would block
-forever); without a coordinator client a digest goes through ``process_allgather``.
-With one process nothing is exchanged.
+Each process's description of its data goes through the coordinator's key-value store,
+so every wait has a deadline and a process that never arrives is named (a collective
+would block forever); without a coordinator client a digest goes through
+``process_allgather``. With one process nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -35,11 +31,7 @@ _ROUNDS: dict[str, itertools.count] = {}
 
 
 def default_timeout_s() -> float:
-    """Return the cross-process wait limit: ``$JAXDEV_SYNC_TIMEOUT`` or 300 s.
-
-    Raises:
-      DistributedError: ``JAXDEV_SYNC_TIMEOUT`` is not a positive number.
-    """
+    """Return the cross-process wait limit: ``$JAXDEV_SYNC_TIMEOUT`` or 300 s."""
     raw = os.environ.get(TIMEOUT_ENV)
     try:
         value = DEFAULT_TIMEOUT_S if raw is None else float(raw)
@@ -63,10 +55,7 @@ def kv_client():
 
 
 def _publish_and_read(client, tag: str, value: str, timeout_s: float):
-    """Publish ``value`` in ``tag``'s next round; return ``(values read, processes missing)``.
-
-    The values stop at the first process that did not publish within ``timeout_s``.
-    """
+    """Publish ``value`` in ``tag``'s next round; return ``(values read, processes missing)``."""
     me, n = jax.process_index(), jax.process_count()
     rnd = next(_ROUNDS.setdefault(tag, itertools.count()))  # this call's number for `tag`
     key = f"{_KEY_PREFIX}/{tag}/{rnd}/"
@@ -78,7 +67,8 @@ def _publish_and_read(client, tag: str, value: str, timeout_s: float):
         try:
             out.append(client.blocking_key_value_get(f"{key}{p}", remaining_ms))
         except Exception:  # noqa: BLE001 - XlaRuntimeError: DEADLINE_EXCEEDED
-            return out, _missing(client, key, n)
+            arrived = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(key)}
+            return out, [q for q in range(n) if str(q) not in arrived]
     if rnd > 0:  # everyone published round `rnd`, so all have read `rnd - 1`
         client.key_value_delete(f"{_KEY_PREFIX}/{tag}/{rnd - 1}/{me}")
     return out, []
@@ -87,25 +77,12 @@ def _publish_and_read(client, tag: str, value: str, timeout_s: float):
 def barrier(tag: str, timeout_s: float) -> list[int]:
     """Mark this process as arrived at ``tag``; wait up to ``timeout_s``; return the late ones.
 
-    Never raises for a missing process: the caller says what it is likely doing. Every
-    process calls it with the same ``tag`` in the same order; empty with one process or
-    without a coordinator client.
+    Never raises for a missing process: the caller says what it is likely doing.
     """
     client = kv_client() if jax.process_count() > 1 else None
     if client is None:
         return []
     return _publish_and_read(client, f"barrier/{tag}", "arrived", timeout_s)[1]
-
-
-def _missing(client, key: str, n: int) -> list[int]:
-    """Return the processes whose key under ``key`` is not set."""
-    missing = []
-    for p in range(n):
-        try:
-            client.key_value_try_get(f"{key}{p}")
-        except Exception:  # noqa: BLE001 - NOT_FOUND
-            missing.append(p)
-    return missing
 
 
 def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str]:
@@ -147,26 +124,20 @@ def group_processes(values: Sequence[Any]) -> dict[Any, list[int]]:
     return groups
 
 
-def describe_groups(values: Sequence[Any], show: Callable[[Any], str] = str) -> str:
-    """Render per-process ``values`` by group: ``'process 0, 2: a; process 1: b'``.
-
-    Example:
-      >>> describe_groups(["a", "b", "a"], show=str.upper)
-      'process 0, 2: A; process 1: B'
-    """
-    groups = group_processes(values).items()
-    return "; ".join(f"process {', '.join(map(str, ids))}: {show(v)}" for v, ids in groups)
-
-
 def compare_leaf_tables(tables: Sequence[dict[str, str]]) -> list[str]:
     """One line per leaf whose value differs between the per-process ``{path: value}`` tables.
 
     Example:
-      >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}])
-      ["['x']: process 0: (4,); process 1: (6,)"]
+      >>> compare_leaf_tables([{"['x']": "(4,)"}, {"['x']": "(6,)"}, {"['x']": "(4,)"}])
+      ["['x']: process 0, 2: (4,); process 1: (6,)"]
     """
-    by_path = {p: [t.get(p, "<missing>") for t in tables] for p in sorted(set().union(*tables))}
-    return [f"{p}: {describe_groups(v)}" for p, v in by_path.items() if len(set(v)) > 1]
+    lines = []
+    for path in sorted(set().union(*tables)):
+        groups = group_processes([t.get(path, "<missing>") for t in tables]).items()
+        if len(groups) > 1:
+            by_value = (f"process {', '.join(map(str, ids))}: {v}" for v, ids in groups)
+            lines.append(f"{path}: {'; '.join(by_value)}")
+    return lines
 
 
 def _differences(tag: str, tree: Any, describe: Callable, timeout_s: float | None) -> list[str]:
@@ -191,16 +162,15 @@ def shape_dtype(leaf: Any) -> str:
     return f"{tuple(np.shape(leaf))} {np.result_type(leaf) if dtype is None else dtype}"
 
 
-def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) -> None:
-    """Check every process brings the same local shape and dtype per leaf.
+def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None = None) -> Any:
+    """``jax.make_array_from_process_local_data`` after checking every process's shapes match.
 
     Raises:
-      DistributedError: shapes, dtypes or structure differ (each leaf and process named),
-        or a process never arrived.
+      DistributedError: processes brought different local shapes, dtypes or structure
+        (each leaf and process named), or one never arrived.
     """
-    if jax.process_count() == 1:
-        return
-    failures = _differences("shard_batch", local_batch, shape_dtype, timeout_s)
+    n = jax.process_count()
+    failures = _differences("shard_batch", local_batch, shape_dtype, timeout_s) if n > 1 else []
     if failures:
         raise DistributedError(
             join_failures(
@@ -212,19 +182,6 @@ def check_same_local_shapes(local_batch: Any, timeout_s: float | None = None) ->
             + "\nFix: give every process the same local batch size and dtypes (drop or pad "
             "the remainder, e.g. pad and carry a validity mask)."
         )
-
-
-def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None = None) -> Any:
-    """Build global arrays from each process's local batch, after checking shapes match.
-
-    The global leading size is the sum of the local ones
-    (``jax.make_array_from_process_local_data``).
-
-    Raises:
-      DistributedError: processes brought different local shapes or dtypes, or one
-        never arrived.
-    """
-    check_same_local_shapes(local_batch, timeout_s)
     return jax.make_array_from_process_local_data(sharding, local_batch)
 
 

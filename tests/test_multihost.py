@@ -169,7 +169,7 @@ def test_typed_prng_keys_pass_every_cross_process_description(monkeypatch, impl)
     monkeypatch.setattr(_multihost, "exchange", echo)
     monkeypatch.setattr(_fingerprint, "exchange", echo)
     monkeypatch.setattr(_fingerprint, "spans_processes", lambda *a: True)
-    _multihost.check_same_local_shapes({"k": keys})  # the batch check
+    assert _multihost._differences("b", {"k": keys}, _multihost.shape_dtype, None) == []  # batch
     jaxdev.distributed.assert_same_across_processes({"k": keys, "one": keys[0]})
     assert jaxdev.distributed.check_same_program(jax.jit(jax.random.key_data), keys)
     assert len(sent) == 3 and all(f"(8,) {kind}" in p for p in sent)
@@ -186,7 +186,8 @@ def test_single_process_checks_skip_the_exchange(monkeypatch, devices):
 
     monkeypatch.setattr(_multihost, "kv_client", no_client)
     assert _multihost.exchange("t", "payload") == ["payload"]
-    _multihost.check_same_local_shapes({"x": np.zeros(3)})
+    sharding = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+    assert _multihost.global_batch(np.zeros((8, 3)), sharding).shape == (8, 3)
     jaxdev.distributed.assert_same_across_processes({"w": np.zeros(3), "step": 1})
     mesh = Mesh(np.array(devices), ("data",))
     batch = {"x": np.arange(16.0).reshape(16, 1), "y": np.arange(16)}

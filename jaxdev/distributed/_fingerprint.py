@@ -1,10 +1,8 @@
 """Every process runs the same program: a fingerprint of each step, compared once.
 
-JAX pairs the processes' collectives by order only, so different programs give wrong
-numbers or hang. :func:`check_same_program` hashes the StableHLO text (no debug
-information) of a program spanning several processes and compares it in one bounded
-exchange (:func:`jaxdev._multihost.exchange`), naming the processes, operations and inputs
-that differ.
+:func:`check_same_program` hashes the StableHLO text of a program spanning several
+processes and compares it in one bounded exchange, naming the processes, operations and
+inputs that differ.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from .._errors import DistributedError, join_failures
 from .._leaves import keystr
 from .._multihost import (
     compare_leaf_tables,
-    describe_groups,
     exchange,
     group_processes,
     shape_dtype,
@@ -42,10 +39,7 @@ _SIZE = re.compile(r"mhlo\.num_(?:partitions|replicas) = (\d+)")
 
 
 def program_text(fn: Callable, *args: Any, **kwargs: Any) -> str:
-    """Return the StableHLO text of ``fn`` (jitted if it is not) lowered for the args.
-
-    The text has no debug information: nothing that depends on the process.
-    """
+    """The StableHLO text of ``fn`` (jitted if not) for the args, without debug information."""
     lower = getattr(fn, "lower", None) or jax.jit(fn).lower
     return lower(*args, **kwargs).as_text(debug_info=False)
 
@@ -113,25 +107,20 @@ def program_differences(payloads: Sequence[dict[str, Any]]) -> list[str]:
       operation stablehlo.add: process 0: 1; process 1: 0
       operation stablehlo.maximum: process 0: 0; process 1: 1
     """
-    shas = [p["sha"] for p in payloads]
-    if len(set(shas)) == 1:
+    if len({p["sha"] for p in payloads}) == 1:
         return []
-    lines = []
-    names = [p["name"] for p in payloads]
-    if len(set(names)) > 1:
-        lines.append(f"function: {describe_groups(names)}")
-    lines.append(f"program sha256: {describe_groups(shas, lambda s: s[:12])}")
+    heads = [{"function": p["name"], "program sha256": p["sha"][:12]} for p in payloads]
     ops = set().union(*(p["ops"] for p in payloads))
     op_tables = [{op: str(p["ops"].get(op, 0)) for op in ops} for p in payloads]
     op_lines = sorted(compare_leaf_tables(op_tables), key=lambda ln: ln.startswith("constant"))
-    lines += [f"operation {line}" for line in op_lines]  # operations first, then constants
+    lines = [f"operation {line}" for line in op_lines]  # operations first, then constants
     lines += [f"input {line}" for line in compare_leaf_tables([p["inputs"] for p in payloads])]
-    if len(lines) == 1 + (len(set(names)) > 1):
+    if not lines:
         lines.append(
             "same operations and inputs: a constant, an attribute, a sharding or the order "
             "of operations differs"
         )
-    return lines
+    return compare_leaf_tables(heads) + lines
 
 
 def _who_differs(shas: Sequence[str]) -> str:
