@@ -1,18 +1,15 @@
 """Multi-process JAX: ``jax.distributed`` with preflight checks and bounded failures.
 
-The public surface of :mod:`jaxdev.distributed._distributed`, :mod:`jaxdev._multihost`
-and :mod:`jaxdev.distributed._fingerprint`: call :func:`initialize` first thing in every
-process, then use jaxdev as on one host (``shard_batch`` assembles global
-batches from each process's rows; train and eval steps check at their first
-call that every process compiled the same program; :func:`same_program`
-does the same for your own jitted functions).
+Call :func:`initialize` first thing in every process, then use jaxdev as on one host
+(the README's "Multi-host"). Here: initialize, fingerprints, the launcher, the hang watchdog.
+Imports the core only; the names after ``__all__`` are for the subsystems above it.
 """
 
 # ruff: noqa: I001, F401 - the re-exports are listed in the README's order
 
 from ._distributed import DistributedConfig as DistributedConfig
 from ._distributed import initialize as initialize
-from ._distributed import is_initialized as is_initialized
+from jax.distributed import is_initialized as is_initialized  # JAX's own, re-exported
 from ._distributed import shutdown as shutdown
 from ._hang import heartbeat as heartbeat
 from .._multihost import assert_same_across_processes as assert_same_across_processes

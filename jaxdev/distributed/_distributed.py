@@ -13,14 +13,13 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
 from .._devices import backend_started
-from .._errors import DistributedError, UsageError
+from .._errors import DistributedError
 from .._multihost import barrier
 from . import _hang
 
@@ -30,13 +29,9 @@ ENV_COORDINATOR = "JAXDEV_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDEV_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDEV_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXDEV_LOCAL_DEVICES"
-ENV_INIT_TIMEOUT = "JAXDEV_INIT_TIMEOUT"
-ENV_HEARTBEAT_TIMEOUT = "JAXDEV_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "JAXDEV_SHUTDOWN_TIMEOUT"
 ENV_JOIN_MARKER = "JAXDEV_JOIN_MARKER"
 
-DEFAULT_INIT_TIMEOUT_S = 60
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30
 _JAX_GRACE_S = 5  # JAX's own init deadline, after ours, is only a backstop
 _FINISH: dict[str, float | bool] = {}  # shutdown timeout; whether the finish check ran
@@ -86,28 +81,19 @@ _INTS = (
     ("num_processes", ENV_NUM_PROCESSES, 1, None),
     ("process_id", ENV_PROCESS_ID, 0, None),
     ("local_device_count", ENV_LOCAL_DEVICES, 1, None),
-    ("timeout_s", ENV_INIT_TIMEOUT, 1, DEFAULT_INIT_TIMEOUT_S),
-    ("heartbeat_timeout_s", ENV_HEARTBEAT_TIMEOUT, 1, DEFAULT_HEARTBEAT_TIMEOUT_S),
+    ("timeout_s", "JAXDEV_INIT_TIMEOUT", 1, 60),
+    ("heartbeat_timeout_s", "JAXDEV_HEARTBEAT_TIMEOUT", 1, 30),
     ("shutdown_timeout_s", ENV_SHUTDOWN_TIMEOUT, 1, DEFAULT_SHUTDOWN_TIMEOUT_S),
 )
 _ARGS = ("coordinator_address", *(a for a, *_ in _INTS), "hang_timeout_s", "hang_action")
 
 
 def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> DistributedConfig:
-    """Merge :func:`initialize`'s job arguments with the ``JAXDEV_*`` environment; arguments win.
+    """Merge :func:`initialize`'s arguments with the ``JAXDEV_*`` environment; arguments win.
 
-    ``env`` defaults to ``os.environ``; an argument missing or ``None`` comes from its
-    variable (this module's ``ENV_*``), else its default.
-
-    Raises:
-      DistributedError: a value is malformed, or ``process_id`` is not in
-        ``[0, num_processes)``.
-      UsageError: an unknown argument, or a bad ``hang_timeout_s`` / ``hang_action``.
+    ``env`` defaults to ``os.environ``; ``given`` takes the names in ``_ARGS``.
     """
     env = os.environ if env is None else env
-    unknown = sorted(set(given) - set(_ARGS))
-    if unknown:
-        raise UsageError(f"`resolve_config` takes {', '.join(_ARGS)}; got {unknown}.")
     hang_timeout, hang_action = given.get("hang_timeout_s"), given.get("hang_action")
     cfg = DistributedConfig(
         given.get("coordinator_address") or env.get(ENV_COORDINATOR) or None,
@@ -139,18 +125,14 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None = None) -> float:
-    """Retry a TCP connect to ``address`` for ``timeout_s``; return the seconds it took.
-
-    Raises:
-      DistributedError: nothing accepted a connection; names the address and this process.
-    """
+    """Retry a TCP connect to ``address`` for ``timeout_s``; return the seconds it took."""
     host, port = split_address(address)
     start = time.monotonic()
     deadline, last = start + timeout_s, "no attempt"
     while True:
-        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+            wait = max(0.05, min(1.0, deadline - time.monotonic()))
+            with socket.create_connection((host, port), timeout=wait):
                 return time.monotonic() - start
         except OSError as e:
             last = f"{type(e).__name__}: {e}"
@@ -183,8 +165,7 @@ def check_port_free(address: str) -> None:
 
 def check_local_device_counts(process_indices: Sequence[int], num_processes: int) -> None:
     """Check every process contributes the same number of devices, naming each count."""
-    counts = Counter(process_indices)
-    per_process = {p: counts.get(p, 0) for p in range(num_processes)}
+    per_process = {p: list(process_indices).count(p) for p in range(num_processes)}
     if len(set(per_process.values())) > 1:
         listing = ", ".join(f"process {p}: {c}" for p, c in per_process.items())
         raise DistributedError(
@@ -202,31 +183,9 @@ def _exit_now(message: str) -> None:
     os._exit(1)
 
 
-def install_fail_fast() -> None:
-    """Make an uncaught exception end this process at once (exit code 1) after its traceback.
-
-    Else it would wait at JAX's shutdown barrier for peers that may hang, then SIGABRT.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_jaxdev_fail_fast", False):
-        return
-
-    def hook(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
-        if jax.process_count() > 1 and not issubclass(exc_type, KeyboardInterrupt):
-            _exit_now(
-                f"jaxdev fail-fast: process {jax.process_index()} failed with "
-                f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
-                "barrier for peers that may never arrive."
-            )
-
-    hook._jaxdev_fail_fast = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
 def _prepare(cfg: DistributedConfig, cpu_collectives: str | None, deadline: float) -> None:
     """Before connecting: once, before the backend; CPU settings; port or reachability check."""
-    if is_initialized():
+    if jax.distributed.is_initialized():
         raise DistributedError(
             "`initialize` was already called in this process. Fix: call it "
             "once; use `jaxdev.distributed.is_initialized()` to check."
@@ -290,8 +249,19 @@ def _after_connect(cfg: DistributedConfig, fail_fast: bool) -> None:
     """Arm the finish barrier, fail-fast, stack dumps and the watchdog; check the job."""
     _FINISH.update(timeout_s=cfg.shutdown_timeout_s, done=False)
     atexit.register(_finish_at_exit)  # runs before JAX's own exit hook (registered earlier)
-    if fail_fast:
-        install_fail_fast()
+    if fail_fast:  # an uncaught exception ends this process now, not at JAX's shutdown barrier
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+            if jax.process_count() > 1 and not issubclass(exc_type, KeyboardInterrupt):
+                _exit_now(
+                    f"jaxdev fail-fast: process {jax.process_index()} failed with "
+                    f"{exc_type.__name__}; exiting now instead of waiting at JAX's shutdown "
+                    "barrier for peers that may never arrive."
+                )
+
+        sys.excepthook = hook
     found = jax.process_count()
     if cfg.num_processes is not None and found != cfg.num_processes:
         raise DistributedError(
@@ -333,7 +303,8 @@ def initialize(
       heartbeat_timeout_s: seconds after which a silent peer is dead (default 30).
       shutdown_timeout_s: seconds a finishing process waits for the others (default 30).
       cpu_collectives: ``jax_cpu_collectives_implementation`` (``"gloo"`` on CPU).
-      fail_fast: see :func:`install_fail_fast`.
+      fail_fast: after an uncaught exception's traceback exit with code 1 at once, not
+        wait at JAX's shutdown barrier for peers that may hang (then SIGABRT).
       hang_timeout_s: ``S``: start the hang watchdog (``None``: none).
       hang_action: after its report ``"exit"`` (default) or ``"wait"``.
 
@@ -359,17 +330,6 @@ def initialize(
     return cfg
 
 
-def is_initialized() -> bool:
-    """Return whether ``jax.distributed`` is running in this process.
-
-    Example:
-      >>> import jaxdev
-      >>> jaxdev.distributed.is_initialized()
-      False
-    """
-    return jax.distributed.is_initialized()
-
-
 def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
     """Create the file ``$JAXDEV_JOIN_MARKER`` names; its path, or ``None`` (unset, unwritable)."""
     path = (os.environ if env is None else env).get(ENV_JOIN_MARKER)
@@ -385,7 +345,7 @@ def leave_join_marker(env: Mapping[str, str] | None = None) -> str | None:
 
 def _unfinished() -> str | None:
     """Mark this process finished; name the processes not finished within the timeout."""
-    if _FINISH.get("done", True) or not is_initialized():
+    if _FINISH.get("done", True) or not jax.distributed.is_initialized():
         return None
     _FINISH["done"] = True
     _hang.beat("finished")  # waiting for the others is not being behind
@@ -427,7 +387,7 @@ def shutdown() -> None:
       >>> import jaxdev
       >>> jaxdev.distributed.shutdown()  # not initialized: does nothing
     """
-    if not is_initialized():
+    if not jax.distributed.is_initialized():
         return
     message = _unfinished()
     if message:
