@@ -119,28 +119,10 @@ def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
     return ""
 
 
-def exit_code(outcome: Outcome | None) -> int:
-    """The launcher's exit code for the first failure: its code, ``128 + signal``, 124 (timeout).
-
-    A first failure that exited 0 never joined: :data:`NEVER_JOINED_EXIT_CODE`.
-    """
-    if outcome is None:
-        return 124  # whole-run timeout
-    rc = outcome.returncode
-    return 128 - rc if rc < 0 else rc or NEVER_JOINED_EXIT_CODE
-
-
 class _Proc:
     """One child process, its pump thread and its output tail."""
 
-    def __init__(
-        self,
-        process_id: int,
-        cmd: Sequence[str],
-        env: Mapping[str, str],
-        out: IO[str],
-        lock: threading.Lock,
-    ):
+    def __init__(self, process_id: int, cmd: Sequence[str], env: dict, out: IO[str], lock):
         self.id = process_id
         self.marker = env.get(ENV_JOIN_MARKER)
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -275,8 +257,7 @@ def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
 
     def forward(signum, frame):
         for p in list(procs):
-            with contextlib.suppress(OSError):
-                p.popen.send_signal(signum)  # does nothing once the child was reaped
+            p.popen.send_signal(signum)  # does nothing once the child ended (Python >= 3.9)
 
     previous = signal.signal(sig, forward)
     try:
@@ -311,8 +292,9 @@ def launch(
       hang_timeout_s: sets ``JAXDEV_HANG_TIMEOUT``; ``None`` leaves the environment's.
 
     Returns:
-      0 when every process exits 0; else :func:`exit_code` of the first failure, or 1 when
-      a process exits 0 without joining while others did.
+      0 when every process exits 0; else the first failure's exit code, ``128 + signal``
+      when a signal ended it, 124 on timeout, or 1 when a process exits 0 without joining
+      while others did.
 
     Raises:
       UsageError: an argument is invalid (the CLI turns it into exit 2).
@@ -357,7 +339,10 @@ def launch(
     summary = summarize(first, outcomes, timeout_s, time.monotonic() - start)
     with lock:
         print(summary, file=out or sys.stderr, flush=True)
-    return exit_code(first)
+    if first is None:
+        return 124  # the whole run timed out
+    rc = first.returncode  # killed by a signal: 128 + signal; exited 0: it never joined
+    return 128 - rc if rc < 0 else rc or NEVER_JOINED_EXIT_CODE
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -367,12 +352,15 @@ class UsageParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry ``jaxdev launch ... -- cmd``: :func:`launch`'s code; 2: usage error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    i = argv.index("--") if "--" in argv else len(argv)
+    opts, cmd = argv[:i], argv[i + 1 :]  # launcher options, then the command
     p = UsageParser(
         prog="jaxdev launch",
-        description="Run a command as N local JAX processes "
-        "with M fake CPU devices each, e.g. "
-        "`jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.",
+        description="Run a command as N local JAX processes with M fake CPU devices each, "
+        "e.g. `jaxdev launch -n 2 --devices-per-process 4 -- python train.py`.",
     )
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=1)
@@ -392,28 +380,12 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE_S,
         help="seconds between SIGTERM and SIGKILL when ending processes",
     )
-    return p
-
-
-def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split at the first ``--`` into launcher options and the command."""
-    argv = list(argv)
-    if "--" not in argv:
-        if any(a in ("-h", "--help") for a in argv):
-            return argv, []
-        raise UsageError(
-            "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
-        )
-    i = argv.index("--")
-    return argv[:i], argv[i + 1 :]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry ``jaxdev launch ... -- cmd``: :func:`launch`'s code; 2: usage error."""
-    argv = sys.argv[1:] if argv is None else argv
     try:
-        opts, cmd = _split_argv(argv)
-        args = _parser().parse_args(opts)
+        if "--" not in argv and not {"-h", "--help"} & set(argv):
+            raise UsageError(
+                "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
+            )
+        args = p.parse_args(opts)
         return launch(
             cmd,
             args.num_processes,
