@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import importlib.util
 import json
 import linecache
 import logging
@@ -27,18 +26,18 @@ import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import jax
+import jaxlib
+
 from .._errors import DistributedError, UsageError
+from .._multihost import kv_client
 
 _log = logging.getLogger("jaxdev")
 ENV_HANG_TIMEOUT = "JAXDEV_HANG_TIMEOUT"
 ENV_HANG_ACTION = "JAXDEV_HANG_ACTION"
-ACTIONS = ("exit", "wait")
-LONG_FACTOR = 10  # compile, checkpoint, a barrier and start-up count as progress for up to 10 * S
 # state: how long (x S) it counts as progress; "finished" never stalls
-ALLOWANCE = dict.fromkeys(("start", "compile", "checkpoint", "barrier"), LONG_FACTOR)
+ALLOWANCE = dict.fromkeys(("start", "compile", "checkpoint", "barrier"), 10)
 ALLOWANCE |= {"step": 1, "host": 1}
-_MOVES = ("compile", "step", "barrier")  # in JAX code, a main thread that moved made progress
-_IN_CALL = ("compile", "step", "eval")  # phases of a jaxdev step call
 _OWN_FILES = {  # jaxdev's files: what the main thread does while inside them
     os.path.join("train", "_step.py"): "step",
     "_multihost.py": "check",
@@ -58,23 +57,14 @@ _STACK_CHARS = 60_000  # per process, in the key-value store
 _GATHER_S = 5.0  # the reporter waits this long for every answering process's stacks
 _ACK_S = 3.0  # process 0 waits this long for the others to exit first
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jaxdev/
-_JAX = tuple(  # JAX's own Python files (found without importing JAX)
-    d + os.sep
-    for name in ("jax", "jaxlib")
-    if (spec := importlib.util.find_spec(name)) is not None
-    for d in spec.submodule_search_locations or ()
-)
+_JAX = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib))  # JAX's own files
 
 
 # ---------------------------------------------------------------- options
 
 
 def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
-    """Return ``value`` as seconds (``None``/``""``: watchdog off) or raise naming ``name``.
-
-    Raises:
-      UsageError: not a finite number > 0 (``True``, ``-1``, ``"x"``).
-    """
+    """Return ``value`` as seconds (``None``/``""``: watchdog off) or raise naming ``name``."""
     if value is None or value == "":
         return None
     seconds = value
@@ -92,7 +82,7 @@ def check_action(value: Any, name: str = "hang_action") -> str:
     """Return ``value`` (``"exit"``, ``"wait"``; ``None``/``""``: ``"exit"``) or raise."""
     if value is None or value == "":
         return "exit"
-    if value not in ACTIONS:
+    if value not in ("exit", "wait"):
         raise UsageError(f"`{name}` must be 'exit' or 'wait', got {value!r}.")
     return value
 
@@ -127,19 +117,11 @@ _LIBRARY = (_PACKAGE,) + tuple(  # Python's own and installed packages' files, a
 
 
 def is_user_file(filename: str) -> bool:
-    name = os.path.abspath(filename)
-    return not filename.startswith("<") and not name.startswith(_LIBRARY)
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_LIBRARY)
 
 
 def where(frame: Any) -> str:
-    """Describe the innermost user frame (else the innermost): ``file:line in func: `code```.
-
-    Example:
-      >>> ns = {}
-      >>> exec(compile("import sys; frame = sys._getframe()", "train.py", "exec"), ns)
-      >>> where(ns["frame"])
-      'train.py:1 in <module>'
-    """
+    """Describe the innermost user frame (else the innermost): ``file:line in func: `code```."""
     innermost, f = frame, frame
     while f is not None and not is_user_file(f.f_code.co_filename):
         f = f.f_back
@@ -168,14 +150,7 @@ def inside(frame: Any) -> frozenset[str]:
 
 
 def state_of(phase: str, where_in: Collection[str]) -> str:
-    """The model's state of a process from its last heartbeat's phase and :func:`inside` tags.
-
-    Example:
-      >>> state_of("step", {"step", "compile"})  # a later call compiles (a new shape)
-      'compile'
-      >>> state_of("step", set()), state_of("data", {"jax"}), state_of("step", {"barrier"})
-      ('host', 'step', 'barrier')
-    """
+    """The model's state of a process from its last heartbeat's phase and :func:`inside` tags."""
     if phase in ("start", "finished"):
         return phase
     if "compile" in where_in or (
@@ -190,13 +165,9 @@ def state_of(phase: str, where_in: Collection[str]) -> str:
 
 
 def progressed(before: tuple, now: tuple) -> bool:
-    """Whether a process progressed between two samples ``(seq, state, frame, lasti)``.
-
-    A heartbeat or a new state is progress; in JAX code (``compile``, ``step``, ``barrier``)
-    so is a main thread that moved (another innermost frame or instruction).
-    """
+    """Whether a process progressed between two samples ``(seq, state, frame, lasti)``."""
     moved = before[2] is not now[2] or before[3] != now[3]
-    return before[:2] != now[:2] or (now[1] in _MOVES and moved)
+    return before[:2] != now[:2] or (now[1] in ("compile", "step", "barrier") and moved)
 
 
 def thread_stacks(skip: int | None = None, limit: int = _STACK_CHARS) -> str:
@@ -230,16 +201,9 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
     """The verdict: every unfinished process is over its allowance, and one is not in host work.
 
     ``records`` carry ``state`` and ``quiet`` (seconds since progress); a process whose
-    watchdog does not answer has ``S`` whatever its state.
-
-    Example:
-      >>> stalled([{"state": "host", "quiet": 30}, {"state": "step", "quiet": 30}], 5)
-      True
-      >>> stalled([{"state": "host", "quiet": 30}, {"state": "finished", "quiet": 30}], 5)
-      False
+    watchdog does not answer (dead, or holding the GIL in C) has ``S`` whatever its state.
     """
     running = [r for r in records if r["state"] != "finished"]
-    # a silent process (dead, or holding the GIL in C) shows no progress: S, whatever its state
     over = [
         r
         for r in running
@@ -249,11 +213,7 @@ def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
 
 
 def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The heartbeat of the unfinished process most behind (``None`` when all finished).
-
-    Not in a step or barrier first, then the lowest step, then not answering, then the
-    longest without progress.
-    """
+    """The heartbeat of the unfinished process most behind (``None`` when all finished)."""
     running = [r for r in records if r.get("phase") != "finished"]
     return min(
         running,
@@ -272,24 +232,11 @@ def _state(rec: Mapping[str, Any]) -> str:
     """``in step 5`` / ``in step 1 (compile)`` / ``after step 4 (data)``: where a process is."""
     step, phase = rec.get("step"), rec.get("phase", "")
     label = "compile" if rec.get("state") == "compile" else phase  # any compile
-    if rec.get("in_step") and phase in _IN_CALL:
+    if rec.get("in_step") and phase in ("compile", "step", "eval"):  # in a jaxdev step call
         name = f"in step {step}" if step is not None else "in its first step"
         return name if label == "step" else f"{name} ({label})"
     after = f"after step {step}" if step is not None else "before step 1"
     return after if label in ("step", "start", "") else f"{after} ({label})"
-
-
-def _blame(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> str:
-    """``has not finished step 5`` (stuck inside it), ``has not started step 5``, or a barrier."""
-    step, phase = rec.get("step"), rec.get("phase", "")
-    if rec.get("in_step") and phase in ("compile", "step"):
-        return f"has not finished step {step}"
-    if rec.get("state") == "barrier":
-        return "waits in a barrier outside any step"
-    others = {r.get("state") for r in records if r is not rec and r.get("phase") != "finished"}
-    if others == {"barrier"}:
-        return "has not reached the barrier the others wait in"
-    return f"has not started step {(step or 0) + 1}"
 
 
 def _others(records: Sequence[Mapping[str, Any]], late: Mapping[str, Any]) -> list[str]:
@@ -332,11 +279,18 @@ def verdict(records: Sequence[Mapping[str, Any]], timeout_s: float) -> str:
     head = f"no progress for {timeout_s:g} s"
     if late is None:
         return head + ": every process finished"
-    where, idle = late.get("where") or "?", float(late.get("idle", 0.0))
-    if late.get("answers", True):
-        blame = _blame(late, records)
-        text = f"{head}: process {late['process']} {blame}: {idle:.0f} s {_state(late)}"
-    else:  # what it published last may be older than its last step
+    where, idle, step = late.get("where") or "?", float(late.get("idle", 0.0)), late.get("step")
+    others = {r.get("state") for r in records if r is not late and r.get("phase") != "finished"}
+    if late.get("in_step") and late.get("phase") in ("compile", "step"):  # stuck inside it
+        blame = f"has not finished step {step}"
+    elif late.get("state") == "barrier":
+        blame = "waits in a barrier outside any step"
+    elif others == {"barrier"}:
+        blame = "has not reached the barrier the others wait in"
+    else:
+        blame = f"has not started step {(step or 0) + 1}"
+    text = f"{head}: process {late['process']} {blame}: {idle:.0f} s {_state(late)}"
+    if not late.get("answers", True):  # what it published last may be older than its last step
         text = (
             f"{head}: process {late['process']} does not answer (dead, or stuck in C code "
             f"holding the GIL); its last heartbeat, {idle:.0f} s ago: {_state(late)}"
@@ -385,14 +339,7 @@ def report(
 class _Watchdog:
     """This process's heartbeat and the daemon thread that publishes and compares them."""
 
-    def __init__(
-        self,
-        client: Any,
-        process: int,
-        timeout_s: float,
-        action: str,
-        exit_fn: Callable[[str], None],
-    ):
+    def __init__(self, client, process: int, timeout_s: float, action: str, exit_fn: Callable):
         self.client, self.process = client, process
         self.timeout_s, self.action, self.exit_fn = timeout_s, action, exit_fn
         self.interval = min(5.0, max(0.5, timeout_s / 10))  # between two publications
@@ -572,10 +519,6 @@ def _say(text: str) -> None:
 def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None:
     """Start this process's hang watchdog (``initialize`` does, once connected)."""
     global _WATCH
-    import jax
-
-    from .._multihost import kv_client
-
     client = kv_client()
     if client is None:  # JAX's private client unset: refused, not a thread that never fires
         raise DistributedError(
@@ -583,7 +526,6 @@ def start(timeout_s: float, action: str, exit_fn: Callable[[str], None]) -> None
             "has no client. Fix: call `jaxdev.distributed.initialize(hang_timeout_s=...)` "
             "(not jax.distributed directly), or leave `hang_timeout_s` unset."
         )
-    stop()
     _WATCH = _Watchdog(client, jax.process_index(), timeout_s, action, exit_fn)
     _WATCH.thread.start()
 
