@@ -1,11 +1,6 @@
-"""``jaxdev bench``: the d2l "GPUs" exercises as side-by-side benchmarks.
+"""``jaxdev bench``: the d2l "GPUs" exercises and placement figures, side by side.
 
-Every figure is a ratio of two variants timed in the same run
-(:func:`sample_side_by_side`): exercise 1, matmuls on the CPU vs the accelerator (on a
-CPU-only host, one pinned core vs every core, in worker processes); exercise 3, 1000
-matmuls with a norm logged by ``float()`` vs a :class:`jaxdev.metrics.DeviceLog`;
-exercise 4, two devices at once vs one; and placement figures (``to_device`` of a placed
-tree, ``replicate``, ``shard_batch`` vs the raw ``jax.device_put``).
+Every figure is a ratio of two variants timed in the same run (:func:`sample_side_by_side`).
 """
 
 from __future__ import annotations

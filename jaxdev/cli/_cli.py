@@ -1,9 +1,6 @@
 """The ``jaxdev`` command: ``info``, ``demo``, ``bench``, ``memory``, ``launch``.
 
-Exit codes: 0 success; 2 usage error (one-line reason on stderr, no traceback); 1
-failure. ``demo`` and ``bench`` choose fake CPU devices before JAX starts
-(:func:`configure_devices`: the rule is the README's "How demo and bench choose
-devices"); when JAX already started, the devices that exist are used.
+Exit codes and the fake-device rule (:func:`configure_devices`): README's "Command line".
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 from rich.console import Console
 from rich.table import Table
 
@@ -33,13 +31,7 @@ from ..distributed import UsageParser
 
 DEFAULT_FAKE_DEVICES = 8
 _ACCEL_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
-_PLUGINS = (
-    "jax_cuda12_plugin",
-    "jax_cuda13_plugin",
-    "jax_rocm60_plugin",
-    "jax_rocm7_plugin",
-    "libtpu",
-)
+_PLUGINS = "jax_cuda12_plugin jax_cuda13_plugin jax_rocm60_plugin jax_rocm7_plugin libtpu".split()
 
 
 # ---------------------------------------------------------------- devices
@@ -47,8 +39,6 @@ _PLUGINS = (
 
 def _requested_platforms() -> list[str]:
     """Platforms asked for by ``JAX_PLATFORMS`` / ``jax_platforms`` (``[]``: not set)."""
-    import jax
-
     raw = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
     return [p.strip().lower() for p in raw.split(",") if p.strip()]
 
@@ -102,8 +92,6 @@ def configure_devices(devices: int | None) -> tuple[str, bool]:
 
 def started_ui(devices: int | None, quiet: bool = False) -> Ui:
     """Apply the fake-device rule, start JAX; a :class:`Ui` that said both."""
-    import jax
-
     note, expected_accel = configure_devices(devices)
     ui = Ui(quiet=quiet)
     ui.print(note)

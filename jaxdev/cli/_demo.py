@@ -1,10 +1,7 @@
-"""``jaxdev demo``: a Flax MLP trained data parallel on scikit-learn's digits.
+"""``jaxdev demo`` (README's "Command line"): a Flax MLP trained data parallel on digits.
 
-The d2l "GPUs" chapter in one run on jaxdev's public API: every local device, replicated
-params, batches split over the devices (the uneven last batch padded and masked), metrics
-on device fetched once per epoch, the placement report, the test accuracy. Epoch ``e``'s
-order comes from ``numpy.random.default_rng((seed, e))`` alone, so a run resumed with
-``--checkpoint-dir`` ends bit-identical (the ``params fingerprint`` line shows it).
+Epoch ``e``'s order comes from ``numpy.random.default_rng((seed, e))`` alone, so a run
+resumed with ``--checkpoint-dir`` ends bit-identical (``params fingerprint`` shows it).
 """
 
 from __future__ import annotations
