@@ -283,20 +283,6 @@ def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
 # ------------------------------------------ implicit host-to-device (stderr)
 
 
-def _spawn_relay(read_fd: int, out_fd: int, report_w: int, swallow: bool):
-    """Start ``python -I -S _stderr_relay.py`` on the pipe; ``None`` if it cannot start."""
-    try:  # its own session: a Ctrl-C in the terminal never reaches it
-        return subprocess.Popen(
-            [sys.executable, "-I", "-S", _stderr_relay.__file__, "1" if swallow else "0"],
-            stdin=read_fd,
-            stdout=report_w,
-            stderr=out_fd,
-            start_new_session=True,
-        )
-    except (OSError, ValueError):
-        return None
-
-
 def _flush_stderr() -> None:
     """Push Python's buffered ``sys.stderr`` text to fd 2 (if there is one)."""
     with contextlib.suppress(AttributeError, ValueError, OSError):
@@ -326,8 +312,16 @@ class _StderrTap:
                 import fcntl  # a larger pipe: writers rarely wait for the relay
 
                 fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _stderr_relay.READ_SIZE)
-            self.process = _spawn_relay(*fds, swallow)
-            if self.process is None:
+            try:  # its own session: a Ctrl-C in the terminal never reaches it
+                self.process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", _stderr_relay.__file__, "1" if swallow else "0"],
+                    stdin=fds[0],
+                    stdout=fds[2],
+                    stderr=fds[1],
+                    start_new_session=True,
+                )
+            except (OSError, ValueError):  # e.g. no sys.executable: a thread relays
+                self.process = None
                 target, args, name = _stderr_relay.relay, (*fds, swallow), "jaxdev-stderr"
             else:  # the reaper: a relay gone early gives fd 2 back (no EPIPE)
                 target, args, name = self._reap, (self.process,), "jaxdev-stderr-reaper"

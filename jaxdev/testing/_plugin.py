@@ -90,16 +90,13 @@ def pytest_plugin_registered(plugin):
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
+    for marker in (
         "devices(*counts, platform='cpu'): jaxdev: run the test once per count, each in a "
         "worker process whose JAX backend has that many devices",
-    )
-    config.addinivalue_line(
-        "markers",
         "processes(n, devices=m, timeout=60): jaxdev: run the test as n jax.distributed "
         "processes with m fake CPU devices each",
-    )
+    ):
+        config.addinivalue_line("markers", marker)
     session = _Worker(config) if _WORKER is not None else _Controller(config)
     config.pluginmanager.register(session, "jaxdev-session")
 
@@ -540,11 +537,9 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
 
 
 def _read(config, path: str) -> list:
-    try:
-        with open(path) as f:
-            return [_report(config, json.loads(line)["report"]) for line in f]
-    except FileNotFoundError:
-        return []
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        return [_report(config, json.loads(line)["report"]) for line in f]
+    return []
 
 
 # ----------------------------------------------------------- worker side
