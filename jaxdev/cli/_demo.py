@@ -23,7 +23,6 @@ import jaxdev
 
 from .._errors import UsageError
 
-N_CLASSES = 10
 _METRICS = {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
 
 
@@ -69,13 +68,13 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nn.relu(nn.Dense(self.hidden)(x))  # Dense_0: the hidden layer
-        return nn.Dense(N_CLASSES)(x)  # Dense_1: the output layer
+        return nn.Dense(10)(x)  # Dense_1: the output layer, one logit per class
 
 
 # ---------------------------------------------------------------- data and model
 
 
-def load_data(seed: int, test_fraction: float = 0.2) -> tuple[dict, dict]:
+def load_data(seed: int, test_fraction: float) -> tuple[dict, dict]:
     """``(train, test)`` dicts of ``x`` (N, 64) in [0, 1] and ``y`` (N,), split by ``seed``.
 
     Raises:
