@@ -27,7 +27,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import jaxlib
 
 from .._errors import DistributedError, UsageError
 from .._multihost import kv_client
@@ -57,7 +56,8 @@ _STACK_CHARS = 60_000  # per process, in the key-value store
 _GATHER_S = 5.0  # the reporter waits this long for every answering process's stacks
 _ACK_S = 3.0  # process 0 waits this long for the others to exit first
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jaxdev/
-_JAX = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib))  # JAX's own files
+# JAX's own files (importing jax imports jaxlib)
+_JAX = tuple(os.path.dirname(sys.modules[m].__file__) + os.sep for m in ("jax", "jaxlib"))
 
 
 # ---------------------------------------------------------------- options
