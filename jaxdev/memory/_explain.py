@@ -166,24 +166,20 @@ def remat_variant(spec: StepSpec) -> Variant | None:
 
 def offload_variants(spec: StepSpec, state: Any) -> list[Variant]:
     """The optimizer state, then params too, kept in host memory and streamed in by the step."""
-    strategy = spec.strategy
-    if strategy.shard_map or not spec.train:
+    strategy, out = spec.strategy, []
+    if strategy.shard_map or not spec.train or not is_train_state(state) or state.opt_state is None:
         return []
-    if not is_train_state(state) or state.opt_state is None:
-        return []
-    have, out = set(strategy.offload), []
-    for fields in (("opt_state",), ("params", "opt_state")):
-        if set(fields) <= have:
+    have = set(strategy.offload)
+    for text in ("opt_state", ("params", "opt_state")):
+        fields = {text} if isinstance(text, str) else set(text)
+        if fields <= have:
             continue
         try:
-            changed = strategy.replace(offload=tuple(sorted(have | set(fields))))
+            new = strategy.replace(offload=tuple(sorted(have | fields)))
         except Exception:  # a strategy offload does not apply to
             break
-        text = fields[0] if len(fields) == 1 else fields
-        what = "opt_state in pinned_host" if len(fields) == 1 else "params + opt_state in host"
-        out.append(
-            Variant(f"Strategy.sharded(mesh, offload={text!r})", what, spec.replace(changed))
-        )
+        what = "params + opt_state in host" if "params" in fields else "opt_state in pinned_host"
+        out.append(Variant(f"Strategy.sharded(mesh, offload={text!r})", what, spec.replace(new)))
     return out
 
 
@@ -542,18 +538,12 @@ class _Search:
 
     def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
         """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?"""
-        lo, hi = unit, None
-        while hi is None:
-            nxt = lo * 2
-            if nxt > most:
-                top = most // unit * unit
-                if top <= lo or self.fits(v, top):
-                    return max(lo, top), True
-                hi = top
-            elif self.fits(v, nxt):
-                lo = nxt
-            else:
-                hi = nxt
+        lo, hi, top = unit, None, most // unit * unit
+        while hi is None:  # doubling, the last step to ``top``
+            nxt = min(lo * 2, top)
+            if nxt <= lo:
+                return lo, True
+            lo, hi = (nxt, None) if self.fits(v, nxt) else (lo, nxt)
         while hi - lo > unit:
             mid = lo + (hi - lo) // unit // 2 * unit
             lo, hi = (mid, hi) if self.fits(v, mid) else (lo, mid)

@@ -92,21 +92,13 @@ def live_now(trees: Mapping[str, Any]) -> tuple[MemoryLedger | None, list[str]]:
 @contextlib.contextmanager
 def explained_oom(
     what: str,
-    trees: Callable[[], Mapping[str, Any]] | None = None,
-    extra: Callable[[], list[str]] | None = None,
+    trees: Callable[[], Mapping[str, Any]] = dict,
+    extra: Callable[[], list[str]] = list,
 ) -> Iterator[None]:
     """In this block, XLA's ``RESOURCE_EXHAUSTED`` becomes an explained :class:`OutOfMemoryError`.
 
     ``trees() -> {name: tree}`` (named in the ledger) and ``extra() -> [lines]``
-    are called only on failure, and dropped if they fail.
-
-    Example:
-      >>> try:
-      ...     with explained_oom("alloc"):
-      ...         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.")
-      ... except OutOfMemoryError as e:
-      ...     print(str(e).splitlines()[0])
-      alloc ran out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.)
+    are called only on failure, and dropped if they fail (init_state, init_sharded, restore).
     """
     try:
         yield
@@ -118,9 +110,7 @@ def explained_oom(
         raise OutOfMemoryError("\n".join([*lines, limit_line(jax.local_devices())])) from err
 
 
-def _safe(fn: Callable[[], Any] | None, default: Any) -> Any:
-    if fn is None:
-        return default
+def _safe(fn: Callable[[], Any], default: Any) -> Any:
     try:
         return fn()
     except Exception:  # explanation only

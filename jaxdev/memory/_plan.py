@@ -270,9 +270,7 @@ def plan(
       total      3.0 MiB       12.0 MiB     >99.9%
     """
     spec = None if step is None else spec_of(step)
-    lowered = None
-    if spec is not None and batch is not None:
-        lowered = step.lower(state_or_shapes, batch)  # the step's own program
+    lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
     return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
 
 
@@ -356,19 +354,16 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
     analysis = compiled.memory_analysis()
     if analysis is None:  # the backend does not analyse memory
         return None
-    argument, output = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
-    alias = int(analysis.alias_size_in_bytes)
+    size = lambda k: int(getattr(analysis, f"{k}_size_in_bytes", 0) or 0)  # noqa: E731
+    argument, output, alias = size("argument"), size("output"), size("alias")
     h_arg, h_out, h_alias = host_bytes(lowered, compiled)
-    reported = [
-        int(getattr(analysis, f"host_{k}_size_in_bytes", 0) or 0)
-        for k in ("argument", "output", "alias")
-    ]
+    reported = [size(f"host_{k}") for k in ("argument", "output", "alias")]
     if any(reported):  # the backend counts host memory apart
         host = reported[0] + reported[1] - reported[2]
     else:  # XLA:CPU counts offloaded arguments with the device's: take them out
         argument, output, alias = argument - h_arg, output - h_out, max(alias - h_alias, 0)
         host = h_arg + h_out - h_alias
-    temp, code = int(analysis.temp_size_in_bytes), int(analysis.generated_code_size_in_bytes)
+    temp, code = size("temp"), size("generated_code")
     return CompiledMemory(argument, output, alias, temp, code, host, untuned)
 
 
@@ -433,11 +428,9 @@ def check_fits(
     that fits; without, what ``'fsdp'`` would need for replicated params.
     """
     limit_, found = resolve_limit(limit, plan_.mesh)
-    source = source or found
-    need = plan_.peak
+    source, need, c = source or found, plan_.peak, plan_.compiled
     if need <= limit_:
         return
-    c = plan_.compiled
     detail = "" if c is None else f" (compiled step: {c.terms()})"
     explanation, failed = None, ""
     if explain is not None:
