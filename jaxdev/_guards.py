@@ -364,8 +364,13 @@ class _StderrTap:
         return kinds
 
     def forget(self) -> None:
-        """In a forked child: the relay is the parent's; fd 2 stays the parent's pipe."""
-        self.users, self.process = 0, None
+        """In a forked child: the relay is the parent's; fd 2 stays the parent's pipe; a
+        ``_lock`` held by another thread of the parent (a drain) is not held here."""
+        global _lock
+        _lock = threading.RLock()
+        if self.reports is not None:  # the child's copy of the parent's reports (no warning)
+            self.reports.close()
+        self.users, self.process, self.reports, self.done = 0, None, None, True
 
 
 _tap = _StderrTap()

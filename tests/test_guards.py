@@ -485,3 +485,45 @@ def test_bad_budgets_name_the_argument():
         with no_host_sync(max_device_to_host="zero"):
             pass
     assert issubclass(GuardError, jaxdev.JaxdevError) and issubclass(GuardError, AssertionError)
+
+
+def test_a_child_forked_while_a_thread_holds_the_lock_counts_on_its_own():
+    # a fork while another thread drains (holds _guards._lock, waiting for the relay): the
+    # child's counter neither hangs on the parent's lock nor warns about the parent's files
+    proc = run_python(
+        """
+        import os, threading, time, warnings
+        import jaxdev
+        from jaxdev import _guards
+
+        held, release = threading.Event(), threading.Event()
+
+        def drain():
+            with _guards._lock:
+                held.set()
+                release.wait(30)
+
+        with jaxdev.count_transfers():
+            threading.Thread(target=drain).start()
+            held.wait(30)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fork() in a threaded process
+                pid = os.fork()
+            if pid == 0:
+                warnings.simplefilter("error")
+                with jaxdev.count_transfers() as c:
+                    pass
+                os._exit(0 if c.host_to_device == c.device_to_host == 0 else 3)
+            deadline = time.monotonic() + 20
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            release.set()
+        print("child", "hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+        """,
+        {"JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child 0" in proc.stdout, (proc.stdout, proc.stderr)
