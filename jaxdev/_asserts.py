@@ -449,34 +449,27 @@ def assert_sharded(
     """
     if asserts_disabled():
         return
-    if isinstance(target, PartitionSpec) and mesh is None:
-        checks = _spec_checks(target, memory_kind)
-    else:
-        checks = _sharding_checks(_sharded_target(target, mesh), memory_kind)
-    leaves = jax.tree_util.tree_leaves(tree)
-    bad = _scan(leaves, checks)
-    fix = "Fix: `tree = jaxdev.to_device(tree, NamedSharding(mesh, spec))`."
-    rule = f"are not sharded as {checks.expected}"
-    _fail("assert_sharded", tree, "tree", len(leaves), bad, rule, fix)
-
-
-def _sharded_target(target: Any, mesh: Mesh | None) -> Sharding:
-    """``target`` as a Sharding: itself, or a spec taken on ``mesh``."""
-    if isinstance(target, Sharding):
-        return target
-    if not isinstance(target, PartitionSpec):
+    if not isinstance(target, (Sharding, PartitionSpec)):
         raise PlacementError(
             f"`target` must be a jax.sharding.Sharding or a PartitionSpec, got "
             f"{type(target).__name__} {target!r}. For a single device use `assert_on_device`; "
             "for a full copy on each device of a mesh use `assert_replicated`."
         )
-    mesh = check_mesh(mesh)
-    try:
-        return named_sharding(mesh, target)
-    except Exception as err:  # JAX: ValueError naming the unknown axis
-        raise PlacementError(
-            f"`target`={target} does not fit `mesh` with axes {dict(mesh.shape)}: {err}"
-        ) from None
+    if isinstance(target, PartitionSpec) and mesh is not None:  # the spec on `mesh`
+        mesh = check_mesh(mesh)
+        try:
+            target = named_sharding(mesh, target)
+        except Exception as err:  # JAX: ValueError naming the unknown axis
+            raise PlacementError(
+                f"`target`={target} does not fit `mesh` with axes {dict(mesh.shape)}: {err}"
+            ) from None
+    spec = isinstance(target, PartitionSpec)  # still a spec: taken on each leaf's own mesh
+    checks = (_spec_checks if spec else _sharding_checks)(target, memory_kind)
+    leaves = jax.tree_util.tree_leaves(tree)
+    bad = _scan(leaves, checks)
+    fix = "Fix: `tree = jaxdev.to_device(tree, NamedSharding(mesh, spec))`."
+    rule = f"are not sharded as {checks.expected}"
+    _fail("assert_sharded", tree, "tree", len(leaves), bad, rule, fix)
 
 
 def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
@@ -555,7 +548,7 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
         bad = [
             (i, why)
             for i, (x, y) in enumerate(zip(la, lb))
-            if not _same_fast(x, y, impl) and (why := _pair_problem(x, y)) is not None
+            if (why := _pair_problem(x, y, impl)) is not None
         ]
         _fail("assert_same_placement", a, "a` and `b", len(la), bad, "are placed differently", fix)
         return
@@ -577,18 +570,13 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
         raise PlacementAssertionError(_message(header, lines, fix))
 
 
-def _same_fast(x: Any, y: Any, impl: type) -> bool:
-    """Whether two live arrays of jaxlib's array type share one placement (cheap test)."""
-    if type(x) is impl and type(y) is impl:
-        if x.is_deleted() or y.is_deleted() or x.committed != y.committed:
-            return False
+def _pair_problem(x: Any, y: Any, impl: type | None = None) -> str | None:
+    """Why leaves ``x`` and ``y`` are placed differently, or None (live arrays of jaxlib's
+    array type ``impl`` with one sharding key first: the cheap test)."""
+    if type(x) is impl and type(y) is impl and not (x.is_deleted() or y.is_deleted()):
         sx, sy = x.sharding, y.sharding
-        return sx is sy or sharding_key(sx) == sharding_key(sy)
-    return False
-
-
-def _pair_problem(x: Any, y: Any) -> str | None:
-    """Why leaves ``x`` and ``y`` are placed differently, or None."""
+        if x.committed == y.committed and (sx is sy or sharding_key(sx) == sharding_key(sy)):
+            return None
     if is_concrete(x) and is_concrete(y):
         if not (deleted(x) or deleted(y)) and x.committed == y.committed:
             sx, sy = x.sharding, y.sharding
