@@ -73,7 +73,11 @@ def nnx_loss(model: nnx.Module, loss_fn: Callable[..., Any]) -> Callable[..., An
     graphdef = nnx.graphdef(model)
     nodes = (node for _, node in nnx.iter_graph(model))
     streams = sorted({node.tag for node in nodes if isinstance(node, nnx.RngStream)})
-    takes_rngs = _takes_rngs(loss_fn)
+    try:  # a parameter named `rngs`: the NNX tutorial's loss_fn takes keys at call time
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    takes_rngs = any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
 
     def wrapped(params, model_state, batch, rng=None, **kwargs):
         # copy=True: fresh variables, so the forward pass may update them inside jax.grad.
@@ -114,15 +118,6 @@ _NO_KEY = (
     "evaluate a deterministic view: `nnx.view(model, deterministic=True, "
     "use_running_average=True)`."
 )
-
-
-def _takes_rngs(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` names a parameter ``rngs`` (the NNX tutorial's ``loss_fn``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "rngs" and p.kind is not p.VAR_KEYWORD for p in params)
 
 
 def nnx_update(model: nnx.Module, state: Any) -> None:

@@ -109,7 +109,15 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
         except NameError as err:  # a collective (BatchNorm's axis_name) over an axis not here
             if "unbound axis name" not in str(err):
                 raise
-            raise UsageError(_unbound_axis_text(err)) from err
+            mesh = jax.sharding.get_abstract_mesh()
+            axes = f"; the mesh's axes are {tuple(mesh.axis_names)}" if not mesh.empty else ""
+            raise UsageError(
+                f"`loss_fn` runs a collective over an axis this step does not have ({err}). The "
+                f"step's device axis is {ambient_value('axis')!r}{axes}. Build the model with "
+                "`axis_name=strategy.collective_axis` (a BatchNorm's `axis_name`): None under "
+                "`single` and sharded `jit`, where the step sees the whole batch; the device "
+                "axis under `pmap` and `shard_map`."
+            ) from err
     want = 1 + cfg.has_aux + cfg.has_state
     if want == 1 and cfg.weighted:
         out = (out,)  # (losses, weights) is the one thing returned
@@ -132,19 +140,6 @@ def _call_loss(cfg: StepConfig, params, model_state, batch, rng, mask):
     new_state = out[-1] if cfg.has_state else None
     _check_losses(losses, weights, rows_of(batch))
     return losses, weights, aux, new_state
-
-
-def _unbound_axis_text(err: NameError) -> str:
-    axis = ambient_value("axis")  # the device axis of the step's body
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = f"; the mesh's axes are {tuple(mesh.axis_names)}" if not mesh.empty else ""
-    return (
-        f"`loss_fn` runs a collective over an axis this step does not have ({err}). The "
-        f"step's device axis is {axis!r}{axes}. Build the model with "
-        "`axis_name=strategy.collective_axis` (a BatchNorm's `axis_name`): None under "
-        "`single` and sharded `jit`, where the step sees the whole batch; the device axis "
-        "under `pmap` and `shard_map`."
-    )
 
 
 def _wants_one_more(fn: Callable, args: tuple, kwargs: dict) -> bool:
@@ -285,8 +280,9 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     count = jnp.sum(mask, dtype=jnp.int32)
     count = count if axis is None else jax.lax.psum(count, axis)
     denom = jnp.maximum(count, 1).astype(jnp.float32)
+    model_state = getattr(state, "model_state", None)  # flax's TrainState has none
     if cfg.accumulate == 1:
-        return _micro_grads(cfg, state.params, _model_state(state), batch, mask, rng, denom)
+        return _micro_grads(cfg, state.params, model_state, batch, mask, rng, denom)
 
     def micro(carry, xs):
         total, model_state, weight = carry
@@ -297,45 +293,13 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
         return (jax.tree.map(jnp.add, total, g), model_state, weight), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    init = (zeros, _model_state(state), jnp.zeros((), jnp.float32))
+    init = (zeros, model_state, jnp.zeros((), jnp.float32))
     xs = (batch, mask, jnp.arange(cfg.accumulate))
     (grads, model_state, weight), metrics = fold_steps(micro, init, xs, cfg.accumulate)
     return grads, model_state, metrics, (weight if cfg.weighted else None)
 
 
-def _model_state(state: Any) -> Any:
-    """jaxdev's ``model_state``; ``None`` for flax's ``TrainState`` (no such field)."""
-    return getattr(state, "model_state", None)
-
-
-def _average_state(model_state: Any, axis: str) -> Any:
-    """``pmean`` the float leaves over ``axis`` (flax's ``sync_batch_stats``); others stay."""
-
-    def avg(x):
-        return jax.lax.pmean(x, axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
-
-    return jax.tree.map(avg, model_state)
-
-
-_KEYS_TOLD: set[int] = set()
-
-
-def _tell_keys_once(cfg: StepConfig, axis: str | None) -> None:
-    """Log once per step that its keys are not a plain ``jit`` step's (README: Dropout keys)."""
-    if id(cfg) in _KEYS_TOLD:
-        return
-    _KEYS_TOLD.add(id(cfg))
-    folds = ([f"the device index over {axis!r}"] if axis is not None else []) + (
-        [f"the micro-batch index (accumulate={cfg.accumulate})"] if cfg.accumulate > 1 else []
-    )
-    _log.warning(
-        "the train step's keys differ from a plain `jax.jit` step's: step t draws from "
-        "fold_in(rng, t) and then folds in %s, so a model that samples follows another "
-        "trajectory than Flax's own step (statistically equivalent). For Flax's exact keys "
-        "use Strategy.single() or Strategy.sharded(mesh) (jit, no shard_map) without "
-        "accumulate.",
-        " and ".join(folds),
-    )
+_KEYS_TOLD: set[int] = set()  # the steps that logged their keys' difference (README: Dropout keys)
 
 
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
@@ -345,16 +309,30 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
         rng = jax.random.fold_in(rng, state.step)
         if axis is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        if axis is not None or cfg.accumulate > 1:
-            _tell_keys_once(cfg, axis)
+        if (axis is not None or cfg.accumulate > 1) and id(cfg) not in _KEYS_TOLD:
+            _KEYS_TOLD.add(id(cfg))
+            folds = [] if axis is None else [f"the device index over {axis!r}"]
+            if cfg.accumulate > 1:
+                folds.append(f"the micro-batch index (accumulate={cfg.accumulate})")
+            _log.warning(
+                "the train step's keys differ from a plain `jax.jit` step's: step t draws from "
+                "fold_in(rng, t) and then folds in %s, so a model that samples follows another "
+                "trajectory than Flax's own step (statistically equivalent). For Flax's exact "
+                "keys use Strategy.single() or Strategy.sharded(mesh) (jit, no shard_map) "
+                "without accumulate.",
+                " and ".join(folds),
+            )
     with ambient("axis", axis):
         grads, model_state, metrics, weight = _grads(cfg, state, batch, mask, rng, axis)
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
         weight = None if weight is None else jax.lax.psum(weight, axis)
         metrics = metrics.reduce(axis)
-        if cfg.has_state:
-            model_state = _average_state(model_state, axis)
+        if cfg.has_state:  # float leaves averaged (flax's sync_batch_stats); others stay
+            inexact = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.inexact)  # noqa: E731
+            model_state = jax.tree.map(
+                lambda x: jax.lax.pmean(x, axis) if inexact(x) else x, model_state
+            )
     if weight is not None:  # sum(loss * w) / sum(w) over the whole step's global batch
         safe = jnp.where(weight > 0, weight, 1.0)
         grads = jax.tree.map(lambda g: (g / safe).astype(g.dtype), grads)
@@ -408,7 +386,7 @@ def warn_padded_model_state(
 def eval_body(cfg: StepConfig, axis: str | None, state: Any, batch, mask):
     """Metrics of ``state`` (or bare params) on this device's rows; nothing updated."""
     if hasattr(state, "params") and hasattr(state, "opt_state"):  # jaxdev's or flax's
-        params, model_state = state.params, _model_state(state)
+        params, model_state = state.params, getattr(state, "model_state", None)
     else:
         params, model_state = state, None
     with ambient("axis", axis):
