@@ -260,11 +260,11 @@ def _specs(leaves: list[_Leaf], tree: Any, mesh: Mesh, rules: Rules, options: di
     if form == "replicate":
         return [(P(), "`rules`='replicate'")] * len(leaves)
     if form == "fsdp":
-        axis = fsdp_axis_of(mesh, options["fsdp_axis"])
-        n, min_size = axis_size(mesh, axis), options["min_size"]
+        axis = fsdp_axis_of(mesh, options.get("fsdp_axis"))
+        n, min_size = axis_size(mesh, axis), options.get("min_size", DEFAULT_MIN_SIZE)
         return [(_fsdp_spec(x.shape, axis, n, min_size), "`rules`='fsdp'") for x in leaves]
     if form == "flax":
-        return [_flax_spec(x, options["logical_axis_rules"]) for x in leaves]
+        return [_flax_spec(x, options.get("logical_axis_rules")) for x in leaves]
     if form == "layout":
         return _layout_specs(tree, rules, mesh)
     out = []
@@ -388,11 +388,7 @@ def param_shardings(
       >>> fsdp["params"]["Dense_0"]["kernel"].spec
       P('fsdp', None)
     """
-    options = {
-        "min_size": min_size,
-        "fsdp_axis": fsdp_axis,
-        "logical_axis_rules": logical_axis_rules,
-    }
+    options = dict(min_size=min_size, fsdp_axis=fsdp_axis, logical_axis_rules=logical_axis_rules)
     if is_train_state(tree):  # the whole state: the optimizer state follows the params
         return state_shardings(tree, mesh, rules, **options)
     mesh = check_mesh(mesh)
@@ -401,17 +397,9 @@ def param_shardings(
 
 
 def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
-    """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``.
-
-    Checks the form of ``rules`` and the options without the params, so a typo fails where
-    it is written (``Strategy.sharded``); specs are checked per leaf later.
-    """
-    unknown = sorted(set(options) - {"min_size", "fsdp_axis", "logical_axis_rules"})
-    if unknown:
-        raise ShardingError(
-            f"unknown rule option(s) {unknown}; the options are `min_size`, `fsdp_axis` and "
-            "`logical_axis_rules` (as in `jaxdev.param_shardings`)."
-        )
+    """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``: their
+    form and options, without the params (``Strategy.sharded``: a typo fails where it is
+    written; specs are checked per leaf later)."""
     if options.get("min_size") is not None:
         _check_min_size(options["min_size"])
     if options.get("fsdp_axis") is not None or (isinstance(rules, str) and rules == "fsdp"):
@@ -520,10 +508,8 @@ def state_shardings(
     model_state = getattr(state, "model_state", None)
     if model_state is not None:  # the rules are written for the params: no match is fine here
         layout = _form(rules) == "layout"
-        full = {"min_size": DEFAULT_MIN_SIZE, "fsdp_axis": None, "logical_axis_rules": None}
-        full.update(options)
         fields["model_state"] = _shardings(
-            model_state, mesh, "replicate" if layout else rules, full, "model_state", False
+            model_state, mesh, "replicate" if layout else rules, options, "model_state", False
         )
     everywhere = named_sharding(mesh, P())
     return _with_fields(jax.tree.map(lambda _: everywhere, unbox(state)), fields)  # step, rng
@@ -538,7 +524,7 @@ def step_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options
     layout = state_shardings(shapes, mesh, rules, **options)
     train, carried = is_train_state(state), None
     if isinstance(rules, str) and rules == "flax":  # kept when every leaf is on `mesh`
-        tree = state.params if train else state
+        tree = unbox(state.params if train else state)
         have = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
         if have and all(isinstance(s, NamedSharding) and s.mesh == mesh for s in have):
             carried = jax.tree.map(lambda x: x.sharding, tree)

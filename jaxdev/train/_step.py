@@ -6,6 +6,8 @@ arithmetic (:mod:`jaxdev.train._train`) and gives the same numbers. The step
 also places what it needs (``init_state``, ``put_batch``); a committed input
 laid out otherwise than its program (which ``jax.jit`` would refuse) is moved
 on the devices, once: a train step returns its state in the program's layout.
+A call that would donate a deleted or a shared buffer is refused, its leaves
+named (JAX segfaults on several devices, or raises a bare INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import optax
 from jax.sharding import NamedSharding
 
 from .._batches import Padded, padded_shapes
-from .._errors import UsageError
-from .._leaves import deleted, is_jax_array, same_layout
+from .._errors import DeletedArrayError, PlacementError, UsageError
+from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
 from .._pending import failed, record
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
-from .._rules import unbox
+from .._rules import is_train_state, unbox
 from ..distributed import same_program, step_call
 from ..memory import (
     OPTIONS,
@@ -41,8 +43,6 @@ from ..memory import (
     resolve_limit,
     state_shapes,
 )
-from ._donation import check_donatable
-from ._init_state import check_tx, is_state, new_state
 from ._metrics import Collection
 from ._strategy import Strategy, as_strategy
 from ._train import (
@@ -112,7 +112,10 @@ class _Step:
                     args = self._relayout(key, args) or args
                 self._check_memory(key, args, shapes)
             out, token = self._outputs(fn(*args))
-            self._bound_inflight(token)
+            if self._bounded:  # at most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100
+                self._inflight.append(token)  # queued collective programs on multi-device CPU
+                if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
+                    jax.block_until_ready(self._inflight.popleft())
         except Exception as err:
             explained = failed("the next call of the step") or oom_error(self.spec, args, err)
             if explained is None:
@@ -265,15 +268,6 @@ class _Step:
         """
         return explain_memory(self.spec, state, batch, limit, metrics=metrics, options=options)
 
-    def _bound_inflight(self, token: Any) -> None:
-        """Keep at most ``_MAX_INFLIGHT`` calls queued on multi-device CPU, where XLA deadlocks
-        with ~100 queued collective programs (jax 0.10.2, 8 devices, 2 cores)."""
-        if not self._bounded:
-            return
-        self._inflight.append(token)
-        if len(self._inflight) > _MAX_INFLIGHT:
-            jax.block_until_ready(self._inflight.popleft())
-
     def init_state(
         self,
         params: Any,
@@ -303,28 +297,29 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
-        if is_state(params):  # a whole state (flax's TrainState): placed as the step lays it out
-            return self._adopt(params, tx, rng, model_state)
+        if is_train_state(params):  # a whole state (flax's TrainState): laid out as the step does
+            for name, value in (("rng", rng), ("model_state", model_state)):
+                if value is not None:
+                    raise UsageError(
+                        f"`{name}` was given with a whole {type(params).__name__} as `params`: "
+                        f"a state carries its own fields. Pass `state.params` with `{name}=`, or "
+                        f"put `{name}` in the state."
+                    )
+            check_tx(self.config.tx, tx, unbox(params.params))
+            check_tx(self.config.tx, None, unbox(params.params), params.opt_state)
+            with explained_oom("init_state", lambda: {"state": params}, lambda: []):
+                return jax.block_until_ready(self.strategy.place_state(params))
         tx = self.config.tx if tx is None and self.is_train else tx
         check_tx(self.config.tx, tx, unbox(params))
-        needs = lambda: _init_lines(self.strategy, params, tx, rng, model_state)  # noqa: E731
+
+        def needs() -> list[str]:  # the plan of the state it builds, for its OOM message
+            s, create = self.strategy, lambda: TrainState.create(params, tx, rng, model_state)
+            shapes = state_shapes(params) if tx is None else jax.eval_shape(create)
+            return plan_lines(shapes, s.mesh, s.rules, s.options)
+
         oom = explained_oom("init_state", lambda: {"params": params}, needs)
         with oom, self.strategy.mesh_context():  # tx.init traced under the strategy's mesh
-            return jax.block_until_ready(new_state(self.strategy, params, tx, rng, model_state))
-
-    def _adopt(self, state: Any, tx: Any, rng: Any, model_state: Any) -> Any:
-        """A copy of a whole train state, laid out for this step (its optimizer checked)."""
-        for name, value in (("rng", rng), ("model_state", model_state)):
-            if value is not None:
-                raise UsageError(
-                    f"`{name}` was given with a whole {type(state).__name__} as `params`: a "
-                    f"state carries its own fields. Pass `state.params` with `{name}=`, or put "
-                    f"`{name}` in the state."
-                )
-        check_tx(self.config.tx, tx, unbox(state.params))
-        check_tx(self.config.tx, None, unbox(state.params), state.opt_state)
-        with explained_oom("init_state", lambda: {"state": state}, lambda: []):
-            return jax.block_until_ready(self.strategy.place_state(state))
+            return jax.block_until_ready(self.strategy.new_state(params, tx, rng, model_state))
 
     def put_batch(self, batch: Any) -> Any:
         """Place a host batch (leading ``K`` axis with ``steps_per_call``); uneven rows: Padded.
@@ -382,8 +377,6 @@ def _misplaced(
     out = []
     for a, (arg, want) in enumerate(zip(args, expected)):
         leaves, treedef = jax.tree.flatten(arg)
-        if not leaves:
-            continue
         if isinstance(want, NamedSharding):
             targets = [want] * len(leaves)
         else:
@@ -403,6 +396,68 @@ def _misplaced(
             if bad:
                 out.append((a, i, s))
     return out
+
+
+# ---------------------------------------------------------------- donation safety
+
+
+def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
+    """Raise before a call that would donate (or read) a deleted or a shared buffer.
+
+    ``donating=False`` (an eval step): only deleted leaves are refused.
+    """
+    impl, ids, n = array_type(), set(), 0
+    for x in jax.tree.leaves((state, metrics)):  # one pass: it runs before every call
+        if type(x) is impl:
+            if x.is_deleted():
+                _raise_deleted(state, metrics, donating)
+        elif not is_jax_array(x):
+            continue
+        elif deleted(x):
+            _raise_deleted(state, metrics, donating)
+        ids.add(id(x))
+        n += 1
+    if donating and len(ids) != n:  # one array reached twice: name each pair
+        seen: dict[int, str] = {}
+        pairs = []
+        for path, x in _named_leaves(state, metrics):
+            if is_jax_array(x):
+                if id(x) in seen:
+                    pairs.append(f"{seen[id(x)]} and {path}")
+                seen.setdefault(id(x), path)
+        raise PlacementError(
+            "the step would donate one array twice (segfault in XLA): "
+            + "; ".join(pairs[:8])
+            + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
+            "make the step with `donate=False`."
+        )
+
+
+def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
+    trees = {"state": state, "metrics": metrics}
+    return [
+        (name + p, x)
+        for name, t in trees.items()
+        for p, x in zip(key_strings(t), jax.tree.leaves(t))
+    ]
+
+
+def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
+    dead = [p for p, x in _named_leaves(state, metrics) if is_jax_array(x) and deleted(x)]
+    fix = (
+        "The step donates `state` and `metrics`: after `state, metrics = step(state, "
+        "batch, metrics)` use the returned objects, not the ones passed in (or make the "
+        "step with `donate=False`)."
+        if donating
+        else "An eval step never deletes its inputs: they were donated elsewhere (a train "
+        "step's old state, `jax.jit(..., donate_argnums=...)`) or `.delete()`d. Pass the "
+        "state (or params) a train step returned last."
+    )
+    raise DeletedArrayError(
+        f"the step got {len(dead)} deleted or donated leaf/leaves: {', '.join(dead[:8])}"
+        + (" ..." if len(dead) > 8 else "")
+        + f". {fix}"
+    )
 
 
 # ---------------------------------------------------------------- compiling
@@ -443,17 +498,6 @@ def _check_count(name: str, value: Any) -> int:
     if value < 1:
         raise UsageError(f"`{name}` must be >= 1, got {value}.")
     return value
-
-
-def _check_remat(value: Any) -> Any:
-    if value is None or value is False:
-        return False
-    if value is True or (callable(value) and not isinstance(value, type)):
-        return value
-    raise UsageError(
-        "`remat` must be True, False or a policy from `jax.checkpoint_policies` (e.g. "
-        f"`jax.checkpoint_policies.dots_saveable`), got {value!r}."
-    )
 
 
 def make_train_step(
@@ -511,7 +555,12 @@ def make_train_step(
       >>> int(state.step), round(metrics.fetch()["loss"], 3)
       (2, 0.905)
     """
-    m, remat = _check_count("accumulate", accumulate), _check_remat(remat)
+    m, remat = _check_count("accumulate", accumulate), False if remat is None else remat
+    if not (remat is True or remat is False or callable(remat) and not isinstance(remat, type)):
+        raise UsageError(
+            "`remat` must be True, False or a policy from `jax.checkpoint_policies` (e.g. "
+            f"`jax.checkpoint_policies.dots_saveable`), got {remat!r}."
+        )
     flags = bool(has_aux), bool(has_state), bool(pass_mask)
     cfg = StepConfig(loss_fn, tx, *flags, m, regularizer, lr_fn, bool(weighted), remat)
     k = _check_count("steps_per_call", steps_per_call)
@@ -546,15 +595,27 @@ def make_eval_step(
     return EvalStep(StepSpec(as_strategy(strategy), cfg, train=False, build=_build))
 
 
+def check_tx(step_tx: Any, tx: Any, params: Any, opt_state: Any = None) -> None:
+    """Refuse a ``tx`` or ``opt_state`` whose structure is not ``step_tx.init(params)``'s."""
+    if step_tx is None or (tx is None and opt_state is None) or tx is step_tx:
+        return
+    want = jax.tree.structure(jax.eval_shape(step_tx.init, state_shapes(params)))
+    got = opt_state if tx is None else jax.eval_shape(tx.init, state_shapes(params))
+    if jax.tree.structure(got) != want:
+        what = "the state's `opt_state`" if tx is None else "`tx`"
+        raise UsageError(
+            f"{what} does not match the step's optimizer: the step updates with the `tx` given "
+            f"to `make_train_step`, whose state is {_describe(want)}, but {what} makes "
+            f"{_describe(jax.tree.structure(got))}. Build the state with the step's own `tx` "
+            "(`step.init_state(params)` uses it) or make the step with this one."
+        )
+
+
+def _describe(treedef: Any) -> str:
+    text = str(treedef)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def _build(spec: StepSpec) -> _Step:
     """The step ``spec`` describes (the memory modules build their variants this way)."""
     return (TrainStep if spec.train else EvalStep)(spec)
-
-
-def _init_lines(strategy: Strategy, params: Any, tx: Any, rng: Any, model_state: Any) -> list[str]:
-    """What ``init_state`` needed (the plan of the state it builds), for its OOM message."""
-    if tx is not None:
-        shapes = jax.eval_shape(lambda: TrainState.create(params, tx, rng, model_state))
-    else:
-        shapes = state_shapes(params)
-    return plan_lines(shapes, strategy.mesh, strategy.rules, strategy.options)

@@ -1,8 +1,8 @@
 """Where and how a train step runs: one device, ``jax.pmap``, or sharded ``jit``.
 
 Each :class:`Strategy` subclass decides, for the step and the memory modules,
-the state's layout, the batch's, and how the step's body is compiled; nothing
-reads which kind it is.
+the state's layout (a new state is built in it), the batch's, and how the step's
+body is compiled; nothing reads which kind it is.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .._batches import (
 from .._devices import DeviceSpec, device_list
 from .._devices import device as resolve_device
 from .._errors import ShardingError, UsageError, short
+from .._leaves import is_jax_array
 from .._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
@@ -47,10 +48,11 @@ from .._mesh import (
     outside_mesh,
     under_mesh,
 )
-from .._placement import copy_to, to_device
+from .._placement import copy_to, place_tree, to_device
 from .._pmap_layout import shard_for_pmap
-from .._rules import check_rules, step_shardings
+from .._rules import check_rules, step_shardings, unbox
 from ..memory import check_offload, offloaded, streamed
+from ._train import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +153,23 @@ class Strategy:
         options = {k: v for k, v in named.items() if v is not None}
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         offload = check_offload(offload, mesh.devices.flat)
-        _check_sharded(mesh, axis, params, shard_map, offload)
+        if shard_map and offload:
+            raise UsageError(
+                f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
+            )
+        if shard_map and not _replicates(params):
+            raise UsageError(
+                f"`shard_map`=True trains replicated params only, got `rules`={short(params)}. "
+                "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
+                "`shard_map=True` (the numbers are the same)."
+            )
+        if axis is None and not _replicates(params) and set(mesh.axis_names) <= set(MODEL_AXES):
+            raise ShardingError(
+                f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
+                f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
+                "devices by default. Pass `axis=` with the axis the batch is split over, or add "
+                "a 'data' axis."
+            )
         axis = batch_axis(mesh, axis)
         devices = tuple(mesh.devices.flat)
         options = tuple(sorted(options.items()))
@@ -264,6 +282,16 @@ class Strategy:
     def state_target(self) -> Any:
         """Where an unsharded state lives: the device, or the mesh (replicated)."""
         return self.mesh
+
+    def new_state(self, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+        """A new train state (or params, without ``tx``, ``rng`` and ``model_state``), placed."""
+        if tx is not None:
+            state = TrainState.create(params, tx, rng, model_state)
+        elif model_state is not None or rng is not None:
+            state = TrainState(jnp.zeros((), jnp.int32), params, None, rng, model_state)
+        else:
+            state = params
+        return self.place_state(state)
 
     def mesh_context(self) -> contextlib.AbstractContextManager:
         """The context user code is traced in: ``jax.set_mesh`` under ``sharded``, else none."""
@@ -440,6 +468,33 @@ class _Sharded(Strategy):
     def place_state(self, tree: Any) -> Any:
         return copy_to(tree, self.state_layout(tree) if self.by_rules else self.state_target)
 
+    def new_state(self, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
+        """Under rules, every leaf built or copied in the step's own layout (under "flax",
+        params already on the mesh keep theirs); the optimizer state made by
+        ``jax.jit(tx.init)`` directly in the shardings that follow the params."""
+        if not self.by_rules:
+            return super().new_state(params, tx, rng, model_state)
+        opt = None if tx is None else jax.eval_shape(tx.init, unbox(params))
+        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt, rng, model_state)
+        layout = step_shardings(shapes, self.mesh, self.rules, **self.options)
+        params = place_tree(unbox(params), layout.params, copy=True)
+        if tx is None and model_state is None and rng is None:
+            state, layout = params, layout.params
+        else:
+            step = place_tree(jnp.zeros((), jnp.int32), layout.step, copy=True)
+            rng = None if rng is None else place_tree(rng, layout.rng, copy=True, arg="rng")
+            if model_state is not None:
+                model_state = place_tree(
+                    model_state, layout.model_state, copy=True, arg="model_state"
+                )
+            if tx is not None:  # no replicated copy of anything big
+                opt = _own_buffers(jax.jit(tx.init, out_shardings=layout.opt_state)(params), params)
+            state = TrainState(step, params, opt, rng, model_state)
+        if not self.offload:
+            return state
+        # the offloaded fields moved to host memory (the device copies go with the last reference)
+        return jax.device_put(state, offloaded(layout, state, self.offload))
+
     def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         rows = named_sharding(self.mesh, self.batch_spec(*group))
         replicated = named_sharding(self.mesh, P())
@@ -478,9 +533,21 @@ class _Sharded(Strategy):
 def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     """Place rows grouped as ``(K?, M?, rows, ...)``, padded to ``M * devices`` and masked."""
     leaves, treedef = jax.tree.flatten(batch)
-    rows = _grouped_rows(leaves, k)
+    what, row_axis = (f"(K={k}, B, ...)", 1) if k > 1 else ("(B, ...)", 0)
+    flat = not leaves or any(np.ndim(x) < 1 + row_axis for x in leaves)
+    if flat or (k > 1 and any(np.shape(x)[0] != k for x in leaves)):
+        raise ShardingError(
+            f"with `steps_per_call`={k} every batch leaf needs shape {what}"
+            f"{'' if flat else f' with K={k}'}; got {[np.shape(x) for x in leaves[:3]]}."
+        )
+    rows = {np.shape(x)[row_axis] for x in leaves}
+    if len(rows) != 1 or 0 in rows:
+        raise ShardingError(
+            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
+            f"{[np.shape(x) for x in leaves[:3]]}."
+        )
+    rows = rows.pop()
     extra = -rows % (m * strategy.local_shards())
-    row_axis = 1 if k > 1 else 0
     xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
     out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
     lead = (k,) if k > 1 else ()
@@ -489,23 +556,6 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
     placed, mask = strategy.place_grouped(grouped, k, m)
     return Padded(placed, mask, rows) if extra else placed
-
-
-def _grouped_rows(leaves: list[Any], k: int) -> int:
-    what = f"(K={k}, B, ...)" if k > 1 else "(B, ...)"
-    flat = not leaves or any(np.ndim(x) < (2 if k > 1 else 1) for x in leaves)
-    if flat or (k > 1 and any(np.shape(x)[0] != k for x in leaves)):
-        raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what}"
-            f"{'' if flat else f' with K={k}'}; got {[np.shape(x) for x in leaves[:3]]}."
-        )
-    rows = {np.shape(x)[1 if k > 1 else 0] for x in leaves}
-    if len(rows) != 1 or 0 in rows:
-        raise ShardingError(
-            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    return rows.pop()
 
 
 def _renamed(rules: Any, params: Any) -> Any:
@@ -524,25 +574,18 @@ def _renamed(rules: Any, params: Any) -> Any:
     return params
 
 
-def _check_sharded(mesh: Mesh, axis: Any, rules: Any, shard_map: bool, offload: tuple) -> None:
-    """Refuse what ``Strategy.sharded`` cannot run."""
-    if shard_map and offload:
-        raise UsageError(
-            f"`offload`={offload} runs under jax.jit only, not `shard_map`=True: drop one."
-        )
-    if shard_map and not _replicates(rules):
-        raise UsageError(
-            f"`shard_map`=True trains replicated params only, got `rules`={short(rules)}. "
-            "Sharded params run under jax.jit, where XLA inserts the gathers: drop "
-            "`shard_map=True` (the numbers are the same)."
-        )
-    if axis is None and not _replicates(rules) and set(mesh.axis_names) <= set(MODEL_AXES):
-        raise ShardingError(
-            f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
-            f"{MODEL_AXES} that `rules` may split, so the batch would split over the same "
-            "devices by default. Pass `axis=` with the axis the batch is split over, or add a "
-            "'data' axis."
-        )
+def _own_buffers(tree: Any, others: Any) -> Any:
+    """``tree`` with leaves shared with ``others`` (or itself) copied: XLA crashes donating
+    one buffer twice (``tx.init`` may return the params: lookahead's slow weights)."""
+    seen = {id(x) for x in jax.tree.leaves(others)}
+
+    def own(x: Any) -> Any:
+        if is_jax_array(x) and id(x) in seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, tree)
 
 
 def _replicates(rules: Any) -> bool:
