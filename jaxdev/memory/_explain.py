@@ -10,6 +10,7 @@ that carries one) and ask its strategy for every layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -402,13 +403,8 @@ def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
     plan_ = step_plan(spec, args[0], args[1], jitted.lower(*args))
     if plan_.compiled is None:  # the backend does not analyse memory
         return
-    check_fits(
-        plan_,
-        limit,
-        source=source,
-        subject=spec.subject,
-        explain=lambda lim, src: explain_args(spec, args, limit=lim, source=src, plan_=plan_),
-    )
+    explain = functools.partial(explain_args, spec, args, plan_=plan_)  # when it does not fit
+    check_fits(plan_, limit, source=source, subject=spec.subject, explain=explain)
 
 
 def oom_error(
@@ -533,9 +529,6 @@ class _Search:
             self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)
         return self.tried[v.change, b]
 
-    def fits(self, v: Variant, b: int) -> bool:
-        return self.trial(v, b).fits
-
     def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
         """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?"""
         lo, hi, top = unit, None, most // unit * unit
@@ -543,10 +536,10 @@ class _Search:
             nxt = min(lo * 2, top)
             if nxt <= lo:
                 return lo, True
-            lo, hi = (nxt, None) if self.fits(v, nxt) else (lo, nxt)
+            lo, hi = (nxt, None) if self.trial(v, nxt).fits else (lo, nxt)
         while hi - lo > unit:
             mid = lo + (hi - lo) // unit // 2 * unit
-            lo, hi = (mid, hi) if self.fits(v, mid) else (lo, mid)
+            lo, hi = (mid, hi) if self.trial(v, mid).fits else (lo, mid)
         return lo, False
 
 
@@ -603,7 +596,7 @@ def fit_memory(
         search = _Search(rows, state, limit_)
         for v in _candidates(spec, state):
             unit = v.spec.accumulate  # 1 for an eval step
-            if unit > max_batch_size or not search.fits(v, unit):
+            if unit > max_batch_size or not search.trial(v, unit).fits:
                 err = search.errors.get((v.change, unit))
                 memory = isinstance(err, MemoryPlanError) or is_resource_exhausted(err)
                 if v.spec is spec and err is not None and not memory:

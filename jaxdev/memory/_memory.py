@@ -9,8 +9,10 @@ backend reports them, the allocator's bytes in use, peak and limit stand beside.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -182,9 +184,8 @@ def ledger(**trees: Any) -> MemoryLedger:
     # named arrays first, then multi-device ones: a view or alias of their buffers adds nothing
     live.sort(key=lambda xb: (not any(k in names for k in xb[1]), len(xb[1]) == 1))
     seen: set[tuple[jax.Device, int]] = set()
-    likes: dict[tuple[Any, ...], str | None] = {}
-    per_device: dict[jax.Device, int] = {}
-    host: dict[jax.Device, int] = {}
+    like = functools.cache(lambda shape, dtype, s: _like(s, shapes.get((shape, dtype))))
+    per_device, host = Counter(), Counter()  # host: offloaded arrays, 0 on the device
     entries, others, offloaded = [], [], []
     for x, keys in live:
         fresh = [d for d, p in keys if (d, p) not in seen or not p]
@@ -192,25 +193,20 @@ def ledger(**trees: Any) -> MemoryLedger:
         if not fresh:
             continue
         counts = dict.fromkeys(fresh, math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize)
-        in_host = x.sharding.memory_kind in HOST_KINDS  # offloaded: 0 on the device
-        bucket = host if in_host else per_device
-        for d, n in counts.items():
-            bucket[d] = bucket.get(d, 0) + n
+        in_host = x.sharding.memory_kind in HOST_KINDS
+        (host if in_host else per_device).update(counts)
         named = [names[k] for k in keys if k in names]
         if named:
             entry = LedgerEntry(*named[0], counts)
         else:
-            kind = (tuple(x.shape), str(x.dtype), x.sharding)  # one look-up per kind of array
-            if kind not in likes:
-                likes[kind] = _like(x, shapes.get(kind[:2]))
-            unnamed = ("<unattributed>", "unattributed", *kind[:2])
-            entry = LedgerEntry(*unnamed, counts, likes[kind])
+            shape, dtype = tuple(x.shape), str(x.dtype)
+            old = like(shape, dtype, x.sharding)  # one look-up per kind of array
+            entry = LedgerEntry("<unattributed>", "unattributed", shape, dtype, counts, old)
         (offloaded if in_host else entries if named else others).append(entry)
     for rows in (entries, others, offloaded):
         rows.sort(key=lambda e: (-e.fullest, -e.total))
-    for d in host:  # a device holding only offloaded arrays is listed with 0
-        per_device.setdefault(d, 0)
-    stats = {d: memory_stats(d) for d in sorted(per_device, key=lambda d: (d.platform, d.id))}
+    devices = sorted({*per_device, *host}, key=lambda d: (d.platform, d.id))  # offloaded only: 0
+    stats = {d: memory_stats(d) for d in devices}
     per_device = {d: per_device[d] for d in stats}
     host = {d: host[d] for d in stats if d in host}
     return MemoryLedger(tuple(entries), tuple(others), per_device, stats, host, tuple(offloaded))
@@ -238,11 +234,11 @@ def named_arrays(trees: Mapping[str, Any]) -> tuple[dict, dict]:
     return names, shapes
 
 
-def _like(x: jax.Array, leaves: list | None) -> str | None:
-    """The named leaf ``x`` may be an old copy of: device arrays on its sharding first."""
+def _like(sharding: Any, leaves: list | None) -> str | None:
+    """The named leaf an array on ``sharding`` may be an old copy of: device arrays on it first."""
     if not leaves:
         return None
-    path, _ = min(leaves, key=lambda pl: (pl[1] is None, pl[1] != x.sharding))
+    path, _ = min(leaves, key=lambda pl: (pl[1] is None, pl[1] != sharding))
     more = len(leaves) - 1
     return f"{path} (or {more} other{'s' * (more > 1)} of that shape)" if more else path
 

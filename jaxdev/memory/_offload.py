@@ -80,8 +80,6 @@ def kept_host(layout: Any, state: Any) -> Any:
     if len(shardings) != len(leaves):
         return layout
     kinds = [getattr(x, "sharding", None) for x in leaves]
-    if not any(is_host(k) for k in kinds):
-        return layout
     out = [
         s.with_memory_kind(k.memory_kind) if is_host(k) and isinstance(s, Sharding) else s
         for s, k in zip(shardings, kinds)

@@ -418,12 +418,12 @@ def check_fits(
     *,
     source: str | None = None,
     subject: str | None = None,
-    explain: Callable[[int, str], Any] | None = None,
+    explain: Callable[..., Any] | None = None,
 ) -> None:
     """Raise :class:`MemoryPlanError` unless ``plan_`` fits in ``limit`` bytes per device.
 
     The one memory check (the step's ``memory_limit`` too). The fix it names:
-    with ``explain`` (``explain(limit, source)`` -> a ``MemoryExplanation``, called
+    with ``explain`` (``explain(limit=, source=)`` -> a ``MemoryExplanation``, called
     only when it does not fit, its details added), the cheapest compiled option
     that fits; without, what ``'fsdp'`` would need for replicated params.
     """
@@ -435,7 +435,7 @@ def check_fits(
     explanation, failed = None, ""
     if explain is not None:
         try:
-            explanation = explain(limit_, source)
+            explanation = explain(limit=limit_, source=source)
         except Exception as e:  # advice only: the check's own message stands
             failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
     advice = "" if explanation is None else explanation.advice()  # the compiled options' fix
