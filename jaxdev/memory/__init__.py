@@ -18,14 +18,9 @@ Example:
 
 # ruff: noqa: I001, F401 - re-exports, public first
 
-from ._memory import LedgerEntry as LedgerEntry
-from ._memory import MemoryLedger as MemoryLedger
-from ._memory import ledger as ledger
-from ._plan import MemoryPlan as MemoryPlan
-from ._plan import plan as plan
-from ._explain import MemoryExplanation as MemoryExplanation
-from ._explain import MemoryFit as MemoryFit
-from ._explain import fit_memory as fit_memory
+from ._memory import LedgerEntry, MemoryLedger, ledger
+from ._plan import MemoryPlan, plan
+from ._explain import MemoryExplanation, MemoryFit, fit_memory
 
 __all__ = [
     "LedgerEntry",

@@ -219,19 +219,6 @@ def memory_options(
     return out
 
 
-def check_options(options: Any) -> tuple[str, ...]:
-    """``options`` as a tuple of names of :data:`OPTIONS` (one name alone is allowed)."""
-    try:
-        names = (options,) if isinstance(options, str) else tuple(options)
-    except TypeError:  # not a sequence: refused below
-        names = (options,)
-    if any(n not in OPTIONS for n in names):
-        raise UsageError(
-            f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
-        )
-    return names
-
-
 # ---------------------------------------------------------------- explanation
 
 
@@ -355,7 +342,14 @@ def explain_memory(
       source: where ``limit`` came from; ``plan_``: the step's plan, when
         compiled already; ``error``: XLA's message after an out-of-memory.
     """
-    names = check_options(options)
+    try:
+        names = (options,) if isinstance(options, str) else tuple(options)
+    except TypeError:  # not a sequence: refused below
+        names = (options,)
+    if any(n not in OPTIONS for n in names):
+        raise UsageError(
+            f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
+        )
     spec = spec_of(step)
     limit, by = resolve_limit(limit, check_mesh(spec.strategy.mesh), required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
@@ -391,10 +385,7 @@ def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplan
 
 
 def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
-    """Raise MemoryPlanError before a program's first call when it needs more than its budget.
-
-    The budget is ``memory_limit``, else the devices' own (none on CPU).
-    """
+    """Raise MemoryPlanError before a program's first call when it needs more than its budget."""
     limit, source = resolve_limit(
         spec.memory_limit, spec.strategy.devices, required=False, arg="memory_limit"
     )

@@ -316,6 +316,3 @@ def _where(e: LedgerEntry) -> str:
     """``cpu:3`` for an array on one device, ``8 devices`` for one on several."""
     devices = list(e.bytes_per_device)
     return device_name(devices[0]) if len(devices) == 1 else f"{len(devices)} devices"
-
-
-__all__ = ["CATEGORIES", "LedgerEntry", "MemoryLedger", "ledger"]

@@ -33,8 +33,6 @@ from ._spec import Described, StepSpec, spec_of
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
 
-_STATE_CATEGORIES = ("params", "opt_state", "model_state")
-
 
 class CompiledMemory(NamedTuple):
     """A compiled step's ``memory_analysis()``, per device, in bytes.
@@ -194,7 +192,7 @@ def _build(
     targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
         field = getattr(path[0], "name", None) if is_state else "params"
-        leaves.append((field if field in _STATE_CATEGORIES else "other", _shape_dtype(leaf), s))
+        leaves.append((field if field in CATEGORIES[:3] else "other", _shape_dtype(leaf), s))
     for shape, dtype in map(_shape_dtype, jax.tree.leaves(batch)):
         leaves.append(("batch", (shape, dtype), named_sharding(mesh, batch_spec(len(shape)))))
     for category, (shape, dtype), s in leaves:
