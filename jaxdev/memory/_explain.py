@@ -50,8 +50,7 @@ class BatchRows(NamedTuple):
 
 def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     """``batch`` (placed, Padded, or shapes) as rows per update, past the step's lead axes."""
-    inner = batch.batch if isinstance(batch, Padded) else batch
-    leaves, treedef = jax.tree.flatten(inner)
+    leaves, treedef = jax.tree.flatten(batch.batch if isinstance(batch, Padded) else batch)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1

@@ -68,9 +68,7 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     if not all(hasattr(state, f) for f in ("step", "params", "opt_state")):
         return to_host(layout) if "params" in fields else layout
     changes = {f: to_host(getattr(layout, f)) for f in fields}
-    if isinstance(layout, tuple):
-        return layout._replace(**changes)
-    return layout.replace(**changes)
+    return layout._replace(**changes) if isinstance(layout, tuple) else layout.replace(**changes)
 
 
 def kept_host(layout: Any, state: Any) -> Any:

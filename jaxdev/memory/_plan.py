@@ -311,10 +311,8 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
 def _same_rules(a: Any, b: Any) -> bool:
     if isinstance(a, str) or isinstance(b, str):
         return isinstance(a, str) and isinstance(b, str) and a == b
-    if isinstance(a, list):
-        a = tuple(tuple(r) if isinstance(r, list) else r for r in a)
-    if isinstance(b, list):
-        b = tuple(tuple(r) if isinstance(r, list) else r for r in b)
+    pairs = lambda r: tuple(tuple(x) if isinstance(x, list) else x for x in r)  # noqa: E731
+    a, b = (pairs(r) if isinstance(r, list) else r for r in (a, b))  # a list of rules
     try:
         return bool(a == b)
     except Exception:  # layout trees of arrays: no plain equality
