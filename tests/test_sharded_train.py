@@ -345,6 +345,16 @@ def test_bad_inputs():
     step = jaxdev.make_train_step(loss_fn, SGD, strategy, has_aux=True)
     with pytest.raises(jaxdev.ShardingError, match=r"Dense_0.*kernel.*\(32, 64\)"):
         step.init_state(_params(), SGD)
+    # a bad leaf is named as the `params` it came in (the step's init_state argument)
+    step = jaxdev.make_train_step(
+        lambda p, b: jnp.sum(p["w"]), SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=0)
+    )
+    with pytest.raises(jaxdev.LeafValueError, match=r"^`params` leaf \['n'\]: int64"):
+        step.init_state({"w": jnp.ones((8, 4)), "n": np.array(2**40)})
+    dead = jnp.ones((8, 4))
+    dead.delete()
+    with pytest.raises(jaxdev.DeletedArrayError, match="^`params` has 1 deleted"):
+        step.init_state({"w": dead})
 
 
 def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():

@@ -477,7 +477,7 @@ class _Sharded(Strategy):
         opt = None if tx is None else jax.eval_shape(tx.init, unbox(params))
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt, rng, model_state)
         layout = step_shardings(shapes, self.mesh, self.rules, **self.options)
-        params = place_tree(unbox(params), layout.params, copy=True)
+        params = place_tree(unbox(params), layout.params, copy=True, arg="params")
         if tx is None and model_state is None and rng is None:
             state, layout = params, layout.params
         else:
