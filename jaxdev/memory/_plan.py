@@ -81,15 +81,6 @@ class PlanRow(NamedTuple):
         return self.sharded_bytes / self.total_bytes if self.total_bytes else 1.0
 
 
-class _Inputs(NamedTuple):
-    """What a plan was built from, kept to compute alternatives (``check_fits``)."""
-
-    state: Any  # the unboxed state / tree, arrays or ShapeDtypeStructs
-    batch: Any
-    batch_spec: Callable[[int], P]  # a batch leaf's spec, by its rank
-    options: dict[str, Any]
-
-
 @dataclasses.dataclass(frozen=True, repr=False)
 class MemoryPlan:
     """Bytes per device of a train state (and batch, and compiled step), from shapes alone.
@@ -111,7 +102,9 @@ class MemoryPlan:
     mesh: Mesh
     rules: Any
     compiled: CompiledMemory | None = None
-    _inputs: _Inputs | None = dataclasses.field(default=None, compare=False)
+    # what it was built from, for fsdp_alternative: the unboxed state, the batch, a batch
+    # leaf's spec by its rank, the options
+    _inputs: tuple | None = dataclasses.field(default=None, compare=False)
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -303,7 +296,7 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)
-    inputs = _Inputs(state, batch, batch_spec, dict(options))
+    inputs = (state, batch, batch_spec, dict(options))
     host = host if any(host.values()) else {}
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
 
@@ -464,18 +457,19 @@ def fsdp_applies(mesh: Mesh, rules: Any) -> bool:
 
 def fsdp_alternative(plan_: MemoryPlan) -> str:
     """``"; with rules='fsdp' over 8 devices: 8.1 GiB"`` for replicated params, else ``""``."""
-    mesh, inputs = plan_.mesh, plan_._inputs
-    if inputs is None or not fsdp_applies(mesh, plan_.rules):
+    mesh = plan_.mesh
+    if plan_._inputs is None or not fsdp_applies(mesh, plan_.rules):
         return ""
-    options = {k: v for k, v in inputs.options.items() if k != "fsdp_axis"}
+    state, batch, batch_spec, options = plan_._inputs
+    options = {k: v for k, v in options.items() if k != "fsdp_axis"}
     try:
         n = axis_size(mesh, fsdp_axis_of(mesh))
-        shardings = state_shardings(inputs.state, mesh, "fsdp", **options)
+        shardings = state_shardings(state, mesh, "fsdp", **options)
     except Exception:  # the alternative is advice only
         return ""
     if n <= 1:
         return ""
-    _, total, _, _ = _build(inputs.state, shardings, inputs.batch, inputs.batch_spec, mesh)
+    _, total, _, _ = _build(state, shardings, batch, batch_spec, mesh)
     note = " for the state and batch, before the step's temporaries" if plan_.compiled else ""
     return f"; with rules='fsdp' over {n} devices: {human_bytes(total)}{note}"
 
