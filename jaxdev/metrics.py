@@ -1,6 +1,11 @@
 """On-device metrics: accumulate in the step, read once with ``fetch()``.
 
-A namespace over :mod:`jaxdev.train._metrics` (the train subsystem owns them).
+A namespace over :mod:`jaxdev.train._metrics` (the train subsystem owns them). Every
+constructor (``from_value``, ``from_logits``, ``Collection``, ``from_values``,
+``DeviceLog.create``) and every ``merge``/``record`` raises :class:`jaxdev.MetricError` naming
+the argument: a value that is not numeric (``labels`` not integer), a mask or shape that does
+not fit, a ``capacity`` that is not a positive int, a ``Collection`` entry that is not a str
+name to a ``Metric``, or names or kinds that differ (the missing and unexpected names listed).
 
 Example:
   >>> import jax.numpy as jnp, jaxdev

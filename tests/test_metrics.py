@@ -417,3 +417,12 @@ def test_device_log_errors():
         DeviceLog.create(2.5)
     with pytest.raises(MetricError, match=r"`value` of shape \(\)"):
         DeviceLog.create(2).record(jnp.ones(3))
+
+
+def test_the_public_namespace_says_what_each_constructor_raises():
+    # help(jaxdev.metrics) is where the errors are listed (the methods carry no Raises)
+    doc = jaxdev.metrics.__doc__
+    for name in ("MetricError", "from_value", "from_logits", "from_values", "DeviceLog.create"):
+        assert name in doc, name
+    for what in ("merge", "record", "not integer", "positive int", "not a str"):
+        assert what in doc, what

@@ -5,9 +5,8 @@ device, inside ``jit``) and ``compute()``; only :func:`fetch_metrics` / ``.fetch
 data, with one ``jax.device_get`` of the raw accumulators. ``mask`` is a boolean mask over
 the leading (row) axes of ``value``: rows where it is ``False`` never count (padding may be
 NaN). Values accumulate in float32, counts in int32 (exact up to 2**31 - 1). ``reduce(axis)``
-combines accumulators inside ``jax.pmap`` / ``shard_map``. Every constructor raises
-:class:`~jaxdev.MetricError` naming the argument for a value that is not numeric, a mask or
-shape that does not fit, or keys that differ (the missing and unexpected ones named).
+combines accumulators inside ``jax.pmap`` / ``shard_map``. The errors are listed where users
+read them: :mod:`jaxdev.metrics`.
 """
 
 from __future__ import annotations
