@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import flax.linen as nn
@@ -55,6 +56,30 @@ def test_flax_train_state_just_works_and_matches_flax(name):
     ev = jaxdev.make_eval_step(loss, STRATEGIES[name]())
     got = ev(state, ev.put_batch(_batch(rows=13))).fetch()["loss"]
     np.testing.assert_allclose(got, loss(want.params, _batch(rows=13)).mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp"])
+def test_a_state_the_step_cannot_return_is_refused_at_init_state(name):
+    """A state with the state fields but no ``._replace``/``.replace`` is neither taken as
+    params (the step would differentiate its step counter) nor copied as a state."""
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class MyState:
+        step: jax.Array
+        params: dict
+        opt_state: object
+
+    mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+    strategy = (
+        jaxdev.Strategy.single()
+        if name == "single"
+        else jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=0)
+    )
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    own = MyState(jnp.zeros((), jnp.int32), _params(), SGD.init(_params()))
+    with pytest.raises(jaxdev.UsageError, match="`params` is a MyState with `step`"):
+        step.init_state(own)
 
 
 @pytest.mark.parametrize("name", ["pmap", "sharded", "shard_map"])

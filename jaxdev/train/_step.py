@@ -309,6 +309,13 @@ class _Step:
             check_tx(self.config.tx, None, unbox(params.params), params.opt_state)
             with explained_oom("init_state", lambda: {"state": params}, lambda: []):
                 return jax.block_until_ready(self.strategy.place_state(params))
+        if all(hasattr(params, f) for f in ("step", "params", "opt_state")):  # not params either
+            raise UsageError(
+                f"`params` is a {type(params).__name__} with `step`, `params` and `opt_state`, "
+                "but the step can only return a NamedTuple or a dataclass with `.replace` "
+                "(`flax.struct.dataclass`, flax's TrainState). Pass its `.params`, or build the "
+                "state as one of those."
+            )
         tx = self.config.tx if tx is None and self.is_train else tx
         check_tx(self.config.tx, tx, unbox(params))
 
