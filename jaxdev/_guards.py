@@ -296,7 +296,7 @@ class _StderrTap:
     def __init__(self) -> None:
         self.users, self.process, self.done = 0, None, True
         self.saved = self.write_fd = -1
-        self.reports: Any = None  # the relay's reports, a binary file
+        self.reports: Any = None  # the relay's reports, a raw binary file
 
     def start(self, swallow: bool) -> bool:
         """Route fd 2 through a new relay (first user); ``False`` without a usable fd 2."""
@@ -328,7 +328,8 @@ class _StderrTap:
                 for fd in fds:
                     os.close(fd)
             threading.Thread(target=target, args=args, name=name, daemon=True).start()
-            self.reports, self.done = os.fdopen(report_r, "rb"), False
+            # unbuffered: a buffered reader's lock, held by a parent's drain, hangs a fork
+            self.reports, self.done = os.fdopen(report_r, "rb", buffering=0), False
             self.saved, self.write_fd = saved, write_fd
             os.dup2(write_fd, 2)
         self.users += 1

@@ -527,3 +527,41 @@ def test_a_child_forked_while_a_thread_holds_the_lock_counts_on_its_own():
     )
     assert proc.returncode == 0, proc.stderr
     assert "child 0" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+def test_a_child_forked_while_a_thread_reads_the_relay_counts_on_its_own():
+    # the drain blocked reading the relay's reports (relay stopped) when the parent forks:
+    # the child's fork hook must not wait on the parent's reader (it hung at the fork)
+    proc = run_python(
+        """
+        import os, signal, threading, time, warnings
+        import jaxdev
+        from jaxdev import _guards
+
+        with jaxdev.count_transfers():
+            relay = _guards._tap.process
+            os.kill(relay.pid, signal.SIGSTOP)
+            reader = threading.Thread(target=_guards._drain_implicit)
+            reader.start()
+            time.sleep(0.5)  # the reader waits in the reports for the relay's answer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fork() in a threaded process
+                pid = os.fork()
+            if pid == 0:
+                with jaxdev.count_transfers() as c:
+                    pass
+                os._exit(0 if c.host_to_device == c.device_to_host == 0 else 3)
+            deadline = time.monotonic() + 20
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            os.kill(relay.pid, signal.SIGCONT)
+            reader.join(30)
+        print("child", "hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+        """,
+        {"JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child 0" in proc.stdout, (proc.stdout, proc.stderr)
