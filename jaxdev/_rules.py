@@ -427,10 +427,11 @@ def _shardings(
         )
     if params and leaves and rules == "fsdp" and all(s == P() for s, _ in specs):
         big = max(leaves, key=lambda x: int(np.prod(x.shape, dtype=np.int64)))
-        n = axis_size(mesh, fsdp_axis_of(mesh, options["fsdp_axis"]))
+        n = axis_size(mesh, fsdp_axis_of(mesh, options.get("fsdp_axis")))
+        least = options.get("min_size", DEFAULT_MIN_SIZE)
         raise ShardingError(
             f"`rules`='fsdp' shards no leaf of `{arg}` over {n} devices, so every device would "
-            f"hold the whole model: each leaf has fewer than `min_size`={options['min_size']} "
+            f"hold the whole model: each leaf has fewer than `min_size`={least} "
             f"elements or no dimension divisible by {n} (the largest, {big.path!r}, has shape "
             f"{big.shape}). Lower `min_size=`, or write `rules='replicate'` if replication is "
             "meant."
@@ -500,7 +501,9 @@ def state_shardings(
     mesh = check_mesh(mesh)
     if not is_train_state(state):
         return param_shardings(state, mesh, rules, **options)
-    params = param_shardings(state.params, mesh, rules, **options)
+    if "min_size" in options:
+        _check_min_size(options["min_size"])
+    params = _shardings(state.params, mesh, rules, options, "params")
     fields = {
         "params": params,
         "opt_state": follow_params(state.opt_state, state.params, params, mesh),

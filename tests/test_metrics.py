@@ -417,6 +417,9 @@ def test_device_log_errors():
         DeviceLog.create(2.5)
     with pytest.raises(MetricError, match=r"`value` of shape \(\)"):
         DeviceLog.create(2).record(jnp.ones(3))
+    for shape in ((-1,), (2.5,), "ab", None, (True,)):  # was a raw TypeError or a silent int()
+        with pytest.raises(MetricError, match="`shape` to be a tuple of non-negative ints"):
+            DeviceLog.create(2, shape=shape)
 
 
 def test_the_public_namespace_says_what_each_constructor_raises():

@@ -205,6 +205,8 @@ def test_regex_rules_first_match_wins_pad_and_default(dm):
         with pytest.raises(ShardingError, match="no pattern of `rules` matches any leaf") as e:
             jaxdev.param_shardings(mlp_params(), dm, rules)
         assert "'params/Dense_0/bias'" in str(e.value)
+    with pytest.raises(ShardingError, match="no pattern of `rules` matches any leaf of `params`"):
+        jaxdev.param_shardings(jaxdev.TrainState.create(mlp_params(), optax.sgd(0.1)), dm, [])
     # a train state whose model_state no pattern matches is fine (rules are for the params)
     state = jaxdev.TrainState.create(
         mlp_params(), optax.sgd(0.1), model_state={"batch_stats": {"mean": jnp.zeros(8)}}

@@ -360,7 +360,8 @@ def test_bad_inputs():
 def test_strategy_takes_the_rules_keyword_and_options_of_param_shardings():
     mesh = _mesh({"data": 2, "fsdp": 4})
     params = _params()
-    with pytest.raises(jaxdev.ShardingError, match="shards no leaf"):  # replication is 'replicate'
+    # replication is 'replicate'; the leaves named are the params' (was "`tree`")
+    with pytest.raises(jaxdev.ShardingError, match="shards no leaf of `params`.*=1000000000 "):
         jaxdev.make_train_step(
             loss_fn, SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=10**9), has_aux=True
         ).init_state(params, SGD)

@@ -632,12 +632,15 @@ class DeviceLog:
             raise MetricError(
                 f"`DeviceLog.create` expects `capacity` to be a positive int, got {capacity}."
             )
-        try:
-            shape = tuple(int(d) for d in shape)
-        except TypeError:
+        dims = tuple(shape) if isinstance(shape, (tuple, list)) else (None,)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+            dims = (-1,)
+        if any(d < 0 for d in dims):
             raise MetricError(
-                f"`DeviceLog.create` expects `shape` to be a tuple of ints, got {shape!r}."
-            ) from None
+                f"`DeviceLog.create` expects `shape` to be a tuple of non-negative ints, got "
+                f"{shape!r}."
+            )
+        shape = tuple(int(d) for d in dims)
         buffer = jnp.zeros((int(capacity), *shape), dtype)
         return cls(buffer=buffer, count=jnp.zeros((), _I32))
 
