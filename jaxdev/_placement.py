@@ -160,6 +160,8 @@ def to_device(tree: Any, target: Target) -> Any:
             )
         _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
         return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, sharding))
+    if not sharding.is_fully_addressable:  # several processes: global arrays, typed keys too
+        return place_tree(tree, sharding, copy=False)
     _check_fits(tree, leaves, moving, sharding, "tree")
     moved = jax.device_put([leaves[i] for i in moving], _put_target(target, sharding))
     out = list(leaves)
@@ -236,6 +238,8 @@ def copy_to(tree: Any, target: Target) -> Any:
             "`copy_to` inside a jax.jit trace: buffers do not exist while tracing. "
             "Copy before or after the jitted call."
         )
+    if not sharding.is_fully_addressable:  # several processes: global arrays, typed keys too
+        return place_tree(tree, sharding, copy=True)
     _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
     # Host leaves copied first: on CPU, JAX aliases aligned numpy buffers even with
     # may_alias=False (jax 0.10.2); the fresh copies may be aliased, device arrays not.
@@ -410,12 +414,20 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
         elif is_jax_array(x) and not x.is_fully_addressable:
             out[i] = jax.jit(jnp.copy, out_shardings=s)(x)  # a global array: on the devices
         else:  # several processes: each builds its own shards
-            value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
-            out[i] = jax.make_array_from_callback(value.shape, s, value.__getitem__)
+            out[i] = _from_host(x, s)
     placed = put_leaves([leaves[i] for i in local], [targets[i] for i in local], copy)
     for i, new in zip(local, placed):
         out[i] = new
     return treedef.unflatten(out)
+
+
+def _from_host(x: Any, s: Sharding) -> jax.Array:
+    """A global array on ``s`` from the value every process holds (a typed key: its data)."""
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        data = _from_host(jax.random.key_data(x), s)  # s lays out the key's leading axes
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
+    return jax.make_array_from_callback(value.shape, s, value.__getitem__)
 
 
 def _on(x: Any, s: Sharding) -> bool:

@@ -17,6 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import REPO, clean_env, launch
 
@@ -88,3 +89,31 @@ def test_init_sharded_checks_every_process_built_the_same_program(mode):
     total = jax.jit(jnp.sum, out_shardings=jaxdev.as_sharding(mesh))(params["w"])
     jaxdev.distributed.assert_same_across_processes(total)
     assert np.isfinite(float(total)) and jax.process_count() == 2
+
+
+@pytest.mark.processes(2, devices=4, timeout=120)
+def test_init_state_places_a_typed_key_on_the_global_mesh():
+    """A typed key (threefry, rbg) reaches the global mesh through its key data, replicated
+    (copy_to) and under rules (place_tree); re-copying the global key keeps it. Before:
+    device_put's raw ValueError (replicated), numpy's TypeError on the key (fsdp)."""
+    mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+    params = {"w": np.full((16, 8), 0.1, np.float32)}
+
+    def loss(p, batch, rng):
+        return jnp.mean((batch["x"] @ p["w"]) ** 2, axis=-1) + 0 * jax.random.uniform(rng)
+
+    def data(key):  # the key's data on this process's first device
+        return np.asarray(jax.random.key_data(key).addressable_data(0))
+
+    fsdp = jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=0)
+    for strategy in (jaxdev.Strategy.sharded(mesh), fsdp):
+        for key in (jax.random.key(0), jax.random.key(0, impl="rbg")):
+            step = jaxdev.make_train_step(loss, optax.sgd(0.1), strategy)
+            state = step.init_state(params, rng=key)
+            assert state.rng.sharding.mesh == mesh and state.rng.sharding.is_fully_replicated
+            np.testing.assert_array_equal(data(state.rng), jax.random.key_data(key))
+            again = jaxdev.copy_to(state.rng, mesh)
+            assert again is not state.rng and again.dtype == key.dtype
+            np.testing.assert_array_equal(data(again), jax.random.key_data(key))
+            state, metrics = step(state, step.put_batch({"x": np.ones((8, 16), np.float32)}))
+            np.testing.assert_allclose(metrics.fetch()["loss"], 2.56, rtol=1e-6)
