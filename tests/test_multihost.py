@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -277,6 +278,34 @@ def test_launch_kills_processes_that_ignore_sigterm_after_the_timeout():
     text = out.getvalue()
     assert "timed out after 2 s (`--timeout`); process(es) 0, 1 still running" in text
     assert "p1: ended by launcher, signal SIGKILL" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_to_the_launcher_ends_its_processes_first():
+    # a job scheduler stops `jaxdev launch` with SIGTERM: its processes must not run on
+    code = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    cmd = [PY, "-m", "jaxdev", "launch", "-n", "2", "--grace", "1", "--", PY, "-c", code]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as launcher:
+        pids = []
+        while len(pids) < 2 and (line := launcher.stdout.readline()):
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 143
+    deadline = time.monotonic() + 10
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert len(pids) == 2 and not alive, (pids, alive)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 _JOIN_OR_NOT = (

@@ -249,7 +249,8 @@ def summarize(
 
 @contextlib.contextmanager
 def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
-    """While supervising: a ``SIGUSR1`` to the launcher goes to every live child (by pid)."""
+    """While supervising: a ``SIGUSR1`` to the launcher goes to every live child (by pid); a
+    ``SIGTERM`` ends the launcher as ``SystemExit(143)`` after its children (``launch``'s end)."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or threading.current_thread() is not threading.main_thread():
         yield  # no such signal here, or not the main thread (handlers can't be set)
@@ -259,11 +260,15 @@ def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
         for p in list(procs):
             p.popen.send_signal(signum)  # does nothing once the child ended (Python >= 3.9)
 
-    previous = signal.signal(sig, forward)
+    def end(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(sig, forward), signal.signal(signal.SIGTERM, end)
     try:
         yield
     finally:
-        signal.signal(sig, previous)
+        signal.signal(sig, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
 
 
 def launch(
