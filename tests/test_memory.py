@@ -96,6 +96,26 @@ def test_totals_are_exact_and_a_training_loop_is_attributed(strategy):
     assert "attributed to named trees" in text and "largest arrays" in text
 
 
+def test_a_registered_dataclass_state_is_attributed_by_field():
+    """A pure-JAX state (``jax.tree_util.register_dataclass``, no ``replace``) is a state
+    to the ledger too: 09010e2 listed its params and optimizer state as other."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class State:
+        step: jax.Array
+        params: dict
+        opt_state: tuple
+
+    params = {"w": jnp.ones((64, 32))}
+    state = State(jnp.zeros((), jnp.int32), params, optax.adam(1e-3).init(params))
+    got = {e.path: e.category for e in jaxdev.memory.ledger(state=state).entries}
+    assert got["state.params['w']"] == "params"
+    assert got["state.opt_state[0].mu['w']"] == "opt_state"
+    assert got["state.step"] == "other"
+
+
 def test_a_buffer_is_counted_once_after_to_host_and_an_aliasing_device_put():
     x = jnp.ones((256, 256))  # one device
     jaxdev.to_host(x)  # JAX keeps a per-shard view of x alive: the same buffer
