@@ -92,6 +92,8 @@ class _Step:
             self._check_grouped(inner)
             axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
             self.strategy.check_even(inner, axis if self.is_train else 0)
+            if not self.n_lead or not self.is_train:  # pmap: host rows split over the devices
+                inner = self.strategy.place_raw(inner)
         elif self.is_train and not self._warned_padding:
             strategy, k = self.strategy, self.steps_per_call
             self._warned_padding = warn_padded_model_state(

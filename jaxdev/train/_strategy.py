@@ -333,6 +333,11 @@ class Strategy:
                 f"count; or give a multiple of {n} rows."
             )
 
+    def place_raw(self, batch: Any) -> Any:
+        """A raw (not ``put_batch``'ed, not grouped) batch as the step takes it: as it is
+        (jit places host rows by the program's input shardings)."""
+        return batch
+
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         """Split the row axis ``axis`` of ``x`` into ``(M, r)`` micro-batches."""
         shape = np.shape(x)
@@ -399,6 +404,20 @@ class _Pmap(Strategy):
 
     def put_rows(self, batch: Any, pad: bool) -> Any:
         return shard_for_pmap(batch, list(self.devices), pad=pad)
+
+    def place_raw(self, batch: Any) -> Any:
+        # rows, as on the other strategies, unless every leaf is already split over the devices
+        devices, n = set(self.devices), self.n_devices
+        for x in jax.tree.leaves(batch):
+            if not (
+                is_jax_array(x)
+                and x.committed
+                and np.shape(x)[:1] == (n,)
+                and x.sharding.device_set == devices
+                and (n == 1 or not x.sharding.is_fully_replicated)
+            ):
+                return self.put_rows(batch, pad=False)
+        return batch
 
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         x = super().group(xp, x, axis, m)  # then move the device split in front
