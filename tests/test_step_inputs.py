@@ -107,6 +107,8 @@ def test_an_even_raw_batch_trains_as_its_put_batch_on_every_strategy(name, rows)
     np.testing.assert_allclose(ev(state, raw).fetch()["loss"], expected.fetch()["loss"], rtol=1e-6)
     placed = step.put_batch(raw)
     assert step.strategy.place_raw(placed) is placed  # a placed batch is taken as it is
+    raw_in, placed_in = (step.lower(state, b).args_info for b in (raw, placed))
+    assert jax.tree.map(np.shape, raw_in) == jax.tree.map(np.shape, placed_in)  # lowered as run
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

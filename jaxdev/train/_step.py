@@ -235,6 +235,9 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None:
             self._check_grouped(inner)
+            concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
+            if concrete and (not self.n_lead or not self.is_train):  # as the call places it
+                inner = self.strategy.place_raw(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
