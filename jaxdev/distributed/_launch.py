@@ -261,7 +261,7 @@ def _forward_stack_signal(procs: Sequence[_Proc]) -> Iterator[None]:
             p.popen.send_signal(signum)  # does nothing once the child ended (Python >= 3.9)
 
     def end(signum, frame):
-        raise SystemExit(128 + signum)
+        sys.exit(128 + signum)  # SystemExit: the launcher's cleanup ends the processes
 
     previous = signal.signal(sig, forward), signal.signal(signal.SIGTERM, end)
     try:
