@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxdev
 
@@ -91,6 +93,17 @@ def test_an_uneven_raw_batch_is_named_with_the_fix(name):
     step(state, step.put_batch(_batch(rows=13)))  # the fix works
 
 
+def test_pmap_lower_of_an_uneven_raw_batch_names_put_batch_as_the_call_does():
+    """Was: shard_for_pmap's ShardingError, telling to pass `pad=True` (lower has none)."""
+    step = jaxdev.make_train_step(loss, SGD, jaxdev.Strategy.pmap(8))
+    ev = jaxdev.make_eval_step(loss, jaxdev.Strategy.pmap(8))
+    state = step.init_state(_params(), SGD)
+    for fn in (step, ev):
+        with pytest.raises(jaxdev.UsageError, match=r"13 rows .* 8 devices .* `step.put_batch"):
+            fn.lower(state, _batch(rows=13))
+        fn.lower(state, fn.put_batch(_batch(rows=13)))  # the fix works
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 @pytest.mark.parametrize("rows", [32, 8])
 def test_an_even_raw_batch_trains_as_its_put_batch_on_every_strategy(name, rows):
@@ -109,6 +122,19 @@ def test_an_even_raw_batch_trains_as_its_put_batch_on_every_strategy(name, rows)
     assert step.strategy.place_raw(placed) is placed  # a placed batch is taken as it is
     raw_in, placed_in = (step.lower(state, b).args_info for b in (raw, placed))
     assert jax.tree.map(np.shape, raw_in) == jax.tree.map(np.shape, placed_in)  # lowered as run
+
+
+def test_a_pmap_batch_split_on_a_mesh_with_explicit_axes_trains_as_its_put_batch():
+    """Was: the split batch taken as it is, pmap's bare KeyError naming the user's axis."""
+    step = jaxdev.make_train_step(loss, SGD, jaxdev.Strategy.pmap(8), donate=False)
+    state = step.init_state(_params(), SGD)
+    placed = step.put_batch(_batch(rows=24))
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    split = jax.device_put(jax.device_get(placed), NamedSharding(mesh, P("d")))
+    _, got = step(state, split)
+    _, want = step(state, placed)
+    np.testing.assert_allclose(got.fetch()["loss"], want.fetch()["loss"], rtol=1e-6)
+    assert step.strategy.place_raw(placed) is placed  # put_batch's layout: the same tree
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -237,6 +237,8 @@ class _Step:
             self._check_grouped(inner)
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
             if concrete and (not self.n_lead or not self.is_train):  # as the call places it
+                if not self.strategy.pads_shapes():  # the call's error, naming put_batch
+                    self.strategy.check_even(inner)
                 inner = self.strategy.place_raw(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)

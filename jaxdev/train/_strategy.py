@@ -417,7 +417,9 @@ class _Pmap(Strategy):
                 and (n == 1 or not x.sharding.is_fully_replicated)
             ):
                 return self.put_rows(batch, pad=False)
-        return batch
+        # the same tree when laid out as put_batch lays it (flax's prefetch_to_device too);
+        # a mesh's explicit axes (jax.make_mesh's default) re-laid: pmap raised KeyError on them
+        return to_device(batch, named_sharding(self.mesh, P(self.axis)))
 
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         x = super().group(xp, x, axis, m)  # then move the device split in front
