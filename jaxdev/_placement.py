@@ -160,6 +160,8 @@ def to_device(tree: Any, target: Target) -> Any:
             )
         _check_fits(tree, leaves, range(len(leaves)), sharding, "tree")
         return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, sharding))
+    if not moving:  # typed keys are not ArrayImpl: _all_placed's fast pass misses them
+        return tree
     if not sharding.is_fully_addressable:  # several processes: global arrays, typed keys too
         return place_tree(tree, sharding, copy=False)
     _check_fits(tree, leaves, moving, sharding, "tree")

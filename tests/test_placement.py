@@ -46,6 +46,16 @@ def test_already_placed_leaves_and_tree_come_back_as_same_objects(devices):
     assert jax.device_put(params["Dense_0"]["bias"], devices[1]) is not params["Dense_0"]["bias"]
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_an_already_placed_tree_with_typed_keys_comes_back_as_the_same_object(impl):
+    """Was: a new tree (the same leaves) whenever a typed PRNG key was among the leaves."""
+    mesh = jaxdev.make_mesh({"data": 8})
+    keys = jax.random.split(jax.random.key(0, impl=impl), 8)
+    for target in (mesh, NamedSharding(mesh, P("data")), "cpu:1"):
+        tree = jaxdev.to_device({"w": np.ones(8), "key": keys}, target)
+        assert jaxdev.to_device(tree, target) is tree
+
+
 def test_only_leaves_that_must_move_are_transferred(devices):
     tree = {"a": jaxdev.to_device(jnp.ones(3), devices[2]), "b": jnp.ones(3), "c": np.ones(2)}
     out = jaxdev.to_device(tree, devices[2])
