@@ -487,81 +487,57 @@ def test_bad_budgets_name_the_argument():
     assert issubclass(GuardError, jaxdev.JaxdevError) and issubclass(GuardError, AssertionError)
 
 
-def test_a_child_forked_while_a_thread_holds_the_lock_counts_on_its_own():
-    # a fork while another thread drains (holds _guards._lock, waiting for the relay): the
-    # child's counter neither hangs on the parent's lock nor warns about the parent's files
-    proc = run_python(
-        """
-        import os, threading, time, warnings
-        import jaxdev
-        from jaxdev import _guards
+_FORK_WHILE_HELD = """
+import os, signal, threading, time, warnings
+import jaxdev
+from jaxdev import _guards
 
-        held, release = threading.Event(), threading.Event()
+held, release = threading.Event(), threading.Event()
 
-        def drain():
-            with _guards._lock:
-                held.set()
-                release.wait(30)
+def hold_lock():  # a drain holding the guards' lock
+    with _guards._lock:
+        held.set()
+        release.wait(30)
 
-        with jaxdev.count_transfers():
-            threading.Thread(target=drain).start()
-            held.wait(30)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # fork() in a threaded process
-                pid = os.fork()
-            if pid == 0:
-                warnings.simplefilter("error")
-                with jaxdev.count_transfers() as c:
-                    pass
-                os._exit(0 if c.host_to_device == c.device_to_host == 0 else 3)
-            deadline = time.monotonic() + 20
-            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if done[0] == 0:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-            release.set()
-        print("child", "hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
-        """,
-        {"JAX_PLATFORMS": "cpu"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "child 0" in proc.stdout, (proc.stdout, proc.stderr)
+with jaxdev.count_transfers():
+    relay = _guards._tap.process
+    if HOLD == "lock":
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        held.wait(30)
+    else:  # a drain waiting in the reports for the relay's answer (the relay stopped)
+        os.kill(relay.pid, signal.SIGSTOP)
+        holder = threading.Thread(target=_guards._drain_implicit)
+        holder.start()
+        time.sleep(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fork() in a threaded process
+        pid = os.fork()
+    if pid == 0:
+        warnings.simplefilter("error")
+        with jaxdev.count_transfers() as c:
+            pass
+        os._exit(0 if c.host_to_device == c.device_to_host == 0 else 3)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    if HOLD == "lock":
+        release.set()
+    else:
+        os.kill(relay.pid, signal.SIGCONT)
+    holder.join(30)
+print("child", "hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+"""
 
 
-def test_a_child_forked_while_a_thread_reads_the_relay_counts_on_its_own():
-    # the drain blocked reading the relay's reports (relay stopped) when the parent forks:
-    # the child's fork hook must not wait on the parent's reader (it hung at the fork)
-    proc = run_python(
-        """
-        import os, signal, threading, time, warnings
-        import jaxdev
-        from jaxdev import _guards
-
-        with jaxdev.count_transfers():
-            relay = _guards._tap.process
-            os.kill(relay.pid, signal.SIGSTOP)
-            reader = threading.Thread(target=_guards._drain_implicit)
-            reader.start()
-            time.sleep(0.5)  # the reader waits in the reports for the relay's answer
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # fork() in a threaded process
-                pid = os.fork()
-            if pid == 0:
-                with jaxdev.count_transfers() as c:
-                    pass
-                os._exit(0 if c.host_to_device == c.device_to_host == 0 else 3)
-            deadline = time.monotonic() + 20
-            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if done[0] == 0:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-            os.kill(relay.pid, signal.SIGCONT)
-            reader.join(30)
-        print("child", "hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
-        """,
-        {"JAX_PLATFORMS": "cpu"},
-    )
+@pytest.mark.parametrize("hold", ["lock", "reports"])
+def test_a_child_forked_while_a_thread_holds_the_guards_counts_on_its_own(hold):
+    # a fork while another thread drains, holding _guards._lock ("lock") or waiting in the
+    # relay's reports ("reports"): the child's counter (and its fork hook) must neither hang
+    # on what the parent's thread holds nor warn about the parent's files
+    proc = run_python(_FORK_WHILE_HELD.replace("HOLD", repr(hold)), {"JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert "child 0" in proc.stdout, (proc.stdout, proc.stderr)
