@@ -477,9 +477,14 @@ def shard_params(
 _STATE_FIELDS = ("step", "params", "opt_state")
 
 
+def has_state_fields(tree: Any) -> bool:
+    """Whether ``tree`` has a train state's fields (``step``, ``params``, ``opt_state``)."""
+    return all(hasattr(tree, f) for f in _STATE_FIELDS)
+
+
 def is_train_state(state: Any) -> bool:
     """A NamedTuple (jaxdev's) or a ``.replace``-able dataclass (flax's) with the state fields."""
-    if not all(hasattr(state, f) for f in _STATE_FIELDS):
+    if not has_state_fields(state):
         return False
     is_named_tuple = isinstance(state, tuple) and hasattr(type(state), "_fields")
     return is_named_tuple or callable(getattr(state, "replace", None))

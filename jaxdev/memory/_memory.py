@@ -23,6 +23,7 @@ from .._asserts import HOST_KINDS
 from .._errors import UsageError, device_name
 from .._leaves import is_jax_array, is_prng_key
 from .._report import human_bytes, text_table
+from .._rules import has_state_fields
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
 _LABELS = {
@@ -244,8 +245,7 @@ def _like(sharding: Any, leaves: list | None) -> str | None:
 
 def _named_leaves(name: str, tree: Any):
     """``(path, leaf, category)`` of every leaf of a named tree (a train state's by field)."""
-    # a state by its fields (a registered dataclass too): params, opt_state, model_state
-    state = all(hasattr(tree, f) for f in ("step", "params", "opt_state"))
+    state = has_state_fields(tree)  # a registered dataclass too: params, opt_state, model_state
     own = CATEGORIES[:3] if state else ("params", "batch")  # a tree named so: that category
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         part = getattr(keys[0], "name", None) if state and keys else name

@@ -17,6 +17,7 @@ from jax.sharding import Sharding
 
 from .._asserts import HOST_KINDS
 from .._errors import UsageError
+from .._rules import has_state_fields
 
 HOST = "pinned_host"
 """The memory kind offloaded fields live in."""
@@ -65,7 +66,7 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     to_host = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: s.with_memory_kind(HOST), tree, is_leaf=lambda x: isinstance(x, Sharding)
     )
-    if not all(hasattr(state, f) for f in ("step", "params", "opt_state")):
+    if not has_state_fields(state):
         return to_host(layout) if "params" in fields else layout
     changes = {f: to_host(getattr(layout, f)) for f in fields}
     return layout._replace(**changes) if isinstance(layout, tuple) else layout.replace(**changes)

@@ -29,7 +29,7 @@ from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layou
 from .._pending import failed, record
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
-from .._rules import is_train_state, unbox
+from .._rules import has_state_fields, is_train_state, unbox
 from ..distributed import same_program, step_call
 from ..memory import (
     OPTIONS,
@@ -316,7 +316,7 @@ class _Step:
             check_tx(self.config.tx, None, unbox(params.params), params.opt_state)
             with explained_oom("init_state", lambda: {"state": params}, lambda: []):
                 return jax.block_until_ready(self.strategy.place_state(params))
-        if all(hasattr(params, f) for f in ("step", "params", "opt_state")):  # not params either
+        if has_state_fields(params):  # a state it cannot return: not params either
             raise UsageError(
                 f"`params` is a {type(params).__name__} with `step`, `params` and `opt_state`, "
                 "but the step can only return a NamedTuple or a dataclass with `.replace` "
