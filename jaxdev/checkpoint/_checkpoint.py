@@ -32,7 +32,7 @@ from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
 from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
-from .._placement import as_sharding
+from .._placement import as_sharding, place_tree
 from .._pmap_layout import stacker, unstack_from_pmap
 from .._report import human_bytes
 from ..distributed import beat
@@ -231,9 +231,7 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     local = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_fully_addressable]
     local = local if jax.process_count() > 1 else []
     for i in local:  # orbax writes global arrays: this process's copy, replicated
-        host = np.asarray(jax.device_get(leaves[i]))
-        rep = replicated_sharding(data_mesh())
-        leaves[i] = jax.make_array_from_callback(host.shape, rep, lambda idx, h=host: h[idx])
+        leaves[i] = place_tree(leaves[i], replicated_sharding(data_mesh()), copy=True, arg=arg)
     stacked = _find_stacked(leaves)
     entries: list[dict] = []
     written: dict[tuple[str, ...], tuple[dict, Any]] = {}
