@@ -89,11 +89,7 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
         if mask is None:
-            self._check_grouped(inner)
-            axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
-            self.strategy.check_even(inner, axis if self.is_train else 0)
-            if not self.n_lead or not self.is_train:  # pmap: host rows split over the devices
-                inner = self.strategy.place_raw(inner)
+            inner = self._raw_batch(inner)
         elif self.is_train and not self._warned_padding:
             strategy, k = self.strategy, self.steps_per_call
             self._warned_padding = warn_padded_model_state(
@@ -234,17 +230,26 @@ class _Step:
         """
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None:
-            self._check_grouped(inner)
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
-            if concrete and (not self.n_lead or not self.is_train):  # as the call places it
-                if not self.strategy.pads_shapes():  # the call's error, naming put_batch
-                    self.strategy.check_even(inner)
-                inner = self.strategy.place_raw(inner)
+            if concrete and not self.strategy.pads_shapes():  # as the call takes it
+                inner = self._raw_batch(inner)
+            else:
+                self._check_grouped(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
         jitted = self._jit(key, args)
         return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
+
+    def _raw_batch(self, inner: Any) -> Any:
+        """A raw (unpadded) batch as the step takes it: its groups and even rows checked,
+        then placed as the strategy takes raw rows (pmap splits them over its devices)."""
+        self._check_grouped(inner)
+        axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
+        self.strategy.check_even(inner, axis if self.is_train else 0)
+        if not self.n_lead or not self.is_train:
+            inner = self.strategy.place_raw(inner)
+        return inner
 
     def explain_memory(
         self,
