@@ -1,6 +1,8 @@
 """Benchmarks of jaxdev's placement and assertions on 8 fake CPU devices (issue 2).
 
-Run: ``python benchmarks/placement_bench.py [--repeats N] [--json PATH]``.
+Run: ``python benchmarks/placement_bench.py [--repeats N] [--json PATH] [--before DIR]``.
+``--before DIR`` also times, side by side, the ``jaxdev`` package found in ``DIR``
+(an older checkout: ``git archive REV jaxdev | tar -x -C DIR``) against this one.
 
 Every ratio compares two ways of doing the same thing, timed side by side in
 this one run (interleaved repetitions, warm-up, medians; see ``_timing.py``).
@@ -119,7 +121,8 @@ def bench_host(name: str, dev, repeats: int) -> list[dict]:
     """to_device / copy_to of a numpy tree vs one raw device_put.
 
     On CPU, ``jax.device_put`` aliases 64-byte-aligned numpy buffers even with
-    ``may_alias=False``, so it may copy nothing; ``copy_to`` must copy. Its
+    ``may_alias=False``, so it may copy nothing; ``to_device`` and ``copy_to`` copy a
+    writeable numpy leaf (a refilled buffer must not change the placed array). Their
     fair raw equivalent is a device_put of copied numpy leaves.
     """
     host = host_tree(*TREES[name])
@@ -141,6 +144,7 @@ def bench_host(name: str, dev, repeats: int) -> list[dict]:
     pairs = [
         ("to_device", "device_put"),
         ("to_device", "device_put(may_alias=False)"),
+        ("to_device", "device_put(copied leaves)"),
         ("copy_to", "device_put"),
         ("copy_to", "device_put(copied leaves)"),
     ]
@@ -161,6 +165,45 @@ def bench_host(name: str, dev, repeats: int) -> list[dict]:
             )
         )
     return rows
+
+
+def load_before(folder: str):
+    """The ``jaxdev`` package in ``folder`` imported as ``jaxdev_before`` (its imports are relative)."""
+    import importlib.util
+
+    init = os.path.join(folder, "jaxdev", "__init__.py")
+    spec = importlib.util.spec_from_file_location("jaxdev_before", init)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["jaxdev_before"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_before(name: str, dev, mesh, before, repeats: int) -> list[dict]:
+    """to_device / copy_to / replicate of a numpy tree: this checkout vs ``before``, one run."""
+    host = host_tree(*TREES[name])
+    calls = {
+        "to_device": lambda j: j.to_device(host, dev),
+        "copy_to": lambda j: j.copy_to(host, dev),
+        "replicate": lambda j: j.replicate(host, mesh),
+    }
+    sides = {"after": jaxdev, "before": before}
+    fns = {f"{k} {s}": (lambda f=f, j=j: f(j)) for k, f in calls.items() for s, j in sides.items()}
+    t, ratio_of = timed(fns, repeats)
+    return [
+        row(
+            f"host tree: {k} after vs before",
+            describe(host),
+            f"jaxdev.{k} (this checkout)",
+            f"jaxdev.{k} ({before.__file__.rsplit('/jaxdev/', 1)[0]})",
+            t[f"{k} after"],
+            t[f"{k} before"],
+            f"{ratio_of(f'{k} after', f'{k} before'):.2f}x",
+            "report",
+            None,
+        )
+        for k in calls
+    ]
 
 
 def bench_replicate(name: str, mesh, repeats: int) -> list[dict]:
@@ -288,7 +331,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30, help="interleaved repetitions")
     parser.add_argument("--json", help="also write the rows as JSON to this path")
+    parser.add_argument("--before", help="a folder holding an older jaxdev/ to compare with")
     args = parser.parse_args(argv)
+    before = load_before(args.before) if args.before else None
     devices = jax.devices()
     dev = devices[0]
     mesh = Mesh(np.array(devices), ("data",))
@@ -297,6 +342,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += bench_placed(name, dev, args.repeats)
         rows += bench_host(name, dev, args.repeats)
         rows += bench_replicate(name, mesh, args.repeats)
+        if before is not None:
+            rows += bench_before(name, dev, mesh, before, args.repeats)
         rows += bench_assert_vs_chex(name, dev, args.repeats)
     rows += bench_2000(dev, mesh, args.repeats)
     print(

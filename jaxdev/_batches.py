@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -16,14 +15,13 @@ from jax.sharding import PartitionSpec as P
 from ._errors import ShardingError, format_devices
 from ._leaves import (
     checked_leaves,
-    is_host_value,
     is_placed,
     is_tracer,
     key_strings,
     raise_leaves,
 )
 from ._mesh import AxisName, batch_layout, check_mesh
-from ._placement import to_device
+from ._placement import aligned_copy, detach_host, detached, to_device
 
 
 class Padded(NamedTuple):
@@ -88,63 +86,6 @@ def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
     return rows
 
 
-_ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned like this
-
-
-def detach_host(tree: Any) -> Any:
-    """Replace every host array of ``tree`` that could still change by a private copy.
-
-    Placing a numpy array may read it after the call returns (CPU uses aligned
-    buffers in place, GPU transfers late), so a loader refilling one buffer would
-    change batches handed over. A numpy array is copied when it (or what it views)
-    is writeable or over writeable memory; the copies are read-only and 64-byte
-    aligned, so CPU uses them in place. Returns ``tree`` itself when nothing needed it.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out = [_detached(x) for x in leaves]
-    if all(a is b for a, b in zip(out, leaves)):
-        return tree
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _detached(x: Any) -> Any:
-    """``x``, or a private read-only copy when ``x`` is host memory that may change."""
-    if not isinstance(x, np.ndarray) or not is_host_value(x) or not _may_change(x):
-        return x  # not numeric: left to the placement checks, which name the leaf
-    return _aligned_copy(x, 0)
-
-
-def _may_change(x: np.ndarray) -> bool:
-    """Whether someone may still write the memory of ``x`` (assumed yes when unsure)."""
-    a: Any = x
-    while isinstance(a, np.ndarray):
-        if a.flags.writeable:
-            return True
-        a = a.base
-    if a is None or isinstance(a, bytes):
-        return False
-    try:
-        return not memoryview(a).readonly
-    except TypeError:  # an owner without the buffer protocol: copy to be safe
-        return True
-
-
-def _aligned_copy(x: np.ndarray, extra: int) -> np.ndarray:
-    """A read-only C-order copy of ``x`` starting on an ``_ALIGN`` boundary, with ``extra``
-    copies of its last row appended."""
-    shape = (x.shape[0] + extra, *x.shape[1:]) if extra else x.shape
-    nbytes = math.prod(shape) * x.dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    out = raw[start : start + nbytes].view(x.dtype).reshape(shape)
-    np.copyto(out[: x.shape[0]] if extra else out, x, casting="no")
-    if extra:
-        out[x.shape[0] :] = x[-1:]
-    raw.flags.writeable = False
-    out.flags.writeable = False
-    return out
-
-
 def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
     """Append ``extra`` copies of the last row (along ``axis``): the one last-row padding.
 
@@ -156,7 +97,7 @@ def pad_rows(x: Any, extra: int, axis: int = 0) -> Any:
         return xp.moveaxis(pad_rows(xp.moveaxis(xp.asarray(x), axis, 0), extra), 0, axis)
     if isinstance(x, jax.Array):
         return x if extra == 0 else jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
-    return _detached(x) if extra == 0 else _aligned_copy(np.asarray(x), extra)
+    return detached(x) if extra == 0 else aligned_copy(np.asarray(x), extra)
 
 
 def lead_spec(axis: AxisName, lead: int = 0, ndim: int | None = None) -> P:

@@ -8,6 +8,7 @@ copy on each device); :func:`as_sharding` is the one reader.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from ._leaves import (
     describe_sharding,
     device_key,
     host_problem,
+    is_host_value,
     is_jax_array,
     is_placed,
     is_tracer,
@@ -112,15 +114,73 @@ def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
     return True
 
 
+_ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned like this
+
+
+def detach_host(tree: Any) -> Any:
+    """Replace every host array of ``tree`` that could still change by a private copy.
+
+    Placing a numpy array may read it after the call returns (CPU uses aligned
+    buffers in place, GPU transfers late), so a loader refilling one buffer would
+    change batches handed over. A numpy array is copied when it (or what it views)
+    is writeable or over writeable memory; the copies are read-only and 64-byte
+    aligned, so CPU uses them in place. Returns ``tree`` itself when nothing needed it.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [detached(x) for x in leaves]
+    if all(a is b for a, b in zip(out, leaves)):
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def detached(x: Any) -> Any:
+    """``x``, or a private read-only copy when ``x`` is host memory that may change."""
+    if not isinstance(x, np.ndarray) or not is_host_value(x) or not _may_change(x):
+        return x  # not numeric: left to the placement checks, which name the leaf
+    return aligned_copy(x, 0)
+
+
+def _may_change(x: np.ndarray) -> bool:
+    """Whether someone may still write the memory of ``x`` (assumed yes when unsure)."""
+    a: Any = x
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return True
+        a = a.base
+    if a is None or isinstance(a, bytes):
+        return False
+    try:
+        return not memoryview(a).readonly
+    except TypeError:  # an owner without the buffer protocol: copy to be safe
+        return True
+
+
+def aligned_copy(x: np.ndarray, extra: int) -> np.ndarray:
+    """A read-only C-order copy of ``x`` starting on an ``_ALIGN`` boundary, with ``extra``
+    copies of its last row appended."""
+    shape = (x.shape[0] + extra, *x.shape[1:]) if extra else x.shape
+    nbytes = math.prod(shape) * x.dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out = raw[start : start + nbytes].view(x.dtype).reshape(shape)
+    np.copyto(out[: x.shape[0]] if extra else out, x, casting="no")
+    if extra:
+        out[x.shape[0] :] = x[-1:]
+    raw.flags.writeable = False
+    out.flags.writeable = False
+    return out
+
+
 def to_device(tree: Any, target: Target) -> Any:
     """Place every leaf of ``tree`` on ``target``; already placed leaves stay as they are.
 
     d2l's ``as_in_ctx``, torch's ``.to``: a committed leaf already on ``target`` comes back
     as the same object, the others move in one batched ``jax.device_put``, and if nothing
     moves ``tree`` itself comes back. Values JAX would lose (truncated ints, floats
-    overflowing to ``inf`` with x64 off) are refused. As with ``jax.device_put``, a numpy
-    array on a CPU device may alias its buffer (use :func:`copy_to`). Inside ``jit`` a
-    ``Sharding`` becomes a sharding constraint and a device raises (JAX ignores it).
+    overflowing to ``inf`` with x64 off) are refused. A numpy leaf that may still change
+    is copied first (:func:`detach_host`): ``jax.device_put`` aliases it on CPU even with
+    ``may_alias=False``, so a refilled buffer would change the placed array. Inside ``jit``
+    a ``Sharding`` becomes a sharding constraint and a device raises (JAX ignores it).
 
     Args:
       tree: any pytree.
@@ -165,7 +225,8 @@ def to_device(tree: Any, target: Target) -> Any:
     if not sharding.is_fully_addressable:  # several processes: global arrays, typed keys too
         return place_tree(tree, sharding, copy=False)
     _check_fits(tree, leaves, moving, sharding, "tree")
-    moved = jax.device_put([leaves[i] for i in moving], _put_target(target, sharding))
+    sources = detach_host([leaves[i] for i in moving])  # a refilled buffer changes nothing
+    moved = jax.device_put(sources, _put_target(target, sharding))
     out = list(leaves)
     for i, new in zip(moving, moved):
         out[i] = new

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from jax.sharding import Mesh, NamedSharding
 
-from ._batches import detach_host, shard_batch
+from ._batches import shard_batch
 from ._errors import ShardingError
 from ._mesh import batch_sharding, check_mesh
 from ._placement import Target, as_sharding, to_device
@@ -217,4 +217,4 @@ def prefetch_to_device(
             "`pad=True` needs a `target` that splits the batch's leading axis, such as "
             f"`jaxdev.batch_sharding(mesh)`; got {target!r}."
         )
-    return Prefetcher(iterator, size, lambda item: to_device(detach_host(item), s))
+    return Prefetcher(iterator, size, functools.partial(to_device, target=s))

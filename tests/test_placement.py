@@ -413,3 +413,78 @@ def test_a_bad_target_is_named_target_not_spec():
         jaxdev.to_device(jnp.ones(2), 99)
     with pytest.raises(jaxdev.UsageError, match="`target`='xpu:1' names the unknown"):
         jaxdev.as_sharding("xpu:1")
+
+
+# ---------------------------------------------------------------- refilled host buffers
+# jax.device_put uses a 64-byte-aligned numpy buffer in place on CPU, even with
+# may_alias=False (jax 0.10.2 and 0.12; jax-ml/jax#37830), and copies an unaligned large
+# one after the call returns: a loader refilling one buffer would change placed batches.
+
+
+def _host_buffer(shape, offset=0):
+    """A float32 buffer ``offset`` bytes past a page boundary (0: JAX uses it in place)."""
+    nbytes = int(np.prod(shape)) * 4
+    raw = np.empty(nbytes + 8192, np.uint8)
+    start = -raw.ctypes.data % 4096 + offset
+    return raw[start : start + nbytes].view(np.float32).reshape(shape)
+
+
+PLACEMENTS = {
+    "to_device-cpu:0": lambda x, mesh: jaxdev.to_device(x, "cpu:0"),
+    "to_device-NamedSharding": lambda x, mesh: jaxdev.to_device(x, jaxdev.batch_sharding(mesh)),
+    "to_device-mesh": lambda x, mesh: jaxdev.to_device(x, mesh),
+    "to_device-tree": lambda x, mesh: jaxdev.to_device(x, {"x": jaxdev.as_sharding(mesh)}),
+    "copy_to-cpu:0": lambda x, mesh: jaxdev.copy_to(x, "cpu:0"),
+    "copy_to-NamedSharding": lambda x, mesh: jaxdev.copy_to(x, jaxdev.batch_sharding(mesh)),
+    "replicate": lambda x, mesh: jaxdev.replicate(x, mesh),
+}
+
+
+@pytest.mark.parametrize("place", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+def test_a_placed_numpy_leaf_never_shares_its_host_buffer(place, mesh):
+    host = _host_buffer((16, 64))
+    host[...] = 1.0
+    lo, hi = host.ctypes.data, host.ctypes.data + host.nbytes
+    out = place({"x": host}, mesh)["x"]
+    shared = [
+        str(s.device) for s in out.addressable_shards if lo <= s.data.unsafe_buffer_pointer() < hi
+    ]
+    assert not shared, f"shards on {shared} alias the numpy buffer"
+    host[...] = 2.0
+    assert np.unique(np.asarray(out)).tolist() == [1.0]
+
+
+@pytest.fixture
+def busy_threads():
+    """Two threads burning CPU (numpy releases the GIL) beside the test; stopped after it."""
+    import threading
+
+    stop = threading.Event()
+
+    def burn():
+        a = np.random.default_rng(0).normal(size=(256, 256))
+        while not stop.is_set():
+            a = np.tanh(a @ a)
+
+    threads = [threading.Thread(target=burn, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    yield
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["page-aligned", "unaligned"])
+@pytest.mark.parametrize("place", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+def test_a_refilled_buffer_placed_30_times_under_load_keeps_every_batch(
+    place, offset, mesh, busy_threads
+):
+    buf = _host_buffer((64, 256), offset)
+    got = []
+    for i in range(30):
+        buf[...] = i  # the loader refills its one buffer
+        got.append(place({"x": buf}, mesh)["x"])
+    values = [np.unique(np.asarray(jax.device_get(b))).tolist() for b in got]
+    assert values == [[float(i)] for i in range(30)]
