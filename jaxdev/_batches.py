@@ -15,13 +15,12 @@ from jax.sharding import PartitionSpec as P
 from ._errors import ShardingError, format_devices
 from ._leaves import (
     checked_leaves,
-    is_placed,
     is_tracer,
     key_strings,
     raise_leaves,
 )
-from ._mesh import AxisName, batch_layout, check_mesh
-from ._placement import aligned_copy, detach_host, detached, to_device
+from ._mesh import AxisName, batch_layout, check_mesh, outside_mesh
+from ._placement import aligned_copy, detach_host, detached, placed_on, to_device
 
 
 class Padded(NamedTuple):
@@ -201,7 +200,7 @@ def shard_batch(
             return to_global(batch, sharding, timeout_s)
         # checked above: one device_put of the leaves that move (to_device would check the
         # host leaves again: 1.7x the time of a host batch with int64/float64 leaves)
-        moving = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
+        moving = [i for i, x in enumerate(leaves) if not placed_on(x, sharding)]
         if not moving:
             return batch
         out = list(leaves)
@@ -259,8 +258,9 @@ def select_rows(
         size = None
     dtype = np.dtype(x.dtype)
     exact = len(x.sharding.device_set) == 1 or _bits_dtype(dtype) is None
-    out = _rows_jit(x, indices, size, merge, not exact)
-    return out if exact else _from_bits(out, dtype)
+    with outside_mesh():  # jaxdev's own programs: never under a user's jax.set_mesh
+        out = _rows_jit(x, indices, size, merge, not exact)
+        return out if exact else _from_bits(out, dtype)
 
 
 def _bits_dtype(dtype: np.dtype) -> np.dtype | None:

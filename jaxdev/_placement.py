@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 
 from ._devices import DeviceSpec, resolve_device
 from ._errors import (
@@ -46,7 +46,7 @@ from ._leaves import (
     sharding_key,
     x64,
 )
-from ._mesh import replicated_sharding
+from ._mesh import outside_mesh, replicated_sharding
 from ._pending import explained_reads
 
 Target = DeviceSpec | Sharding | Mesh
@@ -253,7 +253,7 @@ def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | No
         if t is impl:
             if x.is_deleted():
                 dead.append(i)
-            elif not (x.committed and sharding_key(x.sharding) == want) and not is_placed(x, s):
+            elif not (x.committed and sharding_key(x.sharding) == want) and not placed_on(x, s):
                 moving.append(i)
             continue
         if t is np.ndarray and x.dtype.kind in _PLAIN_KINDS and (x.dtype.itemsize < 8 or x64()):
@@ -264,7 +264,7 @@ def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | No
         if isinstance(x, jax.Array):
             if deleted(x):
                 dead.append(i)
-            elif not is_placed(x, s):
+            elif not placed_on(x, s):
                 moving.append(i)
             continue
         if problem is None:
@@ -277,6 +277,15 @@ def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | No
     if problem is not None:
         raise_leaf(tree, problem[0], "tree", *problem[1])
     return moving
+
+
+def placed_on(x: Any, s: Sharding) -> bool:
+    """Whether ``x`` is committed and laid out as ``s``, on ``s``'s own mesh when both name one:
+    the mesh asked for wins over an equivalent one (a user's ``jax.set_mesh`` makes arrays)."""
+    have = getattr(x, "sharding", None)
+    if isinstance(have, NamedSharding) and isinstance(s, NamedSharding) and have.mesh != s.mesh:
+        return False
+    return is_placed(x, s)
 
 
 def copy_to(tree: Any, target: Target) -> Any:
@@ -475,7 +484,8 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
         if s.is_fully_addressable:
             local.append(i)
         elif is_jax_array(x) and not x.is_fully_addressable:
-            out[i] = jax.jit(jnp.copy, out_shardings=s)(x)  # a global array: on the devices
+            with outside_mesh():  # a global array: on the devices
+                out[i] = jax.jit(jnp.copy, out_shardings=s)(x)
         else:  # several processes: each builds its own shards
             out[i] = _from_host(x, s)
     placed = put_leaves([leaves[i] for i in local], [targets[i] for i in local], copy)
@@ -524,9 +534,9 @@ def put_leaves(leaves: list[Any], targets: list[Any], copy: bool = False) -> lis
         and not same_layout(x.sharding, s, x.ndim)
     ]
     if on_device:
-        moved = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))(
-            *[leaves[i] for i in on_device]
-        )
+        relayout = jax.jit(_identity, out_shardings=tuple(targets[i] for i in on_device))
+        with outside_mesh():  # jaxdev's own program: never under a user's jax.set_mesh
+            moved = relayout(*[leaves[i] for i in on_device])
         for i, new in zip(on_device, moved):
             out[i] = new
     rest = sorted(set(range(len(leaves))) - set(on_device))

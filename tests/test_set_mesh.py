@@ -201,3 +201,63 @@ def test_single_and_pmap_steps_run_under_a_users_set_mesh(name):
             state, metrics = step(state, step.put_batch(_batch()))  # was: raw ValueError
     np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(_batch(), 3), rtol=1e-5)
     assert np.isfinite(metrics.fetch()["loss"])
+
+
+# ---------------------------------------------------------------- explicit mesh= wins
+
+
+def _placements(mine):
+    """Every core call that names a mesh (or a sharding on one), with what it must give."""
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(lambda p, b: b * p, tx, jaxdev.Strategy.sharded(mine))
+    rep = jaxdev.replicate(np.arange(16.0, dtype=np.float32), mine)  # made outside any mesh
+    padded = jaxdev.shard_batch(np.arange(13.0, dtype=np.float32), mine, pad=True)
+    split = jaxdev.batch_sharding(mine)
+    return {
+        "replicate": lambda x: jaxdev.replicate(x, mine),
+        "to_device(mesh)": lambda x: jaxdev.to_device(x, mine),
+        "to_device(P())": lambda x: jaxdev.to_device(x, jax.NamedSharding(mine, P())),
+        "to_device(batch_sharding)": lambda x: jaxdev.to_device(x, split),
+        "to_device(tree)": lambda x: jaxdev.to_device({"x": x}, {"x": split})["x"],
+        "copy_to(mesh)": lambda x: jaxdev.copy_to(x, mine),
+        "shard_batch": lambda x: jaxdev.shard_batch(x, mine),
+        "put_batch": lambda x: step.put_batch(x),
+        "to_device(replicated, tree)": lambda x: jaxdev.to_device({"x": rep}, {"x": split})["x"],
+        "unpad": lambda x: None if _explicit(mine) else jaxdev.unpad(padded.batch, padded),
+        "stack_for_pmap": lambda x: jaxdev.pmap.stack_for_pmap(rep),
+    }
+
+
+def _explicit(mesh):  # unpad of a batch split on an Explicit mesh: JAX's own slice refuses
+    return AxisType.Explicit in mesh.axis_types
+
+
+@pytest.mark.parametrize("users", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("mine", ["auto", "explicit"])
+@pytest.mark.parametrize("n_users", [8, 4], ids=["same-devices", "four-devices"])
+def test_an_explicit_mesh_argument_wins_over_the_users_set_mesh(users, mine, n_users):
+    mine = jaxdev.data_mesh(axis_type=mine)
+    other = jax.make_mesh((n_users,), ("o",), axis_types=(users,), devices=jax.devices()[:n_users])
+    values = np.arange(16.0, dtype=np.float32)
+    wrong = []
+    with jax.set_mesh(other):
+        inputs = {"numpy": values, "made under the mesh": jnp.arange(16.0)}
+        for name, place in _placements(mine).items():
+            for kind, x in inputs.items():
+                try:
+                    out = place(x)
+                except Exception as err:  # listed below with the others
+                    wrong.append(f"{name}({kind}): {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                if out is None:
+                    continue
+                got = out.batch if isinstance(out, jaxdev.Padded) else out
+                if name == "stack_for_pmap":
+                    ok = got.shape == (8, 16) and (np.asarray(got) == values).all()
+                elif name == "unpad":
+                    ok = np.asarray(got).tolist() == values[:13].tolist()
+                else:
+                    ok = got.sharding.mesh == mine and (np.asarray(got) == values).all()
+                if not ok:
+                    wrong.append(f"{name}({kind}): on {got.sharding}")
+    assert not wrong, "\n".join(wrong)
