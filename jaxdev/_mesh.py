@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._devices import DeviceSpec, device_list
-from ._errors import ShardingError, available_devices, format_devices
+from ._errors import ShardingError, UsageError, available_devices, format_devices
 
 DEFAULT_AXIS = "data"
 """The batch axis name: the default ``axis`` of every jaxdev function that takes one."""
@@ -186,12 +187,40 @@ class MeshBound:
         return outside_mesh() if self.mesh is None else under_mesh(self.mesh)
 
     def __call__(self, *args: Any) -> Any:
-        with self._context():
-            return self.fn(*args)
+        return self._run(self.fn, args)
 
     def lower(self, *args: Any) -> Any:
+        return self._run(self.fn.lower, args)
+
+    def _run(self, fn: Any, args: tuple[Any, ...]) -> Any:
         with self._context():
-            return self.fn.lower(*args)
+            try:
+                return fn(*args)
+            except ValueError as err:  # reshard / out_sharding= on Auto axes: named
+                named = _auto_axes_error(err, self.mesh)
+                if named is None:
+                    raise
+                raise named from err
+
+
+_AUTO_SPEC = re.compile(r"PartitionSpec passed to (\w+) cannot contain axis names that are of type")
+
+
+def _auto_axes_error(err: ValueError, mesh: Mesh | None) -> UsageError | None:
+    """A UsageError when user code asked ``reshard`` / ``out_sharding=`` for an Auto
+    axis of ``mesh`` (JAX takes only Explicit axes there; its own message names neither fix)."""
+    found = _AUTO_SPEC.search(str(err))
+    if mesh is None or found is None or "AxisType.Auto" not in str(err):
+        return None
+    call = "jax.sharding.reshard" if found[1] == "reshard" else f"{found[1]}(out_sharding=...)"
+    axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
+    return UsageError(
+        f"your loss or model calls `{call}` with a PartitionSpec over the step's mesh, whose "
+        f"axes are Auto ({_describe(mesh)}); JAX takes such specs only on Explicit axes. Build "
+        f"the mesh with Explicit axes: `jaxdev.make_mesh({{{axes}}}, axis_type='explicit')` "
+        "(or jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))), or on Auto axes use "
+        f"`jax.lax.with_sharding_constraint(x, P(...))` instead. JAX said: {err}"
+    )
 
 
 MODEL_AXES = ("model", "tensor")

@@ -8,6 +8,8 @@ mesh in context; jaxdev enters ``jax.set_mesh(strategy.mesh)`` itself.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -261,3 +263,39 @@ def test_an_explicit_mesh_argument_wins_over_the_users_set_mesh(users, mine, n_u
                 if not ok:
                     wrong.append(f"{name}({kind}): on {got.sharding}")
     assert not wrong, "\n".join(wrong)
+
+
+# ---------------------------------------------------------------- reshard on Auto axes
+
+
+def _reshard_loss(p, b):
+    h = jax.sharding.reshard(b["x"] @ p["w"], P("fsdp", None))
+    return (h.sum(-1) - b["y"]) ** 2
+
+
+def _out_sharding_loss(p, b):
+    h = jnp.einsum("bd,df->bf", b["x"], p["w"], out_sharding=P("fsdp", "tensor"))
+    return (h.sum(-1) - b["y"]) ** 2
+
+
+@pytest.mark.parametrize(
+    "loss_fn, call",
+    [(_reshard_loss, "jax.sharding.reshard"), (_out_sharding_loss, "einsum(out_sharding=...)")],
+)
+@pytest.mark.parametrize("how", ["call", "lower"])
+def test_reshard_and_out_sharding_on_auto_axes_are_named_and_the_fix_trains(loss_fn, call, how):
+    tx = optax.sgd(0.01)
+    auto = jaxdev.Strategy.sharded(_mesh(AxisType.Auto), axis="fsdp")
+    step = jaxdev.make_train_step(loss_fn, tx, auto)
+    state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+    batch = step.put_batch(_batch())
+    with pytest.raises(jaxdev.UsageError, match=re.escape(f"calls `{call}`")) as err:
+        step(state, batch) if how == "call" else step.lower(state, batch)
+    fix = "jaxdev.make_mesh({'fsdp': 2, 'tensor': 4}, axis_type='explicit')"
+    assert fix in str(err.value) and "with_sharding_constraint" in str(err.value)
+    mesh = jaxdev.make_mesh({"fsdp": 2, "tensor": 4}, axis_type="explicit")  # the fix, as named
+    step = jaxdev.make_train_step(loss_fn, tx, jaxdev.Strategy.sharded(mesh, axis="fsdp"))
+    state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+    for _ in range(3):
+        state, _ = step(state, step.put_batch(_batch()))
+    np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(_batch(), 3), rtol=1e-5)
