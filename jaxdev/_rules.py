@@ -7,13 +7,16 @@ leaf's ``/``-joined path (``"params/Dense_0/kernel"``; first match wins, unmatch
 replicated, short specs padded with ``None``); ``"flax"`` (the model's own linen / NNX
 partitioning metadata); or a layout pytree of ``PartitionSpec`` / ``NamedSharding``.
 Every spec is checked against its leaf and the mesh before anything is placed
-(:class:`ShardingError` naming leaf, shape, spec, mesh). The optimizer state follows the
-params (:func:`follow_params`).
+(:class:`ShardingError` naming leaf, shape, spec, mesh); with ``indivisible="replicate"`` a
+dimension its mesh axis does not divide is replicated instead (flax drops such a sharding
+under ``jit``), logged once per leaf. The optimizer state follows the params
+(:func:`follow_params`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -43,6 +46,9 @@ _FORMS = (
     "[('Dense_.*/kernel', P(None, 'model'))], or a pytree of PartitionSpec / NamedSharding "
     "matching the params"
 )
+
+_log = logging.getLogger("jaxdev")
+_TOLD: set[Any] = set()  # (leaf, shape, spec, mesh) already logged as replicated
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements stay replicated under ``rules="fsdp"``."""
@@ -297,8 +303,9 @@ def _form(rules: Rules) -> Any:
 # ---------------------------------------------------------------- checking a spec
 
 
-def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh) -> P:
-    """Pad ``spec`` to the leaf's rank (``P()`` if it splits nothing); raise if it cannot apply."""
+def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str = "error") -> P:
+    """Pad ``spec`` to the leaf's rank (``P()`` if it splits nothing); raise if it cannot apply
+    (``indivisible="replicate"``: a dimension its axes do not divide is replicated, logged)."""
     shape, ndim = leaf.shape, len(leaf.shape)
     where = (
         f"{source or '`rules`'} put {spec} on {leaf.keys} of shape {shape} "
@@ -327,14 +334,21 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh) -> P:
                 f"{where}: mesh axis {twice[0]!r} is used for two dimensions; each mesh axis "
                 "may split at most one dimension of a leaf."
             )
-        used.extend(axes)
         n = axis_size(mesh, axes)
         if shape[d] % n:
             what = f"axis {axes[0]!r} of" if len(axes) == 1 else f"axes {axes} of total"
-            raise ShardingError(
-                f"{where}: dimension {d} ({shape[d]}) is not divisible by mesh {what} size {n}. "
-                "Pad the dimension to a multiple, split another dimension, or use a smaller axis."
-            )
+            why = f"dimension {d} ({shape[d]}) is not divisible by mesh {what} size {n}"
+            if indivisible == "error":
+                raise ShardingError(
+                    f"{where}: {why}. Pad the dimension to a multiple, split another dimension, "
+                    "use a smaller axis, or pass `indivisible='replicate'` to replicate it."
+                )
+            if (key := (leaf.keys, shape, spec, mesh)) not in _TOLD:
+                _TOLD.add(key)
+                _log.warning("%s: %s, so it is replicated (indivisible='replicate')", where, why)
+            spec = P(*spec[:d], None, *spec[d + 1 :])
+            continue
+        used.extend(axes)
     if not used:
         return P()  # replicated is always written P()
     if len(spec) < ndim:
@@ -353,6 +367,7 @@ def param_shardings(
     min_size: int = DEFAULT_MIN_SIZE,
     fsdp_axis: str | tuple[str, ...] | None = None,
     logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+    indivisible: str = "error",
 ) -> Any:
     """Return a ``NamedSharding`` on ``mesh`` for every leaf of ``tree`` under ``rules``.
 
@@ -369,6 +384,9 @@ def param_shardings(
         (default: :func:`fsdp_axis_of`).
       logical_axis_rules: under ``"flax"``, ``(logical name, mesh axis)`` pairs; default:
         flax's ``nn.logical_axis_rules`` context. Rules stored in a box win.
+      indivisible: ``"error"`` (default) raises for a dimension its mesh axis does not
+        divide; ``"replicate"`` replicates that dimension (as flax does under ``jit``) and
+        logs it once per leaf on the ``"jaxdev"`` logger.
 
     Raises:
       ShardingError: a spec that cannot apply (the leaf path, shape, spec and mesh named),
@@ -389,6 +407,7 @@ def param_shardings(
       P('fsdp', None)
     """
     options = dict(min_size=min_size, fsdp_axis=fsdp_axis, logical_axis_rules=logical_axis_rules)
+    options["indivisible"] = indivisible
     if is_train_state(tree):  # the whole state: the optimizer state follows the params
         return state_shardings(tree, mesh, rules, **options)
     mesh = check_mesh(mesh)
@@ -402,9 +421,16 @@ def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     written; specs are checked per leaf later)."""
     if options.get("min_size") is not None:
         _check_min_size(options["min_size"])
+    _check_indivisible(options.get("indivisible", "error"))
     if options.get("fsdp_axis") is not None or (isinstance(rules, str) and rules == "fsdp"):
         fsdp_axis_of(mesh, options.get("fsdp_axis"))
     _form(rules)
+
+
+def _check_indivisible(indivisible: Any) -> str:
+    if indivisible not in ("error", "replicate"):
+        raise ShardingError(f"`indivisible` must be 'error' or 'replicate', got {indivisible!r}.")
+    return indivisible
 
 
 def _check_min_size(min_size: Any) -> None:
@@ -436,7 +462,10 @@ def _shardings(
             f"{big.shape}). Lower `min_size=`, or write `rules='replicate'` if replication is "
             "meant."
         )
-    out = [named_sharding(mesh, _check_spec(x, s, src, mesh)) for x, (s, src) in zip(leaves, specs)]
+    how = _check_indivisible(options.get("indivisible", "error"))
+    out = [
+        named_sharding(mesh, _check_spec(x, s, src, mesh, how)) for x, (s, src) in zip(leaves, specs)
+    ]
     return jax.tree.structure(unbox(tree)).unflatten(out)
 
 

@@ -594,3 +594,81 @@ def test_fsdp_that_would_shard_nothing_is_named_or_falls_back_to_the_batch_axes(
         jaxdev.param_shardings({"w": sds(8, 4), "b": sds(4)}, lm1b, "fsdp")  # all < min_size
     small = jaxdev.param_shardings({"w": sds(8, 4)}, lm1b, "fsdp", min_size=0)
     assert small["w"].spec == P(("data", "fsdp"), None)
+
+
+# ---------------------------------------------------------------- indivisible dimensions
+
+
+@pytest.mark.filterwarnings("ignore:'.value' access is now deprecated:DeprecationWarning")  # flax's SGD
+def test_flax_fsdp_toy_example_trains_with_indivisible_replicate_as_flax_does(caplog):
+    """flax's nnx_toy_examples/10_fsdp_and_optimizer.py as written (tests/flax_nnx_fsdp_toy.py):
+    w2 (32, 1) has out_sharding (None, 'model') on a 4-way 'model' axis; flax drops it under
+    jit. Plain SGD (its SGD with decay=0) against jaxdev's rules='flax', indivisible='replicate'."""
+    import flax_nnx_fsdp_toy as toy
+
+    lr, steps = 0.01, 5
+
+    @nnx.jit
+    def create_plain_sgd():  # create_model, with flax's SGD at decay=0.0: plain SGD
+        model = toy.MLP(1, 32, 1, rngs=nnx.Rngs(0))
+        return model, toy.SGD(nnx.variables(model, nnx.Param), lr, decay=0.0)
+
+    rng = np.random.default_rng(0)
+    xs = np.linspace(-2, 2, 100, dtype=np.float32)[:, None]
+    ys = (0.8 * xs**2 + 0.1 + rng.normal(0, 0.1, size=xs.shape)).astype(np.float32)
+    batches = [(xs[i], ys[i]) for i in (rng.choice(len(xs), size=32) for _ in range(steps))]
+
+    with jax.set_mesh(toy.mesh):  # flax's own loop, as the example writes it
+        model, optimizer = create_plain_sgd()
+        assert model.w2[...].sharding.spec == P()  # flax dropped (None, 'model') on (32, 1)
+        init = nnx.split(model, nnx.Param)[1]
+        init = jax.tree.map(np.asarray, init)  # host copy of the same initial values
+        for x, y in batches:
+            x, y = jax.device_put((x, y), toy.named_sharding("data"))
+            toy.train_step(model, optimizer, x, y)
+
+    with jax.set_mesh(toy.mesh):
+        graphdef, params = nnx.split(create_plain_sgd()[0], nnx.Param)
+
+    def loss_fn(params, batch):
+        y_pred = nnx.merge(graphdef, params)(batch["x"])
+        return ((batch["y"] - y_pred) ** 2)[:, 0]
+
+    tx = optax.sgd(lr)
+    refused = jaxdev.Strategy.sharded(toy.mesh, rules="flax")
+    with pytest.raises(ShardingError, match=r"\['w2'\].*indivisible='replicate'"):
+        jaxdev.make_train_step(loss_fn, tx, refused).init_state(params, tx)
+    strategy = jaxdev.Strategy.sharded(toy.mesh, rules="flax", indivisible="replicate")
+    step = jaxdev.make_train_step(loss_fn, tx, strategy)
+    with caplog.at_level("WARNING", logger="jaxdev"):
+        state = step.init_state(params, tx)
+        for x, y in batches:
+            state, _ = step(state, step.put_batch({"x": x, "y": y}))
+    told = [r.getMessage() for r in caplog.records if "['w2']" in r.getMessage()]
+    assert len(told) == 1, told  # once per leaf
+    for part in ("shape (32, 1)", "dimension 1 (1)", "axis 'model' of size 4", "replicated"):
+        assert part in told[0], told[0]
+    assert not any("['w1']" in r.getMessage() for r in caplog.records)
+    got = state.params
+    assert got["w2"][...].sharding.spec == P() and got["w1"][...].sharding.spec == P(None, "model")
+    assert got["b1"][...].sharding.spec == P("model")
+    want = nnx.split(model, nnx.Param)[1]
+    for k in ("w1", "b1", "w2"):
+        assert not np.allclose(np.asarray(want[k][...]), init[k][...])  # they trained
+        np.testing.assert_allclose(
+            np.asarray(got[k][...]), np.asarray(want[k][...]), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_indivisible_replicate_drops_only_the_dimension_its_axis_does_not_divide():
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+    shapes = {"a": sds(6, 8), "b": sds(8, 6), "c": sds(32, 1)}
+    rules = [("a|b", P("data", "model")), ("c", P(None, "model"))]
+    with pytest.raises(ShardingError, match=r"\['b'\].*dimension 1 \(6\).*indivisible="):
+        jaxdev.param_shardings(shapes, mesh, rules)
+    got = specs(jaxdev.param_shardings(shapes, mesh, rules, indivisible="replicate"))
+    assert got == {"a": P("data", "model"), "b": P("data", None), "c": P()}
+    with pytest.raises(ShardingError, match="`indivisible` must be 'error' or 'replicate'"):
+        jaxdev.param_shardings(shapes, mesh, rules, indivisible="pad")
+    with pytest.raises(ShardingError, match="`indivisible` must be 'error' or 'replicate'"):
+        jaxdev.Strategy.sharded(mesh, rules=rules, indivisible="pad")

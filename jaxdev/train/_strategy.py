@@ -114,6 +114,7 @@ class Strategy:
         min_size: int | None = None,
         fsdp_axis: AxisName | None = None,
         logical_axis_rules: Any = None,
+        indivisible: str | None = None,
         offload: Any = None,
         params: Any = None,
     ) -> Strategy:
@@ -126,8 +127,8 @@ class Strategy:
           mesh: default :func:`jaxdev.data_mesh`.
           axis: the axis (or axes) the batch is split over; default every mesh
             axis but ``'model'`` / ``'tensor'``.
-          rules: as :func:`jaxdev.param_shardings`; ``min_size``, ``fsdp_axis``
-            and ``logical_axis_rules`` are its options.
+          rules: as :func:`jaxdev.param_shardings`; ``min_size``, ``fsdp_axis``,
+            ``logical_axis_rules`` and ``indivisible`` are its options.
           shard_map: run under ``jax.shard_map`` with explicit collectives
             (replicated params only).
           offload: ``"opt_state"``, ``"params"`` or both: kept in host memory
@@ -150,6 +151,7 @@ class Strategy:
         params = _hashable_rules(rules if params is None else _renamed(rules, params))
         logical = _hashable_rules(logical_axis_rules)
         named = dict(min_size=min_size, fsdp_axis=fsdp_axis, logical_axis_rules=logical)
+        named["indivisible"] = indivisible
         options = {k: v for k, v in named.items() if v is not None}
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         offload = check_offload(offload, mesh.devices.flat)
