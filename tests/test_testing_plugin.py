@@ -31,8 +31,8 @@ CONFTEST = """
 import os, jax, pytest
 jax.config.update("jax_num_cpu_devices", 8)  # the markers' counts must still win
 if os.environ.get("BREAK_WORKERS"):  # a broken import, in the workers only
-    os.environ.setdefault("PARENT_PID", str(os.getpid()))
-    if os.environ["PARENT_PID"] != str(os.getpid()):
+    import _jaxdev_pytest  # the plugin: its orders are set in a worker
+    if _jaxdev_pytest._WORKER is not None:
         import a_module_that_does_not_exist
 if os.environ.get("START_EARLY"):
     DEVICES = jax.devices()
@@ -234,6 +234,137 @@ def test_markers_workers_processes_and_faults(inner):
     result = run(inner, "--lf", "-x", "-q", "-k", "not not_selected", timeout=120)
     assert "stopping after 1 failures" in result.stdout.str()
     result.assert_outcomes(failed=1)
+
+
+UNITTEST_SUITE = """
+import os, unittest
+import jax, pytest
+from absl.testing import absltest, parameterized
+from conftest import record_pid
+
+COUNT = 3  # a mark's argument read from the module
+
+class Plain(unittest.TestCase):
+    @pytest.mark.devices(2)
+    def test_method(self):
+        record_pid()
+        self.assertEqual(jax.device_count(), 2)
+        self.assertNotIn("SET_BY_ANOTHER_MODULE", os.environ)  # its worker does not import it
+
+    def test_unmarked(self):
+        self.assertEqual(jax.device_count(), 8)
+
+
+@pytest.mark.devices(3)
+class Absl(absltest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.count = jax.device_count()
+
+    def test_class(self):
+        record_pid()
+        self.assertEqual(self.count, 3)
+
+    @pytest.mark.devices(2)  # the method's mark wins
+    def test_method_over_class(self):
+        self.assertEqual(jax.device_count(), 2)
+
+
+class Param(parameterized.TestCase):
+    @pytest.mark.devices(2)
+    @parameterized.parameters(1, 2)
+    def test_above(self, k):
+        self.assertEqual(jax.device_count(), 2)
+
+    @parameterized.named_parameters(("one", 1), ("two", 2))
+    @pytest.mark.devices(3)
+    def test_below(self, k):
+        self.assertEqual(jax.device_count(), 3)
+
+    @pytest.mark.devices(COUNT)
+    @parameterized.product(k=[1, 2], j=[3])
+    def test_product_above(self, k, j):
+        self.assertEqual(jax.device_count(), COUNT)
+
+    @pytest.mark.devices(2, 3)
+    def test_two_counts(self):
+        pass
+
+    K = 2
+
+    @pytest.mark.devices(K)
+    @parameterized.parameters(1, 2)
+    def test_class_scope(self, k):
+        pass
+"""
+
+
+def test_unittest_absltest_and_parameterized_markers(inner):
+    """Marks on unittest/absltest/parameterized methods and classes, above or below absl's
+    decorators, run on their count; none is dropped: what cannot be read fails saying why.
+    Before: every marked test errored (a worker for devices=None) and a mark above
+    @parameterized.parameters was dropped (the test ran on the session's 8 devices)."""
+    inner.makepyfile(test_ut=UNITTEST_SUITE)
+    inner.makepyfile(  # before: its variable reached every worker (chex's setUpModule failed)
+        test_env="import os\nos.environ['SET_BY_ANOTHER_MODULE'] = '1'\ndef test_env(): pass\n"
+    )
+    result = run(inner, "-q")
+    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1, errors=1 + 2)
+    out = result.stdout.str()
+    assert (
+        "test_ut.py::Param::test_two_counts: @pytest.mark.devices(2, 3): a unittest.TestCase "
+        "test runs on one device count (pytest parametrizes test functions only): give one, "
+        "e.g. devices(3)."
+    ) in out
+    assert (
+        "test_ut.py::Param::test_class_scope0: @pytest.mark.devices(K) sits above a decorator "
+        "that makes new test methods (absl's @parameterized), and jaxdev could not read it "
+        "again (NameError: name 'K' is not defined). Put the mark below that decorator."
+    ) in out
+    assert len(set((inner.path / "pids.txt").read_text().split())) == 2  # one worker per count
+
+
+def test_under_xdist(inner):
+    """``-n 2``: each xdist worker starts the jaxdev workers its tests need. Before: every
+    marked test errored (the jaxdev worker, given ``-n 2`` too, ran xdist and collected none)."""
+    pytest.importorskip("xdist")
+    inner.makepyfile(
+        test_x="""
+        import jax, pytest
+        from conftest import record_pid
+
+        @pytest.mark.devices(2)
+        @pytest.mark.parametrize("k", range(4))
+        def test_marked(jaxdev_devices, k, tmp_path):
+            record_pid()
+            assert jax.device_count() == jaxdev_devices == 2
+
+        def test_here():
+            assert jax.device_count() == 8
+        """
+    )
+    result = run(inner, "-n", "2", "-q")
+    result.assert_outcomes(passed=5)
+    assert 1 <= len(set((inner.path / "pids.txt").read_text().split())) <= 2
+
+
+@pytest.mark.multiprocess
+def test_processes_share_one_tmp_path(inner):
+    """The processes of a ``processes`` test get one ``tmp_path`` (an orbax save into it
+    needs that). Before: one folder per process, so neither saw the other's file."""
+    inner.makepyfile(
+        test_t="""
+        import jax, pytest
+        from jax.experimental import multihost_utils
+
+        @pytest.mark.processes(2, devices=1)
+        def test_shared(tmp_path):
+            (tmp_path / f"from-{jax.process_index()}").write_text("x")
+            multihost_utils.sync_global_devices("written")
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["from-0", "from-1"]
+        """
+    )
+    run(inner, "-q").assert_outcomes(passed=1)
 
 
 def test_inert_unless_asked(pytester):

@@ -8,18 +8,22 @@ pytest are imported at start-up (``_jaxdev_pytest`` loads this file without ``im
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import faulthandler
 import gc
 import importlib.util
+import inspect
 import io
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import traceback
@@ -30,6 +34,9 @@ from _pytest.terminal import TerminalReporter  # pytest.TerminalReporter only fr
 ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
 DEFAULT_TIMEOUT_S = 60.0
 _WORKER = json.loads(os.environ.pop(ENV, "null"))
+# a worker starts from pytest's own environment: what a conftest or test module sets at
+# import it sets again there, and what the modules it does not import set stays out
+_START_ENV = dict(os.environ)
 _STDERR = _WORKER and open(os.dup(2), "w")  # the real stderr, before pytest captures fd 2
 _START_S = 120  # start-up allowance of a processes test (launch + initialize + collection)
 _TAIL = 30  # output lines shown for a dead worker
@@ -99,6 +106,8 @@ def pytest_configure(config):
         config.addinivalue_line("markers", marker)
     session = _Worker(config) if _WORKER is not None else _Controller(config)
     config.pluginmanager.register(session, "jaxdev-session")
+    if _WORKER and _WORKER.get("tmp_path"):  # a processes test: one tmp_path for them all
+        config.pluginmanager.register(_SharedTmpPath(), "jaxdev-tmp-path")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -111,11 +120,53 @@ def pytest_cmdline_main(config):
     pid = os.environ.get("JAXDEV_PROCESS_ID")
     overrides = dict(lf=False, failedfirst=False, newfirst=False, stepwise=False, maxfail=0)
     overrides.update(usepdb=False, keyword="", markexpr="", deselect=[])
+    overrides.update(dist="no", distload=False, numprocesses=None, tx=[])  # no xdist in it
     overrides["basetemp"] = base and (f"{base}-p{pid}" if pid else base)
     for name, value in overrides.items():
         if hasattr(config.option, name):
             setattr(config.option, name, value)
     return None
+
+
+_WHY = pytest.StashKey[str]()  # why a test's marks cannot be honoured
+
+
+def pytest_itemcollected(item):
+    """A mark written above a decorator that makes new test methods (absl's
+    ``@parameterized.*``) is left on that decorator's object: read it from the ``def``."""
+    marks = _marks_on_def(item)
+    if isinstance(marks, str):
+        item.stash[_WHY] = marks
+    for mark in marks if isinstance(marks, list) else ():
+        item.add_marker(mark)
+
+
+def _marks_on_def(item) -> list | str:
+    """The ``devices``/``processes`` marks on the ``def`` of ``item``'s wrapped function that
+    ``item`` lacks, or why one cannot be read."""
+    fn = getattr(item, "obj", None)
+    inner = inspect.unwrap(fn) if callable(fn) else fn
+    try:
+        source = inner is not fn and textwrap.dedent(inspect.getsource(inner))
+        tree = source and re.search(r"\bmark\.(devices|processes)\b", source) and ast.parse(source)
+    except (OSError, TypeError, SyntaxError):  # no source of a def: nothing to read
+        return []
+    marks = []
+    for node in getattr(tree and tree.body[0], "decorator_list", ()):
+        if getattr(getattr(node, "func", None), "attr", None) not in ("devices", "processes"):
+            continue
+        try:  # the decorator's own expression, as Python evaluated it at import
+            code = compile(ast.Expression(node), inner.__code__.co_filename, "eval")
+            mark = eval(code, inner.__globals__)
+        except Exception as e:
+            return (
+                f"@{ast.get_source_segment(source, node)} sits above a decorator that makes new "
+                f"test methods (absl's @parameterized), and jaxdev could not read it again "
+                f"({type(e).__name__}: {e}). Put the mark below that decorator."
+            )
+        if isinstance(mark, pytest.MarkDecorator) and mark.mark not in item.own_markers:
+            marks.append(mark)
+    return marks
 
 
 def pytest_generate_tests(metafunc):
@@ -147,11 +198,19 @@ def _counts(mark) -> list[int] | str:
 def _plan(item) -> tuple | str | None:
     """``('devices', platform, n)``, ``('processes', n, m, timeout)``, an error, or None."""
     dev, proc = item.get_closest_marker("devices"), item.get_closest_marker("processes")
+    if why := item.stash.get(_WHY, None):
+        return f"{item.nodeid}: {why}"
     if dev is None and proc is None:
         return None
     count = getattr(item, "callspec", None) and item.callspec.params.get("jaxdev_devices")
     if dev is not None and isinstance(why := _counts(dev), str):
         return f"{item.nodeid}: @pytest.mark.{_shown(dev)}: {why}"
+    if dev is not None and count is None:  # not parametrized by pytest: a unittest method
+        if len(dev.args) > 1:
+            why = "a unittest.TestCase test runs on one device count (pytest parametrizes "
+            why += f"test functions only): give one, e.g. devices({dev.args[-1]})."
+            return f"{item.nodeid}: @pytest.mark.{_shown(dev)}: {why}"
+        count = dev.args[0]
     if proc is None:
         return ("devices", dev.kwargs.get("platform", "cpu"), count)
     why = _processes(proc, count)
@@ -342,7 +401,8 @@ class _Controller:
     def _on_worker(self, item, key: tuple) -> list:
         if key in self.broken:
             return [_failed(item, "setup", f"{item.nodeid}: {self.broken[key]}")]
-        if not self.started:  # start every worker this session needs at once
+        if not self.started and not hasattr(self.config, "workerinput"):  # not under xdist:
+            # start every worker this session needs at once (xdist shares the tests out)
             for k in self.files:
                 self.workers.setdefault(k, self._start(k))
         worker = self.workers.get(key) or self.workers.setdefault(key, self._start(key))
@@ -418,7 +478,7 @@ class _Handle:
         (cmd_r, cmd_w), (res_r, res_w) = os.pipe(), os.pipe()
         what, name = f"the worker for {self.what}", f"{platform}{n}-{number}"
         orders = dict(files=files, fds=[cmd_r, res_w], id=f"jaxdev-{platform}{n}")
-        env = {**os.environ, ENV: _orders(config, name, platform, n, what, orders)}
+        env = {**_START_ENV, ENV: _orders(config, name, platform, n, what, orders)}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *config.invocation_params.args, *_TEE],
@@ -497,7 +557,9 @@ def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
     head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
     with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
         orders = dict(run=item.nodeid, id="jaxdev-p", run_dir=run_dir, files=[str(item.path)])
-        orders.update(timeout=timeout)
+        factory = getattr(config, "_tmp_path_factory", None)  # pytest's own (as xdist uses it)
+        shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
+        orders.update(timeout=timeout, tmp_path=shared and str(shared))
         what = f"processes({n}, devices={m})"
         # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
         env = {"JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
@@ -655,6 +717,15 @@ class _Worker:
                 pytrace=False,
             )
         return result
+
+
+class _SharedTmpPath:
+    """In the processes of a ``processes`` test: ``tmp_path`` is one folder, made by the
+    pytest that launched them, so that they can save into it together (orbax)."""
+
+    @pytest.fixture
+    def tmp_path(self):
+        return pathlib.Path(_WORKER["tmp_path"])
 
 
 class _Quiet(TerminalReporter):
