@@ -1,0 +1,18 @@
+"""The test suites of jaxdev's peers, run as written under jaxdev's pytest plugin.
+
+Vendored unmodified but for ``@pytest.mark.devices`` markers (and ``import pytest``), each
+line marked ``# jaxdev: marker added``; each file's first line names its source and commit:
+
+- ``flax_jax_utils_test.py`` (flax ``tests/jax_utils_test.py``): ``devices(4)`` on its two
+  classes (the file asks for 4 devices through ``XLA_FLAGS``; ``min_device_batch`` assumes 4:
+  at 2 devices 4 tests fail).
+- ``flax_nnx_spmd_test.py`` (flax ``tests/nnx/spmd_test.py``): ``devices(4)`` on its class
+  (its meshes are 2 x 2; below 4 devices every test skips itself).
+- ``chex_fake_test.py`` (chex ``chex/_src/fake_test.py``): ``devices(2)`` on every method,
+  above absl's ``@parameterized.*`` on half of them and below it on the other half (the
+  suite passes on any count; chex's own default is 1).
+
+The session runs on 8 devices (``tests/conftest.py``): every test here runs in a jaxdev
+worker. ``conftest.py`` skips, with the reason, the tests that need a newer flax than the
+oldest one jaxdev supports.
+"""
