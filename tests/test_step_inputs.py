@@ -108,7 +108,9 @@ def test_pmap_lower_of_an_uneven_raw_batch_names_put_batch_as_the_call_does():
 @pytest.mark.parametrize("rows", [32, 8])
 def test_an_even_raw_batch_trains_as_its_put_batch_on_every_strategy(name, rows):
     """Was, under pmap: 32 rows, a bare ValueError ('cannot select an axis to squeeze');
-    8 rows, split as 8 devices of one 4-feature row each (the loss's shape refused)."""
+    8 rows, split as 8 devices of one 4-feature row each (the loss's shape refused).
+    8 rows on 8 devices stay rows: `y` is 1-D, which `common_utils.shard`'s stacked layout
+    never is (a batch that reads both ways is refused: test_pmap_recipe.py)."""
     step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name](), donate=False)
     ev = jaxdev.make_eval_step(loss, STRATEGIES[name]())
     state = step.init_state(_params(), SGD)

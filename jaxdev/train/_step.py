@@ -81,6 +81,7 @@ class _Step:
         budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._checked: set[tuple] | None = None if budget is None else set()
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
+        self._state_in: Any = None  # during a call: the state given, checked when jax traces
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         explained = failed("the next call of the step", self)  # the last call ran out of memory
@@ -102,6 +103,7 @@ class _Step:
         shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
         fn = self._compiled.get(key)
         step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
+        self._state_in = state
         try:  # XLA's RESOURCE_EXHAUSTED (its compile's, this call's, a queued one's) explained
             if fn is None:
                 fn, args = self._first_call(key, args, shapes)
@@ -119,6 +121,8 @@ class _Step:
             if explained is None:
                 raise
             raise explained from err
+        finally:
+            self._state_in = None
         # its error surfaces later, where its outputs are read: explained there (_pending)
         record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
         return out
@@ -235,19 +239,30 @@ class _Step:
                 inner = self._raw_batch(inner)
             else:
                 self._check_grouped(inner)
+                if concrete and self._reads_rows():
+                    self.strategy.check_layout(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
         jitted = self._jit(key, args)
-        return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
+        self._state_in = state
+        try:
+            return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
+        finally:
+            self._state_in = None
+
+    def _reads_rows(self) -> bool:
+        """Whether a raw batch's leading axis is its rows (not a group axis)."""
+        return not self.n_lead or not self.is_train
 
     def _raw_batch(self, inner: Any) -> Any:
         """A raw (unpadded) batch as the step takes it: its groups and even rows checked,
         then placed as the strategy takes raw rows (pmap splits them over its devices)."""
         self._check_grouped(inner)
         axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
-        self.strategy.check_even(inner, axis if self.is_train else 0)
-        if not self.n_lead or not self.is_train:
+        rows = self._reads_rows()  # then common_utils.shard's layout is refused as well
+        self.strategy.check_even(inner, axis if self.is_train else 0, rows)
+        if rows:
             inner = self.strategy.place_raw(inner)
         return inner
 
@@ -309,6 +324,7 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
+        self.strategy.check_params(params, "params")  # flax's jax_utils.replicate: refused
         if is_train_state(params):  # a whole state (flax's TrainState): laid out as the step does
             for name, value in (("rng", rng), ("model_state", model_state)):
                 if value is not None:
@@ -489,6 +505,9 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
     lead = step.n_lead + 1  # an unpadded batch's mask covers the group axes and the rows
 
     def run(axis, *args):
+        # runs when jax traces a new program (shapes, shardings), never per call: a stacked
+        # state (flax's jax_utils.replicate) always has new shapes, so it is refused here
+        strategy.check_params(step._state_in, "state")
         state, batch = args[0], args[1]
         mask = args[2] if has_mask else jnp.ones(jnp.shape(jax.tree.leaves(batch)[0])[:lead], bool)
         acc = args[-1] if has_acc else None

@@ -33,7 +33,7 @@ from .._batches import (
 from .._devices import DeviceSpec, device_list
 from .._devices import device as resolve_device
 from .._errors import ShardingError, UsageError, short
-from .._leaves import is_jax_array
+from .._leaves import is_jax_array, key_strings, raise_leaves, same_layout
 from .._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
@@ -49,7 +49,7 @@ from .._mesh import (
     under_mesh,
 )
 from .._placement import copy_to, place_tree, to_device
-from .._pmap_layout import shard_for_pmap
+from .._pmap_layout import is_stacked, shard_for_pmap
 from .._rules import check_rules, step_shardings, unbox
 from ..memory import check_offload, offloaded, streamed
 from ._train import TrainState
@@ -255,9 +255,9 @@ class Strategy:
         """The rule options as keywords for :func:`jaxdev.param_shardings`."""
         return dict(self.rule_options)
 
-    @property
+    @functools.cached_property
     def n_devices(self) -> int:
-        """How many ways the batch is split."""
+        """How many ways the batch is split (read at every call: kept)."""
         return axis_size(self.mesh, self.axis)
 
     @property
@@ -319,13 +319,16 @@ class Strategy:
             return _put_grouped(self, batch, k, m)
         return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
 
-    def check_even(self, batch: Any, axis: int = 0) -> None:
-        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide."""
-        n = self.local_shards()
-        if n == 1 or jax.process_count() > 1:
-            return
+    def check_even(self, batch: Any, axis: int = 0, rows: bool = True) -> None:
+        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide; with
+        ``rows`` (its leading axis read as its rows) also one :meth:`check_layout` refuses."""
         leaves = jax.tree.leaves(batch)
-        shape = np.shape(leaves[0]) if leaves else ()
+        if rows:
+            self.check_layout(batch, leaves)
+        n = self.local_shards()
+        if n == 1 or jax.process_count() > 1 or not leaves:
+            return
+        shape = np.shape(leaves[0])
         if len(shape) > axis and shape[axis] % n:
             rows = shape[axis]
             raise UsageError(
@@ -339,6 +342,64 @@ class Strategy:
         """A raw (not ``put_batch``'ed, not grouped) batch as the step takes it: as it is
         (jit places host rows by the program's input shardings)."""
         return batch
+
+    @functools.cached_property
+    def stacked_sizes(self) -> frozenset[int]:
+        """Leading sizes a raw batch in ``jax.pmap``'s stacked layout has: the host's device
+        count (``common_utils.shard`` splits over it), and under pmap the step's."""
+        return frozenset({jax.local_device_count()} - {1})
+
+    def placed(self, x: Any) -> bool:
+        """Whether batch leaf ``x`` is taken as placed, not read as rows: committed, and not
+        stacked on another mesh (flax's ``prefetch_to_device``: the rows of a device are one)."""
+        if not (is_jax_array(x) and x.committed):
+            return False
+        s = x.sharding
+        return len(s.device_set) == 1 or getattr(s, "mesh", None) == self.mesh or not is_stacked(x)
+
+    def check_layout(self, batch: Any, leaves: list[Any] | None = None) -> None:
+        """Refuse a raw batch that reads both as rows and as ``jax.pmap``'s stacked layout:
+        every leaf ``(n, m, ...)``, one ``m``, ``n`` in :attr:`stacked_sizes`."""
+        leaves = jax.tree.leaves(batch) if leaves is None else leaves
+        lead = _shape(leaves[0])[:2] if leaves else ()
+        if len(lead) < 2 or lead[0] not in self.stacked_sizes or self.placed(leaves[0]):
+            return  # at every call: one leaf's shape read
+        if any(np.shape(x)[:2] != lead or self.placed(x) for x in leaves):
+            return  # a 1-D leaf, or two row counts per device: rows
+        (n, m), shape = lead, np.shape(leaves[0])
+        whose = "this step's" if n == self.n_devices else "this host's"
+        raise ShardingError(
+            f"`batch` reads two ways and jaxdev does not guess: every leaf has leading axes "
+            f"({n}, {m}) ({key_strings(batch)[0]}: shape {shape}), and {n} is {whose} device "
+            f"count. As rows it is {n} examples of shape {shape[1:]}; in `jax.pmap`'s stacked "
+            f"layout (what `flax.training.common_utils.shard` makes) it is {n} devices x {m} "
+            f"rows of shape {shape[2:]}. Rows: place it with `step.put_batch(batch)`. Stacked: "
+            f"`jaxdev.pmap.unshard_from_pmap(batch)` gives the {n * m} rows"
+            + (self._split_fix if n == self.n_devices else "")
+            + "."
+        )
+
+    _split_fix = ""  # pmap: the placed form of the stacked layout, which it takes
+
+    def check_params(self, tree: Any, arg: str) -> None:
+        """Refuse leaves in ``jax.pmap``'s stacked layout (one copy per device) that are not
+        this strategy's own layout: the step keeps one copy of the state and places it."""
+        leaves = jax.tree.leaves(tree)
+        bad = [i for i, x in enumerate(leaves) if is_stacked(x)]
+        if bad and self.by_rules:  # a leaf the rules split one row per device is theirs
+            own, mine = jax.tree.leaves(self.state_layout(tree)), self.mesh
+            bad = [i for i in bad if not _laid_as(leaves[i], own[i], mine)]
+        raise_leaves(
+            tree,
+            bad,
+            f"`{arg}` is in `jax.pmap`'s stacked layout: one copy per device on a leading "
+            "axis (what `flax.jax_utils.replicate`, `jaxdev.pmap.stack_for_pmap` and "
+            "`jax.pmap`'s outputs are). The step keeps one copy and places it itself, so it "
+            "would train the device axis as part of each leaf. Take one copy first: "
+            f"`flax.jax_utils.unreplicate({arg})` or `jaxdev.pmap.unstack_from_pmap({arg})`. "
+            "Leaves:",
+            lambda i: f"shape {leaves[i].shape}, one row on each of {leaves[i].shape[0]} devices",
+        )
 
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         """Split the row axis ``axis`` of ``x`` into ``(M, r)`` micro-batches."""
@@ -407,18 +468,30 @@ class _Pmap(Strategy):
     def put_rows(self, batch: Any, pad: bool) -> Any:
         return shard_for_pmap(batch, list(self.devices), pad=pad)
 
+    _split_fix = (
+        ", or feed the batches through flax's `jax_utils.prefetch_to_device(iterator, 2)`, "
+        "whose arrays the step takes as already split"
+    )
+
+    @functools.cached_property
+    def stacked_sizes(self) -> frozenset[int]:
+        return frozenset({jax.local_device_count(), self.n_devices})
+
+    def placed(self, x: Any) -> bool:  # split over the step's devices, one row on each
+        n = self.n_devices
+        if not (is_jax_array(x) and x.committed and x.shape[:1] == (n,)):
+            return False
+        s = x.sharding
+        return s.device_set == self._device_set and (n == 1 or not s.is_fully_replicated)
+
+    @functools.cached_property
+    def _device_set(self) -> frozenset[jax.Device]:
+        return frozenset(self.devices)
+
     def place_raw(self, batch: Any) -> Any:
         # rows, as on the other strategies, unless every leaf is already split over the devices
-        devices, n = set(self.devices), self.n_devices
-        for x in jax.tree.leaves(batch):
-            if not (
-                is_jax_array(x)
-                and x.committed
-                and np.shape(x)[:1] == (n,)
-                and x.sharding.device_set == devices
-                and (n == 1 or not x.sharding.is_fully_replicated)
-            ):
-                return self.put_rows(batch, pad=False)
+        if not all(self.placed(x) for x in jax.tree.leaves(batch)):
+            return self.put_rows(batch, pad=False)
         # the same tree when laid out as put_batch lays it (flax's prefetch_to_device too);
         # a mesh's explicit axes (jax.make_mesh's default) re-laid: pmap raised KeyError on them
         return to_device(batch, named_sharding(self.mesh, P(self.axis)))
@@ -609,6 +682,16 @@ def _own_buffers(tree: Any, others: Any) -> Any:
         return x
 
     return jax.tree.map(own, tree)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)  # np.shape takes 10x as long on a jax.Array
+    return np.shape(x) if shape is None else shape
+
+
+def _laid_as(x: jax.Array, want: Any, mesh: Mesh) -> bool:
+    """Whether ``x`` is on ``mesh`` laid out as ``want`` (flax's replicate has its own mesh)."""
+    return getattr(x.sharding, "mesh", None) == mesh and same_layout(x.sharding, want, x.ndim)
 
 
 def _replicates(rules: Any) -> bool:
