@@ -45,6 +45,7 @@ from ._leaves import (
 )
 from ._mesh import check_mesh, named_sharding
 from ._placement import Target, as_sharding
+from ._pmap_layout import is_stacked
 from ._report import human_bytes
 
 _DELETED = "deleted or donated"
@@ -390,11 +391,10 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
         s, note = x.sharding, ""
         if fast(s):
             return None
-        n = len(s.device_set)
-        if x.ndim and x.shape[0] == n and n > 1 and not s.is_fully_replicated:
+        if is_stacked(x):
             note = (
-                f": a stacked (pmap-layout) array, leading axis {n} = one different slice per "
-                "device, not one replicated copy"
+                f": a stacked (pmap-layout) array, leading axis {x.shape[0]} = one different "
+                "slice per device, not one replicated copy"
             )
         return f"found {_where(x)}{note}, expected {expected}"
 

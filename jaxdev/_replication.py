@@ -11,6 +11,7 @@ from ._errors import device_name
 from ._leaves import checked_leaves, raise_drift, raise_leaves
 from ._mesh import check_mesh, replicated_sharding
 from ._placement import to_device
+from ._pmap_layout import is_stacked
 
 
 def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
@@ -86,6 +87,6 @@ def _not_replicated(x: jax.Array) -> str:
     s = x.sharding
     spec = s.spec if isinstance(s, NamedSharding) else type(s).__name__
     hint = ""
-    if x.ndim and x.shape[0] == len(s.device_set):
+    if is_stacked(x):
         hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)"
     return f"shape {tuple(x.shape)}, sharding {spec}{hint}"

@@ -33,7 +33,7 @@ from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr,
 from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
 from .._placement import as_sharding, place_tree
-from .._pmap_layout import stacker, unstack_from_pmap
+from .._pmap_layout import is_stacked, stacker, unstack_from_pmap
 from .._report import human_bytes
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
@@ -118,14 +118,10 @@ def _rows_equal(xs: list[jax.Array]) -> jax.Array:
 
 def _stacked_mesh(x: Any) -> Mesh | None:
     """The one-axis ``Auto`` mesh ``x`` is stacked over (``P(axis)``, pmap layout), else None."""
-    if not (isinstance(x, jax.Array) and x.ndim and x.is_fully_addressable):
+    if not (is_stacked(x) and x.is_fully_addressable and isinstance(x.sharding, NamedSharding)):
         return None
-    s = x.sharding
-    if not isinstance(s, NamedSharding) or s.mesh.axis_types != (AxisType.Auto,):
-        return None
-    spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))
-    stacked = spec == (*s.mesh.axis_names, *[None] * (x.ndim - 1))
-    return s.mesh if stacked and s.mesh.size == x.shape[0] > 1 else None
+    mesh = x.sharding.mesh
+    return mesh if mesh.axis_types == (AxisType.Auto,) else None
 
 
 def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
