@@ -3,7 +3,9 @@
 An error of a dispatched computation (XLA's out-of-memory) surfaces where its outputs
 are read. A jaxdev step records each call (:func:`record`) with an explainer; jaxdev's
 reads run under :func:`explained_reads` and the step's next call asks :func:`failed`
-first, so each raises the explanation instead of JAX's bare error.
+first, so each raises the explanation instead of JAX's bare error. A failed call is
+remembered until its step's next call: every read of its (poisoned) outputs, and of what
+was computed from them, is explained, however many reads came first.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+
 from ._errors import JaxdevError
 from ._guards import not_counted
+from ._leaves import array_type
 
 Explain = Callable[[BaseException, str], "BaseException | None"]
 """``explain(error, where) -> the error to raise instead`` (``None``: not one it explains)."""
 
-_PENDING: dict[Any, tuple[Any, Explain]] = {}  # owner -> (an output, explain); oldest first
+_PENDING: dict[Any, list] = {}  # owner -> [an output, explain, raised already]; oldest first
 _KEEP = 8  # owners remembered
 
 
@@ -26,13 +31,13 @@ def record(owner: Any, token: Any, explain: Explain) -> None:
     """Remember ``owner``'s latest call: ``token`` (an output) and how to ``explain`` it."""
     _PENDING.pop(owner, None)
     _forget_finished()
-    _PENDING[owner] = (token, explain)
+    _PENDING[owner] = [token, explain, False]
     if len(_PENDING) > _KEEP:
         _PENDING.pop(next(iter(_PENDING)), None)
 
 
 def _forget_finished() -> None:
-    for key, (token, _) in list(_PENDING.items()):
+    for key, (token, *_) in list(_PENDING.items()):
         if token.is_ready() and _error(token) is None:
             _PENDING.pop(key, None)
 
@@ -49,21 +54,42 @@ def _error(token: Any) -> BaseException | None:
     return None
 
 
-def failed(where: str, owner: Any = None) -> BaseException | None:
-    """The explained error of the oldest recorded call (of ``owner``) that failed, or ``None``.
+def failed(where: str, owner: Any = None, again: bool = False) -> BaseException | None:
+    """The explained error of a recorded call (of ``owner``) that failed, or ``None``.
 
-    A failed call is forgotten once asked about.
+    The oldest failure not raised yet; with ``again`` (a read that failed), then the newest
+    raised already (its outputs stay poisoned, and a step's next call raises it once).
     """
-    for key in list(_PENDING) if owner is None else [owner]:
-        token, explain = _PENDING.get(key, (None, None))
-        err = None if token is None else _error(token)
+    mine = [(k, e) for k, e in _PENDING.items() if owner in (None, k)]
+    order = [x for x in mine if not x[1][2]] + [x for x in mine[::-1] if again and x[1][2]]
+    for _, entry in order:
+        err = _error(entry[0])
         if err is not None:
-            _PENDING.pop(key, None)
-            explained = explain(err, where)
+            entry[2] = True
+            explained = entry[1](err, where)
             if explained is not None:
                 explained.__cause__ = err
                 return explained
     return None
+
+
+def wait(token: Any) -> None:
+    """Wait for a call's ``token``; its error is left to the reads and the next call."""
+    with contextlib.suppress(Exception):
+        token.block_until_ready()
+
+
+def settle(tree: Any, where: str) -> None:
+    """Wait for ``tree``'s arrays (not traced, not deleted); their error is raised explained.
+
+    A value computed from a failed call's outputs is poisoned too ("INTERNAL: Error
+    dispatching computation"), raised by a later ``float()`` that jaxdev does not see.
+    """
+    impl = array_type()
+    live = [x for x in jax.tree.leaves(tree) if type(x) is impl and not x.is_deleted()]
+    ready = all(x.is_ready() for x in live)  # then not a wait
+    with explained_reads(where), not_counted() if ready else contextlib.nullcontext():
+        jax.block_until_ready(live)
 
 
 @contextlib.contextmanager
@@ -73,8 +99,8 @@ def explained_reads(where: str) -> Iterator[None]:
         yield
     except JaxdevError:
         raise
-    except Exception as err:
-        explained = failed(where)
+    except jax.errors.JaxRuntimeError as err:  # a computation's error (a bug's is another type)
+        explained = failed(where, again=True)
         if explained is None:
             raise
         raise explained from err

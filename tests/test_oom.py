@@ -9,6 +9,7 @@ need 1 TiB (malloc refuses it at once; nothing is touched).
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 
@@ -467,3 +468,111 @@ def test_a_step_that_cannot_fit_on_the_gpu_is_named_in_the_ordinary_loop():
             )
     small = step.put_batch({"x": np.ones((2, 4096), "f4")})  # 2 rows fit: the step still runs
     assert np.isfinite(step(state, small)[1].fetch()["loss"])
+
+
+LATER = HUGE + """
+import functools
+import jaxdev.memory._explain as X
+from jaxdev.metrics import fetch_metrics
+
+_real, _once = X.explain_args, {}
+def explain_once(spec, args, **kw):  # compiled (1-2 s) once per step: the reads are the test
+    if id(spec) not in _once:
+        _once[id(spec)] = _real(spec, args, options=(), **kw)
+    return _once[id(spec)]
+X.explain_args = explain_once
+
+READS = {  # path -> (read, where the explanation says it surfaced)
+    "fetch": (lambda s, m: m.fetch(), "Collection.fetch"),
+    "fetch_metrics": (lambda s, m: fetch_metrics({"m": m}), "fetch_metrics"),
+    "Metric.fetch": (lambda s, m: m["loss"].fetch(), "Mean.fetch"),
+    "float(Metric.compute())": (lambda s, m: float(m["loss"].compute()), "Mean.compute"),
+    "np.asarray(Collection.compute())": (
+        lambda s, m: np.asarray(m.compute()["loss"]), "Collection.compute"),
+    "to_host": (lambda s, m: jaxdev.to_host(s), "to_host"),
+}
+STRATEGIES = {
+    "single": jaxdev.Strategy.single,
+    "pmap": jaxdev.Strategy.pmap,
+    "sharded": jaxdev.Strategy.sharded,
+    "shard_map": lambda: jaxdev.Strategy.sharded(shard_map=True),
+}
+
+def verdict(read, where):
+    try:
+        read()
+    except jaxdev.OutOfMemoryError as e:
+        head, at = str(e).splitlines()[:2]
+        ok = head.startswith("the train step ran out of device memory (RESOURCE_EXHAUSTED: ")
+        ok &= at.startswith(f"it surfaced at {where}: ")
+        return "named" if ok and e.explanation is not None else f"text: {head} | {at}"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return "no error"
+
+def next_call(step, batch, state, metrics):
+    try:
+        jax.block_until_ready(metrics)
+    except jax.errors.JaxRuntimeError:
+        return step(state, batch, metrics)
+    raise AssertionError("the step did not fail")
+
+for name, strategy in STRATEGIES.items():
+    step = jaxdev.make_train_step(huge_loss, tx, strategy())
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    for first in [*READS, "next call"]:  # each path read first after n failed calls
+        for _ in range(12):
+            reads = {first: READS.get(first), **READS}  # then every other path, read again
+            if first == "next call":  # once JAX's own wait raised JAX's own error
+                reads[first] = (functools.partial(next_call, step, batch), "the next call of the step")
+            try:  # a call that raises leaves nothing to read
+                state, metrics = step(step.init_state({"w": jnp.ones((4, 4))}, tx), batch)
+            except Exception as e:
+                state = metrics = e
+            for path, (read, where) in reads.items():
+                got = verdict(functools.partial(read, state, metrics), where)
+                if isinstance(state, Exception):
+                    got = f"the call raised {type(state).__name__}"
+                print(f"{name}|{path}|{'first' if path == first else 'later'}|{got}")
+"""
+
+
+@pytest.fixture(scope="module")
+def later_reads():
+    """Every read path x strategy of a step's real out-of-memory, each path read first 12
+    times (it surfaced bare under pmap/sharded in 3 of 12) and after every other read."""
+    from conftest import run_python
+
+    proc = run_python(LATER, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = collections.defaultdict(collections.Counter)
+    for line in proc.stdout.splitlines():
+        strategy, path, when, got = line.split("|", 3)
+        table[strategy, path][when, got] += 1
+    return table
+
+
+@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded", "shard_map"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "fetch",
+        "fetch_metrics",
+        "Metric.fetch",
+        "float(Metric.compute())",
+        "np.asarray(Collection.compute())",
+        "to_host",
+        "next call",
+    ],
+)
+def test_an_out_of_memory_read_later_is_named_on_every_path_and_strategy(
+    later_reads, strategy, path
+):
+    """Before: bare RESOURCE_EXHAUSTED at a second read (the first consumed the error), at
+    every call from the 9th on under pmap/sharded (the bounded queue re-raised old calls'
+    errors), and INTERNAL 'Error dispatching computation' at float(compute())."""
+    want = {("first", "named"): 12}
+    if path != "next call":  # and read again after each of the 6 other paths went first
+        want["later", "named"] = 6 * 12
+    got = dict(later_reads[strategy, path])
+    assert got == want, got

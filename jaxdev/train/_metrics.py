@@ -26,7 +26,7 @@ from jax import lax
 from .._errors import MetricError
 from .._leaves import check_live
 from .._mesh import DEFAULT_AXIS
-from .._pending import explained_reads
+from .._pending import explained_reads, settle
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -151,7 +151,12 @@ class Metric:
         raise NotImplementedError
 
     def compute(self) -> jax.Array:
-        """Return the metric's value as a device array (no host transfer)."""
+        """Return the metric's value as a device array (no host transfer).
+
+        Outside ``jit`` it waits for the accumulators first: an error of the step that made
+        them (an out-of-memory) is raised here, explained, not later by ``float()``.
+        """
+        settle(self, f"{type(self).__name__}.compute")
         return self._compute(jnp)
 
     def fetch(self) -> Any:
@@ -504,8 +509,9 @@ class Collection(Mapping):
         return Collection({k: m.reduce(axis) for k, m in self.items()})
 
     def compute(self) -> dict[str, jax.Array]:
-        """Return ``{name: value}`` as device arrays (no host transfer)."""
-        return {k: m.compute() for k, m in self.items()}
+        """Return ``{name: value}`` as device arrays (no host transfer; waits as ``Metric``'s)."""
+        settle(self, "Collection.compute")
+        return {k: m._compute(jnp) for k, m in self.items()}
 
     def fetch(self) -> dict[str, Any]:
         """Return ``{name: value}`` on the host with one ``jax.device_get``."""

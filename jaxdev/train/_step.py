@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from .._batches import Padded, padded_shapes
 from .._errors import DeletedArrayError, PlacementError, UsageError
 from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
-from .._pending import failed, record
+from .._pending import failed, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
 from .._rules import has_state_fields, is_train_state, unbox
@@ -115,7 +115,7 @@ class _Step:
             if self._bounded:  # at most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100
                 self._inflight.append(token)  # queued collective programs on multi-device CPU
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
-                    jax.block_until_ready(self._inflight.popleft())
+                    wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
             explained = failed("the next call of the step") or oom_error(self.spec, args, err)
             if explained is None:
