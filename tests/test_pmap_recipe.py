@@ -71,8 +71,8 @@ def _generic(params, batch):
 
 def _centering(params, batch):
     """A model that works along the batch axis: inputs centred on the (device's) batch."""
-    x = batch["x"] - batch["x"].mean(axis=0)
-    return (x @ params["w"] - batch["y"]) ** 2
+    err = (batch["x"] - batch["x"].mean(axis=0)) @ params["w"] - batch["y"]
+    return jnp.sum(err**2, axis=tuple(range(1, err.ndim)))  # any trailing shape, too
 
 
 def _regression(loss, ydim):
