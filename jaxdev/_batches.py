@@ -204,7 +204,9 @@ def shard_batch(
         if not moving:
             return batch
         out = list(leaves)
-        for i, new in zip(moving, jax.device_put(detach_host([out[i] for i in moving]), sharding)):
+        with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
+            moved = jax.device_put(detach_host([out[i] for i in moving]), sharding)
+        for i, new in zip(moving, moved):
             out[i] = new
         return jax.tree_util.tree_unflatten(treedef, out)
     padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])

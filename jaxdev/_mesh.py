@@ -137,10 +137,12 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     """The context jaxdev traces and runs user code in for ``mesh``: ``jax.set_mesh(mesh)``.
 
     Sharding-in-types model code needs a mesh in context. A mesh already set is kept when
-    it is ``mesh``; another is refused. Use it in a ``with`` statement.
+    it is ``mesh``; another is refused. Use it in a ``with`` statement; ``reshard`` /
+    ``out_sharding=`` over an Auto axis of ``mesh`` inside it raises a named UsageError.
 
     Raises:
       ShardingError: another mesh is already set with ``jax.set_mesh``.
+      UsageError: (on leaving) code inside asked ``reshard`` / ``out_sharding=`` for an Auto axis.
 
     Example:
       >>> import jax, jaxdev
@@ -151,9 +153,9 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     """
     current = jax.sharding.get_mesh()
     if current.empty:
-        return jax.set_mesh(mesh)
+        return _Named(jax.set_mesh(mesh), mesh)
     if current == mesh:
-        return contextlib.nullcontext()
+        return _Named(contextlib.nullcontext(), mesh)
     raise ShardingError(
         f"a mesh is already set with `jax.set_mesh`: {_describe(current)}, but the strategy's "
         f"mesh is {_describe(mesh)}. Call jaxdev under the strategy's own mesh "
@@ -161,11 +163,32 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     )
 
 
+class _Named:
+    """``ctx``, turning JAX's raw ValueError for ``reshard`` / ``out_sharding=`` over an Auto
+    axis of ``mesh`` into :func:`auto_axes_error`'s UsageError on the way out."""
+
+    __slots__ = ("ctx", "mesh")
+
+    def __init__(self, ctx: Any, mesh: Mesh) -> None:
+        self.ctx, self.mesh = ctx, mesh
+
+    def __enter__(self) -> Any:
+        return self.ctx.__enter__()
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
+        if self.ctx.__exit__(kind, err, tb):
+            return True
+        if isinstance(err, ValueError) and (named := auto_axes_error(err, self.mesh)):
+            raise named from err
+        return False
+
+
 def outside_mesh() -> contextlib.AbstractContextManager:
-    """No mesh in context (``jax.set_mesh(None)``), for jaxdev's own programs (checksums)
-    over arrays that carry their meshes: a user's ``jax.set_mesh`` of another mesh would
-    make JAX refuse them. Call it in a ``with`` statement, as :func:`under_mesh`."""
-    return jax.set_mesh(None)
+    """No mesh in context (``jax.set_mesh(None)``), for jaxdev's own programs (checksums,
+    re-layouts, ``jax.device_put`` of arrays) over arrays that carry their meshes: a user's
+    ``jax.set_mesh`` of another mesh would make JAX refuse them. Call it in a ``with``
+    statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3)."""
+    return contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None)
 
 
 def _describe(mesh: Mesh) -> str:
@@ -193,20 +216,14 @@ class MeshBound:
         return self._run(self.fn.lower, args)
 
     def _run(self, fn: Any, args: tuple[Any, ...]) -> Any:
-        with self._context():
-            try:
-                return fn(*args)
-            except ValueError as err:  # reshard / out_sharding= on Auto axes: named
-                named = _auto_axes_error(err, self.mesh)
-                if named is None:
-                    raise
-                raise named from err
+        with self._context():  # under_mesh names reshard / out_sharding= on Auto axes
+            return fn(*args)
 
 
 _AUTO_SPEC = re.compile(r"PartitionSpec passed to (\w+) cannot contain axis names that are of type")
 
 
-def _auto_axes_error(err: ValueError, mesh: Mesh | None) -> UsageError | None:
+def auto_axes_error(err: Exception, mesh: Mesh | None) -> UsageError | None:
     """A UsageError when user code asked ``reshard`` / ``out_sharding=`` for an Auto
     axis of ``mesh`` (JAX takes only Explicit axes there; its own message names neither fix)."""
     found = _AUTO_SPEC.search(str(err))
@@ -215,8 +232,9 @@ def _auto_axes_error(err: ValueError, mesh: Mesh | None) -> UsageError | None:
     call = "jax.sharding.reshard" if found[1] == "reshard" else f"{found[1]}(out_sharding=...)"
     axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
     return UsageError(
-        f"your loss or model calls `{call}` with a PartitionSpec over the step's mesh, whose "
-        f"axes are Auto ({_describe(mesh)}); JAX takes such specs only on Explicit axes. Build "
+        f"your loss, model or init calls `{call}` with a PartitionSpec over the mesh jaxdev "
+        f"runs it under, whose axes are Auto ({_describe(mesh)}); JAX takes such specs only "
+        "on Explicit axes. Build "
         f"the mesh with Explicit axes: `jaxdev.make_mesh({{{axes}}}, axis_type='explicit')` "
         "(or jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))), or on Auto axes use "
         f"`jax.lax.with_sharding_constraint(x, P(...))` instead. JAX said: {err}"

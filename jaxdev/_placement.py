@@ -140,19 +140,16 @@ def detached(x: Any) -> Any:
     return aligned_copy(x, 0)
 
 
-def _may_change(x: np.ndarray) -> bool:
-    """Whether someone may still write the memory of ``x`` (assumed yes when unsure)."""
-    a: Any = x
-    while isinstance(a, np.ndarray):
-        if a.flags.writeable:
-            return True
-        a = a.base
-    if a is None or isinstance(a, bytes):
-        return False
-    try:
-        return not memoryview(a).readonly
-    except TypeError:  # an owner without the buffer protocol: copy to be safe
-        return True
+def _may_change(x: Any) -> bool:
+    """Whether someone may still write the memory of ``x``: no only for a read-only numpy
+    owner (frozen with ``flags.writeable = False``) or ``bytes``. A read-only view says nothing
+    of its owner: a ``memoryview.toreadonly()`` of a bytearray, a ``mode='r'`` memmap of a
+    file another handle writes."""
+    if isinstance(x, np.ndarray):
+        return x.flags.writeable or (x.base is not None and _may_change(x.base))
+    if isinstance(x, memoryview):
+        return _may_change(x.obj)
+    return not isinstance(x, bytes)
 
 
 def aligned_copy(x: np.ndarray, extra: int) -> np.ndarray:
@@ -226,7 +223,8 @@ def to_device(tree: Any, target: Target) -> Any:
         return place_tree(tree, sharding, copy=False)
     _check_fits(tree, leaves, moving, sharding, "tree")
     sources = detach_host([leaves[i] for i in moving])  # a refilled buffer changes nothing
-    moved = jax.device_put(sources, _put_target(target, sharding))
+    with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
+        moved = jax.device_put(sources, _put_target(target, sharding))
     out = list(leaves)
     for i, new in zip(moving, moved):
         out[i] = new
@@ -317,8 +315,9 @@ def copy_to(tree: Any, target: Target) -> Any:
     # may_alias=False (jax 0.10.2); the fresh copies may be aliased, device arrays not.
     leaves = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
     may_alias = [None if isinstance(x, np.ndarray) else False for x in leaves]
-    copied = jax.device_put(leaves, _put_target(target, sharding), may_alias=may_alias)
-    return jax.tree_util.tree_unflatten(treedef, unalias(leaves, copied))
+    with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
+        copied = jax.device_put(leaves, _put_target(target, sharding), may_alias=may_alias)
+        return jax.tree_util.tree_unflatten(treedef, unalias(leaves, copied))
 
 
 def unalias(sources: Sequence[Any], outs: list[Any]) -> list[Any]:
@@ -529,7 +528,7 @@ def put_leaves(leaves: list[Any], targets: list[Any], copy: bool = False) -> lis
         for i, (x, s) in enumerate(zip(leaves, targets))
         if is_jax_array(x)
         and len(x.sharding.device_set) > 1
-        and x.sharding.device_set == s.device_set
+        and _mesh_order(x.sharding) == _mesh_order(s) is not None  # jit takes no other order
         and x.sharding.memory_kind == s.memory_kind
         and not same_layout(x.sharding, s, x.ndim)
     ]
@@ -544,11 +543,18 @@ def put_leaves(leaves: list[Any], targets: list[Any], copy: bool = False) -> lis
         sources = [leaves[i] for i in rest]
         sources = [x if is_jax_array(x) else np.array(x, copy=True) for x in sources]
         may_alias = [None if isinstance(x, np.ndarray) else not copy for x in sources]
-        placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
-        for i, new in zip(rest, unalias(sources, list(placed)) if copy else placed):
-            out[i] = new
+        with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
+            placed = jax.device_put(sources, [targets[i] for i in rest], may_alias=may_alias)
+            for i, new in zip(rest, unalias(sources, list(placed)) if copy else placed):
+                out[i] = new
     return out
 
 
 def _identity(*xs: Any) -> tuple[Any, ...]:
     return xs
+
+
+def _mesh_order(s: Sharding) -> tuple[jax.Device, ...] | None:
+    """The devices of ``s``'s mesh in its order (None: no mesh; ``jax.device_put`` moves it)."""
+    mesh = getattr(s, "mesh", None)
+    return tuple(mesh.devices.flat) if isinstance(mesh, Mesh) else None

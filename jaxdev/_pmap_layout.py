@@ -16,7 +16,7 @@ from ._batches import Padded, batch_rows, indivisible_error, pad_rows, select_ro
 from ._devices import device_list
 from ._errors import device_name
 from ._leaves import checked_leaves, is_concrete, raise_drift, raise_leaves
-from ._mesh import DEFAULT_AXIS, MeshBound, mesh_of, named_sharding
+from ._mesh import DEFAULT_AXIS, MeshBound, mesh_of, named_sharding, outside_mesh
 from ._placement import to_device
 
 
@@ -120,7 +120,8 @@ def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
             "leaf should be bitwise identical, but these differ from the majority "
             "(a pmapped update without `lax.pmean`?). Leaves:",
         )
-    out = [_row0(x) for x in leaves]
+    with outside_mesh():  # row 0 is a slice, a jitted program: never under a user's set_mesh
+        out = [_row0(x) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

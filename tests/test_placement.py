@@ -488,3 +488,44 @@ def test_a_refilled_buffer_placed_30_times_under_load_keeps_every_batch(
         got.append(place({"x": buf}, mesh)["x"])
     values = [np.unique(np.asarray(jax.device_get(b))).tolist() for b in got]
     assert values == [[float(i)] for i in range(30)]
+
+
+def _read_only_over_writeable(source, tmp_path, shape):
+    """``(reader, writer)``: a read-only array, and a writeable handle on the same memory."""
+    nbytes = int(np.prod(shape)) * 4
+    if source == "memmap-r":  # a file another handle (a loader process) writes
+        path = tmp_path / "batch.bin"
+        np.zeros(shape, np.float32).tofile(path)
+        writer = np.memmap(path, np.float32, "r+", shape=shape)
+        return np.memmap(path, np.float32, "r", shape=shape), writer
+    memory = bytearray(nbytes + 64)  # a read-only memoryview says nothing of its owner
+    start = -np.frombuffer(memory, np.uint8).ctypes.data % 64  # aligned: JAX uses it in place
+    writer = np.frombuffer(memory, np.uint8)[start : start + nbytes].view(np.float32)
+    reader = np.frombuffer(memoryview(memory).toreadonly(), np.uint8)[start : start + nbytes]
+    return reader.view(np.float32).reshape(shape), writer.reshape(shape)
+
+
+@pytest.mark.parametrize("source", ["memmap-r", "readonly-memoryview"])
+@pytest.mark.parametrize("place", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+def test_a_read_only_array_over_memory_someone_writes_is_copied_when_placed(
+    place, source, mesh, tmp_path
+):
+    reader, writer = _read_only_over_writeable(source, tmp_path, (16, 64))
+    assert not reader.flags.writeable
+    writer[...] = 1.0
+    out = place({"x": reader}, mesh)["x"]
+    writer[...] = 2.0  # was: the placed array read 2.0 (to_device, replicate: aliased)
+    assert np.unique(np.asarray(out)).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["to_device", "copy_to"])
+def test_a_tree_on_a_mesh_of_the_same_devices_in_another_order_moves(copy, mesh):
+    # put_leaves re-laid it out with a jit, which takes no other device order: was a raw
+    # ValueError 'Received incompatible devices for jitted computation'
+    other = jax.make_mesh((8,), ("o",), devices=jax.devices()[::-1])
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(other, P()))
+    place = jaxdev.copy_to if copy else jaxdev.to_device
+    for spec in (P(), P("data")):
+        out = place({"x": x}, {"x": NamedSharding(mesh, spec)})["x"]
+        assert out.sharding == NamedSharding(mesh, spec)
+        assert np.asarray(out).tolist() == list(range(16))

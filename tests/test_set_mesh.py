@@ -299,3 +299,59 @@ def test_reshard_and_out_sharding_on_auto_axes_are_named_and_the_fix_trains(loss
     for _ in range(3):
         state, _ = step(state, step.put_batch(_batch()))
     np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(_batch(), 3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("users", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_placements_under_a_users_mesh_of_the_same_devices_in_another_order(users):
+    # jax.device_put re-lays such an array out with a jitted program, which the user's mesh
+    # refused: raw 'Received incompatible devices for jitted computation'
+    mine = jaxdev.data_mesh()
+    other = jax.make_mesh((8,), ("o",), axis_types=(users,), devices=jax.devices()[::-1])
+    values = np.arange(16.0, dtype=np.float32)
+    split = jaxdev.batch_sharding(mine)
+    calls = {
+        "to_device(batch_sharding)": lambda x: jaxdev.to_device(x, split),
+        "to_device(tree)": lambda x: jaxdev.to_device({"x": x}, {"x": split})["x"],
+        "copy_to(mesh)": lambda x: jaxdev.copy_to(x, mine),
+        "copy_to(tree)": lambda x: jaxdev.copy_to({"x": x}, {"x": split})["x"],
+        "replicate": lambda x: jaxdev.replicate(x, mine),
+        "shard_batch(pad)": lambda x: jaxdev.shard_batch(x, mine, pad=True).batch,
+    }
+    wrong = []
+    with jax.set_mesh(other):
+        made = jnp.arange(16.0)  # on the user's mesh
+        for name, place in calls.items():
+            try:
+                out = place(made)
+            except Exception as err:  # listed below with the others
+                wrong.append(f"{name}: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            if out.sharding.mesh != mine or np.asarray(out).tolist() != values.tolist():
+                wrong.append(f"{name}: on {out.sharding}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("users", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_unstack_from_pmap_under_a_users_set_mesh(users):
+    # row 0 of a stacked leaf is a slice (a jitted program): was refused by the user's mesh
+    other = jax.make_mesh((8,), ("o",), axis_types=(users,))
+    stacked = jaxdev.pmap.stack_for_pmap({"w": np.arange(3.0, dtype=np.float32)})
+    with jax.set_mesh(other):
+        one = jaxdev.pmap.unstack_from_pmap(stacked, check=True)
+    assert one["w"].tolist() == [0.0, 1.0, 2.0] and one["w"].devices() == {jax.devices()[0]}
+
+
+class _OutSharding(nnx.Module):  # init code asking out_sharding= of a bare PartitionSpec
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4), out_sharding=P("fsdp", None)))
+
+
+@pytest.mark.parametrize(
+    "module, call", [(_Reshards, "jax.sharding.reshard"), (_OutSharding, "normal(out_sharding")]
+)
+def test_init_sharded_with_reshard_on_auto_axes_is_named(module, call):
+    with pytest.raises(jaxdev.UsageError, match=re.escape(f"calls `{call}")) as err:
+        jaxdev.init_sharded(lambda: module(nnx.Rngs(0)), mesh=_mesh(AxisType.Auto))
+    assert "axis_type='explicit'" in str(err.value)  # was: JAX's raw ValueError
+    model = jaxdev.init_sharded(lambda: module(nnx.Rngs(0)), mesh=_mesh(AxisType.Explicit))
+    assert model.w[...].shape == (8, 4)

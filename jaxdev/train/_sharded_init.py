@@ -19,7 +19,7 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh
 
 from .._errors import UsageError
-from .._mesh import check_mesh, under_mesh
+from .._mesh import auto_axes_error, check_mesh, under_mesh
 from .._rules import Rules, param_shardings, unbox
 from ..distributed import same_program
 from ..memory import explained_oom, plan_lines
@@ -92,8 +92,8 @@ def _shapes(call: Callable[..., Any], dynamic: tuple[Any, ...], mesh: Mesh) -> t
             under = err
     try:
         return False, nnx.eval_shape(call, *dynamic)
-    except Exception:
-        raise under from None
+    except Exception:  # reshard / out_sharding= on an Auto axis: named
+        raise auto_axes_error(under, mesh) or under from None
 
 
 def _split_args(init_fn: Callable[..., Any], args: tuple[Any, ...]):
