@@ -45,6 +45,11 @@ def record_pid():
     with open(os.path.join(os.environ["INNER_DIR"], "pids.txt"), "a") as f:
         f.write(f"{os.getpid()}\\n")
 
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a jaxdev worker (or an xdist one) started
+        with open(os.path.join(os.environ["INNER_DIR"], "workers.txt"), "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the controller: who is still our child?
         me = str(os.getpid())
@@ -296,6 +301,12 @@ class Param(parameterized.TestCase):
     @parameterized.parameters(1, 2)
     def test_class_scope(self, k):
         pass
+
+
+@pytest.mark.devices(4)
+@pytest.mark.skip(reason="skipped here: no worker starts for it")
+def test_skipped():
+    pass
 """
 
 
@@ -309,7 +320,7 @@ def test_unittest_absltest_and_parameterized_markers(inner):
         test_env="import os\nos.environ['SET_BY_ANOTHER_MODULE'] = '1'\ndef test_env(): pass\n"
     )
     result = run(inner, "-q")
-    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1, errors=1 + 2)
+    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1, errors=1 + 2, skipped=1)
     out = result.stdout.str()
     assert (
         "test_ut.py::Param::test_two_counts: @pytest.mark.devices(2, 3): a unittest.TestCase "
@@ -322,6 +333,7 @@ def test_unittest_absltest_and_parameterized_markers(inner):
         "again (NameError: name 'K' is not defined). Put the mark below that decorator."
     ) in out
     assert len(set((inner.path / "pids.txt").read_text().split())) == 2  # one worker per count
+    assert len((inner.path / "workers.txt").read_text().split()) == 2  # none for test_skipped
 
 
 def test_under_xdist(inner):

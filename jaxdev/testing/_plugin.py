@@ -197,6 +197,8 @@ def _counts(mark) -> list[int] | str:
 
 def _plan(item) -> tuple | str | None:
     """``('devices', platform, n)``, ``('processes', n, m, timeout)``, an error, or None."""
+    if item.get_closest_marker("skip"):  # it skips here: no worker or process starts for it
+        return None
     dev, proc = item.get_closest_marker("devices"), item.get_closest_marker("processes")
     if why := item.stash.get(_WHY, None):
         return f"{item.nodeid}: {why}"
