@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,20 @@ def test_behind_is_not_in_a_step_then_the_lowest_step_then_silent_then_oldest():
     assert _hang.behind([_rec(0, 5, idle=9.0), _rec(1, 5, idle=8.0)])["process"] == 0
     assert _hang.behind([_rec(0, 5, phase="finished"), _rec(1, 2)])["process"] == 1
     assert _hang.behind([_rec(0, 5, phase="finished")]) is None
+
+
+def test_at_the_same_step_the_process_in_its_own_collective_is_behind():
+    """Process 1 runs a collective process 0 never joins (a metric logged on one process);
+    process 0 waits for it in jaxdev's batch check of step 5. Both are at step 4 in JAX
+    code: the older heartbeat (process 0's 'data') decided, and named process 0."""
+    odd = _rec(1, 4, state="step", where="t.py:9 in main: `float(jnp.sum(x))`", idle=6.3)
+    recs = [_rec(0, 4, phase="data", waiting=True, idle=6.9), odd]  # both in JAX code
+    assert _hang.behind(recs)["process"] == 1
+    text = _hang.verdict(recs, 6)
+    assert text.startswith("no progress for 6 s: process 1 has not started step 5: 6 s after")
+    assert "process 0 waits after step 4 (data) in a jaxdev cross-process check" in text
+    stuck = [_rec(0, 5, in_step=True, idle=9.0), _rec(1, 5, state="barrier", idle=8.0)]
+    assert _hang.behind([*stuck, _rec(2, 5, state="step")])["process"] == 2  # a barrier too
 
 
 def test_verdict_names_the_step_not_started_or_not_finished():
@@ -376,6 +391,28 @@ def test_a_later_call_that_compiles_counts_as_compile():
     assert after["state"] == "host" and after["quiet"] < 1.0
 
 
+def test_a_new_state_is_published_at_once_not_an_interval_later():
+    """A process that holds the GIL in C right after some steps (a big pickle.dumps) can
+    publish nothing more: it was reported from a publication up to an interval (S / 10, up
+    to 5 s) older than its last steps ('in step 2 (compile)' after step 4)."""
+    store = FakeStore()
+    watch = _hang._Watchdog(store, 0, 50.0, "exit", pytest.fail)  # an interval of 5 s
+    published = lambda: json.loads(store.kv.get("jaxdev/hang/beat/0", "{}"))  # noqa: E731
+    watch.thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while published().get("phase") != "start" and time.monotonic() < deadline:
+            time.sleep(0.01)  # its first publication
+        watch.record("step", 4)  # step 4's call, returned: host work now
+        deadline = time.monotonic() + 2
+        while published().get("step") != 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        watch.stopped.set()
+        watch.thread.join(10)
+    assert (published().get("step"), published().get("state")) == (4, "host"), published()
+
+
 def test_host_work_after_the_last_step_is_not_a_hang_while_the_others_finished(fast):
     store = FakeStore()
     watch = _hang._Watchdog(store, 0, 5.0, "exit", pytest.fail)
@@ -490,6 +527,8 @@ SCENARIOS = {  # plain: JAXDEV_* set by hand, no launcher
     "kill": Scenario("launch", "kill", 1, S),
     "plain_step": Scenario("plain", "step", 1, S),
     "plain_kill": Scenario("plain", "kill", 1, S),
+    "extra": Scenario("launch", "extra", 1, S),
+    "gil": Scenario("launch", "gil", 1, S),
 }
 
 
@@ -559,6 +598,35 @@ def test_a_killed_process_is_named_by_the_watchdog_without_a_launcher(runs):
     run = _show(runs, "plain_kill")
     assert run.returncodes == [1, -signal.SIGKILL], run.returncodes
     assert "process 1 does not answer (dead, or stuck in C code holding the GIL)" in run.output
+    assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
+
+
+def _verdict_line(run: Run) -> str:
+    return next(ln for ln in run.output.splitlines() if "jaxdev: hang watchdog: no progress" in ln)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_a_collective_only_one_process_runs_names_that_process(runs):
+    """Process 1 logs a metric of the global batch after step 4 (a collective process 0
+    never joins); process 0 waits in its batch check for step 5. It named process 0."""
+    run = _show(runs, "extra")
+    line = _verdict_line(run)
+    assert "no progress for 6 s: process 1 has not started step 5: " in line, line
+    assert "# a collective no other joins`; process 0 waits after step 4 (data) in a " in line
+    assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(DEADLINE_S + 60)
+def test_a_process_holding_the_gil_is_reported_in_the_state_it_is_in(runs):
+    """After step 4 and 0.3 s of host work, process 1 holds the GIL in C: its watchdog cannot
+    answer, and its last publication is its state. It said 'in step 1 (compile)'."""
+    run = _show(runs, "gil")
+    line = _verdict_line(run)
+    said = re.search(r"process 1 does not answer \(dead, or stuck in C code holding the GIL\); "
+                     r"its last heartbeat, \d+ s ago: (.+?), at hang\.py:\d+ in (\w+)", line)
+    assert said and said.groups() == ("after step 4", "hold_gil"), line
     assert run.after_stall() < S + 20, f"{run.after_stall():.1f} s after the stall"
 
 

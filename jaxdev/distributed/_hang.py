@@ -53,6 +53,7 @@ _JAX_COMPILE = (
 _JAX_BARRIER = os.path.join("experimental", "multihost_utils.py")  # sync_global_devices, ...
 _KEY = "jaxdev/hang/"
 _STACK_CHARS = 60_000  # per process, in the key-value store
+_NOTICE_S = 0.05  # how often the thread looks for a new state (publishing it at once)
 _GATHER_S = 5.0  # the reporter waits this long for every answering process's stacks
 _ACK_S = 3.0  # process 0 waits this long for the others to exit first
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jaxdev/
@@ -220,6 +221,9 @@ def behind(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
         key=lambda r: (
             r.get("state") in ("step", "barrier"),  # waits on the others (or computes)
             -1 if r.get("step") is None else r["step"],
+            # at the same step, one waiting where every process meets (a jaxdev step or
+            # check, a barrier) is not the odd one: one in its own collective is
+            bool(r.get("in_step") or r.get("waiting") or r.get("state") == "barrier"),
             bool(r.get("answers", True)),
             -float(r.get("idle", 0.0)),
             r["process"],
@@ -363,14 +367,22 @@ class _Watchdog:
     # -- the thread
     def _run(self) -> None:
         failures: set[str] = set()
+        due, shown = 0.0, None
         while not self.stopped.is_set():
-            try:
-                self._tick()
+            try:  # a new heartbeat or state is published at once, not an interval later:
+                beat = self._heartbeat()  # a process that then holds the GIL in C is
+                now, seen = time.monotonic(), (beat["seq"], beat["state"], beat["in_step"])
+                if now >= due:  # reported in the state it is in, not in an older one
+                    due, shown = now + self.interval, seen
+                    self._tick(beat)
+                elif seen != shown:
+                    shown = seen
+                    self._publish(beat)
             except Exception as err:  # noqa: BLE001 - e.g. the coordinator is gone (JAX ends us)
                 if type(err).__name__ not in failures:  # once per kind: never a flood
                     failures.add(type(err).__name__)
                     _log.warning("jaxdev hang watchdog: %s: %s", type(err).__name__, err)
-            self.stopped.wait(self.interval)
+            self.stopped.wait(min(_NOTICE_S, self.interval))
 
     def _heartbeat(self) -> dict[str, Any]:
         """This process's heartbeat now: its state, and where its main thread is."""
@@ -402,10 +414,13 @@ class _Watchdog:
     def _set(self, key: str, value: str, overwrite: bool = True) -> None:
         self.client.key_value_set(_KEY + key, value, allow_overwrite=overwrite)
 
-    def _round(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
-        """Publish this process's heartbeat; read the store's entries and every heartbeat."""
+    def _publish(self, beat: dict[str, Any]) -> None:
         self.published += 1
-        self._set(f"beat/{self.process}", json.dumps(self._heartbeat()))
+        self._set(f"beat/{self.process}", json.dumps({**beat, "pub": self.published}))
+
+    def _round(self, beat: dict | None = None) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Publish this process's heartbeat; read the store's entries and every heartbeat."""
+        self._publish(beat or self._heartbeat())
         entries = {k[len(_KEY) :]: v for k, v in self.client.key_value_dir_get(_KEY)}
         return entries, self._records(entries)
 
@@ -426,8 +441,8 @@ class _Watchdog:
             )
         return out
 
-    def _tick(self) -> None:
-        entries, records = self._round()
+    def _tick(self, beat: dict | None = None) -> None:
+        entries, records = self._round(beat)
         if self.resume_after is not None:  # reported; progress re-arms it
             if {r["process"]: r["seq"] for r in records} != self.resume_after:
                 self.resume_after, self.incident = None, self.incident + 1

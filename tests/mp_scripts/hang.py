@@ -12,6 +12,10 @@ Scenarios (``PROCESS``: the one that stalls, default 1):
 * ``loader``: ``PROCESS`` sleeps 120 s in its data loader for step 5, after
   ``heartbeat("data")``;
 * ``kill``: ``PROCESS`` is SIGKILLed before its step 5 (its batch is built);
+* ``extra``: after step 4, ``PROCESS`` runs a collective no other process
+  joins (a metric of the global batch logged on one process only);
+* ``gil``: after step 4 and 0.3 s of host work, ``PROCESS`` holds the GIL in
+  C code for ``4 S`` (its watchdog cannot answer);
 * ``healthy``: no stall, none of the watchdog's phases over its allowance
   (``S`` is ``$JAXDEV_HANG_TIMEOUT``): the first call traces for ``1.25 S``
   (a slow compile); step 4 brings a batch of another shape, whose trace
@@ -80,6 +84,20 @@ def end_of_run(jax, pid: int, s: float, w, x) -> None:
     multihost_utils.sync_global_devices("end")  # process 1 waits here for 1.5 S
 
 
+def hold_gil(seconds: float) -> None:
+    """0.3 s of host work after a step, then C code holding the GIL (a big ``pickle.dumps``)."""
+    start = time.monotonic()
+    while time.monotonic() < start + 0.3:  # the watchdog's thread runs between bytecodes
+        pass
+    took = []
+    for _ in range(3):  # the fastest of 3: a busy machine's slower runs make it longer
+        start = time.monotonic()
+        sum(range(10**6))
+        took.append(time.monotonic() - start)
+    print(f"STALL {time.time()}", flush=True)
+    sum(range(int(10**6 * seconds / min(took))))  # one C call: the GIL is never released
+
+
 def main(scenario: str, stalled: int) -> int:
     jaxdev.distributed.initialize()  # JAXDEV_HANG_TIMEOUT starts the watchdog
     import jax
@@ -114,6 +132,11 @@ def main(scenario: str, stalled: int) -> int:
         state, metrics = step(state, batch, metrics)
         jax.block_until_ready(state)
         print(f"step {i} done", flush=True)
+        if scenario == "extra" and pid == stalled and i == STALL_STEP - 1:
+            print(f"STALL {time.time()}", flush=True)  # a metric logged on one process only:
+            print(f"extra {float(jax.numpy.sum(batch['x']))}")  # a collective no other joins
+        if scenario == "gil" and pid == stalled and i == STALL_STEP - 1:
+            hold_gil(4 * s)
         if slow and i > 1:
             time.sleep(3)  # a slow step: 3 s of host work, no heartbeat
     print(f"loss {float(metrics.fetch()['loss']):.4f}")
