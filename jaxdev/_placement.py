@@ -498,8 +498,8 @@ def _from_host(x: Any, s: Sharding) -> jax.Array:
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         data = _from_host(jax.random.key_data(x), s)  # s lays out the key's leading axes
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    value = np.asarray(jax.device_get(x) if is_jax_array(x) else x)
-    return jax.make_array_from_callback(value.shape, s, value.__getitem__)
+    value = np.asarray(jax.device_get(x)) if is_jax_array(x) else detached(np.asarray(x))
+    return jax.make_array_from_callback(value.shape, s, value.__getitem__)  # CPU: in place
 
 
 def _on(x: Any, s: Sharding) -> bool:

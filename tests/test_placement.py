@@ -529,3 +529,28 @@ def test_a_tree_on_a_mesh_of_the_same_devices_in_another_order_moves(copy, mesh)
         out = place({"x": x}, {"x": NamedSharding(mesh, spec)})["x"]
         assert out.sharding == NamedSharding(mesh, spec)
         assert np.asarray(out).tolist() == list(range(16))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.processes(2, devices=4, timeout=120)
+def test_a_placed_numpy_leaf_never_shares_its_host_buffer_across_processes():
+    # each process builds its shards of a global array from its host value (_from_host,
+    # make_array_from_callback): every shard aliased the buffer, copy_to's too
+    mesh = jaxdev.make_mesh({"data": 8})
+    places = {
+        "to_device(mesh)": lambda x: jaxdev.to_device(x, mesh),
+        "to_device(batch_sharding)": lambda x: jaxdev.to_device(x, jaxdev.batch_sharding(mesh)),
+        "to_device(tree)": lambda x: jaxdev.to_device({"x": x}, {"x": jaxdev.as_sharding(mesh)}),
+        "replicate": lambda x: jaxdev.replicate(x, mesh),
+        "copy_to(mesh)": lambda x: jaxdev.copy_to(x, mesh),
+    }
+    wrong = {}
+    for name, place in places.items():
+        host = _host_buffer((16, 64))
+        host[...] = 1.0
+        out = jax.tree.leaves(place(host))[0]
+        host[...] = 2.0
+        seen = {float(v) for s in out.addressable_shards for v in np.unique(np.asarray(s.data))}
+        if seen != {1.0}:
+            wrong[name] = sorted(seen)
+    assert not wrong, f"placed arrays changed with their host buffer: {wrong}"
