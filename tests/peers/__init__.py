@@ -12,7 +12,14 @@ line marked ``# jaxdev: marker added``; each file's first line names its source 
   above absl's ``@parameterized.*`` on half of them and below it on the other half (the
   suite passes on any count; chex's own default is 1).
 
-The session runs on 8 devices (``tests/conftest.py``): every test here runs in a jaxdev
-worker. ``conftest.py`` skips, with the reason, the tests that need a newer flax than the
-oldest one jaxdev supports.
+- ``orbax_multihost_test.py`` (orbax ``checkpoint/orbax/checkpoint/_src/multihost/
+  multihost_test.py``): ``processes(4, devices=2)``, ``multiprocess`` and ``slow`` on its two
+  multi-process classes; its import of orbax's launcher module (not in the pip package, used
+  only under ``__main__``) is commented out. Each test starts 4 processes afresh (~20 s on 2
+  cores), so two run by default; ``JAXDEV_PEERS_ALL=1`` runs them all.
+
+The session runs on 8 devices (``tests/conftest.py``): every test here but orbax's
+``ReachedPreemptionTest`` runs in a jaxdev worker or as jaxdev processes. ``conftest.py``
+marks absl's flags parsed (as orbax's own conftest does) and skips, with the reason, the
+tests that need a newer flax or orbax than the oldest ones jaxdev supports.
 """
