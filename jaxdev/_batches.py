@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._errors import ShardingError, format_devices
@@ -260,7 +260,10 @@ def select_rows(
         size = None
     dtype = np.dtype(x.dtype)
     exact = len(x.sharding.device_set) == 1 or _bits_dtype(dtype) is None
+    s = x.sharding
     with outside_mesh():  # jaxdev's own programs: never under a user's jax.set_mesh
+        if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types:
+            x = jax.device_put(x, NamedSharding(s.mesh, P()))  # Explicit: no uneven slice
         out = _rows_jit(x, indices, size, merge, not exact)
         return out if exact else _from_bits(out, dtype)
 
