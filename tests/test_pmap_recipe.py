@@ -156,7 +156,7 @@ def test_the_recipes_stacked_batch_is_refused_by_name(name):
     ev = jaxdev.make_eval_step(per_example, jaxdev.Strategy.pmap())
     state = step.init_state(params)
     stacked = common_utils.shard(data(0))
-    leaf = "['image']" if "image" in stacked else "['x']"
+    leaf = "batch['image']" if "image" in stacked else "batch['x']"
     shape = np.shape(stacked["image" if "image" in stacked else "x"])
     for call in (step, step.lower, ev, ev.lower):
         with pytest.raises(jaxdev.ShardingError) as err:

@@ -366,14 +366,15 @@ class Strategy:
             return  # at every call: one leaf's shape read
         if any(np.shape(x)[:2] != lead or self.placed(x) for x in leaves):
             return  # a 1-D leaf, or two row counts per device: rows
-        (n, m), shape = lead, np.shape(leaves[0])
+        (n, m), shape, path = lead, np.shape(leaves[0]), key_strings(batch)[0]
         whose = "this step's" if n == self.n_devices else "this host's"
         raise ShardingError(
             f"`batch` reads two ways and jaxdev does not guess: every leaf has leading axes "
-            f"({n}, {m}) ({key_strings(batch)[0]}: shape {shape}), and {n} is {whose} device "
-            f"count. As rows it is {n} examples of shape {shape[1:]}; in `jax.pmap`'s stacked "
-            f"layout (what `flax.training.common_utils.shard` makes) it is {n} devices x {m} "
-            f"rows of shape {shape[2:]}. Rows: place it with `step.put_batch(batch)`. Stacked: "
+            f"({n}, {m}) (batch{'' if path == '<root>' else path}: shape {shape}), and {n} is "
+            f"{whose} device count. As rows it is {n} examples of shape {shape[1:]}; in "
+            f"`jax.pmap`'s stacked layout (what `flax.training.common_utils.shard` makes) it is "
+            f"{n} devices x {m} rows of shape {shape[2:]}. Rows: place it with "
+            "`step.put_batch(batch)`. Stacked: "
             f"`jaxdev.pmap.unshard_from_pmap(batch)` gives the {n * m} rows"
             + (self._split_fix if n == self.n_devices else "")
             + "."
