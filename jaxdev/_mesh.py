@@ -220,22 +220,31 @@ class MeshBound:
             return fn(*args)
 
 
-_AUTO_SPEC = re.compile(r"PartitionSpec passed to (\w+) cannot contain axis names that are of type")
+_AUTO_SPEC = re.compile(r"PartitionSpec passed to ([\w.]+) cannot contain axis names that are of")
 
 
 def auto_axes_error(err: Exception, mesh: Mesh | None) -> UsageError | None:
-    """A UsageError when user code asked ``reshard`` / ``out_sharding=`` for an Auto
-    axis of ``mesh`` (JAX takes only Explicit axes there; its own message names neither fix)."""
-    found = _AUTO_SPEC.search(str(err))
-    if mesh is None or found is None or "AxisType.Auto" not in str(err):
+    """A UsageError when user code asked ``reshard`` / ``out_sharding=`` for an Auto axis of
+    ``mesh``, or a Manual one inside ``shard_map=True`` (JAX takes only Explicit axes there;
+    its own message names neither fix); None for any other error."""
+    found, text = _AUTO_SPEC.search(str(err)), str(err)
+    manual = "AxisType.Manual" in text
+    if mesh is None or found is None or not (manual or "AxisType.Auto" in text):
         return None
     call = "jax.sharding.reshard" if found[1] == "reshard" else f"{found[1]}(out_sharding=...)"
     axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
+    explicit = f"`jaxdev.make_mesh({{{axes}}}, axis_type='explicit')`"
+    if manual:
+        return UsageError(
+            f"your loss or model calls `{call}` with a PartitionSpec inside "
+            "`Strategy.sharded(..., shard_map=True)`, where it runs on each device's shard (the "
+            f"mesh axes are Manual there) and JAX takes no such spec. Drop the `{call}` there, "
+            f"or use shard_map=False on a mesh with Explicit axes ({explicit}). JAX said: {err}"
+        )
     return UsageError(
         f"your loss, model or init calls `{call}` with a PartitionSpec over the mesh jaxdev "
         f"runs it under, whose axes are Auto ({_describe(mesh)}); JAX takes such specs only "
-        "on Explicit axes. Build "
-        f"the mesh with Explicit axes: `jaxdev.make_mesh({{{axes}}}, axis_type='explicit')` "
+        f"on Explicit axes. Build the mesh with Explicit axes: {explicit} "
         "(or jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))), or on Auto axes use "
         f"`jax.lax.with_sharding_constraint(x, P(...))` instead. JAX said: {err}"
     )

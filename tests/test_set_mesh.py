@@ -370,3 +370,28 @@ def test_unpad_of_a_batch_split_on_explicit_axes_is_bit_exact(users):
     for out in outs:
         assert np.asarray(out).tobytes() == x.tobytes() and out.sharding.mesh == mine
     assert np.asarray(picked).tobytes() == np.asarray(p.batch["x"])[keep].tobytes()
+
+
+def _zeros_out_sharding_loss(p, b):  # JAX names this call `jnp.zeros` (with a dot)
+    h = b["x"] @ p["w"] + jnp.zeros((16, 4), out_sharding=P("fsdp", None))
+    return (h.sum(-1) - b["y"]) ** 2
+
+
+@pytest.mark.parametrize(
+    "loss_fn, call, shard_map",
+    [
+        (_zeros_out_sharding_loss, "jnp.zeros(out_sharding=...)", False),
+        (_reshard_loss, "jax.sharding.reshard", True),
+        (_out_sharding_loss, "einsum(out_sharding=...)", True),
+        (_zeros_out_sharding_loss, "jnp.zeros(out_sharding=...)", True),
+    ],
+)
+def test_reshard_with_a_dotted_name_or_inside_shard_map_is_named(loss_fn, call, shard_map):
+    # were JAX's raw ValueError: the call's name has a dot; shard_map=True makes the axes Manual
+    tx = optax.sgd(0.01)
+    strategy = jaxdev.Strategy.sharded(_mesh(AxisType.Auto), axis="fsdp", shard_map=shard_map)
+    step = jaxdev.make_train_step(loss_fn, tx, strategy)
+    state = step.init_state({"w": jnp.full((8, 4), 0.1)}, tx)
+    with pytest.raises(jaxdev.UsageError, match=re.escape(f"calls `{call.split('(')[0]}")) as err:
+        step(state, step.put_batch(_batch()))
+    assert call in str(err.value) and ("shard_map=False" in str(err.value)) == shard_map
