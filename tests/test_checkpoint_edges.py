@@ -226,7 +226,7 @@ def test_a_full_disk_says_so_with_the_path_and_the_bytes(tmp_path, monkeypatch, 
     async def full(self, *args, **kwargs):
         raise ValueError(_TENSORSTORE_ENOSPC.format(tmp_path))
 
-    def no_room(new, path):
+    def no_room(new, path, durable=True):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     tree = {"w": jnp.ones((256, 4)), "n": np.zeros(64, np.int8)}  # 4 KiB + 64 B

@@ -1,10 +1,13 @@
 """``Checkpointer`` (README, "Training loops"); a step ``keep`` drops is renamed into
-``.jaxdev-deleted/`` (orbax's ``todelete_subdir``), deleted there, again after a kill."""
+``.jaxdev-deleted/`` (orbax's ``todelete_subdir``), deleted there, again after a kill.
+A step whose files are damaged (``_ckpt_files.damage``, or its digest) is not a step."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
 import os
 import time
 import weakref
@@ -14,6 +17,8 @@ from .._errors import CheckpointError
 from . import _checkpoint as ckpt
 from . import _ckpt_files as files
 
+_log = logging.getLogger("jaxdev")
+
 
 class Checkpointer:
     """Numbered checkpoints for a training loop: a thin layer over orbax's ``CheckpointManager``.
@@ -22,6 +27,10 @@ class Checkpointer:
     keeps the ``keep`` newest; with ``async_`` it returns once the arrays are
     copied off the devices. A checkpoint appears (and ``latest_step`` sees it)
     only once complete, so a process killed mid-save leaves the previous one.
+    A step whose files are damaged (truncated by a power cut with
+    ``durable=False``, say) is skipped with a warning (logger ``jaxdev``):
+    ``restore()`` falls back to the newest complete step, and the next save
+    deletes the damaged one, so ``keep`` never counts it.
 
     Args:
       directory: where the numbered checkpoints go (created if missing).
@@ -30,6 +39,9 @@ class Checkpointer:
         ``save_interval_steps``): the first save into an empty directory
         always happens; ``force=True`` saves any step.
       async_: write in the background (``wait()`` blocks until done).
+      durable: fsync every file and folder of a step before the rename that
+        commits it, so before ``keep`` deletes an older one (``False``: faster,
+        safe against a killed process but not a power cut), as :func:`jaxdev.save`.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, jaxdev
@@ -44,7 +56,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: Any, keep: int | None = 3, every: int = 1, async_: bool = True
+        self,
+        directory: Any,
+        keep: int | None = 3,
+        every: int = 1,
+        async_: bool = True,
+        durable: bool = True,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise CheckpointError(f"`keep` must be a positive int or None, got {keep!r}.")
@@ -52,7 +69,9 @@ class Checkpointer:
             raise CheckpointError(f"`every` must be a positive int, got {every!r}.")
         self.directory = os.path.abspath(os.fsdecode(directory))
         self._started: set[int] = set()
-        self._lock = None
+        self._lock, self._durable = None, durable
+        self._digests: dict[tuple, str | None] = {}  # (step, metadata file's stat): problem
+        self._warned: set[tuple[int, str]] = set()
         ocp = ckpt.orbax()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
@@ -61,6 +80,7 @@ class Checkpointer:
             create=True,
             todelete_subdir=files.TOMBSTONES,
             async_options=ckpt.handler_options(),
+            temporary_path_class=files.path_class(ocp, durable),
         )
         try:  # item handlers follow the args of each save / restore (Composite)
             self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -96,7 +116,9 @@ class Checkpointer:
             self._become_writer()
         if step in self._started:
             return False  # this run saved it already: the same state (e.g. epoch end and finish)
-        done = {*self._started, *self._manager.all_steps()}
+        if self._lock.held:
+            self._drop_damaged()
+        done = {*self._started, *self._steps()}
         latest = max(done, default=None)
         if step in done:  # a silent skip here lost every checkpoint of a second run
             raise CheckpointError(
@@ -134,7 +156,7 @@ class Checkpointer:
         if started:
             self._started.add(step)
         if self._lock.held:  # the steps the previous save (or this one, if sync) dropped
-            files.remove_tombstones(self.directory, folder=False)
+            files.remove_tombstones(self.directory, False, self._durable)
         return bool(started)
 
     def _become_writer(self) -> None:
@@ -143,7 +165,7 @@ class Checkpointer:
         self._lock = ckpt.take_writer_lock(lock_path, f"Checkpoint directory {self.directory}")
         weakref.finalize(self, _abandon, self._manager, self._lock)
         if self._lock.held:
-            files.remove_tombstones(self.directory)  # a kill cut a deletion short
+            files.remove_tombstones(self.directory, True, self._durable)  # a kill cut one short
         self._manager.reload()
         foreign = [s for s in self._manager.all_steps() if not self._is_ours(s)]
         if foreign:
@@ -157,6 +179,35 @@ class Checkpointer:
 
     def _is_ours(self, step: int) -> bool:
         return files.is_checkpoint(os.path.join(self.directory, str(step)))
+
+    def _damage(self, step: int) -> str | None:
+        """What is damaged in ``step`` (None: complete); said once per damage, as a warning."""
+        path = os.path.join(self.directory, str(step))
+        meta = os.path.join(path, files.META_ITEM, "metadata")
+        try:
+            if (why := files.damage(path)) is None:
+                key = (step, *os.stat(meta)[1:3], os.stat(meta).st_mtime_ns)
+                if key not in self._digests:  # a big leaf table's digest costs: once a file
+                    with open(meta, "rb") as f:
+                        self._digests[key] = ckpt.digest_problem(json.loads(f.read()))
+                why = self._digests[key]
+        except (OSError, ValueError) as err:
+            why = f"jaxdev/metadata: {type(err).__name__}: {err}"
+        if why and os.path.isdir(path) and (step, why) not in self._warned:  # not gone (`keep`)
+            self._warned.add((step, why))
+            _log.warning("step %d of %s is damaged, skipped: %s", step, self.directory, why)
+        return why
+
+    def _drop_damaged(self) -> None:
+        """The writer, before a save: damaged steps are deleted, so ``keep`` never counts them."""
+        graves = os.path.join(self.directory, files.TOMBSTONES)
+        for s in (bad := [s for s in self._listed() if self._damage(s)]):
+            os.makedirs(graves, exist_ok=True)
+            os.rename(os.path.join(self.directory, str(s)), os.path.join(graves, str(s)))
+            _log.warning("deleting the damaged step %d of %s", s, self.directory)
+        if bad:
+            files.remove_tombstones(self.directory, False, self._durable)
+            self._manager.reload()
 
     def _failed(self, path: str, err: BaseException, need: int | None = None) -> CheckpointError:
         """A write error; steps whose asynchronous save never completed may be saved again."""
@@ -192,7 +243,11 @@ class Checkpointer:
         return sorted(self._steps())
 
     def _steps(self) -> list[int]:
-        """Complete jaxdev checkpoints; a reader lists again (5 tries) while it races the writer."""
+        """Complete jaxdev checkpoints: listed and not damaged."""
+        return [s for s in self._listed() if not self._damage(s)]
+
+    def _listed(self) -> list[int]:
+        """jaxdev checkpoints orbax lists; a reader lists again (5 tries) while racing a writer."""
         if self._lock is not None:
             return [s for s in self._manager.all_steps() if self._is_ours(s)]
         ours: list[int] = []
@@ -212,14 +267,23 @@ class Checkpointer:
             self.wait()
             step = self.latest_step()
             if step is None:
+                bad = "; ".join(f"step {s}: {self._damage(s)}" for s in self._listed())
                 raise CheckpointError(
                     f"No checkpoint in {self.directory}: nothing has been saved there yet "
                     "(check the directory; `latest_step()` is None)."
+                    if not bad
+                    else f"No complete checkpoint in {self.directory}, every step is damaged: "
+                    f"{bad}. Restore a copy from elsewhere, or start a new run."
                 )
-        elif ckpt.check_step(step) not in self._steps():
+        elif ckpt.check_step(step) not in self._listed():
             raise CheckpointError(
                 f"No checkpoint for step {step} in {self.directory}; complete steps: "
                 f"{self.all_steps()}."
+            )
+        elif why := self._damage(int(step)):
+            raise CheckpointError(
+                f"The checkpoint of step {step} in {self.directory} is damaged: {why}. Restore "
+                f"an earlier step (complete steps: {self.all_steps()})."
             )
         return int(step)
 
@@ -286,7 +350,7 @@ class Checkpointer:
             self._manager.close()
             if self._lock is not None:
                 if self._lock.held:
-                    files.remove_tombstones(self.directory)
+                    files.remove_tombstones(self.directory, True, self._durable)
                 self._lock.release()
                 self._lock = None
 

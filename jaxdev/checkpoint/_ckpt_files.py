@@ -3,14 +3,19 @@
 One writer: :class:`WriterLock`, a ``flock`` the kernel drops when its process
 dies. Atomic overwrite: :func:`replace`; a crash between its fallback's two
 renames is the one state :func:`recover` repairs. Only jaxdev's reserved
-names and orbax's temporary folders are ever deleted.
+names and orbax's temporary folders are ever deleted. Durable (a power cut):
+:func:`sync` before every rename that commits and every deletion; the file
+sizes in :data:`MANIFEST`, for :func:`damage` to check cheaply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
+import json
 import logging
 import os
 import re
@@ -31,6 +36,7 @@ _ORBAX_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's own, at
 TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside its directory
 _ORBAX_TMP = r"\.orbax-checkpoint-tmp(-[0-9]+)?"  # orbax's temporary folder: <final name><this>
 _STEP = "(0|[1-9][0-9]*)"  # orbax's step names (its standard format: no prefix, no padding)
+MANIFEST = os.path.join(META_ITEM, "files")  # {relative path: size} of the files orbax wrote
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -224,14 +230,18 @@ def remove_leftovers(path: str) -> None:
         _remove(os.path.join(os.path.dirname(path), n))
 
 
-def remove_tombstones(directory: str, folder: bool = True) -> None:
-    """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``.
+def remove_tombstones(directory: str, folder: bool = True, durable: bool = True) -> None:
+    """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``
+    (with ``durable``, those renames are synced first: a power cut never brings one back cut).
 
     Only orbax's step names there are deleted; with ``folder`` (no save running)
     also ``.jaxdev-deleted`` if empty and killed saves' ``<step>.orbax-checkpoint-tmp``.
     """
     graves = os.path.join(directory, TOMBSTONES)
-    for n in _names(graves, _STEP):
+    if (steps := _names(graves, _STEP)) and durable:
+        _fsync(graves)
+        _fsync(directory)
+    for n in steps:
         _remove(os.path.join(graves, n))
     if folder:
         with contextlib.suppress(OSError):
@@ -262,22 +272,99 @@ def _exchange(a: str, b: str) -> bool:
     return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
-def replace(new: str, path: str) -> None:
-    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last.
+def replace(new: str, path: str, durable: bool = True) -> None:
+    """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last,
+    after (``durable``) the swap is on disk.
 
     An ``OSError`` is raised only before ``new`` is at ``path``, the old one still there.
     """
     old = sibling(path, "old")
     if _exchange(new, path):
-        _remove(new)  # it now holds the old checkpoint
-        return
-    os.rename(path, old)
-    try:
-        os.rename(new, path)  # a crash between the two renames: recover() puts one back
-    except OSError:
-        os.rename(old, path)
-        raise
+        old = new  # it now holds the old checkpoint
+    else:
+        os.rename(path, old)
+        try:
+            os.rename(new, path)  # a crash between the two renames: recover() puts one back
+        except OSError:
+            os.rename(old, path)
+            raise
+    if durable:
+        _fsync(os.path.dirname(path))
     _remove(old)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync(path: str, parent: bool = False) -> None:
+    """fsync every file and folder under ``path`` (each folder after its entries), ``path``,
+    and with ``parent`` the folder holding it: what a power cut after it leaves is complete."""
+    for folder, _, names in os.walk(path, topdown=False):
+        for n in names:
+            _fsync(os.path.join(folder, n))
+        _fsync(folder)
+    if parent:
+        _fsync(os.path.dirname(path))
+
+
+@functools.cache
+def path_class(ocp: Any, durable: bool) -> type:
+    """Orbax's atomic-rename temporary folder of a step, with the sizes of what orbax wrote in
+    :data:`MANIFEST`; ``durable``: every file and folder synced before the rename that commits
+    it, and the final folder (orbax writes ``commit_success.txt`` between) and its parent after."""
+
+    class Checked(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args: Any, **kwargs: Any) -> None:
+            tmp = os.fspath(self.get())
+            step = os.path.isdir(os.path.join(tmp, META_ITEM))  # not one item's folder
+            if step:
+                await asyncio.to_thread(_manifest, tmp, durable)
+            await super().finalize(*args, **kwargs)
+            if step and durable:
+                await asyncio.to_thread(sync, os.fspath(self.get_final()), True)
+
+    return Checked
+
+
+def _manifest(tmp: str, durable: bool) -> None:
+    sizes = {
+        os.path.relpath(p, tmp): os.path.getsize(p)
+        for folder, _, names in os.walk(tmp)
+        for p in [os.path.join(folder, n) for n in names]
+        if folder != tmp  # orbax rewrites its top-level files in finalize
+    }
+    sizes.pop(os.path.join(META_ITEM, "metadata"), None)  # its digest checks it (tests edit it)
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(sizes, f)
+    if durable:
+        sync(tmp)
+
+
+def damage(path: str) -> str | None:
+    """What is damaged in the checkpoint at ``path``, None if nothing is. Cheap (no array data
+    read): ``_CHECKPOINT_METADATA`` is JSON, each file the size :data:`MANIFEST` says (if any)."""
+    loaded = {}
+    for rel in (_ORBAX_FILES[0], MANIFEST):
+        try:
+            with open(os.path.join(path, rel), "rb") as f:
+                loaded[rel] = json.loads(f.read())
+        except FileNotFoundError:  # a checkpoint written before the manifest: none
+            loaded[rel] = {}
+        except (OSError, ValueError) as err:
+            return f"{rel} does not parse ({type(err).__name__}: {err})"
+    for rel, size in loaded[MANIFEST].items():
+        try:
+            got = f"{os.path.getsize(os.path.join(path, rel))} bytes"
+        except OSError:
+            got = "missing"
+        if got != f"{size} bytes":
+            return f"{rel} is {got}, {size} bytes written"
+    return None
 
 
 def was_cut(path: str) -> bool:

@@ -1,0 +1,170 @@
+"""A power cut's damage, simulated file by file (issue 34; DESIGN.md section 6).
+
+Every file of a committed checkpoint (a plain save, and a Checkpointer's step
+with its metrics) is truncated to half and to zero length, one at a time, in a
+fresh copy: restore never gives garbage (a CheckpointError, or the exact tree
+when the file is one restore does not read: orbax's top-level files, the
+per-process ocdbt files merged into the item's own), a Checkpointer falls back
+to the step before and says so, refuses the damaged step by name, and its
+next save's ``keep`` never deletes that last good step. The crash points
+replayed as power cuts: tests/test_crash_points.py. Timed: ``test_durable_costs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+import jaxdev
+from jaxdev import Checkpointer, CheckpointError
+
+
+def _tree(i: int) -> dict:
+    return {"w": np.arange(64, dtype=np.float32) * i, "b": np.full(3, i, np.int32), "i": i}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), b[k]) for k in a)
+
+
+def _files(path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names
+    )
+
+
+def _cuts(path) -> list[tuple[str, str]]:
+    return [(rel, how) for rel in _files(path) for how in ("half", "zero")]
+
+
+def _truncate(path: str, how: str) -> None:
+    os.truncate(path, os.path.getsize(path) // 2 if how == "half" else 0)
+
+
+def test_a_truncated_file_of_a_saved_checkpoint_never_restores_garbage(tmp_path):
+    """Every file, half and zero: restore raises CheckpointError or gives the saved tree."""
+    jaxdev.save(tmp_path / "c", _tree(1))
+    cuts, failures = _cuts(tmp_path / "c"), []
+    assert len(cuts) >= 16, cuts  # orbax's metadata, jaxdev's, the data files
+    for k, (rel, how) in enumerate(cuts):
+        copy = tmp_path / f"cut{k}"
+        shutil.copytree(tmp_path / "c", copy)
+        _truncate(os.path.join(copy, rel), how)
+        try:
+            back = jaxdev.restore(copy)
+        except CheckpointError:
+            continue
+        except Exception as err:  # noqa: BLE001 - what the test looks for
+            failures.append(f"{rel} ({how}): {type(err).__name__}: {err}")
+            continue
+        if not _same(back, _tree(1)):  # a file restore does not read: the exact tree
+            failures.append(f"{rel} ({how}): garbage {back}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_checkpointer_skips_a_damaged_step_and_keep_spares_the_last_good_one(
+    tmp_path, caplog, async_
+):
+    """Every file of step 2, half and zero, in a fresh copy of the directory (a restart):
+    the latest step is 1 (said in a warning), restore() gives it, restore(step=2) raises
+    naming the damage, and saving 3 with keep=2 keeps 1 (the damaged 2 is deleted)."""
+    metrics = {"loss": np.float32(0.5), "seen": np.arange(4)}
+    with Checkpointer(tmp_path / "run", keep=2, async_=async_) as ckpt:
+        for s in (1, 2):
+            ckpt.save(s, _tree(s), metrics=metrics)
+    cuts, failures = _cuts(tmp_path / "run" / "2"), []
+    for k, (rel, how) in enumerate(cuts):
+        run = tmp_path / f"cut{k}"
+        shutil.copytree(tmp_path / "run", run)
+        _truncate(os.path.join(run, "2", rel), how)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "jaxdev"), Checkpointer(run, keep=2) as ckpt:
+            if problem := _fell_back(ckpt, rel):
+                failures.append(f"{rel} ({how}): {problem}")
+                continue
+            good = ckpt.latest_step()  # 2: a file restore does not read (exact, checked)
+            said = [r.getMessage() for r in caplog.records]
+            if good == 1 and not any("step 2" in m and "damaged" in m for m in said):
+                failures.append(f"{rel} ({how}): skipped silently: {said}")
+            ckpt.save(3, _tree(3))
+            ckpt.wait()
+            if ckpt.all_steps() != [good, 3] or not _same(ckpt.restore(step=good), _tree(good)):
+                failures.append(f"{rel} ({how}): after saving 3, steps {ckpt.all_steps()}")
+        if sorted(os.listdir(run)) != [str(good), "3"]:
+            failures.append(f"{rel} ({how}): the folder holds {sorted(os.listdir(run))}")
+    assert not failures, "\n".join(failures)
+
+
+def _fell_back(ckpt: Checkpointer, rel: str) -> str:
+    """'' if ``ckpt`` restores step 1 and refuses step 2 by name; else what it did."""
+    if ckpt.latest_step() != 1:
+        back = ckpt.restore()
+        if ckpt.latest_step() == 2 and _same(back, _tree(2)):
+            return "" if os.path.basename(rel) == "commit_success.txt" else "damage unseen"
+        return f"latest step {ckpt.latest_step()}"
+    if not _same(ckpt.restore(), _tree(1)):
+        return "restore() did not give step 1"
+    try:
+        ckpt.restore(step=2)
+    except CheckpointError as err:
+        return "" if "damaged" in str(err) or "Could not read" in str(err) else str(err)
+    return "restore(step=2) gave a tree"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mb", [0, 100])
+def test_durable_costs(tmp_path, mb):
+    """Save time with and without fsync, interleaved, medians of 5 (printed with -s)."""
+    tree = {"w": np.ones(mb * 2**18 if mb else 16, np.float32), "i": 1}
+    runs = {d: Checkpointer(tmp_path / str(d), keep=2, async_=False, durable=d) for d in (1, 0)}
+    times: dict[tuple[str, int], list[float]] = {}
+    for i in range(6):  # the first: warm-up
+        for d, ckpt in runs.items():
+            t0 = time.perf_counter()
+            jaxdev.save(tmp_path / f"c{d}", tree, overwrite=True, durable=bool(d))
+            t1 = time.perf_counter()
+            ckpt.save(i, tree)
+            times.setdefault(("save", d), []).append(t1 - t0)
+            times.setdefault(("Checkpointer.save", d), []).append(time.perf_counter() - t1)
+    for ckpt in runs.values():
+        ckpt.close()
+    for (what, d), ts in sorted(times.items()):
+        print(f"\n{mb} MB {what} durable={bool(d)}: {np.median(ts[1:]) * 1e3:.0f} ms")
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_durable_is_one_switch_for_save_and_checkpointer(tmp_path, monkeypatch, durable):
+    """durable=True fsyncs every file and folder jaxdev and orbax write in Python (tensorstore
+    syncs its own) and the folder holding them, on every path; durable=False none of them."""
+    real, synced = os.fsync, set()
+
+    def fsync(fd):
+        synced.add(os.fstat(fd)[1:3])  # (inode, device): paths change in the renames
+        return real(fd)
+
+    def check(*tops) -> None:
+        written = {os.stat(p)[1:3] for top in tops for p in [os.path.dirname(top), top]}
+        for top in tops:
+            written |= {os.stat(os.path.join(top, rel))[1:3] for rel in _files(top)}
+            written |= {os.stat(d)[1:3] for d, _, _ in os.walk(top)}
+        assert written <= synced if durable else not written & synced, (tops, len(written))
+        synced.clear()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = str(tmp_path / "c")
+    jaxdev.save(path, _tree(1), durable=durable)
+    check(path)
+    for fallback in ("1", "0"):  # the two swaps of an overwrite
+        monkeypatch.setenv("JAXDEV_CHECKPOINT_NO_EXCHANGE", fallback)
+        jaxdev.save(path, _tree(2), durable=durable, overwrite=True)
+        check(path)
+    for async_ in (False, True):
+        with Checkpointer(tmp_path / f"run{async_}", async_=async_, durable=durable) as ckpt:
+            ckpt.save(1, _tree(1))
+        check(str(tmp_path / f"run{async_}" / "1"))
