@@ -672,3 +672,30 @@ def test_indivisible_replicate_drops_only_the_dimension_its_axis_does_not_divide
         jaxdev.param_shardings(shapes, mesh, rules, indivisible="pad")
     with pytest.raises(ShardingError, match="`indivisible` must be 'error' or 'replicate'"):
         jaxdev.Strategy.sharded(mesh, rules=rules, indivisible="pad")
+
+
+def test_indivisible_is_checked_by_name_at_every_door_and_plans_as_it_places():
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+    params = {"k": jnp.ones((16, 8)), "v": jnp.ones((8, 3))}
+    rules = [("k|v", P(None, "model"))]
+    doors = {
+        "param_shardings": lambda how: jaxdev.param_shardings(params, mesh, rules, indivisible=how),
+        "shard_params": lambda how: jaxdev.shard_params(params, mesh, rules, indivisible=how),
+        "Strategy.sharded": lambda how: jaxdev.Strategy.sharded(mesh, rules=rules, indivisible=how),
+        "memory.plan": lambda how: jaxdev.memory.plan(params, mesh, rules, indivisible=how),
+        "init_sharded": lambda how: jaxdev.init_sharded(
+            lambda: params, mesh=mesh, rules=rules, indivisible=how
+        ),
+    }
+    for name, door in doors.items():
+        for bad in ("Replicate", "pad", True, ["replicate"]):
+            with pytest.raises(ShardingError, match="`indivisible` must be 'error' or 'replicate'"):
+                door(bad)
+        with pytest.raises(ShardingError, match=r"\['v'\].*indivisible='replicate'"):
+            step = door("error")  # the default: named, the option in the message
+            if name == "Strategy.sharded":
+                jaxdev.make_train_step(lambda p, b: b, optax.sgd(0.1), step).init_state(params)
+    placed = jaxdev.shard_params(params, mesh, rules, indivisible="replicate")
+    assert {k: x.sharding.spec for k, x in placed.items()} == {"k": P(None, "model"), "v": P()}
+    plan = jaxdev.memory.plan(params, mesh, rules, indivisible="replicate")
+    assert plan["params"] == 16 * 8 * 4 // 4 + 8 * 3 * 4  # k split 4 ways, v replicated

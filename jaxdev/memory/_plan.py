@@ -235,7 +235,7 @@ def plan(
       rules: the :data:`jaxdev.Rules` for the params; with ``step``, the step's
         (the default stands for them; another value is an error).
       step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
-      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules`` as in
+      **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``, ``indivisible`` as in
         :func:`jaxdev.param_shardings`.
 
     Raises:
