@@ -232,7 +232,6 @@ def test_markers_workers_processes_and_faults(inner):
     # the hang: every process prints its stacks at the timeout, then all end
     assert "process(es) [1] did not finish the call" in out
     assert re.search(r'\[p1\]   File ".*test_proc.py", line \d+ in test_hangs_on_1', out)
-    assert re.search(r"\[p0\]   File .*_distributed.py", out)  # waiting for process 1 at exit
     assert re.search(r"test_hangs_on_1 in process \d did not finish within timeout=4 s", out)
 
     # --lf re-runs only the failures, -x stops at the first
@@ -361,22 +360,39 @@ def test_under_xdist(inner):
 
 
 @pytest.mark.multiprocess
-def test_processes_share_one_tmp_path(inner):
+def test_processes_share_one_tmp_path_and_stay_warm(inner):
     """The processes of a ``processes`` test get one ``tmp_path`` (an orbax save into it
-    needs that). Before: one folder per process, so neither saw the other's file."""
+    needs that), and serve the next test of the same shape unless a test shut
+    ``jax.distributed`` down. Before: one folder per process, so neither saw the other's
+    file; fresh processes for every test."""
     inner.makepyfile(
         test_t="""
         import jax, pytest
         from jax.experimental import multihost_utils
+        from conftest import record_pid
 
         @pytest.mark.processes(2, devices=1)
-        def test_shared(tmp_path):
+        @pytest.mark.parametrize("i", range(2))
+        def test_shared(tmp_path, i):
+            record_pid()
             (tmp_path / f"from-{jax.process_index()}").write_text("x")
             multihost_utils.sync_global_devices("written")
             assert sorted(p.name for p in tmp_path.iterdir()) == ["from-0", "from-1"]
+
+        @pytest.mark.processes(2, devices=1)
+        def test_shuts_down():
+            record_pid()
+            jax.distributed.shutdown()
+
+        @pytest.mark.processes(2, devices=1)
+        def test_after():
+            record_pid()
+            assert jax.process_count() == 2
         """
     )
-    run(inner, "-q").assert_outcomes(passed=1)
+    run(inner, "-q", "-p", "no:randomly").assert_outcomes(passed=4)
+    pids = (inner.path / "pids.txt").read_text().split()
+    assert len(set(pids[:6])) == 2 and len(set(pids)) == 4  # fresh ones after the shutdown
 
 
 def test_inert_unless_asked(pytester):
@@ -407,8 +423,9 @@ def test_processes_after_a_conftest_started_jax_and_a_toml_int(inner, monkeypatc
     monkeypatch.setenv("START_EARLY", "1")  # the conftest starts the backend (8 devices)
     result = run(inner, "-q")
     result.assert_outcomes(errors=1)
+    assert "test_p.py::test_p as 2 processes x 2 devices" in result.stdout.str()
     assert re.search(
-        r"test_p.py::test_p: processes\(2, devices=2\) asks JAX for 2 cpu device\(s\), but its "
+        r"jaxdev: processes\(2, devices=2\) asks JAX for 2 cpu device\(s\), but its "
         r"backend already started with 8 at .*conftest.py:\d+: `DEVICES = jax.devices\(\)`",
         result.stdout.str(),
     )

@@ -15,10 +15,12 @@ import gc
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,7 +108,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", marker)
     session = _Worker(config) if _WORKER is not None else _Controller(config)
     config.pluginmanager.register(session, "jaxdev-session")
-    if _WORKER and _WORKER.get("tmp_path"):  # a processes test: one tmp_path for them all
+    if _WORKER and "run_dir" in _WORKER:  # a processes test: one tmp_path for them all
         config.pluginmanager.register(_SharedTmpPath(), "jaxdev-tmp-path")
 
 
@@ -358,6 +360,7 @@ class _Controller:
         self.files: dict[tuple, set[str]] = {}  # worker key: the files of its tests
         self.next: dict[str, str | None] = {}  # nodeid: the next test of the same worker
         self.workers: dict[tuple, _Handle] = {}
+        self.pools: dict[tuple, _Pool] = {}  # (n, m): processes kept for the next test
         self.ending: list[_Handle] = []  # told to end, not yet waited for
         self.broken: dict[tuple, str] = {}  # worker key: why it never started
         self.started = 0
@@ -367,7 +370,8 @@ class _Controller:
         last: dict[tuple, str] = {}
         for item in session.items:
             key = _plan(item)
-            if isinstance(key, tuple) and key[0] == "devices":
+            key = key[:3] if isinstance(key, tuple) else None  # processes: one pool per shape
+            if key is not None:
                 self.files.setdefault(key, set()).add(str(item.path))
                 self.next[last.get(key, "")] = item.nodeid
                 last[key] = item.nodeid
@@ -385,7 +389,7 @@ class _Controller:
         elif plan[0] == "devices":
             reports = self._on_worker(item, plan)
         else:
-            reports = _as_processes(self.config, item, *plan[1:])
+            reports = _as_processes(self, item, *plan[1:])
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
         # what pytest's own protocol does after each item: tear down the in-process
@@ -397,6 +401,8 @@ class _Controller:
     def pytest_sessionfinish(self):
         for key in list(self.workers):
             self._close(key)
+        for pool in self.pools.values():
+            pool.close()
         for worker in self.ending:  # they tear down and exit in parallel
             worker.wait(30)
 
@@ -405,7 +411,7 @@ class _Controller:
             return [_failed(item, "setup", f"{item.nodeid}: {self.broken[key]}")]
         if not self.started and not hasattr(self.config, "workerinput"):  # not under xdist:
             # start every worker this session needs at once (xdist shares the tests out)
-            for k in self.files:
+            for k in (k for k in self.files if k[0] == "devices"):
                 self.workers.setdefault(k, self._start(k))
         worker = self.workers.get(key) or self.workers.setdefault(key, self._start(key))
         reports, msg = [], None
@@ -552,27 +558,86 @@ def _orders(config, name: str, platform: str, n: int, what: str, orders: dict) -
     return json.dumps({**orders, "parent": os.getpid(), "basetemp": base})
 
 
-def _as_processes(config, item, n: int, m: int, timeout: float) -> list:
-    """Run ``item`` as ``n`` processes x ``m`` devices under the launcher; its reports."""
-    from jaxdev.distributed import launch
+class _Pool:
+    """``n`` jax.distributed processes x ``m`` devices under the launcher (in a thread), that
+    run the tests of that shape they are sent (``cmd-K.json`` in their folder) until one
+    fails, dies, times out or leaves them unsafe (threads, ``jax.distributed`` shut down)."""
 
-    head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
-    with tempfile.TemporaryDirectory(prefix="jaxdev-processes-") as run_dir:
-        orders = dict(run=item.nodeid, id="jaxdev-p", run_dir=run_dir, files=[str(item.path)])
-        factory = getattr(config, "_tmp_path_factory", None)  # pytest's own (as xdist uses it)
-        shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
-        orders.update(timeout=timeout, tmp_path=shared and str(shared))
+    def __init__(self, config, n: int, m: int, files: list[str], timeout: float):
+        from jaxdev.distributed import launch
+
+        self.n, self.k, self.out, self.rc = n, 0, io.StringIO(), None
+        self.dir = tempfile.mkdtemp(prefix="jaxdev-processes-")
+        orders = dict(id="jaxdev-p", run_dir=self.dir, files=files)
         what = f"processes({n}, devices={m})"
-        # a process that passed waits at jaxdev's shutdown barrier longer than the test may run
-        env = {"JAXDEV_SHUTDOWN_TIMEOUT": f"{timeout + 30:g}"}
-        env[ENV] = _orders(config, os.path.basename(run_dir), "cpu", m, what, orders)
-        out, cmd = io.StringIO(), [sys.executable, "-m", "pytest", *config.invocation_params.args]
-        cmd += _TEE
-        try:  # the launcher's own timeout is a backstop: start-up, then the test's
-            rc = launch(cmd, n, m, timeout_s=_START_S + timeout + 30, env=env, out=out)
-        except (Exception, pytest.fail.Exception) as e:  # the processes were ended
-            rc = f"stopped: {type(e).__name__}: {e}"
-        per = [_read(config, os.path.join(run_dir, f"p{i}.jsonl")) for i in range(n)]
+        env = {ENV: _orders(config, os.path.basename(self.dir), "cpu", m, what, orders)}
+        env["JAXDEV_SHUTDOWN_TIMEOUT"] = f"{timeout + 30:g}"  # a process waits for the others
+        cmd = [sys.executable, "-m", "pytest", *config.invocation_params.args, *_TEE]
+
+        def run():
+            try:
+                self.rc = launch(cmd, n, m, env=env, out=self.out)
+            except Exception as e:  # the processes were ended
+                self.rc = f"stopped: {type(e).__name__}: {e}"
+
+        self.thread = threading.Thread(target=run, name="jaxdev-launch", daemon=True)
+        self.thread.start()
+
+    def send(self, **cmd) -> int:
+        k, self.k = self.k, self.k + 1
+        with open(os.path.join(self.dir, "cmd.tmp"), "w") as f:
+            json.dump(cmd, f)
+        os.replace(os.path.join(self.dir, "cmd.tmp"), os.path.join(self.dir, f"cmd-{k}.json"))
+        return k
+
+    def wait(self, k: int, wait_s: float) -> list | None:
+        """Each process's ``done`` message for test ``k``; None if one ended or ran over."""
+        paths = [os.path.join(self.dir, f"p{i}-{k}.done") for i in range(self.n)]
+        deadline = time.monotonic() + wait_s
+        while not all(map(os.path.exists, paths)) and self.thread.is_alive():
+            if time.monotonic() > deadline:  # one is stuck where its own timer cannot run
+                self.rc = f"stopped waiting after {wait_s:g} s; the processes were killed"
+                return self.kill()
+            time.sleep(0.02)
+        with contextlib.suppress(FileNotFoundError):
+            return [json.loads(pathlib.Path(p).read_text()) for p in paths]
+        return None
+
+    def kill(self) -> None:
+        for i in range(self.n):  # each by its own pid (the launcher then ends)
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pathlib.Path(self.dir, f"p{i}.pid").read_text()), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Tell the processes to end; wait for the launcher (kill them after 60 s)."""
+        self.send(end=True)
+        self.thread.join(60)
+        if self.thread.is_alive():
+            self.kill()
+            self.thread.join(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _as_processes(ctrl, item, n: int, m: int, timeout: float) -> list:
+    """Run ``item`` as ``n`` processes x ``m`` devices, on warm ones of that shape; its reports."""
+    head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
+    pool = ctrl.pools.get((n, m))
+    if pool is None:
+        files = sorted(ctrl.files.get(("processes", n, m), {str(item.path)}))
+        pool = ctrl.pools[n, m] = _Pool(ctrl.config, n, m, files, timeout)
+    factory = getattr(ctrl.config, "_tmp_path_factory", None)  # pytest's own (as xdist's)
+    shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
+    start, nextid = len(pool.out.getvalue()), ctrl.next.get(item.nodeid)
+    k = pool.send(run=item.nodeid, next=nextid, timeout=timeout, tmp_path=shared and str(shared))
+    done = pool.wait(k, _START_S * (k == 0) + timeout + 30)
+    if done is None or any(d["restart"] for d in done) or not pool.thread.is_alive():
+        del ctrl.pools[n, m]
+        pool.thread.join(0 if done else 60)  # the launcher ends the others, then summarizes
+    per = [_read(ctrl.config, os.path.join(pool.dir, f"p{i}-{k}.jsonl")) for i in range(n)]
+    if (n, m) not in ctrl.pools:
+        pool.close()
+    rc = 0 if pool.rc is None else pool.rc
+    out = io.StringIO(pool.out.getvalue()[start:])
     tail = _quiet(out.getvalue(), 200)
     done = []
     for when in ("setup", "call", "teardown"):
@@ -619,14 +684,14 @@ class _Worker:
         config.pluginmanager.register(_Quiet(config, open(os.devnull, "w")), "terminalreporter")
 
     def pytest_sessionstart(self, session):
-        if "run" in _WORKER:
+        if "run_dir" in _WORKER:
             from jaxdev.distributed import initialize
 
             try:
                 initialize()
             except Exception as e:  # e.g. a conftest started JAX's backend at import
                 why = _PINS.check() or f"jaxdev.distributed.initialize(): {type(e).__name__}: {e}"
-                print(f"{_WORKER['run']}: {why}", file=_STDERR, flush=True)
+                print(f"jaxdev: {why}", file=_STDERR, flush=True)
                 os._exit(3)
 
     def pytest_collectreport(self, report):
@@ -640,8 +705,8 @@ class _Worker:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session):
         items = {item.nodeid: item for item in session.items}
-        if "run" in _WORKER:
-            return self._run_once(session, items.get(_WORKER["run"]))
+        if "run_dir" in _WORKER:
+            return self._run_processes(session, items)
         commands, self.out = os.fdopen(_WORKER["fds"][0]), os.fdopen(_WORKER["fds"][1], "w")
         why = _PINS.check()
         _send(self.out, **({"error": why} if why else {"ready": len(items)}))
@@ -655,32 +720,58 @@ class _Worker:
             _send(self.out, done=True, restart=self.tainted)
         return True
 
-    def _run_once(self, session, item) -> bool:
+    def _run_processes(self, session, items: dict) -> bool:
+        """Run the tests sent (``cmd-K.json``) until told to end; exit at a failure."""
         import jax
 
-        self.out = open(os.path.join(_WORKER["run_dir"], f"p{jax.process_index()}.jsonl"), "w")
+        from jaxdev.distributed import is_initialized
+
+        me, folder = jax.process_index(), _WORKER["run_dir"]
+        with open(os.path.join(folder, f"p{me}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        for k in itertools.count():
+            path = os.path.join(folder, f"cmd-{k}.json")
+            while not os.path.exists(path):  # the next test, or the end
+                time.sleep(0.01)
+            with open(path) as f:
+                cmd = json.load(f)
+            if cmd.get("end"):
+                return True
+            _WORKER["tmp_path"], failed = cmd["tmp_path"], session.testsfailed
+            with open(os.path.join(folder, f"p{me}-{k}.jsonl"), "w") as self.out:
+                self._run_one(items.get(cmd["run"]), cmd, items.get(cmd["next"]))
+            failed = cmd["run"] not in items or session.testsfailed > failed
+            restart = failed or self.tainted or not is_initialized()
+            with open(os.path.join(folder, f"p{me}.tmp"), "w") as f:
+                json.dump({"restart": restart}, f)
+            os.replace(f.name, os.path.join(folder, f"p{me}-{k}.done"))
+            if failed:  # the others may wait for this one forever
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)  # now: the launcher ends them (JAX's shutdown would wait)
+
+    def _run_one(self, item, cmd: dict, nextitem) -> None:
+        import jax
+
         if item is None:
-            print(self._missing(_WORKER["run"]), file=_STDERR)
-        else:  # at the timeout each process still running prints its stacks (faulthandler:
-            # even with the GIL held; all at about the same time), and ends 2 s later
-            seconds, what = _WORKER["timeout"], f"{item.nodeid} in process {jax.process_index()}"
-            why = (
-                f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
-                "above); ending it."
-            )
-            faulthandler.dump_traceback_later(seconds, file=_STDERR)
-            end = threading.Timer(
-                seconds + 2, lambda: (print(why, file=_STDERR, flush=True), os._exit(1))
-            )
-            end.daemon = True
-            end.start()
-            item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
-        self.out.close()
-        if item is None or session.testsfailed:  # the others may wait for this one forever
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)  # now: the launcher ends them (JAX's shutdown would wait)
-        return True
+            print(self._missing(cmd["run"]), file=_STDERR)
+            return
+        # at the timeout each process still running prints its stacks (faulthandler: even
+        # with the GIL held; all at about the same time), and ends 2 s later
+        seconds, what = cmd["timeout"], f"{item.nodeid} in process {jax.process_index()}"
+        why = (
+            f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
+            "above); ending it."
+        )
+        faulthandler.dump_traceback_later(seconds, file=_STDERR)
+        end = threading.Timer(
+            seconds + 2, lambda: (print(why, file=_STDERR, flush=True), os._exit(1))
+        )
+        end.daemon = True
+        end.start()
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        faulthandler.cancel_dump_traceback_later()
+        end.cancel()
 
     def _missing(self, nodeid: str) -> str:
         why = [text for prefix, text in self.errors.items() if prefix and nodeid.startswith(prefix)]
@@ -712,7 +803,7 @@ class _Worker:
                 if any(t.name == "jaxdev-prefetch" for t in left)
                 else ""
             )
-            then = "" if "run" in _WORKER else f"; {_WORKER['what']} is replaced"
+            then = f"; {_WORKER['what']} {'are' if 'run_dir' in _WORKER else 'is'} replaced"
             pytest.fail(
                 f"{item.nodeid} left {len(left)} thread(s) running after its teardown: {names}"
                 f"{hint}. Stop and join them in the test or its fixtures{then}.",

@@ -15,8 +15,8 @@ line marked ``# jaxdev: marker added``; each file's first line names its source 
 - ``orbax_multihost_test.py`` (orbax ``checkpoint/orbax/checkpoint/_src/multihost/
   multihost_test.py``): ``processes(4, devices=2)``, ``multiprocess`` and ``slow`` on its two
   multi-process classes; its import of orbax's launcher module (not in the pip package, used
-  only under ``__main__``) is commented out. Each test starts 4 processes afresh (~20 s on 2
-  cores), so two run by default; ``JAXDEV_PEERS_ALL=1`` runs them all.
+  only under ``__main__``) is commented out. Its 18 multi-process tests share 4 warm
+  processes (~23 s in all on 2 cores; ~20 s a test when each started its own).
 
 The session runs on 8 devices (``tests/conftest.py``): every test here but orbax's
 ``ReachedPreemptionTest`` runs in a jaxdev worker or as jaxdev processes. ``conftest.py``

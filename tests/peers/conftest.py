@@ -1,8 +1,6 @@
-"""Skips, saying why, the vendored tests that need a newer peer than the one installed, and
-orbax's multi-process tests beyond two unless ``JAXDEV_PEERS_ALL=1`` (CI time)."""
+"""Skips, saying why, the vendored tests that need a newer peer than the one installed."""
 
 import inspect
-import os
 
 import pytest
 from absl import flags
@@ -19,22 +17,12 @@ NEEDS = {  # test name: (applies, why)
         "needs orbax's multihost.is_proxy_pathways_backend (a newer orbax than installed)",
     ),
 }
-ORBAX_RUN = {  # each test of 4 processes x 2 devices starts them afresh: ~18 s on 2 cores
-    "MultihostUtilsTestDistributedId::test_sync_global_processes",
-    "MultihostUtilsTestDistributedId::test_broadcast_one_to_all",
-}
-ORBAX_WHY = "4 fresh processes per test (~18 s on 2 cores): run all with JAXDEV_PEERS_ALL=1"
 
 
 def pytest_collection_modifyitems(items):
-    run_all = os.environ.get("JAXDEV_PEERS_ALL") == "1"
     for item in items:
-        if item.path.parent.name != "peers":
-            continue
         applies, why = NEEDS.get(item.name, (False, ""))
-        if not applies and item.get_closest_marker("processes") and not run_all:
-            applies, why = item.nodeid.split(".py::")[-1] not in ORBAX_RUN, ORBAX_WHY
-        if applies:
+        if applies and item.path.parent.name == "peers":
             item.add_marker(pytest.mark.skip(reason=why))
 
 
