@@ -258,3 +258,28 @@ def test_stacked_params_are_refused_on_every_strategy_but_a_rules_own_layout_is_
     again = step.init_state(state.params)  # its own layout: taken, as before
     assert again.params["w"].sharding == state.params["w"].sharding
     step(again, {"x": np.ones((16, 8, 6), np.float32), "y": np.ones((16, 8, 6), np.float32)})
+
+
+@pytest.mark.parametrize("strategy", ["single", "sharded"])
+@pytest.mark.parametrize("group", [{"steps_per_call": 2}, {"accumulate": 2}])
+def test_stacked_batches_grouped_for_steps_per_call_or_accumulate_are_refused(strategy, group):
+    """Was: ``np.stack`` of two ``common_utils.shard`` batches, (2, 8, 4, 6), trained as two
+    groups of 8 rows of shape (4, 6), silently (a shape-generic loss). Pmap's grouped raw
+    batches lead with the device axis already: nothing to read two ways there."""
+    per_example, params, data = MODELS["generic"]()
+    step = jaxdev.make_train_step(
+        per_example, optax.sgd(LR), STRATEGIES[strategy](), donate=False, **group
+    )
+    state = step.init_state(params)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *[common_utils.shard(data(i)) for i in (0, 1)])
+    why = r"(?s)two ways.*\['x'\]: shape \(2, 8, 4, 6\).*from_pmap` to each batch before grouping"
+    for call in (step, step.lower):
+        with pytest.raises(jaxdev.ShardingError, match=why):
+            call(state, stacked)
+    rows = jax.tree.map(lambda *xs: np.stack(xs), *[data(i) for i in (0, 1)])  # (2, 32, 6)
+    want, _ = step(state, rows)
+    fixed = jax.tree.map(lambda *xs: np.stack(xs), *[
+        jaxdev.pmap.unshard_from_pmap(common_utils.shard(data(i))) for i in (0, 1)
+    ])  # the fix the message names: unshard each batch, then group
+    got, _ = step(state, fixed)
+    _close(got.params, want.params)

@@ -239,8 +239,9 @@ class _Step:
                 inner = self._raw_batch(inner)
             else:
                 self._check_grouped(inner)
-                if concrete and self._reads_rows():
-                    self.strategy.check_layout(inner)
+                axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
+                if concrete and (self._reads_rows() or axis):  # off pmap: after the groups
+                    self.strategy.check_layout(inner, 0 if self._reads_rows() else axis)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
