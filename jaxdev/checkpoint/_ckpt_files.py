@@ -301,13 +301,14 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def sync(path: str, parent: bool = False) -> None:
-    """fsync every file and folder under ``path`` (each folder after its entries), ``path``,
-    and with ``parent`` the folder holding it: what a power cut after it leaves is complete."""
+def sync(path: str, parent: bool = False, deep: bool = True) -> None:
+    """fsync every file and folder under ``path`` (each folder after its entries; not ``deep``:
+    only its own files) and ``path``; with ``parent`` the folder holding it too."""
     for folder, _, names in os.walk(path, topdown=False):
-        for n in names:
-            _fsync(os.path.join(folder, n))
-        _fsync(folder)
+        if deep or folder == path:
+            for n in names:
+                _fsync(os.path.join(folder, n))
+            _fsync(folder)
     if parent:
         _fsync(os.path.dirname(path))
 
@@ -325,8 +326,8 @@ def path_class(ocp: Any, durable: bool) -> type:
             if step:
                 await asyncio.to_thread(_manifest, tmp, durable)
             await super().finalize(*args, **kwargs)
-            if step and durable:
-                await asyncio.to_thread(sync, os.fspath(self.get_final()), True)
+            if step and durable:  # below its top, nothing changed since _manifest's sync
+                await asyncio.to_thread(sync, os.fspath(self.get_final()), True, False)
 
     return Checked
 
