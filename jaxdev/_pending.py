@@ -11,6 +11,7 @@ was computed from them, is explained, however many reads came first.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,23 +55,34 @@ def _error(token: Any) -> BaseException | None:
     return None
 
 
-def failed(where: str, owner: Any = None, again: bool = False) -> BaseException | None:
+def failed(
+    where: str, owner: Any = None, again: bool = False, error: BaseException | None = None
+) -> BaseException | None:
     """The explained error of a recorded call (of ``owner``) that failed, or ``None``.
 
     The oldest failure not raised yet; with ``again`` (a read that failed), then the newest
     raised already (its outputs stay poisoned, and a step's next call raises it once).
+    With ``error`` (what a read or call raised), only a failure it comes from.
     """
-    mine = [(k, e) for k, e in _PENDING.items() if owner in (None, k)]
-    order = [x for x in mine if not x[1][2]] + [x for x in mine[::-1] if again and x[1][2]]
-    for _, entry in order:
+    mine = [e for k, e in list(_PENDING.items()) if owner in (None, k)]  # other threads record
+    order = [e for e in mine if not e[2]] + [e for e in mine[::-1] if again and e[2]]
+    for entry in order:
         err = _error(entry[0])
-        if err is not None:
+        if err is not None and (error is None or _comes_from(error, err)):
             entry[2] = True
             explained = entry[1](err, where)
             if explained is not None:
                 explained.__cause__ = err
                 return explained
     return None
+
+
+def _comes_from(error: BaseException, failure: BaseException) -> bool:
+    """Whether ``error`` is ``failure`` read again, or that of a value computed from its
+    outputs (``INTERNAL: Error dispatching computation: <failure's message>``): not another
+    computation's error, nor a bug's."""
+    message = re.sub(r"^[A-Z_]+: ", "", str(failure).strip()).splitlines()
+    return bool(message) and message[0] in str(error)
 
 
 def wait(token: Any) -> None:
@@ -100,7 +112,7 @@ def explained_reads(where: str) -> Iterator[None]:
     except JaxdevError:
         raise
     except jax.errors.JaxRuntimeError as err:  # a computation's error (a bug's is another type)
-        explained = failed(where, again=True)
+        explained = failed(where, again=True, error=err)
         if explained is None:
             raise
         raise explained from err

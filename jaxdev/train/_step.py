@@ -117,7 +117,8 @@ class _Step:
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
-            explained = failed("the next call of the step") or oom_error(self.spec, args, err)
+            explained = failed("the next call of the step", error=err)  # one it comes from
+            explained = explained or oom_error(self.spec, args, err)
             if explained is None:
                 raise
             raise explained from err
