@@ -283,3 +283,36 @@ def test_stacked_batches_grouped_for_steps_per_call_or_accumulate_are_refused(st
     ])  # the fix the message names: unshard each batch, then group
     got, _ = step(state, fixed)
     _close(got.params, want.params)
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "single"])
+def test_a_partly_stacked_state_names_a_fix_that_works_and_init_state_checks_every_field(
+    strategy,
+):
+    """Was: a state whose opt_state alone was replicated was told to apply
+    `flax.jax_utils.unreplicate(state)`, which cuts the unstacked params to their row 0 and
+    fails on the scalar step (IndexError); init_state took a replicated `model_state` (flax's
+    batch_stats) or `rng` without a word (the step refused the state it had made)."""
+    per_example, params, data = MODELS["generic"]()
+    tx = optax.sgd(LR, momentum=0.9)
+    step = jaxdev.make_train_step(per_example, tx, STRATEGIES[strategy](), donate=False)
+    flax_state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    half = flax_state.replace(opt_state=jax_utils.replicate(flax_state.opt_state))
+    for arg, call in (("params", step.init_state), ("state", lambda s: step(s, data(0)))):
+        with pytest.raises(jaxdev.ShardingError) as err:
+            call(half)
+        text = str(err.value)
+        assert f"`{arg}` is in `jax.pmap`'s stacked layout" in text, text
+        assert "unreplicate(" not in text and "only the leaves below are stacked" in text, text
+        assert ".opt_state[0].trace['w']: shape (8, 6)" in text, text
+        assert ".params" not in text and ".step" not in text, text
+    fixed = half.replace(opt_state=jaxdev.pmap.unstack_from_pmap(half.opt_state))  # as named
+    state, _ = step(step.init_state(fixed), data(0))
+    assert int(state.step) == 1
+    stats = {"mean": np.zeros(3, np.float32)}
+    for name, kw in (
+        ("model_state", {"model_state": jax_utils.replicate(stats)}),
+        ("rng", {"rng": jax_utils.replicate(jax.random.key(0))}),
+    ):
+        with pytest.raises(jaxdev.ShardingError, match=rf"`{name}` is in `jax.pmap`'s stacked"):
+            step.init_state(params, **kw)

@@ -326,7 +326,8 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
-        self.strategy.check_params(params, "params")  # flax's jax_utils.replicate: refused
+        for name, value in (("params", params), ("rng", rng), ("model_state", model_state)):
+            self.strategy.check_params(value, name)  # flax's jax_utils.replicate: refused
         if is_train_state(params):  # a whole state (flax's TrainState): laid out as the step does
             for name, value in (("rng", rng), ("model_state", model_state)):
                 if value is not None:

@@ -408,8 +408,13 @@ class Strategy:
             "axis (what `flax.jax_utils.replicate`, `jaxdev.pmap.stack_for_pmap` and "
             "`jax.pmap`'s outputs are). The step keeps one copy and places it itself, so it "
             "would train the device axis as part of each leaf. Take one copy first: "
-            f"`flax.jax_utils.unreplicate({arg})` or `jaxdev.pmap.unstack_from_pmap({arg})`. "
-            "Leaves:",
+            + (
+                f"`flax.jax_utils.unreplicate({arg})` or `jaxdev.pmap.unstack_from_pmap({arg})`."
+                if len(bad) == len(leaves)  # else unreplicate cuts the others to their row 0
+                else "`jaxdev.pmap.unstack_from_pmap(part)` of the part of "
+                f"`{arg}` that holds them (only the leaves below are stacked)."
+            )
+            + " Leaves:",
             lambda i: f"shape {leaves[i].shape}, one row on each of {leaves[i].shape[0]} devices",
         )
 
