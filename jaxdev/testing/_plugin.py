@@ -629,7 +629,13 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float) -> list:
     shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
     start, nextid = len(pool.out.getvalue()), ctrl.next.get(item.nodeid)
     k = pool.send(run=item.nodeid, next=nextid, timeout=timeout, tmp_path=shared and str(shared))
-    done = pool.wait(k, _START_S * (k == 0) + timeout + 30)
+    try:
+        done = pool.wait(k, _START_S * (k == 0) + timeout + 30)
+    except (Exception, pytest.fail.Exception, KeyboardInterrupt) as e:  # Ctrl-C, pytest-timeout
+        pool.kill()
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        done, pool.rc = None, f"stopped: {type(e).__name__}: {e}"
     if done is None or any(d["restart"] for d in done) or not pool.thread.is_alive():
         del ctrl.pools[n, m]
         pool.thread.join(0 if done else 60)  # the launcher ends the others, then summarizes
