@@ -4,7 +4,8 @@ Run: ``python benchmarks/checkpoint_bench.py [--repeats N] [--mb 100] [--json PA
 
 * save / restore of a ~100 MB TrainState replicated over 8 devices:
   ``jaxdev.save`` / ``jaxdev.restore`` (which add a checksum per leaf and
-  jaxdev's metadata) against orbax's ``PyTreeCheckpointHandler`` used directly
+  jaxdev's metadata; ``save`` fsyncs what it writes, and ``durable=False``
+  does not, as orbax) against orbax's ``PyTreeCheckpointHandler`` used directly
   (the same synchronous ``Checkpointer``, the same abstract target with
   shardings), interleaved repetitions, medians; the checksum pass alone;
 * the step-loop stall of an asynchronous ``Checkpointer.save`` (the time
@@ -84,6 +85,7 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
     saves = time_interleaved(
         {
             "jaxdev.save": lambda: jaxdev.save(fresh(), state),
+            "jaxdev.save durable=False": lambda: jaxdev.save(fresh(), state, durable=False),
             "orbax PyTreeCheckpointHandler save": lambda: handler.save(
                 fresh(), args=ocp.args.PyTreeSave(state)
             ),
@@ -120,6 +122,14 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
     handler.close()
     rows = [
         _row(saves, "save", "jaxdev.save", "orbax PyTreeCheckpointHandler save", "<= 1.10x"),
+        _row(
+            saves,
+            "save without fsync",
+            "jaxdev.save durable=False",
+            "orbax PyTreeCheckpointHandler save",
+            "<= 1.10x",
+        ),
+        _row(saves, "fsync (issue 34)", "jaxdev.save", "jaxdev.save durable=False", "report"),
         _row(
             saves,
             "save over an existing checkpoint",
