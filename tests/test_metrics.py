@@ -429,3 +429,21 @@ def test_the_public_namespace_says_what_each_constructor_raises():
         assert name in doc, name
     for what in ("merge", "record", "not integer", "positive int", "not a str"):
         assert what in doc, what
+
+
+def test_recording_and_building_metrics_outside_jit_never_reads_the_device():
+    """d2l's "keep logs on the device" loop records outside ``jit``. ``_as_array`` built its
+    error text ``repr(value)`` before checking anything: a device-to-host read at every
+    ``DeviceLog.record`` and ``Metric.from_value`` (no_host_sync: 'repr() via _as_array')."""
+    log, x, rows = DeviceLog.create(4, ()), jnp.float32(2.0), jnp.arange(6.0)
+    labels, logits = jnp.array([0, 1]), jnp.eye(2)
+    log.record(x), Mean.from_value(rows), Accuracy.from_logits(logits, labels)  # compiles
+    with jaxdev.no_host_sync():
+        for _ in range(3):
+            log = log.record(x)
+            mean = Mean.from_value(rows, mask=rows > 1)
+            acc = Accuracy.from_logits(logits, labels)
+            Collection({"loss": mean, "acc": acc}).merge(Collection({"loss": mean, "acc": acc}))
+    assert log.fetch().tolist() == [2.0, 2.0, 2.0] and float(mean.compute()) == 3.5
+    with pytest.raises(MetricError, match=r"expects `value` to be an array or number, got str"):
+        log.record("2.0")  # the error path still names what arrived

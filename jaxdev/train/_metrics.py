@@ -37,12 +37,13 @@ _I32 = jnp.int32
 
 def _as_array(value: Any, name: str, owner: str) -> jax.Array:
     """Return ``value`` as a jax array, or raise naming the argument."""
-    why = f" {value!r}."
     if not isinstance(value, (str, bytes)) and value is not None:
         try:
             return jnp.asarray(value)
         except TypeError as err:
             why = f": {err}"
+    else:  # repr() only here: of a device array it is a read (a sync at every record)
+        why = f" {value!r}."
     raise MetricError(
         f"`{owner}` expects `{name}` to be an array or number, got {type(value).__name__}{why}"
     )
