@@ -242,3 +242,22 @@ def test_a_batch_not_grouped_for_k_steps_or_micro_batches_is_named_at_call_and_l
     if "steps_per_call" in groups:  # K batches stacked by the caller, as put_batch takes them
         raw = {k: np.stack([v, v]) for k, v in raw.items()}
     step(state, step.put_batch(raw))  # grouped (and padded) by put_batch: runs
+
+
+@pytest.mark.parametrize("name", ["single", "sharded"])
+def test_the_two_readings_check_takes_any_tree_order_and_node(name):
+    """The check reads one leaf per call (in insertion order, not jax's sorted one): a batch
+    reads two ways only if every leaf does, and then the first leaf in jax's order is named."""
+    strategy = getattr(jaxdev.Strategy, name)()
+    two, one = np.zeros((8, 4, 6), np.float32), np.zeros((8,), np.float32)
+    refused = [
+        {"z": np.zeros((8, 4)), "a": {"b": [two]}},
+        {"a": None, "b": two, "c": (two, two)},
+        train_state.TrainState(step=two, apply_fn=None, params=two, tx=None, opt_state=[two]),
+        [{}, two],
+    ]
+    for batch in refused:
+        with pytest.raises(jaxdev.ShardingError, match=r"reads two ways.*: shape \(8, 4"):
+            strategy.check_layout(batch)
+    for batch in ({"z": one, "a": two}, {"a": two, "z": one}, [None, {"y": one}, two], {}):
+        strategy.check_layout(batch)  # a 1-D leaf anywhere: rows
