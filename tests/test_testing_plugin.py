@@ -306,12 +306,49 @@ class Param(parameterized.TestCase):
 @pytest.mark.skip(reason="skipped here: no worker starts for it")
 def test_skipped():
     pass
+
+
+@pytest.mark.devices(2)
+class Base(unittest.TestCase):
+    COUNT = 2
+
+    def test_inherited(self):
+        self.assertEqual(jax.device_count(), self.COUNT)
+
+
+@pytest.mark.devices(3)  # a subclass's own mark wins over its base's
+class Child(Base):
+    COUNT = 3
+
+
+TWO = pytest.mark.devices(2)
+
+
+class Aliased(parameterized.TestCase):
+    @TWO  # a mark by another name, above absl's decorator
+    @parameterized.parameters(1, 2)
+    def test_alias_above(self, k):
+        self.assertEqual(jax.device_count(), 2)
+
+
+@pytest.mark.devices(2)
+class TestBaseFunctions:
+    N = 2
+
+    def test_count(self, jaxdev_devices):
+        assert jax.device_count() == jaxdev_devices == self.N
+
+
+@pytest.mark.devices(3)
+class TestChildFunctions(TestBaseFunctions):
+    N = 3
 """
 
 
 def test_unittest_absltest_and_parameterized_markers(inner):
     """Marks on unittest/absltest/parameterized methods and classes, above or below absl's
-    decorators, run on their count; none is dropped: what cannot be read fails saying why.
+    decorators (by any name), run on their count; a subclass's own mark wins over its base's;
+    none is dropped: what cannot be read fails saying why.
     Before: every marked test errored (a worker for devices=None) and a mark above
     @parameterized.parameters was dropped (the test ran on the session's 8 devices)."""
     inner.makepyfile(test_ut=UNITTEST_SUITE)
@@ -319,7 +356,8 @@ def test_unittest_absltest_and_parameterized_markers(inner):
         test_env="import os\nos.environ['SET_BY_ANOTHER_MODULE'] = '1'\ndef test_env(): pass\n"
     )
     result = run(inner, "-q")
-    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1, errors=1 + 2, skipped=1)
+    # before: Child and TestChildFunctions ran on their base's 2 devices, the alias on 8
+    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2, errors=1 + 2, skipped=1)
     out = result.stdout.str()
     assert (
         "test_ut.py::Param::test_two_counts: @pytest.mark.devices(2, 3): a unittest.TestCase "

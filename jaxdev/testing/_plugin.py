@@ -145,17 +145,24 @@ def pytest_itemcollected(item):
 
 def _marks_on_def(item) -> list | str:
     """The ``devices``/``processes`` marks on the ``def`` of ``item``'s wrapped function that
-    ``item`` lacks, or why one cannot be read."""
+    ``item`` lacks (by any name: ``TWO = pytest.mark.devices(2)``), or why one cannot be read."""
     fn = getattr(item, "obj", None)
     inner = inspect.unwrap(fn) if callable(fn) else fn
     try:
         source = inner is not fn and textwrap.dedent(inspect.getsource(inner))
-        tree = source and re.search(r"\bmark\.(devices|processes)\b", source) and ast.parse(source)
+        tree = source and ast.parse(source)
     except (OSError, TypeError, SyntaxError):  # no source of a def: nothing to read
         return []
     marks = []
     for node in getattr(tree and tree.body[0], "decorator_list", ()):
-        if getattr(getattr(node, "func", None), "attr", None) not in ("devices", "processes"):
+        head = node.func if isinstance(node, ast.Call) else node
+        if not isinstance(head, (ast.Name, ast.Attribute)):
+            continue
+        try:  # a name's value (no call): is it one of ours?
+            head = eval(compile(ast.Expression(head), "<mark>", "eval"), inner.__globals__)
+        except Exception:  # not a name this module has: not a mark it gave
+            continue
+        if not (isinstance(head, pytest.MarkDecorator) and head.name in _MARKS):
             continue
         try:  # the decorator's own expression, as Python evaluated it at import
             code = compile(ast.Expression(node), inner.__code__.co_filename, "eval")
@@ -171,8 +178,25 @@ def _marks_on_def(item) -> list | str:
     return marks
 
 
+_MARKS = ("devices", "processes")
+
+
+def _closest(node, name: str):
+    """``node``'s closest ``name`` mark; of a class's, the subclass's own before its bases'
+    (pytest lists a class's marks base first, so its ``get_closest_marker`` gives the base's)."""
+    for owner, mark in node.iter_markers_with_node(name):
+        for cls in getattr(owner.obj, "__mro__", ()) if isinstance(owner, pytest.Class) else ():
+            own = cls.__dict__.get("pytestmark", [])
+            own = own if isinstance(own, list) else [own]
+            found = [getattr(m, "mark", m) for m in own if m.name == name]
+            if found:
+                return found[0]
+        return mark
+    return None
+
+
 def pytest_generate_tests(metafunc):
-    mark = metafunc.definition.get_closest_marker("devices")
+    mark = _closest(metafunc.definition, "devices")
     if mark is not None and isinstance(counts := _counts(mark), list):
         if "jaxdev_devices" not in metafunc.fixturenames:
             metafunc.fixturenames.append("jaxdev_devices")
@@ -201,7 +225,7 @@ def _plan(item) -> tuple | str | None:
     """``('devices', platform, n)``, ``('processes', n, m, timeout)``, an error, or None."""
     if item.get_closest_marker("skip"):  # it skips here: no worker or process starts for it
         return None
-    dev, proc = item.get_closest_marker("devices"), item.get_closest_marker("processes")
+    dev, proc = _closest(item, "devices"), _closest(item, "processes")
     if why := item.stash.get(_WHY, None):
         return f"{item.nodeid}: {why}"
     if dev is None and proc is None:
