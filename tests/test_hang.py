@@ -448,6 +448,50 @@ def test_a_finished_process_is_never_behind_and_all_finished_never_fires(fast):
     assert "jaxdev/hang/fired/0" not in store.kv
 
 
+@pytest.mark.parametrize("case", ["compile", "checkpoint", "input", "eval", "stalled input"])
+def test_the_running_thread_fires_only_for_a_stall_while_the_other_waits_in_a_step(
+    case, fast, monkeypatch, capfd
+):
+    """The thread as it runs (a look every 0.05 s, a new state published at once, a round
+    every 0.5 s), S = 1 s, for 2.5 S while process 1 waits in a step all along: a slow
+    compile, a long checkpoint save and input with a heartbeat every 0.2 S raise no alarm;
+    input with no heartbeat does. An evaluation loop of your own jit on every process (host
+    work there too, no heartbeat) raises none."""
+    store, exits, stop = FakeStore(), [], threading.Event()
+    watch = _hang._Watchdog(store, 0, 1.0, "wait", exits.append)
+    monkeypatch.setattr(_hang, "_WATCH", watch)
+    if case in ("compile", "checkpoint"):
+        monkeypatch.setattr(_hang, "inside", lambda frame: frozenset({case}))
+    start = time.monotonic()
+
+    def peer():  # process 1: answering, waiting in step 5 (or in its own eval) since the start
+        waits = dict(state="step", in_step=True) if case != "eval" else dict(state="host")
+        for pub in range(1, 10**6):
+            if stop.wait(0.05):
+                return
+            _peer(store, 1, 4, idle=time.monotonic() - start, pub=pub, **waits)
+
+    threads = [threading.Thread(target=peer), watch.thread]
+    watch.record("compile" if case == "compile" else "step", 4)
+    for t in threads:
+        t.start()
+    try:
+        f, x = jax.jit(lambda x: jnp.tanh(x @ x)), jnp.ones((64, 64))
+        while time.monotonic() - start < 2.5 and not exits:
+            if case == "input":
+                _hang.beat("data", 4)
+            elif case == "eval":
+                x = f(x).block_until_ready()
+                continue
+            time.sleep(0.2)
+    finally:
+        stop.set(), watch.stopped.set()
+        for t in threads:
+            t.join(10)
+    fired = "jaxdev/hang/fired/0" in store.kv
+    assert fired is (case == "stalled input"), (case, capfd.readouterr().err[-2000:])
+
+
 # --- stacks on demand ---------------------------------------------------------------
 
 
