@@ -261,3 +261,28 @@ def test_the_two_readings_check_takes_any_tree_order_and_node(name):
             strategy.check_layout(batch)
     for batch in ({"z": one, "a": two}, {"a": two, "z": one}, [None, {"y": one}, two], {}):
         strategy.check_layout(batch)  # a 1-D leaf anywhere: rows
+
+
+@pytest.mark.parametrize("placed_by", ["shard_batch", "sharded put_batch"])
+def test_pmap_takes_rows_placed_one_per_device_with_a_1d_leaf_as_rows(placed_by):
+    """Was: 8 rows placed one per device (jaxdev.shard_batch, a sharded step's put_batch)
+    read as pmap's split layout, every label a scalar: ShardingError 'scalar leaves'. A leaf
+    with no second axis, or two per-device row counts, cannot be that layout: rows."""
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=8)}
+    batch["y"] = batch["y"].astype(np.float32)
+    step = jaxdev.make_train_step(
+        lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2,
+        optax.sgd(0.1),
+        jaxdev.Strategy.pmap(),
+        donate=False,
+    )
+    state = step.init_state({"w": np.ones(6, np.float32)})
+    want, _ = step(state, step.put_batch(batch))
+    place = {
+        "shard_batch": lambda b: jaxdev.shard_batch(b, jaxdev.data_mesh()),
+        "sharded put_batch": jaxdev.Strategy.sharded().put_batch,
+    }[placed_by]
+    got, metrics = step(state, place(batch))
+    assert int(metrics["loss"].count) == 8
+    np.testing.assert_allclose(got.params["w"], want.params["w"], rtol=1e-6)

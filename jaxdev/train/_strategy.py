@@ -507,7 +507,10 @@ class _Pmap(Strategy):
 
     def place_raw(self, batch: Any) -> Any:
         # rows, as on the other strategies, unless every leaf is already split over the devices
-        if not all(self.placed(x) for x in jax.tree.leaves(batch)):
+        # with one row count per device (a 1-D leaf, or two counts: rows placed one per device)
+        leaves = jax.tree.leaves(batch)
+        m = _shape(leaves[0])[1:2] if leaves else ()
+        if leaves and not (m and all(self.placed(x) and x.shape[1:2] == m for x in leaves)):
             return self.put_rows(batch, pad=False)
         # the same tree when laid out as put_batch lays it (flax's prefetch_to_device too);
         # a mesh's explicit axes (jax.make_mesh's default) re-laid: pmap raised KeyError on them
