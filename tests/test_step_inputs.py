@@ -286,3 +286,25 @@ def test_pmap_takes_rows_placed_one_per_device_with_a_1d_leaf_as_rows(placed_by)
     got, metrics = step(state, place(batch))
     assert int(metrics["loss"].count) == 8
     np.testing.assert_allclose(got.params["w"], want.params["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_pmap_lower_of_shapes_not_split_over_its_devices_is_named(n):
+    """Was JAX's raw ValueError 'cannot select an axis to squeeze out which has size not
+    equal to one' for rows (32, 6), and for common_utils.shard's (8, 4, 6) under pmap(4)."""
+    step = jaxdev.make_train_step(
+        lambda p, b: jnp.sum((b["x"] * p["w"] - b["y"]) ** 2, axis=-1),
+        optax.sgd(0.1),
+        jaxdev.Strategy.pmap(n),
+    )
+    state = step.init_state({"w": np.ones(6, np.float32)})
+
+    def shapes(*shape):
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32) for k in "xy"}
+
+    bad = [(32, 6)] + ([(8, 4, 6)] if n == 4 else [])
+    for shape in bad:
+        with pytest.raises(jaxdev.ShardingError, match=rf"(?s)split over its {n} devices.*"
+                           rf"ShapeDtypeStruct\(\({n}, B // {n}, \.\.\.\).*\['x'\]: shape"):
+            step.lower(state, shapes(*shape))
+    step.lower(state, shapes(n, 32 // n, 6)).compile()  # the split shapes, as before

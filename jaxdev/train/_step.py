@@ -240,6 +240,8 @@ class _Step:
                 inner = self._raw_batch(inner)
             else:
                 self._check_grouped(inner)
+                if not concrete:
+                    self.strategy.check_shapes(inner)
                 axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
                 if concrete and (self._reads_rows() or axis):  # off pmap: after the groups
                     self.strategy.check_layout(inner, 0 if self._reads_rows() else axis)

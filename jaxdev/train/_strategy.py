@@ -393,6 +393,9 @@ class Strategy:
 
     _split_fix = ""  # pmap: the placed form of the stacked layout, which it takes
 
+    def check_shapes(self, batch: Any) -> None:
+        """Refuse ``ShapeDtypeStruct`` s ``lower`` cannot read as this strategy's batch."""
+
     def check_params(self, tree: Any, arg: str) -> None:
         """Refuse leaves in ``jax.pmap``'s stacked layout (one copy per device) that are not
         this strategy's own layout: the step keeps one copy of the state and places it."""
@@ -493,6 +496,18 @@ class _Pmap(Strategy):
     @functools.cached_property
     def stacked_sizes(self) -> frozenset[int]:
         return frozenset({jax.local_device_count(), self.n_devices})
+
+    def check_shapes(self, batch: Any) -> None:  # shapes are the program's: split already
+        leaves, n = jax.tree.leaves(batch), self.n_devices
+        raise_leaves(
+            batch,
+            [i for i, x in enumerate(leaves) if np.shape(x)[:1] != (n,)],
+            f"`batch`'s ShapeDtypeStructs are lowered as the pmap program takes them, split "
+            f"over its {n} devices: (n_devices, rows per device, ...), what `step.put_batch` "
+            "makes. For rows (B, ...) give the arrays, or split the shapes: "
+            f"`jax.ShapeDtypeStruct(({n}, B // {n}, ...), dtype)`. Leaves:",
+            lambda i: f"shape {np.shape(leaves[i])}",
+        )
 
     def placed(self, x: Any) -> bool:  # split over the step's devices, one row on each
         n = self.n_devices
