@@ -374,8 +374,9 @@ def test_unittest_absltest_and_parameterized_markers(inner):
 
 
 def test_under_xdist(inner):
-    """``-n 2``: each xdist worker starts the jaxdev workers its tests need. Before: every
-    marked test errored (the jaxdev worker, given ``-n 2`` too, ran xdist and collected none)."""
+    """``-n 2``: each xdist worker starts the jaxdev workers its tests need, and tells them
+    the next test they run as that xdist worker sends it. Before: every marked test errored
+    (the jaxdev worker, given ``-n 2`` too, ran xdist and collected none)."""
     pytest.importorskip("xdist")
     inner.makepyfile(
         test_x="""
@@ -392,8 +393,37 @@ def test_under_xdist(inner):
             assert jax.device_count() == 8
         """
     )
-    result = run(inner, "-n", "2", "-q")
-    result.assert_outcomes(passed=5)
+    inner.makepyfile(  # one xdist worker runs test_first, then test_third (group "one")
+        test_y="""
+        import jax, pytest
+
+        @pytest.fixture(scope="module")
+        def here():
+            return "y"
+
+        @pytest.mark.devices(2)
+        @pytest.mark.xdist_group("one")
+        def test_first(here):
+            assert jax.device_count() == 2
+
+        @pytest.mark.devices(2)
+        @pytest.mark.xdist_group("two")
+        def test_second(here):
+            assert jax.device_count() == 2
+        """,
+        test_z="""
+        import jax, pytest
+
+        @pytest.mark.devices(2)
+        @pytest.mark.xdist_group("one")
+        def test_third():
+            assert jax.device_count() == 2
+        """,
+    )
+    # before: test_third errored "previous item was not torn down properly" (its jaxdev worker
+    # was told test_second came next, in the whole session's order, so kept test_y's module)
+    result = run(inner, "-n", "2", "--dist", "loadgroup", "-q")
+    result.assert_outcomes(passed=5 + 3)
     assert 1 <= len(set((inner.path / "pids.txt").read_text().split())) <= 2
 
 

@@ -397,7 +397,7 @@ class _Controller:
             key = key[:3] if isinstance(key, tuple) else None  # processes: one pool per shape
             if key is not None:
                 self.files.setdefault(key, set()).add(str(item.path))
-                self.next[last.get(key, "")] = item.nodeid
+                self.next[last.get(key, "")] = _base_id(item)
                 last[key] = item.nodeid
         if _PINS is not None and _PINS.apply(None) and (why := _PINS.check()):
             raise pytest.UsageError(why)
@@ -411,10 +411,11 @@ class _Controller:
         if isinstance(plan, str):
             reports = [_failed(item, "setup", plan)]
         elif plan[0] == "devices":
-            reports = self._on_worker(item, plan)
+            reports = self._on_worker(item, plan, self._next(item, nextitem, plan))
         else:
-            reports = _as_processes(self, item, *plan[1:])
+            reports = _as_processes(self, item, *plan[1:], self._next(item, nextitem, plan[:3]))
         for report in reports:
+            report.nodeid = item.nodeid  # with xdist's "@group" if it gave one
             item.ihook.pytest_runtest_logreport(report=report)
         # what pytest's own protocol does after each item: tear down the in-process
         # collectors (module, class) the next item does not share (pytest has no public API)
@@ -430,7 +431,16 @@ class _Controller:
         for worker in self.ending:  # they tear down and exit in parallel
             worker.wait(30)
 
-    def _on_worker(self, item, key: tuple) -> list:
+    def _next(self, item, nextitem, key: tuple) -> str | None:
+        """The next test the worker or processes of ``key`` run (their teardown needs it):
+        under xdist, the one this xdist worker runs next if it has ``key``, else none (the
+        session's next of ``key`` may go to another xdist worker)."""
+        if not hasattr(self.config, "workerinput"):
+            return self.next.get(item.nodeid)
+        plan = nextitem and _plan(nextitem)
+        return _base_id(nextitem) if isinstance(plan, tuple) and plan[:3] == key else None
+
+    def _on_worker(self, item, key: tuple, nextid: str | None) -> list:
         if key in self.broken:
             return [_failed(item, "setup", f"{item.nodeid}: {self.broken[key]}")]
         if not self.started and not hasattr(self.config, "workerinput"):  # not under xdist:
@@ -444,7 +454,7 @@ class _Controller:
                 self.broken[key] = why
                 self._close(key)
                 return [_failed(item, "setup", f"{item.nodeid}: {why}")]
-            _send(worker.cmd, run=item.nodeid, next=self.next.get(item.nodeid))
+            _send(worker.cmd, run=_base_id(item), next=nextid)
             while (msg := worker.recv()) is not None and "report" in msg:
                 reports.append(_report(self.config, msg["report"]))
             if msg is not None and "missing" in msg:
@@ -482,6 +492,14 @@ class _Controller:
             with contextlib.suppress(OSError):  # it died: the pipe is broken
                 worker.cmd.close()
             self.ending.append(worker)
+
+
+def _base_id(item) -> str:
+    """``item``'s node id without the ``@group`` that pytest-xdist's ``--dist loadgroup``
+    appends in its workers (a jaxdev worker may or may not see that option)."""
+    if item.get_closest_marker("xdist_group") is None:
+        return item.nodeid
+    return re.sub(r"@[^\]/:]*$", "", item.nodeid)
 
 
 def _send(pipe, **msg) -> None:
@@ -642,7 +660,7 @@ class _Pool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _as_processes(ctrl, item, n: int, m: int, timeout: float) -> list:
+def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None) -> list:
     """Run ``item`` as ``n`` processes x ``m`` devices, on warm ones of that shape; its reports."""
     head = f"{item.nodeid} as {n} processes x {m} devices (timeout={timeout:g} s)"
     pool = ctrl.pools.get((n, m))
@@ -651,8 +669,9 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float) -> list:
         pool = ctrl.pools[n, m] = _Pool(ctrl.config, n, m, files, timeout)
     factory = getattr(ctrl.config, "_tmp_path_factory", None)  # pytest's own (as xdist's)
     shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
-    start, nextid = len(pool.out.getvalue()), ctrl.next.get(item.nodeid)
-    k = pool.send(run=item.nodeid, next=nextid, timeout=timeout, tmp_path=shared and str(shared))
+    start = len(pool.out.getvalue())
+    shared = shared and str(shared)
+    k = pool.send(run=_base_id(item), next=nextid, timeout=timeout, tmp_path=shared)
     try:
         done = pool.wait(k, _START_S * (k == 0) + timeout + 30)
     except (Exception, pytest.fail.Exception, KeyboardInterrupt) as e:  # Ctrl-C, pytest-timeout
@@ -734,7 +753,7 @@ class _Worker:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session):
-        items = {item.nodeid: item for item in session.items}
+        items = {_base_id(item): item for item in session.items}
         if "run_dir" in _WORKER:
             return self._run_processes(session, items)
         commands, self.out = os.fdopen(_WORKER["fds"][0]), os.fdopen(_WORKER["fds"][1], "w")
