@@ -4,8 +4,9 @@ An error of a dispatched computation (XLA's out-of-memory) surfaces where its ou
 are read. A jaxdev step records each call (:func:`record`) with an explainer; jaxdev's
 reads run under :func:`explained_reads` and the step's next call asks :func:`failed`
 first, so each raises the explanation instead of JAX's bare error. A failed call is
-remembered until its step's next call: every read of its (poisoned) outputs, and of what
-was computed from them, is explained, however many reads came first.
+remembered (with the 8 newest calls): every read of its (poisoned) outputs, and of what
+was computed from them, is explained, however many reads or calls came first; an error
+that does not carry its message (another computation's, a bug's) is left as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ _KEEP = 8  # owners remembered
 
 def record(owner: Any, token: Any, explain: Explain) -> None:
     """Remember ``owner``'s latest call: ``token`` (an output) and how to ``explain`` it."""
-    _PENDING.pop(owner, None)
+    old = _PENDING.pop(owner, None)
+    if old is not None and _error(old[0]) is not None:  # its outputs stay poisoned: their
+        _PENDING[object()] = old  # reads are still explained (a key no step asks about)
     _forget_finished()
     _PENDING[owner] = [token, explain, False]
     if len(_PENDING) > _KEEP:

@@ -634,6 +634,7 @@ for name, strategy in strategies.items():
             print(f"{name}|{order}: {who}|{got(reads[who])}")
         _, good = train(state, small)  # recovered: its metrics are read as values
         print(f"{name}|{order}: recovered|{got(good.fetch)}")
+        print(f"{name}|{order}: failed, read after|{got(m_train.fetch)}")  # still poisoned
         print(f"{name}|{order}: eval recovered|{got(lambda: ev(state.params, small).fetch())}")
 """
 
@@ -643,13 +644,15 @@ def test_a_read_names_the_failure_it_comes_from_and_nothing_else():
     step, in either order. Before: the oldest failure not raised yet explained any read, so
     eval's metrics named the train step and then train's the eval step; a user's own
     out-of-memory was "the train step"; a TypeError in another step's loss (at its call)
-    was the train step's out-of-memory "surfaced at the next call of the step"."""
+    was the train step's out-of-memory "surfaced at the next call of the step"; and a failed
+    call's metrics read after the step's next (good) call were JAX's bare error."""
     from conftest import run_python
 
     proc = run_python(OTHERS, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = {"train": "the train", "eval": "the eval", "bug at a call": "TypeError",
-            "own OOM": "JaxRuntimeError", "recovered": "value", "eval recovered": "value"}
+            "own OOM": "JaxRuntimeError", "recovered": "value", "eval recovered": "value",
+            "failed, read after": "the train"}
     want = {f"{order}: {case}": v for order in ("eval first", "train first") for case, v in want.items()}
     lines = collections.defaultdict(dict)
     for line in proc.stdout.splitlines():
