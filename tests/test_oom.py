@@ -653,7 +653,8 @@ def test_a_read_names_the_failure_it_comes_from_and_nothing_else():
     want = {"train": "the train", "eval": "the eval", "bug at a call": "TypeError",
             "own OOM": "JaxRuntimeError", "recovered": "value", "eval recovered": "value",
             "failed, read after": "the train"}
-    want = {f"{order}: {case}": v for order in ("eval first", "train first") for case, v in want.items()}
+    orders = ("eval first", "train first")
+    want = {f"{order}: {case}": v for order in orders for case, v in want.items()}
     lines = collections.defaultdict(dict)
     for line in proc.stdout.splitlines():
         strategy, case, result = line.split("|")
