@@ -431,8 +431,8 @@ def test_under_xdist(inner):
 def test_processes_share_one_tmp_path_and_stay_warm(inner):
     """The processes of a ``processes`` test get one ``tmp_path`` (an orbax save into it
     needs that), and serve the next test of the same shape unless a test shut
-    ``jax.distributed`` down. Before: one folder per process, so neither saw the other's
-    file; fresh processes for every test."""
+    ``jax.distributed`` down; every report of a test (unittest subtests) comes back. Before:
+    one folder per process, so neither saw the other's file; fresh processes for every test."""
     inner.makepyfile(
         test_t="""
         import jax, pytest
@@ -458,7 +458,36 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
             assert jax.process_count() == 2
         """
     )
-    run(inner, "-q", "-p", "no:randomly").assert_outcomes(passed=4)
+    inner.makepyfile(
+        test_u="""
+        import unittest, jax, pytest
+
+        class Sub(unittest.TestCase):
+            @pytest.mark.processes(2, devices=1)
+            def test_subtests_fail(self):
+                for i in range(3):
+                    with self.subTest(i=i):
+                        self.assertLess(i, 2)
+
+            @pytest.mark.processes(2, devices=1)
+            def test_subtests_pass(self):
+                for i in range(2):
+                    with self.subTest(i=i):
+                        self.assertEqual(jax.process_count(), 2)
+        """
+    )
+    # pytest 9 reports each subtest, then the test (which passes when only subtests fail);
+    # before: only the first subtest's report came back, so test_subtests_pass had no outcome
+    # and test_subtests_fail read "every process passed, but the launcher returned 1"
+    result = run(inner, "-q", "-p", "no:randomly")
+    subtests = int(pytest.__version__.split(".")[0]) >= 9
+    result.assert_outcomes(passed=4 + 1 + subtests, failed=1)
+    out = result.stdout.str()
+    assert "process 0 of 2 failed; the processes' output" in out
+    assert "AssertionError: 2 not less than 2" in out
+    assert "every process passed" not in out
+    if subtests:
+        assert "4 subtests passed" in out
     pids = (inner.path / "pids.txt").read_text().split()
     assert len(set(pids[:6])) == 2 and len(set(pids)) == 4  # fresh ones after the shutdown
 

@@ -689,9 +689,9 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
     out = io.StringIO(pool.out.getvalue()[start:])
     tail = _quiet(out.getvalue(), 200)
     done = []
-    for when in ("setup", "call", "teardown"):
-        got = [next((r for r in reports if r.when == when), None) for reports in per]
-        failed = [(i, r) for i, r in enumerate(got) if r is not None and r.failed]
+    for when in ("setup", "call", "teardown"):  # a phase may report more than once: subtests
+        got = [[r for r in reports if r.when == when] for reports in per]
+        failed = [(i, r) for i, rs in enumerate(got) for r in rs if r.failed]
         if failed:  # named in its crash line, with a section of every process's output
             who, report = f"process {failed[0][0]} of {n}", failed[0][1]
             longrepr = report.longrepr
@@ -701,11 +701,11 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
                 longrepr.addsection(f"{who} failed; the processes' output", tail)
             else:
                 report.longrepr = f"{who} failed:\n{longrepr}\n\nThe processes' output:\n{tail}"
-            return [*done, report]
-        if None not in got:
-            done.append(got[0])
+            return [*done, *got[failed[0][0]]]
+        if all(got):
+            done.extend(got[0])
         elif rc != 0 or any(got):
-            missing = [i for i, r in enumerate(got) if r is None]
+            missing = [i for i, rs in enumerate(got) if not rs]
             why = f"{head}: process(es) {missing} did not finish the {when} (launcher: {rc})"
             return [*done, _failed(item, when, f"{why}. The processes' output:\n{tail}")]
     if rc != 0:
