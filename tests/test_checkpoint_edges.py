@@ -393,3 +393,45 @@ def test_long_double_leaves_are_refused_before_writing_naming_the_leaf(tmp_path)
     for leaf in (f"['a']['x']: dtype {np.dtype(np.longdouble)}", "['y']: dtype complex"):
         assert leaf in msg, msg
     assert "['ok']" not in msg and os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- rule options on restore
+
+
+def test_restore_through_rules_takes_the_options_param_shardings_takes(tmp_path):
+    """A state placed with indivisible='replicate' (w2 (6, 1): 6 rows on a 4-way model axis),
+    min_size= or fsdp_axis= restores through the same rules and options onto the same
+    shardings, by jaxdev.restore and Checkpointer.restore: before, restore had no such
+    options (the ShardingError it wrapped said to pass `indivisible='replicate'`) and fsdp's
+    min_size / fsdp_axis fell back to their defaults; an unknown option or one without
+    `rules` is refused by name."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+    tree = {"w1": np.ones((8, 6), np.float32), "w2": np.arange(6.0, dtype=np.float32)[:, None]}
+    rules = [("w1", P("model", None)), ("w2", P("model", None))]
+    cases = [
+        (rules, {"indivisible": "replicate"}),
+        ("fsdp", {"min_size": 0, "fsdp_axis": "model"}),
+    ]
+    for k, (r, options) in enumerate(cases):
+        placed = jaxdev.shard_params(tree, mesh, r, **options)
+        want = jaxdev.param_shardings(tree, mesh, r, **options)
+        jaxdev.save(tmp_path / f"c{k}", placed)
+        with jaxdev.Checkpointer(tmp_path / f"run{k}", async_=False) as ckpt:
+            ckpt.save(1, placed)
+            for back in (
+                jaxdev.restore(tmp_path / f"c{k}", mesh, rules=r, **options),
+                ckpt.restore(mesh, rules=r, **options),
+            ):
+                for name in tree:
+                    assert back[name].sharding == want[name], (r, name, back[name].sharding)
+                    np.testing.assert_array_equal(np.asarray(back[name]), tree[name])
+    with pytest.raises(CheckpointError, match="indivisible='replicate'"):
+        jaxdev.restore(tmp_path / "c0", mesh, rules=rules)
+    with pytest.raises(CheckpointError, match="`indivisible` must be 'error' or 'replicate'"):
+        jaxdev.restore(tmp_path / "c0", mesh, rules=rules, indivisible="Replicate")
+    with pytest.raises(UsageError, match="`min_sise`"):
+        jaxdev.restore(tmp_path / "c0", mesh, rules=rules, min_sise=0)
+    with pytest.raises(UsageError, match="`indivisible` .*with `rules`"):
+        jaxdev.restore(tmp_path / "c0", mesh, indivisible="replicate")

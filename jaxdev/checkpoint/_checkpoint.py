@@ -300,6 +300,14 @@ def check_step(step: Any) -> int:
     return int(value)
 
 
+def check_durable(durable: Any) -> bool:
+    """``durable`` as a bool; UsageError for anything else (None, 0, 'no' read as a choice)."""
+    if not isinstance(durable, (bool, np.bool_)):
+        got = f"{durable!r} ({type(durable).__name__})"
+        raise UsageError(f"`durable` must be True or False, got {got}.")
+    return bool(durable)
+
+
 def _digest(meta: dict) -> str:
     """SHA-256 of the metadata without its digest (canonical JSON)."""
     body = {k: v for k, v in meta.items() if k != "digest"}
@@ -431,6 +439,7 @@ def save(
       {'n': 8, 'w': Array([0., 0., 0.], dtype=float32)}
     """
     path = os.path.realpath(os.fsdecode(path))  # a link: its target is what is replaced
+    durable = check_durable(durable)
     prepared = prepare(tree)
     args = composite(prepared, None if step is None else check_step(step), None)
     lock = take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}")  # process 0's
@@ -608,7 +617,7 @@ def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: 
     saved, the target's, or the rules'; scalars as saved), then read leaf by leaf.
     """
     if rules is not None:
-        ruled = iter(_ruled(path, entries, skeleton, target, rules))
+        ruled = iter(_ruled(path, entries, skeleton, target, *rules))
         leaves = [_as_saved(e, None) if _on_host(e) else next(ruled) for e in entries]
         target = _rebuild(skeleton, leaves)
     elif target is None or isinstance(target, (Sharding, Mesh, jax.Device, str, int)):
@@ -678,8 +687,28 @@ def _full_shape(e: dict) -> tuple[int, ...]:
     return (*rows, *e["shape"])
 
 
-def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any) -> list:
-    """The shardings ``rules`` give the saved arrays on ``mesh``, in leaf order."""
+RULE_OPTIONS = ("min_size", "fsdp_axis", "logical_axis_rules", "indivisible")
+
+
+def rule_set(rules: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """``(rules, options)`` for :func:`_ruled` (None: no rules); options named as
+    :func:`jaxdev.param_shardings` names them, and only with ``rules``."""
+    for name in options:
+        if name not in RULE_OPTIONS:
+            raise UsageError(
+                f"`{name}` is not an option of restore: it takes the rule options of "
+                f"jaxdev.param_shardings ({', '.join(RULE_OPTIONS)}), with `rules`."
+            )
+    if rules is None and options:
+        raise UsageError(
+            f"`{next(iter(options))}` applies with `rules` only (restore onto a Mesh with "
+            "rules=...): pass the rules the state was placed with, or drop the option."
+        )
+    return None if rules is None else (rules, options)
+
+
+def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any, options) -> list:
+    """The shardings ``rules`` (with ``options``) give the saved arrays on ``mesh``."""
     from .._rules import state_shardings
 
     if not isinstance(mesh, Mesh):
@@ -692,7 +721,7 @@ def _ruled(path: str, entries: list[dict], skeleton: Any, mesh: Any, rules: Any)
         for e in entries
     ]  # typed keys are ruled as their uint32 data
     try:
-        shardings = state_shardings(_rebuild(skeleton, shapes), mesh, rules)
+        shardings = state_shardings(_rebuild(skeleton, shapes), mesh, rules, **options)
     except Exception as err:
         raise CheckpointError(
             f"Cannot restore checkpoint {path} with rules {rules!r} on {mesh}: {err}"
@@ -995,7 +1024,7 @@ def restore_item(path, reader, item, target, rules, what):
         return build(_finish(path, entries, wants, reads, arrays, version, what))
 
 
-def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
+def restore(path: Any, target: Any = None, *, rules: Any = None, **rule_options: Any) -> Any:
     """Read the checkpoint at ``path`` onto ``target``, whatever layout it was saved in.
 
     Args:
@@ -1004,6 +1033,9 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
       target: ``None`` (where saved), a device, spec, ``Sharding`` or ``Mesh``, a
         ``Mesh`` with ``rules``, or a tree like the saved one (README's table).
       rules: sharding rules, with a ``Mesh`` target.
+      **rule_options: with ``rules``, :func:`jaxdev.param_shardings`'s ``min_size``,
+        ``fsdp_axis``, ``logical_axis_rules`` and ``indivisible`` (a state placed with
+        ``indivisible="replicate"`` restores with it).
 
     Returns:
       The restored tree.
@@ -1025,6 +1057,7 @@ def restore(path: Any, target: Any = None, *, rules: Any = None) -> Any:
     """
     path = os.path.realpath(os.fsdecode(path))
     ocp = orbax()
+    rules = rule_set(rules, rule_options)
 
     def read(path: str) -> Any:
         if jax.process_index() == 0 and files.was_cut(path):  # a replacement cut between renames

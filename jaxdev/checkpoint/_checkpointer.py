@@ -69,7 +69,7 @@ class Checkpointer:
             raise CheckpointError(f"`every` must be a positive int, got {every!r}.")
         self.directory = os.path.abspath(os.fsdecode(directory))
         self._started: set[int] = set()
-        self._lock, self._durable = None, durable
+        self._lock, self._durable = None, ckpt.check_durable(durable)
         self._digests: dict[tuple, str | None] = {}  # (step, metadata file's stat): problem
         self._warned: set[tuple[int, str]] = set()
         ocp = ckpt.orbax()
@@ -80,7 +80,7 @@ class Checkpointer:
             create=True,
             todelete_subdir=files.TOMBSTONES,
             async_options=ckpt.handler_options(),
-            temporary_path_class=files.path_class(ocp, durable),
+            temporary_path_class=files.path_class(ocp, self._durable),
         )
         try:  # item handlers follow the args of each save / restore (Composite)
             self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -116,6 +116,9 @@ class Checkpointer:
             self._become_writer()
         if step in self._started:
             return False  # this run saved it already: the same state (e.g. epoch end and finish)
+        known = {*self._started, *self._manager.all_steps()}  # no I/O: a loop calls this per step
+        if not force and step > max(known, default=-1) and not self._manager.should_save(step):
+            return False
         if self._lock.held:
             self._drop_damaged()
         done = {*self._started, *self._steps()}
@@ -144,6 +147,7 @@ class Checkpointer:
                 "takes for a step's unfinished save and deletes in place of that step when `keep` "
                 "drops it. Rename them or move them out, or use another directory."
             )
+        self._refuse_foreign()
         prepared = ckpt.prepare(state, "state")
         extra = None if metrics is None else ckpt.prepare(metrics, "metrics")
         path = os.path.join(self.directory, str(step))
@@ -167,9 +171,19 @@ class Checkpointer:
         if self._lock.held:
             files.remove_tombstones(self.directory, True, self._durable)  # a kill cut one short
         self._manager.reload()
-        foreign = [s for s in self._manager.all_steps() if not self._is_ours(s)]
-        if foreign:
+        try:
+            self._refuse_foreign()
+        except CheckpointError:
             self.close()
+            raise
+
+    def _refuse_foreign(self) -> None:
+        """Raise if orbax lists a numbered folder jaxdev did not write (its ``keep`` would delete
+        it): at the start, and before each save (a reload lists what the user made meanwhile)."""
+        mine = lambda: [s for s in self._manager.all_steps() if s not in self._started]  # noqa: E731
+        if [s for s in mine() if not self._is_ours(s)]:  # listed earlier: still there?
+            self._manager.reload()
+        if foreign := [s for s in mine() if not self._is_ours(s)]:
             raise CheckpointError(
                 f"Checkpoint directory {self.directory} holds numbered folders that jaxdev did "
                 f"not write ({sorted(foreign)[:10]}): a Checkpointer would take them for steps "
@@ -296,10 +310,12 @@ class Checkpointer:
         locate = lambda: os.path.join(self.directory, str(self._step(step)))  # noqa: E731
         return ckpt.read_unchanged(locate, read)
 
-    def restore(self, target: Any = None, step: int | None = None, *, rules: Any = None) -> Any:
+    def restore(
+        self, target: Any = None, step: int | None = None, *, rules: Any = None, **rule_options: Any
+    ) -> Any:
         """Restore the state of ``step`` (default: the latest) onto ``target``.
 
-        ``target`` and ``rules`` are :func:`jaxdev.restore`'s; ``step`` defaults to
+        ``target``, ``rules`` and ``rule_options`` are :func:`jaxdev.restore`'s; ``step`` defaults to
         :meth:`latest_step` (after :meth:`wait`). The metrics: :meth:`restore_metrics`.
 
         Example:
@@ -309,7 +325,7 @@ class Checkpointer:
           ...     ckpt.restore("cpu:1")["w"].devices() == {jaxdev.d2l.cpu(1)}
           True
         """
-        return self._read(step, ckpt.STATE, target, rules)
+        return self._read(step, ckpt.STATE, target, ckpt.rule_set(rules, rule_options))
 
     def restore_metrics(self, target: Any = None, step: int | None = None) -> Any:
         """Restore the metrics saved with ``step`` (default: the latest); None if none were.
