@@ -242,9 +242,8 @@ class _Step:
                 self._check_grouped(inner)
                 if not concrete:
                     self.strategy.check_shapes(inner)
-                axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
-                if concrete and (self._reads_rows() or axis):  # off pmap: after the groups
-                    self.strategy.check_layout(inner, 0 if self._reads_rows() else axis)
+                if concrete:
+                    self._check_layout(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
@@ -259,14 +258,22 @@ class _Step:
         """Whether a raw batch's leading axis is its rows (not a group axis)."""
         return not self.n_lead or not self.is_train
 
-    def _raw_batch(self, inner: Any) -> Any:
-        """A raw (unpadded) batch as the step takes it: its groups and even rows checked,
-        then placed as the strategy takes raw rows (pmap splits them over its devices)."""
-        self._check_grouped(inner)
+    def _check_layout(self, inner: Any) -> int:
+        """Refuse a raw batch :meth:`Strategy.check_layout` refuses, read from its rows (its
+        leading axis, or after its group axes off pmap); returns the row axis."""
         axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
         rows = self._reads_rows()  # then common_utils.shard's layout is refused as well
-        self.strategy.check_even(inner, axis if self.is_train else 0, rows)
-        if rows:
+        if rows or axis:
+            self.strategy.check_layout(inner, 0 if rows else axis)
+        return axis
+
+    def _raw_batch(self, inner: Any) -> Any:
+        """A raw (unpadded) batch as the step takes it: its groups, layout and even rows
+        checked, then placed as the strategy takes raw rows (pmap splits them over its devices)."""
+        self._check_grouped(inner)
+        axis = self._check_layout(inner)
+        self.strategy.check_even(inner, axis if self.is_train else 0)
+        if self._reads_rows():
             inner = self.strategy.place_raw(inner)
         return inner
 

@@ -319,12 +319,8 @@ class Strategy:
             return _put_grouped(self, batch, k, m)
         return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
 
-    def check_even(self, batch: Any, axis: int = 0, rows: bool = True) -> None:
-        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide; with
-        ``rows`` (its leading axis read as its rows) or group axes before ``axis`` (off pmap)
-        also one :meth:`check_layout` refuses."""
-        if rows or axis:
-            self.check_layout(batch, 0 if rows else axis)
+    def check_even(self, batch: Any, axis: int = 0) -> None:
+        """Refuse a raw batch whose rows (along ``axis``) the devices do not divide."""
         n = self.local_shards()
         if n == 1 or jax.process_count() > 1:
             return
