@@ -435,7 +435,7 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
     one folder per process, so neither saw the other's file; fresh processes for every test."""
     inner.makepyfile(
         test_t="""
-        import jax, pytest
+        import os, jax, pytest
         from jax.experimental import multihost_utils
         from conftest import record_pid
 
@@ -443,6 +443,7 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
         @pytest.mark.parametrize("i", range(2))
         def test_shared(tmp_path, i):
             record_pid()
+            assert "SET_BY_ANOTHER_MODULE" not in os.environ  # as in a devices worker
             (tmp_path / f"from-{jax.process_index()}").write_text("x")
             multihost_utils.sync_global_devices("written")
             assert sorted(p.name for p in tmp_path.iterdir()) == ["from-0", "from-1"]
@@ -457,6 +458,9 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
             record_pid()
             assert jax.process_count() == 2
         """
+    )
+    inner.makepyfile(  # before: its variable reached the processes (not the devices workers)
+        test_env="import os\nos.environ['SET_BY_ANOTHER_MODULE'] = '1'\ndef test_env(): pass\n"
     )
     inner.makepyfile(
         test_u="""
@@ -481,7 +485,7 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
     # and test_subtests_fail read "every process passed, but the launcher returned 1"
     result = run(inner, "-q", "-p", "no:randomly")
     subtests = int(pytest.__version__.split(".")[0]) >= 9
-    result.assert_outcomes(passed=4 + 1 + subtests, failed=1)
+    result.assert_outcomes(passed=1 + 4 + 1 + subtests, failed=1)
     out = result.stdout.str()
     assert "process 0 of 2 failed; the processes' output" in out
     assert "AssertionError: 2 not less than 2" in out

@@ -36,6 +36,10 @@ from _pytest.terminal import TerminalReporter  # pytest.TerminalReporter only fr
 ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
 DEFAULT_TIMEOUT_S = 60.0
 _WORKER = json.loads(os.environ.pop(ENV, "null"))
+if _WORKER and "env" in _WORKER:  # a processes test (the launcher starts it from os.environ)
+    for _name in _WORKER["env"]["unset"]:
+        os.environ.pop(_name, None)
+    os.environ.update(_WORKER["env"]["restore"])
 # a worker starts from pytest's own environment: what a conftest or test module sets at
 # import it sets again there, and what the modules it does not import set stays out
 _START_ENV = dict(os.environ)
@@ -610,7 +614,11 @@ class _Pool:
 
         self.n, self.k, self.out, self.rc = n, 0, io.StringIO(), None
         self.dir = tempfile.mkdtemp(prefix="jaxdev-processes-")
-        orders = dict(id="jaxdev-p", run_dir=self.dir, files=files)
+        # from pytest's own environment, as a devices worker: os.environ as it started
+        now = dict(os.environ)
+        restore = {k: v for k, v in _START_ENV.items() if now.get(k) != v}
+        start = dict(unset=sorted(set(now) - set(_START_ENV)), restore=restore)
+        orders = dict(id="jaxdev-p", run_dir=self.dir, files=files, env=start)
         what = f"processes({n}, devices={m})"
         env = {ENV: _orders(config, os.path.basename(self.dir), "cpu", m, what, orders)}
         env["JAXDEV_SHUTDOWN_TIMEOUT"] = f"{timeout + 30:g}"  # a process waits for the others
