@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import faulthandler
+import functools
 import gc
 import importlib.util
 import inspect
@@ -152,13 +153,11 @@ def _marks_on_def(item) -> list | str:
     ``item`` lacks (by any name: ``TWO = pytest.mark.devices(2)``), or why one cannot be read."""
     fn = getattr(item, "obj", None)
     inner = inspect.unwrap(fn) if callable(fn) else fn
-    try:
-        source = inner is not fn and textwrap.dedent(inspect.getsource(inner))
-        tree = source and ast.parse(source)
-    except (OSError, TypeError, SyntaxError):  # no source of a def: nothing to read
+    if inner is fn or not inspect.isfunction(inner):
         return []
+    source, decorators = _decorators(inner)
     marks = []
-    for node in getattr(tree and tree.body[0], "decorator_list", ()):
+    for node in decorators:
         head = node.func if isinstance(node, ast.Call) else node
         if not isinstance(head, (ast.Name, ast.Attribute)):
             continue
@@ -183,6 +182,16 @@ def _marks_on_def(item) -> list | str:
 
 
 _MARKS = ("devices", "processes")
+
+
+@functools.lru_cache(maxsize=None)  # absl makes many test methods of one def
+def _decorators(fn) -> tuple[str, list]:
+    """The source of ``fn``'s ``def`` and its decorators' AST nodes (none without source)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        return source, getattr(ast.parse(source).body[0], "decorator_list", [])
+    except (OSError, TypeError, SyntaxError):  # no source of a def: nothing to read
+        return "", []
 
 
 def _closest(node, name: str):
