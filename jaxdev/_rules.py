@@ -464,7 +464,8 @@ def _shardings(
         )
     how = _check_indivisible(options.get("indivisible", "error"))
     out = [
-        named_sharding(mesh, _check_spec(x, s, src, mesh, how)) for x, (s, src) in zip(leaves, specs)
+        named_sharding(mesh, _check_spec(x, s, src, mesh, how))
+        for x, (s, src) in zip(leaves, specs)
     ]
     return jax.tree.structure(unbox(tree)).unflatten(out)
 

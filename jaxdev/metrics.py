@@ -5,9 +5,9 @@ constructor (``from_value``, ``from_logits``, ``Collection``, ``from_values``,
 ``DeviceLog.create``) and every ``merge``/``record`` raises :class:`jaxdev.MetricError` naming
 the argument: a value that is not numeric (``labels`` not integer), a mask or shape that does
 not fit, a ``capacity`` that is not a positive int, a ``Collection`` entry that is not a str
-name to a ``Metric``, or names or kinds that differ (the missing and unexpected names listed). Every read
-(``fetch``, ``fetch_metrics``, ``compute()`` outside ``jit``) of metrics whose step ran out
-of device memory raises :class:`jaxdev.OutOfMemoryError` with the step's explanation.
+name to a ``Metric``, or names or kinds that differ (the missing and unexpected names listed).
+Every read (``fetch``, ``fetch_metrics``, ``compute()`` outside ``jit``) of metrics whose step
+ran out of device memory raises :class:`jaxdev.OutOfMemoryError` with the step's explanation.
 
 Example:
   >>> import jax.numpy as jnp, jaxdev
