@@ -227,8 +227,8 @@ def auto_axes_error(err: Exception, mesh: Mesh | None) -> UsageError | None:
     """A UsageError when user code asked ``reshard`` / ``out_sharding=`` for an Auto axis of
     ``mesh``, or a Manual one inside ``shard_map=True`` (JAX takes only Explicit axes there;
     its own message names neither fix); None for any other error."""
-    found, text = _AUTO_SPEC.search(str(err)), str(err)
-    manual = "AxisType.Manual" in text
+    text = str(err)
+    found, manual = _AUTO_SPEC.search(text), "AxisType.Manual" in text
     if mesh is None or found is None or not (manual or "AxisType.Auto" in text):
         return None
     call = "jax.sharding.reshard" if found[1] == "reshard" else f"{found[1]}(out_sharding=...)"
