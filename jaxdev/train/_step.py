@@ -240,10 +240,10 @@ class _Step:
                 inner = self._raw_batch(inner)
             else:
                 self._check_grouped(inner)
-                if not concrete:
-                    self.strategy.check_shapes(inner)
-                if concrete:
+                if concrete:  # arrays of a strategy that pads: their layout checked as a call does
                     self._check_layout(inner)
+                else:
+                    self.strategy.check_shapes(inner)
         if mask is None and self.strategy.pads_shapes():  # uneven: as put_batch pads it
             inner, mask = padded_shapes(inner, self.strategy.n_devices, self.n_lead)
         args, key = self._args(state, inner, mask, metrics)
