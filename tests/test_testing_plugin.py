@@ -301,6 +301,13 @@ class Param(parameterized.TestCase):
     def test_class_scope(self, k):
         pass
 
+    THREE = pytest.mark.devices(3)
+
+    @THREE  # a mark by a class-scope name: refused by name (before: dropped, ran on 8)
+    @parameterized.parameters(1, 2)
+    def test_class_scope_alias(self, k):
+        pass
+
 
 @pytest.mark.devices(4)
 @pytest.mark.skip(reason="skipped here: no worker starts for it")
@@ -357,7 +364,9 @@ def test_unittest_absltest_and_parameterized_markers(inner):
     )
     result = run(inner, "-q")
     # before: Child and TestChildFunctions ran on their base's 2 devices, the alias on 8
-    result.assert_outcomes(passed=1 + 1 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2, errors=1 + 2, skipped=1)
+    result.assert_outcomes(
+        passed=1 + 1 + 2 + 2 + 2 + 2 + 1 + 2 + 2 + 2, errors=1 + 2 + 2, skipped=1
+    )
     out = result.stdout.str()
     assert (
         "test_ut.py::Param::test_two_counts: @pytest.mark.devices(2, 3): a unittest.TestCase "
@@ -368,6 +377,11 @@ def test_unittest_absltest_and_parameterized_markers(inner):
         "test_ut.py::Param::test_class_scope0: @pytest.mark.devices(K) sits above a decorator "
         "that makes new test methods (absl's @parameterized), and jaxdev could not read it "
         "again (NameError: name 'K' is not defined). Put the mark below that decorator."
+    ) in out
+    assert (
+        "test_ut.py::Param::test_class_scope_alias1: @THREE sits above a decorator that makes "
+        "new test methods (absl's @parameterized), and jaxdev could not read it again "
+        "(NameError: name 'THREE' is not defined)."
     ) in out
     assert len(set((inner.path / "pids.txt").read_text().split())) == 2  # one worker per count
     assert len((inner.path / "workers.txt").read_text().split()) == 2  # none for test_skipped

@@ -161,9 +161,10 @@ def _marks_on_def(item) -> list | str:
         head = node.func if isinstance(node, ast.Call) else node
         if not isinstance(head, (ast.Name, ast.Attribute)):
             continue
-        try:  # a name's value (no call): is it one of ours?
-            head = eval(compile(ast.Expression(head), "<mark>", "eval"), inner.__globals__)
-        except Exception:  # not a name this module has: not a mark it gave
+        try:  # a name's value (no call), in its module or else its class: is it one of ours?
+            head = compile(ast.Expression(head), "<mark>", "eval")
+            head = _eval(head, inner.__globals__, item)
+        except Exception:  # not a name there: not a mark
             continue
         if not (isinstance(head, pytest.MarkDecorator) and head.name in _MARKS):
             continue
@@ -182,6 +183,14 @@ def _marks_on_def(item) -> list | str:
 
 
 _MARKS = ("devices", "processes")
+
+
+def _eval(code, scope: dict, item):
+    try:
+        return eval(code, scope)
+    except NameError:  # a class-scope name (read again, the mark itself then fails by name)
+        names = [vars(c) for c in reversed(getattr(getattr(item, "cls", None), "__mro__", ()))]
+        return eval(code, scope, {k: v for ns in names for k, v in ns.items()})
 
 
 @functools.lru_cache(maxsize=None)  # absl makes many test methods of one def
