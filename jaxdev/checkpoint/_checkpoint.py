@@ -46,6 +46,10 @@ STATE, META, METRICS = "state", files.META_ITEM, "running_metrics"  # orbax rese
 MANAGER_LOCK = ".jaxdev-lock"  # a Checkpointer's lock file, inside its directory
 
 
+class Damaged(CheckpointError):
+    """A checkpoint's files are damaged (found reading it): a Checkpointer falls back."""
+
+
 def orbax():
     import orbax.checkpoint as ocp  # imported on first use: ~0.5 s
 
@@ -526,7 +530,7 @@ def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
     try:
         meta = reader(args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as err:  # orbax raises many types on a damaged file
-        raise CheckpointError(
+        raise Damaged(
             f"Could not read the metadata of checkpoint {path} ({type(err).__name__}: {err}): "
             "the checkpoint is damaged or was written by something else."
         ) from err
@@ -534,17 +538,17 @@ def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
         raise CheckpointError(f"{path} is not a jaxdev checkpoint (unknown metadata format).")
     version = meta.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointError(_damaged(path, f"its format version is {version!r}"))
+        raise Damaged(_damaged(path, f"its format version is {version!r}"))
     if version > VERSION:
         raise CheckpointError(
             f"Checkpoint {path} has format version {version}, newer than this "
             f"jaxdev reads ({VERSION}): upgrade jaxdev."
         )
     if problem := digest_problem(meta):
-        raise CheckpointError(_damaged(path, problem))
+        raise Damaged(_damaged(path, problem))
     item = meta.get(STATE)
     if not isinstance(item, dict) or not isinstance(item.get("leaves"), list):
-        raise CheckpointError(_damaged(path, f"it has no `{STATE}` leaf table"))
+        raise Damaged(_damaged(path, f"it has no `{STATE}` leaf table"))
     return meta
 
 
@@ -927,7 +931,7 @@ def _orbax_restore(path, reader, item, entries, reads, what):
         gc.collect()
         sys.unraisablehook = hook
     shown = f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
-    raise CheckpointError(
+    raise Damaged(
         f"Could not read checkpoint {path} ({what}){shown if broken else ''}: {failure}. The "
         "checkpoint is damaged or incomplete: restore an earlier one."
     )
@@ -955,7 +959,7 @@ def _verify(path: str, entries: list[dict], got: list[Any], version: int, what: 
         if s != entries[i]["checksum"]
     ]
     if bad:
-        raise CheckpointError(
+        raise Damaged(
             join_failures(
                 f"Checkpoint {path} ({what}) is corrupted: these leaves read back "
                 "different bits than were written (a damaged or overwritten data file). "

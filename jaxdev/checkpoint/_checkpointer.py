@@ -13,6 +13,8 @@ import time
 import weakref
 from typing import Any
 
+import jax
+
 from .._errors import CheckpointError
 from . import _checkpoint as ckpt
 from . import _ckpt_files as files
@@ -72,6 +74,7 @@ class Checkpointer:
         self._lock, self._durable = None, ckpt.check_durable(durable)
         self._digests: dict[tuple, str | None] = {}  # (step, metadata file's stat): problem
         self._warned: set[tuple[int, str]] = set()
+        self._unreadable: dict[int, str] = {}  # steps a read found damaged: why
         ocp = ckpt.orbax()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
@@ -180,7 +183,7 @@ class Checkpointer:
     def _refuse_foreign(self) -> None:
         """Raise if orbax lists a numbered folder jaxdev did not write (its ``keep`` would delete
         it): at the start, and before each save (a reload lists what the user made meanwhile)."""
-        mine = lambda: [s for s in self._manager.all_steps() if s not in self._started]  # noqa: E731
+        mine = lambda: [s for s in self._manager.all_steps() if s not in self._started]  # noqa
         if [s for s in mine() if not self._is_ours(s)]:  # listed earlier: still there?
             self._manager.reload()
         if foreign := [s for s in mine() if not self._is_ours(s)]:
@@ -207,6 +210,7 @@ class Checkpointer:
                 why = self._digests[key]
         except (OSError, ValueError) as err:
             why = f"jaxdev/metadata: {type(err).__name__}: {err}"
+        why = why or self._unreadable.get(step)
         if why and os.path.isdir(path) and (step, why) not in self._warned:  # not gone (`keep`)
             self._warned.add((step, why))
             _log.warning("step %d of %s is damaged, skipped: %s", step, self.directory, why)
@@ -218,6 +222,7 @@ class Checkpointer:
         for s in (bad := [s for s in self._listed() if self._damage(s)]):
             os.makedirs(graves, exist_ok=True)
             os.rename(os.path.join(self.directory, str(s)), os.path.join(graves, str(s)))
+            self._unreadable.pop(s, None)
             _log.warning("deleting the damaged step %d of %s", s, self.directory)
         if bad:
             files.remove_tombstones(self.directory, False, self._durable)
@@ -303,20 +308,32 @@ class Checkpointer:
 
     def _read(self, step: int | None, item: str, target: Any, rules: Any) -> Any:
         def read(path: str) -> Any:
-            reader = functools.partial(self._manager.restore, int(os.path.basename(path)))
-            return ckpt.restore_item(path, reader, item, target, rules, item)
+            at = int(os.path.basename(path))
+            reader = functools.partial(self._manager.restore, at)
+            try:
+                return ckpt.restore_item(path, reader, item, target, rules, item)
+            except ckpt.Damaged as err:  # what the cheap check cannot see: not a step from now
+                self._unreadable[at] = str(err)
+                raise
 
         # the latest step again if `keep` deleted it mid-read; a step asked for: its error
         locate = lambda: os.path.join(self.directory, str(self._step(step)))  # noqa: E731
-        return ckpt.read_unchanged(locate, read)
+        while True:  # the latest: each damaged step found is skipped, until none is left
+            try:
+                return ckpt.read_unchanged(locate, read)
+            except ckpt.Damaged:
+                if step is not None or jax.process_count() > 1:  # one process may see it alone
+                    raise
 
     def restore(
         self, target: Any = None, step: int | None = None, *, rules: Any = None, **rule_options: Any
     ) -> Any:
         """Restore the state of ``step`` (default: the latest) onto ``target``.
 
-        ``target``, ``rules`` and ``rule_options`` are :func:`jaxdev.restore`'s; ``step`` defaults to
-        :meth:`latest_step` (after :meth:`wait`). The metrics: :meth:`restore_metrics`.
+        ``target``, ``rules`` and ``rule_options`` are :func:`jaxdev.restore`'s. ``step``
+        defaults to :meth:`latest_step` (after :meth:`wait`); a step whose read finds it
+        damaged is skipped from then on, for the one before (said on the ``jaxdev``
+        logger; one process only). The metrics: :meth:`restore_metrics`.
 
         Example:
           >>> import tempfile, jax.numpy as jnp, jaxdev
