@@ -7,7 +7,7 @@ when the file is one restore does not read: orbax's top-level files, the
 per-process ocdbt files merged into the item's own), a Checkpointer falls back
 to the step before and says so, refuses the damaged step by name, and its
 next save's ``keep`` never deletes that last good step. The crash points
-replayed as power cuts: tests/test_crash_points.py. Timed: ``test_durable_costs``.
+replayed as power cuts: tests/test_crash_points.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -115,27 +114,6 @@ def _fell_back(ckpt: Checkpointer, rel: str) -> str:
     except CheckpointError as err:
         return "" if "damaged" in str(err) or "Could not read" in str(err) else str(err)
     return "restore(step=2) gave a tree"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mb", [0, 100])
-def test_durable_costs(tmp_path, mb):
-    """Save time with and without fsync, interleaved, medians of 5 (printed with -s)."""
-    tree = {"w": np.ones(mb * 2**18 if mb else 16, np.float32), "i": 1}
-    runs = {d: Checkpointer(tmp_path / str(d), keep=2, async_=False, durable=d) for d in (1, 0)}
-    times: dict[tuple[str, int], list[float]] = {}
-    for i in range(6):  # the first: warm-up
-        for d, ckpt in runs.items():
-            t0 = time.perf_counter()
-            jaxdev.save(tmp_path / f"c{d}", tree, overwrite=True, durable=bool(d))
-            t1 = time.perf_counter()
-            ckpt.save(i, tree)
-            times.setdefault(("save", d), []).append(t1 - t0)
-            times.setdefault(("Checkpointer.save", d), []).append(time.perf_counter() - t1)
-    for ckpt in runs.values():
-        ckpt.close()
-    for (what, d), ts in sorted(times.items()):
-        print(f"\n{mb} MB {what} durable={bool(d)}: {np.median(ts[1:]) * 1e3:.0f} ms")
 
 
 @pytest.mark.parametrize("durable", [True, False])
