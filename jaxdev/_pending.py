@@ -46,9 +46,12 @@ def _forget_finished() -> None:
             _PENDING.pop(key, None)
 
 
-def _error(token: Any) -> BaseException | None:
-    """The error ``token``'s computation ended with (``None``: still running, or fine)."""
-    if not token.is_ready():  # never waits: a failed computation is ready
+def _error(token: Any, wait: bool = False) -> BaseException | None:
+    """The error ``token``'s computation ended with (``None``: still running, or fine).
+
+    Never waits unless ``wait`` (an error path: under pmap a read of one output can fail
+    before the token, another output of the same failed call, is marked ready)."""
+    if not wait and not token.is_ready():  # a failed computation is ready
         return None
     try:
         with not_counted():  # ready: not a wait (count_transfers / no_host_sync)
@@ -70,7 +73,7 @@ def failed(
     mine = [e for k, e in list(_PENDING.items()) if owner in (None, k)]  # other threads record
     order = [e for e in mine if not e[2]] + [e for e in mine[::-1] if again and e[2]]
     for entry in order:
-        err = _error(entry[0])
+        err = _error(entry[0], wait=error is not None)
         if err is not None and (error is None or _comes_from(error, err)):
             entry[2] = True
             explained = entry[1](err, where)
