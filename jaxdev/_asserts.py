@@ -73,9 +73,6 @@ class _Checks(NamedTuple):
     expected: str  # what a passing leaf is, for the failure lines
 
 
-# ---------------------------------------------------------------- describing leaves
-
-
 def _default_kind(s: Sharding) -> str | None:
     """Default memory kind of the devices ``s`` spans (``'device'`` on CPU/GPU)."""
     try:
@@ -119,9 +116,6 @@ def _live_array_problem(x: Any, expected: str) -> str | None:
     return f"found {_where(x)}, expected {expected}"
 
 
-# ---------------------------------------------------------------- the engine
-
-
 def _scan(leaves: list[Any], checks: _Checks, committed: bool | None = None) -> list:
     """Return ``(index, why)`` for every failing leaf (a sharding that passed passes again)."""
     impl, fast, check = array_type(), checks.fast, checks.check
@@ -162,15 +156,9 @@ def _message(header: str, lines: list[str], fix: str) -> str:
     return "\n".join([join_failures(header, lines), *notes, f"{fix} {available_devices()}"])
 
 
-# ---------------------------------------------------------------- targets
-
-
 def _check_memory_kind(devices: Any, kind: str | None) -> None:
-    if kind is None:
-        return
     d = next(iter(devices))
-    kinds = [m.kind for m in d.addressable_memories()]
-    if kind not in kinds:
+    if kind is not None and kind not in (kinds := [m.kind for m in d.addressable_memories()]):
         raise PlacementError(
             f"`memory_kind`={kind!r} does not exist on {device_name(d)}: it offers "
             f"{kinds}. {available_devices()}"
@@ -186,23 +174,17 @@ def _sharding_checks(want: Sharding, memory_kind: str | None) -> _Checks:
     if want.memory_kind not in (None, _default_kind(want)):
         expected += f" in {want.memory_kind!r} memory"
 
-    def fast(s: Sharding) -> bool:
-        return s is want or s == want
-
     def check(x: Any) -> str | None:
         if same_layout(x.sharding, want, x.ndim):
             return None
         note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
         return f"found {_where(x)}, expected {expected}{note}"
 
-    return _Checks(fast, check, expected)
+    return _Checks(lambda s: s is want or s == want, check, expected)
 
 
 def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
-    """Checks, rule and fix for ``target=None``: any device of the default backend.
-
-    Leaves must sit in ``memory_kind``, or by default their devices' own memory.
-    """
+    """Checks, rule, fix for ``target=None``: the default backend, ``memory_kind`` or default."""
     platform = jax.default_backend()
     kinds: dict[int, str | None] = {}  # id(first device) -> the memory kind wanted there
     expected = f"a jax.Array on {platform} devices"
@@ -226,9 +208,6 @@ def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
     )
     fix = f"Fix: `tree = jaxdev.to_device(tree, {platform!r})`."
     return _Checks(fast, check, expected), rule, fix
-
-
-# ---------------------------------------------------------------- assertions
 
 
 def assert_on_device(
@@ -302,7 +281,7 @@ def assert_on_host(tree: chex.ArrayTree) -> None:
     if asserts_disabled():
         return
     leaves = jax.tree_util.tree_leaves(tree)
-    bad = [
+    bad = [  # numpy, Python numbers, or live jax.Arrays in a host memory kind pass
         (i, f"found {_where(x)}, expected host memory")
         for i, x in enumerate(leaves)
         if not is_host_value(x)
@@ -371,12 +350,9 @@ def assert_replicated(
 
 def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Checks, frozenset]:
     """Checks for full copies on ``target``'s devices in one memory kind, and those devices."""
-    if target is None:
-        devices: frozenset = frozenset(jax.devices())
-        kind = None
-    else:
-        s = as_sharding(target)
-        devices, kind = frozenset(s.device_set), s.memory_kind
+    s = None if target is None else as_sharding(target)
+    devices = frozenset(jax.devices() if s is None else s.device_set)
+    kind = None if s is None else s.memory_kind
     _check_memory_kind(devices, memory_kind)
     default = next(iter(devices)).default_memory().kind
     kind = memory_kind or kind or default
@@ -571,8 +547,7 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
 
 
 def _pair_problem(x: Any, y: Any, impl: type | None = None) -> str | None:
-    """Why leaves ``x`` and ``y`` are placed differently, or None (live arrays of jaxlib's
-    array type ``impl`` with one sharding key first: the cheap test)."""
+    """Why ``x`` and ``y`` are placed differently, or None (same sharding key first: cheap)."""
     if type(x) is impl and type(y) is impl and not (x.is_deleted() or y.is_deleted()):
         sx, sy = x.sharding, y.sharding
         if x.committed == y.committed and (sx is sy or sharding_key(sx) == sharding_key(sy)):
@@ -655,9 +630,7 @@ def assert_sharded_fraction(tree: chex.ArrayTree, at_least: float = 0.9) -> None
 
 def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
     """``(total bytes, sharded bytes, [(bytes, index)] not sharded, [(index, why)] unusable)``."""
-    total = sharded = 0
-    whole: list[tuple[int, int]] = []
-    bad: list[tuple[int, str]] = []
+    total, sharded, whole, bad = 0, 0, [], []  # whole: (bytes, index); bad: (index, why)
     for i, x in enumerate(leaves):
         if is_host_value(x):
             n, split = np.asarray(x).nbytes, False
