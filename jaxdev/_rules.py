@@ -36,10 +36,7 @@ from ._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from ._placement import place_tree
 
 Rules = Any
-"""``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree.
-
-See the module docstring of :mod:`jaxdev._rules` for what each form means.
-"""
+"""``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree."""
 
 _FORMS = (
     "'replicate', 'fsdp', 'flax', a list of (regex, PartitionSpec) pairs such as "
@@ -52,9 +49,6 @@ _TOLD: set[Any] = set()  # (leaf, shape, spec, mesh) already logged as replicate
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements stay replicated under ``rules="fsdp"``."""
-
-
-# ---------------------------------------------------------------- leaves and paths
 
 
 class _Leaf(NamedTuple):
@@ -114,9 +108,6 @@ def unbox(tree: Any) -> Any:
     return flax_meta.map_axis_meta(_unbox_one, tree)
 
 
-# ---------------------------------------------------------------- specs per rule set
-
-
 def _mesh_text(mesh: Mesh) -> str:
     return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
@@ -164,9 +155,7 @@ def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
     """The compiled ``(pattern, spec, source)`` list, or None when ``rules`` is not one."""
     if not isinstance(rules, (list, tuple)) or isinstance(rules, P):
         return None
-    if not rules:
-        return []  # no rules: every leaf unmatched, replicated
-    if not all(
+    if not all(  # [] passes: no rules, every leaf unmatched, replicated
         isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], (str, re.Pattern))
         for r in rules
     ):
@@ -195,12 +184,8 @@ def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
 
 
 def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
-    """The spec flax reads from a leaf's box, and where it came from (for errors).
-
-    ``nnx.get_partition_spec`` for NNX variables, ``nn.get_partition_spec`` for linen boxes
-    (logical names through ``nn.logical_to_mesh_axes``); ``logical_axis_rules=`` stands for
-    flax's ``nn.logical_axis_rules`` context, rules stored in a linen box win.
-    """
+    """The spec flax reads from a leaf's box (``logical_axis_rules=`` as flax's context; a
+    linen box's own rules win), and where it came from (for errors)."""
     box, given = leaf.annotation, logical_axis_rules
     given = None if given is None else tuple(map(tuple, given))
     with contextlib.nullcontext() if given is None else nn.logical_axis_rules(given):
@@ -287,8 +272,7 @@ def _form(rules: Rules) -> Any:
         if rules not in ("replicate", "flax", "fsdp"):
             raise ShardingError(f"`rules` must be {_FORMS}; got the string {rules!r}.")
         return rules
-    regex = _regex_rules(rules)
-    if regex is not None:
+    if (regex := _regex_rules(rules)) is not None:
         return regex
     # a pytree node (an NNX State, a dataclass registered with JAX, ...) may be a layout
     node = not jax.tree_util.treedef_is_leaf(jax.tree.structure(rules))
@@ -298,9 +282,6 @@ def _form(rules: Rules) -> Any:
             f"`rules` must be {_FORMS}; got {type(rules).__name__} {short(rules, 200)}."
         )
     return "layout"
-
-
-# ---------------------------------------------------------------- checking a spec
 
 
 def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str = "error") -> P:
@@ -321,15 +302,13 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
         if entry is None:
             continue
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        missing = [a for a in axes if a not in mesh.axis_names]
-        if missing:
+        if missing := [a for a in axes if a not in mesh.axis_names]:
             raise ShardingError(
                 f"{where}: mesh axis {missing[0]!r} does not exist; the mesh has axes "
                 f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or build a mesh with "
                 "it: jaxdev.make_mesh({...})."
             )
-        twice = [a for a in axes if a in used]
-        if twice:
+        if twice := [a for a in axes if a in used]:
             raise ShardingError(
                 f"{where}: mesh axis {twice[0]!r} is used for two dimensions; each mesh axis "
                 "may split at most one dimension of a leaf."
@@ -354,9 +333,6 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
     if len(spec) < ndim:
         spec = P(*spec, *([None] * (ndim - len(spec))))
     return spec
-
-
-# ---------------------------------------------------------------- public functions
 
 
 def param_shardings(
@@ -499,9 +475,6 @@ def shard_params(
     """
     shardings = param_shardings(tree, mesh, rules, **options)
     return place_tree(unbox(tree), shardings, copy=False)
-
-
-# ---------------------------------------------------------------- train states
 
 
 _STATE_FIELDS = ("step", "params", "opt_state")
