@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._devices import DeviceSpec, device_list
 from ._errors import ShardingError, UsageError, available_devices, format_devices
+from ._target import is_target, load_target, not_here, target_devices, topology
 
 DEFAULT_AXIS = "data"
 """The batch axis name: the default ``axis`` of every jaxdev function that takes one."""
@@ -187,8 +188,32 @@ def outside_mesh() -> contextlib.AbstractContextManager:
     """No mesh in context (``jax.set_mesh(None)``), for jaxdev's own programs (checksums,
     re-layouts, ``jax.device_put`` of arrays) over arrays that carry their meshes: a user's
     ``jax.set_mesh`` of another mesh would make JAX refuse them. Call it in a ``with``
-    statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3)."""
-    return contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None)
+    statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3).
+    Placing arrays on a target's devices (JAX: 'compile-only client') raises PlacementError."""
+    return _OUTSIDE if jax.sharding.get_mesh().empty else _Outside(jax.set_mesh(None))
+
+
+class _Outside:
+    """``ctx`` (None: nothing to enter), naming JAX's error for a transfer onto a target."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
+        if self.ctx is not None and self.ctx.__exit__(kind, err, tb):
+            return True
+        if isinstance(err, jax.errors.JaxRuntimeError) and "compile-only client" in str(err):
+            raise not_here("placing arrays (to_device, put_batch, init_state...)") from err
+        return False
+
+
+_OUTSIDE = _Outside(None)
 
 
 def _describe(mesh: Mesh) -> str:
@@ -205,12 +230,13 @@ class MeshBound:
 
     def __init__(self, fn: Any, mesh: Mesh | None) -> None:
         self.fn, self.mesh = fn, mesh
+        self.call = fn if mesh is None or not is_target(mesh) else functools.partial(_refused, mesh)
 
     def _context(self) -> contextlib.AbstractContextManager:
         return outside_mesh() if self.mesh is None else under_mesh(self.mesh)
 
     def __call__(self, *args: Any) -> Any:
-        return self._run(self.fn, args)
+        return self._run(self.call, args)
 
     def lower(self, *args: Any) -> Any:
         return self._run(self.fn.lower, args)
@@ -218,6 +244,10 @@ class MeshBound:
     def _run(self, fn: Any, args: tuple[Any, ...]) -> Any:
         with self._context():  # under_mesh names reshard / out_sharding= on Auto axes
             return fn(*args)
+
+
+def _refused(mesh: Mesh, *args: Any) -> Any:
+    raise not_here("running a step", mesh)
 
 
 _AUTO_SPEC = re.compile(r"PartitionSpec passed to ([\w.]+) cannot contain axis names that are of")
@@ -305,22 +335,34 @@ def make_mesh(
     axes: Mapping[str, int] | Sequence[tuple[str, int]],
     devices: int | DeviceSpec | Sequence[DeviceSpec] | None = None,
     axis_type: AxisType | str | Sequence[AxisType | str] = AxisType.Auto,
+    *,
+    target: str | None = None,
 ) -> Mesh:
     """Return an N-D mesh such as ``{"data": 2, "fsdp": 4}`` over ``devices`` (cached).
 
     Axes are ``Auto`` by default (see :func:`data_mesh`); devices in ``jax.make_mesh`` order.
+    With ``target``, the devices are GPUs that need not be here: XLA:GPU compiles for them
+    (``step.lower``, ``jaxdev.memory.plan`` / ``fit_memory`` / ``explain_memory``, whose
+    default limit is the target's) and nothing is allocated or run on them. That needs the
+    CUDA plugin (``pip install 'jaxdev[cuda12]'``), not a GPU; without one, set
+    ``JAX_PLATFORMS=cpu`` before JAX starts.
 
     Args:
       axes: names and sizes in mesh order, a dict or ``(name, size)`` pairs; one size may
         be ``-1`` (every device left over).
-      devices: as in :func:`data_mesh`.
+      devices: as in :func:`data_mesh`. With ``target``: the device count (``8``) or hosts
+        x devices per host (``'2x8'``, ``'32x8'``); default the axes' product (hosts of 8
+        past 8).
       axis_type: ``'auto'`` (default) or ``'explicit'`` (or ``AxisType``), for every
         axis, or one per axis.
+      target: a GPU to plan for, ``'h100'`` (SXM, 80 GB), ``'h200'``, ``'a100-80gb'``, or
+        the path of an XLA ``GpuTargetConfig`` text.
 
     Raises:
       ShardingError: the sizes do not multiply to the device count, a bad size, repeated or
         non-string names, or an unknown ``axis_type``.
       DeviceSpecError, DeviceNotFoundError: ``devices`` is malformed or names a missing device.
+      UsageError: an unknown ``target``, or the CUDA plugin is missing.
 
     Example:
       >>> import jaxdev
@@ -332,7 +374,12 @@ def make_mesh(
     """
     names, sizes = _parse_axes(axes)
     kinds = _axis_types(axis_type, names)
-    if devices is None and jax.process_count() > 1:
+    if target is not None:
+        count = None if -1 in sizes else math.prod(sizes)
+        if count is None and devices is None:
+            raise ShardingError(f"`axes` {dict(zip(names, sizes))} with `target=`: pass `devices=`.")
+        devs = target_devices(load_target(target), topology(devices, count))
+    elif devices is None and jax.process_count() > 1:
         devs = tuple(jax.devices())
     else:
         devs = tuple(device_list(devices))

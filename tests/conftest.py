@@ -9,6 +9,7 @@ below, both with ``clean_env()``, run code that needs a process of its own
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -34,9 +35,20 @@ from mp_scripts.child_env import REPO, clean_env  # noqa: E402, F401 - re-export
 def pytest_collection_modifyitems(config, items):
     has_gpu = GPU_RUN and any(d.platform == "gpu" for d in jax.devices())
     skip = pytest.mark.skip(reason="needs a GPU backend; this host has none (JAX runs on CPU)")
+    plugin = has_cuda_plugin()
+    no_plugin = pytest.mark.skip(reason="compiles for a GPU target: needs jaxdev[cuda12]")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+        if item.get_closest_marker("target") and not plugin:
+            item.add_marker(no_plugin)
+
+
+def has_cuda_plugin() -> bool:
+    """Whether JAX's CUDA 12 plugin is installed (``jaxdev[cuda12]``): GPU targets compile."""
+    return bool(importlib.util.find_spec("jax_plugins")) and bool(
+        importlib.util.find_spec("jax_plugins.xla_cuda12")
+    )
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120.0):

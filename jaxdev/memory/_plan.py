@@ -26,6 +26,7 @@ from .._leaves import PY_SCALARS, device_key, is_jax_array
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
+from .._target import target_of
 from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host
 from ._spec import Described, StepSpec, spec_of
@@ -94,6 +95,9 @@ class MemoryPlan:
       compiled: the compiled step's ``memory_analysis()`` (with ``step`` and ``batch``).
       host_by_device: bytes per device name kept in host memory (offloaded
         fields), not in ``rows`` nor ``total``.
+      backend: the platform of the mesh's devices, whose compiler built ``compiled``
+        (``'cpu'``, ``'gpu'``).
+      target: the target the mesh was made for (``make_mesh(..., target='h100')``), or None.
     """
 
     rows: tuple[PlanRow, ...]
@@ -106,6 +110,15 @@ class MemoryPlan:
     # leaf's spec by its rank, the options
     _inputs: tuple | None = dataclasses.field(default=None, compare=False)
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    backend: str = "cpu"
+    target: str | None = None
+
+    @property
+    def overstates(self) -> bool:
+        """Whether XLA:CPU compiled a step with sharded params: it forms no reduce-scatter,
+        so each layer's whole gradient is live at once and the peak is too high (FSDP with
+        remat: 1.8-2.8x XLA:GPU's for the same program)."""
+        return self.compiled is not None and self.backend == "cpu" and fsdp_sharded(self.rules)
 
     @property
     def host(self) -> int:
@@ -124,7 +137,8 @@ class MemoryPlan:
         return self.compiled.peak if self.compiled is not None else self.total
 
     def fits(self, limit: int | None = None) -> bool:
-        """Whether :attr:`peak` fits in ``limit`` bytes per device (``None``: the devices' own).
+        """Whether :attr:`peak` fits in ``limit`` bytes per device (``None``: the devices' own,
+        a target mesh's from its ``device_memory_size``: see :func:`resolve_limit`).
 
         Raises:
           UsageError: ``limit`` is not a number of bytes, or ``None`` on CPU (no limit).
@@ -298,7 +312,9 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
     compiled = None if lowered is None else _compiled_memory(lowered)
     inputs = (state, batch, batch_spec, dict(options))
     host = host if any(host.values()) else {}
-    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host)
+    backend, target = mesh.devices.flat[0].platform, target_of(mesh)
+    target = None if target is None else target.name
+    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host, backend, target)
 
 
 def _same_rules(a: Any, b: Any) -> bool:
@@ -377,7 +393,13 @@ def resolve_limit(
 
     ``None``: the smallest ``bytes_limit`` of this process's ``devices``; a backend
     reporting none (CPU) raises naming ``example`` when ``required``, else gives ``None``.
+    On a target mesh (``jaxdev.make_mesh(..., target=)``): what JAX's allocator would take
+    of the target's ``device_memory_size`` (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default
+    0.75, as ``bytes_limit`` reports on the real GPU; the rest is left to the CUDA
+    context, cuBLAS/cuDNN workspaces and NCCL).
     """
+    if limit is None and (target := target_of(devices)) is not None:
+        return target.limit()
     if limit is None:
         flat = devices.devices.flat if isinstance(devices, Mesh) else devices
         local = [d for d in flat if d.process_index == jax.process_index()]
@@ -449,6 +471,11 @@ def check_fits(
     raise err
 
 
+def fsdp_sharded(rules: Any) -> bool:
+    """Whether ``rules`` may split params (anything but ``'replicate'``)."""
+    return not _same_rules(rules, "replicate")
+
+
 def fsdp_applies(mesh: Mesh, rules: Any) -> bool:
     """Whether to offer ``rules='fsdp'``: several devices and replicated params (not a user's
     own rules, which 'fsdp' would replace)."""
@@ -485,7 +512,9 @@ def _format(p: MemoryPlan) -> str:
         (r.category, human_bytes(r.bytes_per_device), human_bytes(r.total_bytes), _pct(r))
         for r in [*p.rows, PlanRow("total", p.total, logical, sharded, 0)]
     ]
-    lines = [f"memory plan: mesh({mesh}), rules={rules}"]
+    t = target_of(p.mesh)
+    where = "" if t is None else f", for {p.mesh.size} x {t.kind} (target {t.name!r})"
+    lines = [f"memory plan: mesh({mesh}), rules={rules}{where}"]
     lines += text_table(("category", "bytes/device", "total bytes", "sharded"), body, rstrip=True)
     if p.host:
         lines.append(
@@ -502,6 +531,17 @@ def _format(p: MemoryPlan) -> str:
         )
         lines.append(
             f"peak per device ~ {human_bytes(c.peak)} (arguments + outputs - donated + temporaries)"
+            f", compiled by XLA:{p.backend.upper()}"
+        )
+        lines.append(
+            "the temporaries hold the gradients, the gathered weights and the activations "
+            "together: XLA's memory_analysis does not split them"
+        )
+    if p.overstates:
+        lines.append(
+            "overstated: XLA:CPU forms no reduce-scatter, so each sharded param's whole "
+            "gradient is counted (FSDP with remat: 1.8-2.8x XLA:GPU's peak). Plan on the GPUs "
+            "you will use: jaxdev.make_mesh(axes, devices, target='h100')."
         )
     return "\n".join(lines)
 

@@ -1,0 +1,182 @@
+"""GPUs that are not here: devices XLA:GPU compiles for from a ``GpuTargetConfig`` text.
+
+``jaxdev.make_mesh(axes, devices, target="h100")`` builds its mesh of such devices
+(``jax.experimental.topologies``; needs the CUDA plugin, ``pip install 'jaxdev[cuda12]'``,
+but no GPU). Steps lower and compile on it, so memory plans are XLA:GPU's own; nothing is
+ever allocated or run there. The shipped texts and where they come from: ``targets/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import os
+import re
+from typing import Any
+
+import jax
+
+from ._errors import PlacementError, ShardingError, UsageError
+
+TARGETS = {"h100": "h100_sxm", "h200": "h200", "a100-80gb": "a100_sxm_80"}
+"""Target names jaxdev ships a ``GpuTargetConfig`` for (``h100`` is the SXM part)."""
+
+DEFAULT_FRACTION = 0.75
+"""JAX's default ``XLA_PYTHON_CLIENT_MEM_FRACTION``: the share of a GPU its allocator takes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU described by an XLA ``GpuTargetConfig`` text.
+
+    Attributes:
+      name: what the user passed (``'h100'``, or the path of a text).
+      config: the textproto.
+      kind: its ``device_description_str`` (``'NVIDIA H100 80GB HBM3'``).
+      memory: its ``device_memory_size``, bytes per device.
+    """
+
+    name: str
+    config: str = dataclasses.field(repr=False)
+    kind: str
+    memory: int
+
+    def limit(self) -> tuple[int, str]:
+        """``(bytes per device, source)``: what JAX's allocator would take on the real GPU.
+
+        ``device_memory_size`` times ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX's default
+        0.75, as ``memory_stats()['bytes_limit']`` reports on the GPU; the rest is left to
+        the CUDA context, cuBLAS/cuDNN workspaces and NCCL); the whole memory under
+        ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``, which has no pool.
+        """
+        if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+            return self.memory, f"device_memory_size of target {self.name!r} (platform allocator)"
+        raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        fraction = float(raw) if raw else DEFAULT_FRACTION
+        return int(self.memory * fraction), (
+            f"{fraction:g} of the device_memory_size of target {self.name!r}, as JAX's "
+            "allocator takes it: XLA_PYTHON_CLIENT_MEM_FRACTION"
+        )
+
+
+_BY_DEVICE: dict[jax.Device, Target] = {}  # every target device jaxdev made
+
+
+@functools.lru_cache(maxsize=16)
+def load_target(target: str) -> Target:
+    """The :class:`Target` named ``target`` (a key of :data:`TARGETS`) or read from a path.
+
+    Raises:
+      UsageError: an unknown name, or a file that is not a ``GpuTargetConfig`` text.
+    """
+    if not isinstance(target, str) or not target:
+        raise UsageError(f"`target` must be a GPU name or a path, got {target!r}.")
+    if target.lower() in TARGETS:
+        name = TARGETS[target.lower()]
+        text = (importlib.resources.files("jaxdev") / "targets" / f"{name}.txtpb").read_text()
+    elif os.path.isfile(target):
+        with open(target, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        raise UsageError(
+            f"`target`={target!r} is neither a GPU jaxdev knows ({', '.join(TARGETS)}) nor an "
+            "existing file. Pass one of those names, or the path of an XLA GpuTargetConfig "
+            "text (e.g. xla/tools/hlo_opt/gpu_specs/*.txtpb in openxla/xla)."
+        )
+    memory = re.search(r"device_memory_size:\s*(\d+)", text)
+    kind = re.search(r'device_description_str:\s*"([^"]*)"', text)
+    if memory is None or "gpu_device_info" not in text:
+        raise UsageError(
+            f"`target`={target!r}: the file is not an XLA GpuTargetConfig text (no "
+            "gpu_device_info with a device_memory_size). Use a text such as "
+            "xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb of openxla/xla."
+        )
+    return Target(target, text, kind[1] if kind else "GPU", int(memory[1]))
+
+
+def topology(devices: Any, count: int | None) -> str:
+    """XLA's ``'slices x hosts x devices'`` for ``devices`` (8, ``'2x8'``; None: ``count``).
+
+    An int ``n`` is one host of ``n`` when ``n <= 8``, else hosts of 8 (an HGX board).
+
+    Raises:
+      ShardingError: ``devices`` is malformed or does not give ``count`` devices.
+    """
+    want = count if devices is None else devices
+    if isinstance(want, int) and not isinstance(want, bool) and want >= 1:
+        hosts, per = (1, want) if want <= 8 or want % 8 else (want // 8, 8)
+    elif isinstance(want, str) and re.fullmatch(r"[1-9]\d*x[1-9]\d*", want.strip()):
+        hosts, per = map(int, want.strip().split("x"))
+    else:
+        raise ShardingError(
+            f"`devices`={devices!r}: with `target=`, give the device count (8) or hosts x "
+            "devices per host ('2x8', '32x8'), or leave it out for the axes' product."
+        )
+    if count is not None and hosts * per != count:
+        raise ShardingError(
+            f"`devices`={devices!r} gives {hosts * per} target devices ({hosts} host(s) x "
+            f"{per}) but the mesh axes multiply to {count}: make them agree, e.g. "
+            f"`devices={count}` or axes whose sizes multiply to {hosts * per}."
+        )
+    return f"1x{hosts}x{per}"
+
+
+@functools.lru_cache(maxsize=16)
+def target_devices(target: Target, topo: str) -> tuple[jax.Device, ...]:
+    """The devices of ``topo`` (``'1x2x8'``) XLA:GPU compiles for as ``target`` (cached).
+
+    Raises:
+      UsageError: the CUDA plugin is missing, or installed but not started without a GPU.
+    """
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(
+            platform="cuda", target_config=target.config, topology=topo
+        )
+    except NotImplementedError as err:  # no cuda topology: plugin missing or failed to start
+        plugin = bool(importlib.util.find_spec("jax_plugins")) and bool(
+            importlib.util.find_spec("jax_plugins.xla_cuda12")
+        )
+        fix = (
+            "JAX tried to start the CUDA backend, which fails without a GPU: set "
+            "JAX_PLATFORMS=cpu before JAX starts (or jax.config.update('jax_platforms', "
+            "'cpu') first thing)"
+            if plugin
+            else "pip install 'jaxdev[cuda12]' (the CUDA 12 plugin; no GPU is needed)"
+        )
+        raise UsageError(
+            f"`target`={target.name!r}: compiling for a GPU needs JAX's CUDA plugin ({err}). "
+            f"Fix: {fix}."
+        ) from err
+    devices = tuple(desc.devices)
+    _BY_DEVICE.update(dict.fromkeys(devices, target))
+    return devices
+
+
+def target_of(devices: Any) -> Target | None:
+    """The :class:`Target` of a mesh's (or devices') first device; None for devices here."""
+    flat = getattr(devices, "devices", devices)
+    first = next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
+    return _BY_DEVICE.get(first)
+
+
+def is_target(devices: Any) -> bool:
+    """Whether a mesh's devices are compile-only: a jaxdev target or ``topologies`` devices."""
+    flat = getattr(devices, "devices", devices)
+    first = next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
+    return first in _BY_DEVICE or "CompileOnly" in type(getattr(first, "client", None)).__name__
+
+
+def not_here(what: str, devices: Any = None) -> PlacementError:
+    """The error for allocating or running on target devices (``what``: the attempt)."""
+    t = None if devices is None else target_of(devices)
+    where = f"target {t.name!r} ({t.kind})" if t else "a target's devices (compile-only)"
+    return PlacementError(
+        f"{what} on {where}: a target mesh is for compiling and planning only (lower, "
+        "jaxdev.memory.plan / fit_memory / explain_memory), nothing can be allocated or run "
+        "on it. Plan with jax.ShapeDtypeStruct leaves (jax.eval_shape), or build the mesh "
+        "without `target=` to run here."
+    )
