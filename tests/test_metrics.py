@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,23 @@ def test_fetch_metrics_of_a_nested_tree_is_one_device_get():
     assert counter.device_to_host == 1
     assert math.isnan(host["train"]["loss"])
     assert host["lr"] == pytest.approx(0.1) and host["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "path, leaf",
+    [
+        ("['train']['loss'].count", lambda t: t["train"]["loss"].count),
+        ("['lr'].value", lambda t: t["lr"].value),
+    ],
+)
+def test_fetch_names_a_deleted_leaf_after_good_fetches_of_the_same_tree(path, leaf):
+    """fetch looks for deleted leaves on its error path only: that check fires after good calls."""
+    loss = Collection.from_values({"loss": Mean}, {"loss": jnp.ones(3)})
+    tree = {"train": loss, "lr": Last.empty()}
+    assert fetch_metrics(tree)["train"]["loss"] == fetch_metrics(tree)["train"]["loss"] == 1.0
+    leaf(tree).delete()
+    with pytest.raises(jaxdev.DeletedArrayError, match=rf"has 1 deleted.*: {re.escape(path)}\."):
+        fetch_metrics(tree)
 
 
 def test_compute_stays_on_device():

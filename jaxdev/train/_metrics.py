@@ -589,11 +589,15 @@ def fetch_metrics(tree: Any) -> Any:
             node = np.asarray(node._compute(np))
         return node.item() if isinstance(node, np.ndarray) and node.ndim == 0 else node
 
-    check_live(tree, jax.tree.leaves(tree), "metrics")  # donated to a step: named, not bare
+    leaves, treedef = jax.tree.flatten(tree)
     named = isinstance(tree, (Metric, Collection))
-    with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
-        host = jax.device_get(tree)
-        return jax.tree.map(one, host, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
+    try:
+        with explained_reads(f"{type(tree).__name__}.fetch" if named else "fetch_metrics"):
+            host = treedef.unflatten(jax.device_get(leaves))
+    except RuntimeError:  # JAX's bare 'Array has been deleted': a donated leaf named instead
+        check_live(tree, leaves, "metrics")
+        raise
+    return jax.tree.map(one, host, is_leaf=lambda x: isinstance(x, (Metric, Collection)))
 
 
 # ---------------------------------------------------------------- the log
