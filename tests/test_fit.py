@@ -84,7 +84,7 @@ def test_the_batch_found_fits_and_the_next_larger_does_not(strategy, options, ex
     assert jaxdev.memory.plan(_state(), step=step, batch=fit.batch).peak == fit.peak
     trials = {(t.batch_size, t.fits) for t in fit.tried}
     assert (fit.batch_size, True) in trials and (fit.batch_size + unit, False) in trials
-    assert len(fit.tried) <= 2 * (fit.batch_size + unit).bit_length() + 1  # doubling, bisection
+    assert len(fit.tried) <= 12  # lines, each prediction with its neighbour (doubling: ~20)
     text = str(fit)
     assert text.startswith(f"largest batch that fits: {fit.batch_size} rows per device")
     assert "change  batch/device  rows/step  peak/device  fits" in text
@@ -156,7 +156,7 @@ def test_nothing_fits_and_the_search_stops_at_max_batch_size():
     assert re.search(r"\nas is +1 +1 +[\d.]+ KiB +no\n", text) and "yes" not in text
     capped = jaxdev.memory.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=40)
     assert capped.batch_size == 40 and capped.capped
-    assert [t.batch_size for t in capped.tried] == [1, 2, 4, 8, 16, 32, 40]
+    assert [t.batch_size for t in capped.tried] == [1, 2, 40]  # the line predicts past 40
     assert "larger batches may fit too" in str(capped)
 
 
@@ -175,3 +175,36 @@ def test_bad_inputs_are_named():
         jaxdev.memory.fit_memory(loss_fn, _state(), _example(), limit=MiB)
     with pytest.raises(jaxdev.UsageError, match="`example_batch` leaf of shape \\(\\) has no row"):
         jaxdev.memory.fit_memory(step, _state(), {"x": jnp.float32(1)}, limit=MiB)
+
+
+def test_the_search_fits_a_line_and_verifies_the_answer_in_a_few_compiles(caplog):
+    """It compiled once per trial, doubling then bisecting (265 s at 1B, 4 compiles, where
+    the peak grew linearly with the rows: 15.0, 26.5, 37.9, 49.4 GiB for 1-4 rows)."""
+    import logging
+
+    def wide(params, batch):  # rows of 256 tokens: activations dominate from one row on
+        h = jnp.tanh(batch["x"] @ params["w0"])
+        return jnp.mean((h @ params["w1"] - batch["y"]) ** 2, axis=(-1, -2))
+
+    params = {"w0": jnp.zeros((64, 1024)), "w1": jnp.zeros((1024, 4))}
+    tx = optax.sgd(0.1)
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(params, tx))
+    step = jaxdev.make_train_step(wide, tx, jaxdev.Strategy.sharded())
+    example = {
+        "x": jax.ShapeDtypeStruct((8, 256, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct((8, 256, 4), jnp.float32),
+    }
+    with caplog.at_level(logging.INFO, logger="jaxdev"):
+        fit = jaxdev.memory.fit_memory(step, state, example, limit=64 * MiB)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        "fit_memory: as is at ")]
+    assert len(compiled) == len(fit.tried) <= 4, compiled  # two sizes, the answer and the next
+    assert [t.fits for t in fit.tried[-2:]] == [True, False]
+    assert [t.batch_size for t in fit.tried[-2:]] == [fit.batch_size, fit.batch_size + 1]
+    for b, fits in ((fit.batch_size, True), (fit.batch_size + 1, False)):  # compiled again
+        batch = batch_for(step.spec, batch_rows(step.spec, example), b * 8)
+        assert (jaxdev.memory.plan(state, step=step, batch=batch).peak <= 64 * MiB) is fits
+    assert re.search(rf"; {len(fit.tried)} programs compiled in [\d.]+ s$", fit.headline())
+    assert fit.seconds > 0 and re.fullmatch(
+        r"fit_memory: \d+ rows per device; \d+ compiles in [\d.]+ s", caplog.records[-1].getMessage()
+    )

@@ -142,33 +142,55 @@ def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOptio
     return MemoryOption(change, what, p.peak, p.compiled.temp, fits, note)
 
 
-def fsdp_variant(spec: StepSpec) -> Variant | None:
-    """``rules='fsdp'`` over the mesh, only for ``rules='replicate'`` (keeps a user's layout)."""
+def fsdp_variant(spec: StepSpec) -> Variant | str:
+    """``rules='fsdp'`` over the mesh, only for ``rules='replicate'`` (keeps a user's layout);
+    else why not."""
     strategy = spec.strategy
     if not fsdp_applies(strategy.mesh, strategy.rules):
-        return None
+        one = strategy.mesh.size == 1
+        return "one device: nothing to shard over" if one else (
+            f"the params are laid out by rules={strategy.rules!r}, which fsdp would replace"
+        )
     try:
         fsdp = strategy.replace(rules="fsdp", shard_map=False)
         n = axis_size(fsdp.mesh, fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis")))
-    except Exception:  # a mesh fsdp cannot use: no option
-        return None
+    except Exception as err:  # a mesh fsdp cannot use: no option
+        return f"fsdp does not apply to this mesh ({short(err, 120)})"
     return Variant(
         "Strategy.sharded(mesh, rules='fsdp')", f"fsdp over {n} devices", spec.replace(fsdp)
     )
 
 
-def remat_variant(spec: StepSpec) -> Variant | None:
-    """``remat=True`` (the loss under ``jax.checkpoint``), when the step has not got it."""
-    if not spec.train or spec.config.remat:
-        return None
-    return Variant("remat=True", "loss rematerialised", spec.replace(remat=True))
+def remat_variant(spec: StepSpec, remat: Any = True) -> Variant | str:
+    """``remat`` (``True``, a ``jax.checkpoint`` policy, or a step with the model's own remat,
+    e.g. per block) for this step; else why not."""
+    if not spec.train:
+        return "an eval step keeps no activations for a backward pass"
+    if isinstance(remat, (StepSpec, Described)):  # model code: its loss and options, our layout
+        cfg = spec_of(remat, "remat").config
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        return Variant("your `remat` step", "the model's own remat", spec.replace(**fields))
+    if remat is not True and not (callable(remat) and not isinstance(remat, type)):
+        raise UsageError(
+            "`remat` must be True, a `jax.checkpoint_policies` policy (the whole loss under "
+            "jax.checkpoint) or a jaxdev train step whose model remats per block (e.g. "
+            f"`nnx.remat`), got {remat!r}."
+        )
+    name = "True" if remat is True else getattr(remat, "__name__", repr(remat))
+    if spec.config.remat is remat or (remat is True and spec.config.remat):
+        return f"the step has remat={name} already"
+    what = "loss rematerialised" if remat is True else f"loss under jax.checkpoint({name})"
+    return Variant(f"remat={name}", what, spec.replace(remat=remat))
 
 
-def offload_variants(spec: StepSpec, state: Any) -> list[Variant]:
-    """The optimizer state, then params too, kept in host memory and streamed in by the step."""
+def offload_variants(spec: StepSpec, state: Any) -> list[Variant] | str:
+    """The optimizer state, then params too, kept in host memory and streamed in by the step;
+    else why not."""
     strategy, out = spec.strategy, []
-    if strategy.shard_map or not spec.train or not is_train_state(state) or state.opt_state is None:
-        return []
+    if not spec.train or not is_train_state(state) or state.opt_state is None:
+        return "no optimizer state to offload"
+    if strategy.shard_map:
+        return "shard_map=True keeps the state on the devices"
     have = set(strategy.offload)
     for text in ("opt_state", ("params", "opt_state")):
         fields = {text} if isinstance(text, str) else set(text)
@@ -176,45 +198,64 @@ def offload_variants(spec: StepSpec, state: Any) -> list[Variant]:
             continue
         try:
             new = strategy.replace(offload=tuple(sorted(have | fields)))
-        except Exception:  # a strategy offload does not apply to
-            break
+        except Exception as err:  # a strategy offload does not apply to
+            return out or f"offload does not apply ({short(err, 120)})"
         what = "params + opt_state in host" if "params" in fields else "opt_state in pinned_host"
         out.append(Variant(f"Strategy.sharded(mesh, offload={text!r})", what, spec.replace(new)))
-    return out
+    return out or "params and opt_state are offloaded already"
 
 
 def memory_options(
-    spec: StepSpec, state: Any, batch: Any, limit: int | None, names: tuple[str, ...] = OPTIONS
+    spec: StepSpec,
+    state: Any,
+    batch: Any,
+    limit: int | None,
+    names: tuple[str, ...] = OPTIONS,
+    remat: Any = True,
 ) -> list[MemoryOption]:
     """The options ``names`` (of :data:`OPTIONS`) for the step on ``(state, batch)``, compiled.
 
     ``accumulate=M`` for M = 2, 4, 8, 16 times the step's until one fits, the offloads
     until one fits, and half the batch (rows the devices and micro-batches still split).
+    An option that does not apply is listed with the reason, uncompiled.
     """
     rows, out = batch_rows(spec, batch), []
     m, n = spec.accumulate, spec.strategy.n_devices
+    per = f"{rows.rows // n} row{'s' * (rows.rows // n != 1)} per device"
 
-    def fits(v: Variant | None, n_rows: int = rows.rows) -> bool:  # compiled and listed
-        if v is not None:
-            out.append(option(v, state, batch_for(v.spec, rows, n_rows), limit))
-        return v is not None and bool(out[-1].fits)
+    def fits(v: Variant | str | list, name: str, n_rows: int = rows.rows) -> bool:
+        if isinstance(v, str) or not v:  # why it does not apply, listed uncompiled
+            out.append(MemoryOption(name, "skipped", None, None, None, v or "not tried"))
+            return False
+        for one in v if isinstance(v, list) else [v]:
+            out.append(option(one, state, batch_for(one.spec, rows, n_rows), limit))
+            if out[-1].fits:
+                return True
+        return False
 
     if "fsdp" in names:
-        fits(fsdp_variant(spec))
-    for big in (m * 2, m * 4, m * 8, m * 16) if spec.train and "accumulate" in names else ():
-        micro = rows.rows // big
-        what = f"{big} micro-batches of {micro} row{'s' * (micro != 1)}"
-        v = Variant(f"accumulate={big}", what, spec.replace(accumulate=big))
-        if rows.rows % (big * n) or fits(v):
-            break  # micro-batches the devices cannot split evenly, or one that fits
+        fits(fsdp_variant(spec), "fsdp")
+    if "accumulate" in names:
+        tries = [m * 2**i for i in range(1, 5) if rows.rows % (m * 2**i * n) == 0]
+        if not spec.train:
+            fits("an eval step has no gradients to accumulate", "accumulate")
+        elif not tries:
+            fits(f"{per}: accumulate={2 * m} needs a multiple of {2 * m} rows per device",
+                 "accumulate")
+        for big in tries if spec.train else ():
+            micro = rows.rows // big
+            what = f"{big} micro-batches of {micro} row{'s' * (micro != 1)}"
+            if fits(Variant(f"accumulate={big}", what, spec.replace(accumulate=big)), ""):
+                break
     if "remat" in names:
-        fits(remat_variant(spec))
-    for v in offload_variants(spec, state) if "offload" in names else ():
-        if fits(v):
-            break
+        fits(remat_variant(spec, remat), "remat")
+    if "offload" in names:
+        fits(offload_variants(spec, state), "offload")
     half = (rows.rows // 2) // (m * n) * (m * n)
-    if "half_batch" in names and m * n <= half != rows.rows:
-        fits(Variant(f"a batch of {half} rows", f"now {rows.rows} rows per step", spec), half)
+    if "half_batch" in names:
+        v = Variant(f"a batch of {half} rows", f"now {rows.rows} rows per step", spec)
+        fits(v if m * n <= half != rows.rows else f"{per}: no smaller batch the devices split",
+             "half_batch", half)
     return out
 
 
@@ -260,18 +301,20 @@ class MemoryExplanation:
     def headline(self) -> str:
         """The first line: what ran out, or what is needed against what is available; the fix."""
         fix = f"; fix: {self.advice()}" if self.advice() else ""
+        fits = ": it fits, nothing to fix" if self.fits and self.error is None else ""
         if self.error is not None:
             return f"{self.subject} ran out of device memory ({self.error}){fix}"
         if self.limit is None:
             return f"{self.subject} needs {human_bytes(self.needed)} per device ({self.source})"
         return (
             f"{self.subject} needs {human_bytes(self.needed)} per device, "
-            f"{human_bytes(self.limit)} available ({self.source}){fix}"
+            f"{human_bytes(self.limit)} available ({self.source}){fits}{fix}"
         )
 
     def advice(self) -> str:
-        """The first (cheapest per step) compiled option that fits, or that none does."""
-        if self.limit is None or not self.options:
+        """The first (cheapest per step) compiled option that fits, or that none does; nothing
+        for a step that fits."""
+        if self.limit is None or not self.options or (self.fits and self.error is None):
             return ""
         best = next((o for o in self.options if o.fits), None)
         if best is None:
@@ -324,6 +367,7 @@ def explain_memory(
     *,
     metrics: Any = None,
     options: Any = OPTIONS,
+    remat: Any = True,
     source: str | None = None,
     plan_: MemoryPlan | None = None,
     error: str | None = None,
@@ -337,7 +381,12 @@ def explain_memory(
     Args:
       limit: bytes per device; ``None``: the devices' ``bytes_limit`` (none on
         CPU: the options are listed without a verdict).
-      options: the changes to compile, some of :data:`OPTIONS` (``()``: none).
+      options: the changes to compile, some of :data:`OPTIONS` (``()``: none); one
+        that does not apply is listed with the reason.
+      remat: the ``"remat"`` option: ``True``, a ``jax.checkpoint_policies`` policy (both
+        put the whole loss under ``jax.checkpoint``, as the step's ``remat=``), or a
+        train step whose model remats per block (``nnx.remat``, ``nn.remat``: model code,
+        where remat saves memory), compiled with this step's strategy.
       source: where ``limit`` came from; ``plan_``: the step's plan, when
         compiled already; ``error``: XLA's message after an out-of-memory.
     """
@@ -363,8 +412,8 @@ def explain_memory(
     trees = {"state": state, "batch": batch}  # those holding arrays (shapes would flag copies)
     trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
     book, live = live_now(trees)
-    found = tuple(memory_options(spec, shapes, batch_shapes, limit, names))
-    compiles += len(found)
+    found = tuple(memory_options(spec, shapes, batch_shapes, limit, names, remat))
+    compiles += sum(o.what != "skipped" for o in found)
     seconds = time.perf_counter() - start
     _log.info("explain_memory: %d programs compiled in %.1f s", compiles, seconds)
     return MemoryExplanation(
@@ -456,6 +505,7 @@ class MemoryFit:
       batch: the batch's ``ShapeDtypeStruct`` s, laid out for ``step``.
       tried: every compiled candidate, in order.
       capped: stopped at ``max_batch_size`` while still fitting.
+      seconds: how long the search took (``len(tried)`` programs compiled).
     """
 
     batch_size: int
@@ -468,6 +518,7 @@ class MemoryFit:
     source: str
     tried: tuple[FitTrial, ...]
     capped: bool = False
+    seconds: float = 0.0
 
     def __str__(self) -> str:
         """The result line and the table of trials (``change  batch/device  ...  fits``)."""
@@ -480,7 +531,8 @@ class MemoryFit:
         more = " (the largest tried: larger batches may fit too)" if self.capped else ""
         return (
             f"largest batch that fits{how}: {self.batch_size} rows per device ({self.rows} rows "
-            f"per step), peak {human_bytes(self.peak)} of {budget}{more}"
+            f"per step), peak {human_bytes(self.peak)} of {budget}{more}; "
+            f"{len(self.tried)} programs compiled in {self.seconds:.1f} s"
         )
 
 
@@ -508,7 +560,7 @@ class _Search:
         """``v`` with ``b`` rows per device, compiled once."""
         if (v.change, b) not in self.tried:
             n, note, peak, untuned = v.spec.strategy.n_devices, "", None, False
-            batch = batch_for(v.spec, self.rows, b * n)
+            batch, start = batch_for(v.spec, self.rows, b * n), time.perf_counter()
             try:
                 p = plan(state_shapes(self.state), step=v.spec, batch=batch)
                 peak, untuned = p.peak, p.compiled is not None and p.compiled.untuned
@@ -517,20 +569,42 @@ class _Search:
             fits = peak is not None and peak <= self.limit and not untuned
             note = _UNTUNED if untuned else note
             self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)
+            _log.info(
+                "fit_memory: %s at %d rows per device: %s, %s (compiled in %.1f s)", v.change,
+                b, _bytes(peak), "fits" if fits else note or "does not fit",
+                time.perf_counter() - start,
+            )
         return self.tried[v.change, b]
 
     def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
-        """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?"""
-        lo, hi, top = unit, None, most // unit * unit
-        while hi is None:  # doubling, the last step to ``top``
-            nxt = min(lo * 2, top)
-            if nxt <= lo:
-                return lo, True
-            lo, hi = (nxt, None) if self.trial(v, nxt).fits else (lo, nxt)
-        while hi - lo > unit:
-            mid = lo + (hi - lo) // unit // 2 * unit
-            lo, hi = (mid, hi) if self.trial(v, mid).fits else (lo, mid)
-        return lo, False
+        """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?
+
+        The peak grows about linearly with the rows: the line through the last two compiled
+        sizes predicts the answer, compiled with its neighbour (the next size, or the one
+        before), which also gives the next line; after five lines it bisects.
+        """
+        top = most // unit * unit
+        lo, hi, rounds = unit, top + unit, 0  # lo fits; hi does not (top + unit: the cap)
+        while hi - lo > unit:  # round 0 compiles the first line's second size
+            b = self._predict(v, unit) if rounds < 6 else (lo + hi) // 2 // unit * unit
+            b = min(max(b, lo + unit), hi - unit)
+            fits = self.trial(v, b).fits
+            lo, hi = (b, hi) if fits else (lo, b)
+            near = b + unit if fits else b - unit  # its neighbour: the answer is between
+            if 0 < rounds < 6 and lo < near < hi:
+                lo, hi = (near, hi) if self.trial(v, near).fits else (lo, near)
+            rounds += 1
+        return lo, hi > top
+
+    def _predict(self, v: Variant, unit: int) -> int:
+        """The largest size under the limit on the line through the last two compiled sizes."""
+        peaks = [(b, t.peak) for (c, b), t in self.tried.items() if c == v.change and t.peak]
+        if len(peaks) < 2:
+            return 2 * unit
+        (b0, p0), (b1, p1) = peaks[-2:]
+        slope = (p1 - p0) / (b1 - b0)
+        b, p = min((b0, p0), (b1, p1), key=lambda bp: abs(self.limit - bp[1]))
+        return b + unit if slope <= 0 else b + int((self.limit - p) / slope) // unit * unit
 
 
 def fit_memory(
@@ -543,10 +617,13 @@ def fit_memory(
 ) -> MemoryFit:
     """Find the largest per-device batch whose compiled step fits in ``limit``; nothing runs.
 
-    Doubles from the smallest batch (``accumulate`` rows per device), then
-    bisects, each candidate compiled. When even that does not fit, the changes
-    are tried cheapest per step first (fsdp, remat, offload, all together) and
-    the batch of the first that fits is searched.
+    The peak grows linearly with the rows: two sizes are compiled (``accumulate``
+    rows per device and twice that), the line through them predicts the answer,
+    and the answer and its neighbour are compiled to verify it (a miss redraws
+    the line; a few compiles in all, each logged on the ``jaxdev`` logger). When
+    even the smallest batch does not fit, the changes are tried cheapest per
+    step first (fsdp, remat, offload, all together) and the batch of the first
+    that fits is searched.
 
     Args:
       example_batch: a batch as the step takes it (arrays or shapes); only its
@@ -581,6 +658,8 @@ def fit_memory(
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = resolve_limit(limit, check_mesh(spec.strategy.mesh), example=example)
     # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
+    start = time.perf_counter()
+    _log.info("fit_memory: the largest batch under %s (%s)", human_bytes(limit_), source)
     with spec.strategy.mesh_context():
         rows = batch_rows(spec, example_batch, "example_batch")
         search = _Search(rows, state, limit_)
@@ -596,7 +675,11 @@ def fit_memory(
             t, tried = search.trial(v, b), tuple(search.tried.values())
             batch = batch_for(v.spec, rows, t.rows)
             change, found = (None, step) if v.spec is spec else (v.change, v.spec.step())
-            return MemoryFit(b, t.rows, change, found, batch, t.peak, limit_, source, tried, capped)
+            took = time.perf_counter() - start
+            _log.info("fit_memory: %d rows per device; %d compiles in %.1f s", b, len(tried), took)
+            return MemoryFit(
+                b, t.rows, change, found, batch, t.peak, limit_, source, tried, capped, took
+            )
     unit = spec.accumulate
     head = (
         f"nothing fits in {human_bytes(limit_)} ({source}): not even {unit} "
@@ -611,7 +694,8 @@ def _candidates(spec: StepSpec, state: Any) -> Iterator[Variant]:
     """The step as is, then each change in order of cost per step, then all that apply."""
     yield Variant("as is", "", spec)
     fsdp, remat, offload = fsdp_variant(spec), remat_variant(spec), offload_variants(spec, state)
-    yield from (v for v in (fsdp, remat, *offload) if v is not None)
+    fsdp, remat, offload = [v if not isinstance(v, str) else None for v in (fsdp, remat, offload)]
+    yield from (v for v in (fsdp, remat, *(offload or ())) if v is not None)
     changes = {"rules": "fsdp"} if fsdp else {}
     changes.update({"offload": ("opt_state", "params")} if offload else {})
     config = {"remat": True} if remat else {}

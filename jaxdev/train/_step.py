@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from .. import _timeline
 from .._batches import Padded, padded_shapes
 from .._errors import DeletedArrayError, PlacementError, UsageError
 from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
@@ -78,17 +79,40 @@ class _Step:
         self._inflight: collections.deque = collections.deque()
         self._warned_padding = False
         # with a budget, each program (variant, batch shape) checked before it first runs
-        budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
-        self._checked: set[tuple] | None = None if budget is None else set()
+        self._budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
+        self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
+        self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
+        self._last: tuple | None = None  # ids of the state and metrics returned last, the key's
+        self._flops: dict[tuple, float | None] = {}  # program -> cost()
+        multi = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
+        self._shared_crashes = spec.donate and multi
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
         self._state_in: Any = None  # during a call: the state given, checked when jax traces
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
+        start = _timeline.start()
         explained = failed("the next call of the step", self)  # the last call ran out of memory
         if explained is not None:
             raise explained
+        last = self._last  # what its last call returned (an eval step: took): ids, structure
+        same = last is not None and id(state) == last[0]
+        if same and (metrics is None or id(metrics) == last[1]):
+            try:  # its leaves are fresh, distinct outputs placed by the program: no walk
+                return self._call(state, batch, metrics, start, last[2])
+            except _Refused:  # JAX refused the call before it ran: the checks below name why
+                pass
+        return self._call(state, batch, metrics, start, None)
+
+    def _call(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
+        """One call; ``fresh`` (the state's part of the key): the state is the one the step
+        returned, so the walks over its leaves are skipped, and a refusal raises _Refused."""
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
-        check_donatable(state, metrics, self.donate)  # deleted leaves named, never run
+        if fresh is None:
+            check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
+            if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
+                metrics = to_device(metrics, self._target)  # or each placement compiles anew
+        elif self._shared_crashes:  # jax < 0.12 segfaults donating one buffer twice (8 devices)
+            _check_distinct(state, metrics)
         if mask is None:
             inner = self._raw_batch(inner)
         elif self.is_train and not self._warned_padding:
@@ -96,27 +120,33 @@ class _Step:
             self._warned_padding = warn_padded_model_state(
                 self.config, strategy.collective_axis, strategy.shard_map, batch, k
             )
-        if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
-            metrics = to_device(metrics, self._target)  # or each placement compiles anew
-        args, key = self._args(state, inner, mask, metrics)
+        args, key = self._args(state, inner, mask, metrics, fresh)
         leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
         shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
-        fn = self._compiled.get(key)
-        step_call(self.is_train, compiling=fn is None)  # the hang watchdog's heartbeat
+        program = (key, treedef, *shapes)  # one compiled program: its variant and batch shapes
+        known = self._programs.get(program)  # (its OOM-later explainer, the returned state's key)
+        compiled = known is None
+        step_call(self.is_train, compiling=compiled)  # the hang watchdog's heartbeat
         self._state_in = state
         try:  # XLA's RESOURCE_EXHAUSTED (its compile's, this call's, a queued one's) explained
-            if fn is None:
-                fn, args = self._first_call(key, args, shapes)
+            if compiled:
+                args = self._new_program(key, args)
+                fn = self._compiled[key]  # its first call checks every process compiled the same
             else:
+                fn = self._run[key]
                 if key in self._in_shardings:  # jit refuses committed leaves laid out otherwise
-                    args = self._relayout(key, args) or args
-                self._check_memory(key, args, shapes)
+                    only = None if fresh is None else range(1, 2 + key[0])  # fresh: the batch
+                    args = self._relayout(key, args, only=only) or args
             out, token = self._outputs(fn(*args))
+            if compiled:
+                known = self._programs[program] = self._keep(program, out)
             if self._bounded:  # at most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100
                 self._inflight.append(token)  # queued collective programs on multi-device CPU
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
+            if fresh is not None and _refusal(err):
+                raise _Refused from None
             explained = failed("the next call of the step", error=err)  # one it comes from
             explained = explained or oom_error(self.spec, args, err)
             if explained is None:
@@ -124,9 +154,24 @@ class _Step:
             raise explained from err
         finally:
             self._state_in = None
-        # its error surfaces later, where its outputs are read: explained there (_pending)
-        record(self, token, functools.partial(self._oom_later, key, treedef, shapes))
+        record(self, token, known[0])  # its error surfaces later, where its outputs are read
+        ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
+        self._last = (*ids, known[1])
+        if start:  # a step meter listens
+            _timeline.dispatched(self, program, start, compiled, token)
         return out
+
+    def _structure(self, state: Any) -> tuple:
+        """The state's part of a program's key: under rules its structure (its layout)."""
+        return (jax.tree.structure(state),) if self._by_rules else ()
+
+    def _keep(self, program: tuple, out: Any) -> tuple:
+        """What later calls of a new ``program`` need: how to explain its OOM read later, and
+        the key part of the state it returns."""
+        key, treedef, *shapes = program
+        explain = functools.partial(self._oom_later, key, treedef, shapes)
+        returned = self._structure(out[0]) if self.is_train else key[2:]
+        return explain, returned
 
     def _check_grouped(self, batch: Any) -> None:
         """Refuse a raw batch whose leading axes are not the step's groups (K steps, M micro)."""
@@ -144,47 +189,61 @@ class _Step:
                 "with `step.put_batch(batch)`: it groups (and pads) the rows."
             )
 
-    def _args(self, state: Any, batch: Any, mask: Any, metrics: Any) -> tuple[list[Any], tuple]:
+    def _args(
+        self, state: Any, batch: Any, mask: Any, metrics: Any, fresh: Any = None
+    ) -> tuple[list[Any], tuple]:
         """The program's arguments (absent ones left out) and its key: one program per
         variant (padded, running metrics) and, under rules, per state structure."""
         args = [state, batch] + ([mask] if mask is not None else [])
         args += [metrics] if metrics is not None else []
         key = (mask is not None, metrics is not None)
-        return args, key + (jax.tree.structure(state),) if self._by_rules else key
+        return args, key + (self._structure(state) if fresh is None else fresh)
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
-        """What a call returns, and an output to wait on."""
-        return out, jax.tree.leaves(out)[0]
+        """What a call returns, and an output to wait on (one metric's leaves, not all)."""
+        one = next(iter(out.values())) if isinstance(out, Collection) and out else out
+        return out, jax.tree.leaves(one)[0]
+
+    def cost(self, key: tuple) -> float | None:
+        """The FLOPs of one call of program ``key`` (as :mod:`jaxdev._timeline` names it) by
+        XLA's cost analysis of its compiled program; computed once, ``None`` when the
+        backend gives none. For the step meter."""
+        if key not in self._flops:
+            self._flops[key] = None
+            variant, treedef, *shapes = key
+            state, metrics = self._arg_shapes[variant]
+            args = [state, *_shaped(treedef, shapes), *([metrics] if variant[1] else [])]
+            try:
+                lowered = self._jitted[variant].lower(*args)
+                costs = lowered.compile().cost_analysis()
+                costs = costs[0] if isinstance(costs, (list, tuple)) else costs  # jax 0.10.2
+                self._flops[key] = float(costs["flops"])
+            except Exception:  # noqa: BLE001 - the meter says "unknown"
+                pass
+        return self._flops[key]
 
     def _oom_later(self, key: tuple, treedef: Any, shapes: list, err: Any, where: str) -> Any:
         """:func:`oom_error` of a call that failed after it returned, from shapes only
         (its arrays are not kept: they would outlive the loop as unnamed old copies)."""
         state, metrics = self._arg_shapes[key]
-        sds = [s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes]  # None: a number
-        batch = treedef.unflatten(sds)
+        batch = _shaped(treedef, shapes)
         return oom_error(self.spec, [state, *batch, *([metrics] if key[1] else [])], err, where)
 
-    def _first_call(self, key: tuple, args: list[Any], shapes: list) -> tuple[Callable, list]:
-        """Compile the variant ``key``, check its memory, and keep it for later calls."""
+    def _new_program(self, key: tuple, args: list[Any]) -> list[Any]:
+        """Before a program's (variant ``key``, batch shapes) first run: compile the variant
+        if new, place ``args`` in its layout, check its memory against the budget."""
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
-        self._check_memory(key, args, shapes)
-        self._arg_shapes[key] = (state_shapes(args[0]), state_shapes(args[-1]) if key[1] else None)
-        kind = "train" if self.is_train else "eval"
-        name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
-        # its first call checks every process compiled the same program
-        fn = self._compiled[key] = same_program(jitted, name=name)
-        return fn, args
-
-    def _check_memory(self, key: tuple, args: list[Any], shapes: list) -> None:
-        """With a budget, check each program (variant ``key``, batch ``shapes``) once, before
-        it first runs; then a set lookup."""
-        if self._checked is None:
-            return
-        program = (key, *shapes)
-        if program not in self._checked:
-            check_step_memory(self.spec, self._jitted[key], args)
-            self._checked.add(program)
+        if self._budget is not None:
+            check_step_memory(self.spec, jitted, args)
+        if key not in self._compiled:
+            metrics = state_shapes(args[-1]) if key[1] else None
+            self._arg_shapes[key] = (state_shapes(args[0]), metrics)
+            kind = "train" if self.is_train else "eval"
+            name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
+            # its first call checks every process compiled the same program
+            self._compiled[key], self._run[key] = same_program(jitted, name=name), jitted
+        return args
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
         jitted = self._jitted.get(key)
@@ -197,11 +256,14 @@ class _Step:
                 self._in_shardings[key] = expected
         return jitted
 
-    def _relayout(self, key: tuple, args: list[Any], lowering: bool = False) -> list[Any] | None:
+    def _relayout(
+        self, key: tuple, args: list[Any], lowering: bool = False, only: range | None = None
+    ) -> list[Any] | None:
         """``args`` with committed leaves laid out otherwise than the program's inputs moved
-        (``lowering``: their shapes in its layout), or ``None`` when nothing is misplaced."""
+        (``lowering``: their shapes in its layout; ``only``: of these arguments), or ``None``
+        when nothing is misplaced."""
         expected = self._in_shardings.get(key)
-        moves = [] if expected is None else _misplaced(args, expected, unplaced=lowering)
+        moves = [] if expected is None else _misplaced(args, expected, lowering, only)
         if not moves:
             return None
         leaves = [jax.tree.flatten(a) for a in args]
@@ -284,13 +346,15 @@ class _Step:
         limit: int | None = None,
         metrics: Any = None,
         options: Any = OPTIONS,
+        remat: Any = True,
     ) -> MemoryExplanation:
         """What ``step(state, batch)`` needs per device, what is live, and which change fits.
 
         Nothing runs: the step and each of ``options`` (some of ``"fsdp"``,
         ``"accumulate"``, ``"remat"``, ``"offload"``, ``"half_batch"``) are
         compiled for the shapes given (:class:`jaxdev.memory.MemoryExplanation`);
-        ``limit`` defaults to the devices' ``bytes_limit`` (none on CPU).
+        ``limit`` defaults to the devices' ``bytes_limit`` (none on CPU); ``remat``: ``True``,
+        a ``jax.checkpoint`` policy or a step whose model remats per block.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -304,7 +368,9 @@ class _Step:
           >>> why.fits, [o.change for o in why.options if o.fits][0]
           (False, "Strategy.sharded(mesh, rules='fsdp')")
         """
-        return explain_memory(self.spec, state, batch, limit, metrics=metrics, options=options)
+        return explain_memory(
+            self.spec, state, batch, limit, metrics=metrics, options=options, remat=remat
+        )
 
     def init_state(
         self,
@@ -417,12 +483,13 @@ class EvalStep(_Step):
 
 
 def _misplaced(
-    args: list[Any], expected: list[Any], unplaced: bool = False
+    args: list[Any], expected: list[Any], unplaced: bool = False, only: range | None = None
 ) -> list[tuple[int, int, Any]]:
     """``(argument, leaf, sharding)`` of each committed leaf (or sharded shape) the program
     would refuse; with ``unplaced`` (lowering) also host arrays and unsharded shapes."""
     out = []
-    for a, (arg, want) in enumerate(zip(args, expected)):
+    for a in range(len(args)) if only is None else only:
+        arg, want = args[a], expected[a]
         leaves, treedef = jax.tree.flatten(arg)
         if isinstance(want, NamedSharding):
             targets = [want] * len(leaves)
@@ -446,6 +513,29 @@ def _misplaced(
 
 
 # ---------------------------------------------------------------- donation safety
+
+
+def _shaped(treedef: Any, shapes: list) -> Any:
+    """The batch (and mask) of a program as ``ShapeDtypeStruct`` s (a number: as it was)."""
+    return treedef.unflatten([s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes])
+
+
+class _Refused(Exception):
+    """A call on the fast path that JAX refused before it ran: taken again with the checks."""
+
+
+def _refusal(err: BaseException) -> bool:
+    """Whether JAX refused a call before running it: a deleted leaf (RuntimeError), one
+    buffer donated twice, a misplaced committed leaf, another structure (ValueError,
+    TypeError); not XLA's errors of a run (``JaxRuntimeError``, e.g. out of memory)."""
+    return type(err) is RuntimeError or isinstance(err, (ValueError, TypeError))
+
+
+def _check_distinct(state: Any, metrics: Any) -> None:
+    """Where JAX crashes donating one buffer twice: refuse it (flattened in C, not walked)."""
+    leaves = jax.tree.leaves((state, metrics))
+    if len(set(map(id, leaves))) != len(leaves):  # numbers may repeat: the walk decides
+        check_donatable(state, metrics)
 
 
 def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
