@@ -68,6 +68,7 @@ from .train import init_sharded as init_sharded
 # --- namespaces ---
 from . import d2l as d2l
 from . import memory as memory
+from . import meter as meter
 from . import metrics as metrics
 from . import nnx as nnx
 from . import pmap as pmap

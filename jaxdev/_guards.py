@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _stderr_relay
+from . import _stderr_relay, _timeline
 from ._errors import GuardArgumentError, GuardError
 from ._leaves import array_type
 
@@ -167,7 +168,13 @@ def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = No
     def wrapper(*args, **kwargs):
         with _outermost(key) as outer:
             if outer and _active and (when is None or when(*args, **kwargs)):
-                _emit(direction, kind, _call_site())
+                _emit(direction, kind, site := _call_site())
+                if _timeline.listeners and key == "host":  # a step meter times the sync
+                    start = time.perf_counter()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        _timeline.host("sync", start, f"{kind} at {site}")
             return fn(*args, **kwargs)
 
     try:
@@ -278,6 +285,8 @@ def _install() -> None:
 def _on_compile_event(event: str, duration: float, **kwargs: Any) -> None:
     if event in _MONITORED:
         _emit(_MONITORED[event], str(kwargs.get("fun_name", "?")))
+        if _timeline.listeners:  # a step meter: the host compiled (or traced) until now
+            _timeline.host("compile", time.perf_counter() - duration)
 
 
 # ------------------------------------------ implicit host-to-device (stderr)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from jax.sharding import Mesh, NamedSharding
 
+from . import _timeline
 from ._batches import shard_batch
 from ._errors import ShardingError
 from ._mesh import batch_sharding, check_mesh
@@ -137,7 +138,10 @@ class Prefetcher(Iterator[Any]):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        start = _timeline.start()
         item = self._channel.get()
+        if start:  # a step meter: the host waited for input until now
+            _timeline.host("input", start)
         if item is _END or isinstance(item, _Failure):
             # The thread has ended, or is being stopped by close(): no join here.
             self._done = True

@@ -1,7 +1,7 @@
-"""Where jaxdev's steps tell the active step meters what they dispatched.
+"""Where jaxdev tells the active step meters what its steps and the host did.
 
-With no meter on, a step pays two truth tests of :data:`listeners` per call. A meter
-(``jaxdev.meter``) adds itself to :data:`listeners` while it is on.
+With no meter on, a step pays two truth tests of :data:`listeners` per call, a prefetcher's
+``next`` one. A meter (``jaxdev.meter``) adds itself to :data:`listeners` while it is on.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-listeners: list[Any] = []  # the active meters: each has ``on_step(step, key, start, end, token)``
+listeners: list[Any] = []  # the active meters: ``on_step(step, key, start, end, compiled, token)``,
+# ``on_host(label, start, end, where)`` and ``on_mark(label, when)``
 
 
 def start() -> float:
@@ -23,3 +24,19 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
     end = time.perf_counter()
     for meter in list(listeners):
         meter.on_step(step, key, start, end, compiled, token)
+
+
+def host(label: str, start: float, where: str = "") -> None:
+    """Tell each meter: the host spent ``start`` until now in ``label`` (``"input"``,
+    ``"sync"``, ``"compile"``), at ``where`` (``file:line``, for syncs)."""
+    end = time.perf_counter()
+    for meter in list(listeners):
+        meter.on_host(label, start, end, where)
+
+
+def mark(label: str) -> None:
+    """Tell each meter: the host starts ``label`` (``"checkpoint"``), until its next step
+    call or input wait."""
+    now = time.perf_counter()
+    for meter in list(listeners):
+        meter.on_mark(label, now)

@@ -15,7 +15,7 @@ from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "jaxdev")
 # lowest first: a module may import its own layer and those below
-LAYERS = ["", "distributed", "memory", "train", "checkpoint", "cli", "testing"]
+LAYERS = ["", "distributed", "memory", "train", "checkpoint", "meter", "cli", "testing"]
 # the top: modules that only re-export (jaxdev's namespaces over its subsystems)
 TOP = {"jaxdev", "jaxdev.__main__", "jaxdev.metrics", "jaxdev.nnx"}
 

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _timeline
 from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
 from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
@@ -223,6 +224,7 @@ def _leaf_problem(x: Any) -> str | None:
 def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     """Check ``tree``'s leaves and build what orbax writes plus jaxdev's metadata."""
     beat("checkpoint")  # every save starts here: progress for the hang watchdog
+    _timeline.mark("checkpoint")  # and for a step meter: a save until the next step
     flat = _flat(tree, arg)
     bad = [f"{name}: {why}" for _, name, x in flat if (why := _leaf_problem(x))]
     if bad:

@@ -1,0 +1,310 @@
+"""The step meter: where a training loop's wall time went, with no host sync of its own.
+
+jaxdev's steps tell it what they dispatched (:mod:`jaxdev._timeline`); a daemon thread waits
+on each step's token in order and notes when the device finished it. The device was busy
+from a step's dispatch (or the previous step's end) to its end; in the gaps it waited for the
+host, and the host's own record (input waits, host syncs, compiles, checkpoint saves, eval
+dispatches) says what for. A gap's part no record covers goes to what the host was doing when
+the device ran out of work (the sync that held back the next dispatch), else to "other".
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import math
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import jax
+
+from .. import _guards, _timeline
+from .._errors import UsageError
+
+PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
+    ("H100 PCIe", 756e12, "NVIDIA H100 datasheet, PCIe, bf16 dense"),
+    ("H100", 989e12, "NVIDIA H100 datasheet, SXM, bf16 dense"),
+    ("H200", 989e12, "NVIDIA H200 datasheet, bf16 dense"),
+    ("A100", 312e12, "NVIDIA A100 datasheet, bf16 dense"),
+    ("TPU v4", 275e12, "Google Cloud TPU v4 docs, bf16 per chip"),
+    ("TPU v5 lite", 197e12, "Google Cloud TPU v5e docs, bf16 per chip"),
+    ("TPU v5e", 197e12, "Google Cloud TPU v5e docs, bf16 per chip"),
+    ("TPU v5", 459e12, "Google Cloud TPU v5p docs, bf16 per chip"),
+    ("TPU v6", 918e12, "Google Cloud TPU v6e (Trillium) docs, bf16 per chip"),
+)
+SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
+_RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
+_JOIN_S = 300.0  # leaving waits this long at most for the steps in flight
+
+
+def peak_flops(kind: str) -> tuple[float, str] | None:
+    """``(FLOP/s, source)`` of a device kind (``jax.Device.device_kind``), or ``None``."""
+    return next(((f, src) for name, f, src in PEAKS if name in kind), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeterReport:
+    """Where a metered block's wall time went: see :class:`StepMeter`.
+
+    Attributes:
+      wall: seconds from entering the block to its last step's end.
+      seconds: per share (:data:`SHARES`): the device computing train steps (``step``) or
+        eval steps, else idle while the host waited for input, synced, compiled, saved a
+        checkpoint, or did ``other`` work; they add up to ``wall``.
+      syncs: ``(what at file:line, count, seconds the host waited)`` per call site.
+      steps: train steps run (a call of ``steps_per_call=K`` counts K).
+      rates: ``steps/s``, ``examples/s``, ``tokens/s`` (those known).
+      flops_per_device: FLOP/s per device from XLA's cost analysis, or ``None``.
+      mfu: its share of the device's peak, or ``None``; ``peak``: what that peak is.
+      lanes: the last steps' ``(lane, start, end)`` (seconds into the block) for :meth:`plot`.
+    """
+
+    wall: float
+    seconds: dict[str, float]
+    syncs: tuple[tuple[str, int, float], ...]
+    steps: int
+    rates: dict[str, float]
+    flops_per_device: float | None
+    mfu: float | None
+    peak: str
+    lanes: tuple[tuple[str, float, float], ...] = ()
+
+    def table(self) -> Any:
+        from ._render import table
+
+        return table(self)
+
+    def plot(self, path: str) -> str:
+        """Draw the last steps' timeline and the shares into ``path`` (needs matplotlib)."""
+        from ._render import plot
+
+        return plot(self, path)
+
+    def __str__(self) -> str:
+        from ._render import text
+
+        return text(self)
+
+
+class StepMeter:
+    """Meter a training loop: ``with StepMeter(...) as m:`` around it, ``m.report()`` after.
+
+    jaxdev's train and eval steps, ``prefetch_to_device``, checkpoint saves and host syncs
+    (``float(loss)``, ``jax.device_get``, ``np.asarray`` of device arrays) are seen as they
+    are; wrap any other loader in :meth:`inputs`. The meter adds no sync: a thread of its own
+    waits on each step's outputs; leaving the block waits for the steps in flight.
+
+    Args:
+      examples_per_step: examples in one step's batch (global), for ``examples/s``.
+      tokens_per_step: tokens in one step's batch, for ``tokens/s``.
+      last: how many of the last steps :meth:`MeterReport.plot` draws.
+
+    Raises:
+      UsageError: an argument is not a number > 0 (or ``None``); the meter is entered twice.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxdev
+      >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+      >>> step = jaxdev.make_train_step(loss, optax.sgd(0.1), jaxdev.Strategy.single())
+      >>> state = step.init_state({"w": jnp.ones((4, 1))}, optax.sgd(0.1))
+      >>> with jaxdev.meter.StepMeter(examples_per_step=8) as m:
+      ...     for batch in m.inputs({"x": jnp.ones((8, 4))} for _ in range(3)):
+      ...         state, _ = step(state, batch)
+      >>> m.report().steps
+      3
+    """
+
+    def __init__(
+        self, examples_per_step: float | None = None, tokens_per_step: float | None = None,
+        last: int = 20,
+    ):
+        for name, value in (("examples_per_step", examples_per_step),
+                            ("tokens_per_step", tokens_per_step), ("last", last)):
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and 0 < value < math.inf
+            ):
+                raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
+        self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
+        self._t0 = self._t1 = 0.0
+        self._steps: list[tuple] = []  # (start, end, compiled, train, step, key), in call order
+        self._done: list[float] = []  # when the device finished each (the watcher's)
+        self._seen: dict[int, float] = {}  # a step found finished after a sync: its end
+        self._waiting: dict[int, Any] = {}  # the tokens the watcher has not seen finish
+        self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
+        self._open: tuple[str, float] | None = None  # a mark, until the next step or input
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def __enter__(self) -> StepMeter:
+        if self._t0:
+            raise UsageError("A StepMeter meters one block: make a new one for the next.")
+        self._tid = threading.get_ident()
+        self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs and compiles
+        self._guard.__enter__()
+        self._thread = threading.Thread(target=self._watch, name="jaxdev-meter", daemon=True)
+        self._thread.start()
+        self._t0 = time.perf_counter()
+        _timeline.listeners.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _timeline.listeners.remove(self)
+        self._close(now := time.perf_counter())
+        self._queue.put(None)
+        self._thread.join(_JOIN_S)
+        self._guard.__exit__(None, None, None)
+        self._t1 = max([now, *self._done[-1:]])  # the block, or its last step if later
+
+    def _watch(self) -> None:
+        with _guards._outermost("host"):  # its waits are not the user's: never counted
+            while (i := self._queue.get()) is not None:
+                try:
+                    self._waiting[i].block_until_ready()
+                except Exception:  # noqa: BLE001 - a failed step's error is its reads' to raise
+                    pass
+                self._done.append(time.perf_counter())
+                del self._waiting[i]
+
+    def inputs(self, iterable: Any) -> Any:
+        """Yield ``iterable``'s items, timing each wait for the next as input."""
+        it = iter(iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.on_host("input", start, time.perf_counter(), "")
+            yield item
+
+    # -------------------------------------------------- what _timeline tells it
+
+    def on_step(self, step: Any, key: tuple, start: float, end: float, compiled: bool,
+                token: Any) -> None:
+        self._close(start)
+        train = getattr(step, "is_train", True)
+        self._waiting[len(self._steps)] = token
+        self._queue.put(len(self._steps))
+        self._steps.append((start, end, compiled, train, step, key))
+        if compiled or not train:
+            self._host.append(("compile" if compiled else "eval", start, end, ""))
+
+    def on_host(self, label: str, start: float, end: float, where: str) -> None:
+        if threading.get_ident() == self._tid:  # the loop's thread only
+            if label == "input":
+                self._close(start)
+            self._host.append((label, start, end, where))
+            if label == "sync":  # steps it saw finish: by its end (the watcher may be late)
+                with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
+                    for i, token in list(self._waiting.items()):
+                        if token.is_ready():
+                            self._seen.setdefault(i, end)
+
+    def on_mark(self, label: str, when: float) -> None:
+        if threading.get_ident() == self._tid and self._open is None:
+            self._open = (label, when)
+
+    def _close(self, now: float) -> None:
+        if self._open is not None:
+            self._host.append((*self._open, now, ""))
+            self._open = None
+
+    # ------------------------------------------------------------ the report
+
+    def report(self) -> MeterReport:
+        """The summary of the block (of what finished so far, inside it)."""
+        t0, done = self._t0, [min(t, self._seen.get(i, t)) for i, t in enumerate(self._done)]
+        t1 = self._t1 or time.perf_counter()
+        busy, prev = [], t0
+        for (_, end, _, train, *_), finish in zip(self._steps, done):
+            if finish > max(end, prev):
+                busy.append((max(end, prev), finish, "step" if train else "eval"))
+            prev = max(prev, finish)
+        seconds = dict.fromkeys(SHARES, 0.0)
+        for s, e, label in busy:
+            seconds[label] += e - s
+        segments = _flatten([h[:3] for h in self._host])
+        starts = [s for s, _, _ in segments]
+        for a, b in _gaps(busy, t0, t1):
+            _attribute(a, b, segments, starts, seconds)
+        syncs: dict[str, list] = {}
+        for label, s, e, where in self._host:
+            if label == "sync":
+                n, secs = syncs.get(where, (0, 0.0))
+                syncs[where] = [n + 1, secs + e - s]
+        calls = self._steps[: len(done)]
+        return MeterReport(
+            t1 - t0, seconds, tuple((w, n, s) for w, (n, s) in syncs.items()),
+            *self._rates(calls, t1 - t0), *self._lanes(busy, segments, t0),
+        )
+
+    def _rates(self, calls: list[tuple], wall: float) -> tuple:
+        steps = sum(getattr(c[4], "steps_per_call", 1) for c in calls if c[3])
+        rates = {"steps/s": steps / wall} if wall > 0 else {}
+        for name, per in (("examples/s", self.examples), ("tokens/s", self.tokens)):
+            if per is not None and wall > 0:
+                rates[name] = steps * per / wall
+        costs = Counter((id(c[4]), c[5]) for c in calls)
+        by_id = {id(c[4]): c[4] for c in calls}
+        flops = [getattr(by_id[i], "cost", lambda k: None)(k) for i, k in costs]
+        total = None if None in flops or not calls else sum(
+            f * n for f, n in zip(flops, costs.values()))
+        per_device = total / wall if total is not None and wall > 0 else None
+        kind = jax.local_devices()[0].device_kind
+        peak = peak_flops(kind)
+        mfu = per_device / peak[0] if peak and per_device is not None else None
+        where = f"{kind}: {peak[0] / 1e12:.0f} TFLOP/s ({peak[1]})" if peak else f"{kind}: unknown"
+        return steps, rates, per_device, mfu, where
+
+    def _lanes(self, busy: list, segments: list, t0: float) -> tuple:
+        if not busy:
+            return ((),)
+        since = busy[-min(self.last, len(busy))][0]
+        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if e > since]
+        lanes += [(lb, s - t0, e - t0) for s, e, lb in segments if e > since]
+        return (tuple(lanes),)
+
+
+def _flatten(intervals: list[tuple[str, float, float]]) -> list[tuple[float, float, str]]:
+    """Non-overlapping ``(start, end, label)`` of the host's records, the higher rank on top."""
+    edges = sorted((t, i, sign) for i, (_, s, e) in enumerate(intervals)
+                   for t, sign in ((s, 1), (e, -1)))
+    open_: Counter[str] = Counter()
+    out, last = [], None
+    for t, i, sign in edges:
+        if last is not None and t > last and +open_:
+            top = max(+open_, key=_RANK.__getitem__)
+            if out and out[-1][2] == top and out[-1][1] == last:
+                out[-1] = (out[-1][0], t, top)
+            else:
+                out.append((last, t, top))
+        open_[intervals[i][0]] += sign
+        last = t
+    return out
+
+
+def _gaps(busy: list, t0: float, t1: float) -> list[tuple[float, float]]:
+    starts = [t0] + [e for _, e, _ in busy]
+    ends = [s for s, _, _ in busy] + [t1]
+    return [(a, b) for a, b in zip(starts, ends) if b > a]
+
+
+def _attribute(a: float, b: float, segments: list, starts: list, seconds: dict) -> None:
+    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to the
+    record under way when the device ran out of work (a switch interval late at most)."""
+    i = max(bisect.bisect_right(starts, a) - 1, 0)
+    covered, cause = 0.0, "other"
+    if segments and segments[i][0] <= a <= segments[i][1] + sys.getswitchinterval():
+        cause = segments[i][2]
+    for s, e, label in segments[i:]:
+        if s >= b:
+            break
+        if (ov := min(b, e) - max(a, s)) > 0:
+            seconds[label] += ov
+            covered += ov
+    seconds[cause] += b - a - covered

@@ -1,0 +1,190 @@
+"""jaxdev.meter.StepMeter: known answers (input waits, syncs, compute, compiles, saves, eval)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdev
+from jaxdev import _timeline
+from jaxdev.meter import StepMeter, peak_flops
+
+WIRED = "_timeline" in inspect.getsource(jaxdev.train.TrainStep.__mro__[1])  # the steps call it
+
+
+def metered(step):
+    """``step``, telling the meter what it dispatched where jaxdev's steps do not yet."""
+    if WIRED:
+        return step
+
+    def call(*args):
+        start = _timeline.start()
+        out = step(*args)
+        token = jax.tree.leaves(out[1] if isinstance(out, tuple) else out)[0]  # not donated
+        _timeline.dispatched(step, (), start, False, token)
+        return out
+
+    return call
+
+
+def _loss(params, batch):
+    h = batch["x"]
+    for _ in range(3):
+        h = jnp.tanh(h @ params["w"])
+    return jnp.mean(h**2, axis=1)  # one loss per example
+
+
+def _setup(strategy=None, width=8, rows=8):
+    strategy = strategy or jaxdev.Strategy.single()
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(_loss, tx, strategy)
+    state = step.init_state({"w": jnp.full((width, width), 0.01)}, tx)
+    batch = step.put_batch({"x": np.ones((rows, width), np.float32)})
+    for _ in range(2):  # compiled before any meter (the second: the step's own state)
+        state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    return metered(step), state, batch, metrics
+
+
+def test_a_loader_sleeping_a_known_time_is_input_wait():
+    step, state, batch, _ = _setup()
+    slept = []
+
+    def loader(n):
+        for _ in range(n):
+            t = time.perf_counter()
+            time.sleep(0.02)
+            slept.append(time.perf_counter() - t)
+            yield batch
+
+    with StepMeter(examples_per_step=8) as m:
+        for b in m.inputs(loader(15)):
+            state, _ = step(state, b)
+    r = m.report()
+    assert r.steps == 15 and r.rates["examples/s"] == pytest.approx(8 * r.rates["steps/s"])
+    assert r.seconds["input"] == pytest.approx(sum(slept), rel=0.1), r
+    assert sum(r.seconds.values()) == pytest.approx(r.wall)
+
+
+def test_a_prefetchers_waits_are_input_without_wrapping():
+    step, state, batch, _ = _setup()
+
+    def loader(n):
+        for _ in range(n):
+            time.sleep(0.02)
+            yield {"x": np.ones((8, 8), np.float32)}
+
+    with StepMeter() as m:
+        for b in jaxdev.prefetch_to_device(loader(10), 2, jax.devices()[0]):
+            state, _ = step(state, b)
+    assert m.report().seconds["input"] > 0.1, m.report()
+
+
+def test_float_loss_each_step_is_a_host_sync_named_by_its_line():
+    step, state, batch, metrics = _setup()
+    float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
+    with StepMeter() as m:
+        for _ in range(10):
+            state, metrics = step(state, batch)
+            loss = float(metrics.compute()["loss"])  # the sync
+    line = inspect.currentframe().f_lineno - 1
+    r = m.report()
+    assert loss > 0
+    assert all(f" at test_meter.py:{line} " in where for where, _, _ in r.syncs), r.syncs
+    assert ("float()", 10) in [(where.split()[0], n) for where, n, _ in r.syncs], r.syncs
+    assert r.seconds["sync"] > 0 and r.seconds["sync"] >= r.seconds["other"], r
+
+
+def test_a_compute_bound_loop_keeps_the_device_busy():
+    step, state, batch, _ = _setup(width=512, rows=1024)  # ~50 ms a step, dispatch ~0.1 ms
+    with StepMeter() as m:
+        for _ in range(6):
+            state, _ = step(state, batch)
+    r = m.report()
+    assert r.seconds["step"] >= 0.9 * r.wall, r
+    assert r.seconds["compile"] == 0 and not r.syncs
+
+
+def test_a_new_batch_shape_mid_loop_is_compile():
+    step, state, batch, _ = _setup()
+    wider = {"x": jnp.ones((16, 8))}
+    with StepMeter() as m:
+        for i in range(6):
+            state, _ = step(state, wider if i == 3 else batch)
+    r = m.report()
+    assert r.seconds["compile"] > 0.5 * (r.wall - r.seconds["step"]), r  # most of the idle
+    with StepMeter() as again:  # the no-alarm case: both shapes compiled
+        for i in range(6):
+            state, _ = step(state, wider if i == 3 else batch)
+    assert again.report().seconds["compile"] == 0, again.report()
+
+
+def test_a_checkpoint_save_and_an_eval_step_are_named(tmp_path):
+    step, state, batch, _ = _setup()
+    evaluate = metered(jaxdev.make_eval_step(_loss, jaxdev.Strategy.single()))
+    jax.block_until_ready(evaluate(state, batch))
+    with jaxdev.Checkpointer(str(tmp_path), async_=False) as ckpt, StepMeter() as m:
+        for i in range(1, 7):
+            state, _ = step(state, batch)
+            if i % 3 == 0:
+                ckpt.save(i, state)
+                evaluate(state, batch)
+    r = m.report()
+    assert r.seconds["checkpoint"] > 0 and r.seconds["eval"] > 0, r
+
+
+def test_the_meter_adds_no_host_sync():
+    step, state, batch, _ = _setup()
+    with jaxdev.no_host_sync(max_waits=0, max_compiles=0) as counter:
+        with StepMeter() as m:
+            for _ in range(10):
+                state, _ = step(state, batch)
+    r = m.report()  # after the block: its FLOPs may compile the step's cost analysis
+    assert r.steps == 10 and counter.device_to_host == counter.waits == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"examples_per_step": -1}, {"tokens_per_step": True}, {"last": 0},
+               {"examples_per_step": "8"}, {"tokens_per_step": float("nan")}]
+)
+def test_bad_arguments_are_named(kwargs):
+    with pytest.raises(jaxdev.UsageError, match=f"`{next(iter(kwargs))}` must be a number > 0"):
+        StepMeter(**kwargs)
+
+
+def test_a_meter_meters_one_block():
+    m = StepMeter()
+    with m:
+        pass
+    with pytest.raises(jaxdev.UsageError, match="one block"), m:
+        pass
+
+
+@pytest.mark.parametrize("name", ["sharded", "pmap"])
+def test_eight_devices_table_and_picture(name, tmp_path):
+    strategy = getattr(jaxdev.Strategy, name)(jaxdev.data_mesh() if name == "sharded" else None)
+    step, state, batch, _ = _setup(strategy, rows=64)
+    with StepMeter(examples_per_step=64, tokens_per_step=640, last=5) as m:
+        for _ in range(12):
+            state, _ = step(state, batch)
+    r = m.report()
+    assert r.steps == 12 and r.seconds["step"] > 0 and set(r.rates) == {
+        "steps/s", "examples/s", "tokens/s"}
+    assert "device computing train steps" in str(r) and "MFU unknown" in str(r)
+    assert sum(lane[0] == "device step" for lane in r.lanes) == 5
+    path = r.plot(str(tmp_path / "m.png"))
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+
+
+def test_peaks_by_device_kind():
+    assert peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert peak_flops("TPU v5 lite")[0] == 197e12 and peak_flops("TPU v5")[0] == 459e12
+    assert peak_flops("cpu") is None
