@@ -61,9 +61,6 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep 
 _JAX = tuple(os.path.dirname(sys.modules[m].__file__) + os.sep for m in ("jax", "jaxlib"))
 
 
-# ---------------------------------------------------------------- options
-
-
 def check_timeout(value: Any, name: str = "hang_timeout_s") -> float | None:
     """Return ``value`` as seconds (``None``/``""``: watchdog off) or raise naming ``name``."""
     if value is None or value == "":
@@ -88,8 +85,6 @@ def check_action(value: Any, name: str = "hang_action") -> str:
     return value
 
 
-# ------------------------------------------------------------- heartbeats
-
 _WATCH: _Watchdog | None = None  # the running watchdog of this process
 
 
@@ -105,9 +100,6 @@ def step_call(train: bool, compiling: bool) -> None:
     if watch is not None:
         step = (watch.last[2] or 0) + 1 if train else None
         watch.record("compile" if compiling else "step" if train else "eval", step)
-
-
-# ------------------------------------------------------ where and stacks
 
 
 _LIBRARY = (_PACKAGE,) + tuple(  # Python's own and installed packages' files, and jaxdev's
@@ -193,9 +185,6 @@ def install_stack_dumps() -> None:
     if hasattr(signal, "SIGUSR1"):
         chain = callable(signal.getsignal(signal.SIGUSR1))  # a Python handler set before
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=chain)
-
-
-# --------------------------------------------------------------- verdict
 
 
 def stalled(records: Sequence[Mapping[str, Any]], timeout_s: float) -> bool:
@@ -335,9 +324,6 @@ def report(
         else:
             lines.append(f"--- process {r['process']}: stacks{tag} ---\n{text}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------- watchdog
 
 
 class _Watchdog:
