@@ -330,10 +330,8 @@ def launch(
         try:  # processes already started are ended however this block is left
             with _forward_stack_signal(procs):
                 for i in range(num_processes):
-                    child_env = process_env(
-                        i, num_processes, devices_per_process, port, base, join_dir
-                    )
-                    procs.append(_Proc(i, cmd, child_env, out or sys.stdout, lock))
+                    penv = process_env(i, num_processes, devices_per_process, port, base, join_dir)
+                    procs.append(_Proc(i, cmd, penv, out or sys.stdout, lock))
                 result = _supervise(procs, timeout_s)
         finally:
             _end(procs, grace_s)
@@ -410,7 +408,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
