@@ -104,8 +104,7 @@ def resolve_config(env: Mapping[str, str] | None = None, **given: Any) -> Distri
         if hang_action is not None
         else _hang.check_action(env.get(_hang.ENV_HANG_ACTION), f"${_hang.ENV_HANG_ACTION}"),
     )
-    n, p = cfg.num_processes, cfg.process_id
-    if None not in (n, p) and not 0 <= p < n:
+    if None not in (n := cfg.num_processes, p := cfg.process_id) and not 0 <= p < n:
         raise DistributedError(
             f"`process_id` must be in [0, {n}) for `num_processes`={n}, got {p}. "
             "Fix: number processes 0..N-1, once each."
@@ -371,8 +370,7 @@ def _unfinished() -> str | None:
 
 def _finish_at_exit() -> None:
     """At interpreter exit: name the processes that never finished and exit 1."""
-    message = _unfinished()
-    if message:
+    if message := _unfinished():
         _exit_now(message)
 
 
@@ -389,8 +387,7 @@ def shutdown() -> None:
     """
     if not jax.distributed.is_initialized():
         return
-    message = _unfinished()
-    if message:
+    if message := _unfinished():
         raise DistributedError(message.removeprefix("jaxdev: "))
     _hang.stop()
     jax.distributed.shutdown()
