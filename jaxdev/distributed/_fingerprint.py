@@ -21,12 +21,7 @@ from jax.sharding import NamedSharding
 
 from .._errors import DistributedError, join_failures
 from .._leaves import keystr
-from .._multihost import (
-    compare_leaf_tables,
-    exchange,
-    group_processes,
-    shape_dtype,
-)
+from .._multihost import compare_leaf_tables, exchange, group_processes, shape_dtype
 
 ENV_SAME_PROGRAM = "JAXDEV_SAME_PROGRAM"
 _TAG = "same_program"
@@ -202,10 +197,8 @@ class SameProgram:
     """A function whose first call first runs :func:`check_same_program` (:func:`same_program`)."""
 
     def __init__(self, fn: Callable, name: str | None = None, timeout_s: float | None = None):
-        self.fn = fn
+        self.fn, self.checked, self._timeout_s = fn, False, timeout_s
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
-        self.checked = False
-        self._timeout_s = timeout_s
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.checked:
