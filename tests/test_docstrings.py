@@ -16,7 +16,7 @@ MODULES = sorted(
     for m in pkgutil.walk_packages(jaxdev.__path__, "jaxdev.")
     if not m.name.endswith("._plugin")  # loaded by pytest only (tests/test_testing_plugin.py)
 )
-NAMESPACES = ("d2l", "distributed", "memory", "metrics", "nnx", "pmap", "testing")
+NAMESPACES = ("d2l", "distributed", "memory", "meter", "metrics", "nnx", "pmap", "testing")
 
 
 def test_every_public_function_has_an_example():

@@ -13,7 +13,8 @@ import pytest
 
 import jaxdev
 from jaxdev import _timeline
-from jaxdev.meter import StepMeter, peak_flops
+from jaxdev.meter import StepMeter
+from jaxdev.meter._meter import peak_flops
 
 WIRED = "_timeline" in inspect.getsource(jaxdev.train.TrainStep.__mro__[1])  # the steps call it
 

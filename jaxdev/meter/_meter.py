@@ -109,11 +109,12 @@ class StepMeter:
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxdev
-      >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+      >>> loss = lambda p, b: ((b["x"] @ p["w"]) ** 2)[:, 0]  # one loss per example
       >>> step = jaxdev.make_train_step(loss, optax.sgd(0.1), jaxdev.Strategy.single())
       >>> state = step.init_state({"w": jnp.ones((4, 1))}, optax.sgd(0.1))
-      >>> with jaxdev.meter.StepMeter(examples_per_step=8) as m:
-      ...     for batch in m.inputs({"x": jnp.ones((8, 4))} for _ in range(3)):
+      >>> batches = (step.put_batch({"x": jnp.ones((16, 4))}) for _ in range(3))
+      >>> with jaxdev.meter.StepMeter(examples_per_step=16) as m:
+      ...     for batch in m.inputs(batches):
       ...         state, _ = step(state, batch)
       >>> m.report().steps
       3
