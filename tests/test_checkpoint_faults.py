@@ -164,7 +164,8 @@ def _largest_data_file(path):
     return max(files, key=lambda f: f.stat().st_size)
 
 
-def test_flipped_byte_is_caught_by_the_checksum_naming_the_leaf(saved):
+@pytest.mark.parametrize("replicated", [False, True])  # True: 8 copies, one checked whole
+def test_flipped_byte_is_caught_by_the_checksum_naming_the_leaf(saved, replicated):
     tmp_path, _ = saved
     path = _copy(tmp_path, "flip")
     f = _largest_data_file(path)
@@ -172,7 +173,7 @@ def test_flipped_byte_is_caught_by_the_checksum_naming_the_leaf(saved):
     data[len(data) // 2] ^= 0x40
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError) as e:
-        jaxdev.restore(path)
+        jaxdev.restore(path, jaxdev.data_mesh() if replicated else None)
     msg = str(e.value)
     assert f"Checkpoint {path} (state) is corrupted" in msg
     assert "['a']: checksum" in msg and "['b']" not in msg
