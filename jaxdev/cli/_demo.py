@@ -47,6 +47,7 @@ class DemoConfig:
     checkpoint_every: int | None = None
     params: str | None = None
     mesh: tuple[tuple[str, int], ...] | None = None
+    meter_plot: str | None = None  # the step meter's picture (no flag: docs/meter.png)
 
 
 class EpochStats(NamedTuple):
@@ -223,7 +224,8 @@ def run_demo(config: DemoConfig, ui: Any) -> tuple[jaxdev.Strategy, jaxdev.Train
             saved = ckpt.restore_metrics(step=resumed)
             history, metrics = list(saved["history"]), saved["epoch"]
             ui.print(f"resumed from the checkpoint of step {resumed} in {ckpt.directory}")
-    with ui.progress(total) as advance:
+    meter = jaxdev.meter.StepMeter(examples_per_step=batch_size)
+    with ui.progress(total) as advance, meter:
         if resumed:
             advance(min(resumed, total), "resumed")
         for epoch in range(resumed // per_epoch + 1, config.epochs + 1):
@@ -261,6 +263,10 @@ def run_demo(config: DemoConfig, ui: Any) -> tuple[jaxdev.Strategy, jaxdev.Train
                 ckpt.save(pos, state, {"epoch": metrics, "history": history}, force=pos == total)
     if ckpt is not None:
         ckpt.close()
+    report = meter.report()
+    ui.print(report.table())
+    if config.meter_plot:
+        ui.print(f"wrote {report.plot(config.meter_plot)}")
     return strategy, state, history
 
 

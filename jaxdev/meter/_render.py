@@ -23,10 +23,22 @@ COLORS = {"step": "tab:green", "eval": "tab:olive", "input": "tab:orange", "sync
 def summary(r: Any) -> str:
     """``N steps in W s: X steps/s, ...; FLOP/s per device, MFU``."""
     rates = ", ".join(f"{v:,.1f} {k}" for k, v in r.rates.items())
-    flops = "unknown" if r.flops_per_device is None else f"{r.flops_per_device / 1e9:,.2f} G"
+    flops = "unknown " if r.flops_per_device is None else _si(r.flops_per_device)
     mfu = "unknown" if r.mfu is None else f"{r.mfu:.1%}"
-    return (f"{r.steps} steps in {r.wall:.2f} s: {rates}; FLOP/s per device {flops}; "
+    return (f"{r.steps} steps in {r.wall:.2f} s: {rates}; {flops}FLOP/s per device; "
             f"MFU {mfu} (peak {r.peak})")
+
+
+def _si(x: float) -> str:
+    scale, unit = next(((f, u) for f, u in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+                        if x >= f), (1.0, ""))
+    return f"{x / scale:,.1f} {unit}"
+
+
+def _site(where: str) -> str:
+    """``what at file:line``; jaxdev's own line when the caller is no file (``python -m``)."""
+    what, _, site = where.partition(" at ")
+    return f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
 
 
 def table(r: Any) -> Any:
@@ -39,7 +51,7 @@ def table(r: Any) -> Any:
         right = col in ("seconds", "share")
         t.add_column(col, justify="right" if right else "left", no_wrap=not col)
     sites = sorted(r.syncs, key=lambda s: -s[2])[:3]
-    notes = {"sync": "\n".join(f"{n}x {w}" for w, n, _ in sites)}
+    notes = {"sync": "\n".join(f"{n}x {_site(w)}" for w, n, _ in sites)}
     for key, label in ROWS.items():
         if r.seconds[key] > 0 or key == "step":
             share = r.seconds[key] / r.wall if r.wall else 0.0
@@ -80,12 +92,12 @@ def plot(r: Any, path: str) -> str:
     for key in ROWS:
         share = r.seconds[key] / r.wall if r.wall else 0.0
         if share > 0:
-            bar.barh(0, share, left=left, color=COLORS[key], label=f"{key} {share:.0%}")
+            bar.barh(0, share, left=left, color=COLORS[key], label=f"{key} {share:.1%}")
             left += share
     bar.set_xlim(0, 1)
     bar.set_yticks([])
     bar.set_xlabel("share of wall time")
-    bar.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.9), frameon=False)
+    bar.legend(ncol=7, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.9), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
