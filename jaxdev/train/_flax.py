@@ -16,9 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from .._errors import UsageError
+from .._rules import unbox
 from ._metrics import ambient_value
+from ._train import TrainState
 
 
 def _check_module(model: Any, name: str) -> None:
@@ -209,3 +213,55 @@ def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
         )
     row = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (len(shape) - 1))
     metrics.update(**values, mask=jnp.broadcast_to(row, shape))
+
+
+def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
+    """The :class:`TrainState` ``step.init_state`` would build, as ``ShapeDtypeStruct`` s with
+    its shardings: nothing is allocated (for ``jaxdev.memory.plan`` and checkpoint restores).
+
+    ``init_fn(*args)`` (or an NNX module, e.g. from ``nnx.eval_shape``) is traced as
+    :func:`jaxdev.init_sharded` traces it: an NNX module gives its ``nnx.Param`` s and the
+    rest as ``model_state``; a linen ``model.init`` its ``"params"`` and the other
+    collections; anything else is the params. The optimizer state is the step's ``tx``'s.
+
+    Args:
+      step: the train step whose strategy and ``tx`` lay the state out.
+      rng: a key (or its ``ShapeDtypeStruct``) when the step's loss takes one.
+
+    Example:
+      >>> import optax, jaxdev
+      >>> from flax import nnx
+      >>> fsdp = jaxdev.Strategy.sharded(jaxdev.make_mesh({"fsdp": 8}), rules="fsdp")
+      >>> step = jaxdev.make_train_step(lambda p, b: b @ p["kernel"], optax.adam(0.1), fsdp)
+      >>> state = jaxdev.abstract_state(lambda: nnx.Linear(512, 4, rngs=nnx.Rngs(0)), step=step)
+      >>> state.opt_state[0].mu["kernel"].shape, state.params["kernel"].sharding.spec
+      ((512, 4), P('fsdp', None))
+    """
+    from ._sharded_init import _shapes, _split_args  # init_sharded's tracing, one owner
+
+    strategy, tx = step.strategy, step.spec.config.tx
+    if isinstance(init_fn, nnx.Module):
+        abstract = nnx.eval_shape(lambda: init_fn)
+    else:
+        abstract = _shapes(*_split_args(init_fn, args), strategy.mesh)[1]
+    if isinstance(abstract, nnx.Module):
+        params, model_state = nnx_split(abstract)
+        model_state = model_state if jax.tree.leaves(model_state) else None
+    elif isinstance(abstract, dict) and "params" in abstract:  # linen variables
+        rest = {k: v for k, v in abstract.items() if k != "params"}
+        params, model_state = abstract["params"], rest or None
+    else:
+        params, model_state = abstract, None
+    unboxed = unbox(params)
+    opt = None if tx is None else jax.eval_shape(tx.init, unboxed)
+    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt, rng, model_state)
+    if strategy.by_rules:
+        layout = strategy.state_layout(shapes)
+    else:
+        target = strategy.state_target
+        where = NamedSharding(target, P()) if isinstance(target, Mesh) else (
+            SingleDeviceSharding(target))
+        layout = jax.tree.map(lambda _: where, shapes._replace(params=unboxed))
+    shapes = jax.eval_shape(lambda s: s, shapes._replace(params=unboxed))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, layout)
