@@ -70,7 +70,15 @@ def failed(
     raised already (its outputs stay poisoned, and a step's next call raises it once).
     With ``error`` (what a read or call raised), only a failure it comes from.
     """
-    mine = [e for k, e in list(_PENDING.items()) if owner in (None, k)]  # other threads record
+    if owner is not None:  # a step's next call: its own last call, a dict lookup
+        entry = _PENDING.get(owner)
+        if entry is not None and error is None and not entry[2] and entry[0].is_ready():
+            if _error(entry[0]) is None:  # finished fine: forgotten (record has none to check)
+                _PENDING.pop(owner, None)
+                return None
+        mine = [] if entry is None else [entry]
+    else:
+        mine = list(_PENDING.values())  # other threads record
     order = [e for e in mine if not e[2]] + [e for e in mine[::-1] if again and e[2]]
     for entry in order:
         err = _error(entry[0], wait=error is not None)

@@ -1,0 +1,167 @@
+"""The step's hot path (issue 35): after a program is compiled, a call passing the state and
+metrics the step returned walks no tree. Each check the walks made still fires on the call
+where it applies, after three good calls on that fast path: a deleted leaf, one buffer
+donated twice, a misplaced committed leaf, a new batch shape, a wrong-layout batch, a new
+state structure under rules, an out-of-memory explained where it is read."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxdev
+from jaxdev import _pending, _timeline
+from jaxdev.train import _step
+
+SGD = optax.sgd(0.1)
+STRATEGIES = {
+    "single": lambda: jaxdev.Strategy.single(),
+    "pmap": lambda: jaxdev.Strategy.pmap(),
+    "sharded": lambda: jaxdev.Strategy.sharded(),
+}
+
+
+def loss(params, batch):
+    return (batch @ params["a"] + batch @ params["b"]).sum(-1)
+
+
+def _warm(strategy, **kw):
+    """A step, its state and metrics after three calls on the fast path (walks counted)."""
+    step = jaxdev.make_train_step(loss, SGD, strategy, **kw)
+    state = step.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))})
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    state, metrics = step(state, batch)
+    for _ in range(3):
+        state, metrics = step(state, batch, metrics)
+    return step, state, metrics, batch
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Count the donation walk (check_donatable) per call."""
+    count = [0]
+    check = _step.check_donatable
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(_step, "check_donatable", counted)
+    return count
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_state_the_step_returned_is_not_walked(name, walks):
+    """Before: check_donatable walked every leaf of state and metrics at every call."""
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    assert walks[0] == 1  # the first call's state came from init_state
+    state, metrics = step(state, batch, metrics)
+    assert walks[0] == 1
+    step(state._replace(step=state.step), batch, metrics)  # a state it did not return: walked
+    assert walks[0] == 2
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_deleted_leaf_is_named_on_the_fast_path(name):
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    state.params["b"].delete()
+    with pytest.raises(jaxdev.DeletedArrayError, match=r"state\.params\['b'\]"):
+        step(state, batch, metrics)
+    assert not state.params["a"].is_deleted()  # refused before it ran: nothing donated
+    ev = jaxdev.make_eval_step(loss, STRATEGIES[name]())
+    params = ev.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))})
+    m = ev(params, batch)
+    for _ in range(3):
+        m = ev(params, batch, m)
+    params["a"].delete()
+    with pytest.raises(jaxdev.DeletedArrayError, match=r"state\['a'\].*eval step never deletes"):
+        ev(params, batch, m)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_one_buffer_donated_twice_is_refused_on_the_fast_path(name):
+    """JAX 0.10.2 segfaults on several devices (0.12 raises a bare INVALID_ARGUMENT)."""
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    state.params["b"] = state.params["a"]  # the returned state's dict changed in place
+    with pytest.raises(jaxdev.PlacementError, match=r"state\.params\['a'\] and state\.params"):
+        step(state, batch, metrics)
+    assert not state.params["a"].is_deleted()
+
+
+def test_a_misplaced_committed_leaf_is_moved_on_the_fast_path():
+    step, state, metrics, batch = _warm(jaxdev.Strategy.sharded())
+    replicated = state.params["a"].sharding
+    state.params["a"] = jax.device_put(state.params["a"], jax.devices()[3])
+    host = np.ones((8, 4), np.float32)
+    for misplaced in (jax.device_put(host, jax.devices()[0]), batch):
+        state, metrics = step(state, misplaced, metrics)
+        assert state.params["a"].sharding == replicated
+    assert int(state.step) == 6
+
+
+def test_a_new_batch_shape_is_checked_against_the_budget_before_it_runs(monkeypatch):
+    checked = []
+    monkeypatch.setattr(_step, "check_step_memory", lambda spec, j, args: checked.append(args))
+    step, state, metrics, batch = _warm(jaxdev.Strategy.single(), memory_limit=2**30)
+    assert len(checked) == 2  # the programs without and with running metrics
+    state, metrics = step(state, step.put_batch(np.ones((16, 4), np.float32)), metrics)
+    assert len(checked) == 3 and checked[-1][1].shape == (16, 4)
+    state, metrics = step(state, batch, metrics)
+    assert len(checked) == 3
+
+
+def test_a_wrong_layout_batch_is_refused_on_the_fast_path():
+    step, state, metrics, batch = _warm(jaxdev.Strategy.sharded())
+    stacked = np.ones((8, 2, 4), np.float32)  # rows of (2, 4), or 8 devices x 2 rows?
+    with pytest.raises(jaxdev.ShardingError, match="reads two ways"):
+        step(state, stacked, metrics)
+
+
+def test_a_new_state_structure_under_rules_compiles_its_own_layout():
+    mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+    step, state, metrics, batch = _warm(jaxdev.Strategy.sharded(mesh, rules="fsdp", min_size=8))
+    state.params["c"] = jnp.zeros((4096,))  # changed in place: the key's structure is stale
+    state, metrics = step(state, batch, metrics)
+    assert state.params["c"].sharding.spec == P("fsdp")
+    assert int(state.step) == 5
+
+
+def test_an_out_of_memory_read_later_names_the_fast_path_call():
+    """The explanation recorded for a call on the fast path is its program's: its batch."""
+    step, state, metrics, batch = _warm(jaxdev.Strategy.single())
+    wide = step.put_batch(np.ones((24, 4), np.float32))
+    state, metrics = step(state, wide, metrics)
+    for _ in range(2):
+        state, metrics = step(state, wide, metrics)
+    assert _pending._PENDING[step][1] is step._programs[_last_program(step)][0]
+    err = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes.")
+    text = str(step._programs[_last_program(step)][0](err, "fetch"))
+    assert "the train step ran out of device memory" in text and "24 rows" in text
+
+
+def _last_program(step):
+    return [p for p in step._programs if p[0][1] and p[2][0] == (24, 4)][0]
+
+
+class _Meter:
+    def __init__(self):
+        self.calls = []
+
+    def on_step(self, step, key, start, end, compiled, token):
+        self.calls.append((step, key, end >= start, compiled, token))
+
+
+def test_the_step_meter_hears_each_dispatch_and_can_ask_its_flops(monkeypatch):
+    meter = _Meter()
+    monkeypatch.setattr(_timeline, "listeners", [meter])
+    step, state, metrics, batch = _warm(jaxdev.Strategy.single())
+    assert [c[3] for c in meter.calls] == [True, True, False, False]  # no metrics, metrics
+    assert all(c[0] is step and c[2] for c in meter.calls)
+    assert meter.calls[-1][4] is not None and int(meter.calls[-1][4]) == 4  # the step counter
+    flops = step.cost(meter.calls[-1][1])
+    assert flops is None or flops > 0
+    assert step.cost(meter.calls[-1][1]) == flops  # computed once
