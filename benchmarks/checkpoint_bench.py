@@ -1,6 +1,7 @@
 """Checkpoint benchmarks on 8 fake CPU devices (issue 13).
 
-Run: ``python benchmarks/checkpoint_bench.py [--repeats N] [--mb 100] [--json PATH]``.
+Run: ``python benchmarks/checkpoint_bench.py [--repeats N] [--mb 100] [--json PATH]
+[--restore-only] [--before DIR]`` (DIR: an older checkout, as ``placement_bench.py --before``).
 
 * save / restore of a ~100 MB TrainState replicated over 8 devices:
   ``jaxdev.save`` / ``jaxdev.restore`` (which add a checksum per leaf and
@@ -72,7 +73,9 @@ def time_interleaved(fns: dict, repeats: int, cleanup) -> Timings:
     return time_side_by_side(fns, repeats, warmup=1, after=cleanup)
 
 
-def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
+def bench_save_restore(state, root: str, repeats: int, saves=True, before=None) -> list[dict]:
+    """Save and restore rows; ``saves=False``: the restore rows only; ``before``: an older
+    jaxdev package whose restore is timed beside (the same checkpoint)."""
     counter = itertools.count()
     fresh = lambda: os.path.join(root, f"c{next(counter)}")  # noqa: E731
     handler = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
@@ -82,7 +85,7 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
             if name.startswith("c"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
-    saves = time_interleaved(
+    saves = saves and time_interleaved(
         {
             "jaxdev.save": lambda: jaxdev.save(fresh(), state),
             "jaxdev.save durable=False": lambda: jaxdev.save(fresh(), state, durable=False),
@@ -107,20 +110,47 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+    old = lambda: before.restore(os.path.join(root, "r_jaxdev"), abstract)  # noqa: E731
+    fns = {"jaxdev.restore (before)": old} if before else {}
     restores = time_interleaved(
-        {
+        fns
+        | {
             "jaxdev.restore": lambda: jaxdev.restore(os.path.join(root, "r_jaxdev"), abstract),
             "orbax PyTreeCheckpointHandler restore": lambda: handler.restore(
                 os.path.join(root, "r_orbax"),
                 args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args),
             ),
-            "checksum pass alone": lambda: checksums(jax.tree.leaves(state)),
+            "checksum pass alone": lambda: checksums(  # one copy, as restore checks it on CPU
+                [x.addressable_data(0) for x in jax.tree.leaves(state)]
+            ),
         },
         repeats,
         lambda: None,
     )
     handler.close()
     rows = [
+        _row(
+            restores,
+            "restore (same layout)",
+            "jaxdev.restore",
+            "orbax PyTreeCheckpointHandler restore",
+            "<= 1.05x",
+        ),
+        _row(restores, "checksum of every leaf", "checksum pass alone", "jaxdev.restore", "report"),
+    ]
+    if before:
+        rows += [
+            _row(
+                restores,
+                "restore (same layout), before",
+                "jaxdev.restore (before)",
+                "orbax PyTreeCheckpointHandler restore",
+                "report",
+            )
+        ]
+    if not saves:
+        return rows
+    return rows + [
         _row(saves, "save", "jaxdev.save", "orbax PyTreeCheckpointHandler save", "<= 1.10x"),
         _row(
             saves,
@@ -137,16 +167,7 @@ def bench_save_restore(state, root: str, repeats: int) -> list[dict]:
             "orbax save force=True",
             "<= 1.10x",
         ),
-        _row(
-            restores,
-            "restore (same layout)",
-            "jaxdev.restore",
-            "orbax PyTreeCheckpointHandler restore",
-            "<= 1.10x",
-        ),
-        _row(restores, "checksum of every leaf", "checksum pass alone", "jaxdev.restore", "report"),
     ]
-    return rows
 
 
 def _row(t: Timings, what: str, a: str, b: str, target: str) -> dict:
@@ -269,7 +290,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mb", type=int, default=100, help="size of the params (MB)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--restore-only", action="store_true", help="the same-layout restore only")
+    parser.add_argument("--before", help="a folder holding an older jaxdev/: its restore beside")
     args = parser.parse_args()
+    before = None
+    if args.before:
+        from placement_bench import load_before
+
+        before = load_before(args.before)
     mesh = jaxdev.data_mesh()
     state = make_state(args.mb, mesh)
     print(
@@ -278,9 +306,10 @@ def main() -> None:
     )
     root = tempfile.mkdtemp(prefix="jaxdev_ckpt_bench_")
     try:
-        rows = bench_save_restore(state, root, args.repeats)
-        rows += bench_async_stall(state, root, args.repeats)
-        rows += bench_layouts(state, mesh, root, args.repeats)
+        rows = bench_save_restore(state, root, args.repeats, not args.restore_only, before)
+        if not args.restore_only:
+            rows += bench_async_stall(state, root, args.repeats)
+            rows += bench_layouts(state, mesh, root, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     from _timing import report
