@@ -464,7 +464,7 @@ class _Single(Strategy):
         return self.devices[0]
 
     def put_rows(self, batch: Any, pad: bool) -> Any:
-        return to_device(detach_host(batch), self.devices[0])  # a copy the loader cannot refill
+        return to_device(batch, self.devices[0])  # to_device copies what the loader may refill
 
     def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         return to_device(grouped, self.devices[0])
