@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -374,6 +375,35 @@ def placement_figures(reps: int, inner: int) -> list[Result]:
     ]
 
 
+def metered_loop(steps: int, reps: int) -> Result:
+    """A train loop reading ``float(loss)`` each step, with and without a step meter: the
+    meter's cost, and its answer (the shares, the sync's line) in the note."""
+    tx, loss = optax.sgd(0.01), lambda p, b: jnp.tanh(b["x"] @ p["w"]).mean(axis=1)
+    step = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.single())
+    box = [step.init_state({"w": jnp.full((256, 256), 0.01)}, tx)]
+    batch, meters = step.put_batch({"x": np.ones((256, 256), np.float32)}), []
+
+    def loop():
+        for _ in range(steps):
+            box[0], metrics = step(box[0], batch)
+            float(metrics.compute()["loss"])
+
+    def metered():
+        with jaxdev.meter.StepMeter() as meter:
+            loop()
+        meters.append(meter)
+
+    plain, on = "loop", "loop in a StepMeter"
+    r = _compared("meter", f"step meter: {steps} train steps, float(loss) read each step",
+                  {plain: loop, on: metered}, reps, {"metered / plain": (on, plain)}, "")
+    got = meters[-1].report()
+    share = {k: f"{v / got.wall:.0%}" for k, v in got.seconds.items()}
+    site = max(got.syncs, key=lambda s: s[1])[0] if got.syncs else "-"
+    return r._replace(note=(
+        f"1 = free (goal <= 1.02). Its answer: device busy {share['step']}, idle in host "
+        f"syncs {share['sync']}, other {share['other']}; the sync: {site}"))
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -391,6 +421,7 @@ def run_bench(config: BenchConfig, ui: Any) -> list[Result]:
         ("ex. 3 logging", lambda: [log_on_host_vs_device(config.log_steps, reps)]),
         ("ex. 4 two devices", lambda: [two_devices_at_once(config.pair, reps)]),
         ("placement", lambda: placement_figures(reps, config.inner)),
+        ("step meter", lambda: [metered_loop(config.inner, reps)]),
     ]
     results: list[Result] = []
     with ui.progress(len(todo)) as advance:

@@ -199,6 +199,8 @@ class StepMeter:
         if threading.get_ident() == self._tid:  # the loop's thread only
             if label == "input":
                 self._close(start)
+            what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
+            where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
             self._host.append((label, start, end, where))
             if label == "sync":  # steps it saw finish: by its end (the watcher may be late)
                 with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's

@@ -35,12 +35,6 @@ def _si(x: float) -> str:
     return f"{x / scale:,.1f} {unit}"
 
 
-def _site(where: str) -> str:
-    """``what at file:line``; jaxdev's own line when the caller is no file (``python -m``)."""
-    what, _, site = where.partition(" at ")
-    return f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
-
-
 def table(r: Any) -> Any:
     """A rich ``Table`` (each share's seconds and percent, the sync sites) over the rates."""
     from rich.console import Group
@@ -51,7 +45,7 @@ def table(r: Any) -> Any:
         right = col in ("seconds", "share")
         t.add_column(col, justify="right" if right else "left", no_wrap=not col)
     sites = sorted(r.syncs, key=lambda s: -s[2])[:3]
-    notes = {"sync": "\n".join(f"{n}x {_site(w)}" for w, n, _ in sites)}
+    notes = {"sync": "\n".join(f"{n}x {w}" for w, n, _ in sites)}
     for key, label in ROWS.items():
         if r.seconds[key] > 0 or key == "step":
             share = r.seconds[key] / r.wall if r.wall else 0.0
