@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -247,6 +248,59 @@ def bench_replicate(name: str, mesh, repeats: int) -> list[dict]:
     ]
 
 
+def bench_fetch(mesh, repeats: int, before=None) -> list[dict]:
+    """Collection.fetch of 4 metrics vs one jax.device_get of the same leaves, and vs that
+    device_get plus the same arithmetic by hand (what fetch returns); ``before``'s beside."""
+
+    def make(j):
+        def run(x):
+            return j.metrics.Collection(
+                {
+                    "loss": j.metrics.Mean.from_value(x),
+                    "acc": j.metrics.Accuracy.from_value(x > 0),
+                    "bad": j.metrics.NonFinite.from_value(x),
+                    "lr": j.metrics.Last.from_value(x[0]),
+                }
+            )
+
+        return jax.block_until_ready(jax.jit(run)(jaxdev.replicate(np.arange(16.0), mesh)))
+
+    m = make(jaxdev)
+    leaves = jax.tree.leaves(m)  # acc (total, count), bad, loss (total, count), lr (value, count)
+
+    def by_hand():
+        acc_t, acc_n, bad, loss_t, loss_n, lr, lr_n = jax.device_get(leaves)
+        mean = lambda t, n: float(np.float32(t / max(n, 1))) if n else math.nan  # noqa: E731
+        return {"acc": mean(acc_t, acc_n), "bad": int(bad), "loss": mean(loss_t, loss_n),
+                "lr": float(lr) if lr_n else math.nan}  # fmt: skip
+
+    assert by_hand() == m.fetch(), (by_hand(), m.fetch())
+    fns = {"fetch": m.fetch, "device_get": lambda: jax.device_get(leaves), "by hand": by_hand}
+    fns |= {"fetch (before)": make(before).fetch} if before else {}
+    t, ratio_of = timed(fns, repeats * 20)
+    pairs = (("device_get", "jax.device_get(leaves)"),)
+    pairs += (("by hand", "jax.device_get(leaves) + the arithmetic"),)
+    pairs += (("fetch (before)", f"m.fetch() ({args_before(before)})"),) if before else ()
+    return [
+        row(
+            f"Collection.fetch vs {raw}",
+            "4 metrics, 7 leaves",
+            "m.fetch()",
+            call,
+            t["fetch"],
+            t[raw],
+            f"{ratio_of('fetch', raw):.2f}x",
+            "report (issue 35: near device_get)",
+            None,
+        )
+        for raw, call in pairs
+    ]
+
+
+def args_before(before) -> str:
+    return before.__file__.rsplit("/jaxdev/", 1)[0]
+
+
 def bench_assert_vs_chex(name: str, dev, repeats: int) -> list[dict]:
     """assert_on_device vs chex.assert_tree_is_on_device (chex must be told the device)."""
     placed = jax.device_put(host_tree(*TREES[name]), dev)
@@ -346,6 +400,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += bench_before(name, dev, mesh, before, args.repeats)
         rows += bench_assert_vs_chex(name, dev, args.repeats)
     rows += bench_2000(dev, mesh, args.repeats)
+    rows += bench_fetch(mesh, args.repeats, before)
     print(
         f"jax {jax.__version__}, chex {chex.__version__}, {len(devices)} "
         f"{jax.default_backend()} devices, {args.repeats} interleaved repetitions, medians\n"
