@@ -25,6 +25,7 @@ import jax
 
 from .. import _guards, _timeline
 from .._errors import UsageError
+from . import _render
 
 PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
     ("H100 PCIe", 756e12, "NVIDIA H100 datasheet, PCIe, bf16 dense"),
@@ -33,7 +34,6 @@ PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
     ("A100", 312e12, "NVIDIA A100 datasheet, bf16 dense"),
     ("TPU v4", 275e12, "Google Cloud TPU v4 docs, bf16 per chip"),
     ("TPU v5 lite", 197e12, "Google Cloud TPU v5e docs, bf16 per chip"),
-    ("TPU v5e", 197e12, "Google Cloud TPU v5e docs, bf16 per chip"),
     ("TPU v5", 459e12, "Google Cloud TPU v5p docs, bf16 per chip"),
     ("TPU v6", 918e12, "Google Cloud TPU v6e (Trillium) docs, bf16 per chip"),
 )
@@ -75,20 +75,15 @@ class MeterReport:
     lanes: tuple[tuple[str, float, float], ...] = ()
 
     def table(self) -> Any:
-        from ._render import table
-
-        return table(self)
+        """The shares as a rich table, over a line of rates (``console.print(r.table())``)."""
+        return _render.table(self)
 
     def plot(self, path: str) -> str:
         """Draw the last steps' timeline and the shares into ``path`` (needs matplotlib)."""
-        from ._render import plot
-
-        return plot(self, path)
+        return _render.plot(self, path)
 
     def __str__(self) -> str:
-        from ._render import text
-
-        return text(self)
+        return _render.text(self)
 
 
 class StepMeter:
