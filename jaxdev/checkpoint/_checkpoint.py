@@ -975,9 +975,8 @@ def _cpu_replicated(x: Any) -> bool:
     """A replicated array on several CPU devices: checked as its first copy, whole. Fake
     devices share the host's cores; a slice per device and an all-reduce took 2x as long."""
     s = getattr(x, "sharding", None)
-    return s is not None and s.is_fully_replicated and len(s.device_set) > 1 and (
-        next(iter(s.device_set)).platform == "cpu"
-    )
+    devices = s.device_set if s is not None and s.is_fully_replicated else ()
+    return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
 def _finish(path, entries, wants, reads, arrays, version, what) -> list[Any]:
