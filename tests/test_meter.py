@@ -12,27 +12,8 @@ import optax
 import pytest
 
 import jaxdev
-from jaxdev import _timeline
 from jaxdev.meter import StepMeter
 from jaxdev.meter._meter import peak_flops
-
-WIRED = "_timeline" in inspect.getsource(jaxdev.train.TrainStep.__mro__[1])  # the steps call it
-
-
-def metered(step):
-    """``step``, telling the meter what it dispatched where jaxdev's steps do not yet."""
-    if WIRED:
-        return step
-
-    def call(*args):
-        start = _timeline.start()
-        out = step(*args)
-        token = jax.tree.leaves(out[1] if isinstance(out, tuple) else out)[0]  # not donated
-        _timeline.dispatched(step, (), start, False, token)
-        return out
-
-    return call
-
 
 def _loss(params, batch):
     h = batch["x"]
@@ -50,7 +31,7 @@ def _setup(strategy=None, width=8, rows=8):
     for _ in range(2):  # compiled before any meter (the second: the step's own state)
         state, metrics = step(state, batch)
     jax.block_until_ready(state)
-    return metered(step), state, batch, metrics
+    return step, state, batch, metrics
 
 
 def test_a_loader_sleeping_a_known_time_is_input_wait():
@@ -128,7 +109,7 @@ def test_a_new_batch_shape_mid_loop_is_compile():
 
 def test_a_checkpoint_save_and_an_eval_step_are_named(tmp_path):
     step, state, batch, _ = _setup()
-    evaluate = metered(jaxdev.make_eval_step(_loss, jaxdev.Strategy.single()))
+    evaluate = jaxdev.make_eval_step(_loss, jaxdev.Strategy.single())
     jax.block_until_ready(evaluate(state, batch))
     with jaxdev.Checkpointer(str(tmp_path), async_=False) as ckpt, StepMeter() as m:
         for i in range(1, 7):
