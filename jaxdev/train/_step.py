@@ -242,7 +242,7 @@ class _Step:
             kind = "train" if self.is_train else "eval"
             name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
             # its first call checks every process compiled the same program
-            self._compiled[key], self._run[key] = same_program(jitted, name=name), jitted
+            self._compiled[key], self._run[key] = same_program(jitted, name=name), _direct(jitted)
         return args
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
@@ -513,6 +513,15 @@ def _misplaced(
 
 
 # ---------------------------------------------------------------- donation safety
+
+
+def _direct(bound: Any) -> Any:
+    """A ``MeshBound`` without a mesh as its function, called directly while no mesh is set
+    (what ``outside_mesh`` does, without its frames)."""
+    if bound.mesh is not None:
+        return bound
+    fn, get_mesh = bound.fn, jax.sharding.get_mesh
+    return lambda *args: fn(*args) if get_mesh().empty else bound(*args)
 
 
 def _shaped(treedef: Any, shapes: list) -> Any:
