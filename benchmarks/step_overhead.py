@@ -274,6 +274,7 @@ def measure(kind, model, devices, rounds, max_calls, loop_s):
     fns = {k: _loop(call, carry, n, sync) for k, (call, carry) in calls.items()}
     t = time_side_by_side(fns, repeats=rounds, warmup=1)
     us = {k: 1e6 * t.median(k) / n for k in fns}
+    py_calls = (python_calls(fns["step"]) - python_calls(fns["program"])) / n
     return {
         "model": model[0],
         "leaves": len(jax.tree.leaves(model[1])),
@@ -288,9 +289,19 @@ def measure(kind, model, devices, rounds, max_calls, loop_s):
         "step-program us": statistics.median(
             1e6 * (a - b) / n for a, b in zip(t["step"], t["program"])
         ),
+        "py calls step-program": py_calls,
         "program_source": source,
         "setup_s": round(setup, 1),
     }, fns
+
+
+def python_calls(loop) -> int:
+    """Python function calls of one ``loop()`` (cProfile's count: load does not change it)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    jax.block_until_ready(loop())
+    pr.disable()
+    return pstats.Stats(pr).total_calls
 
 
 def profile_step(fns, calls, rounds, top=20) -> str:
@@ -333,14 +344,15 @@ def table(rows, info) -> str:
         f"load {info['loadavg_start'][0]:.2f} -> {info.get('loadavg_end', [0])[0]:.2f}"
     )
     cols = "| model | leaves | strategy | calls | step us | program us | hand us | step/hand "
-    cols += "| program/hand | step-program us |"
-    lines = [head, "", cols, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    cols += "| program/hand | step-program us | step-program Python calls |"
+    lines = [head, "", cols, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         us = r["us"]
         lines.append(
             f"| {r['model']} | {r['leaves']} | {r['strategy']} | {r['calls']} | {us['step']:.0f} "
             f"| {us['program']:.0f} | {us['hand']:.0f} | {r['step/hand']:.2f}x "
-            f"| {r['program/hand']:.2f}x | {r['step-program us']:+.0f} |"
+            f"| {r['program/hand']:.2f}x | {r['step-program us']:+.0f} "
+            f"| {r.get('py calls step-program', float('nan')):.0f} |"
         )
     return "\n".join(lines)
 
