@@ -174,7 +174,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop."""
+    """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop;
+    with ``--model``: the plan, fit and options of a model's step (:func:`plan_memory`)."""
+    if args.model is not None:
+        return plan_memory(args)
     _check_outputs(args)
     note, _ = configure_devices(args.devices)
     from ._demo import DemoConfig, memory_demo
@@ -184,6 +187,74 @@ def cmd_memory(args: argparse.Namespace) -> int:
     print(ledger)
     if args.plot:
         print(f"wrote {ledger.plot(args.plot)}")
+    return 0
+
+
+def _entry(text: str) -> Callable[..., dict]:
+    """``FILE.py:FUNCTION`` or ``module:function``, loaded."""
+    where, _, name = text.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location("_jaxdev_model", where)
+            module = sys.modules["_jaxdev_model"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, name)
+    except (ImportError, OSError, AttributeError, ValueError) as err:
+        raise UsageError(
+            f"`--model {text}`: expected FILE.py:FUNCTION or module:function returning "
+            f"{{'model', 'loss', 'batch', 'tx'}} (see examples/llama_plan.py): {err}"
+        ) from None
+
+
+def _model_step(entry: Callable[..., dict], strategy: Any, rows: int, **kw: Any):
+    """``(step, abstract state, batch shapes of `rows` per device)`` of an entry point."""
+    from flax import nnx
+
+    got = entry(**kw)
+    model = nnx.eval_shape(got["model"])
+    loss = jaxdev.nnx.loss(model, got["loss"])
+    step = jaxdev.make_train_step(loss, got["tx"], strategy, has_state=True)
+    state = jaxdev.abstract_state(model, step=step)
+    n = rows * strategy.n_devices
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), got["batch"])
+    return step, state, batch
+
+
+def plan_memory(args: argparse.Namespace) -> int:
+    """``jaxdev memory --model ENTRY [--target h100 --topology 8] [--mesh AXES] [--fit]
+    [--options ...] [--remat POLICY]``: what the step needs per device, compiled for the
+    target (XLA:GPU, no GPU needed) or for this host's (fake) devices; nothing is allocated."""
+    import logging
+
+    if args.target is not None and not backend_started() and not _requested_platforms():
+        jax.config.update("jax_platforms", "cpu")  # a target needs the plugin, not a GPU
+    print(configure_devices(args.devices)[0])
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jaxdev").setLevel(logging.INFO)
+    entry, start = _entry(args.model), time.perf_counter()
+    mesh = jaxdev.make_mesh(dict(args.mesh or {"data": -1}), args.topology, target=args.target)
+    strategy = jaxdev.Strategy.sharded(mesh, rules=args.rules)
+    step, state, batch = _model_step(entry, strategy, args.rows)
+    limit = None if args.limit is None else int(args.limit * 2**30)
+    plan = jaxdev.memory.plan(state, step=step, batch=batch)
+    print(plan)
+    print(f"planned in {time.perf_counter() - start:.1f} s")
+    if args.options or args.remat:
+        remat = True
+        if args.remat:
+            policy = getattr(jax.checkpoint_policies, args.remat, None)
+            if policy is None:
+                raise UsageError(f"`--remat {args.remat}` is not in jax.checkpoint_policies.")
+            remat = _model_step(entry, strategy, args.rows, remat=policy)[0]
+        options = tuple(args.options or ("remat",))
+        why = jaxdev.memory.explain_memory(
+            step, state, batch, limit, options=options, remat=remat, plan_=plan
+        )
+        print(why.headline(), *why.details().splitlines()[-len(why.options) - 3 :], sep="\n")
+    if args.fit:
+        print(jaxdev.memory.fit_memory(step, state, batch, limit=limit))
     return 0
 
 
@@ -318,6 +389,23 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
     mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
     mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger (needs matplotlib)")
+    plan = mem.add_argument_group("planning a model's step (nothing is allocated)")
+    plan.add_argument("--model", metavar="ENTRY", help="FILE.py:FUNCTION or module:function "
+                      "(examples/llama_plan.py): plan its train step instead of the demo")
+    plan.add_argument("--target", help="compile for GPUs that need not be here: h100, h200, "
+                      "a100-80gb or a GpuTargetConfig path (needs the CUDA plugin)")
+    plan.add_argument("--topology", type=lambda t: int(t) if t.isdigit() else t,
+                      help="target devices: 8, or hosts x devices: 2x8")
+    plan.add_argument("--mesh", type=_mesh_axes, metavar="AXES", help="e.g. data=2,fsdp=4")
+    plan.add_argument("--rules", default="fsdp", choices=["fsdp", "replicate"])
+    plan.add_argument("--rows", type=_positive, default=1, help="rows per device (default 1)")
+    plan.add_argument("--limit", type=float, metavar="GiB", help="per device (default: the "
+                      "target's or the devices' own)")
+    plan.add_argument("--fit", action="store_true", help="the largest batch that fits")
+    plan.add_argument("--options", type=lambda t: t.split(","), metavar="A,B",
+                      help=f"changes to compile, some of {','.join(jaxdev.memory.OPTIONS)}")
+    plan.add_argument("--remat", metavar="POLICY", help="per-block remat option: a "
+                      "jax.checkpoint_policies name the model's blocks take (nothing_saveable)")
     sub.add_parser(
         "launch",
         help="run a command as N local JAX processes: launch -n N -- cmd ...",

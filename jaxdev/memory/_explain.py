@@ -579,32 +579,32 @@ class _Search:
     def largest(self, v: Variant, unit: int, most: int) -> tuple[int, bool]:
         """The largest multiple of ``unit`` up to ``most`` that fits (``unit`` fits), capped?
 
-        The peak grows about linearly with the rows: the line through the last two compiled
-        sizes predicts the answer, compiled with its neighbour (the next size, or the one
-        before), which also gives the next line; after five lines it bisects.
+        The peak grows about linearly with the rows: each size compiled is the one a line
+        predicts (through the size nearest the limit and the farthest one), so the answer
+        comes with the next size, compiled to verify it; after eight lines it bisects.
         """
         top = most // unit * unit
-        lo, hi, rounds = unit, top + unit, 0  # lo fits; hi does not (top + unit: the cap)
-        while hi - lo > unit:  # round 0 compiles the first line's second size
-            b = self._predict(v, unit) if rounds < 6 else (lo + hi) // 2 // unit * unit
+        lo, hi = unit, top + unit  # lo fits; hi does not (top + unit: the cap)
+        for rounds in range(2 * most.bit_length() + 8):
+            if hi - lo <= unit:
+                break
+            b = self._predict(v, lo, hi, unit) if rounds < 8 else (lo + hi) // 2 // unit * unit
             b = min(max(b, lo + unit), hi - unit)
-            fits = self.trial(v, b).fits
-            lo, hi = (b, hi) if fits else (lo, b)
-            near = b + unit if fits else b - unit  # its neighbour: the answer is between
-            if 0 < rounds < 6 and lo < near < hi:
-                lo, hi = (near, hi) if self.trial(v, near).fits else (lo, near)
-            rounds += 1
+            lo, hi = (b, hi) if self.trial(v, b).fits else (lo, b)
         return lo, hi > top
 
-    def _predict(self, v: Variant, unit: int) -> int:
-        """The largest size under the limit on the line through the last two compiled sizes."""
+    def _predict(self, v: Variant, lo: int, hi: int, unit: int) -> int:
+        """The largest size under the limit on the line through the compiled size nearest
+        the limit and the one farthest from it (a flat line: double, or halve the gap)."""
         peaks = [(b, t.peak) for (c, b), t in self.tried.items() if c == v.change and t.peak]
         if len(peaks) < 2:
             return 2 * unit
-        (b0, p0), (b1, p1) = peaks[-2:]
+        b0, p0 = min(peaks, key=lambda bp: abs(self.limit - bp[1]))
+        b1, p1 = max(peaks, key=lambda bp: abs(bp[0] - b0))
         slope = (p1 - p0) / (b1 - b0)
-        b, p = min((b0, p0), (b1, p1), key=lambda bp: abs(self.limit - bp[1]))
-        return b + unit if slope <= 0 else b + int((self.limit - p) / slope) // unit * unit
+        if slope <= 0:
+            return min(2 * lo, (lo + hi) // 2 // unit * unit)
+        return b0 + int((self.limit - p0) / slope / unit) * unit
 
 
 def fit_memory(

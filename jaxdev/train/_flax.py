@@ -245,8 +245,7 @@ def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
     else:
         abstract = _shapes(*_split_args(init_fn, args), strategy.mesh)[1]
     if isinstance(abstract, nnx.Module):
-        params, model_state = nnx_split(abstract)
-        model_state = model_state if jax.tree.leaves(model_state) else None
+        params, model_state = nnx_split(abstract)  # an empty rest too: nnx.loss merges it
     elif isinstance(abstract, dict) and "params" in abstract:  # linen variables
         rest = {k: v for k, v in abstract.items() if k != "params"}
         params, model_state = abstract["params"], rest or None
