@@ -149,8 +149,7 @@ def pytest_itemcollected(item):
 
 
 def _marks_on_def(item) -> list | str:
-    """The ``devices``/``processes`` marks on the ``def`` of ``item``'s wrapped function that
-    ``item`` lacks (by any name: ``TWO = pytest.mark.devices(2)``), or why one cannot be read."""
+    """Our marks on the ``def`` ``item`` wraps that ``item`` lacks, or why one cannot be read."""
     fn = getattr(item, "obj", None)
     inner = inspect.unwrap(fn) if callable(fn) else fn
     if inner is fn or not inspect.isfunction(inner):
@@ -166,7 +165,7 @@ def _marks_on_def(item) -> list | str:
             head = _eval(head, inner.__globals__, item)
         except Exception:  # not a name there: not a mark
             continue
-        if not (isinstance(head, pytest.MarkDecorator) and head.name in _MARKS):
+        if not (isinstance(head, pytest.MarkDecorator) and head.name in ("devices", "processes")):
             continue
         try:  # the decorator's own expression, as Python evaluated it at import
             code = compile(ast.Expression(node), inner.__code__.co_filename, "eval")
@@ -180,9 +179,6 @@ def _marks_on_def(item) -> list | str:
         if isinstance(mark, pytest.MarkDecorator) and mark.mark not in item.own_markers:
             marks.append(mark)
     return marks
-
-
-_MARKS = ("devices", "processes")
 
 
 def _eval(code, scope: dict, item):
@@ -204,8 +200,7 @@ def _decorators(fn) -> tuple[str, list]:
 
 
 def _closest(node, name: str):
-    """``node``'s closest ``name`` mark; of a class's, the subclass's own before its bases'
-    (pytest lists a class's marks base first, so its ``get_closest_marker`` gives the base's)."""
+    """``node``'s closest ``name`` mark; a subclass's own before its bases' (pytest's: base's)."""
     for owner, mark in node.iter_markers_with_node(name):
         for cls in getattr(owner.obj, "__mro__", ()) if isinstance(owner, pytest.Class) else ():
             own = cls.__dict__.get("pytestmark", [])
@@ -224,9 +219,6 @@ def pytest_generate_tests(metafunc):
             metafunc.fixturenames.append("jaxdev_devices")
         ids = [f"devices={n}" for n in counts]
         metafunc.parametrize("jaxdev_devices", counts, indirect=True, ids=ids)
-
-
-# ---------------------------------------------------------------- markers
 
 
 def _counts(mark) -> list[int] | str:
@@ -313,9 +305,6 @@ def _describe(rc: int) -> str:
     return describe_returncode(rc) + oom
 
 
-# ------------------------------------------------------ JAX start-up settings
-
-
 class _Pins:
     """JAX settings this process asks for, applied until the backend starts, then checked."""
 
@@ -395,9 +384,6 @@ class _Pins:
         )
 
 
-# ------------------------------------------------------------- controller
-
-
 class _Controller:
     """In the pytest process: sends marked tests to workers or processes, logs their reports."""
 
@@ -454,9 +440,7 @@ class _Controller:
             worker.wait(30)
 
     def _next(self, item, nextitem, key: tuple) -> str | None:
-        """The next test the worker or processes of ``key`` run (their teardown needs it):
-        under xdist, the one this xdist worker runs next if it has ``key``, else none (the
-        session's next of ``key`` may go to another xdist worker)."""
+        """The next test ``key``'s worker runs (for its teardown); under xdist: only if ours."""
         if not hasattr(self.config, "workerinput"):
             return self.next.get(item.nodeid)
         plan = nextitem and _plan(nextitem)
@@ -517,8 +501,7 @@ class _Controller:
 
 
 def _base_id(item) -> str:
-    """``item``'s node id without the ``@group`` that pytest-xdist's ``--dist loadgroup``
-    appends in its workers (a jaxdev worker may or may not see that option)."""
+    """``item``'s node id without the ``@group`` xdist's ``--dist loadgroup`` appends."""
     if item.get_closest_marker("xdist_group") is None:
         return item.nodeid
     return re.sub(r"@[^\]/:]*$", "", item.nodeid)
@@ -611,8 +594,7 @@ def _quiet(text: str, limit: int) -> str:
 
 
 def _orders(config, name: str, platform: str, n: int, what: str, orders: dict) -> str:
-    """A worker's orders (JSON): JAX's settings for ``n`` devices of ``platform``, its
-    parent's pid and a basetemp of its own, ``name``."""
+    """A worker's orders (JSON): JAX settings for ``n`` ``platform`` devices, parent, basetemp."""
     pins = {"jax_platforms": "cpu", "jax_num_cpu_devices": n}
     if platform == "gpu":  # the first n GPUs
         pins = {"jax_platforms": "cuda", "jax_cuda_visible_devices": ",".join(map(str, range(n)))}
@@ -623,9 +605,8 @@ def _orders(config, name: str, platform: str, n: int, what: str, orders: dict) -
 
 
 class _Pool:
-    """``n`` jax.distributed processes x ``m`` devices under the launcher (in a thread), that
-    run the tests of that shape they are sent (``cmd-K.json`` in their folder) until one
-    fails, dies, times out or leaves them unsafe (threads, ``jax.distributed`` shut down)."""
+    """``n`` processes x ``m`` devices under the launcher (a thread) running the tests sent
+    (``cmd-K.json``) until one fails, dies, times out or leaves them unsafe."""
 
     def __init__(self, config, n: int, m: int, files: list[str], timeout: float):
         from jaxdev.distributed import launch
@@ -694,9 +675,8 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
         files = sorted(ctrl.files.get(("processes", n, m), {str(item.path)}))
         pool = ctrl.pools[n, m] = _Pool(ctrl.config, n, m, files, timeout)
     factory = getattr(ctrl.config, "_tmp_path_factory", None)  # pytest's own (as xdist's)
-    shared = factory and factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True)
+    shared = factory and str(factory.mktemp(re.sub(r"\W", "_", item.name)[:30], numbered=True))
     start = len(pool.out.getvalue())
-    shared = shared and str(shared)
     k = pool.send(run=_base_id(item), next=nextid, timeout=timeout, tmp_path=shared)
     try:
         done = pool.wait(k, _START_S * (k == 0) + timeout + 30)
@@ -711,9 +691,7 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
     per = [_read(ctrl.config, os.path.join(pool.dir, f"p{i}-{k}.jsonl")) for i in range(n)]
     if (n, m) not in ctrl.pools:
         pool.close()
-    rc = 0 if pool.rc is None else pool.rc
-    out = io.StringIO(pool.out.getvalue()[start:])
-    tail = _quiet(out.getvalue(), 200)
+    rc, tail = 0 if pool.rc is None else pool.rc, _quiet(pool.out.getvalue()[start:], 200)
     done = []
     for when in ("setup", "call", "teardown"):  # a phase may report more than once: subtests
         got = [[r for r in reports if r.when == when] for reports in per]
@@ -744,9 +722,6 @@ def _read(config, path: str) -> list:
     with contextlib.suppress(FileNotFoundError), open(path) as f:
         return [_report(config, json.loads(line)["report"]) for line in f]
     return []
-
-
-# ----------------------------------------------------------- worker side
 
 
 class _Worker:
@@ -888,8 +863,7 @@ class _Worker:
 
 
 class _SharedTmpPath:
-    """In the processes of a ``processes`` test: ``tmp_path`` is one folder, made by the
-    pytest that launched them, so that they can save into it together (orbax)."""
+    """In a ``processes`` test: ``tmp_path`` is the one folder the launching pytest made."""
 
     @pytest.fixture
     def tmp_path(self):
@@ -897,7 +871,6 @@ class _SharedTmpPath:
 
 
 class _Quiet(TerminalReporter):
-    """A worker's terminal: nothing shown, and no summary at the end (hypothesis's plugin
-    imports hypothesis for its summary: seconds where bytecode is not cached)."""
+    """A worker's terminal: nothing shown, no summary (hypothesis's imports hypothesis: slow)."""
 
     pytest_sessionfinish = None
