@@ -446,12 +446,7 @@ def _shardings(
     return jax.tree.structure(unbox(tree)).unflatten(out)
 
 
-def shard_params(
-    tree: Any,
-    mesh: Mesh,
-    rules: Rules = "replicate",
-    **options: Any,
-) -> Any:
+def shard_params(tree: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
     """Place ``tree`` on ``mesh`` by ``rules``; already placed leaves stay the same objects.
 
     One batched ``jax.device_put`` (:func:`jaxdev.to_device` semantics; linen boxes unboxed;
@@ -493,12 +488,7 @@ def is_train_state(state: Any) -> bool:
     return is_named_tuple or callable(getattr(state, "replace", None))
 
 
-def state_shardings(
-    state: Any,
-    mesh: Mesh,
-    rules: Rules = "replicate",
-    **options: Any,
-) -> Any:
+def state_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
     """Return shardings for a whole train state: optimizer state follows the params.
 
     For a state with ``step``, ``params`` and ``opt_state`` (jaxdev's or flax's
