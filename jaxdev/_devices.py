@@ -231,12 +231,8 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
     if devices is None:
         return _local_devices()
     if isinstance(devices, str) and ":" not in devices:
-        name = devices.strip().lower()
-        if name in _PLATFORMS:
-            found = _platform_devices(_PLATFORMS[name])
-            if not found:
-                _pick(_PLATFORMS[name], 0, arg="devices")  # raises the standard error
-            return found
+        if (name := _PLATFORMS.get(devices.strip().lower())) is not None:  # none: _pick raises
+            return _platform_devices(name) or [_pick(name, 0, arg="devices")]
     if isinstance(devices, (str, jax.Device)):
         return [device(devices)]
     if isinstance(devices, int) and not isinstance(devices, bool):
@@ -323,12 +319,8 @@ def describe() -> dict[str, Any]:
     local = _local_devices()
     platforms = _started_platforms()
     devices = [_describe_device(d) for d in jax.devices()]
-    requested = {
-        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
-        "jax_platforms": jax.config.jax_platforms,
-        "jax_num_cpu_devices": jax.config.jax_num_cpu_devices,
-    }
+    requested = {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    requested |= {k: getattr(jax.config, k) for k in ("jax_platforms", "jax_num_cpu_devices")}
     warnings = []
     wanted = requested["JAX_PLATFORMS"] or requested["jax_platforms"] or ""
     if any(p in wanted.lower() for p in ("cuda", "gpu", "rocm")) and "gpu" not in platforms:
