@@ -148,27 +148,19 @@ class PlacementReport(NamedTuple):
 
 
 class _Kind:
-    """What every leaf with one (sharding, shape, dtype) shares in the report.
-
-    ``local``: this process's devices, for the per-device totals; ``sharded``: split over
-    several devices (not fully replicated).
-    """
+    """What every leaf with one (sharding, shape, dtype) shares in the report."""
 
     __slots__ = ("row_head", "local", "sharded", "nbytes", "count")
 
     def __init__(self, leaf: jax.Array, described: tuple[str, tuple, tuple, bool]):
-        description, devices, self.local, self.sharded = described
+        description, devices, self.local, self.sharded = described  # local: for the totals
         s, shape = leaf.sharding, tuple(leaf.shape)
-        # The row fields after the path: shape, dtype, devices, sharding, memory kind.
         self.row_head = (shape, str(leaf.dtype), devices, description, s.memory_kind)
         self.nbytes, self.count = math.prod(s.shard_shape(shape)) * leaf.dtype.itemsize, 0
 
 
 class _ReportBuilder:
-    """Builds rows with one cache per (sharding, shape, dtype) (2000 leaves < 10 ms).
-
-    Per-device totals are summed per kind at the end, not per leaf.
-    """
+    """Rows with one cache per (sharding, shape, dtype); totals summed per kind at the end."""
 
     def __init__(self) -> None:
         self.rows: list[LeafPlacement] = []
@@ -222,9 +214,8 @@ class _ReportBuilder:
             return
         if is_tracer(leaf) or deleted(leaf):
             gone = not is_tracer(leaf)
-            where = "deleted" if gone else "traced"
-            shape, dtype = tuple(leaf.shape), str(leaf.dtype)
-            self.rows.append(LeafPlacement(path, shape, dtype, (), where, None, None, 0, gone))
+            row = (path, tuple(leaf.shape), str(leaf.dtype), (), "deleted" if gone else "traced")
+            self.rows.append(LeafPlacement(*row, None, None, 0, gone))
             return
         kind = self._kind(leaf)  # another jax.Array implementation
         kind.count += 1
