@@ -59,9 +59,7 @@ class WriterLock:
     ``what`` is written, for the error message."""
 
     def __init__(self, lock_path: str, what: str) -> None:
-        self.lock_path = lock_path
-        self.what = what
-        self._fd: int | None = None
+        self.lock_path, self.what, self._fd = lock_path, what, None
 
     def acquire(self) -> WriterLock:
         os.makedirs(os.path.dirname(self.lock_path) or ".", exist_ok=True)
@@ -116,11 +114,8 @@ _HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()  # the locks this process
 
 
 def _drop_in_child() -> None:
-    """A forked child (a data-loader worker) closes its copy of every lock fd, unlocking nothing.
-
-    A ``flock`` belongs to the open file description ``fork`` shares: a child
-    keeping it kept the lock after its parent's SIGKILL, refusing every restart.
-    """
+    """A forked child closes its copies of our lock fds, unlocking nothing (a ``flock`` belongs
+    to the file description ``fork`` shares: kept, it outlived a SIGKILLed parent)."""
     for lock in list(_HELD):
         with contextlib.suppress(OSError):
             os.close(lock._fd)
@@ -387,10 +382,7 @@ def recover(path: str) -> bool:
     """If :func:`was_cut`, put the new checkpoint at ``path`` (True); the old is the next save's."""
     if not was_cut(path):
         return False
-    os.rename(sibling(path, "new"), path)
-    _log.warning(
-        "a save of %s was cut between its two renames; put back %s (the new checkpoint)",
-        path,
-        os.path.basename(sibling(path, "new")),
-    )
+    os.rename(new := sibling(path, "new"), path)
+    put = "a save of %s was cut between its two renames; put back %s (the new checkpoint)"
+    _log.warning(put, path, os.path.basename(new))
     return True
