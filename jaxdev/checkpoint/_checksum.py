@@ -117,10 +117,7 @@ def _split_checksums(mesh: Mesh) -> Callable[[list[jax.Array]], jax.Array]:
         b, i = (jax.lax.with_sharding_constraint(a, parts) for a in (b, i))
         return _lanes(b, i, valid=None if size % n == 0 else i < jnp.uint32(size))
 
-    def run(xs: list[jax.Array]) -> jax.Array:
-        return jnp.stack([one(x) for x in xs])
-
-    return jax.jit(run, out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(lambda xs: jnp.stack(list(map(one, xs))), out_shardings=NamedSharding(mesh, P()))
 
 
 def _one_copy(x: jax.Array) -> jax.Array:
