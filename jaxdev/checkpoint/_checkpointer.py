@@ -181,8 +181,7 @@ class Checkpointer:
             raise
 
     def _refuse_foreign(self) -> None:
-        """Raise if orbax lists a numbered folder jaxdev did not write (its ``keep`` would delete
-        it): at the start, and before each save (a reload lists what the user made meanwhile)."""
+        """Raise if orbax lists a numbered folder jaxdev did not write (``keep`` deletes them)."""
         mine = lambda: [s for s in self._manager.all_steps() if s not in self._started]  # noqa
         if [s for s in mine() if not self._is_ours(s)]:  # listed earlier: still there?
             self._manager.reload()
@@ -400,9 +399,8 @@ class Checkpointer:
 def _abandon(manager: Any, lock: files.WriterLock) -> None:
     """A Checkpointer collected without close(): finish its saves, then free the folder."""
     try:
-        manager.wait_until_finished()
-        manager.close()
-    except Exception:  # noqa: BLE001 - collected: nobody to report to
-        pass
+        with contextlib.suppress(Exception):  # collected: nobody to report to
+            manager.wait_until_finished()
+            manager.close()
     finally:
         lock.release()
