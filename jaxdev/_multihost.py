@@ -103,8 +103,7 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
         gathered = np.asarray(multihost_utils.process_allgather(digest))
         return [row.tobytes().hex()[:16] for row in gathered]
     out, missing = _publish_and_read(client, tag, payload, timeout_s)
-    n = jax.process_count()
-    if len(out) == n:
+    if len(out) == (n := jax.process_count()):
         return out
     names = ", ".join(map(str, missing)) or "?"
     raise DistributedError(
@@ -214,8 +213,7 @@ def assert_same_across_processes(tree: Any, *, timeout_s: float | None = None) -
     """
     if jax.process_count() == 1 or asserts_disabled():
         return
-    failures = _differences("assert_same_across_processes", tree, leaf_checksum, timeout_s)
-    if failures:
+    if failures := _differences("assert_same_across_processes", tree, leaf_checksum, timeout_s):
         raise PlacementAssertionError(
             join_failures(
                 "`assert_same_across_processes` failed: every process must hold the same values; "
