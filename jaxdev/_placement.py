@@ -115,6 +115,7 @@ def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
 
 
 _ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned like this
+_SMALL = 1 << 16  # bytes: host leaves smaller than this are copied into one block per call
 
 
 def detach_host(tree: Any) -> Any:
@@ -127,17 +128,32 @@ def detach_host(tree: Any) -> Any:
     aligned, so CPU uses them in place. Returns ``tree`` itself when nothing needed it.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out = [detached(x) for x in leaves]
-    if all(a is b for a, b in zip(out, leaves)):
+    todo = [i for i, x in enumerate(leaves) if _must_copy(x)]
+    if not todo:
         return tree
+    out = list(leaves)
+    small = [i for i in todo if leaves[i].nbytes < _SMALL]
+    for i in sorted(set(todo) - set(small)):
+        out[i] = aligned_copy(leaves[i], 0)
+    sizes = [-(-leaves[i].nbytes // _ALIGN) * _ALIGN for i in small]
+    block, at = _aligned_empty(sum(sizes)), 0  # small leaves in one block: ~4 us a leaf, not 12
+    for i, size in zip(small, sizes):
+        x = leaves[i]
+        out[i] = block[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
+        np.copyto(out[i], x, casting="no")
+        out[i].flags.writeable, at = False, at + size
+    block.base.flags.writeable = False
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def detached(x: Any) -> Any:
     """``x``, or a private read-only copy when ``x`` is host memory that may change."""
-    if not isinstance(x, np.ndarray) or not is_host_value(x) or not _may_change(x):
-        return x  # not numeric: left to the placement checks, which name the leaf
-    return aligned_copy(x, 0)
+    return aligned_copy(x, 0) if _must_copy(x) else x
+
+
+def _must_copy(x: Any) -> bool:
+    """A numeric numpy array that may change (others: left to the placement checks)."""
+    return isinstance(x, np.ndarray) and is_host_value(x) and _may_change(x)
 
 
 def _may_change(x: Any) -> bool:
@@ -156,16 +172,20 @@ def aligned_copy(x: np.ndarray, extra: int) -> np.ndarray:
     """A read-only C-order copy of ``x`` starting on an ``_ALIGN`` boundary, with ``extra``
     copies of its last row appended."""
     shape = (x.shape[0] + extra, *x.shape[1:]) if extra else x.shape
-    nbytes = math.prod(shape) * x.dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    out = raw[start : start + nbytes].view(x.dtype).reshape(shape)
+    out = _aligned_empty(math.prod(shape) * x.dtype.itemsize).view(x.dtype).reshape(shape)
     np.copyto(out[: x.shape[0]] if extra else out, x, casting="no")
     if extra:
         out[x.shape[0] :] = x[-1:]
-    raw.flags.writeable = False
+    out.base.flags.writeable = False
     out.flags.writeable = False
     return out
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialised bytes starting on an ``_ALIGN`` boundary (a view of its owner)."""
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes]
 
 
 def to_device(tree: Any, target: Target) -> Any:

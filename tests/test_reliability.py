@@ -166,10 +166,11 @@ def test_detach_host_keeps_dtype_and_layout():
     fortran = np.asfortranarray(np.arange(12.0).reshape(3, 4))
     strided = np.arange(20, dtype=np.int32)[::2]
     bf16 = np.arange(6, dtype=jnp.bfloat16)
-    for x in (fortran, strided, bf16, np.zeros((0, 3)), np.array(5.0)):
-        y = detach_host(x)
-        assert y.dtype == x.dtype and y.shape == x.shape
-        assert np.array_equal(y, x) and not np.shares_memory(y, x)
+    big = np.arange(20000.0).reshape(100, 200)  # 160 kB: its own copy; the others share one
+    xs = [fortran, strided, bf16, np.zeros((0, 3)), np.array(5.0), big]
+    for y, x in zip(detach_host(xs) + [detach_host(x) for x in xs], xs + xs):
+        assert y.dtype == x.dtype and y.shape == x.shape and (not y.size or y.ctypes.data % 64 == 0)
+        assert np.array_equal(y, x) and not np.shares_memory(y, x) and not y.flags.writeable
 
 
 # ---------------------------------------------------------------- 2. the prefetch thread
