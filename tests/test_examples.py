@@ -33,6 +33,7 @@ KEY_LINES = {
     "checkpoint_resume.py": "checkpoint resume: ok",
     "fsdp_train.py": "fsdp train: ok",
     "language_model.py": "language model: ok",
+    "llama_plan.py": "llama plan: ok",
 }
 
 

@@ -224,8 +224,8 @@ def memory_options(
     per = f"{rows.rows // n} row{'s' * (rows.rows // n != 1)} per device"
 
     def fits(v: Variant | str | list, name: str, n_rows: int = rows.rows) -> bool:
-        if isinstance(v, str) or not v:  # why it does not apply, listed uncompiled
-            out.append(MemoryOption(name, "skipped", None, None, None, v or "not tried"))
+        if isinstance(v, str):  # why it does not apply, listed uncompiled
+            out.append(MemoryOption(name, "skipped", None, None, None, v))
             return False
         for one in v if isinstance(v, list) else [v]:
             out.append(option(one, state, batch_for(one.spec, rows, n_rows), limit))
@@ -235,18 +235,13 @@ def memory_options(
 
     if "fsdp" in names:
         fits(fsdp_variant(spec), "fsdp")
-    if "accumulate" in names:
-        tries = [m * 2**i for i in range(1, 5) if rows.rows % (m * 2**i * n) == 0]
-        if not spec.train:
-            fits("an eval step has no gradients to accumulate", "accumulate")
-        elif not tries:
-            fits(f"{per}: accumulate={2 * m} needs a multiple of {2 * m} rows per device",
-                 "accumulate")
-        for big in tries if spec.train else ():
-            micro = rows.rows // big
-            what = f"{big} micro-batches of {micro} row{'s' * (micro != 1)}"
-            if fits(Variant(f"accumulate={big}", what, spec.replace(accumulate=big)), ""):
-                break
+    if "accumulate" in names:  # M the devices split evenly, until one fits
+        bigs = [m * 2**i for i in range(1, 5) if spec.train and rows.rows % (m * 2**i * n) == 0]
+        what = [f"{b} micro-batches of {rows.rows // b} row{'s' * (rows.rows > b)}" for b in bigs]
+        v = [Variant(f"accumulate={b}", w, spec.replace(accumulate=b)) for b, w in zip(bigs, what)]
+        why = f"{per}: accumulate={2 * m} needs a multiple of {2 * m} rows per device"
+        eval_ = "an eval step has no gradients to accumulate"
+        fits((v or why) if spec.train else eval_, "accumulate")
     if "remat" in names:
         fits(remat_variant(spec, remat), "remat")
     if "offload" in names:
