@@ -336,6 +336,11 @@ def machine() -> dict:
     }
 
 
+def _calls(row) -> str:
+    calls = row.get("py calls step-program")
+    return "-" if calls is None else f"{calls:.0f}"
+
+
 def table(rows, info) -> str:
     head = (
         (f"{info['label']}: " if info.get("label") else "")
@@ -352,7 +357,7 @@ def table(rows, info) -> str:
             f"| {r['model']} | {r['leaves']} | {r['strategy']} | {r['calls']} | {us['step']:.0f} "
             f"| {us['program']:.0f} | {us['hand']:.0f} | {r['step/hand']:.2f}x "
             f"| {r['program/hand']:.2f}x | {r['step-program us']:+.0f} "
-            f"| {r.get('py calls step-program', float('nan')):.0f} |"
+            f"| {_calls(r)} |"
         )
     return "\n".join(lines)
 
@@ -374,16 +379,17 @@ def compare(before: str, after: str) -> str:
             f"{m['cpu_count']} CPUs, jax {m['jax']}; {m['time']}; load at each run's start {loads})"
         )
     lines += ["", "| model | leaves | strategy | step/hand before | after | step-program us before"]
-    lines[-1] += " | after | hand us before | after |"
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    lines[-1] += " | after | hand us before | after | Python calls before | after |"
+    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, b in rows[0].items():
         a = rows[1].get(key)
         cell = lambda r, k, f: "-" if r is None else format(r[k], f)  # noqa: E731
         hand = lambda r: "-" if r is None else f"{r['us']['hand']:.0f}"  # noqa: E731
         lines.append(
-            f"| {key[0]} | {b['leaves']} | {key[1]} | {cell(b, 'step/hand', '.2f')}x "
-            f"| {cell(a, 'step/hand', '.2f')}x | {cell(b, 'step-program us', '+.0f')} "
-            f"| {cell(a, 'step-program us', '+.0f')} | {hand(b)} | {hand(a)} |"
+            f"| {key[0]} | {b['leaves']} | {key[1]} | {cell(b, 'step/hand', '.2f')} "
+            f"| {cell(a, 'step/hand', '.2f')} | {cell(b, 'step-program us', '+.0f')} "
+            f"| {cell(a, 'step-program us', '+.0f')} | {hand(b)} | {hand(a)} "
+            f"| {_calls(b)} | {'-' if a is None else _calls(a)} |"
         )
     return "\n".join(lines)
 
