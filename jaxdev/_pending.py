@@ -34,7 +34,8 @@ def record(owner: Any, token: Any, explain: Explain) -> None:
     old = _PENDING.pop(owner, None)
     if old is not None and _error(old[0]) is not None:  # its outputs stay poisoned: their
         _PENDING[object()] = old  # reads are still explained (a key no step asks about)
-    _forget_finished()
+    if _PENDING:  # other steps' calls
+        _forget_finished()
     _PENDING[owner] = [token, explain, False]
     if len(_PENDING) > _KEEP:
         _PENDING.pop(next(iter(_PENDING)), None)
@@ -72,9 +73,11 @@ def failed(
     """
     if owner is not None:  # a step's next call: its own last call, a dict lookup
         entry = _PENDING.get(owner)
-        if entry is not None and error is None and not entry[2] and entry[0].is_ready():
-            if _error(entry[0]) is None:  # finished fine: forgotten (record has none to check)
-                _PENDING.pop(owner, None)
+        if entry is not None and error is None and not entry[2]:
+            if not entry[0].is_ready():  # still running: nothing to say yet
+                return None
+            if _error(entry[0], wait=True) is None:  # ready, fine: forgotten (record has none
+                _PENDING.pop(owner, None)  # to check)
                 return None
         mine = [] if entry is None else [entry]
     else:

@@ -165,3 +165,68 @@ def test_the_step_meter_hears_each_dispatch_and_can_ask_its_flops(monkeypatch):
     flops = step.cost(meter.calls[-1][1])
     assert flops is None or flops > 0
     assert step.cost(meter.calls[-1][1]) == flops  # computed once
+
+
+def flat_loss(params, batch):
+    """Any batch shape: each example's values summed."""
+    return batch.reshape(batch.shape[0], -1).sum(-1) * params["a"].sum()
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_batch_like_one_checked_before_skips_the_batch_checks(name, monkeypatch):
+    """Before: _raw_batch (layout probe, even rows, groups) and the program's signature ran
+    at every call; now once per batch structure, shapes and placement."""
+    raw = []
+    check = _step._Step._raw_batch
+    monkeypatch.setattr(_step._Step, "_raw_batch", lambda s, b: raw.append(b) or check(s, b))
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    before = len(raw)
+    for i in range(3):  # new objects, the same structure, shapes and placement
+        state, metrics = step(state, step.put_batch(np.full((8, 4), i, np.float32)), metrics)
+    assert len(raw) == before and int(state.step) == 7
+
+
+def _placed_stacked(strategy):
+    """A batch (8, 2, 4) placed as the strategy takes it (pmap: its stacked layout)."""
+    host = np.ones((8, 2, 4), np.float32)
+    if strategy == "pmap":
+        return jaxdev.Strategy.pmap().put_batch(host.reshape(16, 4))
+    return jax.device_put(host, jax.devices()[0])
+
+
+CASES = {  # (strategy, step options, a good batch, a bad one of the same shapes, error)
+    "single, stacked layout from the host": (
+        "single", {}, lambda: _placed_stacked("single"), np.ones((8, 2, 4), np.float32),
+        jaxdev.ShardingError, "reads two ways",
+    ),
+    "pmap, stacked layout from the host": (
+        "pmap", {}, lambda: _placed_stacked("pmap"), np.ones((8, 2, 4), np.float32),
+        jaxdev.ShardingError, "reads two ways",
+    ),
+    "sharded, uneven rows": (
+        "sharded", {}, lambda: np.ones((16, 4), np.float32), np.ones((12, 4), np.float32),
+        jaxdev.UsageError, "do not divide",
+    ),
+    "single, groups of another size": (
+        "single", {"steps_per_call": 2}, lambda: np.ones((2, 16, 4), np.float32),
+        np.ones((3, 16, 4), np.float32), jaxdev.UsageError, "grouped as",
+    ),
+    "sharded, groups of another size": (
+        "sharded", {"steps_per_call": 2}, lambda: np.ones((2, 16, 4), np.float32),
+        np.ones((3, 16, 4), np.float32), jaxdev.UsageError, "grouped as",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_batch_check_fires_after_good_calls_on_the_fast_path(case):
+    name, kw, good, bad, error, match = CASES[case]
+    step = jaxdev.make_train_step(flat_loss, SGD, STRATEGIES[name](), **kw)
+    state = step.init_state({"a": jnp.ones(())})
+    state, metrics = step(state, good())
+    for _ in range(3):  # the signature of the good batch remembered as checked
+        state, metrics = step(state, good(), metrics)
+    with pytest.raises(error, match=match):
+        step(state, bad, metrics)
+    state, metrics = step(state, good(), metrics)  # the step goes on
+    assert int(state.step) == 5 * kw.get("steps_per_call", 1)

@@ -57,6 +57,7 @@ from ._train import (
 )
 
 _MAX_INFLIGHT = 8
+_MAX_SEEN = 64  # batch signatures a step remembers as checked
 
 
 class _Step:
@@ -82,6 +83,7 @@ class _Step:
         self._budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
         self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
+        self._seen: dict[tuple, tuple] = {}  # batch signature -> key, program, known
         self._last: tuple | None = None  # ids of the state and metrics returned last, the key's
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
         multi = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
@@ -105,26 +107,23 @@ class _Step:
 
     def _call(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
         """One call; ``fresh`` (the state's part of the key): the state is the one the step
-        returned, so the walks over its leaves are skipped, and a refusal raises _Refused."""
-        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
-        if fresh is None:
-            check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
-            if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
-                metrics = to_device(metrics, self._target)  # or each placement compiles anew
-        elif self._shared_crashes:  # jax < 0.12 segfaults donating one buffer twice (8 devices)
-            _check_distinct(state, metrics)
-        if mask is None:
-            inner = self._raw_batch(inner)
-        elif self.is_train and not self._warned_padding:
-            strategy, k = self.strategy, self.steps_per_call
-            self._warned_padding = warn_padded_model_state(
-                self.config, strategy.collective_axis, strategy.shard_map, batch, k
-            )
-        args, key = self._args(state, inner, mask, metrics, fresh)
-        leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
-        shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
-        program = (key, treedef, *shapes)  # one compiled program: its variant and batch shapes
-        known = self._programs.get(program)  # (its OOM-later explainer, the returned state's key)
+        returned, so the walks over its leaves are skipped, and a refusal raises _Refused.
+        A fresh call whose batch has the structure, shapes and placement of one that went in
+        as given before (checked, nothing placed or moved) skips its checks: one flatten."""
+        hit = seen = None
+        if fresh is not None:
+            if self._shared_crashes:  # jax < 0.12 segfaults donating one buffer twice
+                _check_distinct(state, metrics)
+            leaves, treedef = jax.tree.flatten(batch)
+            seen = (metrics is None, fresh, treedef, *map(_placed_shape, leaves))
+            hit = self._seen.get(seen)
+        if hit is None:
+            args, key, program, same = self._prepare(state, batch, metrics, fresh)
+            known = self._programs.get(program)  # (OOM-later explainer, returned state's key)
+        else:
+            (key, program, known), same = hit, False
+            args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
+            args += [metrics] if key[1] else []
         compiled = known is None
         step_call(self.is_train, compiling=compiled)  # the hang watchdog's heartbeat
         self._state_in = state
@@ -134,9 +133,10 @@ class _Step:
                 fn = self._compiled[key]  # its first call checks every process compiled the same
             else:
                 fn = self._run[key]
-                if key in self._in_shardings:  # jit refuses committed leaves laid out otherwise
-                    only = None if fresh is None else range(1, 2 + key[0])  # fresh: the batch
-                    args = self._relayout(key, args, only=only) or args
+                if hit is None and key in self._in_shardings:  # jit refuses committed leaves
+                    only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
+                    moved = self._relayout(key, args, only=only)  # fresh: the batch
+                    args, same = (args, same) if moved is None else (moved, False)
             out, token = self._outputs(fn(*args))
             if compiled:
                 known = self._programs[program] = self._keep(program, out)
@@ -157,9 +157,34 @@ class _Step:
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
         ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
         self._last = (*ids, known[1])
+        if same and seen is not None and not compiled:  # its batch's checks passed as given
+            if len(self._seen) >= _MAX_SEEN:
+                self._seen.clear()
+            self._seen[seen] = (key, program, known)
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
+
+    def _prepare(self, state: Any, batch: Any, metrics: Any, fresh: Any) -> tuple:
+        """The checks of a call: its arguments (placed), key, program (variant, batch treedef
+        and shapes), and whether the batch goes in as it was given."""
+        inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if fresh is None:
+            check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
+            if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
+                metrics = to_device(metrics, self._target)  # or each placement compiles anew
+        given = inner
+        if mask is None:
+            inner = self._raw_batch(inner)
+        elif self.is_train and not self._warned_padding:
+            strategy, k = self.strategy, self.steps_per_call
+            self._warned_padding = warn_padded_model_state(
+                self.config, strategy.collective_axis, strategy.shard_map, batch, k
+            )
+        args, key = self._args(state, inner, mask, metrics, fresh)
+        leaves, treedef = jax.tree.flatten(args[1 : 2 + key[0]])  # the batch (and mask)
+        shapes = [(getattr(x, "shape", ()), getattr(x, "dtype", None)) for x in leaves]
+        return args, key, (key, treedef, *shapes), inner is given  # one program per shapes
 
     def _structure(self, state: Any) -> tuple:
         """The state's part of a program's key: under rules its structure (its layout)."""
@@ -522,6 +547,12 @@ def _direct(bound: Any) -> Any:
         return bound
     fn, get_mesh = bound.fn, jax.sharding.get_mesh
     return lambda *args: fn(*args) if get_mesh().empty else bound(*args)
+
+
+def _placed_shape(x: Any) -> tuple:
+    """What a batch leaf's checks read: its shape, dtype and (committed) sharding."""
+    placed = getattr(x, "committed", False) and x.sharding
+    return getattr(x, "shape", ()), getattr(x, "dtype", None), placed
 
 
 def _shaped(treedef: Any, shapes: list) -> Any:
