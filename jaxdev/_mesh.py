@@ -239,6 +239,8 @@ class MeshBound:
         return self._run(self.call, args)
 
     def lower(self, *args: Any) -> Any:
+        if self.call is not self.fn and any(isinstance(x, jax.Array) for x in jax.tree.leaves(args)):
+            raise not_here("running a step (or lowering it with arrays)", self.mesh)  # target
         return self._run(self.fn.lower, args)
 
     def _run(self, fn: Any, args: tuple[Any, ...]) -> Any:
