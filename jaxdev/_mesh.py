@@ -239,7 +239,8 @@ class MeshBound:
         return self._run(self.call, args)
 
     def lower(self, *args: Any) -> Any:
-        if self.call is not self.fn and any(isinstance(x, jax.Array) for x in jax.tree.leaves(args)):
+        target = self.call is not self.fn
+        if target and any(isinstance(x, jax.Array) for x in jax.tree.leaves(args)):
             raise not_here("running a step (or lowering it with arrays)", self.mesh)  # target
         return self._run(self.fn.lower, args)
 
@@ -379,7 +380,8 @@ def make_mesh(
     if target is not None:
         count = None if -1 in sizes else math.prod(sizes)
         if count is None and devices is None:
-            raise ShardingError(f"`axes` {dict(zip(names, sizes))} with `target=`: pass `devices=`.")
+            axes_ = dict(zip(names, sizes))
+            raise ShardingError(f"`axes` {axes_} has a -1 size with `target=`: pass `devices=`.")
         devs = target_devices(load_target(target), topology(devices, count))
     elif devices is None and jax.process_count() > 1:
         devs = tuple(jax.devices())
