@@ -166,6 +166,8 @@ def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = No
     key = "host" if direction in (D2H, WAIT) else direction
 
     def wrapper(*args, **kwargs):
+        if getattr(_tls, key, 0):  # an inner call (or not_counted): never counted
+            return fn(*args, **kwargs)
         with _outermost(key) as outer:
             if outer and _active and (when is None or when(*args, **kwargs)):
                 _emit(direction, kind, site := _call_site())

@@ -22,7 +22,7 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
     """Tell each meter: ``step``'s program ``key`` was dispatched from ``start`` until now
     (``compiled``: this call traced and compiled it); ``token`` is an output to wait on."""
     end = time.perf_counter()
-    for meter in list(listeners):
+    for meter in listeners:  # a meter leaves (and the list changes) outside a step call
         meter.on_step(step, key, start, end, compiled, token)
 
 

@@ -131,6 +131,17 @@ def test_the_meter_adds_no_host_sync():
     assert r.steps == 10 and counter.device_to_host == counter.waits == 0
 
 
+def test_the_watcher_wakes_once_per_batch_of_steps_not_per_step():
+    step, state, batch, _ = _setup()
+    with StepMeter() as m:  # a dispatch-bound loop (~0.1 ms a step)
+        for _ in range(300):
+            state, _ = step(state, batch)
+    r, looks = m.report(), [t for _, t in m._looks]  # no syncs: the watcher's looks only
+    assert r.steps == 300 and len(looks) < 300 / 4, len(looks)
+    assert all(b - a >= 1e-3 for a, b in zip(looks, looks[1:-1]))  # >= 1 ms apart (not exit's)
+    assert 0 < r.seconds["step"] <= r.wall
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"examples_per_step": -1}, {"tokens_per_step": True}, {"last": 0},
                {"examples_per_step": "8"}, {"tokens_per_step": float("nan")}]

@@ -1,9 +1,9 @@
 """The step meter: where a training loop's wall time went, with no host sync of its own.
 
-jaxdev's steps tell it what they dispatched (:mod:`jaxdev._timeline`); a daemon thread waits
-on each step's token in order and notes when the device finished it. The device was busy
-from a step's dispatch (or the previous step's end) to its end; in the gaps it waited for the
-host, and the host's own record (input waits, host syncs, compiles, checkpoint saves, eval
+jaxdev's steps tell it what they dispatched (:mod:`jaxdev._timeline`); a daemon thread notes
+when the device finished them (:class:`StepMeter` says how often). The device was busy from a
+step's dispatch (or the previous step's end) to its end; in the gaps it waited for the host,
+and the host's own record (input waits, host syncs, compiles, checkpoint saves, eval
 dispatches) says what for. A gap's part no record covers goes to what the host was doing when
 the device ran out of work (the sync that held back the next dispatch), else to "other".
 """
@@ -14,7 +14,6 @@ import bisect
 import contextlib
 import dataclasses
 import math
-import queue
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
 SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
 _RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
 _JOIN_S = 300.0  # leaving waits this long at most for the steps in flight
+_LOOK = (1e-3, 1e-2, 20)  # the watcher looks again after 20 step intervals, within 1-10 ms
 
 
 def peak_flops(kind: str) -> tuple[float, str] | None:
@@ -92,7 +92,11 @@ class StepMeter:
     jaxdev's train and eval steps, ``prefetch_to_device``, checkpoint saves and host syncs
     (``float(loss)``, ``jax.device_get``, ``np.asarray`` of device arrays) are seen as they
     are; wrap any other loader in :meth:`inputs`. The meter adds no sync: a thread of its own
-    waits on each step's outputs; leaving the block waits for the steps in flight.
+    waits on a step's outputs once per batch of steps (the first step dispatched 20 step
+    intervals, within 1-10 ms, after its last look), so a step's end is exact at each look;
+    between looks the device runs its programs in order, and a queue model (each step of the
+    batch took the same time, from its dispatch or the previous one's end) places them, bounded
+    by the syncs that found them done. Leaving the block waits for the steps in flight.
 
     Args:
       examples_per_step: examples in one step's batch (global), for ``examples/s``.
@@ -128,13 +132,14 @@ class StepMeter:
                 raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
-        self._steps: list[tuple] = []  # (start, end, compiled, train, step, key), in call order
-        self._done: list[float] = []  # when the device finished each (the watcher's)
-        self._seen: dict[int, float] = {}  # a step found finished after a sync: its end
-        self._waiting: dict[int, Any] = {}  # the tokens the watcher has not seen finish
+        self._steps: list[tuple] = []  # (start, end, compiled) in call order: untracked by gc
+        self._runs: list[tuple] = [(0, None, None)]  # (first call, step, key) of each program run
+        self._newest: tuple[int, Any] = (-1, None)  # the last step and an output of it
+        self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
+        self._synced: list[tuple[int, float]] = []  # (step, a sync's end: it ended by then)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
         self._open: tuple[str, float] | None = None  # a mark, until the next step or input
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake, self._next, self._stop = threading.Event(), 0.0, False
 
     def __enter__(self) -> StepMeter:
         if self._t0:
@@ -151,44 +156,54 @@ class StepMeter:
     def __exit__(self, *exc: Any) -> None:
         _timeline.listeners.remove(self)
         self._close(now := time.perf_counter())
-        self._queue.put(None)
+        self._stop = True
+        self._wake.set()  # the watcher waits for the steps in flight
         self._thread.join(_JOIN_S)
         self._guard.__exit__(None, None, None)
-        self._t1 = max([now, *self._done[-1:]])  # the block, or its last step if later
+        self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
 
     def _watch(self) -> None:
+        """Woken by a step dispatched ``_LOOK`` after its last look (or by leaving)."""
+        lo, (low, high, steps) = 0, _LOOK
         with _guards._outermost("host"):  # its waits are not the user's: never counted
-            while (i := self._queue.get()) is not None:
-                try:
-                    self._waiting[i].block_until_ready()
-                except Exception:  # noqa: BLE001 - a failed step's error is its reads' to raise
-                    pass
-                self._done.append(time.perf_counter())
-                del self._waiting[i]
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                stop, (i, token) = self._stop, self._newest  # read after clear: no wake lost
+                if i >= lo:
+                    with contextlib.suppress(Exception):  # a failed step: its reads raise
+                        token.block_until_ready()
+                    self._looks.append((i, now := time.perf_counter()))
+                    every = (self._steps[i][1] - self._steps[max(lo - 1, 0)][1]) / (i + 1 - lo)
+                    self._next, lo = now + min(max(low, steps * every), high), i + 1
+                del token
+                if stop:
+                    return
 
     def inputs(self, iterable: Any) -> Any:
         """Yield ``iterable``'s items, timing each wait for the next as input."""
-        it = iter(iterable)
-        while True:
-            start = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
+        start = time.perf_counter()
+        for item in iterable:
             self.on_host("input", start, time.perf_counter(), "")
             yield item
+            start = time.perf_counter()
 
     # -------------------------------------------------- what _timeline tells it
 
     def on_step(self, step: Any, key: tuple, start: float, end: float, compiled: bool,
                 token: Any) -> None:
-        self._close(start)
-        train = getattr(step, "is_train", True)
-        self._waiting[len(self._steps)] = token
-        self._queue.put(len(self._steps))
-        self._steps.append((start, end, compiled, train, step, key))
-        if compiled or not train:
+        if self._open is not None:
+            self._close(start)
+        steps, run = self._steps, self._runs[-1]
+        steps.append((start, end, compiled))
+        self._newest = (len(steps) - 1, token)  # only the newest: kept outputs cost
+        if step is not run[1] or key != run[2]:
+            self._runs.append((len(steps) - 1, step, key))
+        if compiled or not step.is_train:
             self._host.append(("compile" if compiled else "eval", start, end, ""))
+        if end >= self._next:  # the watcher's next look (at most one wake per batch)
+            self._next = math.inf
+            self._wake.set()
 
     def on_host(self, label: str, start: float, end: float, where: str) -> None:
         if threading.get_ident() == self._tid:  # the loop's thread only
@@ -197,11 +212,11 @@ class StepMeter:
             what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
             where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
             self._host.append((label, start, end, where))
-            if label == "sync":  # steps it saw finish: by its end (the watcher may be late)
+            i, token = self._newest  # finished by the sync's end: it and all before it
+            if label == "sync" and token is not None:
                 with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
-                    for i, token in list(self._waiting.items()):
-                        if token.is_ready():
-                            self._seen.setdefault(i, end)
+                    if token.is_ready():
+                        self._synced.append((i, end))
 
     def on_mark(self, label: str, when: float) -> None:
         if threading.get_ident() == self._tid and self._open is None:
@@ -216,10 +231,11 @@ class StepMeter:
 
     def report(self) -> MeterReport:
         """The summary of the block (of what finished so far, inside it)."""
-        t0, done = self._t0, [min(t, self._seen.get(i, t)) for i, t in enumerate(self._done)]
-        t1 = self._t1 or time.perf_counter()
-        busy, prev = [], t0
-        for (_, end, _, train, *_), finish in zip(self._steps, done):
+        t0, t1, done = self._t0, self._t1 or time.perf_counter(), self._finishes()
+        ends = [min(a, len(done)) for a, *_ in self._runs[2:]] + [len(done)]
+        runs = [(step, key, b - a) for (a, step, key), b in zip(self._runs[1:], ends) if b > a]
+        busy, prev, kinds = [], t0, [k for st, _, n in runs for k in [st.is_train] * n]
+        for (_, end, _), finish, train in zip(self._steps, done, kinds):
             if finish > max(end, prev):
                 busy.append((max(end, prev), finish, "step" if train else "eval"))
             prev = max(prev, finish)
@@ -235,23 +251,38 @@ class StepMeter:
             if label == "sync":
                 n, secs = syncs.get(where, (0, 0.0))
                 syncs[where] = [n + 1, secs + e - s]
-        calls = self._steps[: len(done)]
         return MeterReport(
             t1 - t0, seconds, tuple((w, n, s) for w, (n, s) in syncs.items()),
-            *self._rates(calls, t1 - t0), *self._lanes(busy, segments, t0),
+            *self._rates(runs, t1 - t0), *self._lanes(busy, segments, t0),
         )
 
-    def _rates(self, calls: list[tuple], wall: float) -> tuple:
-        steps = sum(getattr(c[4], "steps_per_call", 1) for c in calls if c[3])
+    def _finishes(self) -> list[float]:
+        """When the device finished each step the watcher saw end, by the queue model."""
+        out, prev, lo = [], self._t0, 0
+        for i, t in list(self._looks):
+            ends = [s[1] for s in self._steps[lo : i + 1]]  # each starts at max(end, prev)
+            chains = [(prev, len(ends))] + [(e, len(ends) - k) for k, e in enumerate(ends)]
+            c = max(min((t - base) / m for base, m in chains), 0.0)  # the last ends at t
+            for e in ends:
+                out.append(prev := min(max(e, prev) + c, t))
+            out[-1] = prev = t
+            lo = i + 1
+        marks, bound = sorted(self._synced), math.inf  # in order: ended by a later one's sync
+        for j in range(len(out) - 1, -1, -1):
+            while marks and marks[-1][0] >= j:
+                bound = min(bound, marks.pop()[1])
+            out[j] = min(out[j], bound)
+        return out
+
+    def _rates(self, runs: list[tuple], wall: float) -> tuple:
+        steps = sum(st.steps_per_call * n for st, _, n in runs if st.is_train)
         rates = {"steps/s": steps / wall} if wall > 0 else {}
         for name, per in (("examples/s", self.examples), ("tokens/s", self.tokens)):
             if per is not None and wall > 0:
                 rates[name] = steps * per / wall
-        costs = Counter((id(c[4]), c[5]) for c in calls)
-        by_id = {id(c[4]): c[4] for c in calls}
-        flops = [getattr(by_id[i], "cost", lambda k: None)(k) for i, k in costs]
-        total = None if None in flops or not calls else sum(
-            f * n for f, n in zip(flops, costs.values()))
+        flops = [(st.cost(key), n) for st, key, n in runs]  # each program's, computed once
+        total = None if not runs or any(f is None for f, _ in flops) else sum(
+            f * n for f, n in flops)
         per_device = total / wall if total is not None and wall > 0 else None
         kind = jax.local_devices()[0].device_kind
         peak = peak_flops(kind)
