@@ -115,7 +115,8 @@ def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
 
 
 _ALIGN = 64  # bytes: JAX's CPU client uses a host buffer in place when aligned like this
-_SMALL = 1 << 16  # bytes: host leaves smaller than this are copied into one block per call
+_SMALL = 1 << 16  # bytes: host leaves smaller than this are copied into shared blocks
+_BLOCK = 1 << 20  # bytes: the most one shared block holds (what one kept leaf keeps alive)
 
 
 def detach_host(tree: Any) -> Any:
@@ -136,9 +137,12 @@ def detach_host(tree: Any) -> Any:
     for i in sorted(set(todo) - set(small)):
         out[i] = aligned_copy(leaves[i], 0)
     sizes = [-(-leaves[i].nbytes // _ALIGN) * _ALIGN for i in small]
-    block, at = _aligned_empty(sum(sizes)), 0  # small leaves in one block: ~4 us a leaf, not 12
-    for i, size in zip(small, sizes):
-        x = leaves[i]
+    left, block, at = sum(sizes), _aligned_empty(0), 0  # small leaves share blocks: ~4 us a
+    for i, size in zip(small, sizes):  # leaf, not 12; a kept leaf keeps its block alive, so
+        if at + size > block.size:  # a block holds at most _BLOCK bytes
+            block.base.flags.writeable = False
+            block, at = _aligned_empty(min(left, _BLOCK)), 0
+        x, left = leaves[i], left - size
         out[i] = block[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
         np.copyto(out[i], x, casting="no")
         out[i].flags.writeable, at = False, at + size

@@ -173,6 +173,17 @@ def test_detach_host_keeps_dtype_and_layout():
         assert np.array_equal(y, x) and not np.shares_memory(y, x) and not y.flags.writeable
 
 
+
+def test_a_kept_small_leaf_keeps_at_most_one_block_alive():
+    # small leaves share blocks; keeping one (a batch's labels) must not keep a whole
+    # 60 MB batch alive: each block holds at most 1 MiB (was: one block per call)
+    xs = [np.full(15000, i, np.float32) for i in range(1000)]  # 60 kB each, 60 MB in all
+    ys = detach_host(xs)
+    owners = {id(y.base): y.base.nbytes for y in ys}  # numpy: a view's base is the owner
+    assert max(owners.values()) <= (1 << 20) + 64 and len(owners) >= 58
+    assert all(np.array_equal(y, x) for y, x in zip(ys, xs))
+
+
 # ---------------------------------------------------------------- 2. the prefetch thread
 
 
