@@ -142,6 +142,20 @@ def test_the_watcher_wakes_once_per_batch_of_steps_not_per_step():
     assert 0 < r.seconds["step"] <= r.wall
 
 
+def test_a_report_compiles_nothing_and_shows_flops_per_device():
+    flops = {}
+    for name in ("single", "sharded"):
+        strategy = getattr(jaxdev.Strategy, name)(jaxdev.data_mesh() if name == "sharded" else None)
+        step, state, batch, _ = _setup(strategy, width=64, rows=64)
+        with StepMeter() as m:
+            for _ in range(3):
+                state, _ = step(state, batch)
+        with jaxdev.no_host_sync(max_compiles=0):  # lazy: XLA's cost of the lowered program
+            r = m.report()
+        flops[name] = r.flops_per_device * r.wall / r.steps  # one step's, per device
+    assert flops["sharded"] == pytest.approx(flops["single"] / 8, rel=0.2), flops
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"examples_per_step": -1}, {"tokens_per_step": True}, {"last": 0},
                {"examples_per_step": "8"}, {"tokens_per_step": float("nan")}]

@@ -230,19 +230,20 @@ class _Step:
         return out, jax.tree.leaves(one)[0]
 
     def cost(self, key: tuple) -> float | None:
-        """The FLOPs of one call of program ``key`` (as :mod:`jaxdev._timeline` names it) by
-        XLA's cost analysis of its compiled program; computed once, ``None`` when the
-        backend gives none. For the step meter."""
+        """The FLOPs per device of one call of program ``key`` (as :mod:`jaxdev._timeline`
+        names it) by XLA's cost analysis of its lowered program (no compile; a GSPMD
+        program's split evenly over its devices); computed once, ``None`` when the backend
+        gives none. For the step meter."""
         if key not in self._flops:
             self._flops[key] = None
             variant, treedef, *shapes = key
             state, metrics = self._arg_shapes[variant]
             args = [state, *_shaped(treedef, shapes), *([metrics] if variant[1] else [])]
             try:
-                lowered = self._jitted[variant].lower(*args)
-                costs = lowered.compile().cost_analysis()
+                costs = self._jitted[variant].lower(*args).cost_analysis()
                 costs = costs[0] if isinstance(costs, (list, tuple)) else costs  # jax 0.10.2
-                self._flops[key] = float(costs["flops"])
+                spmd = self.strategy.kind == "sharded" and not self.strategy.shard_map
+                self._flops[key] = float(costs["flops"]) / len(self.strategy.devices) ** spmd
             except Exception:  # noqa: BLE001 - the meter says "unknown"
                 pass
         return self._flops[key]
