@@ -125,10 +125,8 @@ class StepMeter:
     ):
         for name, value in (("examples_per_step", examples_per_step),
                             ("tokens_per_step", tokens_per_step), ("last", last)):
-            if value is not None and not (
-                isinstance(value, (int, float)) and not isinstance(value, bool)
-                and 0 < value < math.inf
-            ):
+            if value is not None and (isinstance(value, bool) or not (
+                    isinstance(value, (int, float)) and 0 < value < math.inf)):
                 raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
@@ -212,11 +210,10 @@ class StepMeter:
             what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
             where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
             self._host.append((label, start, end, where))
-            i, token = self._newest  # finished by the sync's end: it and all before it
-            if label == "sync" and token is not None:
+            if label == "sync" and (token := self._newest[1]) is not None:
                 with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
-                    if token.is_ready():
-                        self._synced.append((i, end))
+                    if token.is_ready():  # it and all before it ended by the sync's end
+                        self._synced.append((self._newest[0], end))
 
     def on_mark(self, label: str, when: float) -> None:
         if threading.get_ident() == self._tid and self._open is None:
@@ -244,8 +241,9 @@ class StepMeter:
             seconds[label] += e - s
         segments = _flatten([h[:3] for h in self._host])
         starts = [s for s, _, _ in segments]
-        for a, b in _gaps(busy, t0, t1):
-            _attribute(a, b, segments, starts, seconds)
+        for a, b in zip([t0] + [e for _, e, _ in busy], [s for s, _, _ in busy] + [t1]):
+            if b > a:  # a gap between the device's busy spans
+                _attribute(a, b, segments, starts, seconds)
         syncs: dict[str, list] = {}
         for label, s, e, where in self._host:
             if label == "sync":
@@ -315,12 +313,6 @@ def _flatten(intervals: list[tuple[str, float, float]]) -> list[tuple[float, flo
         open_[intervals[i][0]] += sign
         last = t
     return out
-
-
-def _gaps(busy: list, t0: float, t1: float) -> list[tuple[float, float]]:
-    starts = [t0] + [e for _, e, _ in busy]
-    ends = [s for s, _, _ in busy] + [t1]
-    return [(a, b) for a, b in zip(starts, ends) if b > a]
 
 
 def _attribute(a: float, b: float, segments: list, starts: list, seconds: dict) -> None:
