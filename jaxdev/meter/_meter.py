@@ -316,8 +316,9 @@ def _flatten(intervals: list[tuple[str, float, float]]) -> list[tuple[float, flo
 
 
 def _attribute(a: float, b: float, segments: list, starts: list, seconds: dict) -> None:
-    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to the
-    record under way when the device ran out of work (a switch interval late at most)."""
+    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to a sync
+    in it (it held back the next dispatch), else to the record under way when the device ran
+    out of work (a switch interval late at most: step ends are estimates between looks)."""
     i = max(bisect.bisect_right(starts, a) - 1, 0)
     covered, cause = 0.0, "other"
     if segments and segments[i][0] <= a <= segments[i][1] + sys.getswitchinterval():
@@ -327,5 +328,5 @@ def _attribute(a: float, b: float, segments: list, starts: list, seconds: dict) 
             break
         if (ov := min(b, e) - max(a, s)) > 0:
             seconds[label] += ov
-            covered += ov
+            covered, cause = covered + ov, "sync" if label == "sync" else cause
     seconds[cause] += b - a - covered
