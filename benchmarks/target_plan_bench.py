@@ -51,7 +51,7 @@ def _jaxdev_step(got, mesh):
         jaxdev.nnx.loss(model, got["loss"]), got["tx"],
         jaxdev.Strategy.sharded(mesh, rules="fsdp"), has_state=True,
     )
-    state = jaxdev.abstract_state(model, step=step)
+    state = step.abstract_state(model)
     rows = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((ROWS_PER_DEVICE * N, *x.shape[1:]), x.dtype), got["batch"]
     )

@@ -63,7 +63,6 @@ from ._data_parallel import data_parallel as data_parallel
 from ._rules import Rules as Rules
 from ._rules import param_shardings as param_shardings
 from ._rules import shard_params as shard_params
-from .train import abstract_state as abstract_state
 from .train import init_sharded as init_sharded
 
 # --- namespaces ---

@@ -1,4 +1,4 @@
-"""jaxdev.abstract_state (issue 36): the train state init_state would build, as shapes with
+"""step.abstract_state (issue 36): the train state init_state would build, as shapes with
 its shardings, nothing allocated; linen and NNX."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ STRATEGIES = {
 def test_the_abstract_state_is_what_init_state_builds_and_nothing_is_allocated(kind, strategy):
     step = jaxdev.make_train_step(lambda *a: 0.0, TX, STRATEGIES[strategy](), has_state=True)
     live = {id(x) for x in jax.live_arrays()}
-    abstract = jaxdev.abstract_state(_nnx if kind == "nnx" else _linen_init, step=step)
+    abstract = step.abstract_state(_nnx if kind == "nnx" else _linen_init)
     assert {id(x) for x in jax.live_arrays()} <= live  # nothing allocated
     if kind == "nnx":
         params, rest = jaxdev.nnx.split(_nnx())

@@ -216,7 +216,7 @@ def _model_step(entry: Callable[..., dict], strategy: Any, rows: int, **kw: Any)
     model = nnx.eval_shape(got["model"])
     loss = jaxdev.nnx.loss(model, got["loss"])
     step = jaxdev.make_train_step(loss, got["tx"], strategy, has_state=True)
-    state = jaxdev.abstract_state(model, step=step)
+    state = step.abstract_state(model)
     n = rows * strategy.n_devices
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), got["batch"])
     return step, state, batch

@@ -19,4 +19,3 @@ from ._step import TrainStep as TrainStep
 from ._step import make_eval_step as make_eval_step
 from ._step import make_train_step as make_train_step
 from ._sharded_init import init_sharded as init_sharded
-from ._flax import abstract_state as abstract_state

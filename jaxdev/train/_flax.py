@@ -216,27 +216,11 @@ def nnx_metrics_update(metrics: nnx.Metric, mask: Any, **values: Any) -> None:
 
 
 def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
-    """The :class:`TrainState` ``step.init_state`` would build, as ``ShapeDtypeStruct`` s with
-    its shardings: nothing is allocated (for ``jaxdev.memory.plan`` and checkpoint restores).
-
-    ``init_fn(*args)`` (or an NNX module, e.g. from ``nnx.eval_shape``) is traced as
-    :func:`jaxdev.init_sharded` traces it: an NNX module gives its ``nnx.Param`` s and the
-    rest as ``model_state``; a linen ``model.init`` its ``"params"`` and the other
-    collections; anything else is the params. The optimizer state is the step's ``tx``'s.
-
-    Args:
-      step: the train step whose strategy and ``tx`` lay the state out.
-      rng: a key (or its ``ShapeDtypeStruct``) when the step's loss takes one.
-
-    Example:
-      >>> import optax, jaxdev
-      >>> from flax import nnx
-      >>> fsdp = jaxdev.Strategy.sharded(jaxdev.make_mesh({"fsdp": 8}), rules="fsdp")
-      >>> step = jaxdev.make_train_step(lambda p, b: b @ p["kernel"], optax.adam(0.1), fsdp)
-      >>> state = jaxdev.abstract_state(lambda: nnx.Linear(512, 4, rngs=nnx.Rngs(0)), step=step)
-      >>> state.opt_state[0].mu["kernel"].shape, state.params["kernel"].sharding.spec
-      ((512, 4), P('fsdp', None))
-    """
+    """``step.abstract_state(init_fn, *args, rng=rng)``: ``init_fn(*args)`` (or an NNX
+    module) traced as :func:`jaxdev.init_sharded` traces it; an NNX module gives its
+    ``nnx.Param`` s and the rest as ``model_state``, a linen ``model.init`` its ``"params"``
+    and the other collections, anything else is the params; the optimizer state is the
+    step's ``tx``'s."""
     from ._sharded_init import _shapes, _split_args  # init_sharded's tracing, one owner
 
     strategy, tx = step.strategy, step.spec.config.tx

@@ -44,6 +44,7 @@ from ..memory import (
     resolve_limit,
     state_shapes,
 )
+from ._flax import abstract_state
 from ._metrics import Collection
 from ._strategy import Strategy, as_strategy
 from ._train import (
@@ -397,6 +398,24 @@ class _Step:
         return explain_memory(
             self.spec, state, batch, limit, metrics=metrics, options=options, remat=remat
         )
+
+    def abstract_state(self, init_fn: Any, *args: Any, rng: Any = None) -> Any:
+        """The :class:`TrainState` :meth:`init_state` would build from ``init_fn(*args)``
+        (an NNX constructor or module, a linen ``model.init``, or params), as
+        ``ShapeDtypeStruct`` s with this step's shardings: nothing is allocated (for
+        ``jaxdev.memory.plan``, ``explain_memory`` and restores). ``rng``: a key (or its
+        ``ShapeDtypeStruct``) when the loss takes one.
+
+        Example:
+          >>> import optax, jaxdev
+          >>> from flax import nnx
+          >>> fsdp = jaxdev.Strategy.sharded(jaxdev.make_mesh({"fsdp": 8}), rules="fsdp")
+          >>> step = jaxdev.make_train_step(lambda p, b: b @ p["kernel"], optax.adam(0.1), fsdp)
+          >>> state = step.abstract_state(lambda: nnx.Linear(512, 4, rngs=nnx.Rngs(0)))
+          >>> state.opt_state[0].mu["kernel"].shape, state.params["kernel"].sharding.spec
+          ((512, 4), P('fsdp', None))
+        """
+        return abstract_state(init_fn, *args, step=self, rng=rng)
 
     def init_state(
         self,
