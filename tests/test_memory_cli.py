@@ -50,14 +50,32 @@ def test_memory_plans_fits_and_explains_a_models_step(capsys):
     assert "largest batch that fits: " in out and "programs compiled in" in out
 
 
+def not_a_dict():
+    return (1, 2)
+
+
+T = f"{__file__}:tiny"
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "nowhere.py:tiny"], "`--model nowhere.py:tiny`: expected FILE.py:FUNCTION"),
-    (["--model", f"{__file__}:tiny", "--remat", "everything"],
+    (["--model", T, "--remat", "everything"],
      "`--remat everything` is not in jax.checkpoint_policies"),
+    (["--model", f"{__file__}:not_a_dict"], "not_a_dict() must return a dict with 'model', "),
+    (["--model", T, "--options", "bogus"], "`--options bogus`: expected some of fsdp,"),
+    (["--model", T, "--limit", "-1"], "argument --limit: expected a positive number of GiB"),
+    (["--model", T, "--limit", "-1", "--fit"], "argument --limit: expected a positive number"),
+    (["--model", T, "--target", "h100", "--topology", "0"], "argument --topology: expected a"),
+    (["--model", T, "--target", "h100", "--topology", "1x1x8"], "hosts x devices per host"),
+    (["--model", T, "--target", "h100", "--topology", "3"],
+     "`--topology 3` gives 3 target devices but `--mesh fsdp=8` needs 8"),
+    (["--model", T, "--target", "h100", "--topology", "2x8"], "`--topology 2x8` gives 16"),
 ])
 def test_bad_models_and_policies_are_usage_errors(capsys, args, fragment):
+    """Each user mistake: exit 2, one line, no traceback, before anything is compiled."""
     assert main(["memory", "--mesh", "fsdp=8", *args]) == 2
-    assert fragment in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert fragment in err and "Traceback" not in err and "memory plan" not in out
 
 
 @pytest.mark.target
@@ -66,3 +84,15 @@ def test_memory_plans_for_a_gpu_target(capsys):
     assert main(["memory", "--model", f"{__file__}:tiny", *args]) == 0
     out = capsys.readouterr().out
     assert "for 8 x NVIDIA H100 80GB HBM3 (target 'h100')" in out and "compiled by XLA:GPU" in out
+
+
+@pytest.mark.target
+@pytest.mark.parametrize("args, code, fragment", [
+    (["--target", "h100"], 0, "mesh(data=8), rules='fsdp', for 8 x NVIDIA H100"),
+    (["--target", "h100", "--topology", "2x8"], 0, "mesh(data=16)"),
+    (["--target", "h300"], 2, "`target`='h300' is neither a GPU jaxdev knows"),
+])
+def test_a_target_without_a_mesh_plans_on_its_devices(capsys, args, code, fragment):
+    assert main(["memory", "--model", T, *args]) == code
+    out, err = capsys.readouterr()
+    assert fragment in out + err and "Traceback" not in err

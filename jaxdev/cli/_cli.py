@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import pkgutil
 import re
@@ -213,6 +214,12 @@ def _model_step(entry: Callable[..., dict], strategy: Any, rows: int, **kw: Any)
     from flax import nnx
 
     got = entry(**kw)
+    if not isinstance(got, dict) or not {"model", "loss", "batch", "tx"} <= got.keys():
+        raise UsageError(
+            f"`--model`: {getattr(entry, '__name__', entry)}() must return a dict with 'model', "
+            f"'loss', 'batch', 'tx' (see examples/llama_plan.py), got {type(got).__name__} "
+            f"{sorted(got) if isinstance(got, dict) else ''}".rstrip()
+        )
     model = nnx.eval_shape(got["model"])
     loss = jaxdev.nnx.loss(model, got["loss"])
     step = jaxdev.make_train_step(loss, got["tx"], strategy, has_state=True)
@@ -220,6 +227,30 @@ def _model_step(entry: Callable[..., dict], strategy: Any, rows: int, **kw: Any)
     n = rows * strategy.n_devices
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), got["batch"])
     return step, state, batch
+
+
+def _plan_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """``--mesh`` (default ``data=-1``) on ``--topology`` devices of ``--target`` (default 8)."""
+    axes = dict(args.mesh or {"data": -1})
+    if args.target is None:
+        return jaxdev.make_mesh(axes, args.topology)
+    topo = args.topology or (8 if -1 in axes.values() else None)
+    if topo is not None:
+        n, fixed = math.prod(map(int, str(topo).split("x"))), abs(math.prod(axes.values()))
+        if n % fixed or (-1 not in axes.values() and fixed != n):
+            mesh = ",".join(f"{k}={v}" for k, v in axes.items())
+            raise UsageError(
+                f"`--topology {topo}` gives {n} target devices but `--mesh {mesh}` needs "
+                f"{fixed}{' x k' if -1 in axes.values() else ''}: make them agree, e.g. "
+                f"`--topology {fixed}`."
+            )
+        axes = {k: n // fixed if v == -1 else v for k, v in axes.items()}
+    try:
+        return jaxdev.make_mesh(axes, topo, target=args.target)
+    except (UnicodeDecodeError, jax.errors.JaxRuntimeError) as err:
+        raise UsageError(
+            f"`--target {args.target}`: not a GpuTargetConfig text XLA:GPU can read: {err}"
+        ) from None
 
 
 def plan_memory(args: argparse.Namespace) -> int:
@@ -234,8 +265,13 @@ def plan_memory(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("jaxdev").setLevel(logging.INFO)
     entry, start = _entry(args.model), time.perf_counter()
-    mesh = jaxdev.make_mesh(dict(args.mesh or {"data": -1}), args.topology, target=args.target)
-    strategy = jaxdev.Strategy.sharded(mesh, rules=args.rules)
+    if set(args.options or ()) - set(jaxdev.memory.OPTIONS):
+        raise UsageError(f"`--options {','.join(args.options)}`: expected some of "
+                         f"{','.join(jaxdev.memory.OPTIONS)}.")
+    policy = getattr(jax.checkpoint_policies, args.remat or "", None)
+    if args.remat and policy is None:
+        raise UsageError(f"`--remat {args.remat}` is not in jax.checkpoint_policies.")
+    strategy = jaxdev.Strategy.sharded(_plan_mesh(args), rules=args.rules)
     step, state, batch = _model_step(entry, strategy, args.rows)
     limit = None if args.limit is None else int(args.limit * 2**30)
     plan = jaxdev.memory.plan(state, step=step, batch=batch)
@@ -244,9 +280,6 @@ def plan_memory(args: argparse.Namespace) -> int:
     if args.options or args.remat:
         remat = True
         if args.remat:
-            policy = getattr(jax.checkpoint_policies, args.remat, None)
-            if policy is None:
-                raise UsageError(f"`--remat {args.remat}` is not in jax.checkpoint_policies.")
             remat = _model_step(entry, strategy, args.rows, remat=policy)[0]
         options = tuple(args.options or ("remat",))
         why = jaxdev.memory.explain_memory(
@@ -371,6 +404,18 @@ def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
+def _topology(text: str) -> int | str:
+    """``'8'`` -> 8, ``'2x8'`` (hosts x devices per host) as is."""
+    if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"expected a device count (8) or hosts x devices per host (2x8), got {text!r}"
+        )
+    return int(text) if text.isdigit() else text
+
+
+_gib = _number(float, 2**-30, float("inf"), "a positive number of GiB")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``jaxdev`` argument parser."""
     p = UsageParser(prog="jaxdev", description="Devices, data parallel training and benchmarks.")
@@ -394,12 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(examples/llama_plan.py): plan its train step instead of the demo")
     plan.add_argument("--target", help="compile for GPUs that need not be here: h100, h200, "
                       "a100-80gb or a GpuTargetConfig path (needs the CUDA plugin)")
-    plan.add_argument("--topology", type=lambda t: int(t) if t.isdigit() else t,
+    plan.add_argument("--topology", type=_topology,
                       help="target devices: 8, or hosts x devices: 2x8")
     plan.add_argument("--mesh", type=_mesh_axes, metavar="AXES", help="e.g. data=2,fsdp=4")
     plan.add_argument("--rules", default="fsdp", choices=["fsdp", "replicate"])
     plan.add_argument("--rows", type=_positive, default=1, help="rows per device (default 1)")
-    plan.add_argument("--limit", type=float, metavar="GiB", help="per device (default: the "
+    plan.add_argument("--limit", type=_gib, metavar="GiB", help="per device (default: the "
                       "target's or the devices' own)")
     plan.add_argument("--fit", action="store_true", help="the largest batch that fits")
     plan.add_argument("--options", type=lambda t: t.split(","), metavar="A,B",
