@@ -230,3 +230,58 @@ def test_each_batch_check_fires_after_good_calls_on_the_fast_path(case):
         step(state, bad, metrics)
     state, metrics = step(state, good(), metrics)  # the step goes on
     assert int(state.step) == 5 * kw.get("steps_per_call", 1)
+
+
+_DONATED_ELSEWHERE = """
+import jaxdev
+jaxdev.testing.use_fake_cpu_devices(8)
+import jax, jax.numpy as jnp, numpy as np, optax
+def loss(params, batch):
+    return (batch @ params["a"] + batch @ params["b"]).sum(-1)
+def named(label, fn):
+    try:
+        fn()
+        print(label, "ran")
+    except jaxdev.DeletedArrayError as e:
+        print(label, str(e).split("leaves: ")[1].split(". ")[0])
+bump = jax.jit(lambda t: jax.tree.map(lambda x: x * 1, t), donate_argnums=0)
+for name in ("single", "pmap", "sharded"):
+    make = getattr(jaxdev.Strategy, name)
+    step = jaxdev.make_train_step(loss, optax.sgd(0.1), make())
+    ev = jaxdev.make_eval_step(loss, make())
+    state = step.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))})
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    for _ in range(4):
+        state, metrics = step(state, batch)
+    params = state.params
+    m = ev(params, batch)
+    m = ev(params, batch, m)
+    state, metrics = step(state, batch, metrics)  # (b) donates the params ev took
+    named(name + " eval", lambda: ev(params, batch, m))
+    state, metrics = step(state, batch, metrics)
+    saved = jax.tree.map(jnp.copy, state)
+    bump(state.params)  # (a) the user's jit donates the params the step returned
+    named(name + " state", lambda: step(state, batch, metrics))
+    state, metrics = step(saved, batch)
+    state, metrics = step(state, batch, metrics)
+    other = step.put_batch(np.ones((8, 4), np.float32))
+    bump(other)  # (c) a batch like the last ones, donated by the user's jit
+    named(name + " batch", lambda: step(state, other, metrics))
+"""
+
+
+def test_a_leaf_another_jit_donated_is_named_not_a_segfault():
+    """Before (jax 0.10.2, pmap and sharded): segfault on the fast path, a leaf another
+    ``jax.jit(..., donate_argnums=0)`` donated; a deleted batch leaf named no batch path."""
+    from conftest import run_python
+
+    proc = run_python(_DONATED_ELSEWHERE, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = []
+    for name in ("single", "pmap", "sharded"):
+        expected += [
+            f"{name} eval state['a'], state['b']",
+            f"{name} state state.params['a'], state.params['b']",
+            f"{name} batch batch",
+        ]
+    assert proc.stdout.splitlines() == expected

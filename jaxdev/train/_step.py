@@ -87,8 +87,8 @@ class _Step:
         self._seen: dict[tuple, tuple] = {}  # batch signature -> key, program, known
         self._last: tuple | None = None  # ids of the state and metrics returned last, the key's
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
-        multi = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
-        self._shared_crashes = spec.donate and multi
+        # jax < 0.12 with several devices segfaults on a deleted or one buffer donated twice
+        self._shared_crashes = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
         self._state_in: Any = None  # during a call: the state given, checked when jax traces
 
@@ -99,12 +99,18 @@ class _Step:
             raise explained
         last = self._last  # what its last call returned (an eval step: took): ids, structure
         same = last is not None and id(state) == last[0]
-        if same and (metrics is None or id(metrics) == last[1]):
-            try:  # its leaves are fresh, distinct outputs placed by the program: no walk
-                return self._call(state, batch, metrics, start, last[2])
-            except _Refused:  # JAX refused the call before it ran: the checks below name why
-                pass
-        return self._call(state, batch, metrics, start, None)
+        try:
+            if self._shared_crashes and _any_deleted(jax.tree.leaves(batch)):
+                raise RuntimeError("a deleted batch leaf")  # it segfaults there: named below
+            if same and (metrics is None or id(metrics) == last[1]):
+                try:  # its leaves are fresh, distinct outputs placed by the program: no walk
+                    return self._call(state, batch, metrics, start, last[2])
+                except _Refused:  # JAX refused the call before it ran: the checks name why
+                    pass
+            return self._call(state, batch, metrics, start, None)
+        except Exception as err:  # JAX's deleted-buffer errors name no batch path
+            _raise_deleted_batch(batch, err)
+            raise
 
     def _call(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
         """One call; ``fresh`` (the state's part of the key): the state is the one the step
@@ -113,8 +119,8 @@ class _Step:
         as given before (checked, nothing placed or moved) skips its checks: one flatten."""
         hit = seen = None
         if fresh is not None:
-            if self._shared_crashes:  # jax < 0.12 segfaults donating one buffer twice
-                _check_distinct(state, metrics)
+            if self._shared_crashes:  # e.g. a leaf another jit donated: checked before
+                _check_distinct(state, metrics, self.donate)
             leaves, treedef = jax.tree.flatten(batch)
             seen = (metrics is None, fresh, treedef, *map(_placed_shape, leaves))
             hit = self._seen.get(seen)
@@ -591,11 +597,34 @@ def _refusal(err: BaseException) -> bool:
     return type(err) is RuntimeError or isinstance(err, (ValueError, TypeError))
 
 
-def _check_distinct(state: Any, metrics: Any) -> None:
-    """Where JAX crashes donating one buffer twice: refuse it (flattened in C, not walked)."""
+def _check_distinct(state: Any, metrics: Any, donating: bool) -> None:
+    """Where JAX crashes on a deleted or a twice-donated buffer: refuse it (flattened and
+    tested in C, not walked)."""
     leaves = jax.tree.leaves((state, metrics))
-    if len(set(map(id, leaves))) != len(leaves):  # numbers may repeat: the walk decides
-        check_donatable(state, metrics)
+    shared = donating and len(set(map(id, leaves))) != len(leaves)  # numbers may repeat
+    if shared or _any_deleted(leaves):  # the walk decides and names
+        check_donatable(state, metrics, donating)
+
+
+def _raise_deleted_batch(batch: Any, err: Exception) -> None:
+    """Name the batch's deleted leaves, if any (the error path of a call)."""
+    leaves = jax.tree.leaves(batch)
+    paths = [f"batch{p}".replace("<root>", "") for p in key_strings(batch)]
+    dead = [p for p, x in zip(paths, leaves) if deleted(x)]
+    if dead:
+        raise DeletedArrayError(
+            f"the step got {len(dead)} deleted or donated batch leaf/leaves: "
+            f"{', '.join(dead[:8])}. Their buffers were freed (`x.delete()` or a jit with "
+            "`donate_argnums`): pass a batch nothing donated (`step.put_batch` it again)."
+        ) from err
+
+
+def _any_deleted(leaves: list) -> bool:
+    """Whether a leaf is a deleted array (one C-level map over jax.Arrays)."""
+    try:
+        return any(map(array_type().is_deleted, leaves))
+    except Exception:  # not all of them jax.Arrays
+        return any(map(deleted, leaves))
 
 
 def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
