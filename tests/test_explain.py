@@ -119,3 +119,19 @@ def test_a_users_remat_is_an_option_per_block_or_as_a_policy():
     assert peaks["your `remat` step"] <= need <= peaks["remat=nothing_saveable"]  # 0.6x on jax 0.12
     with pytest.raises(jaxdev.UsageError, match="`remat` must be True, a `jax.checkpoint_pol"):
         step.explain_memory(state, batch, limit=2**30, options=("remat",), remat="blocks")
+
+
+def test_explain_and_fit_take_the_steps_own_memory_limit():
+    """They ignored `make_train_step(memory_limit=)`: 'no limit known', and fit_memory asked
+    for `limit=` on CPU; an explicit `limit=` still wins."""
+    tx = optax.sgd(0.1)
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.ones((256, 256))}, tx))
+    batch = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    strategy = jaxdev.Strategy.sharded(jaxdev.make_mesh({"fsdp": 8}))
+    loss = lambda p, b: (b @ p["w"]).sum(-1)  # noqa: E731
+    step = jaxdev.make_train_step(loss, tx, strategy, memory_limit=2**30)
+    why = step.explain_memory(state, batch, options=())
+    assert why.limit == 2**30 and "(memory_limit)" in why.headline()
+    assert step.explain_memory(state, batch, 2**20, options=()).limit == 2**20
+    fit = jaxdev.memory.fit_memory(step, state, batch, max_batch_size=2)
+    assert fit.limit == 2**30 and fit.batch_size == 2

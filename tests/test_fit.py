@@ -208,3 +208,18 @@ def test_the_search_fits_a_line_and_verifies_the_answer_in_a_few_compiles(caplog
     last = caplog.records[-1].getMessage()
     assert fit.seconds > 0
     assert re.fullmatch(r"fit_memory: \d+ rows per device; \d+ compiles in [\d.]+ s", last)
+
+
+def test_a_flat_start_doubles_instead_of_projecting_to_the_cap():
+    """1 and 2 rows both ~5.0 MiB: the near-zero slope projected to the cap (a 65536-rows
+    program compiled, 12 compiles in all); a prediction goes at most 16 times further out."""
+    from types import SimpleNamespace
+
+    from jaxdev.memory._explain import FitTrial, _Search
+
+    search = _Search(None, None, 48 * MiB)
+    for b, peak in ((1, 5 * MiB), (2, 5 * MiB + 4096)):
+        search.tried["as is", b] = FitTrial("as is", b, 8 * b, peak, True, "")
+    assert search._predict(SimpleNamespace(change="as is"), 2, 65537, 1) == 32
+    search.tried["as is", 4] = FitTrial("as is", 4, 32, 8 * MiB, True, "")  # a real line
+    assert search._predict(SimpleNamespace(change="as is"), 4, 65537, 1) == 44

@@ -374,8 +374,8 @@ def explain_memory(
     calls it.
 
     Args:
-      limit: bytes per device; ``None``: the devices' ``bytes_limit`` (none on
-        CPU: the options are listed without a verdict).
+      limit: bytes per device; ``None``: the step's ``memory_limit``, else the devices'
+        ``bytes_limit`` or the target's (none on CPU: the options are listed without a verdict).
       options: the changes to compile, some of :data:`OPTIONS` (``()``: none); one
         that does not apply is listed with the reason.
       remat: the ``"remat"`` option: ``True``, a ``jax.checkpoint_policies`` policy (both
@@ -394,7 +394,7 @@ def explain_memory(
             f"`options` must name some of {OPTIONS} (the changes to compile), got {options!r}."
         )
     spec = spec_of(step)
-    limit, by = resolve_limit(limit, check_mesh(spec.strategy.mesh), required=False)
+    limit, by = _limit(limit, spec, required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
     subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
@@ -590,7 +590,9 @@ class _Search:
 
     def _predict(self, v: Variant, lo: int, hi: int, unit: int) -> int:
         """The largest size under the limit on the line through the compiled size nearest
-        the limit and the one farthest from it (a flat line: double, or halve the gap)."""
+        the limit and the one farthest from it; while the rows add under 1/32 of the peak, at
+        most 16 times the largest size compiled (1 and 2 rows at 5.0 MiB projected to the
+        cap); a flat line: double, or halve the gap."""
         peaks = [(b, t.peak) for (c, b), t in self.tried.items() if c == v.change and t.peak]
         if len(peaks) < 2:
             return 2 * unit
@@ -599,7 +601,16 @@ class _Search:
         slope = (p1 - p0) / (b1 - b0)
         if slope <= 0:
             return min(2 * lo, (lo + hi) // 2 // unit * unit)
-        return b0 + int((self.limit - p0) / slope / unit) * unit
+        b, top = b0 + int((self.limit - p0) / slope / unit) * unit, max(peaks)[0]
+        return min(b, 16 * top) if slope * top < p0 / 32 else b
+
+
+def _limit(limit: int | None, spec: StepSpec, **kw: Any) -> tuple[int | None, str]:
+    """``limit``, else the step's own ``memory_limit``, else the devices' or target's."""
+    own = limit is None and spec.memory_limit is not None
+    mesh = check_mesh(spec.strategy.mesh)
+    arg = "memory_limit" if own else "limit"
+    return resolve_limit(spec.memory_limit if own else limit, mesh, arg=arg, **kw)
 
 
 def fit_memory(
@@ -623,7 +634,8 @@ def fit_memory(
     Args:
       example_batch: a batch as the step takes it (arrays or shapes); only its
         row shape and dtypes are read.
-      limit: bytes per device. Default: the devices' ``bytes_limit``; required on CPU.
+      limit: bytes per device. Default: the step's ``memory_limit``, else the devices'
+        ``bytes_limit`` or the target's; required on CPU.
       max_batch_size: the largest rows per device to try.
 
     Raises:
@@ -651,7 +663,7 @@ def fit_memory(
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
-    limit_, source = resolve_limit(limit, check_mesh(spec.strategy.mesh), example=example)
+    limit_, source = _limit(limit, spec, example=example)
     # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     start = time.perf_counter()
     _log.info("fit_memory: the largest batch under %s (%s)", human_bytes(limit_), source)
