@@ -353,9 +353,10 @@ def make_mesh(
     Args:
       axes: names and sizes in mesh order, a dict or ``(name, size)`` pairs; one size may
         be ``-1`` (every device left over).
-      devices: as in :func:`data_mesh`. With ``target``: the device count (``8``) or hosts
-        x devices per host (``'2x8'``, ``'32x8'``); default the axes' product (hosts of 8
-        past 8).
+      devices: as in :func:`data_mesh`. With ``target``: the device count (``8``: one
+        host of up to 8, or of any count not a multiple of 8; hosts of 8 past that), or
+        hosts x devices per host (``'2x8'``, ``'32x8'``, XLA's ``'1x2x8'``); default the
+        axes' product.
       axis_type: ``'auto'`` (default) or ``'explicit'`` (or ``AxisType``), for every
         axis, or one per axis.
       target: a GPU to plan for, ``'h100'`` (SXM, 80 GB), ``'h200'``, ``'a100-80gb'``, or

@@ -18,13 +18,15 @@ from typing import Any
 
 import jax
 
-from ._errors import PlacementError, ShardingError, UsageError
+from ._errors import PlacementError, ShardingError, UsageError, short
 
 TARGETS = {"h100": "h100_sxm", "h200": "h200", "a100-80gb": "a100_sxm_80"}
 """Target names jaxdev ships a ``GpuTargetConfig`` for (``h100`` is the SXM part)."""
 
 DEFAULT_FRACTION = 0.75
-"""JAX's default ``XLA_PYTHON_CLIENT_MEM_FRACTION``: the share of a GPU its allocator takes."""
+"""JAX's default ``XLA_CLIENT_MEM_FRACTION``: the share of a GPU its allocator takes."""
+
+_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +48,30 @@ class Target:
     def limit(self) -> tuple[int, str]:
         """``(bytes per device, source)``: what JAX's allocator would take on the real GPU.
 
-        ``device_memory_size`` times ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (JAX's default
-        0.75, as ``memory_stats()['bytes_limit']`` reports on the GPU; the rest is left to
-        the CUDA context, cuBLAS/cuDNN workspaces and NCCL); the whole memory under
+        ``device_memory_size`` times ``XLA_CLIENT_MEM_FRACTION`` (or its deprecated alias
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION``, read as JAX reads them; JAX's default 0.75, as
+        ``memory_stats()['bytes_limit']`` reports on the GPU; the rest is left to the CUDA
+        context, cuBLAS/cuDNN workspaces and NCCL); the whole memory under
         ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``, which has no pool.
+
+        Raises:
+          UsageError: the fraction variable is not a number in (0, 1].
         """
-        if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
             return self.memory, f"device_memory_size of target {self.name!r} (platform allocator)"
-        raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-        fraction = float(raw) if raw else DEFAULT_FRACTION
+        var = next((v for v in _FRACTION_VARS if os.environ.get(v)), None)
+        try:
+            fraction = float(os.environ[var]) if var else DEFAULT_FRACTION
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 1:
+            raise UsageError(
+                f"{var}={os.environ[var]!r} is not a fraction of the GPU's memory: set it to a "
+                "number in (0, 1] (JAX's default is 0.75), or unset it."
+            )
         return int(self.memory * fraction), (
             f"{fraction:g} of the device_memory_size of target {self.name!r}, as JAX's "
-            "allocator takes it: XLA_PYTHON_CLIENT_MEM_FRACTION"
+            f"allocator takes it ({var or 'XLA_CLIENT_MEM_FRACTION unset: JAX default'})"
         )
 
 
@@ -76,9 +90,17 @@ def load_target(target: str) -> Target:
     if target.lower() in TARGETS:
         name = TARGETS[target.lower()]
         text = (importlib.resources.files("jaxdev") / "targets" / f"{name}.txtpb").read_text()
+    elif os.path.isdir(target):
+        raise UsageError(f"`target`={target!r} is a directory: pass the path of one text in it.")
     elif os.path.isfile(target):
-        with open(target, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(target, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(
+                f"`target`={target!r}: cannot read the file as an XLA GpuTargetConfig text "
+                f"({err}). Pass a readable text file such as h100_sxm.txtpb."
+            ) from err
     else:
         raise UsageError(
             f"`target`={target!r} is neither a GPU jaxdev knows ({', '.join(TARGETS)}) nor an "
@@ -97,22 +119,27 @@ def load_target(target: str) -> Target:
 
 
 def topology(devices: Any, count: int | None) -> str:
-    """XLA's ``'slices x hosts x devices'`` for ``devices`` (8, ``'2x8'``; None: ``count``).
+    """XLA's ``'slices x hosts x devices'`` for ``devices`` (8, ``'8'``, ``'2x8'``,
+    ``'1x2x8'``; None: ``count``).
 
-    An int ``n`` is one host of ``n`` when ``n <= 8``, else hosts of 8 (an HGX board).
+    A count ``n`` is one host of ``n`` when ``n <= 8`` or ``n`` is no multiple of 8, else
+    hosts of 8 (an HGX board).
 
     Raises:
       ShardingError: ``devices`` is malformed or does not give ``count`` devices.
     """
     want = count if devices is None else devices
+    if isinstance(want, str) and re.fullmatch(r"[1-9]\d*", want.strip()):
+        want = int(want)
     if isinstance(want, int) and not isinstance(want, bool) and want >= 1:
         hosts, per = (1, want) if want <= 8 or want % 8 else (want // 8, 8)
-    elif isinstance(want, str) and re.fullmatch(r"[1-9]\d*x[1-9]\d*", want.strip()):
-        hosts, per = map(int, want.strip().split("x"))
+    elif isinstance(want, str) and re.fullmatch(r"(1x)?[1-9]\d*x[1-9]\d*", want.strip()):
+        hosts, per = map(int, want.strip().split("x")[-2:])
     else:
         raise ShardingError(
             f"`devices`={devices!r}: with `target=`, give the device count (8) or hosts x "
-            "devices per host ('2x8', '32x8'), or leave it out for the axes' product."
+            "devices per host ('2x8', '32x8', XLA's '1x2x8'), or leave it out for the axes' "
+            "product."
         )
     if count is not None and hosts * per != count:
         raise ShardingError(
@@ -151,23 +178,46 @@ def target_devices(target: Target, topo: str) -> tuple[jax.Device, ...]:
             f"`target`={target.name!r}: compiling for a GPU needs JAX's CUDA plugin ({err}). "
             f"Fix: {fix}."
         ) from err
+    except jax.errors.JaxRuntimeError as err:  # XLA could not parse the text
+        raise UsageError(
+            f"`target`={target.name!r}: XLA cannot read the file as a GpuTargetConfig text "
+            f"({short(str(err), 200)}). Fix the text (XLA logs the line), or start from a "
+            "shipped one (jaxdev/targets/)."
+        ) from err
     devices = tuple(desc.devices)
     _BY_DEVICE.update(dict.fromkeys(devices, target))
     return devices
 
 
+def _first(where: Any) -> Any:
+    """The first device of a mesh, sharding, device or devices (None: none there)."""
+    if where is None or isinstance(where, jax.Device):
+        return where
+    if isinstance(where, jax.sharding.Sharding):
+        return next(iter(where.device_set), None)
+    flat = getattr(where, "devices", where)
+    try:
+        return next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
+    except TypeError:  # not devices (a spec, a string)
+        return None
+
+
 def target_of(devices: Any) -> Target | None:
-    """The :class:`Target` of a mesh's (or devices') first device; None for devices here."""
-    flat = getattr(devices, "devices", devices)
-    first = next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
-    return _BY_DEVICE.get(first)
+    """The :class:`Target` of a mesh's (sharding's, devices') first device; None for here."""
+    return _BY_DEVICE.get(_first(devices))
 
 
 def is_target(devices: Any) -> bool:
-    """Whether a mesh's devices are compile-only: a jaxdev target or ``topologies`` devices."""
-    flat = getattr(devices, "devices", devices)
-    first = next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
+    """Whether a mesh's (sharding's, devices') devices are compile-only: a jaxdev target or
+    ``topologies`` devices."""
+    first = _first(devices)
     return first in _BY_DEVICE or "CompileOnly" in type(getattr(first, "client", None)).__name__
+
+
+def refuse(what: str, where: Any) -> None:
+    """Raise :func:`not_here` for ``what`` when ``where`` (mesh, sharding, device) is a target."""
+    if is_target(where):
+        raise not_here(what, where)
 
 
 def not_here(what: str, devices: Any = None) -> PlacementError:

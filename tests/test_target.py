@@ -114,6 +114,11 @@ def test_nothing_is_allocated_or_run_on_a_target(h100):
         "to_device": lambda: jaxdev.to_device(params, NamedSharding(h100, P())),
         "shard_batch": lambda: jaxdev.shard_batch(batch, h100),
     }
+    replicated = _step(h100, "replicate")
+    attempts["init_state (replicate)"] = lambda: replicated.init_state(params)
+    init = lambda: {"w": jnp.ones((8, 8))}  # noqa: E731
+    for r in ("fsdp", "replicate"):
+        attempts[f"init_sharded {r}"] = lambda r=r: jaxdev.init_sharded(init, mesh=h100, rules=r)
     for name, attempt in attempts.items():
         with pytest.raises(jaxdev.PlacementError, match="compiling and planning only") as e:
             attempt()
@@ -174,3 +179,97 @@ def test_a_cpu_plan_of_sharded_params_says_it_overstates():
     replicated = jaxdev.memory.plan(_state(), step=_step(mesh, "replicate"), batch=BATCH)
     assert not replicated.overstates and "overstated" not in str(replicated)
     assert not jaxdev.memory.plan(_state(), mesh, "fsdp").overstates  # nothing compiled
+
+
+@pytest.mark.target
+def test_restoring_onto_a_target_is_named_not_damage(h100, tmp_path):
+    real = jaxdev.TrainState.create({"w": jnp.ones((64, 64))}, TX)
+    jaxdev.save(tmp_path / "c", real)
+    ckpt = jaxdev.Checkpointer(tmp_path / "steps")
+    ckpt.save(1, real)
+    ckpt.wait()
+    on = NamedSharding(h100, P())
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), real)
+    targets = [h100, on, h100.devices.flat[0], abstract]
+    attempts = [lambda t=t: jaxdev.restore(tmp_path / "c", t) for t in targets]
+    attempts += [lambda: jaxdev.restore(tmp_path / "c", h100, rules="fsdp")]
+    attempts += [lambda: ckpt.restore(h100, rules="fsdp"), lambda: ckpt.restore(abstract)]
+    for attempt in attempts:
+        with pytest.raises(jaxdev.PlacementError, match="restoring checkpoint .* on target 'h100'"):
+            attempt()
+    assert ckpt.restore().params["w"].shape == (64, 64)  # nothing was marked damaged
+
+
+@pytest.mark.target
+def test_offload_on_a_target_is_refused_with_the_reason(h100):
+    from jax.sharding import NamedSharding
+
+    # JAX keeps no memory kind on compile-only devices: an offload plan would be a wrong one
+    assert NamedSharding(h100, P(), memory_kind="pinned_host").memory_kind is None
+    with pytest.raises(jaxdev.UsageError, match="JAX drops memory kinds on compile-only"):
+        jaxdev.Strategy.sharded(h100, rules="fsdp", offload="opt_state")
+
+
+@pytest.mark.parametrize(
+    "env, fraction, var",
+    [
+        ({"XLA_CLIENT_MEM_FRACTION": "0.9"}, 0.9, "XLA_CLIENT_MEM_FRACTION"),
+        ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, 0.5, "XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        (  # JAX reads the new name first; the old one is its deprecated alias
+            {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"},
+            0.9,
+            "XLA_CLIENT_MEM_FRACTION",
+        ),
+        ({"XLA_PYTHON_CLIENT_ALLOCATOR": "PLATFORM"}, 1.0, "platform allocator"),
+        ({}, 0.75, "JAX default"),
+    ],
+)
+def test_a_targets_limit_reads_the_variables_jax_reads(env, fraction, var, monkeypatch):
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    limit, source = load_target("h100").limit()
+    assert limit == int(H100_MEMORY * fraction) and var in source
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "1.5"])
+def test_a_bad_mem_fraction_is_named(value, monkeypatch):
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", value)
+    with pytest.raises(jaxdev.UsageError, match=f"XLA_CLIENT_MEM_FRACTION='{value}' is not a"):
+        load_target("h100").limit()
+
+
+def test_an_unreadable_target_file_is_named(tmp_path):
+    (tmp_path / "bin.txtpb").write_bytes(b"gpu_device_info {\x80\xff")
+    with pytest.raises(jaxdev.UsageError, match="bin.txtpb'.*cannot read the file"):
+        load_target(str(tmp_path / "bin.txtpb"))
+    with pytest.raises(jaxdev.UsageError, match="is a directory"):
+        load_target(str(tmp_path))
+
+
+@pytest.mark.target
+def test_a_target_text_xla_cannot_parse_is_named(tmp_path):
+    path = tmp_path / "fake.txtpb"
+    path.write_text("gpu_device_info { device_memory_size: 1 this: 2 }\n")
+    with pytest.raises(jaxdev.UsageError, match="fake.txtpb'.*XLA cannot read the file"):
+        jaxdev.make_mesh(AXES, target=str(path))
+
+
+@pytest.mark.parametrize(
+    "devices, want",
+    [(8, "1x1x8"), ("8", "1x1x8"), (" 8 ", "1x1x8"), ("1x1x8", "1x1x8"), ("1x2x8", "1x2x8")]
+    + [(16, "1x2x8"), (12, "1x1x12"), ("2x8", "1x2x8")],
+)
+def test_topology_spellings(devices, want):
+    from jaxdev._target import topology
+
+    assert topology(devices, None) == want
+
+
+@pytest.mark.target
+def test_explain_memory_on_a_target_skips_offload_with_the_message(h100):
+    why = _step(h100).explain_memory(_state(), BATCH, limit=1, options=("offload",))
+    note = {o.change: o.note for o in why.options}["offload"]
+    assert note.startswith("offload does not apply (`offload`=") and "UsageError(" not in note

@@ -155,7 +155,7 @@ def fsdp_variant(spec: StepSpec) -> Variant | str:
         fsdp = strategy.replace(rules="fsdp", shard_map=False)
         n = axis_size(fsdp.mesh, fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis")))
     except Exception as err:  # a mesh fsdp cannot use: no option
-        return f"fsdp does not apply to this mesh ({short(err, 120)})"
+        return f"fsdp does not apply to this mesh ({short(str(err), 120)})"
     return Variant(
         "Strategy.sharded(mesh, rules='fsdp')", f"fsdp over {n} devices", spec.replace(fsdp)
     )
@@ -199,7 +199,7 @@ def offload_variants(spec: StepSpec, state: Any) -> list[Variant] | str:
         try:
             new = strategy.replace(offload=tuple(sorted(have | fields)))
         except Exception as err:  # a strategy offload does not apply to
-            return out or f"offload does not apply ({short(err, 120)})"
+            return out or f"offload does not apply ({short(str(err), 120)})"
         what = "params + opt_state in host" if "params" in fields else "opt_state in pinned_host"
         out.append(Variant(f"Strategy.sharded(mesh, offload={text!r})", what, spec.replace(new)))
     return out or "params and opt_state are offloaded already"

@@ -18,6 +18,7 @@ from jax.sharding import Sharding
 from .._asserts import HOST_KINDS
 from .._errors import UsageError
 from .._rules import has_state_fields
+from .._target import is_target
 
 HOST = "pinned_host"
 """The memory kind offloaded fields live in."""
@@ -40,6 +41,13 @@ def check_offload(offload: Any, devices: Any = ()) -> tuple[str, ...]:
         raise UsageError(
             f"`offload` must be 'params', 'opt_state' or a tuple of them (the train-state "
             f"fields kept in host memory), got {offload!r}."
+        )
+    devices = list(devices)
+    if is_target(devices):  # NamedSharding(..., memory_kind="pinned_host").memory_kind is None
+        raise UsageError(
+            f"`offload`={offload!r} cannot be planned on a target mesh: JAX drops memory kinds "
+            "on compile-only devices, so XLA:GPU would plan the fields in device memory. Plan "
+            "without offload (its saving: the fields' bytes in the plan's table)."
         )
     for d in devices:
         kinds = {m.kind for m in d.addressable_memories()}

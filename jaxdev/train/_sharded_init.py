@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from .._errors import UsageError
 from .._mesh import auto_axes_error, check_mesh, under_mesh
 from .._rules import Rules, param_shardings, unbox
+from .._target import refuse
 from ..distributed import same_program
 from ..memory import explained_oom, plan_lines
 
@@ -65,6 +66,7 @@ def init_sharded(
             f"got {type(init_fn).__name__} {init_fn!r}."
         )
     mesh = check_mesh(mesh)
+    refuse("init_sharded", mesh)  # a target mesh: named, not JAX's bare error mid-init
     call, dynamic = _split_args(init_fn, args)
     # Shapes first, NNX's annotations kept as metadata only (eager sharding off).
     needs = lambda: plan_lines(abstract, mesh, rules, options)  # noqa: E731

@@ -51,6 +51,7 @@ from .._mesh import (
 from .._placement import copy_to, place_tree, to_device
 from .._pmap_layout import is_stacked, shard_for_pmap
 from .._rules import check_rules, step_shardings, unbox
+from .._target import refuse
 from ..memory import check_offload, offloaded, streamed
 from ._train import TrainState
 
@@ -287,6 +288,7 @@ class Strategy:
 
     def new_state(self, params: Any, tx: Any, rng: Any, model_state: Any) -> Any:
         """A new train state (or params, without ``tx``, ``rng`` and ``model_state``), placed."""
+        refuse("init_state", self.state_target)  # a target: named, before jnp.zeros fails bare
         if tx is not None:
             state = TrainState.create(params, tx, rng, model_state)
         elif model_state is not None or rng is not None:
@@ -599,6 +601,7 @@ class _Sharded(Strategy):
         """Under rules, every leaf built or copied in the step's own layout (under "flax",
         params already on the mesh keep theirs); the optimizer state made by
         ``jax.jit(tx.init)`` directly in the shardings that follow the params."""
+        refuse("init_state", self.mesh)
         if not self.by_rules:
             return super().new_state(params, tx, rng, model_state)
         opt = None if tx is None else jax.eval_shape(tx.init, unbox(params))
