@@ -61,3 +61,23 @@ def test_the_abstract_state_is_what_init_state_builds_and_nothing_is_allocated(k
         assert any("fsdp" in str(x.sharding.spec) for x in got)
     plan = jaxdev.memory.plan(abstract, step=step)  # it plans as the real state does
     assert plan.total == jaxdev.memory.plan(real, step=step).total
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_params_as_a_pytree_and_an_eval_step_give_what_init_state_gives(kind, strategy):
+    """A params dict gave "'dict' object is not callable"; an eval step gave a TrainState
+    where its init_state gives the params."""
+    loss = lambda p, b: b.sum(-1)  # noqa: E731
+    s = STRATEGIES[strategy]()
+    step = (jaxdev.make_train_step(loss, optax.sgd(0.1), s) if kind == "train"
+            else jaxdev.make_eval_step(loss, s))
+    params = {"w": jnp.ones((512, 64)), "b": jnp.zeros((64,))}
+    real = step.init_state(params)
+    for init in (lambda: params, params, jax.eval_shape(lambda: params)):
+        abstract = step.abstract_state(init)
+        assert jax.tree.structure(abstract) == jax.tree.structure(jax.eval_shape(lambda: real))
+        for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+            assert (a.shape, a.dtype, a.sharding) == (r.shape, r.dtype, r.sharding), (a, r)
+    with pytest.raises(jaxdev.UsageError, match="`init_fn` must be a function returning"):
+        step.abstract_state({"w": "not an array"})

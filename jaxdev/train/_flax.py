@@ -219,13 +219,22 @@ def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
     """``step.abstract_state(init_fn, *args, rng=rng)``: ``init_fn(*args)`` (or an NNX
     module) traced as :func:`jaxdev.init_sharded` traces it; an NNX module gives its
     ``nnx.Param`` s and the rest as ``model_state``, a linen ``model.init`` its ``"params"``
-    and the other collections, anything else is the params; the optimizer state is the
-    step's ``tx``'s."""
+    and the other collections, anything else is the params (so is a pytree of arrays or
+    ``ShapeDtypeStruct`` s in place of ``init_fn``); the optimizer state is the step's
+    ``tx``'s. An eval step gives what its ``init_state`` gives: the params."""
     from ._sharded_init import _shapes, _split_args  # init_sharded's tracing, one owner
 
     strategy, tx = step.strategy, step.spec.config.tx
     if isinstance(init_fn, nnx.Module):
         abstract = nnx.eval_shape(lambda: init_fn)
+    elif not callable(init_fn):
+        try:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_fn)
+        except AttributeError as err:
+            raise UsageError(
+                "`init_fn` must be a function returning the params, an NNX module, or a "
+                f"pytree of arrays or ShapeDtypeStructs (the params), got {err}."
+            ) from None
     else:
         abstract = _shapes(*_split_args(init_fn, args), strategy.mesh)[1]
     if isinstance(abstract, nnx.Module):
@@ -246,5 +255,6 @@ def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
             SingleDeviceSharding(target))
         layout = jax.tree.map(lambda _: where, shapes._replace(params=unboxed))
     shapes = jax.eval_shape(lambda s: s, shapes._replace(params=unboxed))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, layout)
+    out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       shapes, layout)
+    return out if tx is not None else out.params
