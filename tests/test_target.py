@@ -53,7 +53,7 @@ def h100():
     return jaxdev.make_mesh(AXES, target="h100")
 
 
-def _direct_peak() -> int:
+def _direct_analysis():
     """XLA:GPU's memory_analysis() of the same SGD step, built with topologies and jax.jit
     alone: the fsdp specs jaxdev's rules give, the batch split over both axes, donated."""
     from jax.experimental import topologies
@@ -70,17 +70,20 @@ def _direct_peak() -> int:
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     jitted = jax.jit(train, in_shardings=(ps, rows), out_shardings=(ps, one), donate_argnums=0)
-    m = jitted.lower(_params(), BATCH).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + (
-        m.temp_size_in_bytes
-    )
+    return jitted.lower(_params(), BATCH).compile().memory_analysis()
 
 
 @pytest.mark.target
 def test_planned_peak_is_xla_gpus_own_and_fits_without_a_limit(h100):
     plan = jaxdev.memory.plan(_state(), step=_step(h100), batch=BATCH)
-    direct = _direct_peak()
+    m = _direct_analysis()  # the plan's peak is the same formula; XLA's own peak recorded
+    direct = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + (
+        m.temp_size_in_bytes
+    )
     assert abs(plan.peak - direct) <= 0.02 * direct, (plan.peak, direct)
+    xla = m.peak_memory_in_bytes  # jaxdev's step adds the step count and the loss: 40 B
+    assert abs(plan.compiled.xla_peak - xla) <= 0.02 * xla and xla <= plan.peak
+    assert "XLA's own peak_memory_in_bytes: " in str(plan)
     assert (plan.backend, plan.target, plan.overstates) == ("gpu", "h100", False)
     assert plan.fits()  # no limit: the target's
     limit, source = jaxdev.memory.resolve_limit(None, h100)
