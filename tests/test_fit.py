@@ -210,7 +210,7 @@ def test_the_search_fits_a_line_and_verifies_the_answer_in_a_few_compiles(caplog
     assert re.fullmatch(r"fit_memory: \d+ rows per device; \d+ compiles in [\d.]+ s", last)
 
 
-def test_a_flat_start_doubles_instead_of_projecting_to_the_cap():
+def test_a_flat_start_goes_16x_out_instead_of_projecting_to_the_cap():
     """1 and 2 rows both ~5.0 MiB: the near-zero slope projected to the cap (a 65536-rows
     program compiled, 12 compiles in all); a prediction goes at most 16 times further out."""
     from types import SimpleNamespace
