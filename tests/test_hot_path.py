@@ -285,3 +285,45 @@ def test_a_leaf_another_jit_donated_is_named_not_a_segfault():
             f"{name} batch batch",
         ]
     assert proc.stdout.splitlines() == expected
+
+
+def test_a_refused_fast_call_beats_the_watchdog_once(monkeypatch):
+    """Before: a fast-path call JAX refused (a leaf laid out otherwise) and its rerun each
+    counted a step on the hang watchdog: 2 for one call."""
+    from jax.sharding import NamedSharding
+
+    mesh = jaxdev.make_mesh({"data": 2, "fsdp": 4})
+    step = jaxdev.make_train_step(
+        lambda p, b: (b @ p["w"]).sum(-1), SGD, jaxdev.Strategy.sharded(mesh, rules="fsdp")
+    )
+    state = step.init_state({"w": jnp.ones((4096, 2))})
+    batch = step.put_batch(np.ones((8, 4096), np.float32))
+    state, metrics = step(state, batch)
+    state, metrics = step(state, batch, metrics)
+    beats = []
+    monkeypatch.setattr(_step, "step_call", lambda *a, **k: beats.append(a))
+    state.params["w"] = jax.device_put(jnp.ones((4096, 2)), NamedSharding(mesh, P()))
+    state, _ = step(state, batch, metrics)
+    assert state.params["w"].sharding.spec == P("fsdp", None)
+    assert len(beats) == 1
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_users_trace_error_on_the_fast_path_traces_once(name):
+    """Before: the user's TypeError raised while tracing a new batch shape was taken for
+    JAX's refusal, and the rerun traced ``loss_fn`` a second time."""
+    traces = []
+
+    def traced_loss(params, batch):
+        traces.append(batch.shape)
+        return (batch @ params["a"]).sum(-1)
+
+    step = jaxdev.make_train_step(traced_loss, SGD, STRATEGIES[name]())
+    state = step.init_state({"a": jnp.ones((4, 2))})
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    state, metrics = step(state, batch)
+    state, metrics = step(state, batch, metrics)
+    traces.clear()
+    with pytest.raises(TypeError, match="dot_general"):
+        step(state, step.put_batch(np.ones((8, 5), np.float32)), metrics)
+    assert len(traces) == 1

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from .. import _timeline
 from .._batches import Padded, padded_shapes
-from .._errors import DeletedArrayError, PlacementError, UsageError
+from .._errors import DeletedArrayError, JaxdevError, PlacementError, UsageError
 from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
 from .._pending import failed, record, wait
 from .._placement import put_leaves, to_device
@@ -91,6 +91,7 @@ class _Step:
         self._shared_crashes = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
         self._state_in: Any = None  # during a call: the state given, checked when jax traces
+        self._tracing = False  # set while jax traces the step's body: its errors are no refusal
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         start = _timeline.start()
@@ -106,13 +107,15 @@ class _Step:
                 try:  # its leaves are fresh, distinct outputs placed by the program: no walk
                     return self._call(state, batch, metrics, start, last[2])
                 except _Refused:  # JAX refused the call before it ran: the checks name why
-                    pass
+                    return self._call(state, batch, metrics, start, None, beat=False)
             return self._call(state, batch, metrics, start, None)
         except Exception as err:  # JAX's deleted-buffer errors name no batch path
             _raise_deleted_batch(batch, err)
             raise
 
-    def _call(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
+    def _call(
+        self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any, beat: bool = True
+    ) -> Any:
         """One call; ``fresh`` (the state's part of the key): the state is the one the step
         returned, so the walks over its leaves are skipped, and a refusal raises _Refused.
         A fresh call whose batch has the structure, shapes and placement of one that went in
@@ -132,8 +135,9 @@ class _Step:
             args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
             args += [metrics] if key[1] else []
         compiled = known is None
-        step_call(self.is_train, compiling=compiled)  # the hang watchdog's heartbeat
-        self._state_in = state
+        if beat:  # the hang watchdog's heartbeat, once a call (a refused one: beat already)
+            step_call(self.is_train, compiling=compiled)
+        self._state_in, self._tracing = state, False
         try:  # XLA's RESOURCE_EXHAUSTED (its compile's, this call's, a queued one's) explained
             if compiled:
                 args = self._new_program(key, args)
@@ -152,7 +156,7 @@ class _Step:
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
-            if fresh is not None and _refusal(err):
+            if fresh is not None and not self._tracing and _refusal(err):
                 raise _Refused from None
             explained = failed("the next call of the step", error=err)  # one it comes from
             explained = explained or oom_error(self.spec, args, err)
@@ -594,6 +598,8 @@ def _refusal(err: BaseException) -> bool:
     """Whether JAX refused a call before running it: a deleted leaf (RuntimeError), one
     buffer donated twice, a misplaced committed leaf, another structure (ValueError,
     TypeError); not XLA's errors of a run (``JaxRuntimeError``, e.g. out of memory)."""
+    if isinstance(err, JaxdevError):  # a check that named it already
+        return False
     return type(err) is RuntimeError or isinstance(err, (ValueError, TypeError))
 
 
@@ -713,9 +719,15 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         metrics = metrics if acc is None else acc.merge(metrics)
         return state, metrics, state.step + 0  # an undonated token to wait on
 
+    def traced(axis, *args):  # an error raised in here is the user's or a check's
+        step._tracing = True
+        out = run(axis, *args)
+        step._tracing = False
+        return out
+
     n_args = 2 + has_mask + has_acc
     donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
-    return strategy.compile(run, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
+    return strategy.compile(traced, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
 
 
 # ---------------------------------------------------------------- factories
