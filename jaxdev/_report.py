@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from ._errors import LeafTypeError, device_name
+from ._errors import LeafTypeError, UsageError, device_name
 from ._leaves import (
     array_type,
     deleted,
@@ -282,3 +283,20 @@ def human_bytes(n: float) -> str:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
+    """A matplotlib ``Figure(**kwargs)`` (no pyplot: the user's backend is untouched) and the
+    file ``path`` names (``.png`` added when it has no suffix: what matplotlib writes).
+
+    Raises:
+      UsageError: matplotlib is not installed, or ``path``'s folder does not exist.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+    folder = pathlib.Path(path).parent
+    if not folder.is_dir():
+        raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
+    return Figure(**kwargs), str(path) if pathlib.Path(path).suffix else f"{path}.png"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import pathlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 from .._asserts import HOST_KINDS
 from .._errors import UsageError, device_name
 from .._leaves import is_jax_array, is_prng_key
-from .._report import human_bytes, text_table
+from .._report import figure, human_bytes, text_table
 from .._rules import has_state_fields
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other", "unattributed")
@@ -126,17 +125,10 @@ class MemoryLedger:
           >>> pathlib.Path(path).read_bytes()[:4] == b"\\x89PNG"
           True
         """
-        try:
-            from matplotlib.figure import Figure  # no pyplot: the user's backend is untouched
-        except ImportError:
-            raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
+        cats, devices = self.by_category(), list(self.per_device)
+        fig, path = figure(path, figsize=(max(6.0, 2 + 0.6 * len(devices)), 4.5))
         if limit is not None and not limit > 0:
             raise UsageError(f"`limit` is bytes per device and must be positive, got {limit!r}.")
-        folder = pathlib.Path(path).parent
-        if not folder.is_dir():
-            raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
-        path = str(path) if pathlib.Path(path).suffix else f"{path}.png"  # what matplotlib writes
-        cats, devices = self.by_category(), list(self.per_device)
         parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
         limits = [limit or (self.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
         if any(limits):
@@ -145,7 +137,6 @@ class MemoryLedger:
             ]
         unit = human_bytes(max([sum(col) for col in zip(*parts.values())] + [1])).split()[1]
         scale = 1024 ** ("B", "KiB", "MiB", "GiB").index(unit)
-        fig = Figure(figsize=(max(6.0, 2 + 0.6 * len(devices)), 4.5))
         ax, x, bottom = fig.subplots(), np.arange(len(devices)), np.zeros(len(devices))
         for c, values in parts.items():
             if any(values):

@@ -79,7 +79,8 @@ class MeterReport:
         return _render.table(self)
 
     def plot(self, path: str) -> str:
-        """Draw the last steps' timeline and the shares into ``path`` (needs matplotlib)."""
+        """Draw the last steps' timeline and the shares into ``path`` (``.png`` added without a
+        suffix; needs matplotlib, leaves pyplot alone); return the file written."""
         return _render.plot(self, path)
 
     def __str__(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from .._errors import UsageError
+from .._report import figure
 
 ROWS = {
     "step": "device computing train steps",
@@ -63,15 +63,9 @@ def text(r: Any) -> str:
 
 def plot(r: Any, path: str) -> str:
     """The last steps' lanes (device; host input, sync, compile, checkpoint, eval) above a
-    stacked bar of the shares; returns ``path``."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("`plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bar) = plt.subplots(2, 1, figsize=(9, 4.2), height_ratios=(3, 1))
+    stacked bar of the shares; returns the file written."""
+    fig, path = figure(path, figsize=(9, 4.2))  # no pyplot: the user's backend is untouched
+    top, bar = fig.subplots(2, 1, height_ratios=(3, 1))
     lanes = ["device step", "device eval", "input", "sync", "compile", "checkpoint", "eval"]
     lanes = [lane for lane in lanes if any(x[0] == lane for x in r.lanes)] or ["device step"]
     for y, lane in enumerate(lanes):
@@ -94,5 +88,4 @@ def plot(r: Any, path: str) -> str:
     bar.legend(ncol=7, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.9), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
     return path
