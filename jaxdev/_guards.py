@@ -146,12 +146,12 @@ def _call_site() -> str:
 
 
 @contextlib.contextmanager
-def _outermost(key: str) -> Iterator[bool]:
-    """Yield True only for the outermost intercepted call of ``key`` in this thread."""
+def _outermost(key: str) -> Iterator[None]:
+    """Mark this thread inside an intercepted call of ``key``: its inner calls count nothing."""
     depth = getattr(_tls, key, 0)
     setattr(_tls, key, depth + 1)
     try:
-        yield depth == 0
+        yield
     finally:
         setattr(_tls, key, depth)
 
@@ -168,8 +168,8 @@ def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = No
     def wrapper(*args, **kwargs):
         if getattr(_tls, key, 0):  # an inner call (or not_counted): never counted
             return fn(*args, **kwargs)
-        with _outermost(key) as outer:
-            if outer and _active and (when is None or when(*args, **kwargs)):
+        with _outermost(key):  # the outermost call: its inner calls return above
+            if _active and (when is None or when(*args, **kwargs)):
                 _emit(direction, kind, site := _call_site())
                 if _timeline.listeners and key == "host":  # a step meter times the sync
                     start = time.perf_counter()
