@@ -1,8 +1,4 @@
-"""Names that left ``jaxdev``'s top for a namespace (issue 27): where each one went.
-
-``jaxdev.plan`` raises ``AttributeError: jaxdev.plan moved to jaxdev.memory.plan``
-instead of Python's bare "has no attribute" (README, section Changes).
-"""
+"""Names that left ``jaxdev``'s top for a namespace (issue 27): where each one went."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def __getattr__(name: str):
       Traceback (most recent call last):
       AttributeError: jaxdev.try_gpu moved to jaxdev.d2l.try_gpu (README: Changes)
     """
-    if name in MOVED:
-        raise AttributeError(f"jaxdev.{name} moved to jaxdev.{MOVED[name]} (README: Changes)")
-    if name in GONE:
-        raise AttributeError(f"jaxdev.{name} is gone: {GONE[name]} (README: Changes)")
+    why = f"moved to jaxdev.{MOVED[name]}" if name in MOVED else f"is gone: {GONE.get(name)}"
+    if name in MOVED or name in GONE:
+        raise AttributeError(f"jaxdev.{name} {why} (README: Changes)")
     raise AttributeError(f"module 'jaxdev' has no attribute {name!r}")
