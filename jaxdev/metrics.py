@@ -32,17 +32,4 @@ from .train._metrics import Sum as Sum
 from .train._metrics import WeightedMean as WeightedMean
 from .train._metrics import fetch_metrics as fetch_metrics
 
-__all__ = [
-    "Accuracy",
-    "Collection",
-    "DeviceLog",
-    "Last",
-    "Max",
-    "Mean",
-    "Metric",
-    "Min",
-    "NonFinite",
-    "Sum",
-    "WeightedMean",
-    "fetch_metrics",
-]
+__all__ = [n for n in dir() if not n.startswith("_")]  # the names imported above

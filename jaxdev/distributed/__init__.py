@@ -17,17 +17,7 @@ from ._fingerprint import check_same_program as check_same_program
 from ._fingerprint import same_program as same_program
 from ._launch import launch as launch
 
-__all__ = [
-    "DistributedConfig",
-    "assert_same_across_processes",
-    "check_same_program",
-    "heartbeat",
-    "initialize",
-    "is_initialized",
-    "launch",
-    "same_program",
-    "shutdown",
-]
+__all__ = [n for n in dir() if not n.startswith("_")]  # the names imported above
 
 # for the train, checkpoint, cli and testing subsystems
 from ._hang import beat, is_user_file, step_call

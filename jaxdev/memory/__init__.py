@@ -22,16 +22,7 @@ from ._memory import LedgerEntry, MemoryLedger, ledger
 from ._plan import MemoryPlan, plan
 from ._explain import MemoryExplanation, MemoryFit, fit_memory
 
-__all__ = [
-    "LedgerEntry",
-    "MemoryExplanation",
-    "MemoryFit",
-    "MemoryLedger",
-    "MemoryPlan",
-    "fit_memory",
-    "ledger",
-    "plan",
-]
+__all__ = [n for n in dir() if not n.startswith("_")]  # the names imported above
 
 # for the train and checkpoint subsystems
 from ._explain import OPTIONS, check_step_memory, explain_memory, oom_error, state_shapes
