@@ -92,15 +92,21 @@ def test_one_buffer_donated_twice_is_refused_on_the_fast_path(name):
     assert not state.params["a"].is_deleted()
 
 
-def test_a_misplaced_committed_leaf_is_moved_on_the_fast_path():
-    step, state, metrics, batch = _warm(jaxdev.Strategy.sharded())
-    replicated = state.params["a"].sharding
+@pytest.mark.parametrize("name", ["single", "sharded"])
+def test_a_misplaced_committed_leaf_is_moved_on_the_fast_path(name):
+    """Before, single: JAX's bare 'Received incompatible devices for jitted computation'."""
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    placed = state.params["a"].sharding
     state.params["a"] = jax.device_put(state.params["a"], jax.devices()[3])
     host = np.ones((8, 4), np.float32)
-    for misplaced in (jax.device_put(host, jax.devices()[0]), batch):
+    for misplaced in (jax.device_put(host, jax.devices()[2]), batch):
         state, metrics = step(state, misplaced, metrics)
-        assert state.params["a"].sharding == replicated
+        assert state.params["a"].sharding == placed
     assert int(state.step) == 6
+    assert float(metrics.fetch()["loss"]) == pytest.approx(float(metrics.fetch()["loss"]))
+    moved = jax.device_put(state, jax.devices()[5])  # the whole state, not the one it returned
+    state, metrics = step(moved, batch, metrics)
+    assert state.params["b"].sharding == placed and int(state.step) == 7
 
 
 def test_a_new_batch_shape_is_checked_against_the_budget_before_it_runs(monkeypatch):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Sharding
 
 from .. import _timeline
 from .._batches import Padded, padded_shapes
@@ -546,7 +546,7 @@ def _misplaced(
     for a in range(len(args)) if only is None else only:
         arg, want = args[a], expected[a]
         leaves, treedef = jax.tree.flatten(arg)
-        if isinstance(want, NamedSharding):
+        if isinstance(want, Sharding):
             targets = [want] * len(leaves)
         else:
             try:
