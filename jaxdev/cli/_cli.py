@@ -465,57 +465,33 @@ def _add_demo(sub: Any) -> None:
     demo.add_argument("--devices", type=_positive, help="number of devices (default: all)")
     demo.add_argument("--strategy", choices=["single", "pmap", "sharded"])
     demo.add_argument("--epochs", type=_positive)
-    demo.add_argument(
-        "--batch-size",
-        type=_positive,
-        help="global batch, rounded up to a multiple of the device count",
-    )
-    demo.add_argument(
-        "--lr", dest="learning_rate", type=float, help="Adam's initial learning rate (cosine decay)"
-    )
+    demo.add_argument("--batch-size", type=_positive,
+                      help="global batch, rounded up to a multiple of the device count")
+    demo.add_argument("--lr", dest="learning_rate", type=float,
+                      help="Adam's initial learning rate (cosine decay)")
     demo.add_argument("--hidden", type=_positive, help="hidden layer width")
-    demo.add_argument(
-        "--steps-per-call",
-        type=_positive,
-        metavar="K",
-        help="full batches per dispatch (lax.scan); when K does not divide an epoch's full "
-        "batches, the rest and the uneven last batch run one step at a time (nothing dropped)",
-    )
+    demo.add_argument("--steps-per-call", type=_positive, metavar="K",
+                      help="full batches per dispatch (lax.scan); when K does not divide an "
+                      "epoch's full batches, the rest and the uneven last batch run one step at "
+                      "a time (nothing dropped)")
     demo.add_argument("--seed", type=int)
-    demo.add_argument(
-        "--params",
-        choices=["replicate", "fsdp", "flax"],
-        help="how the sharded step places the params and optimizer state (default: fsdp "
-        "when --mesh has an fsdp axis, else replicate); prints the bytes per device",
-    )
-    demo.add_argument(
-        "--mesh",
-        type=_mesh_axes,
-        metavar="AXES",
-        help="the device mesh of the sharded step, e.g. data=2,fsdp=4 (the batch splits "
-        "over every axis but model/tensor)",
-    )
-    demo.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="save checkpoints in DIR and resume from the latest one there (run again with "
-        "the same flags after a crash: the final parameters are bit-identical)",
-    )
-    demo.add_argument(
-        "--checkpoint-every",
-        type=_positive,
-        metavar="N",
-        help="save every N steps (default: at each epoch's end) and at the end",
-    )
-    demo.add_argument(
-        "--min-accuracy",
-        type=_fraction,
-        default=None,
-        help="exit 1 when the final test accuracy is lower",
-    )
-    demo.add_argument(
-        "--quiet", action="store_true", default=False, help="print only the final line"
-    )
+    demo.add_argument("--params", choices=["replicate", "fsdp", "flax"],
+                      help="how the sharded step places the params and optimizer state (default: "
+                      "fsdp when --mesh has an fsdp axis, else replicate); prints the bytes per "
+                      "device")
+    demo.add_argument("--mesh", type=_mesh_axes, metavar="AXES",
+                      help="the device mesh of the sharded step, e.g. data=2,fsdp=4 (the batch "
+                      "splits over every axis but model/tensor)")
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="save checkpoints in DIR and resume from the latest one there (run "
+                      "again with the same flags after a crash: the final parameters are "
+                      "bit-identical)")
+    demo.add_argument("--checkpoint-every", type=_positive, metavar="N",
+                      help="save every N steps (default: at each epoch's end) and at the end")
+    demo.add_argument("--min-accuracy", type=_fraction, default=None,
+                      help="exit 1 when the final test accuracy is lower")
+    demo.add_argument("--quiet", action="store_true", default=False,
+                      help="print only the final line")
 
 
 _COMMANDS = {"info": cmd_info, "demo": cmd_demo, "bench": cmd_bench, "memory": cmd_memory}
