@@ -195,11 +195,8 @@ def _first(where: Any) -> Any:
         return where
     if isinstance(where, jax.sharding.Sharding):
         return next(iter(where.device_set), None)
-    flat = getattr(where, "devices", where)
-    try:
-        return next(iter(flat.flat if hasattr(flat, "flat") else flat), None)
-    except TypeError:  # not devices (a spec, a string)
-        return None
+    flat = getattr(where, "devices", where)  # a mesh's devices: an array
+    return next(iter(getattr(flat, "flat", flat)), None)
 
 
 def target_of(devices: Any) -> Target | None:
