@@ -121,11 +121,14 @@ class Metric:
 
     # (two accumulators to one: a jnp ufunc, across devices, the empty accumulator)
     _ops: ClassVar[tuple[Any, Callable[..., jax.Array], float]] = (jnp.add, lax.psum, 0.0)
+    _zeros: ClassVar[dict[str, Any]] = {}  # field -> dtype: the empty accumulator's scalar zeros
 
     @classmethod
     def empty(cls) -> Metric:
         """Return the identity accumulator (merging it changes nothing)."""
-        raise NotImplementedError
+        if not cls._zeros:
+            raise NotImplementedError
+        return cls(**{name: jnp.zeros((), dtype) for name, dtype in cls._zeros.items()})
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Metric:
@@ -187,10 +190,7 @@ class Mean(Metric):
 
     total: jax.Array
     count: jax.Array
-
-    @classmethod
-    def empty(cls) -> Mean:
-        return cls(total=jnp.zeros((), _F32), count=jnp.zeros((), _I32))
+    _zeros = {"total": _F32, "count": _I32}
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> Mean:
@@ -221,10 +221,7 @@ class WeightedMean(Metric):
 
     total: jax.Array
     weight: jax.Array
-
-    @classmethod
-    def empty(cls) -> WeightedMean:
-        return cls(total=jnp.zeros((), _F32), weight=jnp.zeros((), _F32))
+    _zeros = {"total": _F32, "weight": _F32}
 
     @classmethod
     def from_value(
@@ -425,10 +422,7 @@ class NonFinite(Metric):
     """
 
     count: jax.Array
-
-    @classmethod
-    def empty(cls) -> NonFinite:
-        return cls(count=jnp.zeros((), _I32))
+    _zeros = {"count": _I32}
 
     @classmethod
     def from_value(cls, value: jax.typing.ArrayLike, mask: Any = None) -> NonFinite:
