@@ -1,12 +1,7 @@
 """jaxdev: pure-JAX, functional device placement.
 
-This module only re-exports. The core (devices, placement, meshes, batches,
-asserts, errors) lives in ``jaxdev/_*.py``; each subsystem in its folder
-(``train/``, ``memory/``, ``checkpoint/``, ``distributed/``, ``cli/``,
-``testing/``). Namespaces: ``jaxdev.distributed`` (multi-process),
-``jaxdev.memory`` (ledger, plan, fit), ``jaxdev.metrics`` (on-device
-metrics), ``jaxdev.nnx`` (Flax NNX helpers), ``jaxdev.pmap`` (the pmap
-layout), ``jaxdev.d2l`` (d2l's device helpers), ``jaxdev.testing``.
+This module only re-exports: the core lives in ``jaxdev/_*.py``, each subsystem in its
+folder, and the namespaces (``jaxdev.memory``, ``jaxdev.metrics``, ...) are imported below.
 """
 
 # ruff: noqa: I001 - imports are grouped by module, in the order the README lists them
