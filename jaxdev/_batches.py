@@ -9,18 +9,19 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ._errors import ShardingError, format_devices
 from ._leaves import (
     checked_leaves,
-    is_tracer,
+    host_problem,
     key_strings,
+    raise_leaf,
     raise_leaves,
 )
 from ._mesh import AxisName, batch_layout, check_mesh, outside_mesh
-from ._placement import aligned_copy, detach_host, detached, placed_on, to_device
+from ._placement import aligned_copy, detach_host, detached, to_device
 
 
 class Padded(NamedTuple):
@@ -189,31 +190,60 @@ def shard_batch(
       (10, 10, 0)
     """
     sharding, n = batch_layout(check_mesh(mesh), axis)
-    leaves, treedef = checked_leaves(batch, "batch")
+    return place_rows(batch, sharding, n, pad, sharding, timeout_s)
+
+
+_PLANS: dict[Any, tuple] = {}  # (treedef, leaf types/shapes/dtypes, layout, pad) -> plan
+
+
+def place_rows(
+    batch: Any, sharding: Sharding, n: int, pad: bool | None, mask: Sharding, timeout_s=None
+) -> Any:
+    """:func:`shard_batch` with the mask placed on ``mask`` (``pad=None``: padded when the
+    rows need it). A host batch is one ``jax.device_put`` of rows and mask, its checks run
+    once per structure, shapes and dtypes (at every call: the values of 64-bit leaves)."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    sig = tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
+    key = (treedef, sig, sharding, n, pad, mask, jax.process_count())
+    plan = _PLANS.get(key) or _rows_plan(batch, leaves, sharding, n, pad, mask)
+    rows, extra, masked, wide, targets = plan
+    valid = np.arange(rows + extra) < rows if masked else None  # per call: a user may donate it
+    for i in wide:  # 64-bit values with x64 disabled: JAX would truncate them silently
+        if (problem := host_problem(leaves[i])) is not None:
+            raise_leaf(batch, i, "batch", *problem)
+    if targets is None:  # device arrays, tracers, several processes
+        if valid is None:  # a single device's rows (Strategy.single): placed as they are
+            local = isinstance(sharding, SingleDeviceSharding)
+            return to_device(batch, sharding) if local else to_global(batch, sharding, timeout_s)
+        padded = treedef.unflatten([pad_rows(x, extra) for x in leaves])
+        target = sharding if mask == sharding else (jax.tree.map(lambda _: sharding, padded), mask)
+        placed, valid = to_global((padded, valid), target, timeout_s)
+        return Padded(placed, valid, rows)
+    if len(_PLANS) < 256:  # checked: kept (bounded: a loader brings few shapes)
+        _PLANS[key] = plan
+    out = detach_host(leaves) if not extra else [pad_rows(x, extra) for x in leaves]
+    with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
+        out = jax.device_put(out if valid is None else [*out, valid], targets)
+    placed = treedef.unflatten(out[: len(leaves)])
+    return placed if valid is None else Padded(placed, out[-1], rows)
+
+
+def _rows_plan(batch, leaves, sharding, n, pad, mask) -> tuple:
+    """``(rows, extra, masked, 64-bit leaves, device_put targets or None)``, checked."""
+    checked_leaves(batch, "batch")
     rows = batch_rows(batch, leaves, "batch")
     multiple = row_multiple(sharding, n)
     extra = -rows % multiple
-    if not pad:
-        if extra:
-            raise indivisible_error(batch, rows, multiple, sharding, "devices")
-        if jax.process_count() > 1 or any(is_tracer(x) for x in leaves):
-            return to_global(batch, sharding, timeout_s)
-        # checked above: one device_put of the leaves that move (to_device would check the
-        # host leaves again: 1.7x the time of a host batch with int64/float64 leaves)
-        moving = [i for i, x in enumerate(leaves) if not placed_on(x, sharding)]
-        if not moving:
-            return batch
-        out = list(leaves)
-        with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
-            moved = jax.device_put(detach_host([out[i] for i in moving]), sharding)
-        for i, new in zip(moving, moved):
-            out[i] = new
-        return jax.tree_util.tree_unflatten(treedef, out)
-    padded = jax.tree_util.tree_unflatten(treedef, [pad_rows(x, extra) for x in leaves])
-    mask = np.arange(rows + extra) < rows
-    mask.flags.writeable = False  # private: nothing to detach
-    placed, mask = to_global((padded, mask), sharding, timeout_s)
-    return Padded(placed, mask, rows)
+    if extra and pad is False:
+        raise indivisible_error(batch, rows, multiple, sharding, "devices")
+    masked = bool(extra or pad)
+    wide = tuple(i for i, x in enumerate(leaves) if isinstance(x, np.ndarray) and x.itemsize == 8)
+    if jax.process_count() > 1 or any(type(x) is not np.ndarray for x in leaves):
+        return rows, extra, masked, wide, None
+    single = isinstance(sharding, SingleDeviceSharding)  # JAX puts faster given the device
+    put = next(iter(sharding.device_set)) if single else sharding
+    targets = [put] * len(leaves) + ([mask] if masked else [])
+    return rows, extra, masked, wide, targets
 
 
 def _padding_rows(padding: Any) -> tuple[int | None, np.ndarray | None, int | None]:

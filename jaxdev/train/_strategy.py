@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import (
@@ -25,9 +25,9 @@ from .._batches import (
     detach_host,
     lead_spec,
     pad_rows,
+    place_rows,
     row_multiple,
     rows_of,
-    shard_batch,
     to_global,
 )
 from .._devices import DeviceSpec, device_list
@@ -305,9 +305,17 @@ class Strategy:
         """How many batch shards this process's rows are split into."""
         return self.n_devices
 
-    def put_rows(self, batch: Any, pad: bool) -> Any:
-        """Place a (not grouped) host batch, padded and masked when ``pad``."""
-        raise NotImplementedError
+    def put_rows(self, batch: Any, pad: bool | None) -> Any:
+        """Place a (not grouped) batch, padded and masked when ``pad`` (None: when the rows
+        need it): rows and mask in one ``jax.device_put``, host leaves copied (a loader may
+        refill them), the checks run once per structure, shapes and dtypes."""
+        sharding, n, mask = self._row_layout
+        return place_rows(batch, sharding, n, pad, mask)
+
+    @functools.cached_property
+    def _row_layout(self) -> tuple[Any, int, Any]:
+        """The rows' sharding, the ways it splits them, the mask's sharding (kept)."""
+        return *batch_layout(self.mesh, self.axis), named_sharding(self.mesh, self.mask_spec())
 
     def put_batch(self, batch: Any, k: int = 1, m: int = 1) -> Any:
         """Place a batch for ``steps_per_call=k``, ``accumulate=m``; uneven rows come back Padded.
@@ -319,7 +327,7 @@ class Strategy:
         """
         if k > 1 or m > 1:
             return _put_grouped(self, batch, k, m)
-        return self.put_rows(batch, rows_of(batch) % self.local_shards() != 0)
+        return self.put_rows(batch, None)
 
     def check_even(self, batch: Any, axis: int = 0) -> None:
         """Refuse a raw batch whose rows (along ``axis``) the devices do not divide."""
@@ -431,9 +439,11 @@ class Strategy:
 
     def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         """Place a batch grouped for ``steps_per_call=k`` / ``accumulate=m`` (and its mask)."""
-        batch, mask = grouped
-        mask = to_device(mask, named_sharding(self.mesh, self.mask_spec(k, m)))
-        return to_device(batch, named_sharding(self.mesh, self.batch_spec(k, m))), mask
+        rows = named_sharding(self.mesh, self.batch_spec(k, m))
+        if grouped[1] is None:  # even rows: no mask to place
+            return to_device(grouped, rows)
+        mask = named_sharding(self.mesh, self.mask_spec(k, m))  # in the same one device_put
+        return to_device(grouped, (jax.tree.map(lambda _: rows, grouped[0]), mask))
 
     def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         """What a compiled program expects of each argument, or None (no check needed)."""
@@ -465,8 +475,9 @@ class _Single(Strategy):
     def state_target(self) -> Any:
         return self.devices[0]
 
-    def put_rows(self, batch: Any, pad: bool) -> Any:
-        return to_device(batch, self.devices[0])  # to_device copies what the loader may refill
+    @functools.cached_property
+    def _row_layout(self) -> tuple[Any, int, Any]:  # rows stay whole: never a mask
+        return SingleDeviceSharding(self.devices[0]), 1, None
 
     def place_grouped(self, grouped: Any, k: int, m: int) -> Any:
         return to_device(grouped, self.devices[0])
@@ -487,7 +498,8 @@ class _Pmap(Strategy):
     def collective_axis(self) -> AxisName | None:
         return self.axis
 
-    def put_rows(self, batch: Any, pad: bool) -> Any:
+    def put_rows(self, batch: Any, pad: bool | None) -> Any:
+        pad = rows_of(batch) % self.n_devices != 0 if pad is None else pad
         return shard_for_pmap(batch, list(self.devices), pad=pad)
 
     _split_fix = (
@@ -575,13 +587,6 @@ class _Sharded(Strategy):
             return self.n_devices
         sharding, n = batch_layout(self.mesh, self.axis)
         return row_multiple(sharding, n)
-
-    def put_rows(self, batch: Any, pad: bool) -> Any:
-        out = shard_batch(batch, self.mesh, pad=pad, axis=self.axis)
-        if not pad or self.mask_spec() != P():
-            return out
-        mask = np.arange(out.mask.size) < out.size  # the same prefix mask, on every device
-        return out._replace(mask=to_device(mask, named_sharding(self.mesh, P())))
 
     def mask_spec(self, k: int = 1, m: int = 1) -> P:
         # replicated, jit counts the real rows on each device: the loss's denominator
@@ -684,9 +689,10 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     extra = -rows % (m * strategy.local_shards())
     xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
     out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
-    lead = (k,) if k > 1 else ()
-    mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
-    mask = strategy.group(np, mask, row_axis, m)
+    lead, mask = (k,) if k > 1 else (), None  # even rows: no mask to place
+    if extra:
+        mask = np.broadcast_to(np.arange(rows + extra) < rows, lead + (rows + extra,))
+        mask = strategy.group(np, mask, row_axis, m)
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
     placed, mask = strategy.place_grouped(grouped, k, m)
     return Padded(placed, mask, rows) if extra else placed
