@@ -145,20 +145,34 @@ def _call_site() -> str:
     return inner
 
 
-@contextlib.contextmanager
-def _outermost(key: str) -> Iterator[None]:
+class _outermost:  # noqa: N801 - used as the context manager function it was
     """Mark this thread inside an intercepted call of ``key``: its inner calls count nothing."""
-    depth = getattr(_tls, key, 0)
-    setattr(_tls, key, depth + 1)
-    try:
-        yield
-    finally:
-        setattr(_tls, key, depth)
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __enter__(self) -> None:
+        setattr(_tls, self.key, getattr(_tls, self.key, 0) + 1)
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(_tls, self.key, getattr(_tls, self.key) - 1)
+
+
+_QUIET, _NULL = _outermost("host"), contextlib.nullcontext()  # reused: the state is per thread
+_WAIT = array_type().block_until_ready  # unwrapped, whatever count_transfers patches later
 
 
 def not_counted() -> contextlib.AbstractContextManager[Any]:
     """jaxdev's own look at a ready array's status (no transfer, no wait): not counted here."""
-    return _outermost("host") if _active else contextlib.nullcontext()
+    return _QUIET if _active else _NULL
+
+
+def quiet_wait(x: Any) -> None:
+    """Wait for array ``x`` past every counting wrapper: jaxdev's own look at a ready array
+    (its error), which a counter or a step meter must neither count nor pay for."""
+    _WAIT(x)
 
 
 def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = None) -> Callable:
@@ -249,10 +263,16 @@ class _CountedUfunc:
         return repr(self.__wrapped__)
 
 
-def _set(owner: Any, name: str, value: Any) -> None:
-    """Set ``owner.name = value`` and remember how to undo it."""
+_WRAPPERS: dict[tuple[int, str], tuple[Any, Any]] = {}  # (owner, name): (original, wrapper)
+
+
+def _set(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Set ``owner.name`` to ``wrap`` of it (made once per original) and remember the undo."""
     old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    setattr(owner, name, value)
+    made = _WRAPPERS.get((id(owner), name))
+    if made is None or made[0] is not old:
+        made = _WRAPPERS[id(owner), name] = (old, wrap(old))
+    setattr(owner, name, made[1])
     _undo.append(lambda: setattr(owner, name, old))
 
 
@@ -262,24 +282,23 @@ def _install() -> None:
     # `jax._src.api.device_get/put` directly, so wrapping only `jax.device_get` misses them.
     from jax._src import api
 
-    array = array_type()
+    array, counted = array_type(), functools.partial(functools.partial, _counted)
     for direction, methods in ((D2H, _ARRAY_METHODS), (WAIT, _ARRAY_WAITS)):
         for name, kind in methods.items():
             if name in array.__dict__:
-                _set(array, name, _counted(array.__dict__[name], direction, kind))
-    value = array.__dict__["_value"]
-    _set(array, "_value", property(_counted(value.fget, D2H, "host read (_value)")))
-    get = _counted(api.device_get, D2H, "jax.device_get", _tree_has_device_array)
-    put = _counted(api.device_put, H2D, "jax.device_put", _tree_has_host_data)
-    wait = _counted(api.block_until_ready, WAIT, "jax.block_until_ready", _tree_has_device_array)
+                _set(array, name, counted(direction=direction, kind=kind))
+    _set(array, "_value", lambda v: property(_counted(v.fget, D2H, "host read (_value)")))
     for owner in (jax, api):
-        _set(owner, "device_get", get)
-        _set(owner, "device_put", put)
-        _set(owner, "block_until_ready", wait)
+        _set(owner, "device_get", counted(direction=D2H, kind="jax.device_get",
+                                          when=_tree_has_device_array))
+        _set(owner, "device_put", counted(direction=H2D, kind="jax.device_put",
+                                          when=_tree_has_host_data))
+        _set(owner, "block_until_ready", counted(direction=WAIT, kind="jax.block_until_ready",
+                                                 when=_tree_has_device_array))
     for name in _NUMPY_FUNCTIONS:
-        _set(np, name, _counted(getattr(np, name), D2H, f"np.{name}", _holds_device_array))
+        _set(np, name, counted(direction=D2H, kind=f"np.{name}", when=_holds_device_array))
     for name in _NUMPY_UFUNCS:
-        _set(np, name, _CountedUfunc(getattr(np, name)))
+        _set(np, name, _CountedUfunc)
     jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
     _undo.append(lambda: jax.monitoring.unregister_event_duration_listener(_on_compile_event))
 

@@ -153,24 +153,29 @@ def _last_program(step):
     return [p for p in step._programs if p[0][1] and p[2][0] == (24, 4)][0]
 
 
-class _Meter:
-    def __init__(self):
-        self.calls = []
+class _Meter:  # a step meter's side of _timeline: each call's times, runs, newest output
+    step = key = None
 
-    def on_step(self, step, key, start, end, compiled, token):
-        self.calls.append((step, key, end >= start, compiled, token))
+    def __init__(self):
+        self.times, self.runs, self.outputs = [], [], []
+
+    def switch(self, step, key, compiled):
+        self.runs.append((len(self.times) // 2 - 1, step, key, compiled))
+        self.step, self.key = step, key
+
+    newest = property(lambda self: self.outputs[-1], lambda self, v: self.outputs.append(v))
 
 
 def test_the_step_meter_hears_each_dispatch_and_can_ask_its_flops(monkeypatch):
     meter = _Meter()
     monkeypatch.setattr(_timeline, "listeners", [meter])
     step, state, metrics, batch = _warm(jaxdev.Strategy.single())
-    assert [c[3] for c in meter.calls] == [True, True, False, False]  # no metrics, metrics
-    assert all(c[0] is step and c[2] for c in meter.calls)
-    assert meter.calls[-1][4] is not None and int(meter.calls[-1][4]) == 4  # the step counter
-    flops = step.cost(meter.calls[-1][1])
+    assert [(i, c) for i, _, _, c in meter.runs if c] == [(0, True), (1, True)]  # no metrics,
+    assert all(r[1] is step for r in meter.runs) and meter.times == sorted(meter.times)  # metrics
+    assert [n for n, _ in meter.outputs] == [1, 2, 3, 4] and int(meter.outputs[-1][1]) == 4
+    flops = step.cost(meter.key)
     assert flops is None or flops > 0
-    assert step.cost(meter.calls[-1][1]) == flops  # computed once
+    assert step.cost(meter.key) == flops  # computed once
 
 
 def flat_loss(params, batch):

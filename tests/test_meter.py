@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
+import threading
 import time
 
 import jax
@@ -140,6 +143,38 @@ def test_the_watcher_wakes_once_per_batch_of_steps_not_per_step():
     assert r.steps == 300 and len(looks) < 300 / 4, len(looks)
     assert all(b - a >= 1e-3 for a, b in zip(looks, looks[1:-1]))  # >= 1 ms apart (not exit's)
     assert 0 < r.seconds["step"] <= r.wall
+
+
+def test_a_metered_step_leaves_no_object_for_the_garbage_collector():
+    step, state, batch, _ = _setup()
+
+    def tracked(steps):  # objects the garbage collector walks, made by a metered loop
+        nonlocal state
+        gc.collect()
+        gc.disable()  # nothing untracked or freed by a collection meanwhile
+        try:
+            before = len(gc.get_objects())
+            with StepMeter() as m:
+                for _ in range(steps):
+                    state, _ = step(state, batch)
+            made = len(gc.get_objects()) - before
+            assert m.report().steps == steps  # the meter held its record until here
+            return made
+        finally:
+            gc.enable()
+
+    tracked(10)
+    assert tracked(600) - tracked(100) < 50  # a record per step would be 500 more
+
+
+def test_one_watcher_thread_serves_every_meter():
+    step, state, batch, _ = _setup()
+    with StepMeter() as outer, StepMeter() as inner:
+        for _ in range(5):
+            state, _ = step(state, batch)
+        names = [t.name for t in threading.enumerate()]
+    assert names.count("jaxdev-meter") == 1, names
+    assert outer.report().steps == inner.report().steps == 5
 
 
 def test_a_report_compiles_nothing_and_shows_flops_per_device():

@@ -17,6 +17,7 @@ import math
 import sys
 import threading
 import time
+from array import array
 from collections import Counter
 from typing import Any
 
@@ -38,8 +39,25 @@ PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
 )
 SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
 _RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
-_JOIN_S = 300.0  # leaving waits this long at most for the steps in flight
-_LOOK = (1e-3, 1e-2, 20)  # the watcher looks again after 20 step intervals, within 1-10 ms
+_EVERY, _POLL = 0.05, 2e-3  # the watcher looks every 50 ms; polls every 2 ms while catching
+_LOOK = (0.05, 64)  # it catches a running step within 50 ms or 64 steps, else takes the last
+
+
+_watcher: threading.Thread | None = None
+_wake = threading.Event()  # set while meters are on
+
+
+def _watch() -> None:
+    """One thread for all meters: each looks at its newest step every ``_EVERY``."""
+    with _guards._outermost("host"):  # its waits are not the user's: never counted
+        while _wake.wait():
+            meters = [m for m in _timeline.listeners if isinstance(m, StepMeter)]
+            soon = [m._look() for m in meters]  # a list: every meter looks
+            if not meters:
+                _wake.clear()
+                if _timeline.listeners:  # one came in meanwhile
+                    _wake.set()
+            time.sleep(_POLL if any(soon) else _EVERY)
 
 
 def peak_flops(kind: str) -> tuple[float, str] | None:
@@ -92,12 +110,13 @@ class StepMeter:
 
     jaxdev's train and eval steps, ``prefetch_to_device``, checkpoint saves and host syncs
     (``float(loss)``, ``jax.device_get``, ``np.asarray`` of device arrays) are seen as they
-    are; wrap any other loader in :meth:`inputs`. The meter adds no sync: a thread of its own
-    waits on a step's outputs once per batch of steps (the first step dispatched 20 step
-    intervals, within 1-10 ms, after its last look), so a step's end is exact at each look;
-    between looks the device runs its programs in order, and a queue model (each step of the
-    batch took the same time, from its dispatch or the previous one's end) places them, bounded
-    by the syncs that found them done. Leaving the block waits for the steps in flight.
+    are; wrap any other loader in :meth:`inputs`. The meter adds no sync, and a step pays
+    two clock reads and an append: one thread for all meters looks every 50 ms at the newest
+    step and waits for its end, so a step's end is exact at each look (one already done is
+    caught among the next steps within 50 ms, else taken as ending at its dispatch); between
+    looks the device runs its programs in order, and a queue model (each step of the batch
+    took the same time, from its dispatch or the previous one's end) places them, bounded by
+    the syncs that found them done. Leaving the block waits for the steps in flight.
 
     Args:
       examples_per_step: examples in one step's batch (global), for ``examples/s``.
@@ -131,53 +150,63 @@ class StepMeter:
                 raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
-        self._steps: list[tuple] = []  # (start, end, compiled) in call order: untracked by gc
-        self._runs: list[tuple] = [(0, None, None)]  # (first call, step, key) of each program run
-        self._newest: tuple[int, Any] = (-1, None)  # the last step and an output of it
+        self.times = array("d")  # each step call's start and end, from _timeline
+        self.step = self.key = None  # the program the last call ran
+        self._changes: list[tuple] = []  # (first call, step, key, compiled) of each program run
+        self.newest: tuple = (0, None)  # (calls so far, an output of the last)
         self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
         self._synced: list[tuple[int, float]] = []  # (step, a sync's end: it ended by then)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
-        self._open: tuple[str, float] | None = None  # a mark, until the next step or input
-        self._wake, self._next, self._stop = threading.Event(), 0.0, False
+        self._marks: list[tuple[str, float]] = []  # (label, start): until the next step or input
+        self._lock = threading.Lock()  # one look at a time (the watcher's, leaving's)
+        self._catch = (0, 0.0)  # (steps seen, since when) while its newest steps were done
 
     def __enter__(self) -> StepMeter:
+        global _watcher
         if self._t0:
             raise UsageError("A StepMeter meters one block: make a new one for the next.")
         self._tid = threading.get_ident()
         self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs and compiles
         self._guard.__enter__()
-        self._thread = threading.Thread(target=self._watch, name="jaxdev-meter", daemon=True)
-        self._thread.start()
         self._t0 = time.perf_counter()
         _timeline.listeners.append(self)
+        if _watcher is None or not _watcher.is_alive():  # one for all meters (and a fork's)
+            _watcher = threading.Thread(target=_watch, name="jaxdev-meter", daemon=True)
+            _watcher.start()
+        _wake.set()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _timeline.listeners.remove(self)
-        self._close(now := time.perf_counter())
-        self._stop = True
-        self._wake.set()  # the watcher waits for the steps in flight
-        self._thread.join(_JOIN_S)
+        now = time.perf_counter()
+        with _guards._outermost("host"):  # waits for the steps in flight: not the user's
+            self._look(final=True)
+        self.newest = (0, None)
         self._guard.__exit__(None, None, None)
         self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
 
-    def _watch(self) -> None:
-        """Woken by a step dispatched ``_LOOK`` after its last look (or by leaving)."""
-        lo, (low, high, steps) = 0, _LOOK
-        with _guards._outermost("host"):  # its waits are not the user's: never counted
-            while True:
-                self._wake.wait()
-                self._wake.clear()
-                stop, (i, token) = self._stop, self._newest  # read after clear: no wake lost
-                if i >= lo:
-                    with contextlib.suppress(Exception):  # a failed step: its reads raise
-                        token.block_until_ready()
-                    self._looks.append((i, now := time.perf_counter()))
-                    every = (self._steps[i][1] - self._steps[max(lo - 1, 0)][1]) / (i + 1 - lo)
-                    self._next, lo = now + min(max(low, steps * every), high), i + 1
-                del token
-                if stop:
-                    return
+    def _look(self, final: bool = False) -> bool:
+        """Note when the newest step ended: wait for it while it runs; one done already
+        is caught in the next ``_LOOK`` polls' steps, then taken as ending at its dispatch.
+        Returns whether to look again soon (catching)."""
+        with self._lock:
+            (n, token), done = self.newest, len(self._looks) and self._looks[-1][0] + 1
+            if n <= done:
+                return False
+            try:
+                ready = not final and token.is_ready()
+            except RuntimeError:  # deleted: it ended
+                ready = True
+            seen, since = self._catch if self._catch[0] else (n, time.perf_counter())
+            if ready and n - seen < _LOOK[1] and time.perf_counter() - since < _LOOK[0]:
+                self._catch = (seen, since)
+                return True
+            if not ready:
+                with contextlib.suppress(Exception):  # a failed step: its reads raise
+                    token.block_until_ready()
+            self._looks.append((n - 1, time.perf_counter() if not ready else self.times[2 * n - 1]))
+            self._catch = (0, 0.0)
+            return False
 
     def inputs(self, iterable: Any) -> Any:
         """Yield ``iterable``'s items, timing each wait for the next as input."""
@@ -189,64 +218,62 @@ class StepMeter:
 
     # -------------------------------------------------- what _timeline tells it
 
-    def on_step(self, step: Any, key: tuple, start: float, end: float, compiled: bool,
-                token: Any) -> None:
-        if self._open is not None:
-            self._close(start)
-        steps, run = self._steps, self._runs[-1]
-        steps.append((start, end, compiled))
-        self._newest = (len(steps) - 1, token)  # only the newest: kept outputs cost
-        if step is not run[1] or key != run[2]:
-            self._runs.append((len(steps) - 1, step, key))
-        if compiled or not step.is_train:
-            self._host.append(("compile" if compiled else "eval", start, end, ""))
-        if end >= self._next:  # the watcher's next look (at most one wake per batch)
-            self._next = math.inf
-            self._wake.set()
-
     def on_host(self, label: str, start: float, end: float, where: str) -> None:
         if threading.get_ident() == self._tid:  # the loop's thread only
-            if label == "input":
-                self._close(start)
             what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
             where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
             self._host.append((label, start, end, where))
-            if label == "sync" and (token := self._newest[1]) is not None:
+            n, token = self.newest
+            if label == "sync" and token is not None:
                 with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
                     if token.is_ready():  # it and all before it ended by the sync's end
-                        self._synced.append((self._newest[0], end))
+                        self._synced.append((n - 1, end))
+
+    def switch(self, step: Any, key: tuple, compiled: bool) -> None:
+        self._changes.append((len(self.times) // 2 - 1, step, key, compiled))
+        self.step, self.key = step, key
 
     def on_mark(self, label: str, when: float) -> None:
-        if threading.get_ident() == self._tid and self._open is None:
-            self._open = (label, when)
-
-    def _close(self, now: float) -> None:
-        if self._open is not None:
-            self._host.append((*self._open, now, ""))
-            self._open = None
+        if threading.get_ident() == self._tid:
+            self._marks.append((label, when))
 
     # ------------------------------------------------------------ the report
 
     def report(self) -> MeterReport:
         """The summary of the block (of what finished so far, inside it)."""
         t0, t1, done = self._t0, self._t1 or time.perf_counter(), self._finishes()
-        ends = [min(a, len(done)) for a, *_ in self._runs[2:]] + [len(done)]
-        runs = [(step, key, b - a) for (a, step, key), b in zip(self._runs[1:], ends) if b > a]
-        busy, prev, kinds = [], t0, [k for st, _, n in runs for k in [st.is_train] * n]
-        for (_, end, _), finish, train in zip(self._steps, done, kinds):
+        n, (starts, ends) = len(self.times) // 2, (self.times[0::2], self.times[1::2])
+        runs, host, kinds = [], list(self._host), []  # runs: [step, key, calls done] each
+        for (a, step, key, compiled), b in zip(
+                self._changes, [a for a, *_ in self._changes[1:]] + [n]):
+            if compiled:
+                host.append(("compile", starts[a], ends[a], ""))
+            if not step.is_train:
+                host += [("eval", starts[i], ends[i], "") for i in range(a, b)]
+            kinds += [step.is_train] * (b - a)
+            if runs and step is runs[-1][0] and key == runs[-1][1]:
+                runs[-1][2] += max(min(b, len(done)) - a, 0)
+            elif b > a and len(done) > a:
+                runs.append([step, key, min(b, len(done)) - a])
+        inputs = sorted([*starts, *[s for label, s, _, _ in self._host if label == "input"]])
+        for label, when in self._marks:  # until the next step call or input wait
+            i = bisect.bisect_left(inputs, when)
+            host.append((label, when, inputs[i] if i < len(inputs) else t1, ""))
+        busy, prev = [], t0
+        for end, finish, train in zip(ends, done, kinds):
             if finish > max(end, prev):
                 busy.append((max(end, prev), finish, "step" if train else "eval"))
             prev = max(prev, finish)
         seconds = dict.fromkeys(SHARES, 0.0)
         for s, e, label in busy:
             seconds[label] += e - s
-        segments = _flatten([h[:3] for h in self._host])
+        segments = _flatten([h[:3] for h in host])
         starts = [s for s, _, _ in segments]
         for a, b in zip([t0] + [e for _, e, _ in busy], [s for s, _, _ in busy] + [t1]):
             if b > a:  # a gap between the device's busy spans
                 _attribute(a, b, segments, starts, seconds)
         syncs: dict[str, list] = {}
-        for label, s, e, where in self._host:
+        for label, s, e, where in host:
             if label == "sync":
                 n, secs = syncs.get(where, (0, 0.0))
                 syncs[where] = [n + 1, secs + e - s]
@@ -259,7 +286,8 @@ class StepMeter:
         """When the device finished each step the watcher saw end, by the queue model."""
         out, prev, lo = [], self._t0, 0
         for i, t in list(self._looks):
-            ends = [s[1] for s in self._steps[lo : i + 1]]  # each starts at max(end, prev)
+            ends = self.times[2 * lo + 1 : 2 * i + 2 : 2]  # each starts at max(end, prev)
+            t = max(t, prev)  # a step seen done at a look: from its dispatch on
             chains = [(prev, len(ends))] + [(e, len(ends) - k) for k, e in enumerate(ends)]
             c = max(min((t - base) / m for base, m in chains), 0.0)  # the last ends at t
             for e in ends:
