@@ -1,18 +1,22 @@
 """Where jaxdev tells the active step meters what its steps and the host did.
 
 With no meter on, a step pays two truth tests of :data:`listeners` per call, a prefetcher's
-``next`` one; with one on, two clock reads and an append. A meter (``jaxdev.meter``) adds
-itself to :data:`listeners` while it is on.
+``next`` one; with meters on, two clock reads and an append to one array they share. A meter
+(``jaxdev.meter``) listens (:func:`listen`) while it is on.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any
 
-listeners: list[Any] = []  # the active meters: ``times`` (an ``array("d")`` of each call's start
-# and end), ``step``, ``key``, ``switch(step, key, compiled)``, ``newest``, ``on_host(label,
-# start, end, where)`` and ``on_mark(label, when)``
+listeners: list[Any] = []  # the active meters: ``on_host(label, start, end, where)``, ``on_mark``
+times = array("d")  # each metered step call's start and end: no object the GC would walk
+runs: list[tuple] = []  # (first call, step, key, compiled) of each program run in ``times``
+newest: tuple = (0, None)  # (calls in ``times``, an output of the last): kept outputs cost
+_run: tuple = (None, None)  # the step and program key of the last run
+_KEEP = 1 << 21  # doubles kept when no meter listens (16 MiB): a new meter then starts afresh
 
 
 def start() -> float:
@@ -21,15 +25,32 @@ def start() -> float:
 
 
 def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) -> None:
-    """Tell each meter: ``step``'s program ``key`` was dispatched from ``start`` until now
-    (``compiled``: this call traced and compiled it); ``token`` is an output to wait on."""
-    end = time.perf_counter()
-    for meter in listeners:  # a meter leaves (and the list changes) outside a step call
-        times = meter.times  # C doubles: no object a garbage collection would walk
-        times.extend((start, end))
-        if compiled or key is not meter.key or step is not meter.step:  # a new program run
-            meter.switch(step, key, compiled)
-        meter.newest = (len(times) >> 1, token)  # one output, the newest only: kept ones cost
+    """Record for the meters: ``step``'s program ``key`` was dispatched from ``start`` until
+    now (``compiled``: this call traced and compiled it); ``token`` is an output to wait on."""
+    global newest, _run
+    times.extend((start, time.perf_counter()))
+    if compiled or key is not _run[1] or step is not _run[0]:  # a new program run
+        _run = (step, key)
+        runs.append((len(times) // 2 - 1, step, key, compiled))
+    newest = (len(times) >> 1, token)
+
+
+def listen(meter: Any) -> int:
+    """Add ``meter``; return the index its first step call will have in :data:`times`."""
+    global _run
+    if not listeners and len(times) > _KEEP:
+        del times[:], runs[:]
+    listeners.append(meter)
+    _run = (None, None)  # its first call starts a run
+    return len(times) // 2
+
+
+def leave(meter: Any) -> None:
+    """Remove ``meter`` (the newest output is let go when none listens)."""
+    global newest
+    listeners.remove(meter)
+    if not listeners:
+        newest = (newest[0], None)
 
 
 def host(label: str, start: float, where: str = "") -> None:

@@ -17,7 +17,6 @@ import math
 import sys
 import threading
 import time
-from array import array
 from collections import Counter
 from typing import Any
 
@@ -150,10 +149,7 @@ class StepMeter:
                 raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
-        self.times = array("d")  # each step call's start and end, from _timeline
-        self.step = self.key = None  # the program the last call ran
-        self._changes: list[tuple] = []  # (first call, step, key, compiled) of each program run
-        self.newest: tuple = (0, None)  # (calls so far, an output of the last)
+        self._first, self._kept = 0, None  # its first call in _timeline.times; its record
         self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
         self._synced: list[tuple[int, float]] = []  # (step, a sync's end: it ended by then)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
@@ -169,7 +165,7 @@ class StepMeter:
         self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs and compiles
         self._guard.__enter__()
         self._t0 = time.perf_counter()
-        _timeline.listeners.append(self)
+        self._first = _timeline.listen(self)
         if _watcher is None or not _watcher.is_alive():  # one for all meters (and a fork's)
             _watcher = threading.Thread(target=_watch, name="jaxdev-meter", daemon=True)
             _watcher.start()
@@ -177,11 +173,11 @@ class StepMeter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _timeline.listeners.remove(self)
         now = time.perf_counter()
         with _guards._outermost("host"):  # waits for the steps in flight: not the user's
             self._look(final=True)
-        self.newest = (0, None)
+        self._kept = self._record()
+        _timeline.leave(self)
         self._guard.__exit__(None, None, None)
         self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
 
@@ -190,7 +186,8 @@ class StepMeter:
         is caught in the next ``_LOOK`` polls' steps, then taken as ending at its dispatch.
         Returns whether to look again soon (catching)."""
         with self._lock:
-            (n, token), done = self.newest, len(self._looks) and self._looks[-1][0] + 1
+            (n, token), done = _timeline.newest, len(self._looks) and self._looks[-1][0] + 1
+            n -= self._first
             if n <= done:
                 return False
             try:
@@ -204,7 +201,8 @@ class StepMeter:
             if not ready:
                 with contextlib.suppress(Exception):  # a failed step: its reads raise
                     token.block_until_ready()
-            self._looks.append((n - 1, time.perf_counter() if not ready else self.times[2 * n - 1]))
+            end = _timeline.times[2 * (self._first + n) - 1]
+            self._looks.append((n - 1, time.perf_counter() if not ready else end))
             self._catch = (0, 0.0)
             return False
 
@@ -223,15 +221,19 @@ class StepMeter:
             what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
             where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
             self._host.append((label, start, end, where))
-            n, token = self.newest
-            if label == "sync" and token is not None:
+            n, token = _timeline.newest
+            if label == "sync" and token is not None and n > self._first:
                 with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
                     if token.is_ready():  # it and all before it ended by the sync's end
-                        self._synced.append((n - 1, end))
+                        self._synced.append((n - 1 - self._first, end))
 
-    def switch(self, step: Any, key: tuple, compiled: bool) -> None:
-        self._changes.append((len(self.times) // 2 - 1, step, key, compiled))
-        self.step, self.key = step, key
+    def _record(self) -> tuple[Any, list[tuple]]:
+        """Its step calls' starts and ends, and ``(first call, step, key, compiled)`` runs."""
+        if self._kept is not None:
+            return self._kept
+        first = self._first
+        runs = [(i - first, *run) for i, *run in _timeline.runs if i >= first]
+        return _timeline.times[2 * first:], runs
 
     def on_mark(self, label: str, when: float) -> None:
         if threading.get_ident() == self._tid:
@@ -241,11 +243,11 @@ class StepMeter:
 
     def report(self) -> MeterReport:
         """The summary of the block (of what finished so far, inside it)."""
-        t0, t1, done = self._t0, self._t1 or time.perf_counter(), self._finishes()
-        n, (starts, ends) = len(self.times) // 2, (self.times[0::2], self.times[1::2])
+        (times, changes), t0, t1 = self._record(), self._t0, self._t1 or time.perf_counter()
+        done = self._finishes(times)
+        n, starts, ends = len(times) // 2, times[0::2], times[1::2]
         runs, host, kinds = [], list(self._host), []  # runs: [step, key, calls done] each
-        for (a, step, key, compiled), b in zip(
-                self._changes, [a for a, *_ in self._changes[1:]] + [n]):
+        for (a, step, key, compiled), b in zip(changes, [a for a, *_ in changes[1:]] + [n]):
             if compiled:
                 host.append(("compile", starts[a], ends[a], ""))
             if not step.is_train:
@@ -282,11 +284,11 @@ class StepMeter:
             *self._rates(runs, t1 - t0), *self._lanes(busy, segments, t0),
         )
 
-    def _finishes(self) -> list[float]:
+    def _finishes(self, times: Any) -> list[float]:
         """When the device finished each step the watcher saw end, by the queue model."""
         out, prev, lo = [], self._t0, 0
         for i, t in list(self._looks):
-            ends = self.times[2 * lo + 1 : 2 * i + 2 : 2]  # each starts at max(end, prev)
+            ends = times[2 * lo + 1 : 2 * i + 2 : 2]  # each starts at max(end, prev)
             t = max(t, prev)  # a step seen done at a look: from its dispatch on
             chains = [(prev, len(ends))] + [(e, len(ends) - k) for k, e in enumerate(ends)]
             c = max(min((t - base) / m for base, m in chains), 0.0)  # the last ends at t
