@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from ._errors import JaxdevError
-from ._guards import not_counted
+from ._guards import not_counted, quiet_wait
 from ._leaves import array_type
 
 Explain = Callable[[BaseException, str], "BaseException | None"]
@@ -60,8 +60,7 @@ def _error(token: Any, wait: bool = False) -> BaseException | None:
     if not wait and not token.is_ready():  # a failed computation is ready
         return None
     try:
-        with not_counted():  # ready: not a wait (count_transfers / no_host_sync)
-            token.block_until_ready()
+        quiet_wait(token)  # ready: not a wait, past count_transfers / no_host_sync / a meter
     except Exception as err:
         return err
     return None
