@@ -143,9 +143,9 @@ def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> An
     return to_device(tree, sharding)
 
 
-def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedSharding, what: str):
+def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedSharding, pmap: bool):
     lo, hi = (rows // multiple) * multiple, -(-rows // multiple) * multiple
-    sizes = f"{hi}" if lo == 0 else f"{lo} or {hi}"
+    sizes, what = f"{hi}" if lo == 0 else f"{lo} or {hi}", "pmap devices" if pmap else "devices"
     return ShardingError(
         f"`batch` leaf {key_strings(tree)[0]} has {rows} rows, which do not split evenly over "
         f"{multiple} {what} [{format_devices(list(sharding.mesh.devices.flat))}] "
@@ -197,48 +197,55 @@ _PLANS: dict[Any, tuple] = {}  # (treedef, leaf types/shapes/dtypes, layout, pad
 
 
 def place_rows(
-    batch: Any, sharding: Sharding, n: int, pad: bool | None, mask: Sharding, timeout_s=None
+    batch, sharding: Sharding, n: int, pad: bool | None, mask: Sharding, timeout_s=None, pmap=False
 ) -> Any:
     """:func:`shard_batch` with the mask placed on ``mask`` (``pad=None``: padded when the
     rows need it). A host batch is one ``jax.device_put`` of rows and mask, its checks run
-    once per structure, shapes and dtypes (at every call: the values of 64-bit leaves)."""
+    once per structure, shapes and dtypes (at every call: the values of 64-bit leaves).
+    ``pmap``: rows and mask split ``(n, B // n, ...)`` over this process's devices."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     sig = tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
-    key = (treedef, sig, sharding, n, pad, mask, jax.process_count())
-    plan = _PLANS.get(key) or _rows_plan(batch, leaves, sharding, n, pad, mask)
+    key = (treedef, sig, sharding, n, pad, mask, pmap, jax.process_count())
+    plan = _PLANS.get(key) or _rows_plan(batch, leaves, sharding, n, pad, mask, pmap)
     rows, extra, masked, wide, targets = plan
     valid = np.arange(rows + extra) < rows if masked else None  # per call: a user may donate it
     for i in wide:  # 64-bit values with x64 disabled: JAX would truncate them silently
         if (problem := host_problem(leaves[i])) is not None:
             raise_leaf(batch, i, "batch", *problem)
-    if targets is None:  # device arrays, tracers, several processes
-        if valid is None:  # a single device's rows (Strategy.single): placed as they are
-            local = isinstance(sharding, SingleDeviceSharding)
-            return to_device(batch, sharding) if local else to_global(batch, sharding, timeout_s)
-        padded = treedef.unflatten([pad_rows(x, extra) for x in leaves])
+    if targets is None and valid is None and not pmap:  # device arrays, tracers, processes
+        local = isinstance(sharding, SingleDeviceSharding)  # (Strategy.single's whole rows)
+        return to_device(batch, sharding) if local else to_global(batch, sharding, timeout_s)
+    out = detach_host(leaves) if targets and not extra else [pad_rows(x, extra) for x in leaves]
+    if pmap:  # (B, ...) -> (n, B // n, ...): views of the private copies
+        out = [x.reshape(n, -1, *x.shape[1:]) for x in out]
+        valid = None if valid is None else valid.reshape(n, -1)
+    if targets is None:
+        padded = treedef.unflatten(out)
+        if pmap:  # this process's devices: never a global array
+            placed = to_device(padded if valid is None else (padded, valid), sharding)
+            return placed if valid is None else Padded(*placed, rows)
         target = sharding if mask == sharding else (jax.tree.map(lambda _: sharding, padded), mask)
-        placed, valid = to_global((padded, valid), target, timeout_s)
-        return Padded(placed, valid, rows)
+        return Padded(*to_global((padded, valid), target, timeout_s), rows)
     if len(_PLANS) < 256:  # checked: kept (bounded: a loader brings few shapes)
         _PLANS[key] = plan
-    out = detach_host(leaves) if not extra else [pad_rows(x, extra) for x in leaves]
     with outside_mesh():  # a re-layout is a jitted program: never under a user's set_mesh
         out = jax.device_put(out if valid is None else [*out, valid], targets)
     placed = treedef.unflatten(out[: len(leaves)])
     return placed if valid is None else Padded(placed, out[-1], rows)
 
 
-def _rows_plan(batch, leaves, sharding, n, pad, mask) -> tuple:
+def _rows_plan(batch, leaves, sharding, n, pad, mask, pmap) -> tuple:
     """``(rows, extra, masked, 64-bit leaves, device_put targets or None)``, checked."""
-    checked_leaves(batch, "batch")
+    checked_leaves(batch, "batch", "shard_for_pmap" if pmap else None)
     rows = batch_rows(batch, leaves, "batch")
     multiple = row_multiple(sharding, n)
     extra = -rows % multiple
     if extra and pad is False:
-        raise indivisible_error(batch, rows, multiple, sharding, "devices")
+        raise indivisible_error(batch, rows, multiple, sharding, pmap)
     masked = bool(extra or pad)
     wide = tuple(i for i, x in enumerate(leaves) if isinstance(x, np.ndarray) and x.itemsize == 8)
-    if jax.process_count() > 1 or any(type(x) is not np.ndarray for x in leaves):
+    several = jax.process_count() > 1 and not pmap  # pmap: this process's devices only
+    if several or any(type(x) is not np.ndarray for x in leaves):
         return rows, extra, masked, wide, None
     single = isinstance(sharding, SingleDeviceSharding)  # JAX puts faster given the device
     put = next(iter(sharding.device_set)) if single else sharding

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
-from ._batches import Padded, batch_rows, indivisible_error, pad_rows, select_rows, unpad
+from ._batches import Padded, place_rows, select_rows, unpad
 from ._devices import device_list
 from ._errors import device_name
 from ._leaves import checked_leaves, is_concrete, raise_drift, raise_leaves
@@ -162,18 +162,7 @@ def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
     """
     n, mesh = _pmap_mesh(devices)
     stacked = named_sharding(mesh, P(DEFAULT_AXIS))
-    leaves, treedef = checked_leaves(batch, "batch", "shard_for_pmap")
-    rows = batch_rows(batch, leaves, "batch")
-    extra = -rows % n
-    if extra and not pad:
-        raise indivisible_error(batch, rows, n, stacked, "pmap devices")
-    per = (rows + extra) // n
-    out = [np.reshape(pad_rows(x, extra), (n, per, *np.shape(x)[1:])) for x in leaves]
-    if not pad:
-        return to_device(jax.tree_util.tree_unflatten(treedef, out), stacked)
-    mask = (np.arange(rows + extra) < rows).reshape(n, per)
-    placed, mask = to_device((jax.tree_util.tree_unflatten(treedef, out), mask), stacked)
-    return Padded(placed, mask, rows)
+    return place_rows(batch, stacked, n, pad, stacked, pmap=True)
 
 
 def unshard_from_pmap(tree: Any, padding: Padded | jax.Array | np.ndarray | int | None = None):

@@ -58,9 +58,10 @@ def test_an_uneven_batch_with_a_device_leaf_is_one_device_put():
     assert out.batch["y"].tolist() == list(range(13)) + [12, 12, 12]
 
 
-@pytest.mark.parametrize("name", ["single", "sharded"])
+@pytest.mark.parametrize("name", ["single", "pmap", "sharded"])
 def test_a_batch_like_one_placed_before_is_not_checked_again(name, monkeypatch):
-    """Before: the rows of every leaf (`batch_rows`) were read and checked at every call."""
+    """Before: the rows of every leaf (`batch_rows`) were read and checked at every call
+    (pmap: twice, the strategy's row count then `shard_for_pmap`'s checks)."""
     checked = []
     rows_of = _batches.batch_rows
     monkeypatch.setattr(_batches, "batch_rows", lambda *a: checked.append(1) or rows_of(*a))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import (
@@ -27,7 +27,6 @@ from .._batches import (
     pad_rows,
     place_rows,
     row_multiple,
-    rows_of,
     to_global,
 )
 from .._devices import DeviceSpec, device_list
@@ -49,7 +48,7 @@ from .._mesh import (
     under_mesh,
 )
 from .._placement import copy_to, place_tree, to_device
-from .._pmap_layout import is_stacked, shard_for_pmap
+from .._pmap_layout import is_stacked
 from .._rules import check_rules, step_shardings, unbox
 from .._target import refuse
 from ..memory import check_offload, offloaded, streamed
@@ -498,9 +497,12 @@ class _Pmap(Strategy):
     def collective_axis(self) -> AxisName | None:
         return self.axis
 
-    def put_rows(self, batch: Any, pad: bool | None) -> Any:
-        pad = rows_of(batch) % self.n_devices != 0 if pad is None else pad
-        return shard_for_pmap(batch, list(self.devices), pad=pad)
+    def put_rows(self, batch: Any, pad: bool | None) -> Any:  # as shard_for_pmap splits rows
+        return place_rows(batch, self._stacked, self.n_devices, pad, self._stacked, pmap=True)
+
+    @functools.cached_property
+    def _stacked(self) -> NamedSharding:
+        return named_sharding(mesh_of(self.devices, DEFAULT_AXIS), P(DEFAULT_AXIS))
 
     _split_fix = (
         ", or feed the batches through flax's `jax_utils.prefetch_to_device(iterator, 2)`, "
