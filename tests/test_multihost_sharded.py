@@ -117,3 +117,35 @@ def test_init_state_places_a_typed_key_on_the_global_mesh():
             np.testing.assert_array_equal(data(again), jax.random.key_data(key))
             state, metrics = step(state, step.put_batch({"x": np.ones((8, 16), np.float32)}))
             np.testing.assert_allclose(metrics.fetch()["loss"], 2.56, rtol=1e-6)
+
+
+@pytest.mark.processes(2, devices=4, timeout=120)
+def test_pmap_over_two_processes_averages_over_every_process():
+    """flax's multi-host pmap: each process feeds its own devices, the gradient's pmean
+    spans all 8. Before: jax.pmap(devices=<this process's 4>) averaged each process's
+    own rows, and the two processes trained apart, silently."""
+    tx, lr = optax.sgd(0.1), 0.1
+
+    def loss(params, batch):
+        return (batch["x"] @ params["w"] - batch["y"]) ** 2
+
+    def rows(p):  # each process's 8 rows (uneven ones too: 5 of them, padded)
+        x = np.arange(24, dtype=np.float32).reshape(8, 3) / 10 + p
+        return {"x": x, "y": np.arange(8, dtype=np.float32) - 3 * p}
+
+    step = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.pmap())
+    state, metrics = step.init_state({"w": np.ones(3, np.float32)}), None
+    w = np.ones(3, np.float64)
+    mine = rows(jax.process_index())
+    for n in (8, 5, 8):
+        batch = {k: v[:n] for k, v in mine.items()}
+        state, metrics = step(state, step.put_batch(batch), metrics)
+        both = [{k: v[:n] for k, v in rows(p).items()} for p in (0, 1)]
+        x = np.concatenate([b["x"] for b in both]).astype(np.float64)
+        y = np.concatenate([b["y"] for b in both]).astype(np.float64)
+        w = w - lr * (2 * (x @ w - y) @ x) / len(y)  # SGD on the mean over all 2n rows
+    jaxdev.distributed.assert_same_across_processes(state.params)
+    np.testing.assert_allclose(np.asarray(state.params["w"]), w, rtol=1e-5)
+    assert int(state.step) == 3
+    with pytest.raises(jaxdev.UsageError, match=r"`devices`: under 2 processes.*got 2 of"):
+        jaxdev.Strategy.pmap(2)  # JAX needs the same devices in every process

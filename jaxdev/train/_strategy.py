@@ -101,6 +101,12 @@ class Strategy:
         devs = tuple(device_list(devices))
         if not isinstance(axis, str) or not axis:
             raise UsageError(f"`axis` must be a non-empty string such as 'data', got {axis!r}.")
+        if jax.process_count() > 1 and set(devs) != set(jax.local_devices()):
+            raise UsageError(  # jax.pmap needs the same devices in every process
+                f"`devices`: under {jax.process_count()} processes, pmap maps over every "
+                f"process's local devices and averages over all of them; got {len(devs)} of "
+                f"this process's {jax.local_device_count()}. Pass devices=None."
+            )
         return _Pmap("pmap", devs, mesh_of(devs, axis), axis)
 
     @classmethod
@@ -564,8 +570,8 @@ class _Pmap(Strategy):
         in_axes = (None, 0) + ((0,) if has_mask else ()) + ((None,) if has_acc else ())
         pmapped = jax.pmap(
             functools.partial(run, self.axis),
-            axis_name=self.axis,
-            devices=list(self.devices),
+            axis_name=self.axis,  # several processes: each its local devices, the axis all
+            devices=list(self.devices) if jax.process_count() == 1 else None,
             in_axes=in_axes,
             out_axes=(None, None, None) if train else None,
             donate_argnums=donate,
