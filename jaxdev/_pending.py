@@ -11,6 +11,7 @@ that does not carry its message (another computation's, a bug's) is left as it i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 from collections.abc import Callable, Iterator
@@ -27,17 +28,21 @@ Explain = Callable[[BaseException, str], "BaseException | None"]
 
 _PENDING: dict[Any, list] = {}  # owner -> [an output, explain, raised already]; oldest first
 _KEEP = 8  # owners remembered
+_UNSEEN: collections.deque = collections.deque(maxlen=_KEEP)  # calls still running at their
+# owner's next call: looked at only when a read fails (a look at a running output is costly)
 
 
 def record(owner: Any, token: Any, explain: Explain) -> None:
     """Remember ``owner``'s latest call: ``token`` (an output) and how to ``explain`` it.
 
     Its last call was asked about by :func:`failed` as this call began: gone when it ended
-    fine, raised when it failed, else still running (dropped: this call's outputs carry its
-    error). A failure raised already is kept: its outputs stay poisoned, their reads are
-    explained. A look at a running output costs ~10 us on CPU: one a call, not two."""
+    fine, raised when it failed, else still running: then kept unseen, for a read of its
+    outputs that fails. A failure raised already is kept: its outputs stay poisoned, their
+    reads are explained. A look at a running output costs ~10 us on CPU: one a call."""
     old = _PENDING.pop(owner, None)
-    if old is not None and old[2] and _error(old[0]) is not None:
+    if old is not None and not old[2]:
+        _UNSEEN.append(old)
+    elif old is not None and _error(old[0]) is not None:
         _PENDING[object()] = old  # a key no step asks about
     if _PENDING:  # other steps' calls
         _forget_finished()
@@ -48,16 +53,23 @@ def record(owner: Any, token: Any, explain: Explain) -> None:
 
 def _forget_finished() -> None:
     for key, (token, *_) in list(_PENDING.items()):
-        if token.is_ready() and _error(token) is None:
+        if _deleted(token) or (token.is_ready() and _error(token) is None):
             _PENDING.pop(key, None)
 
 
+def _deleted(token: Any) -> bool:
+    """Deleted since it was recorded (an eval step's metrics the user donated to a train
+    step): nobody reads it, and nothing may look at it (jax 0.10.2 segfaults)."""
+    return getattr(token, "is_deleted", bool)()
+
+
 def _error(token: Any, wait: bool = False) -> BaseException | None:
-    """The error ``token``'s computation ended with (``None``: still running, or fine).
+    """The error ``token``'s computation ended with (``None``: still running, fine, or
+    deleted since).
 
     Never waits unless ``wait`` (an error path: under pmap a read of one output can fail
     before the token, another output of the same failed call, is marked ready)."""
-    if not wait and not token.is_ready():  # a failed computation is ready
+    if _deleted(token) or (not wait and not token.is_ready()):  # a failed one is ready
         return None
     try:
         quiet_wait(token)  # ready: not a wait, past count_transfers / no_host_sync / a meter
@@ -78,14 +90,14 @@ def failed(
     if owner is not None:  # a step's next call: its own last call, a dict lookup
         entry = _PENDING.get(owner)
         if entry is not None and error is None and not entry[2]:
-            if not entry[0].is_ready():  # still running: nothing to say yet
-                return None
-            if _error(entry[0], wait=True) is None:  # ready, fine: forgotten (record has none
-                _PENDING.pop(owner, None)  # to check)
+            if not _deleted(entry[0]) and not entry[0].is_ready():  # running: nothing to
+                return None  # say yet
+            if _error(entry[0], wait=True) is None:  # ready and fine, or deleted: forgotten
+                _PENDING.pop(owner, None)  # (record has none to check)
                 return None
         mine = [] if entry is None else [entry]
-    else:
-        mine = list(_PENDING.values())  # other threads record
+    else:  # other threads record; calls that were running at their next call, first
+        mine = [*(_UNSEEN if error is not None else ()), *_PENDING.values()]
     order = [e for e in mine if not e[2]] + [e for e in mine[::-1] if again and e[2]]
     for entry in order:
         err = _error(entry[0], wait=error is not None)

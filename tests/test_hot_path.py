@@ -329,3 +329,24 @@ def test_a_users_trace_error_on_the_fast_path_traces_once(name):
     with pytest.raises(TypeError, match="dot_general"):
         step(state, step.put_batch(np.ones((8, 5), np.float32)), metrics)
     assert len(traces) == 1
+
+
+def test_a_deleted_eval_output_breaks_no_later_call(monkeypatch):
+    """Before (issue-35 review): an eval step's token is its metrics' first leaf, which the user
+    holds. Once it is deleted (donated as `metrics` to a train step, or `.delete()`d),
+    _pending asks it is_ready(): every later call of the eval step raises a bare
+    "INVALID_ARGUMENT: Array has been deleted" at its entry, and any other step's call
+    raises it from record() AFTER it ran: a train step has donated the state and its new
+    state is lost. /tmp/attack35/item3_deleted_token.py."""
+    monkeypatch.setattr(_pending, "_PENDING", {})  # nothing left behind for other tests
+    tx = optax.sgd(0.1)
+    loss = lambda p, b: (b @ p["w"])[:, 0] ** 2  # noqa: E731
+    train = jaxdev.make_train_step(loss, tx, jaxdev.Strategy.single())
+    ev = jaxdev.make_eval_step(loss, jaxdev.Strategy.single())
+    state = train.init_state({"w": jnp.ones((4, 1))}, tx)
+    batch = train.put_batch(np.ones((8, 4), np.float32))
+    metrics = jax.block_until_ready(ev(state, batch))
+    jax.tree.leaves(metrics)[0].delete()  # or: train(state, batch, metrics) donates it
+    state, _ = train(state, batch)  # ran, donated the state: must return the new one
+    assert int(state.step) == 1
+    ev(state, batch)  # the eval step still works

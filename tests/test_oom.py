@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import jaxdev
+from jaxdev import _pending
 from jaxdev.memory._explain import batch_for, batch_rows
 
 TX = optax.adam(1e-3)
@@ -702,3 +703,77 @@ def test_a_step_called_while_another_thread_records_a_call_never_breaks():
         sys.setswitchinterval(interval)
         _pending._PENDING.clear()
     assert errors == []
+
+
+# ---------------------------------------------------- calls running at their next call
+
+
+class _Token:
+    """A call's output: running until ``fail``/``finish``, then ready (failed or fine)."""
+
+    def __init__(self):
+        self.ready, self.error = False, None
+
+    def is_ready(self):
+        return self.ready
+
+    def block_until_ready(self):
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def fail(self, error):
+        self.ready, self.error = True, error
+
+    def finish(self):
+        self.ready = True
+
+
+def _explain(err, where):
+    return jaxdev.OutOfMemoryError(f"the eval step ran out of memory; it surfaced at {where}")
+
+
+@pytest.fixture
+def pending(monkeypatch):
+    monkeypatch.setattr(_pending, "_PENDING", {})
+    monkeypatch.setattr(_pending, "_UNSEEN", collections.deque(maxlen=_pending._KEEP))
+    # the fake tokens are waited on as they are (quiet_wait takes only a jax.Array)
+    monkeypatch.setattr(_pending, "quiet_wait", lambda t: t.block_until_ready(), raising=False)
+    return _pending
+
+
+def test_a_call_that_fails_while_its_next_call_compiles_is_named_where_it_is_read(pending):
+    """A call still running at
+    its next call's entry check that fails before the next call records itself (while it
+    traces/compiles a new batch shape: 0.1-5 s) is dropped unseen: a read of its outputs
+    raised JAX's bare RESOURCE_EXHAUSTED (issue-35 review). End to end (eval step, single/pmap; old: named, new: bare):
+    /tmp/attack35/item3_window.py single eval."""
+    step, err = object(), jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory A")
+    first = _Token()
+    pending.record(step, first, _explain)
+    assert pending.failed("the next call of the step", step) is None  # still running
+    first.fail(err)  # ... and fails while the next call compiles
+    second = _Token()
+    second.finish()  # an eval step's next call: its outputs do not carry the error
+    pending.record(step, second, _explain)
+    explained = pending.failed("Collection.fetch", again=True, error=err)  # first's metrics
+    assert explained is not None, "a read of the failed call's outputs raises JAX's bare error"
+    assert "Collection.fetch" in str(explained)
+
+
+def test_a_call_still_running_at_its_next_call_is_named_where_its_outputs_are_read(pending):
+    """Before (issue-35 review): a failed call's outputs are explained only if it had ended by
+    its next call's start. The usual loop runs ahead of the device, so a call is still
+    running when the next begins; reading its own outputs later (metrics of call N after
+    call N+1, an eval step's metrics without chaining) raises JAX's bare error (train and
+    eval, single: /tmp/attack35/item3_race.py single eval|train, SLOW=1500)."""
+    step, err = object(), jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory A")
+    first = _Token()
+    pending.record(step, first, _explain)
+    assert pending.failed("the next call of the step", step) is None  # still running
+    second = _Token()
+    pending.record(step, second, _explain)  # the next call is dispatched ...
+    first.fail(err)  # ... then the first fails
+    second.finish()
+    explained = pending.failed("Collection.fetch", again=True, error=err)
+    assert explained is not None, "a read of the failed call's outputs raises JAX's bare error"
