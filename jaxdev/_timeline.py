@@ -37,9 +37,10 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
 
 def listen(meter: Any) -> int:
     """Add ``meter``; return the index its first step call will have in :data:`times`."""
-    global _run
+    global _run, newest
     if not listeners and len(times) > _KEEP:
         del times[:], runs[:]
+        newest = (0, None)  # its count indexed the cleared record
     listeners.append(meter)
     _run = (None, None)  # its first call starts a run
     return len(times) // 2

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxdev
+from jaxdev import _timeline
 from jaxdev.meter import StepMeter
 from jaxdev.meter._meter import peak_flops
 
@@ -72,7 +73,7 @@ def test_a_prefetchers_waits_are_input_without_wrapping():
 
 
 def test_float_loss_each_step_is_a_host_sync_named_by_its_line():
-    step, state, batch, metrics = _setup()
+    step, state, batch, metrics = _setup(width=256, rows=256)  # float() waits ~ms
     float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
     with StepMeter() as m:
         for _ in range(10):
@@ -230,3 +231,46 @@ def test_peaks_by_device_kind():
     assert peak_flops("NVIDIA H100 PCIe")[0] == 756e12
     assert peak_flops("TPU v5 lite")[0] == 197e12 and peak_flops("TPU v5")[0] == 459e12
     assert peak_flops("cpu") is None
+
+
+def _step_and_batch():
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(
+        lambda p, b: (b @ p["w"])[:, 0] ** 2, tx, jaxdev.Strategy.single()
+    )
+    return step, step.init_state({"w": jnp.ones((4, 1))}, tx), step.put_batch(np.ones((8, 4)))
+
+
+def _leave_if_left(meter):
+    if meter in _timeline.listeners:  # a meter whose __exit__ failed: do not leak it
+        _timeline.leave(meter)
+        meter._guard.__exit__(None, None, None)
+
+
+def test_a_meter_entered_after_the_record_was_cleared_looks_and_exits_cleanly(monkeypatch):
+    """Before (issue-35 review): listen() empties _timeline.times past _KEEP doubles (2**20 metered calls)
+    but keeps _timeline.newest = (calls before the clear, None). The next meter's first look
+    (the watcher's, within 50 ms, before its first step) calls None.is_ready(): the shared
+    watcher thread dies (AttributeError); a block that leaves before its first step (the
+    loader failed) raises IndexError from __exit__ in place of the user's error, and the
+    meter stays listening with count_transfers' wrappers installed for good.
+    /tmp/attack35/item4_keep.py, item4_keep2.py."""
+    monkeypatch.setattr(_timeline, "_KEEP", 8)  # as after 2**20 metered calls
+    step, state, batch = _step_and_batch()
+    with jaxdev.meter.StepMeter():
+        for _ in range(10):
+            state, _ = step(state, batch)
+    meter = jaxdev.meter.StepMeter()
+    try:
+        with meter:
+            meter._look()  # what the watcher does every 50 ms: must not raise
+    finally:
+        _leave_if_left(meter)
+    meter = jaxdev.meter.StepMeter()
+    try:
+        with pytest.raises(KeyError, match="the loader failed"):
+            with meter:
+                raise KeyError("the loader failed")
+        assert meter not in _timeline.listeners
+    finally:
+        _leave_if_left(meter)

@@ -174,11 +174,13 @@ class StepMeter:
 
     def __exit__(self, *exc: Any) -> None:
         now = time.perf_counter()
-        with _guards._outermost("host"):  # waits for the steps in flight: not the user's
-            self._look(final=True)
-        self._kept = self._record()
-        _timeline.leave(self)
-        self._guard.__exit__(None, None, None)
+        try:
+            with _guards._outermost("host"):  # waits for the steps in flight: not the user's
+                self._look(final=True)
+            self._kept = self._record()
+        finally:  # it leaves, and its counting wrappers go, whatever happened
+            _timeline.leave(self)
+            self._guard.__exit__(None, None, None)
         self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
 
     def _look(self, final: bool = False) -> bool:
