@@ -8,6 +8,7 @@ must end with the parameters of the uninterrupted run, bit for bit (the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -233,3 +235,32 @@ def test_damaged_metadata_and_missing_files(saved):
         jaxdev.restore(gone)
     back = jaxdev.restore(tmp_path / "base")  # the intact one still reads
     assert np.array_equal(np.asarray(back["a"]), np.asarray(tree["a"]))
+
+
+def test_the_unraisable_filter_drops_only_orbaxs_abandoned_reads(monkeypatch, tmp_path):
+    """Before (issue-35 review): after the first damaged read, every unraisable whose object is a coroutine
+    from a file under any folder named `orbax` is dropped for the rest of the process: a
+    real error raised as an orbax coroutine is collected, an orbax coroutine the user forgot
+    to await (under warnings-as-errors), and the user's own code in a project folder that is
+    called `orbax`. /tmp/attack35/item5.py (a real damaged restore, then both cases)."""
+    from jaxdev.checkpoint import _checkpoint
+
+    got = []
+    monkeypatch.setattr(sys, "unraisablehook", got.append)
+    _checkpoint._quiet_abandoned_reads()  # as at the first damaged read
+    (tmp_path / "orbax").mkdir()
+    (tmp_path / "orbax" / "mine.py").write_text("async def upload(step):\n    return step\n")
+    spec = importlib.util.spec_from_file_location("attack35_mine", tmp_path / "orbax" / "mine.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    from orbax.checkpoint import type_handlers
+
+    coros = [mine.upload(1), type_handlers.merge_ocdbt_per_process_files(None, None, False)]
+    try:
+        for coro in coros:
+            err = OSError("a real error while closing it")
+            sys.unraisablehook(types.SimpleNamespace(exc_value=err, object=coro))
+    finally:
+        for coro in coros:
+            coro.close()
+    assert len(got) == 2, f"{2 - len(got)} of 2 reports that are not abandoned reads dropped"

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -932,6 +933,9 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     )
 
 
+_ABANDONED = ("_get_array_metadatas", "_read_array_index_and_device_put")  # orbax 0.12
+
+
 def _quiet_abandoned_reads() -> None:
     """Keep orbax's abandoned reads of a damaged checkpoint out of ``sys.unraisablehook``.
 
@@ -939,7 +943,8 @@ def _quiet_abandoned_reads() -> None:
     collected with its error, and a tensorstore read completing on a loop orbax has closed
     ("Event loop is closed", from tensorstore's thread, at any later moment: 1 restore in 3
     here) are reported as unraisable. The Damaged error reports that failure; these two
-    shapes only are dropped, every other report goes to the hook in place before.
+    shapes only are dropped (an orbax coroutine that ran, or one of its reads never
+    awaited), every other report goes to the hook in place before.
     """
     hook = sys.unraisablehook
     if getattr(hook, "jaxdev_quiet", False):
@@ -955,8 +960,14 @@ def _quiet_abandoned_reads() -> None:
 
 def _abandoned_read(u: Any) -> bool:
     code = getattr(u.object, "cr_code", None)
-    if code is not None:
-        return f"{os.sep}orbax{os.sep}" in code.co_filename
+    if code is not None:  # a coroutine of orbax's reads: run and left (its error), or never
+        ocp = sys.modules.get("orbax.checkpoint")  # awaited (a read gathered with it failed)
+        ran = inspect.getcoroutinestate(u.object) != inspect.CORO_CREATED
+        return (
+            ocp is not None
+            and code.co_filename.startswith(os.path.dirname(ocp.__file__) + os.sep)
+            and (ran or code.co_name in _ABANDONED)
+        )
     if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
         return False
     tb = u.exc_value.__traceback__
