@@ -118,3 +118,18 @@ def test_each_batch_error_fires_after_good_batches(name, case):
     with pytest.raises(error, match=match):
         strategy.put_batch(bad)
     assert strategy.put_batch(good) is not None  # and it goes on
+
+
+@pytest.mark.parametrize("group", [(2, 1), (1, 2)], ids=["steps_per_call=2", "accumulate=2"])
+@pytest.mark.parametrize("name", ["sharded", "pmap"])
+def test_a_grouped_batch_error_names_the_users_leaf_path(name, group):
+    """Before (issue-35 review): place_grouped puts (rows, mask) in one to_device, so a bad leaf is named by
+    jaxdev's own tuple: "`tree` leaf [0]['y']" (was "`tree` leaf ['y']"; `batch` would be
+    the argument's name)."""
+    strategy = getattr(jaxdev.Strategy, name)()
+    k, m = group
+    lead = (k,) if k > 1 else ()
+    bad = {"x": np.ones(lead + (16, 3), np.float32), "y": np.full(lead + (16,), 2**40 + 5)}
+    with pytest.raises(jaxdev.JaxdevError) as err:
+        strategy.put_batch(bad, k, m)
+    assert "leaf ['y']" in str(err.value), str(err.value)[:200]

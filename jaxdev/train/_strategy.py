@@ -32,7 +32,7 @@ from .._batches import (
 from .._devices import DeviceSpec, device_list
 from .._devices import device as resolve_device
 from .._errors import ShardingError, UsageError, short
-from .._leaves import is_jax_array, key_strings, raise_leaves, same_layout
+from .._leaves import checked_leaves, is_jax_array, key_strings, raise_leaves, same_layout
 from .._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
@@ -679,7 +679,7 @@ class _Sharded(Strategy):
 
 def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     """Place rows grouped as ``(K?, M?, rows, ...)``, padded to ``M * devices`` and masked."""
-    leaves, treedef = jax.tree.flatten(batch)
+    leaves, treedef = checked_leaves(batch, "batch")  # named as given, not as grouped
     what, row_axis = (f"(K={k}, B, ...)", 1) if k > 1 else ("(B, ...)", 0)
     flat = not leaves or any(np.ndim(x) < 1 + row_axis for x in leaves)
     if flat or (k > 1 and any(np.shape(x)[0] != k for x in leaves)):
