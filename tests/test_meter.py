@@ -274,3 +274,20 @@ def test_a_meter_entered_after_the_record_was_cleared_looks_and_exits_cleanly(mo
         assert meter not in _timeline.listeners
     finally:
         _leave_if_left(meter)
+
+
+def test_a_deleted_eval_output_is_a_step_that_ended():
+    """The newest output an eval step returned, deleted (donated to a train step as its
+    metrics) before the watcher looks: it ended. Before, jax 0.10.2 segfaulted on its
+    is_ready (0.12 raised, which the look caught)."""
+    step, state, batch, _ = _setup()
+    ev = jaxdev.make_eval_step(_loss, jaxdev.Strategy.single())
+    jax.block_until_ready(ev(state.params, batch))  # compiled outside the meter
+    with StepMeter() as m:
+        metrics = jax.block_until_ready(ev(state.params, batch))
+        jax.tree.leaves(metrics)[0].delete()
+        m._look()  # the watcher's look at the newest output
+        m.on_host("sync", 0.0, 0.0, "float() at here.py:1")  # a sync's look at it
+        state, _ = step(state, batch)
+    r = m.report()
+    assert r.steps == 1 and r.seconds["eval"] >= 0

@@ -192,10 +192,8 @@ class StepMeter:
             n -= self._first
             if n <= done:
                 return False
-            try:
-                ready = not final and token.is_ready()
-            except RuntimeError:  # deleted: it ended
-                ready = True
+            # deleted (an eval step's metrics, donated since): it ended (jax 0.10.2 segfaults
+            ready = token.is_deleted() or (not final and token.is_ready())  # on is_ready)
             seen, since = self._catch if self._catch[0] else (n, time.perf_counter())
             if ready and n - seen < _LOOK[1] and time.perf_counter() - since < _LOOK[0]:
                 self._catch = (seen, since)
@@ -225,9 +223,8 @@ class StepMeter:
             self._host.append((label, start, end, where))
             n, token = _timeline.newest
             if label == "sync" and token is not None and n > self._first:
-                with contextlib.suppress(RuntimeError):  # a deleted token: the watcher's
-                    if token.is_ready():  # it and all before it ended by the sync's end
-                        self._synced.append((n - 1 - self._first, end))
+                if not token.is_deleted() and token.is_ready():  # it and all before it
+                    self._synced.append((n - 1 - self._first, end))  # ended by the sync's end
 
     def _record(self) -> tuple[Any, list[tuple]]:
         """Its step calls' starts and ends, and ``(first call, step, key, compiled)`` runs."""
