@@ -21,7 +21,7 @@ import jax
 
 from ._errors import JaxdevError
 from ._guards import not_counted, quiet_wait
-from ._leaves import array_type
+from ._leaves import array_type, deleted
 
 Explain = Callable[[BaseException, str], "BaseException | None"]
 """``explain(error, where) -> the error to raise instead`` (``None``: not one it explains)."""
@@ -53,23 +53,18 @@ def record(owner: Any, token: Any, explain: Explain) -> None:
 
 def _forget_finished() -> None:
     for key, (token, *_) in list(_PENDING.items()):
-        if _deleted(token) or (token.is_ready() and _error(token) is None):
+        if deleted(token) or (token.is_ready() and _error(token) is None):
             _PENDING.pop(key, None)
-
-
-def _deleted(token: Any) -> bool:
-    """Deleted since it was recorded (an eval step's metrics the user donated to a train
-    step): nobody reads it, and nothing may look at it (jax 0.10.2 segfaults)."""
-    return getattr(token, "is_deleted", bool)()
 
 
 def _error(token: Any, wait: bool = False) -> BaseException | None:
     """The error ``token``'s computation ended with (``None``: still running, fine, or
-    deleted since).
+    deleted since: an eval step's metrics the user donated to a train step; nothing may
+    look at those, jax 0.10.2 segfaults).
 
     Never waits unless ``wait`` (an error path: under pmap a read of one output can fail
     before the token, another output of the same failed call, is marked ready)."""
-    if _deleted(token) or (not wait and not token.is_ready()):  # a failed one is ready
+    if deleted(token) or (not wait and not token.is_ready()):  # a failed one is ready
         return None
     try:
         quiet_wait(token)  # ready: not a wait, past count_transfers / no_host_sync / a meter
@@ -90,7 +85,7 @@ def failed(
     if owner is not None:  # a step's next call: its own last call, a dict lookup
         entry = _PENDING.get(owner)
         if entry is not None and error is None and not entry[2]:
-            if not _deleted(entry[0]) and not entry[0].is_ready():  # running: nothing to
+            if not deleted(entry[0]) and not entry[0].is_ready():  # running: nothing to
                 return None  # say yet
             if _error(entry[0], wait=True) is None:  # ready and fine, or deleted: forgotten
                 _PENDING.pop(owner, None)  # (record has none to check)

@@ -489,7 +489,7 @@ class _Single(Strategy):
 
     def input_shardings(self, group: tuple[int, int], has_mask: bool, has_acc: bool, layout: Any):
         # a leaf committed to another device is moved, as under sharded (jit refuses it)
-        return [jax.sharding.SingleDeviceSharding(self.devices[0])] * (2 + has_mask + has_acc)
+        return [self._row_layout[0]] * (2 + has_mask + has_acc)
 
     def compile(self, run, group, has_mask, has_acc, train, donate, layout=None):
         return MeshBound(jax.jit(functools.partial(run, None), donate_argnums=donate), None)
