@@ -268,6 +268,27 @@ def test_a_reader_racing_a_writer_gets_a_whole_checkpoint_or_a_named_error(tmp_p
         assert seen["complete"] >= 30, (way, seen)
 
 
+def test_a_reader_that_sees_only_the_step_keep_deletes_looks_again(tmp_path, monkeypatch):
+    """The race made certain: the reader lists step 1 as `keep` deletes it, the writer's step 2
+    committed but not yet listed. Before: 'every step is damaged: step 2: None' (CI, 1 read in
+    60), though step 2 was whole."""
+    with jaxdev.Checkpointer(tmp_path, keep=1) as writer:
+        writer.save(1, {"w": jnp.ones(4)})
+        writer.wait()
+        reader = jaxdev.Checkpointer(tmp_path)
+        damage = reader._damage
+
+        def racing(step):  # the first look at step 1: the writer commits 2, keep drops 1
+            if step == 1 and not os.path.isdir(tmp_path / "2"):
+                writer.save(2, {"w": jnp.full(4, 2.0)})
+                writer.wait()
+                return "jaxdev/files: a file is missing"
+            return damage(step)
+
+        monkeypatch.setattr(reader, "_damage", racing)
+        assert float(reader.restore()["w"][0]) == 2.0
+
+
 # ---------------------------------------------------------------- exit after a failed save
 
 _FAILED_SAVE_THEN_EXIT = """

@@ -89,9 +89,24 @@ def test_one_buffer_donated_twice_is_refused_on_the_fast_path(name):
     """JAX 0.10.2 segfaults on several devices (0.12 raises a bare INVALID_ARGUMENT)."""
     step, state, metrics, batch = _warm(STRATEGIES[name]())
     state.params["b"] = state.params["a"]  # the returned state's dict changed in place
-    with pytest.raises(jaxdev.PlacementError, match=r"state\.params\['a'\] and state\.params"):
+    pair = r"state\.params\['a'\] and state\.params"
+    with pytest.raises(jaxdev.PlacementError, match=pair) as excinfo:
         step(state, batch, metrics)
-    assert not state.params["a"].is_deleted()
+    # jax 0.12 on several devices may free the donated buffers before it refuses (1 call in
+    # ~60 under load): the message says so exactly when it did
+    freed = "are deleted: JAX frees" in str(excinfo.value)
+    assert any(x.is_deleted() for x in jax.tree.leaves(state)) == freed
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_buffer_donated_twice_is_named_before_the_leaves_jax_freed(name):
+    """JAX freeing the state before its refusal, made certain: a shared leaf and a deleted one.
+    Before: DeletedArrayError (jax 0.12, CI under load), the shared leaf never named."""
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    state.params["b"] = state.params["a"]
+    state.step.delete()
+    with pytest.raises(jaxdev.PlacementError, match=r"\['a'\] and .* 1 of its leaves are deleted"):
+        step(state, batch, metrics)
 
 
 @pytest.mark.parametrize("name", ["single", "sharded"])

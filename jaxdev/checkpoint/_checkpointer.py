@@ -261,15 +261,26 @@ class Checkpointer:
         return sorted(self._steps())
 
     def _steps(self) -> list[int]:
-        """Complete jaxdev checkpoints: listed and not damaged."""
-        return [s for s in self._listed() if not self._damage(s)]
+        """Complete jaxdev checkpoints: listed and not damaged. A reader that finds only damaged
+        steps while a writer holds the directory looks again (5 tries): `keep` deletes the old
+        step as the new one commits, and a listing can see the one but not yet the other."""
+        for attempt in range(5):
+            listed = self._listed()
+            good = [s for s in listed if not self._damage(s)]
+            if good or not listed or self._lock is not None or not self._writing():
+                break
+            time.sleep(0.02 * (attempt + 1))
+        return good
+
+    def _writing(self) -> bool:
+        return files.holder(os.path.join(self.directory, ckpt.MANAGER_LOCK)) is not None
 
     def _listed(self) -> list[int]:
         """jaxdev checkpoints orbax lists; a reader lists again (5 tries) while racing a writer."""
         if self._lock is not None:
             return [s for s in self._manager.all_steps() if self._is_ours(s)]
         ours: list[int] = []
-        writing = files.holder(os.path.join(self.directory, ckpt.MANAGER_LOCK)) is not None
+        writing = self._writing()
         for attempt in range(5):
             with contextlib.suppress(OSError):
                 self._manager.reload()
@@ -285,7 +296,7 @@ class Checkpointer:
             self.wait()
             step = self.latest_step()
             if step is None:
-                bad = "; ".join(f"step {s}: {self._damage(s)}" for s in self._listed())
+                bad = "; ".join(f"step {s}: {w}" for s in self._listed() if (w := self._damage(s)))
                 raise CheckpointError(
                     f"No checkpoint in {self.directory}: nothing has been saved there yet "
                     "(check the directory; `latest_step()` is None)."

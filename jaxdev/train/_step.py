@@ -636,20 +636,13 @@ def _any_deleted(leaves: list) -> bool:
 def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     """Raise before a call that would donate (or read) a deleted or a shared buffer.
 
-    ``donating=False`` (an eval step): only deleted leaves are refused.
+    ``donating=False`` (an eval step): only deleted leaves are refused. A shared buffer is
+    named first: JAX on several devices may free the donated buffers before it refuses one
+    donated twice, and then the deleted leaves are its doing.
     """
-    impl, ids, n = array_type(), set(), 0
-    for x in jax.tree.leaves((state, metrics)):  # one pass: it runs before every call
-        if type(x) is impl:
-            if x.is_deleted():
-                _raise_deleted(state, metrics, donating)
-        elif not is_jax_array(x):
-            continue
-        elif deleted(x):
-            _raise_deleted(state, metrics, donating)
-        ids.add(id(x))
-        n += 1
-    if donating and len(ids) != n:  # one array reached twice: name each pair
+    arrays = [x for x in jax.tree.leaves((state, metrics)) if is_jax_array(x)]
+    dead = sum(map(deleted, arrays))
+    if donating and len(set(map(id, arrays))) != len(arrays):  # one array reached twice
         seen: dict[int, str] = {}
         pairs = []
         for path, x in _named_leaves(state, metrics):
@@ -662,7 +655,15 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
             + "; ".join(pairs[:8])
             + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
+            + (
+                f" {dead} of its leaves are deleted: JAX frees a call's donated buffers on some "
+                "devices before it refuses one given twice. Restore the state from a checkpoint."
+                if dead
+                else ""
+            )
         )
+    if dead:
+        _raise_deleted(state, metrics, donating)
 
 
 def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
