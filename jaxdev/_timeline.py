@@ -47,11 +47,13 @@ def listen(meter: Any) -> int:
 
 
 def leave(meter: Any) -> None:
-    """Remove ``meter`` (the newest output is let go when none listens)."""
-    global newest
+    """Remove ``meter``; when none listens, the newest output and the runs' steps are let go
+    (each meter kept its own record as it left)."""
+    global newest, _run
     listeners.remove(meter)
     if not listeners:
-        newest = (newest[0], None)
+        newest, _run = (newest[0], None), (None, None)
+        del runs[:]
 
 
 def host(label: str, start: float, where: str = "") -> None:

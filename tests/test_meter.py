@@ -168,6 +168,19 @@ def test_a_metered_step_leaves_no_object_for_the_garbage_collector():
     assert tracked(600) - tracked(100) < 50  # a record per step would be 500 more
 
 
+def test_a_step_is_let_go_when_the_last_meter_leaves():
+    """Before (issue-35 read-through): _timeline.runs kept every metered step (its compiled
+    programs, its device buffers) alive until 2**20 more metered calls."""
+    step, state, batch, _ = _setup()
+    with StepMeter() as outer:
+        with StepMeter() as inner:
+            state, _ = step(state, batch)
+        assert any(run[1] is step for run in _timeline.runs)  # the outer one still listens
+        state, _ = step(state, batch)
+    assert (inner.report().steps, outer.report().steps) == (1, 2)  # their own records
+    assert not _timeline.runs and _timeline.newest[1] is None
+
+
 def test_one_watcher_thread_serves_every_meter():
     step, state, batch, _ = _setup()
     with StepMeter() as outer, StepMeter() as inner:
