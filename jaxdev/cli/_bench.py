@@ -192,17 +192,10 @@ def _ask(worker: subprocess.Popen, size: int) -> float:
 def matmul_one_core_vs_all(sizes: Sequence[int], reps: int) -> list[Result]:
     """Exercise 1 on a CPU-only host: one core vs every core, in two worker processes."""
     if not hasattr(os, "sched_setaffinity"):  # Linux only, as sched_getaffinity
-        return [
-            Result(
-                f"ex1_matmul_{size}",
-                f"d2l ex. 1: matmul {size}x{size}, no accelerator",
-                {},
-                {},
-                "skipped: no accelerator, and pinning a worker to one core needs "
-                "os.sched_setaffinity (Linux)",
-            )
-            for size in sizes
-        ]
+        why = "skipped: no accelerator, and pinning a worker to one core needs "
+        why += "os.sched_setaffinity (Linux)"
+        title = "d2l ex. 1: matmul {0}x{0}, no accelerator"
+        return [Result(f"ex1_matmul_{s}", title.format(s), {}, {}, why) for s in sizes]
     cores = len(os.sched_getaffinity(0))
     every = f"all {cores} cores"
     with _worker(True) as one, _worker(False) as all_cores:  # exit: stdin closed, waited for
@@ -282,13 +275,8 @@ def two_devices_at_once(size: int, reps: int) -> Result:
     """Exercise 4: two matmuls on two devices at once vs in sequence on one."""
     devs = jax.local_devices()
     if len(devs) < 2:
-        return Result(
-            "ex4_two_devices",
-            f"d2l ex. 4: two matmuls {size}x{size}",
-            {},
-            {},
-            f"skipped: needs 2 devices, this process has 1 ({devs[0].platform})",
-        )
+        why = f"skipped: needs 2 devices, this process has 1 ({devs[0].platform})"
+        return Result("ex4_two_devices", f"d2l ex. 4: two matmuls {size}x{size}", {}, {}, why)
     a0, b0 = _operands(size, devs[0])
     a1, b1 = _operands(size, devs[1])
     c0, d0 = jaxdev.copy_to((a1, b1), devs[0])

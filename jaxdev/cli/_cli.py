@@ -273,9 +273,7 @@ def plan_memory(args: argparse.Namespace) -> int:
     print(plan)
     print(f"planned in {time.perf_counter() - start:.1f} s")
     if args.options or args.remat:
-        remat = True
-        if args.remat:
-            remat = _model_step(entry, strategy, args.rows, remat=policy)[0]
+        remat = _model_step(entry, strategy, args.rows, remat=policy)[0] if args.remat else True
         options = tuple(args.options or ("remat",))
         why = jaxdev.memory.explain_memory(
             step, state, batch, limit, options=options, remat=remat, plan_=plan

@@ -21,7 +21,7 @@ import optax
 
 import jaxdev
 
-from .._errors import UsageError
+from .._errors import UsageError, format_devices
 
 _METRICS = {"accuracy": jaxdev.metrics.Mean, "loss": jaxdev.metrics.Mean}
 
@@ -108,15 +108,11 @@ def epoch_batches(data: dict, batch_size: int, rng: np.random.Generator) -> list
 
 def group_steps(batches: list[dict], k: int) -> Iterator[tuple[int, dict]]:
     """Yield ``(steps, batch)``: full batches stacked K at a time, then the rest one by one."""
-    rows = len(batches[0]["y"])
-    full = [b for b in batches if len(b["y"]) == rows]
-    rest = batches[len(full) :]
-    n_groups = len(full) // k if k > 1 else 0
-    for g in range(n_groups):
-        group = full[g * k : (g + 1) * k]
-        yield k, {key: np.stack([b[key] for b in group]) for key in group[0]}
-    for b in full[n_groups * k :] + rest:
-        yield 1, b
+    full = sum(len(b["y"]) == len(batches[0]["y"]) for b in batches)  # only the last is short
+    stacked = full // k * k if k > 1 else 0
+    for g in range(0, stacked, k):
+        yield k, {key: np.stack([b[key] for b in batches[g : g + k]]) for key in batches[g]}
+    yield from ((1, b) for b in batches[stacked:])
 
 
 def make_loss(model: MLP) -> Callable:
@@ -309,11 +305,9 @@ def _describe_setup(config, strategy, batch_size, train, test, per_epoch) -> str
             + (f", then {full % k} full batch(es) one step at a time" if full % k else "")
             + (", then the last batch one step" if last else "")
         )
-    devs = ", ".join(f"{d.platform}:{d.id}" for d in strategy.devices[:8])
-    devs += " ..." if n > 8 else ""
     return (
         f"digits: {len(train['y'])} train / {len(test['y'])} test images (8x8, 10 classes)\n"
-        f"strategy {config.strategy} on {n} device(s) [{devs}]\n"
+        f"strategy {config.strategy} on {n} device(s) [{format_devices(strategy.devices)}]\n"
         f"global batch {batch_size} ({batch_size // n} per device), {per_epoch} steps per "
         f"epoch ({uneven or 'every batch full'}){folded}"
     )
