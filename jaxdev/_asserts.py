@@ -39,6 +39,7 @@ from ._leaves import (
     is_jax_array,
     is_tracer,
     key_strings,
+    replica_copies,
     replica_drift,
     same_layout,
     sharding_key,
@@ -337,8 +338,12 @@ def assert_replicated(
     checks, devices = _replica_checks(target, memory_kind)
     leaves = jax.tree_util.tree_leaves(tree)
     bad = _scan(leaves, checks)
-    if check_values:
-        bad = sorted(bad + _drifted(leaves, skip={i for i, _ in bad}))
+    if check_values:  # the leaves that passed: are their replicas bitwise identical?
+        passed = sorted(set(range(len(leaves))) - {i for i, _ in bad})
+        for i, labels, values in replica_copies(leaves, passed):
+            if (line := replica_drift(labels, values)) is not None:
+                bad.append((i, f"replicas differ: {line}, expected identical replicas"))
+        bad.sort()
     rule = f"are not replicated on [{format_devices(sorted(devices, key=device_key))}]"
     rule += " with bitwise identical replicas" if check_values else ""
     fix = (
@@ -375,19 +380,6 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
         return f"found {_where(x)}{note}, expected {expected}"
 
     return _Checks(fast, check, expected), devices
-
-
-def _drifted(leaves: list[Any], skip: set[int]) -> list[tuple[int, str]]:
-    """``(index, why)`` for every leaf (not in ``skip``) whose replicas differ bitwise."""
-    idx = [i for i in range(len(leaves)) if i not in skip]
-    shards = [leaves[i].addressable_shards for i in idx]
-    copies = jax.device_get([[sh.data for sh in ss] for ss in shards])
-    bad = []
-    for i, ss, values in zip(idx, shards, copies):
-        line = replica_drift([device_name(sh.device) for sh in ss], values)
-        if line is not None:
-            bad.append((i, f"replicas differ: {line}, expected identical replicas"))
-    return bad
 
 
 def assert_sharded(

@@ -175,11 +175,6 @@ def keystr(path: Any) -> str:
     return jax.tree_util.keystr(tuple(path)) or "<root>"
 
 
-def path_of(tree: Any, index: int) -> str:
-    """Key path of leaf ``index`` of ``tree``."""
-    return key_strings(tree)[index]
-
-
 def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
     """Key-path strings of ``tree``'s leaves (``jax.tree_util.keystr``), cached per treedef."""
     if treedef is None:
@@ -214,14 +209,14 @@ _KEY_STRINGS_MAX = 64
 
 def raise_leaf(tree: Any, index: int, arg: str, exc: type[Exception], why: str) -> None:
     """Raise ``exc`` naming argument ``arg``, the leaf's key path and why."""
-    raise exc(f"`{arg}` leaf {path_of(tree, index)}: {why}. {available_devices()}")
+    raise exc(f"`{arg}` leaf {key_strings(tree)[index]}: {why}. {available_devices()}")
 
 
 def check_live(tree: Any, leaves: Sequence[Any], arg: str) -> None:
     """Raise DeletedArrayError naming every deleted or donated leaf of ``tree``."""
     dead = [i for i, x in enumerate(leaves) if is_jax_array(x) and deleted(x)]
     if dead:
-        paths = [path_of(tree, i) for i in dead]
+        paths = [key_strings(tree)[i] for i in dead]
         raise DeletedArrayError(
             f"`{arg}` has {len(dead)} deleted or donated leaf/leaves: {', '.join(paths)}. "
             "Their buffers were freed (`x.delete()` or passed to a jit with "
@@ -352,6 +347,14 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
         f"({n_el} of {first.size} elements differ on {labels[bad[0]]}"
         + (f", max |difference| {diff:g})" if diff is not None else ")")
     )
+
+
+def replica_copies(leaves: Sequence[Any], idx: Sequence[int]) -> list[tuple[int, list[str], Any]]:
+    """``(i, device names, host values)`` of the addressable shards of each leaf ``i`` of ``idx``,
+    fetched at once."""
+    shards = [leaves[i].addressable_shards for i in idx]
+    values = jax.device_get([[sh.data for sh in ss] for ss in shards])
+    return [(i, [device_name(sh.device) for sh in ss], v) for i, ss, v in zip(idx, shards, values)]
 
 
 def raise_drift(tree: Any, copies: Sequence[tuple[int, Sequence[str], Sequence[Any]]], rule: str):

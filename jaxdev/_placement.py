@@ -24,7 +24,6 @@ from ._errors import (
     ShardingError,
     available_devices,
     format_devices,
-    join_failures,
 )
 from ._leaves import (
     array_type,
@@ -40,7 +39,6 @@ from ._leaves import (
     is_placed,
     is_tracer,
     key_strings,
-    path_of,
     raise_leaf,
     same_layout,
     sharding_key,
@@ -50,14 +48,12 @@ from ._mesh import outside_mesh, replicated_sharding
 from ._pending import explained_reads
 
 Target = DeviceSpec | Sharding | Mesh
+"""Where to place: a ``jax.Device``, a spec (``'gpu:1'``, ``3``), a ``Sharding`` or a ``Mesh``."""
 
 
 def _one_target(target: Any) -> bool:
     """A single target (device, spec, sharding, mesh), not a tree of shardings."""
     return target is None or isinstance(target, (jax.Device, int, str, Sharding, Mesh))
-
-
-"""Where to place: a ``jax.Device``, a spec (``'gpu:1'``, ``3``), a ``Sharding`` or a ``Mesh``."""
 
 
 def as_sharding(target: Target) -> Sharding:
@@ -90,7 +86,7 @@ def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Shardin
             s.shard_shape(shape)
         except Exception as err:  # JAX raises ValueError / IndexError / AssertionError
             raise ShardingError(
-                f"`{arg}` leaf {path_of(tree, i)} with shape {shape} cannot be placed on "
+                f"`{arg}` leaf {key_strings(tree)[i]} with shape {shape} cannot be placed on "
                 f"{describe_sharding(s)}: {err}. Pad the leaf or choose a spec that "
                 f"divides its shape. {available_devices()}"
             ) from None
@@ -430,33 +426,6 @@ def devices_of(tree: Any) -> set[jax.Device]:
         if isinstance(leaf, jax.Array):
             out |= leaf.sharding.device_set
     return out
-
-
-def common_device(tree: Any) -> jax.Device | None:
-    """Return the one device every committed leaf of ``tree`` lives on (``None``: none committed).
-
-    Raises:
-      PlacementError: leaves committed to different devices or spanning several, each listed.
-    """
-    leaves, _ = checked_leaves(tree, "tree", "common_device")
-    committed = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.committed]
-    sets = {frozenset(x.sharding.device_set) for _, x in committed}
-    if not sets:
-        return None
-    if len(sets) == 1 and len(next(iter(sets))) == 1:
-        return next(iter(next(iter(sets))))
-    lines = [
-        f"{path_of(tree, i)}: {format_devices(sorted(x.sharding.device_set, key=device_key))}"
-        for i, x in committed
-    ]
-    raise PlacementError(
-        join_failures(
-            "`tree` has leaves committed to different devices, so they cannot be combined "
-            "in one computation without a copy. Move them first with "
-            "`jaxdev.to_device(tree, device)`. Leaves and their devices:",
-            lines,
-        )
-    )
 
 
 # ---------------------------------------------------------------- trees of shardings

@@ -7,8 +7,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from ._errors import device_name
-from ._leaves import checked_leaves, raise_drift, raise_leaves
+from ._leaves import checked_leaves, raise_drift, raise_leaves, replica_copies
 from ._mesh import check_mesh, replicated_sharding
 from ._placement import to_device
 from ._pmap_layout import is_stacked
@@ -66,12 +65,9 @@ def unreplicate(tree: Any, check: bool = False) -> Any:
     )
     multi = [i for i in arrays if len(leaves[i].sharding.device_set) > 1]
     if check:
-        shards = [leaves[i].addressable_shards for i in multi]
-        hosts = jax.device_get([[s.data for s in ss] for ss in shards])
-        labels = [[device_name(s.device) for s in ss] for ss in shards]
         raise_drift(
             tree,
-            zip(multi, labels, hosts),
+            replica_copies(leaves, multi),
             "`tree` has replicas that drifted apart: every device should hold bitwise "
             "identical values, but these differ from the majority. Something updated the "
             "copies differently (a missing `lax.pmean` over gradients, a per-device RNG, "

@@ -23,7 +23,6 @@ from jaxdev import (
     PlacementError,
     ShardingError,
 )
-from jaxdev._placement import common_device
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.uint8, np.bool_]
 
@@ -197,23 +196,10 @@ def test_to_host_is_one_device_get(monkeypatch, devices):
 # ---------------------------------------------------------------- where is it
 
 
-def test_device_of_and_common_device(devices):
+def test_device_of(devices):
     assert jaxdev.device_of(np.ones(2)) is None
     a = jaxdev.to_device(jnp.ones(2), devices[0])
-    b = jaxdev.to_device(jnp.ones(2), devices[1])
-    assert common_device({"a": a, "h": np.ones(2), "u": jnp.ones(2)}) == devices[0]
-    assert common_device({"u": jnp.ones(2)}) is None
-
-    @jax.jit
-    def traced(x):
-        with pytest.raises(jaxdev.PlacementError, match="`common_device` inside a jax.jit"):
-            common_device({"x": x})
-        return x
-
-    traced(jnp.ones(2))
-    with pytest.raises(PlacementError) as err:
-        common_device({"a": a, "b": b})
-    assert "['a']: cpu:0" in str(err.value) and "['b']: cpu:1" in str(err.value)
+    assert jaxdev.device_of(a) == devices[0]
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     sharded = jaxdev.to_device(jnp.ones(8), NamedSharding(mesh, P("data")))
     with pytest.raises(PlacementError, match="spans 8 devices"):
