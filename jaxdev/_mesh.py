@@ -156,7 +156,7 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     if current.empty:
         return _Named(jax.set_mesh(mesh), mesh)
     if current == mesh:
-        return _Named(contextlib.nullcontext(), mesh)
+        return _Named(None, mesh)
     raise ShardingError(
         f"a mesh is already set with `jax.set_mesh`: {_describe(current)}, but the strategy's "
         f"mesh is {_describe(mesh)}. Call jaxdev under the strategy's own mesh "
@@ -165,22 +165,26 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
 
 
 class _Named:
-    """``ctx``, turning JAX's raw ValueError for ``reshard`` / ``out_sharding=`` over an Auto
-    axis of ``mesh`` into :func:`auto_axes_error`'s UsageError on the way out."""
+    """``ctx`` (None: nothing to enter), naming JAX's error on the way out: under ``mesh``,
+    the raw ValueError for ``reshard`` / ``out_sharding=`` over an Auto axis
+    (:func:`auto_axes_error`); outside any mesh (``mesh`` None), a transfer onto a target."""
 
     __slots__ = ("ctx", "mesh")
 
-    def __init__(self, ctx: Any, mesh: Mesh) -> None:
+    def __init__(self, ctx: Any, mesh: Mesh | None) -> None:
         self.ctx, self.mesh = ctx, mesh
 
     def __enter__(self) -> Any:
-        return self.ctx.__enter__()
+        return None if self.ctx is None else self.ctx.__enter__()
 
     def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
-        if self.ctx.__exit__(kind, err, tb):
+        if self.ctx is not None and self.ctx.__exit__(kind, err, tb):
             return True
         if isinstance(err, ValueError) and (named := auto_axes_error(err, self.mesh)):
             raise named from err
+        target = isinstance(err, jax.errors.JaxRuntimeError) and "compile-only client" in str(err)
+        if target and self.mesh is None:
+            raise not_here("placing arrays (to_device, put_batch, init_state...)") from err
         return False
 
 
@@ -190,30 +194,10 @@ def outside_mesh() -> contextlib.AbstractContextManager:
     ``jax.set_mesh`` of another mesh would make JAX refuse them. Call it in a ``with``
     statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3).
     Placing arrays on a target's devices (JAX: 'compile-only client') raises PlacementError."""
-    return _OUTSIDE if jax.sharding.get_mesh().empty else _Outside(jax.set_mesh(None))
+    return _OUTSIDE if jax.sharding.get_mesh().empty else _Named(jax.set_mesh(None), None)
 
 
-class _Outside:
-    """``ctx`` (None: nothing to enter), naming JAX's error for a transfer onto a target."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-
-    def __enter__(self) -> None:
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
-        if self.ctx is not None and self.ctx.__exit__(kind, err, tb):
-            return True
-        if isinstance(err, jax.errors.JaxRuntimeError) and "compile-only client" in str(err):
-            raise not_here("placing arrays (to_device, put_batch, init_state...)") from err
-        return False
-
-
-_OUTSIDE = _Outside(None)
+_OUTSIDE = _Named(None, None)
 
 
 def _describe(mesh: Mesh) -> str:
