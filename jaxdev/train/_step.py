@@ -614,15 +614,10 @@ def _check_distinct(state: Any, metrics: Any, donating: bool) -> None:
 
 def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     """Name the batch's deleted leaves, if any (the error path of a call)."""
-    leaves = jax.tree.leaves(batch)
     paths = [f"batch{p}".replace("<root>", "") for p in key_strings(batch)]
-    dead = [p for p, x in zip(paths, leaves) if deleted(x)]
-    if dead:
-        raise DeletedArrayError(
-            f"the step got {len(dead)} deleted or donated batch leaf/leaves: "
-            f"{', '.join(dead[:8])}. Their buffers were freed (`x.delete()` or a jit with "
-            "`donate_argnums`): pass a batch nothing donated (`step.put_batch` it again)."
-        ) from err
+    fix = "Their buffers were freed (`x.delete()` or a jit with `donate_argnums`): pass a "
+    fix += "batch nothing donated (`step.put_batch` it again)."
+    _raise_dead("batch ", zip(paths, jax.tree.leaves(batch)), fix, err)
 
 
 def _any_deleted(leaves: list) -> bool:
@@ -676,7 +671,6 @@ def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
 
 
 def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
-    dead = [p for p, x in _named_leaves(state, metrics) if is_jax_array(x) and deleted(x)]
     fix = (
         "The step donates `state` and `metrics`: after `state, metrics = step(state, "
         "batch, metrics)` use the returned objects, not the ones passed in (or make the "
@@ -686,11 +680,17 @@ def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
         "step's old state, `jax.jit(..., donate_argnums=...)`) or `.delete()`d. Pass the "
         "state (or params) a train step returned last."
     )
-    raise DeletedArrayError(
-        f"the step got {len(dead)} deleted or donated leaf/leaves: {', '.join(dead[:8])}"
-        + (" ..." if len(dead) > 8 else "")
-        + f". {fix}"
-    )
+    _raise_dead("", _named_leaves(state, metrics), fix)
+
+
+def _raise_dead(what: str, named: Any, fix: str, cause: Exception | None = None) -> None:
+    """Raise DeletedArrayError naming the deleted leaves of ``named`` ((path, leaf) pairs)."""
+    dead = [p for p, x in named if is_jax_array(x) and deleted(x)]
+    if dead:
+        raise DeletedArrayError(
+            f"the step got {len(dead)} deleted or donated {what}leaf/leaves: "
+            f"{', '.join(dead[:8])}" + (" ..." if len(dead) > 8 else "") + f". {fix}"
+        ) from cause
 
 
 # ---------------------------------------------------------------- compiling
