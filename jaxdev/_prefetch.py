@@ -132,9 +132,6 @@ class Prefetcher(Iterator[Any]):
             _RUNNING[self.thread] = self._channel
         self.thread.start()
 
-    def __iter__(self) -> Prefetcher:
-        return self
-
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration

@@ -197,8 +197,7 @@ class SameProgram:
     """A function whose first call first runs :func:`check_same_program` (:func:`same_program`)."""
 
     def __init__(self, fn: Callable, name: str | None = None, timeout_s: float | None = None):
-        self.fn, self.checked, self._timeout_s = fn, False, timeout_s
-        self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        self.fn, self.checked, self.name, self._timeout_s = fn, False, name, timeout_s
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.checked:
