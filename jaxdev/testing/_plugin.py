@@ -140,22 +140,13 @@ _WHY = pytest.StashKey[str]()  # why a test's marks cannot be honoured
 
 def pytest_itemcollected(item):
     """A mark written above a decorator that makes new test methods (absl's
-    ``@parameterized.*``) is left on that decorator's object: read it from the ``def``."""
-    marks = _marks_on_def(item)
-    if isinstance(marks, str):
-        item.stash[_WHY] = marks
-    for mark in marks if isinstance(marks, list) else ():
-        item.add_marker(mark)
-
-
-def _marks_on_def(item) -> list | str:
-    """Our marks on the ``def`` ``item`` wraps that ``item`` lacks, or why one cannot be read."""
+    ``@parameterized.*``) is left on that decorator's object: read it from the ``def``
+    ``item`` wraps and add ours it lacks, or stash why one cannot be read."""
     fn = getattr(item, "obj", None)
     inner = inspect.unwrap(fn) if callable(fn) else fn
     if inner is fn or not inspect.isfunction(inner):
-        return []
+        return
     source, decorators = _decorators(inner)
-    marks = []
     for node in decorators:
         head = node.func if isinstance(node, ast.Call) else node
         if not isinstance(head, (ast.Name, ast.Attribute)):
@@ -171,14 +162,14 @@ def _marks_on_def(item) -> list | str:
             code = compile(ast.Expression(node), inner.__code__.co_filename, "eval")
             mark = eval(code, inner.__globals__)
         except Exception as e:
-            return (
+            item.stash[_WHY] = (
                 f"@{ast.get_source_segment(source, node)} sits above a decorator that makes new "
                 f"test methods (absl's @parameterized), and jaxdev could not read it again "
                 f"({type(e).__name__}: {e}). Put the mark below that decorator."
             )
+            return
         if isinstance(mark, pytest.MarkDecorator) and mark.mark not in item.own_markers:
-            marks.append(mark)
-    return marks
+            item.add_marker(mark)
 
 
 def _eval(code, scope: dict, item):
