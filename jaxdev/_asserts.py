@@ -357,10 +357,9 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
     """Checks for full copies on ``target``'s devices in one memory kind, and those devices."""
     s = None if target is None else as_sharding(target)
     devices = frozenset(jax.devices() if s is None else s.device_set)
-    kind = None if s is None else s.memory_kind
     _check_memory_kind(devices, memory_kind)
     default = next(iter(devices)).default_memory().kind
-    kind = memory_kind or kind or default
+    kind = memory_kind or (None if s is None else s.memory_kind) or default
     expected = f"fully replicated on {len(devices)} device(s)"
     if memory_kind or kind != default:
         expected += f" in {kind!r} memory"

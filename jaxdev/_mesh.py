@@ -409,8 +409,7 @@ def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise ShardingError(f"{form}, got {type(axes).__name__} {axes!r}.")
     if not pairs:
         raise ShardingError(f"{form}, got no axes: a mesh needs at least one axis.")
-    names = tuple(name for name, _ in pairs)
-    sizes = tuple(size for _, size in pairs)
+    names, sizes = zip(*pairs)
     bad = [n for n in names if not isinstance(n, str) or not n]
     if bad:
         raise ShardingError(f"{form}; axis names must be non-empty strings, got {bad[0]!r}.")
