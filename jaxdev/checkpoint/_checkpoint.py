@@ -105,10 +105,14 @@ def _rebuild(sk: Any, leaves: Sequence[Any]) -> Any:
     return kids
 
 
+# the classes' modules in checkpoints written before 74c68ce (one folder per subsystem)
+_MOVED = {"jaxdev._train": "jaxdev.train._train", "jaxdev._metrics": "jaxdev.train._metrics"}
+
+
 def _imported_class(name: str) -> type | None:
     """The class ``module:qualname`` if its module is already imported (nothing is imported)."""
     module, _, qual = name.partition(":")
-    obj: Any = sys.modules.get(module)
+    obj: Any = sys.modules.get(_MOVED.get(module, module))
     for part in qual.split("."):
         obj = getattr(obj, part, None)
     return obj if isinstance(obj, type) else None

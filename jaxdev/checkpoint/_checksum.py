@@ -179,4 +179,8 @@ def _legacy(xs: list[jax.Array]) -> jax.Array:
 def legacy_checksums(arrays: Sequence[Any]) -> list[int]:
     """Format 1's checksum: a position-weighted uint32 sum, numpy leaves cast by jnp.asarray."""
     xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-    return [int(v) for v in _fetch(_legacy(xs))] if xs else []
+    out = [0] * len(xs)
+    for idx in by_devices(xs).values():  # one program per group, as format 1 wrote them
+        for i, v in zip(idx, _fetch(_legacy([xs[i] for i in idx]))):
+            out[i] = int(v)
+    return out
