@@ -122,7 +122,8 @@ class MemoryPlan:
         """Whether XLA:CPU compiled a step with sharded params: it forms no reduce-scatter,
         so each layer's whole gradient is live at once and the peak is too high (FSDP with
         remat: 1.8-2.8x XLA:GPU's for the same program)."""
-        return self.compiled is not None and self.backend == "cpu" and fsdp_sharded(self.rules)
+        sharded = not _same_rules(self.rules, "replicate")  # any rules may split params
+        return self.compiled is not None and self.backend == "cpu" and sharded
 
     @property
     def host(self) -> int:
@@ -400,9 +401,7 @@ def resolve_limit(
     ``None``: the smallest ``bytes_limit`` of this process's ``devices``; a backend
     reporting none (CPU) raises naming ``example`` when ``required``, else gives ``None``.
     On a target mesh (``jaxdev.make_mesh(..., target=)``): what JAX's allocator would take
-    of the target's ``device_memory_size`` (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default
-    0.75, as ``bytes_limit`` reports on the real GPU; the rest is left to the CUDA
-    context, cuBLAS/cuDNN workspaces and NCCL).
+    of the target's memory (:meth:`jaxdev._target.Target.limit`).
     """
     if limit is None and (target := target_of(devices)) is not None:
         return target.limit()
@@ -456,15 +455,12 @@ def check_fits(
         except Exception as e:  # advice only: the check's own message stands
             failed = f"\n(the explanation failed: {type(e).__name__}: {short(e, 200)})"
     advice = "" if explanation is None else explanation.advice()  # the compiled options' fix
-    shard = (
-        ""
-        if advice or not fsdp_applies(plan_.mesh, plan_.rules)
-        else "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or "
-        "`rules='fsdp'` in `jaxdev.memory.plan`), "
-    )
     other = "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
-    alternative = "" if advice else fsdp_alternative(plan_)
-    fix = f"{advice}." if advice else shard + other
+    fix, alternative = (f"{advice}.", "") if advice else (other, fsdp_alternative(plan_))
+    if not advice and fsdp_applies(plan_.mesh, plan_.rules):
+        fix = "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or " + (
+            f"`rules='fsdp'` in `jaxdev.memory.plan`), {other}"
+        )
     lead = f"{subject} needs" if subject else "needs"
     message = (
         f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
@@ -475,11 +471,6 @@ def check_fits(
     err = MemoryPlanError(message)
     err.explanation = explanation
     raise err
-
-
-def fsdp_sharded(rules: Any) -> bool:
-    """Whether ``rules`` may split params (anything but ``'replicate'``)."""
-    return not _same_rules(rules, "replicate")
 
 
 def fsdp_applies(mesh: Mesh, rules: Any) -> bool:
@@ -529,16 +520,14 @@ def _format(p: MemoryPlan) -> str:
         )
     c = p.compiled
     if c is not None:
-        lines.append(
+        host = f"; in host memory: {human_bytes(c.host)}" if c.host else ""
+        lines += [
             f"compiled step (memory_analysis, per device): arguments {human_bytes(c.argument)}, "
             f"outputs {human_bytes(c.output)}, donated {human_bytes(c.alias)}, temporaries "
-            f"{human_bytes(c.temp)}, code {human_bytes(c.generated_code)}"
-            + (f"; in host memory: {human_bytes(c.host)}" if c.host else "")
-        )
-        lines.append(
+            f"{human_bytes(c.temp)}, code {human_bytes(c.generated_code)}{host}",
             f"peak per device ~ {human_bytes(c.peak)} (arguments + outputs - donated + temporaries)"
-            f", compiled by XLA:{p.backend.upper()}"
-        )
+            f", compiled by XLA:{p.backend.upper()}",
+        ]
         if c.xla_peak:
             lines.append(
                 f"XLA's own peak_memory_in_bytes: {human_bytes(c.xla_peak)} (buffers reused "
