@@ -216,9 +216,6 @@ class MeshBound:
         self.fn, self.mesh = fn, mesh
         self.call = fn if mesh is None or not is_target(mesh) else functools.partial(_refused, mesh)
 
-    def _context(self) -> contextlib.AbstractContextManager:
-        return outside_mesh() if self.mesh is None else under_mesh(self.mesh)
-
     def __call__(self, *args: Any) -> Any:
         return self._run(self.call, args)
 
@@ -229,7 +226,8 @@ class MeshBound:
         return self._run(self.fn.lower, args)
 
     def _run(self, fn: Any, args: tuple[Any, ...]) -> Any:
-        with self._context():  # under_mesh names reshard / out_sharding= on Auto axes
+        # under_mesh names reshard / out_sharding= on Auto axes
+        with outside_mesh() if self.mesh is None else under_mesh(self.mesh):
             return fn(*args)
 
 
