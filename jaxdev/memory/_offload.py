@@ -71,9 +71,10 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
     """
     if not fields or layout is None:
         return layout
-    to_host = lambda tree: jax.tree.map(  # noqa: E731
-        lambda s: s.with_memory_kind(HOST), tree, is_leaf=lambda x: isinstance(x, Sharding)
-    )
+
+    def to_host(tree: Any) -> Any:
+        return jax.tree.map(lambda s: s.with_memory_kind(HOST), tree, is_leaf=_is_sharding)
+
     if not has_state_fields(state):
         return to_host(layout) if "params" in fields else layout
     changes = {f: to_host(getattr(layout, f)) for f in fields}
@@ -82,13 +83,12 @@ def offloaded(layout: Any, state: Any, fields: tuple[str, ...]) -> Any:
 
 def kept_host(layout: Any, state: Any) -> Any:
     """``layout`` with the leaves of ``state`` that already live in host memory kept there."""
-    shardings, treedef = jax.tree.flatten(layout, is_leaf=lambda x: isinstance(x, Sharding))
-    leaves = jax.tree.leaves(state)
-    if len(shardings) != len(leaves):
+    shardings, treedef = jax.tree.flatten(layout, is_leaf=_is_sharding)
+    kinds = [getattr(x, "sharding", None) for x in jax.tree.leaves(state)]
+    if len(shardings) != len(kinds):
         return layout
-    kinds = [getattr(x, "sharding", None) for x in leaves]
     out = [
-        s.with_memory_kind(k.memory_kind) if is_host(k) and isinstance(s, Sharding) else s
+        s.with_memory_kind(k.memory_kind) if is_host(k) and _is_sharding(s) else s
         for s, k in zip(shardings, kinds)
     ]
     return treedef.unflatten(out)

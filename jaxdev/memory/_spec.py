@@ -68,10 +68,9 @@ class Described(Protocol):
 
 def spec_of(step: object, arg: str = "step") -> StepSpec:
     """The description of ``step`` (a jaxdev step or a :class:`StepSpec`)."""
-    if isinstance(step, StepSpec):
-        return step
-    if isinstance(step, Described) and isinstance(step.spec, StepSpec):
-        return step.spec
+    spec = step if isinstance(step, StepSpec) else getattr(step, "spec", None)
+    if isinstance(spec, StepSpec):
+        return spec
     raise UsageError(
         f"`{arg}` must be a jaxdev step (from `jaxdev.make_train_step` or `make_eval_step`), "
         f"got {type(step).__name__}."
