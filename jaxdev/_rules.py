@@ -386,9 +386,7 @@ def param_shardings(
     options["indivisible"] = indivisible
     if is_train_state(tree):  # the whole state: the optimizer state follows the params
         return state_shardings(tree, mesh, rules, **options)
-    mesh = check_mesh(mesh)
-    _check_min_size(min_size)
-    return _shardings(tree, mesh, rules, options, "tree")
+    return _shardings(tree, check_mesh(mesh), rules, options, "tree")
 
 
 def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
@@ -417,6 +415,7 @@ def _check_min_size(min_size: Any) -> None:
 def _shardings(
     tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any], arg: str, params: bool = True
 ) -> Any:
+    _check_min_size(options.get("min_size", DEFAULT_MIN_SIZE))
     leaves = _leaves_of(tree, arg)
     specs = _specs(leaves, tree, mesh, rules, options)
     if params and leaves and isinstance(_form(rules), list) and not any(s for _, s in specs):
@@ -499,8 +498,6 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **option
     mesh = check_mesh(mesh)
     if not is_train_state(state):
         return param_shardings(state, mesh, rules, **options)
-    if "min_size" in options:
-        _check_min_size(options["min_size"])
     params = _shardings(state.params, mesh, rules, options, "params")
     fields = {
         "params": params,
