@@ -78,15 +78,19 @@ class Target:
 _BY_DEVICE: dict[jax.Device, Target] = {}  # every target device jaxdev made
 
 
-@functools.lru_cache(maxsize=16)
 def load_target(target: str) -> Target:
     """The :class:`Target` named ``target`` (a key of :data:`TARGETS`) or read from a path.
 
     Raises:
-      UsageError: an unknown name, or a file that is not a ``GpuTargetConfig`` text.
+      UsageError: not a name, an unknown one, or a file that is not a ``GpuTargetConfig`` text.
     """
-    if not isinstance(target, str) or not target:
+    if not isinstance(target, str) or not target:  # before the cache: a list is unhashable
         raise UsageError(f"`target` must be a GPU name or a path, got {target!r}.")
+    return _load_target(target)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_target(target: str) -> Target:
     if target.lower() in TARGETS:
         name = TARGETS[target.lower()]
         text = (importlib.resources.files("jaxdev") / "targets" / f"{name}.txtpb").read_text()

@@ -158,6 +158,7 @@ def test_a_target_text_by_path_and_the_shipped_texts(tmp_path):
     "kwargs, error, words",
     [
         ({"target": "h300"}, jaxdev.UsageError, "`target`='h300' is neither a GPU jaxdev knows"),
+        ({"target": ["h100"]}, jaxdev.UsageError, "`target` must be a GPU name or a path"),
         ({"target": "h100", "devices": "2x8"}, jaxdev.ShardingError, "gives 16 target devices"),
         ({"target": "h100", "devices": 16}, jaxdev.ShardingError, "axes multiply to 8"),
         ({"target": "h100", "devices": "2x"}, jaxdev.ShardingError, "hosts x devices per host"),
