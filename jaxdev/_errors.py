@@ -89,13 +89,8 @@ class UsageError(JaxdevError, ValueError):
     """An argument of a function or command is invalid (the CLI exits with code 2)."""
 
 
-def format_devices(devices: Iterable[jax.Device] | None = None) -> str:
+def format_devices(devices: Iterable[jax.Device]) -> str:
     """Return a short, readable list of devices, e.g. ``'cpu:0, cpu:1'``."""
-    if devices is None:
-        try:
-            devices = jax.devices()
-        except (AssertionError, RuntimeError):  # the backend failed to start
-            return "none: JAX could not start a backend"
     devices = list(devices)
     names = [device_name(d) for d in devices[:16]]
     if len(devices) > 16:
@@ -110,7 +105,10 @@ def device_name(d: jax.Device) -> str:
 
 def available_devices() -> str:
     """Return the sentence ending every device error: what exists here."""
-    return f"Available devices: [{format_devices()}]."
+    try:
+        return f"Available devices: [{format_devices(jax.devices())}]."
+    except (AssertionError, RuntimeError):  # the backend failed to start
+        return "Available devices: [none: JAX could not start a backend]."
 
 
 def short(x: Any, limit: int = 120) -> str:
