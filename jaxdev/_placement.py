@@ -421,11 +421,7 @@ def devices_of(tree: Any) -> set[jax.Device]:
       {CpuDevice(id=0)}
     """
     leaves, _ = checked_leaves(tree, "tree", "devices_of")
-    out: set[jax.Device] = set()
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            out |= leaf.sharding.device_set
-    return out
+    return set().union(*(x.sharding.device_set for x in leaves if isinstance(x, jax.Array)))
 
 
 # ---------------------------------------------------------------- trees of shardings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import threading
 import time
@@ -112,7 +113,7 @@ def _stop_all() -> None:
         thread.join(max(0.0, now + wait - time.monotonic()))
 
 
-class Prefetcher(Iterator[Any]):
+class Prefetcher(Iterator[Any], contextlib.AbstractContextManager):
     """Iterator over placed elements, filled by a background thread (a context manager).
 
     Leaving without closing is safe: the thread stops once the Prefetcher is collected.
@@ -158,9 +159,6 @@ class Prefetcher(Iterator[Any]):
         self._channel.close()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
-
-    def __enter__(self) -> Prefetcher:
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
