@@ -373,8 +373,7 @@ def _no_space(err: BaseException | None) -> bool:
     for _ in range(8):
         if err is None:
             return False
-        text = str(err)
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+        if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -917,18 +916,15 @@ def _orbax_restore(path, reader, item, entries, reads, what):
         )
         return ocp.tree.to_flat_dict(reader(args=ocp.args.Composite(**{item: one}))[item])
 
-    failed = None
     try:
         out = read(list(abstract))
     except Exception as err:  # a damaged or truncated data file
         if is_resource_exhausted(err):  # not damage: explained by restore_item
             raise
-        failed = err  # its frames hold orbax's abandoned reads: let go of them quietly, below
-    if failed is None:
+        failure = f"{type(err).__name__}: {short(str(err), 400)}"
+        _quiet_abandoned_reads()  # its frames hold orbax's abandoned reads, let go on leaving
+    else:
         return [out[k] for k in abstract]
-    failure = f"{type(failed).__name__}: {short(str(failed), 400)}"
-    _quiet_abandoned_reads()
-    failed = None
     broken = [e["path"] for e in entries if tuple(e["key"]) in abstract and _fails(read, e)]
     shown = f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
     raise Damaged(

@@ -138,9 +138,7 @@ def by_devices(xs: Sequence[jax.Array]) -> dict[Any, list[int]]:
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(jax.device_get(x))
+    return np.asarray(jax.device_get(x) if x.is_fully_addressable else x.addressable_data(0))
 
 
 def checksums(arrays: Sequence[Any]) -> list[int]:
@@ -179,8 +177,7 @@ def _legacy(xs: list[jax.Array]) -> jax.Array:
 def legacy_checksums(arrays: Sequence[Any]) -> list[int]:
     """Format 1's checksum: a position-weighted uint32 sum, numpy leaves cast by jnp.asarray."""
     xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-    out = [0] * len(xs)
+    out = np.zeros(len(xs), np.uint32)
     for idx in by_devices(xs).values():  # one program per group, as format 1 wrote them
-        for i, v in zip(idx, _fetch(_legacy([xs[i] for i in idx]))):
-            out[i] = int(v)
-    return out
+        out[idx] = _fetch(_legacy([xs[i] for i in idx]))
+    return [int(v) for v in out]

@@ -174,11 +174,9 @@ def check_replaceable(path: str) -> None:
             "what it did not write. Choose another path or remove it yourself."
         )
     names = sorted(os.listdir(path))
-    if not names:
-        return
     ours = is_checkpoint(path)
     foreign = [n for n in names if n not in ITEMS and n not in _ORBAX_FILES]
-    if ours and not foreign:
+    if not names or (ours and not foreign):
         return
     shown = foreign if ours else names
     listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} entries)" if len(shown) > 8 else "")
@@ -378,11 +376,9 @@ def was_cut(path: str) -> bool:
     )
 
 
-def recover(path: str) -> bool:
-    """If :func:`was_cut`, put the new checkpoint at ``path`` (True); the old is the next save's."""
-    if not was_cut(path):
-        return False
-    os.rename(new := sibling(path, "new"), path)
-    put = "a save of %s was cut between its two renames; put back %s (the new checkpoint)"
-    _log.warning(put, path, os.path.basename(new))
-    return True
+def recover(path: str) -> None:
+    """If :func:`was_cut`, put the new checkpoint at ``path``; the old is the next save's."""
+    if was_cut(path):
+        os.rename(new := sibling(path, "new"), path)
+        put = "a save of %s was cut between its two renames; put back %s (the new checkpoint)"
+        _log.warning(put, path, os.path.basename(new))
