@@ -180,6 +180,8 @@ class _Named:
     def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
         if self.ctx is not None and self.ctx.__exit__(kind, err, tb):
             return True
+        if err is None:  # the common case, first
+            return False
         if isinstance(err, ValueError) and (named := auto_axes_error(err, self.mesh)):
             raise named from err
         target = isinstance(err, jax.errors.JaxRuntimeError) and "compile-only client" in str(err)
