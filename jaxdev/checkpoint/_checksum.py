@@ -64,8 +64,7 @@ def bits(x: jax.Array) -> jax.Array:
     size = x.dtype.itemsize
     if size >= 4:  # 8-byte elements become two words (a trailing axis)
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
 
 
 def _positions(shape: tuple[int, ...]) -> jax.Array:
