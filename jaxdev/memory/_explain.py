@@ -429,9 +429,7 @@ def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplan
 
 def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
     """Raise MemoryPlanError before a program's first call when it needs more than its budget."""
-    limit, source = resolve_limit(
-        spec.memory_limit, spec.strategy.devices, required=False, arg="memory_limit"
-    )
+    limit, source = _limit(None, spec, required=False)
     if limit is None:
         return
     plan_ = step_plan(spec, args[0], args[1], jitted.lower(*args))
