@@ -60,3 +60,22 @@ def test_process_local_leaves_are_saved_once_when_equal_and_refused_when_not(tmp
     out = _two("local", tmp_path)
     assert out.count("refused ok: `tree` has leaves held by each process separately") == 2, out
     assert "['mine']: process 0: 0x" in out and "process 1: 0x" in out and "['same']" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_save_into_a_checkpointers_folder_is_refused_by_every_process_at_once(tmp_path):
+    """Before: process 0 refused and exited; process 1 waited at the next barrier until process
+    0's exit gave up on it (30 s), the refusal never named there (helper-31's review)."""
+    import time
+
+    import jax.numpy as jnp
+
+    import jaxdev
+
+    with jaxdev.Checkpointer(tmp_path / "held", async_=False) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(2)})  # this process holds the folder's writer lock
+        start = time.monotonic()
+        out = _two("locked", tmp_path)
+    assert out.count("refused ok:") == 2 and out.count("jaxdev.Checkpointer") >= 2, out
+    assert time.monotonic() - start < 100, out
+

@@ -454,14 +454,20 @@ def save(
     args = composite(prepared, None if step is None else check_step(step), None)
     lock = take_writer_lock(files.sibling(path, "lock"), f"Checkpoint {path}")  # process 0's
     try:
+        refusal = ""
         if jax.process_index() == 0:
             if owner := files.holder(os.path.join(os.path.dirname(path), MANAGER_LOCK)):
-                raise CheckpointError(
+                refusal = (
                     f"Cannot save {path}: its folder {os.path.dirname(path)} is being written by "
                     f"a jaxdev.Checkpointer ({owner}), which numbers and deletes the checkpoints "
                     "there. Save through that Checkpointer, or write elsewhere."
                 )
-            files.recover(path)
+            else:
+                files.recover(path)
+        if refusal and jax.process_count() == 1:
+            raise CheckpointError(refusal)
+        # every process hears process 0's refusal, and looks at `path` after its repair
+        _agree("checked", {"refused": (bool(refusal), refusal or "no")}, f"Cannot save {path}:")
         exists = os.path.lexists(path)
         if exists and not overwrite:
             raise CheckpointError(

@@ -11,6 +11,7 @@ values, and prints ``restored ok processes=P devices=D``. ``diverge`` saves
 steps 1 and 2 as ``DIR/a`` and ``DIR/b``, then process ``i`` restores the
 ``i``-th: every process must refuse (``refused ok: <message>``). ``local``
 saves leaves each process holds alone: equal ones once, differing ones refused.
+``locked`` saves into ``DIR/held``, a folder a Checkpointer holds: every process must refuse.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def main(mode: str, directory: str) -> int:
         return 1
     if mode == "local":
         return local(directory)
+    if mode == "locked":  # DIR/held is a Checkpointer's (the test holds its lock)
+        try:
+            jaxdev.save(os.path.join(directory, "held", "x"), make_state(mesh))
+        except jaxdev.CheckpointError as err:
+            print("refused ok:", " ".join(str(err).split()))
+            return 0
+        print("saved into a Checkpointer's folder without an error")
+        return 1
     like = make_state(mesh, scale=0.0)  # the layout to restore onto
     check(jaxdev.restore(os.path.join(directory, "plain"), like), mesh, "plain")
     check(jaxdev.restore(os.path.join(directory, "plain"), mesh, rules="fsdp"), mesh, "fsdp")
