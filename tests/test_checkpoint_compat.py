@@ -161,6 +161,15 @@ def test_a_flipped_byte_of_a_version_1_checkpoint_is_named_by_its_checksum(tmp_p
         assert "['noise']: checksum" in msg and msg.count(": checksum") == 1, msg
 
 
+@VERSIONS
+def test_a_checkpoint_restores_under_a_users_mesh(tmp_path, version):
+    """Before: version 1's checksum program ran under the user's `jax.set_mesh`, and JAX
+    refused its leaves on other devices (a raw 'incompatible devices' ValueError)."""
+    path = _copy(tmp_path, version, "plain")
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[4:6])
+    with jax.set_mesh(mesh):
+        _same(jaxdev.restore(path), _restored(version))
+
 if __name__ == "__main__":  # python tests/test_checkpoint_compat.py DIRECTORY [VERSION]
     jax.config.update("jax_num_cpu_devices", 8)
     _write(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)

@@ -175,8 +175,9 @@ def _legacy(xs: list[jax.Array]) -> jax.Array:
 
 def legacy_checksums(arrays: Sequence[Any]) -> list[int]:
     """Format 1's checksum: a position-weighted uint32 sum, numpy leaves cast by jnp.asarray."""
-    xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-    out = np.zeros(len(xs), np.uint32)
-    for idx in by_devices(xs).values():  # one program per group, as format 1 wrote them
-        out[idx] = _fetch(_legacy([xs[i] for i in idx]))
+    with outside_mesh():  # jaxdev's own programs: not under a user's jax.set_mesh
+        xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
+        out = np.zeros(len(xs), np.uint32)
+        for idx in by_devices(xs).values():  # one program per group, as format 1 wrote them
+            out[idx] = _fetch(_legacy([xs[i] for i in idx]))
     return [int(v) for v in out]
