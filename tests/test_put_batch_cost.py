@@ -120,6 +120,25 @@ def test_each_batch_error_fires_after_good_batches(name, case):
     assert strategy.put_batch(good) is not None  # and it goes on
 
 
+@pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.parametrize("group", [(2, 1), (1, 2)], ids=["steps_per_call=2", "accumulate=2"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_grouped_batch_gets_each_error_an_ungrouped_one_gets(name, group, case):
+    """Before (issue-35 read-through): grouped batches had checks of their own; a leaf with no
+    elements passed under accumulate, and the errors named no leaf ("every batch leaf needs
+    the same non-zero number of rows B")."""
+    strategy = STRATEGIES[name]()
+    k, m = group
+    bad, error, match = BAD[case]
+    if k > 1:  # the rows of k steps, stacked
+        bad = jax.tree.map(lambda x: np.stack([x] * k), bad)
+    with pytest.raises(error, match=match):
+        strategy.put_batch(bad, k, m)
+    if k > 1:
+        with pytest.raises(jaxdev.ShardingError, match=r"\(K=2, B, ...\).*\n  \['x'\]: shape \(3"):
+            strategy.put_batch({"x": np.ones((3, 16)), "y": np.ones((2, 16))}, k, m)
+
+
 @pytest.mark.parametrize("group", [(2, 1), (1, 2)], ids=["steps_per_call=2", "accumulate=2"])
 @pytest.mark.parametrize("name", ["sharded", "pmap"])
 def test_a_grouped_batch_error_names_the_users_leaf_path(name, group):

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._batches import (
     Padded,
+    batch_rows,
     detach_host,
     lead_spec,
     pad_rows,
@@ -680,20 +681,15 @@ class _Sharded(Strategy):
 def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     """Place rows grouped as ``(K?, M?, rows, ...)``, padded to ``M * devices`` and masked."""
     leaves, treedef = checked_leaves(batch, "batch")  # named as given, not as grouped
-    what, row_axis = (f"(K={k}, B, ...)", 1) if k > 1 else ("(B, ...)", 0)
-    flat = not leaves or any(np.ndim(x) < 1 + row_axis for x in leaves)
-    if flat or (k > 1 and any(np.shape(x)[0] != k for x in leaves)):
-        raise ShardingError(
-            f"with `steps_per_call`={k} every batch leaf needs shape {what}"
-            f"{'' if flat else f' with K={k}'}; got {[np.shape(x) for x in leaves[:3]]}."
-        )
-    rows = {np.shape(x)[row_axis] for x in leaves}
-    if len(rows) != 1 or 0 in rows:
-        raise ShardingError(
-            f"every batch leaf needs the same non-zero number of rows B in {what}; got "
-            f"{[np.shape(x) for x in leaves[:3]]}."
-        )
-    rows = rows.pop()
+    row_axis = int(k > 1)
+    raise_leaves(  # then the rows of one step, checked as an ungrouped batch's
+        batch,
+        [i for i, x in enumerate(leaves) if k > 1 and np.shape(x)[:1] != (k,)],
+        f"with `steps_per_call`={k} every `batch` leaf needs shape (K={k}, B, ...): the rows "
+        f"of {k} steps stacked (`np.stack` of {k} batches' leaves). Leaves:",
+        lambda i: f"shape {np.shape(leaves[i])}",
+    )
+    rows = batch_rows(batch, [_Shape(np.shape(x)[row_axis:]) for x in leaves], "batch")
     extra = -rows % (m * strategy.local_shards())
     xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
     out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
@@ -704,6 +700,13 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
     placed, mask = strategy.place_grouped(grouped, k, m)
     return Padded(placed, mask, rows) if extra else placed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What ``batch_rows`` reads of a leaf: the shape of one step's rows."""
+
+    shape: tuple[int, ...]
 
 
 def _renamed(rules: Any, params: Any) -> Any:
