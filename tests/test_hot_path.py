@@ -109,6 +109,19 @@ def test_a_buffer_donated_twice_is_named_before_the_leaves_jax_freed(name):
         step(state, batch, metrics)
 
 
+@pytest.mark.parametrize("returned", [True, False], ids=["fast", "walked"])
+def test_a_state_leaf_passed_as_the_batch_is_named(returned):
+    """The step donates the state and reads the batch: one buffer as both. Before: JAX's bare
+    ValueError 'Attempt to use a buffer that was previously donated' (no leaf named)."""
+    step = jaxdev.make_train_step(lambda p, b: (b @ p["w"]).sum(-1), SGD)
+    state, metrics = step(step.init_state({"w": jnp.ones((4, 4))}), jnp.ones((4, 4)))
+    state = state if returned else state._replace(step=state.step)
+    with pytest.raises(jaxdev.PlacementError, match=r"state\.params\['w'\] and batch\b"):
+        step(state, state.params["w"], metrics)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((state, metrics)))
+    state, metrics = step(state, jnp.ones((4, 4)), metrics)  # the next call runs
+    assert int(state.step) == 2
+
 @pytest.mark.parametrize("name", ["single", "sharded"])
 def test_a_misplaced_committed_leaf_is_moved_on_the_fast_path(name):
     """Before, single: JAX's bare 'Received incompatible devices for jitted computation'."""

@@ -156,6 +156,8 @@ class _Step:
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
+            if self.donate and not self._tracing:  # JAX names no leaf donated and read at once
+                _raise_read_donated(args, key[1], err)
             if fresh is not None and not self._tracing and _refusal(err):
                 raise _Refused from None
             explained = failed("the next call of the step", error=err)  # one it comes from
@@ -618,6 +620,22 @@ def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     fix = "Their buffers were freed (`x.delete()` or a jit with `donate_argnums`): pass a "
     fix += "batch nothing donated (`step.put_batch` it again)."
     _raise_dead("batch ", zip(paths, jax.tree.leaves(batch)), fix, err)
+
+
+def _raise_read_donated(args: list, has_acc: bool, err: Exception) -> None:
+    """Name the state or metrics leaves the call's batch also holds (the error path of a call:
+    JAX refuses to donate a buffer it reads, naming a 'flattened argument')."""
+    named = _named_leaves(args[0], args[-1] if has_acc else None)
+    donated = {id(x): p for p, x in named if is_jax_array(x)}
+    batch = zip(key_strings(args[1]), jax.tree.leaves(args[1]))
+    pairs = [f"{donated[id(x)]} and batch{p}" for p, x in batch if id(x) in donated]
+    if pairs:
+        raise PlacementError(
+            "the step would donate an array it also reads as the batch: "
+            + "; ".join(pairs[:8]).replace("<root>", "")
+            + " are the same jax.Array. Pass the batch its own buffer (`jaxdev.copy_to`), or "
+            "make the step with `donate=False`."
+        ) from err
 
 
 def _any_deleted(leaves: list) -> bool:
