@@ -122,6 +122,7 @@ def test_a_state_leaf_passed_as_the_batch_is_named(returned):
     state, metrics = step(state, jnp.ones((4, 4)), metrics)  # the next call runs
     assert int(state.step) == 2
 
+
 @pytest.mark.parametrize("name", ["single", "sharded"])
 def test_a_misplaced_committed_leaf_is_moved_on_the_fast_path(name):
     """Before, single: JAX's bare 'Received incompatible devices for jitted computation'."""
