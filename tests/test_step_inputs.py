@@ -148,6 +148,14 @@ def test_eval_with_deleted_params_names_the_leaves(name):
         ev(params, ev.put_batch(_batch()))
 
 
+def test_a_train_step_without_donation_names_deleted_leaves_as_not_its_doing():
+    """Before: 'An eval step never deletes its inputs' for a train step."""
+    step = jaxdev.make_train_step(loss, SGD, donate=False)
+    state = step.init_state(_params(), SGD)
+    state.params["w"].delete()
+    with pytest.raises(jaxdev.DeletedArrayError, match=r"\['w'\].*train step made with `donate="):
+        step(state, step.put_batch(_batch()))
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_typed_keys_drive_dropout_on_every_strategy(name):
     def noisy(params, batch, rng):

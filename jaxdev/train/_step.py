@@ -694,9 +694,9 @@ def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
         "batch, metrics)` use the returned objects, not the ones passed in (or make the "
         "step with `donate=False`)."
         if donating
-        else "An eval step never deletes its inputs: they were donated elsewhere (a train "
-        "step's old state, `jax.jit(..., donate_argnums=...)`) or `.delete()`d. Pass the "
-        "state (or params) a train step returned last."
+        else "An eval step never deletes its inputs, nor a train step made with `donate=False`: "
+        "they were donated elsewhere (a train step's old state, `jax.jit(..., donate_argnums="
+        "...)`) or `.delete()`d. Pass the state (or params) a train step returned last."
     )
     _raise_dead("", _named_leaves(state, metrics), fix)
 
