@@ -657,20 +657,22 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     dead = sum(map(deleted, arrays))
     if donating and len(set(map(id, arrays))) != len(arrays):  # one array reached twice
         seen: dict[int, str] = {}
-        pairs = []
+        pairs, gone = [], []
         for path, x in _named_leaves(state, metrics):
             if is_jax_array(x):
                 if id(x) in seen:
                     pairs.append(f"{seen[id(x)]} and {path}")
                 seen.setdefault(id(x), path)
+                gone += [path] if deleted(x) else []
         raise PlacementError(
             "the step would donate one array twice (segfault in XLA): "
             + "; ".join(pairs[:8])
             + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
             + (
-                f" {dead} of its leaves are deleted: JAX frees a call's donated buffers on some "
-                "devices before it refuses one given twice. Restore the state from a checkpoint."
+                f" {dead} of its leaves are deleted ({', '.join(gone[:8])}): JAX frees a call's "
+                "donated buffers on some devices before it refuses one given twice. Restore the "
+                "state from a checkpoint."
                 if dead
                 else ""
             )
