@@ -156,8 +156,8 @@ class _Step:
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
-            if self.donate and not self._tracing:  # JAX names no leaf donated and read at once
-                _raise_read_donated(args, key[1], err)
+            if self.donate and not self._tracing and not isinstance(err, JaxdevError):
+                _raise_read_donated(args, key[1], err)  # JAX names no leaf donated and read
             if fresh is not None and not self._tracing and _refusal(err):
                 raise _Refused from None
             explained = failed("the next call of the step", error=err)  # one it comes from
