@@ -351,8 +351,9 @@ def replica_drift(labels: Sequence[str], values: Sequence[np.ndarray]) -> str | 
 
 def replica_copies(leaves: Sequence[Any], idx: Sequence[int]) -> list[tuple[int, list[str], Any]]:
     """``(i, device names, host values)`` of the addressable shards of each leaf ``i`` of ``idx``,
-    fetched at once."""
-    shards = [leaves[i].addressable_shards for i in idx]
+    fetched at once (typed PRNG keys: their ``key_data``, which numpy cannot hold as keys)."""
+    data = [jax.random.key_data(x) if is_prng_key(x) else x for x in (leaves[i] for i in idx)]
+    shards = [x.addressable_shards for x in data]
     values = jax.device_get([[sh.data for sh in ss] for ss in shards])
     return [(i, [device_name(sh.device) for sh in ss], v) for i, ss, v in zip(idx, shards, values)]
 

@@ -310,6 +310,14 @@ def test_replicated_check_values_is_bitwise(mesh):
     jaxdev.assert_replicated(nan, check_values=True)  # NaN != NaN by value, equal by bits
 
 
+def test_replicated_check_values_reads_typed_keys_by_their_data(mesh):
+    """Before: a raw TypeError ('PRNGKey dtype cannot be converted to a NumPy array')."""
+    key = jaxdev.replicate(jax.random.key(0), mesh)
+    jaxdev.assert_replicated({"rng": key}, mesh, check_values=True)
+    bumped = jax.random.wrap_key_data(drifted(mesh, bad=(6,)).astype(jnp.uint32)[:2])
+    msg = message(jaxdev.assert_replicated, {"rng": bumped}, mesh, check_values=True)
+    assert "['rng']: replicas differ: cpu:6 differ bitwise from cpu:0" in msg
+
 def test_replicated_check_values_also_lists_layout_failures(mesh, devices):
     tree = {"drift": drifted(mesh), "single": on(jnp.ones(2), devices[0])}
     msg = message(jaxdev.assert_replicated, tree, check_values=True)

@@ -193,6 +193,16 @@ def test_unreplicate_detects_drift(mesh, devices):
     assert jaxdev.unreplicate(tree)["layer"]["w"].tolist() == [1.5] * 3
 
 
+def test_unreplicate_checks_typed_keys_by_their_data(mesh, devices):
+    """A TrainState's typed rng: before, a raw TypeError from fetching its replicas."""
+    key = jax.random.key(1)
+    back = jaxdev.unreplicate({"rng": jaxdev.replicate(key, mesh)}, check=True)["rng"]
+    assert (jax.random.key_data(back) == jax.random.key_data(key)).all()
+    data = (_drifted(mesh, devices, bad=[2]) * 4).astype(jnp.uint32)[:2]  # 6 and 7 on cpu:2
+    bumped = jax.random.wrap_key_data(data)
+    with pytest.raises(ShardingError, match=r"<root>: cpu:2 differ bitwise from cpu:0"):
+        jaxdev.unreplicate(bumped, check=True)
+
 def test_drift_detection_is_bitwise(mesh, devices):
     arrays = [
         jax.device_put(np.array([0.0 if i else -0.0], np.float32), d) for i, d in enumerate(devices)
