@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ._batches import Padded, place_rows, select_rows, unpad
 from ._devices import device_list
 from ._errors import device_name
-from ._leaves import checked_leaves, is_concrete, raise_drift, raise_leaves
+from ._leaves import checked_leaves, is_concrete, is_prng_key, raise_drift, raise_leaves
 from ._mesh import DEFAULT_AXIS, MeshBound, mesh_of, named_sharding, outside_mesh
 from ._placement import to_device
 
@@ -112,7 +112,8 @@ def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
         lambda i: "shape ()",
     )
     if check:
-        hosts = [list(np.asarray(h)) for h in jax.device_get(list(leaves))]
+        data = [jax.random.key_data(x) if is_prng_key(x) else x for x in leaves]  # numpy: no keys
+        hosts = [list(np.asarray(h)) for h in jax.device_get(data)]
         raise_drift(
             tree,
             [(i, _row_labels(x), hosts[i]) for i, x in enumerate(leaves)],

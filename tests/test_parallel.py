@@ -402,6 +402,17 @@ def test_unstack_detects_drift(devices):
         jaxdev.pmap.unstack_from_pmap(host, check=True)
 
 
+def test_unstack_checks_typed_keys_by_their_data():
+    """flax's jax_utils.replicate of a state with a typed rng: before, a raw TypeError from
+    fetching the rows ('PRNGKey dtype cannot be converted to a NumPy array')."""
+    key = jax.random.key(0)
+    stacked = jaxdev.pmap.stack_for_pmap({"rng": key})
+    back = jaxdev.pmap.unstack_from_pmap(stacked, check=True)["rng"]
+    assert (jax.random.key_data(back) == jax.random.key_data(key)).all()
+    split = jax.pmap(lambda k: jax.random.fold_in(k, jax.lax.axis_index("i")), "i")
+    with pytest.raises(ShardingError, match=r"\['rng'\]: cpu:1.*differ bitwise from cpu:0"):
+        jaxdev.pmap.unstack_from_pmap({"rng": split(stacked["rng"])}, check=True)
+
 def test_unstack_scalar_leaf():
     with pytest.raises(ShardingError, match=r"(?s)scalar leaves.*\['lr'\]"):
         jaxdev.pmap.unstack_from_pmap({"lr": jnp.float32(1.0)})
