@@ -319,6 +319,36 @@ def test_a_leaf_another_jit_donated_is_named_not_a_segfault():
     assert proc.stdout.splitlines() == expected
 
 
+_STATE_AS_BATCH = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np, optax, jaxdev
+
+def loss(params, batch):
+    return (batch @ params["a"]).sum(-1) + 0 * params["c"].sum()
+
+step = jaxdev.make_train_step(loss, optax.sgd(0.1), jaxdev.Strategy.sharded(rules="fsdp"))
+state = step.init_state({"a": jnp.ones((4, 2)), "c": jnp.ones((512, 4))})
+batch = step.put_batch(np.ones((512, 4), np.float32))  # laid out as the fsdp leaf 'c'
+state, metrics = step(state, batch)
+state, metrics = step(state, batch, metrics)
+for given in (state, state._replace(step=state.step)):  # the fast path, then walked
+    try:
+        step(given, given.params["c"], metrics)
+    except jaxdev.PlacementError as err:
+        print(str(err).split(": ")[1].split(" are ")[0])
+"""
+
+
+def test_an_fsdp_leaf_passed_as_the_batch_is_named_not_a_segfault():
+    """A state leaf laid out as the batch goes in as it is, donated and read at once. Before
+    (jax 0.10.2, several devices): segfault; jax 0.12: named on the error path."""
+    from conftest import run_python
+
+    proc = run_python(_STATE_AS_BATCH, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["state.params['c'] and batch"] * 2
+
 def test_a_refused_fast_call_beats_the_watchdog_once(monkeypatch):
     """Before: a fast-path call JAX refused (a leaf laid out otherwise) and its rerun each
     counted a step on the hang watchdog: 2 for one call."""

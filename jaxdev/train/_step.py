@@ -148,6 +148,8 @@ class _Step:
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
                     args, same = (args, same) if moved is None else (moved, False)
+            if self._shared_crashes and self.donate:  # it segfaults on a leaf donated and read
+                _check_read(args, key[1])
             out, token = self._outputs(fn(*args))
             if compiled:
                 known = self._programs[program] = self._keep(program, out)
@@ -622,7 +624,14 @@ def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     _raise_dead("batch ", zip(paths, jax.tree.leaves(batch)), fix, err)
 
 
-def _raise_read_donated(args: list, has_acc: bool, err: Exception) -> None:
+def _check_read(args: list, has_acc: bool) -> None:
+    """Name a donated leaf the batch also holds, before the call (C-level id sets, no walk)."""
+    donated = set(map(id, jax.tree.leaves((args[0], args[-1] if has_acc else None))))
+    if not donated.isdisjoint(map(id, jax.tree.leaves(args[1]))):  # numbers: no pair named
+        _raise_read_donated(args, has_acc, None)
+
+
+def _raise_read_donated(args: list, has_acc: bool, err: Exception | None) -> None:
     """Name the state or metrics leaves the call's batch also holds (the error path of a call:
     JAX refuses to donate a buffer it reads, naming a 'flattened argument')."""
     named = _named_leaves(args[0], args[-1] if has_acc else None)
