@@ -188,6 +188,8 @@ class StepMeter:
         is caught in the next ``_LOOK`` polls' steps, then taken as ending at its dispatch.
         Returns whether to look again soon (catching)."""
         with self._lock:
+            if self._kept is not None:  # it left (the watcher took it before): later steps
+                return False  # are not its own
             (n, token), done = _timeline.newest, len(self._looks) and self._looks[-1][0] + 1
             n -= self._first
             if n <= done:
