@@ -41,13 +41,12 @@ class Padded(NamedTuple):
 
 def rows_of(batch: Any, arg: str = "batch") -> int:
     """The rows of ``batch``: the leading size its leaves share (checked, leaves named)."""
-    return batch_rows(batch, jax.tree.leaves(batch), arg)
+    return batch_rows(batch, [np.shape(x) for x in jax.tree.leaves(batch)], arg)
 
 
-def batch_rows(tree: Any, leaves: Sequence[Any], arg: str) -> int:
-    """Return the common leading size of ``leaves``; raise naming offending leaves."""
-    shapes = [np.shape(x) for x in leaves]
-    if not leaves:
+def batch_rows(tree: Any, shapes: Sequence[tuple[int, ...]], arg: str) -> int:
+    """Return the common leading size of ``tree``'s leaf ``shapes``; raise naming offenders."""
+    if not shapes:
         raise ShardingError(f"`{arg}` has no array leaves: there is nothing to shard.")
     raise_leaves(
         tree,
@@ -237,7 +236,7 @@ def place_rows(
 def _rows_plan(batch, leaves, sharding, n, pad, mask, pmap) -> tuple:
     """``(rows, extra, masked, 64-bit leaves, device_put targets or None)``, checked."""
     checked_leaves(batch, "batch", "shard_for_pmap" if pmap else None)
-    rows = batch_rows(batch, leaves, "batch")
+    rows = batch_rows(batch, [np.shape(x) for x in leaves], "batch")
     multiple = row_multiple(sharding, n)
     extra = -rows % multiple
     if extra and pad is False:

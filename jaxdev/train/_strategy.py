@@ -689,7 +689,7 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
         f"of {k} steps stacked (`np.stack` of {k} batches' leaves). Leaves:",
         lambda i: f"shape {np.shape(leaves[i])}",
     )
-    rows = batch_rows(batch, [_Shape(np.shape(x)[row_axis:]) for x in leaves], "batch")
+    rows = batch_rows(batch, [np.shape(x)[row_axis:] for x in leaves], "batch")
     extra = -rows % (m * strategy.local_shards())
     xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
     out = [strategy.group(xp, pad_rows(x, extra, row_axis), row_axis, m) for x in leaves]
@@ -700,13 +700,6 @@ def _put_grouped(strategy: Strategy, batch: Any, k: int, m: int) -> Any:
     grouped = detach_host((jax.tree.unflatten(treedef, out), mask))
     placed, mask = strategy.place_grouped(grouped, k, m)
     return Padded(placed, mask, rows) if extra else placed
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    """What ``batch_rows`` reads of a leaf: the shape of one step's rows."""
-
-    shape: tuple[int, ...]
 
 
 def _renamed(rules: Any, params: Any) -> Any:
