@@ -122,8 +122,6 @@ class _Step:
         as given before (checked, nothing placed or moved) skips its checks: one flatten."""
         hit = seen = None
         if fresh is not None:
-            if self._shared_crashes:  # e.g. a leaf another jit donated: checked before
-                _check_distinct(state, metrics, self.donate)
             leaves, treedef = jax.tree.flatten(batch)
             seen = (metrics is None, fresh, treedef, *map(_placed_shape, leaves))
             hit = self._seen.get(seen)
@@ -148,8 +146,8 @@ class _Step:
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
                     args, same = (args, same) if moved is None else (moved, False)
-            if self._shared_crashes and self.donate:  # it segfaults on a leaf donated and read
-                _check_read(args, key[1])
+            if self._shared_crashes:  # it segfaults on a deleted, shared or donated-and-read leaf
+                _check_crashes(args, key[1], self.donate)
             out, token = self._outputs(fn(*args))
             if compiled:
                 known = self._programs[program] = self._keep(program, out)
@@ -607,15 +605,6 @@ def _refusal(err: BaseException) -> bool:
     return type(err) is RuntimeError or isinstance(err, (ValueError, TypeError))
 
 
-def _check_distinct(state: Any, metrics: Any, donating: bool) -> None:
-    """Where JAX crashes on a deleted or a twice-donated buffer: refuse it (flattened and
-    tested in C, not walked)."""
-    leaves = jax.tree.leaves((state, metrics))
-    shared = donating and len(set(map(id, leaves))) != len(leaves)  # numbers may repeat
-    if shared or _any_deleted(leaves):  # the walk decides and names
-        check_donatable(state, metrics, donating)
-
-
 def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     """Name the batch's deleted leaves, if any (the error path of a call)."""
     paths = [f"batch{p}".replace("<root>", "") for p in key_strings(batch)]
@@ -624,10 +613,15 @@ def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     _raise_dead("batch ", zip(paths, jax.tree.leaves(batch)), fix, err)
 
 
-def _check_read(args: list, has_acc: bool) -> None:
-    """Name a donated leaf the batch also holds, before the call (C-level id sets, no walk)."""
-    donated = set(map(id, jax.tree.leaves((args[0], args[-1] if has_acc else None))))
-    if not donated.isdisjoint(map(id, jax.tree.leaves(args[1]))):  # numbers: no pair named
+def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
+    """Where JAX crashes on a deleted, a twice-donated or a donated-and-read buffer: refuse it
+    before the call (flattened and tested in C; the walks name it)."""
+    state, metrics = args[0], args[-1] if has_acc else None
+    leaves = jax.tree.leaves((state, metrics))
+    ids = set(map(id, leaves))
+    if (donating and len(ids) != len(leaves)) or _any_deleted(leaves):  # numbers may repeat
+        check_donatable(state, metrics, donating)
+    if donating and not ids.isdisjoint(map(id, jax.tree.leaves(args[1]))):
         _raise_read_donated(args, has_acc, None)
 
 
@@ -663,7 +657,6 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     donated twice, and then the deleted leaves are its doing.
     """
     arrays = [x for x in jax.tree.leaves((state, metrics)) if is_jax_array(x)]
-    dead = sum(map(deleted, arrays))
     if donating and len(set(map(id, arrays))) != len(arrays):  # one array reached twice
         seen: dict[int, str] = {}
         pairs, gone = [], []
@@ -679,14 +672,14 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
             + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
             + (
-                f" {dead} of its leaves are deleted ({', '.join(gone[:8])}): JAX frees a call's "
-                "donated buffers on some devices before it refuses one given twice. Restore the "
-                "state from a checkpoint."
-                if dead
+                f" {len(gone)} of its leaves are deleted ({', '.join(gone[:8])}): JAX frees a "
+                "call's donated buffers on some devices before it refuses one given twice. "
+                "Restore the state from a checkpoint."
+                if gone
                 else ""
             )
         )
-    if dead:
+    if any(map(deleted, arrays)):
         _raise_deleted(state, metrics, donating)
 
 
