@@ -22,6 +22,8 @@ The loops are timed interleaved in ``--rounds`` rounds (the order rotating each 
 one untimed warm-up round); a figure is the median over rounds of the per-call time, a ratio
 the median of per-round ratios (``_timing.py``). On multi-device CPU every loop waits for its
 last output every 8 calls: XLA:CPU deadlocks with ~100 queued collective programs.
+``host us``: the loop thread's CPU time per call (``time.thread_time``, the final wait left
+out), what dispatching costs the host; on a CPU backend the programs run on the same cores.
 
 Models: an MLP of 16x16 ``tanh`` layers (kernel + bias: ``leaves / 2`` layers; batch 64) so
 dispatch dominates, and a Flax linen transformer of 101 leaves (6 blocks, d=32, seq 16).
@@ -272,7 +274,18 @@ def measure(kind, model, devices, rounds, max_calls, loop_s):
     per_call = (time.perf_counter() - t0) / 8
     n = int(min(max_calls, max(8, 8 * round(loop_s / per_call / 8))))
     fns = {k: _loop(call, carry, n, sync) for k, (call, carry) in calls.items()}
-    t = time_side_by_side(fns, repeats=rounds, warmup=1)
+    host = {k: [] for k in fns}  # the loop thread's CPU time, the final wait left out
+
+    def on_host(name, fn):
+        def run():
+            t0 = time.thread_time()
+            out = fn()
+            host[name].append(time.thread_time() - t0)
+            return out
+
+        return run
+
+    t = time_side_by_side({k: on_host(k, f) for k, f in fns.items()}, repeats=rounds, warmup=1)
     us = {k: 1e6 * t.median(k) / n for k in fns}
     py_calls = (python_calls(fns["step"]) - python_calls(fns["program"])) / n
     return {
@@ -290,6 +303,7 @@ def measure(kind, model, devices, rounds, max_calls, loop_s):
             1e6 * (a - b) / n for a, b in zip(t["step"], t["program"])
         ),
         "py calls step-program": py_calls,
+        "host us": {k: 1e6 * statistics.median(v) / n for k, v in host.items()},
         "program_source": source,
         "setup_s": round(setup, 1),
     }, fns
@@ -341,6 +355,11 @@ def _calls(row) -> str:
     return "-" if calls is None else f"{calls:.0f}"
 
 
+def _host(row) -> str:
+    host = row.get("host us")  # absent in JSON files of older runs
+    return "-" if host is None else f"{host['step']:.0f} / {host['hand']:.0f}"
+
+
 def table(rows, info) -> str:
     head = (
         (f"{info['label']}: " if info.get("label") else "")
@@ -349,15 +368,15 @@ def table(rows, info) -> str:
         f"load {info['loadavg_start'][0]:.2f} -> {info.get('loadavg_end', [0])[0]:.2f}"
     )
     cols = "| model | leaves | strategy | calls | step us | program us | hand us | step/hand "
-    cols += "| program/hand | step-program us | step-program Python calls |"
-    lines = [head, "", cols, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cols += "| program/hand | step-program us | step-program Python calls | host us step/hand |"
+    lines = [head, "", cols, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         us = r["us"]
         lines.append(
             f"| {r['model']} | {r['leaves']} | {r['strategy']} | {r['calls']} | {us['step']:.0f} "
             f"| {us['program']:.0f} | {us['hand']:.0f} | {r['step/hand']:.2f}x "
             f"| {r['program/hand']:.2f}x | {r['step-program us']:+.0f} "
-            f"| {_calls(r)} |"
+            f"| {_calls(r)} | {_host(r)} |"
         )
     return "\n".join(lines)
 

@@ -37,5 +37,6 @@ def test_step_overhead_quick_runs_every_strategy(tmp_path):
     assert set(rows) == {("single", 2), ("sharded", 2), ("pmap", 2)}
     for row in rows.values():
         assert all(us > 0 for us in row["us"].values()), row
+        assert row["host us"].keys() == row["us"].keys() and min(row["host us"].values()) > 0
         assert all(math.isfinite(row[k]) for k in ("step/hand", "program/hand")), row
         assert row["calls"] % 8 == 0 and row["program_source"], row
