@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 
-from .._errors import JaxdevError, UsageError
+from .._errors import JaxdevError
+from .._report import figure
 
 
 class Result(NamedTuple):
@@ -441,24 +442,12 @@ def write_json(path: str, results: Sequence[Result], quick: bool) -> None:
         f.write("\n")
 
 
-def check_plotting() -> Any:
-    """Return ``matplotlib.pyplot`` on the Agg backend, or raise UsageError naming the extra."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError("`--plot` needs matplotlib: pip install 'jaxdev[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_plot(path: str, results: Sequence[Result]) -> None:
     """Draw every ratio as a horizontal bar (log scale, 1x marked) into ``path``."""
-    plt = check_plotting()
     ratios = {f"{r.key}: {label}": v for r in results for label, v in r.ratios.items()}
     host = host_summary()
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(ratios) + 1.5))
+    fig, path = figure(path, figsize=(9, 0.5 * len(ratios) + 1.5))  # no pyplot: nothing global
+    ax = fig.subplots()
     bars = ax.barh(list(ratios), list(ratios.values()), color="tab:blue")
     ax.bar_label(bars, fmt=" {:.2f}x")
     ax.invert_yaxis()
@@ -471,4 +460,3 @@ def write_plot(path: str, results: Sequence[Result]) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -319,10 +319,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path is not None and not os.path.isdir(folder):
             raise UsageError(f"`--{flag} {path}`: the folder {folder} does not exist.")
-    if args.plot:
-        from ._bench import check_plotting
-
-        check_plotting()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("`--plot` needs matplotlib: pip install 'jaxdev[plot]'")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
