@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 from jaxdev import MemoryPlanError, UsageError
-from jaxdev.memory._plan import CompiledMemory, _shard_shape, check_fits, resolve_limit
+from jaxdev.memory._offload import shard_bytes
+from jaxdev.memory._plan import CompiledMemory, check_fits, resolve_limit
 
 MiB = 2**20
 
@@ -140,7 +141,8 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     assert row.sharded_bytes == 13 * 5 * 4  # the scalar is replicated
     # The padded shard shape is what XLA would use for an uneven layout.
     s = NamedSharding(mesh24, P(None, "fsdp"))
-    assert _shard_shape(s, (3, 6)) == (3, 2) and _shard_shape(s, (3, 8)) == (3, 2)
+    f32 = np.dtype("float32")
+    assert shard_bytes(s, (3, 6), f32) == shard_bytes(s, (3, 8), f32) == 3 * 2 * 4
 
 
 def test_the_batch_splits_over_every_axis_but_model_axes():

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, Sharding
 
 from .._asserts import HOST_KINDS
 from .._errors import UsageError
+from .._mesh import axis_size
 from .._rules import has_state_fields
 from .._target import is_target
 
@@ -136,10 +137,20 @@ def host_bytes(lowered: Any, compiled: Any) -> tuple[int, int, int]:
         return 0, 0, 0
     if len(ins) != len(infos) or len(outs) != len(out_info):
         return 0, 0, 0
-    host_in = [(_shard_bytes(s, i), i.donated) for s, i in zip(ins, infos) if is_host(s)]
-    out = sum(_shard_bytes(s, i) for s, i in zip(outs, out_info) if is_host(s))
+    size = lambda s, i: shard_bytes(s, tuple(i.shape), i.dtype)  # noqa: E731
+    host_in = [(size(s, i), i.donated) for s, i in zip(ins, infos) if is_host(s)]
+    out = sum(size(s, i) for s, i in zip(outs, out_info) if is_host(s))
     return sum(n for n, _ in host_in), out, min(sum(n for n, d in host_in if d), out)
 
 
-def _shard_bytes(s: Sharding, info: Any) -> int:
-    return math.prod(s.shard_shape(tuple(info.shape))) * info.dtype.itemsize
+def shard_bytes(s: Sharding, shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of one shard of ``shape`` under ``s``; a dimension an axis does not divide is
+    padded up (XLA's way)."""
+    try:
+        return math.prod(s.shard_shape(shape)) * dtype.itemsize
+    except ValueError:
+        if not isinstance(s, NamedSharding):
+            raise
+    spec = [*s.spec, *[None] * len(shape)]  # entries past the spec's: not split
+    ns = [1 if entry is None else axis_size(s.mesh, entry) for entry in spec]
+    return math.prod(-(-n // k) for n, k in zip(shape, ns)) * dtype.itemsize

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
@@ -28,7 +28,7 @@ from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 from .._target import target_of
 from ._memory import memory_stats
-from ._offload import host_bytes, is_host, kept_host
+from ._offload import host_bytes, is_host, kept_host, shard_bytes
 from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
@@ -180,19 +180,6 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
 
 
-def _shard_shape(s: Sharding, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``s.shard_shape(shape)``; a dimension an axis does not divide is padded up (XLA's way)."""
-    try:
-        return tuple(s.shard_shape(shape))
-    except ValueError:
-        if not isinstance(s, NamedSharding):
-            raise
-    out = list(shape)
-    for i, entry in enumerate(s.spec[: len(shape)]):
-        out[i] = -(-shape[i] // (1 if entry is None else axis_size(s.mesh, entry)))
-    return tuple(out)
-
-
 def _build(
     state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
@@ -210,7 +197,7 @@ def _build(
         leaves.append(("batch", (shape, dtype), named_sharding(mesh, batch_spec(len(shape)))))
     for category, (shape, dtype), s in leaves:
         if (s, shape, dtype) not in cache:
-            per = math.prod(_shard_shape(s, shape)) * dtype.itemsize
+            per = shard_bytes(s, shape, dtype)
             split = len(s.device_set) > 1 and not s.is_fully_replicated  # over several devices
             cache[s, shape, dtype] = per, [device_name(d) for d in s.device_set], split
         per, on, split = cache[s, shape, dtype]
