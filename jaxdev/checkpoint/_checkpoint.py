@@ -40,7 +40,7 @@ from .._target import refuse
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
 from . import _ckpt_files as files
-from ._checksum import bits, by_devices, checksums, legacy_checksums
+from ._checksum import bits, checksums, legacy_checksums, per_group
 
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
@@ -137,11 +137,8 @@ def _stacked_mesh(x: Any) -> Mesh | None:
 def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
     """Leaves in pmap layout whose rows are bitwise equal: index -> their mesh."""
     found = {i: m for i, x in enumerate(leaves) if (m := _stacked_mesh(x)) is not None}
-    idx = list(found)
-    equal = np.zeros(len(idx), bool)
-    for group in by_devices([leaves[i] for i in idx]).values():
-        equal[group] = np.asarray(jax.device_get(_rows_equal([leaves[idx[g]] for g in group])))
-    return {i: found[i] for i, ok in zip(idx, equal) if ok}
+    equal = per_group([leaves[i] for i in found], lambda _, group: _rows_equal(group))
+    return {i: found[i] for i, ok in zip(found, equal) if ok}
 
 
 # ---------------------------------------------------------------- describing shardings

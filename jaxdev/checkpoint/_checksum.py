@@ -126,18 +126,31 @@ def _one_copy(x: jax.Array) -> jax.Array:
     return x
 
 
-def by_devices(xs: Sequence[jax.Array]) -> dict[Any, list[int]]:
-    """Indices of ``xs`` grouped by the set of devices each array lives on (and the
-    ``Explicit`` mesh its type names: one program cannot take two)."""
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(xs):
-        key = (frozenset(x.sharding.device_set), typed_mesh(x.sharding))
-        groups.setdefault(key, []).append(i)
-    return groups
+def per_group(arrays: Sequence[Any], program: Callable, host: Callable = jnp.asarray) -> list:
+    """``program(devices, group)``'s row for each of ``arrays``: one program per group on the
+    same devices and ``Explicit`` mesh (one program cannot take two), replicated arrays as
+    :func:`_one_copy`, numpy ones as ``host(x)``; outside a user's ``jax.set_mesh``."""
+    with outside_mesh():  # jaxdev's own programs
+        xs = [_one_copy(x) if isinstance(x, jax.Array) else host(x) for x in arrays]
+        groups: dict[Any, list[int]] = {}
+        for i, x in enumerate(xs):
+            key = (frozenset(x.sharding.device_set), typed_mesh(x.sharding))
+            groups.setdefault(key, []).append(i)
+        rows: dict[int, np.ndarray] = {}
+        for (devices, _), idx in groups.items():
+            got = program(devices, [xs[i] for i in idx])
+            got = got if got.is_fully_addressable else got.addressable_data(0)
+            rows.update(zip(idx, np.asarray(jax.device_get(got))))
+    return [rows[i] for i in range(len(xs))]
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    return np.asarray(jax.device_get(x) if x.is_fully_addressable else x.addressable_data(0))
+def _program(devices: frozenset, group: list[jax.Array]) -> jax.Array:
+    """A group's checksums: split over its devices when every array is replicated on them."""
+    split = all(x.sharding.is_fully_replicated and x.is_fully_addressable for x in group)
+    if split and len(devices) > 1:
+        mesh = mesh_of(tuple(sorted(devices, key=lambda d: d.id)), "checksum")
+        return _split_checksums(mesh)(group)
+    return _checksums(group)
 
 
 def checksums(arrays: Sequence[Any]) -> list[int]:
@@ -148,20 +161,8 @@ def checksums(arrays: Sequence[Any]) -> list[int]:
     replicated arrays from their first local copy (no process waits for
     another), numpy leaves on the default device from their raw bytes.
     """
-    if not arrays:
-        return []
-    with outside_mesh():  # jaxdev's own programs: not under a user's jax.set_mesh
-        xs = [
-            _one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(host_words(x)) for x in arrays
-        ]
-        out = np.zeros((len(xs), 2), np.uint32)
-        for (devices, _), idx in by_devices(xs).items():  # one program per group
-            group = [xs[i] for i in idx]
-            split = all(x.sharding.is_fully_replicated and x.is_fully_addressable for x in group)
-            mesh = mesh_of(tuple(sorted(devices, key=lambda d: d.id)), "checksum")
-            fn = _split_checksums(mesh) if split and len(devices) > 1 else _checksums
-            out[idx] = _fetch(fn(group))
-    return [(int(hi) << 32) | int(lo) for hi, lo in out]
+    sums = per_group(arrays, _program, lambda x: jnp.asarray(host_words(x)))
+    return [(int(hi) << 32) | int(lo) for hi, lo in sums]
 
 
 @jax.jit
@@ -175,9 +176,4 @@ def _legacy(xs: list[jax.Array]) -> jax.Array:
 
 def legacy_checksums(arrays: Sequence[Any]) -> list[int]:
     """Format 1's checksum: a position-weighted uint32 sum, numpy leaves cast by jnp.asarray."""
-    with outside_mesh():  # jaxdev's own programs: not under a user's jax.set_mesh
-        xs = [_one_copy(x) if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-        out = np.zeros(len(xs), np.uint32)
-        for idx in by_devices(xs).values():  # one program per group, as format 1 wrote them
-            out[idx] = _fetch(_legacy([xs[i] for i in idx]))
-    return [int(v) for v in out]
+    return [int(v) for v in per_group(arrays, lambda _, group: _legacy(group))]
