@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -316,3 +317,67 @@ def test_pmap_lower_of_shapes_not_split_over_its_devices_is_named(n):
                            rf"ShapeDtypeStruct\(\({n}, B // {n}, \.\.\.\).*\['x'\]: shape"):
             step.lower(state, shapes(*shape))
     step.lower(state, shapes(n, 32 // n, 6)).compile()  # the split shapes, as before
+
+
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_a_one_device_step_runs_outside_a_set_mesh_whose_abstract_mesh_is_emptied(kind):
+    """Under ``jax.set_mesh(mesh)`` with ``use_abstract_mesh(AbstractMesh((), ()))`` inside
+    (a mesh set, its abstract mesh emptied), a one-device step's later calls ran under the
+    8-device mesh since 72167d3 (the bare call asks get_abstract_mesh, not get_mesh): JAX's
+    raw ValueError 'Received incompatible devices for jitted computation' from the second
+    call on. Its first call, and every call before 72167d3, ran outside the mesh."""
+
+    def make():
+        if kind == "train":
+            return jaxdev.make_train_step(loss, SGD, jaxdev.Strategy.single(3))
+        return jaxdev.make_eval_step(loss, jaxdev.Strategy.single(3))
+
+    def run(ctx):
+        step = make()
+        state = step.init_state(_params(), SGD) if kind == "train" else step.init_state(_params())
+        losses = []
+        for i in range(3):
+            with ctx():
+                out = step(state, _batch(seed=i))
+            state, metrics = out if kind == "train" else (state, out)
+            losses.append(float(metrics.fetch()["loss"]))
+        return losses, state
+
+    def emptied():
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(jaxdev.data_mesh()))
+        stack.enter_context(jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())))
+        return stack
+
+    want, _ = run(contextlib.nullcontext)
+    got, state = run(emptied)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert {d.id for x in jax.tree.leaves(state) for d in x.devices()} == {3}
+
+
+@pytest.mark.parametrize("placed_by", ["shard_batch pad", "sharded put_batch", "mask on device 2"])
+def test_a_padded_batch_placed_otherwise_trains_under_pmap_or_is_named(placed_by):
+    """A Padded batch laid out otherwise than pmap's put_batch -- jaxdev.shard_batch(pad=True)
+    or a sharded step's put_batch (13 rows padded to 16, placed one per device), or pmap's own
+    put_batch with its mask committed to one device -- was JAX's raw ValueError ('cannot
+    select an axis to squeeze out', 'Sharding passed to jit does not match'), where the same
+    rows unpadded train (test_pmap_takes_rows_placed_one_per_device_with_a_1d_leaf_as_rows).
+    It trains as pmap's put_batch of the rows, or a named error says what to do."""
+    step = jaxdev.make_train_step(loss, SGD, jaxdev.Strategy.pmap(), donate=False)
+    state = step.init_state(_params())
+    rows = _batch(rows=13)
+    want, _ = step(state, step.put_batch(rows))
+    place = {
+        "shard_batch pad": lambda: jaxdev.shard_batch(rows, jaxdev.data_mesh(), pad=True),
+        "sharded put_batch": lambda: jaxdev.Strategy.sharded().put_batch(rows),
+        "mask on device 2": lambda: (
+            lambda p: p._replace(mask=jax.device_put(np.asarray(p.mask), jax.devices()[2]))
+        )(step.put_batch(rows)),
+    }[placed_by]
+    try:
+        got, metrics = step(state, place())
+    except jaxdev.JaxdevError as err:  # named: the fix is in the message
+        assert "put_batch" in str(err)
+        return
+    assert int(metrics["loss"].count) == 13
+    np.testing.assert_allclose(got.params["w"], want.params["w"], rtol=1e-6)
