@@ -146,19 +146,17 @@ def fsdp_variant(spec: StepSpec) -> Variant | str:
     """``rules='fsdp'`` over the mesh, only for ``rules='replicate'`` (keeps a user's layout);
     else why not."""
     strategy = spec.strategy
+    if strategy.mesh.size == 1:
+        return "one device: nothing to shard over"
     if not fsdp_applies(strategy.mesh, strategy.rules):
-        one = strategy.mesh.size == 1
-        return "one device: nothing to shard over" if one else (
-            f"the params are laid out by rules={strategy.rules!r}, which fsdp would replace"
-        )
+        return f"the params are laid out by rules={strategy.rules!r}, which fsdp would replace"
     try:
         fsdp = strategy.replace(rules="fsdp", shard_map=False)
         n = axis_size(fsdp.mesh, fsdp_axis_of(fsdp.mesh, fsdp.options.get("fsdp_axis")))
     except Exception as err:  # a mesh fsdp cannot use: no option
         return f"fsdp does not apply to this mesh ({short(str(err), 120)})"
-    return Variant(
-        "Strategy.sharded(mesh, rules='fsdp')", f"fsdp over {n} devices", spec.replace(fsdp)
-    )
+    change = "Strategy.sharded(mesh, rules='fsdp')"
+    return Variant(change, f"fsdp over {n} devices", spec.replace(fsdp))
 
 
 def remat_variant(spec: StepSpec, remat: Any = True) -> Variant | str:

@@ -202,13 +202,11 @@ def _build(
             cache[s, shape, dtype] = per, [device_name(d) for d in s.device_set], split
         per, on, split = cache[s, shape, dtype]
         row = per_device["host" if is_host(s) else category]
-        for name in on:
-            row[name] = row.get(name, 0) + per
+        for name in on:  # the mesh's devices: every layout here is on the mesh
+            row[name] += per
         logical, t = math.prod(shape) * dtype.itemsize, totals[category]
         t[0], t[1], t[2] = t[0] + logical, t[1] + logical * split, t[2] + 1
-    by_device: dict[str, int] = {}
-    for row in (per_device[c] for c in CATEGORIES):
-        by_device.update({name: by_device.get(name, 0) + n for name, n in row.items()})
+    by_device = {name: sum(per_device[c][name] for c in CATEGORIES) for name in names}
     rows = [PlanRow(c, max(per_device[c].values()), *totals[c]) for c in CATEGORIES]
     rows = tuple(r for r in rows if r.leaves)
     return rows, max(by_device.values(), default=0), by_device, per_device["host"]
