@@ -124,7 +124,7 @@ class Checkpointer:
             return False
         if self._lock.held:
             self._drop_damaged()
-        done = {*self._started, *self._steps()}
+        done = {*self._started, *self._listed(complete=True)}
         latest = max(done, default=None)
         if step in done:  # a silent skip here lost every checkpoint of a second run
             raise CheckpointError(
@@ -248,7 +248,7 @@ class Checkpointer:
           >>> jaxdev.Checkpointer(tempfile.mkdtemp()).latest_step() is None
           True
         """
-        return max(self._steps(), default=None)
+        return max(self._listed(complete=True), default=None)
 
     def all_steps(self) -> list[int]:
         """Steps of every complete checkpoint, oldest first.
@@ -258,38 +258,31 @@ class Checkpointer:
           >>> jaxdev.Checkpointer(tempfile.mkdtemp()).all_steps()
           []
         """
-        return sorted(self._steps())
+        return sorted(self._listed(complete=True))
 
-    def _steps(self) -> list[int]:
-        """Complete jaxdev checkpoints: listed and not damaged. A reader that finds only damaged
-        steps while a writer holds the directory looks again (5 tries): `keep` deletes the old
-        step as the new one commits, and a listing can see the one but not yet the other."""
-        for attempt in range(5):
-            listed = self._listed()
-            good = [s for s in listed if not self._damage(s)]
-            if good or not listed or self._lock is not None or not self._writing():
-                break
-            time.sleep(0.02 * (attempt + 1))
-        return good
-
-    def _writing(self) -> bool:
-        return files.holder(os.path.join(self.directory, ckpt.MANAGER_LOCK)) is not None
-
-    def _listed(self) -> list[int]:
-        """jaxdev checkpoints orbax lists; a reader lists again (5 tries) while racing a writer."""
+    def _listed(self, complete: bool = False) -> list[int]:
+        """jaxdev checkpoints orbax lists (``complete``: not damaged either). A reader racing a
+        writer lists again (5 tries) while it finds none, or only damaged ones while a writer
+        holds the directory: `keep` deletes the old step as the new one commits, and a listing
+        can see the one but not yet the other."""
         if self._lock is not None:
-            return [s for s in self._manager.all_steps() if self._is_ours(s)]
-        ours: list[int] = []
+            ours = [s for s in self._manager.all_steps() if self._is_ours(s)]
+            return [s for s in ours if not (complete and self._damage(s))]
+        found: list[int] = []
         writing = self._writing()
         for attempt in range(5):
             with contextlib.suppress(OSError):
                 self._manager.reload()
                 listed = self._manager.all_steps()
                 ours = [s for s in listed if self._is_ours(s)]
-                if ours or not (listed or writing):  # nothing listed while a writer saves: again
-                    return ours
+                found = [s for s in ours if not (complete and self._damage(s))]
+                if found or not (listed or writing) or (ours and not self._writing()):
+                    return found
             time.sleep(0.02 * (attempt + 1))
-        return ours
+        return found
+
+    def _writing(self) -> bool:
+        return files.holder(os.path.join(self.directory, ckpt.MANAGER_LOCK)) is not None
 
     def _step(self, step: int | None) -> int:
         if step is None:
