@@ -59,8 +59,7 @@ def accelerator_expected() -> tuple[bool, str]:
     """Return whether JAX is expected to start an accelerator, and why (no backend start)."""
     platforms = _requested_platforms()
     if platforms:
-        wanted = [p for p in platforms if p in _ACCEL_PLATFORMS]
-        return bool(wanted), f"JAX_PLATFORMS={','.join(platforms)}"
+        return any(p in _ACCEL_PLATFORMS for p in platforms), f"JAX_PLATFORMS={','.join(platforms)}"
     plugins = installed_plugins()
     if plugins:
         return True, f"accelerator plugin installed: {', '.join(plugins)}"
