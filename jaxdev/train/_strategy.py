@@ -356,6 +356,11 @@ class Strategy:
         (jit places host rows by the program's input shardings)."""
         return batch
 
+    def place_padded(self, batch: Any, mask: Any) -> tuple[Any, Any]:
+        """A Padded batch's rows and mask as the step takes them: as they are (jit moves
+        committed leaves laid out otherwise to the program's layout)."""
+        return batch, mask
+
     @functools.cached_property
     def stacked_sizes(self) -> frozenset[int]:
         """Leading sizes a raw batch in ``jax.pmap``'s stacked layout has: the host's device
@@ -553,6 +558,13 @@ class _Pmap(Strategy):
         # the same tree when laid out as put_batch lays it (flax's prefetch_to_device too);
         # a mesh's explicit axes (jax.make_mesh's default) re-laid: pmap raised KeyError on them
         return to_device(batch, named_sharding(self.mesh, P(self.axis)))
+
+    def place_padded(self, batch: Any, mask: Any) -> tuple[Any, Any]:
+        # a 1-D mask: padded rows (shard_batch, a sharded put_batch), split as rows are; else
+        # put_batch's layout (n, rows / n), each leaf moved there if committed elsewhere
+        if np.ndim(mask) == 1:
+            return self.put_rows((batch, mask), pad=False)
+        return to_device((batch, mask), self._stacked)
 
     def group(self, xp: Any, x: Any, axis: int, m: int) -> Any:
         x = super().group(xp, x, axis, m)  # then move the device split in front
