@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdev
 
-from .._errors import JaxdevError
+from .._errors import JaxdevError, device_name
 from .._report import figure
 
 
@@ -138,7 +138,7 @@ def matmul_cpu_vs_accelerator(size: int, reps: int) -> Result:
     accel = jax.local_devices()[0]
     on_cpu = _operands(size, jaxdev.d2l.cpu())
     on_accel = _operands(size, accel)
-    name = f"{accel.platform}:{accel.id}"
+    name = device_name(accel)
     return _compared(
         f"ex1_matmul_{size}",
         f"d2l ex. 1: matmul {size}x{size}, CPU vs {accel.platform}",
@@ -329,7 +329,7 @@ def placement_figures(reps: int, inner: int) -> list[Result]:
     return [
         _compared(
             "place_noop",
-            f"placement: move a {n_leaves}-leaf params tree already on {dev.platform}:{dev.id}",
+            f"placement: move a {n_leaves}-leaf params tree already on {device_name(dev)}",
             {
                 "jax.device_put": lambda: jax.device_put(placed, dev),
                 "jaxdev.to_device": lambda: jaxdev.to_device(placed, dev),

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._asserts import HOST_KINDS
 from .._errors import UsageError, device_name
-from .._leaves import is_jax_array, is_prng_key
+from .._leaves import device_key, is_jax_array, is_prng_key
 from .._report import figure, human_bytes, text_table
 from .._rules import has_state_fields
 
@@ -196,7 +196,7 @@ def ledger(**trees: Any) -> MemoryLedger:
         (offloaded if in_host else entries if named else others).append(entry)
     for rows in (entries, others, offloaded):
         rows.sort(key=lambda e: (-e.fullest, -e.total))
-    devices = sorted({*per_device, *host}, key=lambda d: (d.platform, d.id))  # offloaded only: 0
+    devices = sorted({*per_device, *host}, key=device_key)  # offloaded only: 0
     stats = {d: memory_stats(d) for d in devices}
     per_device = {d: per_device[d] for d in stats}
     host = {d: host[d] for d in stats if d in host}

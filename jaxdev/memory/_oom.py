@@ -35,7 +35,7 @@ def live_lines(ledger: MemoryLedger, trees: Mapping[str, Any], top: int = 8) -> 
     """
     if not ledger.per_device:
         return ["live now: no live arrays"]
-    device = max(ledger.per_device, key=lambda d: ledger.per_device[d])  # the fullest
+    device = max(ledger.per_device, key=ledger.per_device.get)  # the fullest
     total = ledger.per_device[device]
     on = lambda e: e.bytes_per_device.get(device, 0)  # noqa: E731
     lines = [
