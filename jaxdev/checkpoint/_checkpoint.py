@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _timeline
 from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
-from .._mesh import DEFAULT_AXIS, batch_sharding, data_mesh, mesh_of, replicated_sharding
+from .._mesh import DEFAULT_AXIS, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
 from .._placement import as_sharding, place_tree
 from .._pmap_layout import is_stacked, stacker, unstack_from_pmap
@@ -685,13 +686,11 @@ def _where_saved(e: dict) -> Sharding | None:
     if those devices exist, else the default."""
     if e["kind"] != "jax":
         return None
-    if not e.get("stacked"):
-        return _saved_sharding(e.get("sharding")) or _default_sharding()
-    by_id = {d.id: d for d in jax.devices()}
-    ids = e["stacked"]["devices"]
-    if e["sharding"] is None or not all(i in by_id for i in ids):
-        return _default_sharding()
-    return batch_sharding(mesh_of(tuple(by_id[i] for i in ids), DEFAULT_AXIS))
+    desc = e.get("sharding")
+    if e.get("stacked") and desc is not None:  # its rows split over the devices it was on
+        devices, axes = e["stacked"]["devices"], [DEFAULT_AXIS]
+        desc = {"kind": "named", "devices": devices, "axes": axes, "spec": axes}
+    return _saved_sharding(desc) or _default_sharding()
 
 
 def _full_shape(e: dict) -> tuple[int, ...]:
@@ -971,17 +970,12 @@ def _abandoned_read(u: Any) -> bool:
             and code.co_filename.startswith(os.path.dirname(ocp.__file__) + os.sep)
             and (ran or code.co_name in _ABANDONED)
         )
-    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-        return False
-    tb = u.exc_value.__traceback__
-    while tb is not None:
-        args = tb.tb_frame.f_locals.get("args", ())
-        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe" and any(
-            type(a).__module__ == "tensorstore" for a in args
-        ):
-            return True
-        tb = tb.tb_next
-    return False
+    closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+    return closed and any(  # tensorstore's read done after orbax closed the loop
+        f.f_code.co_name == "call_soon_threadsafe"
+        and any(type(a).__module__ == "tensorstore" for a in f.f_locals.get("args", ()))
+        for f, _ in traceback.walk_tb(u.exc_value.__traceback__)
+    )
 
 
 def _fails(read: Callable[..., Any], e: dict) -> bool:
@@ -1173,7 +1167,6 @@ def checkpoint_step(path: Any) -> int | None:
 
     Raises:
       CheckpointError: no jaxdev checkpoint at ``path``.
-
     """
     path = os.path.realpath(os.fsdecode(path))
     ocp = orbax()

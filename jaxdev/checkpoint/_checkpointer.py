@@ -199,7 +199,7 @@ class Checkpointer:
     def _damage(self, step: int) -> str | None:
         """What is damaged in ``step`` (None: complete); said once per damage, as a warning."""
         path = os.path.join(self.directory, str(step))
-        meta = os.path.join(path, files.META_ITEM, "metadata")
+        meta = os.path.join(path, files.META_FILE)
         try:
             if (why := files.damage(path)) is None:
                 key = (step, *os.stat(meta)[1:3], os.stat(meta).st_mtime_ns)

@@ -37,6 +37,7 @@ TOMBSTONES = ".jaxdev-deleted"  # a Checkpointer's steps being deleted, inside i
 _ORBAX_TMP = r"\.orbax-checkpoint-tmp(-[0-9]+)?"  # orbax's temporary folder: <final name><this>
 _STEP = "(0|[1-9][0-9]*)"  # orbax's step names (its standard format: no prefix, no padding)
 MANIFEST = os.path.join(META_ITEM, "files")  # {relative path: size} of the files orbax wrote
+META_FILE = os.path.join(META_ITEM, "metadata")  # jaxdev's JSON metadata, with its digest
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -49,9 +50,7 @@ def sibling(path: str, role: str) -> str:
 
 def is_checkpoint(path: str) -> bool:
     """True if ``path`` holds orbax's ``_CHECKPOINT_METADATA`` and jaxdev's ``jaxdev/metadata``."""
-    return os.path.isfile(os.path.join(path, META_ITEM, "metadata")) and os.path.isfile(
-        os.path.join(path, _ORBAX_FILES[0])
-    )
+    return all(os.path.isfile(os.path.join(path, f)) for f in (META_FILE, _ORBAX_FILES[0]))
 
 
 class WriterLock:
@@ -256,8 +255,7 @@ def _exchange(a: str, b: str) -> bool:
     """Swap two directories atomically; False where the kernel or libc cannot, or it failed
     (then nothing changed: :func:`replace` goes on with two renames)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
     if os.environ.get("JAXDEV_CHECKPOINT_NO_EXCHANGE") == "1":  # tests of the fallback
@@ -332,7 +330,7 @@ def _manifest(tmp: str, durable: bool) -> None:
         for p in [os.path.join(folder, n) for n in names]
         if folder != tmp  # orbax rewrites its top-level files in finalize
     }
-    sizes.pop(os.path.join(META_ITEM, "metadata"), None)  # its digest checks it (tests edit it)
+    sizes.pop(META_FILE, None)  # its digest checks it (tests edit it)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(sizes, f)
     if durable:
