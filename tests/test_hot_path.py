@@ -105,7 +105,7 @@ def test_one_buffer_donated_twice_is_refused_on_the_fast_path(name, freed, monke
     pair = r"state\.params\['a'\] and state\.params"
     with pytest.raises(jaxdev.PlacementError, match=pair) as excinfo:
         step(state, batch, metrics)
-    dead = [p for p, x in _step._named_leaves(state, metrics) if x.is_deleted()]
+    dead = [p for p, x in _step._named_leaves(state=state, metrics=metrics) if x.is_deleted()]
     assert len(dead) >= 3 * freed  # step, a and b
     gone = f" {len(dead)} of its leaves are deleted ({', '.join(dead)}): "  # exactly those
     assert gone in str(excinfo.value) if dead else "deleted" not in str(excinfo.value)

@@ -622,10 +622,9 @@ def _refusal(err: BaseException) -> bool:
 
 def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     """Name the batch's deleted leaves, if any (the error path of a call)."""
-    paths = [f"batch{p}".replace("<root>", "") for p in key_strings(batch)]
     fix = "Their buffers were freed (`x.delete()` or a jit with `donate_argnums`): pass a "
     fix += "batch nothing donated (`step.put_batch` it again)."
-    _raise_dead("batch ", zip(paths, jax.tree.leaves(batch)), fix, err)
+    _raise_dead("batch ", _named_leaves(batch=batch), fix, err)
 
 
 def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
@@ -643,14 +642,12 @@ def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
 def _raise_read_donated(args: list, has_acc: bool, err: Exception | None) -> None:
     """Name the state or metrics leaves the call's batch also holds (the error path of a call:
     JAX refuses to donate a buffer it reads, naming a 'flattened argument')."""
-    named = _named_leaves(args[0], args[-1] if has_acc else None)
-    donated = {id(x): p for p, x in named if is_jax_array(x)}
-    batch = zip(key_strings(args[1]), jax.tree.leaves(args[1]))
-    pairs = [f"{donated[id(x)]} and batch{p}" for p, x in batch if id(x) in donated]
+    donated = _named_leaves(state=args[0], metrics=args[-1] if has_acc else None)
+    pairs = _pairs(donated, _named_leaves(batch=args[1]))
     if pairs:
         raise PlacementError(
             "the step would donate an array it also reads as the batch: "
-            + "; ".join(pairs[:8]).replace("<root>", "")
+            + "; ".join(pairs[:8])
             + " are the same jax.Array. Pass the batch its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
         ) from err
@@ -673,17 +670,11 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     """
     arrays = [x for x in jax.tree.leaves((state, metrics)) if is_jax_array(x)]
     if donating and len(set(map(id, arrays))) != len(arrays):  # one array reached twice
-        seen: dict[int, str] = {}
-        pairs, gone = [], []
-        for path, x in _named_leaves(state, metrics):
-            if is_jax_array(x):
-                if id(x) in seen:
-                    pairs.append(f"{seen[id(x)]} and {path}")
-                seen.setdefault(id(x), path)
-                gone += [path] if deleted(x) else []
+        named = _named_leaves(state=state, metrics=metrics)
+        gone = [p for p, x in named if is_jax_array(x) and deleted(x)]
         raise PlacementError(
             "the step would donate one array twice (segfault in XLA): "
-            + "; ".join(pairs[:8])
+            + "; ".join(_pairs(named, named)[:8])
             + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
             + (
@@ -698,13 +689,19 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
         _raise_deleted(state, metrics, donating)
 
 
-def _named_leaves(state: Any, metrics: Any) -> list[tuple[str, Any]]:
-    trees = {"state": state, "metrics": metrics}
+def _named_leaves(**trees: Any) -> list[tuple[str, Any]]:
+    """Each leaf of ``trees`` with its path, the tree's name first (``state.params['a']``)."""
     return [
-        (name + p, x)
+        (f"{name}{p}".replace("<root>", ""), x)
         for name, t in trees.items()
         for p, x in zip(key_strings(t), jax.tree.leaves(t))
     ]
+
+
+def _pairs(named: list, then: list) -> list[str]:
+    """'X and Y' for each array of ``then`` at path Y first met at path X in ``named``."""
+    first = {id(x): p for p, x in reversed(named) if is_jax_array(x)}  # its first path wins
+    return [f"{first[id(x)]} and {p}" for p, x in then if first.get(id(x), p) != p]
 
 
 def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
@@ -717,7 +714,7 @@ def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
         "they were donated elsewhere (a train step's old state, `jax.jit(..., donate_argnums="
         "...)`) or `.delete()`d. Pass the state (or params) a train step returned last."
     )
-    _raise_dead("", _named_leaves(state, metrics), fix)
+    _raise_dead("", _named_leaves(state=state, metrics=metrics), fix)
 
 
 def _raise_dead(what: str, named: Any, fix: str, cause: Exception | None = None) -> None:
