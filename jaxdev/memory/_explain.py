@@ -165,9 +165,8 @@ def remat_variant(spec: StepSpec, remat: Any = True) -> Variant | str:
     if not spec.train:
         return "an eval step keeps no activations for a backward pass"
     if isinstance(remat, (StepSpec, Described)):  # model code: its loss and options, our layout
-        cfg = spec_of(remat, "remat").config
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        return Variant("your `remat` step", "the model's own remat", spec.replace(**fields))
+        own = spec.replace(**vars(spec_of(remat, "remat").config))  # every field of its config
+        return Variant("your `remat` step", "the model's own remat", own)
     if remat is not True and not (callable(remat) and not isinstance(remat, type)):
         raise UsageError(
             "`remat` must be True, a `jax.checkpoint_policies` policy (the whole loss under "
