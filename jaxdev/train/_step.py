@@ -678,9 +678,9 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
             + " are the same jax.Array. Give each leaf its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
             + (
-                f" {len(gone)} of its leaves are deleted ({', '.join(gone[:8])}): JAX frees a "
-                "call's donated buffers on some devices before it refuses one given twice. "
-                "Restore the state from a checkpoint."
+                f" {len(gone)} of its leaves are deleted ({', '.join(gone[:8])}): before this "
+                "call, or by JAX, which frees a call's donated buffers on some devices before it "
+                "refuses one given twice. Restore the state from a checkpoint."
                 if gone
                 else ""
             )
