@@ -600,11 +600,7 @@ def _agree(tag: str, table: dict[str, tuple[Any, str]], header: str) -> None:
 
 def _steps_hint(path: str) -> str:
     parent = path if os.path.isdir(path) else os.path.dirname(path)
-    try:
-        steps = sorted(int(n) for n in os.listdir(parent) if n.isdigit())
-    except OSError:
-        steps = []
-    if steps:
+    if steps := sorted(int(n) for n in files.matching(parent, "[0-9]+")):
         return (
             f"{parent} holds numbered checkpoints (steps {steps[:10]}): restore one of "
             f"those (e.g. {os.path.join(parent, str(steps[-1]))}) or use "

@@ -196,18 +196,18 @@ def leftovers(path: str) -> list[str]:
     and ``<name>`` or ``.<name>.jaxdev-new`` + ``.orbax-checkpoint-tmp[-<timestamp>]``."""
     parent, name = os.path.split(path)
     new, old = (re.escape(os.path.basename(sibling(path, r))) for r in ("new", "old"))
-    return _names(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
+    return matching(parent, rf"{new}|{old}|({re.escape(name)}|{new}){_ORBAX_TMP}")
 
 
 def lookalikes(directory: str, steps: set[int]) -> list[str]:
     """Names in ``directory`` that orbax's ``keep`` would delete instead of one of ``steps``:
     any ``<step>.orbax-checkpoint-tmp...`` but orbax's exact names."""
-    names = _names(directory, rf"{_STEP}\.orbax-checkpoint-tmp(?s:.+)")
+    names = matching(directory, rf"{_STEP}\.orbax-checkpoint-tmp(?s:.+)")
     own = rf"{_STEP}{_ORBAX_TMP}"
     return [n for n in names if int(n.split(".")[0]) in steps and not re.fullmatch(own, n)]
 
 
-def _names(folder: str, pattern: str) -> list[str]:
+def matching(folder: str, pattern: str) -> list[str]:
     """The entries of ``folder`` whose whole name matches ``pattern`` ([] if unreadable)."""
     try:
         return sorted(n for n in os.listdir(folder or ".") if re.fullmatch(pattern, n))
@@ -230,7 +230,7 @@ def remove_tombstones(directory: str, folder: bool = True, durable: bool = True)
     also ``.jaxdev-deleted`` if empty and killed saves' ``<step>.orbax-checkpoint-tmp``.
     """
     graves = os.path.join(directory, TOMBSTONES)
-    if (steps := _names(graves, _STEP)) and durable:
+    if (steps := matching(graves, _STEP)) and durable:
         _fsync(graves)
         _fsync(directory)
     for n in steps:
@@ -238,7 +238,7 @@ def remove_tombstones(directory: str, folder: bool = True, durable: bool = True)
     if folder:
         with contextlib.suppress(OSError):
             os.rmdir(graves)
-        for n in _names(directory, rf"{_STEP}{_ORBAX_TMP}"):
+        for n in matching(directory, rf"{_STEP}{_ORBAX_TMP}"):
             _remove(os.path.join(directory, n))
 
 
