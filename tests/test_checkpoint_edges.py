@@ -113,6 +113,15 @@ def test_a_0d_integer_array_step_is_a_step_like_flax_state_step(tmp_path):
     assert type(ck.checkpoint_step(tmp_path / "c")) is int
 
 
+def test_a_missing_checkpoint_beside_a_folder_named_with_a_digit_sign_is_named(tmp_path):
+    """A folder such as '²' (str.isdigit, but not an int) beside the missing path made
+    restore's hint raise a raw ValueError instead of 'No checkpoint at'."""
+    (tmp_path / "²").mkdir()
+    jaxdev.save(tmp_path / "3", {"w": np.ones(2)})
+    with pytest.raises(CheckpointError, match=r"No checkpoint at .*\(steps \[3\]\)"):
+        jaxdev.restore(tmp_path / "c")
+
+
 # ---------------------------------------------------------------- a step that exists
 
 
