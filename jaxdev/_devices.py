@@ -8,6 +8,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -79,9 +80,10 @@ def _pick(platform: str, i: Any, arg: str = "i") -> jax.Device:
             if platform == "gpu"
             else ""
         )
+        started = ", ".join(sorted({d.platform for d in _local_devices()}))
         raise DeviceNotFoundError(
-            f"No {platform} device: JAX started the platforms "
-            f"[{', '.join(_started_platforms())}].{hint} {available_devices()}"
+            f"No {platform} device: JAX started the platforms [{started}].{hint} "
+            + available_devices()
         )
     return _nth(devices, i, arg, f"{platform} ")
 
@@ -95,10 +97,6 @@ def _nth(devices: list[jax.Device], i: int, arg: str, what: str = "") -> jax.Dev
             + available_devices()
         )
     return devices[i]
-
-
-def _started_platforms() -> list[str]:
-    return sorted({d.platform for d in _local_devices()})
 
 
 def cpu(i: int = 0) -> jax.Device:
@@ -220,7 +218,7 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
         the first ``n``, a platform name, or a list of device specs.
 
     Raises:
-      DeviceSpecError: a device appears twice, the list is empty, or ``n < 1``.
+      DeviceSpecError: a malformed spec, a device twice, an empty list, or ``n < 1``.
       DeviceNotFoundError: more devices asked than exist.
 
     Example:
@@ -234,7 +232,7 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
         if (name := _PLATFORMS.get(devices.strip().lower())) is not None:  # none: _pick raises
             return _platform_devices(name) or [_pick(name, 0, arg="devices")]
     if isinstance(devices, (str, jax.Device)):
-        return [device(devices)]
+        return [resolve_device(devices, "devices")]
     if isinstance(devices, int) and not isinstance(devices, bool):
         local = _local_devices()
         if devices < 1:
@@ -248,7 +246,12 @@ def device_list(devices: int | DeviceSpec | list[DeviceSpec] | None = None) -> l
                 + available_devices()
             )
         return list(local[:devices])
-    out = [device(d) for d in devices]
+    if not isinstance(devices, Iterable):
+        raise DeviceSpecError(
+            "`devices` must be None, a count, a platform name, a device spec or a list of "
+            f"specs, got {type(devices).__name__} {devices!r}."
+        )
+    out = [resolve_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
     if not out:
         raise DeviceSpecError(
             "`devices` is empty: a mesh, a strategy or a replication needs at least one "
@@ -317,7 +320,7 @@ def describe() -> dict[str, Any]:
       True
     """
     local = _local_devices()
-    platforms = _started_platforms()
+    platforms = sorted({d.platform for d in local})
     devices = [_describe_device(d) for d in jax.devices()]
     requested = {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_FLAGS")}
     requested |= {k: getattr(jax.config, k) for k in ("jax_platforms", "jax_num_cpu_devices")}

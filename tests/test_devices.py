@@ -117,6 +117,22 @@ def test_device_list(devices):
         jaxdev.device_list("gpu")
 
 
+@pytest.mark.parametrize(
+    "devices, error, match",
+    [
+        ("cpu:99", DeviceNotFoundError, "`devices`=99 is out of range"),
+        (["cpu:0", 99], DeviceNotFoundError, "`devices\\[1\\]`=99 is out of range"),
+        ([0, 1.5], UsageError, "`devices\\[1\\]` must be a jax.Device, an int or a string"),
+        (1.5, UsageError, "`devices` must be None, a count, a platform name"),
+    ],
+)
+def test_device_list_errors_name_devices(devices, error, match):
+    """The errors name `devices` (and the list item), not `device`'s `spec`; a value that is
+    no spec and no list is refused by name, not with Python's "not iterable" TypeError."""
+    with pytest.raises(error, match=match):
+        jaxdev.device_list(devices)
+
+
 def test_use_fake_cpu_devices_after_start(devices):
     jaxdev.testing.use_fake_cpu_devices(N_DEVICES)  # same count: no-op
     with pytest.raises(jaxdev.BackendStartedError, match="already started with 8 CPU device"):
