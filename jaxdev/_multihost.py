@@ -37,7 +37,7 @@ def default_timeout_s() -> float:
         value = DEFAULT_TIMEOUT_S if raw is None else float(raw)
     except ValueError:
         value = -1.0
-    if value <= 0:
+    if not 0 < value < float("inf"):  # NaN too
         raise DistributedError(
             f"`{TIMEOUT_ENV}` must be a positive number of seconds, got {raw!r}. "
             f"Fix: set it to e.g. 60, or unset it for the default {DEFAULT_TIMEOUT_S:g}."

@@ -221,9 +221,20 @@ def test_join_marker_is_left_where_the_launcher_says(tmp_path):
 def test_default_timeout_reads_the_environment(monkeypatch):
     monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", "12.5")
     assert _multihost.default_timeout_s() == 12.5
-    monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", "soon")
-    with pytest.raises(jaxdev.DistributedError, match="`JAXDEV_SYNC_TIMEOUT` must be"):
-        _multihost.default_timeout_s()
+    for bad in ("soon", "0", "nan", "inf"):  # nan, inf: int() of the deadline raised later
+        monkeypatch.setenv("JAXDEV_SYNC_TIMEOUT", bad)
+        with pytest.raises(jaxdev.DistributedError, match="`JAXDEV_SYNC_TIMEOUT` must be"):
+            _multihost.default_timeout_s()
+
+
+def test_initialize_logs_the_job_left_to_auto_detection(monkeypatch, caplog):
+    for step in ("leave_join_marker", "_prepare", "_connect", "_after_connect"):
+        monkeypatch.setattr(_distributed, step, lambda *a: None)  # no JAX runtime started
+    for var in ("JAXDEV_COORDINATOR", "JAXDEV_NUM_PROCESSES", "JAXDEV_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    with caplog.at_level("INFO", logger="jaxdev"):  # num_processes None: `%d` failed to log
+        assert _distributed.initialize().num_processes is None
+    assert "process 0 of 1 joined the coordinator" in caplog.text
 
 
 # --- launcher (plain Python children, no JAX) ---------------------------------------

@@ -324,7 +324,7 @@ def initialize(
     _prepare(cfg, cpu_collectives, deadline)
     _connect(cfg, deadline)
     _after_connect(cfg, fail_fast)
-    where = (jax.process_index(), cfg.num_processes, cfg.coordinator_address)
+    where = (jax.process_index(), jax.process_count(), cfg.coordinator_address)
     _log.info("process %d of %d joined the coordinator at %s", *where)
     return cfg
 
