@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -129,8 +130,7 @@ def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
 def _wide_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | None:
     """Why 64-bit values do not fit int32 / uint32 / float32 (x64 disabled), or None."""
     if kind == "f":
-        finite = np.abs(leaf[np.isfinite(leaf)]) if leaf.ndim else np.abs(leaf[()])
-        big = np.max(finite, initial=0.0)
+        big = np.max(np.abs(leaf), where=np.isfinite(leaf), initial=0.0)
         return (LeafValueError, _overflow_why(big, leaf.dtype)) if big > _FLOAT32_MAX else None
     bounds = _INT32 if kind == "i" else _UINT32
     lo, hi = leaf.min(), leaf.max()
@@ -192,10 +192,8 @@ def key_strings(tree: Any, treedef: Any = None) -> tuple[str, ...]:
     )
     if treedef is not None:
         if len(_KEY_STRINGS) >= _KEY_STRINGS_MAX:
-            try:  # drop the oldest; another thread may be doing the same
-                _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)), None)
-            except (RuntimeError, StopIteration):
-                pass
+            with contextlib.suppress(RuntimeError, StopIteration):  # another thread may evict too
+                _KEY_STRINGS.pop(next(iter(_KEY_STRINGS)), None)  # the oldest
         _KEY_STRINGS[treedef] = out
     return out
 

@@ -374,6 +374,14 @@ def test_float64_that_fits_and_inf_nan_are_placed():
     assert got.dtype == np.float32 and np.isinf(got[1:3]).all() and np.isnan(got[3])
 
 
+@pytest.mark.parametrize("leaf", [np.array(np.inf), np.array(-np.inf), np.array(np.nan)])
+def test_zero_dim_float64_inf_nan_are_placed(leaf):
+    """A 0-d float64 array holding inf or nan is placed like the same values in a 1-d array
+    (was refused as "the finite value inf ... overflows float32")."""
+    got = np.asarray(jaxdev.to_device({"x": leaf}, "cpu:0")["x"])
+    assert got.dtype == np.float32 and np.array_equal(got, leaf, equal_nan=True)
+
+
 def test_where_is_it_refuses_tracers_instead_of_saying_host():
     @jax.jit
     def f(x):
