@@ -203,10 +203,9 @@ _OUTSIDE = _Named(None, None)
 
 
 def _describe(mesh: Mesh) -> str:
-    axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
     types = ", ".join(t.name for t in mesh.axis_types)
     devices = format_devices(list(mesh.devices.flat))
-    return f"Mesh({{{axes}}}, axis types {types}, devices {devices})"
+    return f"Mesh({dict(mesh.shape)}, axis types {types}, devices {devices})"
 
 
 class MeshBound:
@@ -249,8 +248,7 @@ def auto_axes_error(err: Exception, mesh: Mesh | None) -> UsageError | None:
     if mesh is None or found is None or not (manual or "AxisType.Auto" in text):
         return None
     call = "jax.sharding.reshard" if found[1] == "reshard" else f"{found[1]}(out_sharding=...)"
-    axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
-    explicit = f"`jaxdev.make_mesh({{{axes}}}, axis_type='explicit')`"
+    explicit = f"`jaxdev.make_mesh({dict(mesh.shape)}, axis_type='explicit')`"
     if manual:
         return UsageError(
             f"your loss or model calls `{call}` with a PartitionSpec inside "
@@ -417,11 +415,8 @@ def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if twice:
         raise ShardingError(f"{form}; axis names must differ, {twice} appear twice in {axes!r}.")
     for name, size in pairs:
-        if (
-            isinstance(size, bool)
-            or not isinstance(size, (int, np.integer))
-            or (size < 1 and size != -1)
-        ):
+        whole = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if not whole or (size < 1 and size != -1):
             raise ShardingError(
                 f"{form}; axis {name!r} has size {size!r}, expected an int >= 1 or -1 "
                 "(every device left over)."
