@@ -153,12 +153,10 @@ def _fsdp_spec(shape: tuple[int, ...], axis: Any, n: int, min_size: int) -> P:
 
 def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
     """The compiled ``(pattern, spec, source)`` list, or None when ``rules`` is not one."""
-    if not isinstance(rules, (list, tuple)) or isinstance(rules, P):
-        return None
-    if not all(  # [] passes: no rules, every leaf unmatched, replicated
+    if not isinstance(rules, (list, tuple)) or isinstance(rules, P) or not all(
         isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], (str, re.Pattern))
         for r in rules
-    ):
+    ):  # [] passes: no rules, every leaf unmatched, replicated
         return None
     out = []
     for pattern, spec in rules:
@@ -328,11 +326,7 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
             spec = P(*spec[:d], None, *spec[d + 1 :])
             continue
         used.extend(axes)
-    if not used:
-        return P()  # replicated is always written P()
-    if len(spec) < ndim:
-        spec = P(*spec, *([None] * (ndim - len(spec))))
-    return spec
+    return P(*spec, *[None] * (ndim - len(spec))) if used else P()  # replicated: always P()
 
 
 def param_shardings(
@@ -438,11 +432,8 @@ def _shardings(
             "meant."
         )
     how = _check_indivisible(options.get("indivisible", "error"))
-    out = [
-        named_sharding(mesh, _check_spec(x, s, src, mesh, how))
-        for x, (s, src) in zip(leaves, specs)
-    ]
-    return jax.tree.structure(unbox(tree)).unflatten(out)
+    out = [_check_spec(x, s, src, mesh, how) for x, (s, src) in zip(leaves, specs)]
+    return jax.tree.structure(unbox(tree)).unflatten([named_sharding(mesh, s) for s in out])
 
 
 def shard_params(tree: Any, mesh: Mesh, rules: Rules = "replicate", **options: Any) -> Any:
@@ -499,10 +490,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = "replicate", **option
     if not is_train_state(state):
         return param_shardings(state, mesh, rules, **options)
     params = _shardings(state.params, mesh, rules, options, "params")
-    fields = {
-        "params": params,
-        "opt_state": follow_params(state.opt_state, state.params, params, mesh),
-    }
+    opt_state = follow_params(state.opt_state, state.params, params, mesh)
+    fields = {"params": params, "opt_state": opt_state}
     model_state = getattr(state, "model_state", None)
     if model_state is not None:  # the rules are written for the params: no match is fine here
         layout = _form(rules) == "layout"
