@@ -381,3 +381,39 @@ def test_a_padded_batch_placed_otherwise_trains_under_pmap_or_is_named(placed_by
         return
     assert int(metrics["loss"].count) == 13
     np.testing.assert_allclose(got.params["w"], want.params["w"], rtol=1e-6)
+
+
+TRANSFORMS = {
+    "jit": lambda call, state, batch: jax.jit(call)(state, batch),
+    "grad": lambda call, state, batch: jax.grad(
+        lambda w: jnp.sum(jax.tree.leaves(call(state.replace(params={"w": w}), batch))[-1])
+    )(state.params["w"]),
+    "vmap": lambda call, state, batch: jax.vmap(lambda b: call(state, b))(
+        jax.tree.map(lambda x: jnp.stack([x, x]), batch)
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["train", "eval"])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_step_called_inside_a_jax_transformation_is_named_and_keeps_working(
+    name, transform, kind
+):
+    """A step called inside jax.jit / grad / vmap raised JAX's raw ConcretizationTypeError
+    (its tracers reached the step's placement and checks). It names the traced leaves and
+    the fix; the step then trains on concrete arrays as a fresh step does (SGD)."""
+    make = jaxdev.make_train_step if kind == "train" else jaxdev.make_eval_step
+    args = (loss, SGD) if kind == "train" else (loss,)
+    step, fresh = make(*args, STRATEGIES[name]()), make(*args, STRATEGIES[name]())
+    state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=SGD)
+    batch = _batch()
+    with pytest.raises(jaxdev.UsageError) as err:
+        TRANSFORMS[transform](step, state, batch)
+    message = str(err.value)
+    assert "traced leaf/leaves: " in message and "call it outside any transformation" in message
+    assert ("state.params['w']" if transform == "grad" else "batch['x']") in message
+    got = step(state, step.put_batch(batch))
+    want = fresh(state, fresh.put_batch(batch))
+    for a, b in zip(jax.tree.leaves(jaxdev.to_host(got)), jax.tree.leaves(jaxdev.to_host(want))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)

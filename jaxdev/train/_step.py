@@ -26,7 +26,7 @@ from jax.sharding import Sharding
 from .. import _timeline
 from .._batches import Padded, padded_shapes
 from .._errors import DeletedArrayError, JaxdevError, PlacementError, UsageError
-from .._leaves import array_type, deleted, is_jax_array, key_strings, same_layout
+from .._leaves import array_type, deleted, is_jax_array, is_tracer, key_strings, same_layout
 from .._pending import failed, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
@@ -111,6 +111,7 @@ class _Step:
             return self._call(state, batch, metrics, start, None)
         except Exception as err:  # JAX's deleted-buffer errors name no batch path
             _raise_deleted_batch(batch, err)
+            _raise_traced(err, state=state, batch=batch, metrics=metrics)
             raise
 
     def _call(
@@ -625,6 +626,21 @@ def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     fix = "Their buffers were freed (`x.delete()` or a jit with `donate_argnums`): pass a "
     fix += "batch nothing donated (`step.put_batch` it again)."
     _raise_dead("batch ", _named_leaves(batch=batch), fix, err)
+
+
+def _raise_traced(err: Exception, **trees: Any) -> None:
+    """Name the tracers among the arguments, if any: the step was called inside a JAX
+    transformation (the error path of a call)."""
+    traced = [p for p, x in _named_leaves(**trees) if is_tracer(x)]
+    if traced:
+        raise UsageError(
+            f"the step got {len(traced)} traced leaf/leaves: {', '.join(traced[:8])}"
+            + (" ..." if len(traced) > 8 else "")
+            + ". It was called inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.vmap`,"
+            " `lax.scan`, ...), but a jaxdev step places, checks and compiles its program "
+            "itself: call it outside any transformation (it is a compiled program already); "
+            "to transform the loss, transform `loss_fn`."
+        ) from err
 
 
 def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
