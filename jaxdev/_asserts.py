@@ -511,12 +511,8 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
     lb, tb = jax.tree_util.tree_flatten(b)
     fix = "Fix: `b = jaxdev.to_device(b, a_sharding)` (or move `a`) so both live together."
     if ta == tb:
-        impl = array_type()
-        bad = [
-            (i, why)
-            for i, (x, y) in enumerate(zip(la, lb))
-            if (why := _pair_problem(x, y, impl)) is not None
-        ]
+        pairs = enumerate(zip(la, lb))
+        bad = [(i, why) for i, (x, y) in pairs if (why := _pair_problem(x, y)) is not None]
         _fail("assert_same_placement", a, "a` and `b", len(la), bad, "are placed differently", fix)
         return
     pa = dict(zip(key_strings(a, ta), la))
@@ -537,9 +533,9 @@ def assert_same_placement(a: chex.ArrayTree, b: chex.ArrayTree) -> None:
         raise PlacementAssertionError(_message(header, lines, fix))
 
 
-def _pair_problem(x: Any, y: Any, impl: type | None = None) -> str | None:
+def _pair_problem(x: Any, y: Any) -> str | None:
     """Why ``x`` and ``y`` are placed differently, or None (same sharding key first: cheap)."""
-    if type(x) is impl and type(y) is impl and not (x.is_deleted() or y.is_deleted()):
+    if type(x) is type(y) is array_type() and not (x.is_deleted() or y.is_deleted()):
         sx, sy = x.sharding, y.sharding
         if x.committed == y.committed and (sx is sy or sharding_key(sx) == sharding_key(sy)):
             return None
