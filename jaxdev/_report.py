@@ -169,14 +169,14 @@ class _ReportBuilder:
         self._described: dict[Sharding, tuple[str, tuple, tuple, bool]] = {}  # per sharding
 
     def totals(self) -> tuple[dict[str, int], dict[str, int]]:
-        """``(replicated, sharded)`` bytes per device name."""
-        replicated: dict[str, int] = {}
-        sharded: dict[str, int] = {}
+        """``(replicated, sharded)`` bytes per device name, both over every device, in order."""
+        names = {n for kind in self._kinds.values() for n in kind.local}
+        names = sorted(names, key=lambda n: (n.split(":")[0], int(n.split(":")[1])))
+        out = {False: dict.fromkeys(names, 0), True: dict.fromkeys(names, 0)}  # by kind.sharded
         for kind in self._kinds.values():
-            out = sharded if kind.sharded else replicated
             for name in kind.local:
-                out[name] = out.get(name, 0) + kind.nbytes * kind.count
-        return replicated, sharded
+                out[kind.sharded][name] += kind.nbytes * kind.count
+        return out[False], out[True]
 
     def _kind(self, leaf: jax.Array) -> _Kind:
         """The kind of ``leaf`` (made on its first leaf; the caller counts the leaf)."""
@@ -238,12 +238,8 @@ def placement(tree: Any) -> PlacementReport:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     builder = _ReportBuilder()
     builder.add_all(key_strings(tree, treedef), leaves)
-    replicated, sharded = builder.totals()
-    names = sorted(
-        replicated.keys() | sharded.keys(), key=lambda n: (n.split(":")[0], int(n.split(":")[1]))
-    )
-    rep, shd = ({n: d.get(n, 0) for n in names} for d in (replicated, sharded))
-    return PlacementReport(tuple(builder.rows), {n: rep[n] + shd[n] for n in names}, rep, shd)
+    rep, shd = builder.totals()
+    return PlacementReport(tuple(builder.rows), {n: rep[n] + shd[n] for n in rep}, rep, shd)
 
 
 def text_table(head: tuple[str, ...], body: list[tuple], rstrip: bool = False) -> list[str]:
