@@ -285,10 +285,8 @@ def _plan_moves(tree: Any, leaves: Sequence[Any], s: Sharding) -> list[int] | No
             elif not placed_on(x, s):
                 moving.append(i)
             continue
-        if problem is None:
-            found = host_problem(x)
-            if found is not None:
-                problem = (i, found)
+        if problem is None and (found := host_problem(x)) is not None:
+            problem = (i, found)
         moving.append(i)
     if dead:
         check_live(tree, leaves, "tree")
@@ -397,14 +395,12 @@ def device_of(x: Any) -> jax.Device | None:
       True
     """
     found = devices_of(x)
-    if not found:
-        return None
     if len(found) > 1:
         raise PlacementError(
             f"`x` spans {len(found)} devices [{format_devices(sorted(found, key=device_key))}] "
             f"(sharding {describe_sharding(x.sharding)}); use `devices_of(x)` for all of them."
         )
-    return next(iter(found))
+    return next(iter(found), None)  # None: a host value
 
 
 def devices_of(tree: Any) -> set[jax.Device]:

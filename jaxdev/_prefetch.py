@@ -41,8 +41,7 @@ class _Channel:
     def put(self, item: Any) -> bool:
         """Queue ``item`` once there is room; False (item dropped) once closed."""
         with self._cond:
-            while len(self._items) >= self._size and not self.closed:
-                self._cond.wait()
+            self._cond.wait_for(lambda: len(self._items) < self._size or self.closed)
             if self.closed:
                 return False
             self._items.append(item)
@@ -52,8 +51,7 @@ class _Channel:
     def get(self) -> Any:
         """The next item, waiting for it; ``_END`` once closed."""
         with self._cond:
-            while not self._items and not self.closed:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._items or self.closed)
             if self.closed:
                 return _END
             item = self._items.popleft()

@@ -82,7 +82,5 @@ def unreplicate(tree: Any, check: bool = False) -> Any:
 def _not_replicated(x: jax.Array) -> str:
     s = x.sharding
     spec = s.spec if isinstance(s, NamedSharding) else type(s).__name__
-    hint = ""
-    if is_stacked(x):
-        hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)"
+    hint = " (a stacked pmap copy? use `jaxdev.pmap.unstack_from_pmap`)" if is_stacked(x) else ""
     return f"shape {tuple(x.shape)}, sharding {spec}{hint}"
