@@ -44,7 +44,7 @@ if _WORKER and "env" in _WORKER:  # a processes test (the launcher starts it fro
 # a worker starts from pytest's own environment: what a conftest or test module sets at
 # import it sets again there, and what the modules it does not import set stays out
 _START_ENV = dict(os.environ)
-_STDERR = _WORKER and open(os.dup(2), "w")  # the real stderr, before pytest captures fd 2
+_STDERR = _WORKER and open(os.dup(2), "w", buffering=1)  # the real stderr (pytest captures fd 2)
 _START_S = 120  # start-up allowance of a processes test (launch + initialize + collection)
 _TAIL = 30  # output lines shown for a dead worker
 _TEE = ["--capture=tee-sys"]  # a worker's output also reaches its log: a crash keeps its last lines
@@ -152,8 +152,7 @@ def pytest_itemcollected(item):
         if not isinstance(head, (ast.Name, ast.Attribute)):
             continue
         try:  # a name's value (no call), in its module or else its class: is it one of ours?
-            head = compile(ast.Expression(head), "<mark>", "eval")
-            head = _eval(head, inner.__globals__, item)
+            head = _eval(ast.unparse(head), inner.__globals__, item)
         except Exception:  # not a name there: not a mark
             continue
         if not (isinstance(head, pytest.MarkDecorator) and head.name in ("devices", "processes")):
@@ -172,7 +171,7 @@ def pytest_itemcollected(item):
             item.add_marker(mark)
 
 
-def _eval(code, scope: dict, item):
+def _eval(code: str, scope: dict, item):
     try:
         return eval(code, scope)
     except NameError:  # a class-scope name (read again, the mark itself then fails by name)
@@ -192,15 +191,13 @@ def _decorators(fn) -> tuple[str, list]:
 
 def _closest(node, name: str):
     """``node``'s closest ``name`` mark; a subclass's own before its bases' (pytest's: base's)."""
-    for owner, mark in node.iter_markers_with_node(name):
-        for cls in getattr(owner.obj, "__mro__", ()) if isinstance(owner, pytest.Class) else ():
-            own = cls.__dict__.get("pytestmark", [])
-            own = own if isinstance(own, list) else [own]
-            found = [getattr(m, "mark", m) for m in own if m.name == name]
-            if found:
-                return found[0]
-        return mark
-    return None
+    owner, mark = next(node.iter_markers_with_node(name), (None, None))
+    for cls in getattr(owner.obj, "__mro__", ()) if isinstance(owner, pytest.Class) else ():
+        own = cls.__dict__.get("pytestmark", [])
+        own = own if isinstance(own, list) else [own]
+        if found := [getattr(m, "mark", m) for m in own if m.name == name]:
+            return found[0]
+    return mark
 
 
 def pytest_generate_tests(metafunc):
@@ -392,9 +389,8 @@ class _Controller:
     def pytest_collection_finish(self, session):
         last: dict[tuple, str] = {}
         for item in session.items:
-            key = _plan(item)
-            key = key[:3] if isinstance(key, tuple) else None  # processes: one pool per shape
-            if key is not None:
+            if isinstance(key := _plan(item), tuple):
+                key = key[:3]  # processes: one pool per shape
                 self.files.setdefault(key, set()).add(str(item.path))
                 self.next[last.get(key, "")] = _base_id(item)
                 last[key] = item.nodeid
@@ -545,12 +541,9 @@ class _Handle:
 
     def wait_ready(self) -> str | None:
         """Wait until the worker collected its files; return why it did not start, or None."""
-        msg = self.recv()
-        self.ready = msg is not None and "ready" in msg
-        if self.ready:
-            return None
-        if msg is not None:
-            return msg["error"]
+        if (msg := self.recv()) is not None:
+            self.ready = "ready" in msg
+            return msg.get("error")
         rc = self.proc.wait()
         return f"the jaxdev worker for {self.what} never started ({_describe(rc)}):\n{self.tail()}"
 
@@ -625,8 +618,7 @@ class _Pool:
 
     def send(self, **cmd) -> int:
         k, self.k = self.k, self.k + 1
-        with open(os.path.join(self.dir, "cmd.tmp"), "w") as f:
-            json.dump(cmd, f)
+        pathlib.Path(self.dir, "cmd.tmp").write_text(json.dumps(cmd))
         os.replace(os.path.join(self.dir, "cmd.tmp"), os.path.join(self.dir, f"cmd-{k}.json"))
         return k
 
@@ -732,7 +724,7 @@ class _Worker:
                 initialize()
             except Exception as e:  # e.g. a conftest started JAX's backend at import
                 why = _PINS.check() or f"jaxdev.distributed.initialize(): {type(e).__name__}: {e}"
-                print(f"jaxdev: {why}", file=_STDERR, flush=True)
+                print(f"jaxdev: {why}", file=_STDERR)
                 os._exit(3)
 
     def pytest_collectreport(self, report):
@@ -767,25 +759,21 @@ class _Worker:
 
         from jaxdev.distributed import is_initialized
 
-        me, folder = jax.process_index(), _WORKER["run_dir"]
-        with open(os.path.join(folder, f"p{me}.pid"), "w") as f:
-            f.write(str(os.getpid()))
+        me, folder = jax.process_index(), pathlib.Path(_WORKER["run_dir"])
+        (folder / f"p{me}.pid").write_text(str(os.getpid()))
         for k in itertools.count():
-            path = os.path.join(folder, f"cmd-{k}.json")
-            while not os.path.exists(path):  # the next test, or the end
+            path = folder / f"cmd-{k}.json"
+            while not path.exists():  # the next test, or the end
                 time.sleep(0.01)
-            with open(path) as f:
-                cmd = json.load(f)
-            if cmd.get("end"):
+            if (cmd := json.loads(path.read_text())).get("end"):
                 return True
             _WORKER["tmp_path"], failed = cmd["tmp_path"], session.testsfailed
-            with open(os.path.join(folder, f"p{me}-{k}.jsonl"), "w") as self.out:
+            with open(folder / f"p{me}-{k}.jsonl", "w") as self.out:
                 self._run_one(items.get(cmd["run"]), cmd, items.get(cmd["next"]))
             failed = cmd["run"] not in items or session.testsfailed > failed
             restart = failed or self.tainted or not is_initialized()
-            with open(os.path.join(folder, f"p{me}.tmp"), "w") as f:
-                json.dump({"restart": restart}, f)
-            os.replace(f.name, os.path.join(folder, f"p{me}-{k}.done"))
+            (folder / f"p{me}.tmp").write_text(json.dumps({"restart": restart}))
+            os.replace(folder / f"p{me}.tmp", folder / f"p{me}-{k}.done")
             if failed:  # the others may wait for this one forever
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -799,15 +787,11 @@ class _Worker:
             return
         # at the timeout each process still running prints its stacks (faulthandler: even
         # with the GIL held; all at about the same time), and ends 2 s later
-        seconds, what = cmd["timeout"], f"{item.nodeid} in process {jax.process_index()}"
-        why = (
-            f"jaxdev: {what} did not finish within timeout={seconds:g} s (its stacks are "
-            "above); ending it."
-        )
+        seconds = cmd["timeout"]
+        why = f"jaxdev: {item.nodeid} in process {jax.process_index()} did not finish within "
+        why += f"timeout={seconds:g} s (its stacks are above); ending it."
         faulthandler.dump_traceback_later(seconds, file=_STDERR)
-        end = threading.Timer(
-            seconds + 2, lambda: (print(why, file=_STDERR, flush=True), os._exit(1))
-        )
+        end = threading.Timer(seconds + 2, lambda: (print(why, file=_STDERR), os._exit(1)))
         end.daemon = True
         end.start()
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
@@ -838,12 +822,9 @@ class _Worker:
         if left := [t for t in new if t.is_alive()]:
             self.tainted = True
             names = ", ".join(repr(t.name) for t in left)
-            hint = (
-                " ('jaxdev-prefetch' is an open jaxdev Prefetcher: close it, or use "
-                "`with jaxdev.prefetch_to_device(...) as batches:`)"
-                if any(t.name == "jaxdev-prefetch" for t in left)
-                else ""
-            )
+            hint = " ('jaxdev-prefetch' is an open jaxdev Prefetcher: close it, or use `with "
+            hint += "jaxdev.prefetch_to_device(...) as batches:`)"
+            hint *= any(t.name == "jaxdev-prefetch" for t in left)
             then = f"; {_WORKER['what']} {'are' if 'run_dir' in _WORKER else 'is'} replaced"
             pytest.fail(
                 f"{item.nodeid} left {len(left)} thread(s) running after its teardown: {names}"
