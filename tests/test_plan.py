@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,14 @@ def test_shape_structs_and_real_arrays_give_equal_plans(mesh24):
     assert jaxdev.memory.plan(host, mesh24, "fsdp") == jaxdev.memory.plan(state, mesh24, "fsdp")
     numbers = jaxdev.memory.plan({"a": 1.0, "b": 3, "c": np.float64(2.0)}, mesh24)
     assert numbers["params"] == 12  # float32 + int32 + float32 (x64 off)
+    # ShapeDtypeStructs of 64-bit dtypes too: JAX lowers them as 32-bit ones when x64 is off
+    # (plan counted 8 bytes an element, twice what the program holds).
+    wide = {"a": jax.ShapeDtypeStruct((4,), np.float64), "b": jax.ShapeDtypeStruct((2,), np.int64)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # JAX warns that it truncates them
+        narrow = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), wide)
+        assert jaxdev.memory.plan(wide, mesh24)["params"] == 24 == numbers["params"] * 2
+        assert jaxdev.memory.plan(narrow, mesh24)["params"] == 24
 
 
 def test_nothing_is_allocated_for_huge_shapes(mesh24):

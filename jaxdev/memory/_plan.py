@@ -171,9 +171,12 @@ class MemoryPlan:
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
-    """A leaf's shape and its dtype on a device (x64 rules for host values; JAX dtypes kept)."""
-    if isinstance(x, jax.ShapeDtypeStruct) or is_jax_array(x):
+    """A leaf's shape and its dtype on a device (x64 rules for host values and shapes, as
+    JAX lowers them; JAX's extended dtypes kept)."""
+    if is_jax_array(x):
         return tuple(x.shape), x.dtype
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)
     if isinstance(x, PY_SCALARS):
         return (), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(type(x))))
     arr = np.asarray(x)  # numpy leaves (state_shardings has checked the types)
