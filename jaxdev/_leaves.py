@@ -101,8 +101,7 @@ def x64() -> bool:
 def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
     """Why a host leaf can't be placed without loss (str, object, 64-bit overflow), or None."""
     if isinstance(leaf, PY_SCALARS):
-        is_int = isinstance(leaf, int) and not isinstance(leaf, bool)
-        if is_int and not x64() and not _INT32.min <= leaf <= _INT32.max:
+        if isinstance(leaf, int) and not x64() and not _INT32.min <= leaf <= _INT32.max:
             return LeafValueError, (
                 f"the Python int {leaf} does not fit int32 and x64 is disabled (JAX "
                 "refuses it, and truncates the same value silently once it is a numpy "
@@ -225,10 +224,8 @@ def check_live(tree: Any, leaves: Sequence[Any], arg: str) -> None:
 def check_host_leaves(tree: Any, leaves: Sequence[Any], arg: str) -> None:
     """Raise naming the first host leaf that cannot be placed without loss."""
     for i, leaf in enumerate(leaves):
-        if not is_jax_array(leaf):
-            problem = host_problem(leaf)
-            if problem is not None:
-                raise_leaf(tree, i, arg, *problem)
+        if not is_jax_array(leaf) and (problem := host_problem(leaf)) is not None:
+            raise_leaf(tree, i, arg, *problem)
 
 
 def checked_leaves(tree: Any, arg: str, caller: str | None = None, host: bool = True):
