@@ -93,8 +93,7 @@ def _where(x: Any) -> str:
         out = describe_sharding(s)
         if not isinstance(s, SingleDeviceSharding) and s.is_fully_replicated:
             out += f" (fully replicated on {len(s.device_set)} devices)"
-        if s.memory_kind != _default_kind(s):
-            out += f" in {s.memory_kind!r} memory"
+        out += _kind_note(s.memory_kind, _default_kind(s))
         return out if x.committed else out + " (uncommitted)"
     if is_host_value(x):
         what = f"numpy {x.dtype}{list(np.shape(x))}" if hasattr(x, "dtype") else type(x).__name__
@@ -104,10 +103,9 @@ def _where(x: Any) -> str:
     return f"a {name} (not an array)"
 
 
-def _kind_note(x: jax.Array, kind: str | None) -> str:
-    """`` in 'device' memory`` when ``x`` sits in another memory kind than ``kind``."""
-    have = x.sharding.memory_kind
-    return "" if kind is None or have == kind else f" in {kind!r} memory"
+def _kind_note(kind: str | None, usual: str | None = None) -> str:
+    """`` in 'pinned_host' memory`` for a ``kind`` that is not None and not ``usual``."""
+    return "" if kind in (None, usual) else f" in {kind!r} memory"
 
 
 def _live_array_problem(x: Any, expected: str) -> str | None:
@@ -171,14 +169,12 @@ def _sharding_checks(want: Sharding, memory_kind: str | None) -> _Checks:
     if memory_kind is not None:
         _check_memory_kind(want.device_set, memory_kind)
         want = want.with_memory_kind(memory_kind)
-    expected = describe_sharding(want)
-    if want.memory_kind not in (None, _default_kind(want)):
-        expected += f" in {want.memory_kind!r} memory"
+    expected = describe_sharding(want) + _kind_note(want.memory_kind, _default_kind(want))
 
     def check(x: Any) -> str | None:
         if same_layout(x.sharding, want, x.ndim):
             return None
-        note = "" if " memory" in expected else _kind_note(x, want.memory_kind)
+        note = "" if " memory" in expected else _kind_note(want.memory_kind, x.sharding.memory_kind)
         return f"found {_where(x)}, expected {expected}{note}"
 
     return _Checks(lambda s: s is want or s == want, check, expected)
@@ -202,7 +198,7 @@ def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
         if fast(x.sharding):
             return None
         kind = kinds.get(id(next(iter(x.sharding.device_set))))  # None: wrong platform
-        return f"found {_where(x)}, expected {expected}" + _kind_note(x, kind)
+        return f"found {_where(x)}, expected {expected}" + _kind_note(kind, x.sharding.memory_kind)
 
     rule = f"are not on {platform} devices in " + (
         f"{memory_kind!r} memory" if memory_kind else "their default memory"
@@ -441,7 +437,7 @@ def assert_sharded(
 
 def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
     """Checks for a spec taken on each leaf's own mesh."""
-    expected = f"{spec} on the leaf's mesh" + (f" in {memory_kind!r} memory" if memory_kind else "")
+    expected = f"{spec} on the leaf's mesh" + _kind_note(memory_kind)
 
     def kind_ok(s: Sharding) -> bool:
         return s.memory_kind == (memory_kind or _default_kind(s))
