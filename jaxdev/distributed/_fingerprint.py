@@ -10,13 +10,13 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from .._errors import DistributedError, join_failures
@@ -70,8 +70,7 @@ def input_table(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> di
 
 def spans_processes(text: str, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
     """Whether a program uses more devices than this process has, or a non-addressable argument."""
-    devices = int(np.prod([int(n) for n in _SIZE.findall(text)] or [1]))
-    if devices > jax.local_device_count():
+    if math.prod(int(n) for n in _SIZE.findall(text)) > jax.local_device_count():
         return True
     leaves = jax.tree.leaves((tuple(args), kwargs or {}))
     return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)

@@ -385,7 +385,6 @@ class _Watchdog:
         self.sample = sample
         return {
             "process": self.process,
-            "pub": self.published,
             "seq": seq,
             "phase": phase,
             "state": state,
@@ -479,8 +478,8 @@ class _Watchdog:
         start = time.monotonic()
 
         def ready(entries: dict, live: list[int]) -> str | None:
-            if f"reported/{n}" in entries:
-                return entries[f"reported/{n}"]
+            if reported := entries.get(f"reported/{n}"):
+                return reported
             stacks = {
                 int(k.rsplit("/", 1)[1]): json.loads(v)
                 for k, v in entries.items()

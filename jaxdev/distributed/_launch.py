@@ -93,12 +93,11 @@ def process_env(
 
 def describe_returncode(rc: int) -> str:
     """Return ``'exit code 1'`` or ``'signal SIGKILL'`` for a ``Popen.returncode``."""
-    if rc < 0:
-        try:
-            return f"signal {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"signal {-rc}"
-    return f"exit code {rc}"
+    if rc >= 0:
+        return f"exit code {rc}"
+    with contextlib.suppress(ValueError):  # a signal without a name
+        return f"signal {signal.Signals(-rc).name}"
+    return f"signal {-rc}"
 
 
 def failure_reason(lines: Sequence[str], max_lines: int = 6) -> str:
