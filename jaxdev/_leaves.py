@@ -79,9 +79,7 @@ def is_prng_key(x: Any) -> bool:
 
 def is_ml_dtype(dtype: np.dtype) -> bool:
     """bfloat16, float8_*, int4: numpy kind 'V' but real JAX dtypes."""
-    return (
-        dtype.kind == "V" and dtype.names is None and dtype.type.__module__.startswith("ml_dtypes")
-    )
+    return dtype.kind == "V" and bool(jax.dtypes.issubdtype(dtype, np.number))
 
 
 def is_host_value(x: Any) -> bool:
