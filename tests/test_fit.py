@@ -223,3 +223,13 @@ def test_a_flat_start_goes_16x_out_instead_of_projecting_to_the_cap():
     assert search._predict(SimpleNamespace(change="as is"), 2, 65537, 1) == 32
     search.tried["as is", 4] = FitTrial("as is", 4, 32, 8 * MiB, True, "")  # a real line
     assert search._predict(SimpleNamespace(change="as is"), 4, 65537, 1) == 44
+
+
+def test_a_backend_without_memory_analysis_is_named_not_called_fitting(monkeypatch):
+    """Where ``compiled.memory_analysis()`` is None (a backend that does not analyse memory),
+    the plan's peak is only the state's and batch's bytes: the search called a batch fitting
+    from them (any size up to the cap 'fit'). It is refused by name instead."""
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", lambda self: None)
+    with pytest.raises(jaxdev.MemoryPlanError, match=r"this backend \(cpu\) gives none"):
+        jaxdev.memory.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=64)

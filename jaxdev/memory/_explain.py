@@ -552,10 +552,18 @@ class _Search:
             n, note, peak, untuned = v.spec.strategy.n_devices, "", None, False
             batch, start = batch_for(v.spec, self.rows, b * n), time.perf_counter()
             try:
-                p = plan(state_shapes(self.state), step=v.spec, batch=batch)
-                peak, untuned = p.peak, p.compiled is not None and p.compiled.untuned
+                compiled = plan(state_shapes(self.state), step=v.spec, batch=batch).compiled
             except Exception as err:  # a candidate that does not compile does not fit
                 note, self.errors[v.change, b] = f"does not compile: {type(err).__name__}", err
+            else:
+                if compiled is None:  # only the state's and batch's bytes: never call it a fit
+                    raise MemoryPlanError(
+                        "fit_memory reads XLA's memory analysis of each compiled candidate, "
+                        f"but this backend ({v.spec.strategy.devices[0].platform}) gives none "
+                        "(`compiled.memory_analysis()` is None): no batch size can be called "
+                        "fitting. Time a few sizes instead."
+                    )
+                peak, untuned = compiled.peak, compiled.untuned
             fits = peak is not None and peak <= self.limit and not untuned
             note = _UNTUNED if untuned else note
             self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)
