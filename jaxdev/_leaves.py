@@ -110,7 +110,7 @@ def host_problem(leaf: Any) -> tuple[type[Exception], str] | None:
         return None
     if isinstance(leaf, (np.ndarray, np.generic)):
         kind = leaf.dtype.kind
-        if kind in "OUSMm" or (kind == "V" and not is_ml_dtype(leaf.dtype)):
+        if not is_host_value(leaf):  # str, bytes, object, datetime, void
             return LeafTypeError, (
                 f"a numpy value of dtype {leaf.dtype} cannot live on a device; "
                 "expected a numeric or bool dtype"
@@ -134,7 +134,7 @@ def _wide_problem(leaf: np.ndarray, kind: str) -> tuple[type[Exception], str] | 
     if lo < bounds.min or hi > bounds.max:
         return LeafValueError, (
             f"{leaf.dtype} values in [{lo}, {hi}] do not fit "
-            f"{'int32' if kind == 'i' else 'uint32'} and x64 is disabled, so JAX "
+            f"{bounds.dtype} and x64 is disabled, so JAX "
             "would silently truncate them; enable `jax_enable_x64` or cast first"
         )
     return None
