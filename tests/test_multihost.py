@@ -478,6 +478,18 @@ def test_check_same_program_raises_naming_the_odd_process(monkeypatch):
     assert jaxdev.distributed.check_same_program(jax.jit(jnp.max), x) is None
 
 
+def test_check_same_program_compares_the_digests_of_an_exchange_without_a_client(monkeypatch):
+    x = jnp.arange(8.0)  # without a coordinator client each process sends 16 hex digits
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_fingerprint, "spans_processes", lambda *a: True)
+    same = ["1234567890123456"] * 2  # all digits: json read it as an int (TypeError)
+    monkeypatch.setattr(_fingerprint, "exchange", lambda tag, own, t: same)
+    assert jaxdev.distributed.check_same_program(jax.jit(jnp.sum), x) == same[0]
+    monkeypatch.setattr(_fingerprint, "exchange", lambda tag, own, t: [same[0], "12e4567890abcdef"])
+    with pytest.raises(jaxdev.DistributedError, match="processes 0 vs 1 differ"):
+        jaxdev.distributed.check_same_program(jax.jit(jnp.sum), x)
+
+
 def test_single_process_check_lowers_and_exchanges_nothing(monkeypatch):
     monkeypatch.setattr(_fingerprint, "program_text", lambda *a, **k: 1 / 0)
     monkeypatch.setattr(_fingerprint, "exchange", lambda *a: 1 / 0)
