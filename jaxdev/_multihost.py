@@ -158,7 +158,7 @@ def shape_dtype(leaf: Any) -> str:
       '(4,) key<fry>'
     """
     dtype = getattr(leaf, "dtype", None)
-    return f"{tuple(np.shape(leaf))} {np.result_type(leaf) if dtype is None else dtype}"
+    return f"{tuple(np.shape(leaf))} {np.asarray(leaf).dtype if dtype is None else dtype}"
 
 
 def global_batch(local_batch: Any, sharding: Sharding, timeout_s: float | None = None) -> Any:

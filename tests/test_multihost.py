@@ -490,6 +490,15 @@ def test_check_same_program_compares_the_digests_of_an_exchange_without_a_client
         jaxdev.distributed.check_same_program(jax.jit(jnp.sum), x)
 
 
+def test_a_string_leaf_is_described_by_its_own_dtype_not_read_as_a_dtype_name(monkeypatch):
+    assert _multihost.shape_dtype("float32") == "() <U7"  # was '() float32'; 'train': TypeError
+    step = jax.jit(lambda x, mode: x * 2 if mode == "train" else x, static_argnames="mode")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_fingerprint, "spans_processes", lambda *a: True)
+    monkeypatch.setattr(_fingerprint, "exchange", lambda tag, own, t: [own, own])
+    assert jaxdev.distributed.check_same_program(step, jnp.ones(2), mode="train")
+
+
 def test_single_process_check_lowers_and_exchanges_nothing(monkeypatch):
     monkeypatch.setattr(_fingerprint, "program_text", lambda *a, **k: 1 / 0)
     monkeypatch.setattr(_fingerprint, "exchange", lambda *a: 1 / 0)
