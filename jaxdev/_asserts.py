@@ -357,8 +357,7 @@ def _replica_checks(target: Target | None, memory_kind: str | None) -> tuple[_Ch
     default = next(iter(devices)).default_memory().kind
     kind = memory_kind or (None if s is None else s.memory_kind) or default
     expected = f"fully replicated on {len(devices)} device(s)"
-    if memory_kind or kind != default:
-        expected += f" in {kind!r} memory"
+    expected += _kind_note(kind, None if memory_kind else default)  # named when asked for
 
     def fast(s: Sharding) -> bool:
         return s.is_fully_replicated and s.memory_kind == kind and s.device_set == devices
