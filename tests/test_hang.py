@@ -150,6 +150,9 @@ def test_verdict_names_the_step_not_started_or_not_finished():
     text = _hang.verdict(end, 10)  # no step 6: process 1 waits in sync_global_devices
     assert "process 0 has not reached the barrier the others wait in: 8 s after step 5" in text
     assert "process 1 waits after step 5 in a barrier, at t.py:9" in text
+    first = [_rec(0, None, "compile", in_step=True), _rec(1, None, waiting=True, idle=1.0)]
+    text = _hang.verdict(first, 10)  # an eval call compiling before any train step
+    assert "process 0 has not finished its first step: 8 s in its first step (compile)" in text
 
 
 def test_report_puts_the_process_behind_first_and_says_which_stacks_are_missing():

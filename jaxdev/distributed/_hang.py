@@ -275,7 +275,7 @@ def verdict(records: Sequence[Mapping[str, Any]], timeout_s: float) -> str:
     where, idle, step = late.get("where") or "?", float(late.get("idle", 0.0)), late.get("step")
     others = {r.get("state") for r in records if r is not late and r.get("phase") != "finished"}
     if late.get("in_step") and late.get("phase") in ("compile", "step"):  # stuck inside it
-        blame = f"has not finished step {step}"
+        blame = "has not finished " + (f"step {step}" if step is not None else "its first step")
     elif late.get("state") == "barrier":
         blame = "waits in a barrier outside any step"
     elif others == {"barrier"}:
