@@ -9,6 +9,7 @@ pytest are imported at start-up (``_jaxdev_pytest`` loads this file without ``im
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import faulthandler
 import functools
@@ -147,12 +148,15 @@ def pytest_itemcollected(item):
     if inner is fn or not inspect.isfunction(inner):
         return
     source, decorators = _decorators(inner)
+    # a class-scope name is found here (and the mark itself then fails by name, below)
+    mro = getattr(getattr(item, "cls", None), "__mro__", ())
+    names = collections.ChainMap(inner.__globals__, *map(vars, mro))  # its module's, its class's
     for node in decorators:
         head = node.func if isinstance(node, ast.Call) else node
         if not isinstance(head, (ast.Name, ast.Attribute)):
             continue
-        try:  # a name's value (no call), in its module or else its class: is it one of ours?
-            head = _eval(ast.unparse(head), inner.__globals__, item)
+        try:  # a name's value (no call): is it one of ours?
+            head = eval(ast.unparse(head), inner.__globals__, names)
         except Exception:  # not a name there: not a mark
             continue
         if not (isinstance(head, pytest.MarkDecorator) and head.name in ("devices", "processes")):
@@ -169,14 +173,6 @@ def pytest_itemcollected(item):
             return
         if isinstance(mark, pytest.MarkDecorator) and mark.mark not in item.own_markers:
             item.add_marker(mark)
-
-
-def _eval(code: str, scope: dict, item):
-    try:
-        return eval(code, scope)
-    except NameError:  # a class-scope name (read again, the mark itself then fails by name)
-        names = [vars(c) for c in reversed(getattr(getattr(item, "cls", None), "__mro__", ()))]
-        return eval(code, scope, {k: v for ns in names for k, v in ns.items()})
 
 
 @functools.lru_cache(maxsize=None)  # absl makes many test methods of one def
@@ -438,8 +434,7 @@ class _Controller:
             return [_failed(item, "setup", f"{item.nodeid}: {self.broken[key]}")]
         if not self.started and not hasattr(self.config, "workerinput"):  # not under xdist:
             # start every worker this session needs at once (xdist shares the tests out)
-            for k in (k for k in self.files if k[0] == "devices"):
-                self.workers.setdefault(k, self._start(k))
+            self.workers = {k: self._start(k) for k in self.files if k[0] == "devices"}
         worker = self.workers.get(key) or self.workers.setdefault(key, self._start(key))
         reports, msg = [], None
         try:
@@ -678,17 +673,16 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
     done = []
     for when in ("setup", "call", "teardown"):  # a phase may report more than once: subtests
         got = [[r for r in reports if r.when == when] for reports in per]
-        failed = [(i, r) for i, rs in enumerate(got) for r in rs if r.failed]
-        if failed:  # named in its crash line, with a section of every process's output
-            who, report = f"process {failed[0][0]} of {n}", failed[0][1]
-            longrepr = report.longrepr
+        if failed := [(i, r) for i, rs in enumerate(got) for r in rs if r.failed]:
+            i, report = failed[0]  # named in its crash line, with every process's output
+            who, longrepr = f"process {i} of {n}", report.longrepr
             if hasattr(longrepr, "addsection"):
                 if getattr(longrepr, "reprcrash", None) is not None:
                     longrepr.reprcrash.message = f"{who}: {longrepr.reprcrash.message}"
                 longrepr.addsection(f"{who} failed; the processes' output", tail)
             else:
                 report.longrepr = f"{who} failed:\n{longrepr}\n\nThe processes' output:\n{tail}"
-            return [*done, *got[failed[0][0]]]
+            return [*done, *got[i]]
         if all(got):
             done.extend(got[0])
         elif rc != 0 or any(got):
