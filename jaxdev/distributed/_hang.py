@@ -90,14 +90,13 @@ _WATCH: _Watchdog | None = None  # the running watchdog of this process
 
 def beat(phase: str, step: int | None = None) -> None:
     """Record progress of this process in ``phase`` (``step=None`` keeps the last step)."""
-    if _WATCH is not None:
-        _WATCH.record(phase, step)
+    if (watch := _WATCH) is not None:  # read once: stop() may clear it meanwhile
+        watch.record(phase, step)
 
 
 def step_call(train: bool, compiling: bool) -> None:
     """Record a jaxdev step call: a train call is the next step (1, 2, ...), an eval call is not."""
-    watch = _WATCH
-    if watch is not None:
+    if (watch := _WATCH) is not None:
         step = (watch.last[2] or 0) + 1 if train else None
         watch.record("compile" if compiling else "step" if train else "eval", step)
 

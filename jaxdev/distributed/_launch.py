@@ -123,7 +123,7 @@ class _Proc:
 
     def __init__(self, process_id: int, cmd: Sequence[str], env: dict, out: IO[str], lock):
         self.id = process_id
-        self.marker = env.get(ENV_JOIN_MARKER)
+        self.marker = env[ENV_JOIN_MARKER]  # launch always gives one
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.popen = subprocess.Popen(
             list(cmd),
@@ -148,9 +148,9 @@ class _Proc:
                     out.write(f"[p{self.id}] {line}\n")
                     out.flush()
 
-    def joined(self) -> bool | None:
-        """Whether it called ``jaxdev.distributed.initialize`` (``None``: no marker path)."""
-        return None if self.marker is None else os.path.exists(self.marker)
+    def joined(self) -> bool:
+        """Whether it called ``jaxdev.distributed.initialize`` (it left its join marker)."""
+        return os.path.exists(self.marker)
 
     def outcome(self) -> Outcome:
         self.thread.join(timeout=2.0)
@@ -180,7 +180,7 @@ def _supervise(procs: Sequence[_Proc], timeout_s: float | None) -> _Proc | None 
         codes = [p.popen.poll() for p in procs]
         failed = [p for p, rc in zip(procs, codes) if rc not in (None, 0)]
         if any(p.joined() for p in procs):  # one exited 0 without joining, while another joined
-            failed += [p for p, rc in zip(procs, codes) if rc == 0 and p.joined() is False]
+            failed += [p for p, rc in zip(procs, codes) if rc == 0 and not p.joined()]
         if failed:
             return failed[0]
         if all(rc == 0 for rc in codes):
