@@ -751,8 +751,6 @@ class _Worker:
         """Run the tests sent (``cmd-K.json``) until told to end; exit at a failure."""
         import jax
 
-        from jaxdev.distributed import is_initialized
-
         me, folder = jax.process_index(), pathlib.Path(_WORKER["run_dir"])
         (folder / f"p{me}.pid").write_text(str(os.getpid()))
         for k in itertools.count():
@@ -765,7 +763,7 @@ class _Worker:
             with open(folder / f"p{me}-{k}.jsonl", "w") as self.out:
                 self._run_one(items.get(cmd["run"]), cmd, items.get(cmd["next"]))
             failed = cmd["run"] not in items or session.testsfailed > failed
-            restart = failed or self.tainted or not is_initialized()
+            restart = failed or self.tainted or not jax.distributed.is_initialized()
             (folder / f"p{me}.tmp").write_text(json.dumps({"restart": restart}))
             os.replace(folder / f"p{me}.tmp", folder / f"p{me}-{k}.done")
             if failed:  # the others may wait for this one forever
