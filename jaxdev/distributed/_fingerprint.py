@@ -118,15 +118,14 @@ def program_differences(payloads: Sequence[dict[str, Any]]) -> list[str]:
 
 def _who_differs(shas: Sequence[str]) -> str:
     """``'process 2 differs from process 0, 1'``, or the groups when there is no majority."""
+    def who(ids: list[int]) -> str:
+        return f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
     groups = group_processes(shas)
     largest = max(groups.values(), key=len)
     if 2 * len(largest) > len(shas):
         odd = sorted(p for ids in groups.values() if ids is not largest for p in ids)
-        verb = "differs" if len(odd) == 1 else "differ"
-        return (
-            f"process{'es' if len(odd) > 1 else ''} {', '.join(map(str, odd))} {verb} from "
-            f"process{'es' if len(largest) > 1 else ''} {', '.join(map(str, largest))}"
-        )
+        return f"{who(odd)} {'differs' if len(odd) == 1 else 'differ'} from {who(largest)}"
     listing = " vs ".join(", ".join(map(str, ids)) for ids in groups.values())
     return f"processes {listing} differ (no majority to compare against)"
 
