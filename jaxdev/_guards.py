@@ -102,9 +102,7 @@ class TransferCounter:
 
 def _describe(events: list[TransferEvent], direction: str | None = None) -> list[str]:
     """Return ``direction: kind at where (xN)`` lines, grouped, first seen first."""
-    groups = Counter(
-        (e.direction, e.kind, e.where) for e in events if direction in (None, e.direction)
-    )
+    groups = Counter(dataclasses.astuple(e) for e in events if direction in (None, e.direction))
     return [
         f"{d}: {k}" + (f" at {w}" if w else "") + (f" (x{n})" if n > 1 else "")
         for (d, k, w), n in groups.items()
@@ -161,18 +159,15 @@ class _outermost:  # noqa: N801 - used as the context manager function it was
 
 
 _QUIET, _NULL = _outermost("host"), contextlib.nullcontext()  # reused: the state is per thread
-_WAIT = array_type().block_until_ready  # unwrapped, whatever count_transfers patches later
+# quiet_wait(x): wait for array ``x`` past every counting wrapper (JAX's own method, whatever
+# count_transfers patches later): jaxdev's own look at a ready array (its error), which a
+# counter or a step meter must neither count nor pay for.
+quiet_wait = array_type().block_until_ready
 
 
 def not_counted() -> contextlib.AbstractContextManager[Any]:
     """jaxdev's own look at a ready array's status (no transfer, no wait): not counted here."""
     return _QUIET if _active else _NULL
-
-
-def quiet_wait(x: Any) -> None:
-    """Wait for array ``x`` past every counting wrapper: jaxdev's own look at a ready array
-    (its error), which a counter or a step meter must neither count nor pay for."""
-    _WAIT(x)
 
 
 def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = None) -> Callable:

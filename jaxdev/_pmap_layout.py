@@ -129,8 +129,7 @@ def unstack_from_pmap(tree: Any, check: bool = False) -> Any:
 def _row0(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return np.asarray(x)[0]
-    shard = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return shard.data[0]
+    return min(x.addressable_shards, key=lambda s: s.index[0].start or 0).data[0]
 
 
 def _row_labels(x: Any) -> list[str]:
