@@ -105,8 +105,7 @@ def assert_strategies_agree(
                 raise
     for i, ref in enumerate(trails["single"]):
         for name, trail in trails.items():
-            where = _first_difference(trail[i], ref, rtol, atol)
-            if where is not None:
+            if where := _first_difference(trail[i], ref, rtol, atol):
                 raise DisagreementError(
                     f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
                     f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
