@@ -593,9 +593,8 @@ class _Pool:
         self.n, self.k, self.out, self.rc = n, 0, io.StringIO(), None
         self.dir = tempfile.mkdtemp(prefix="jaxdev-processes-")
         # from pytest's own environment, as a devices worker: os.environ as it started
-        now = dict(os.environ)
-        restore = {k: v for k, v in _START_ENV.items() if now.get(k) != v}
-        start = dict(unset=sorted(set(now) - set(_START_ENV)), restore=restore)
+        restore = {k: v for k, v in _START_ENV.items() if os.environ.get(k) != v}
+        start = dict(unset=sorted(set(os.environ) - set(_START_ENV)), restore=restore)
         orders = dict(id="jaxdev-p", run_dir=self.dir, files=files, env=start)
         what = f"processes({n}, devices={m})"
         env = {ENV: _orders(config, os.path.basename(self.dir), "cpu", m, what, orders)}
