@@ -90,8 +90,7 @@ def _produce(it: Iterator[Any], place: Callable[[Any], Any], channel: _Channel) 
             del placed
         channel.put(_END)
     except BaseException as err:  # handed to the consumer, re-raised there
-        if hasattr(err, "add_note"):
-            err.add_note("(raised in the background thread of jaxdev.prefetch_to_device)")
+        err.add_note("(raised in the background thread of jaxdev.prefetch_to_device)")
         channel.put(_Failure(err))
     finally:
         with _RUNNING_LOCK:
