@@ -366,12 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=1)
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--port", type=int, help="coordinator port (default: free)")
+    p.add_argument("--timeout", type=float, dest="timeout_s", help="seconds for the whole run")
     p.add_argument(
         "--hang-timeout",
         type=float,
-        default=None,
+        dest="hang_timeout_s",
         help="start every process's hang watchdog: when no process makes progress for this "
         "many seconds, name the one behind, print every stack, and end the run "
         "(sets JAXDEV_HANG_TIMEOUT)",
@@ -380,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grace",
         type=float,
         default=DEFAULT_GRACE_S,
+        dest="grace_s",
         help="seconds between SIGTERM and SIGKILL when ending processes",
     )
     try:
@@ -387,16 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(
                 "missing `--` before the command, e.g. `jaxdev launch -n 2 -- python script.py`"
             )
-        args = p.parse_args(opts)
-        return launch(
-            cmd,
-            args.num_processes,
-            args.devices_per_process,
-            args.port,
-            args.timeout,
-            grace_s=args.grace,
-            hang_timeout_s=args.hang_timeout,
-        )
+        return launch(cmd, **vars(p.parse_args(opts)))  # each dest: an argument of launch
     except UsageError as e:
         print(f"jaxdev launch: error: {e}", file=sys.stderr)
         return 2
