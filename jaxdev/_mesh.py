@@ -286,16 +286,13 @@ def batch_axis(mesh: Mesh, axis: AxisName | None) -> AxisName:
     """
     names = mesh.axis_names
     if axis is None:
-        batch = tuple(a for a in names if a not in MODEL_AXES)
-        if not batch and len(names) == 1:
-            return names[0]
-        if not batch:
+        axis = tuple(a for a in names if a not in MODEL_AXES) or (names if len(names) == 1 else ())
+        if not axis:
             raise ShardingError(
                 f"`axis` is needed: every axis of the mesh {dict(mesh.shape)} is a model axis "
                 f"{MODEL_AXES}, so there is none to split the batch over. Pass `axis=` with "
                 "the axis (or tuple of axes) the batch is split over, or add a 'data' axis."
             )
-        return batch[0] if len(batch) == 1 else batch
     wanted = (axis,) if isinstance(axis, str) else tuple(axis)
     missing = [a for a in wanted if a not in names]
     if missing or not wanted:
