@@ -535,9 +535,8 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
     No ``tx`` needed: it works on ``jax.eval_shape(tx.init, params)``; boxes are unboxed.
     """
     mesh = check_mesh(mesh)
-    params = unbox(params)
-    treedef = jax.tree.structure(params)
-    shapes = [np.shape(x) for x in treedef.flatten_up_to(params)]
+    leaves, treedef = jax.tree.flatten(unbox(params))
+    shapes = [np.shape(x) for x in leaves]
     targets, replicated = treedef.flatten_up_to(shardings), named_sharding(mesh, P())
     # Match on shapes only: a failed `flatten_up_to` builds its message from the
     # node's repr, which would copy every array of a real state to the host.
