@@ -125,8 +125,7 @@ def _check_distinct_devices(mesh: Mesh) -> None:
     if not devices:
         raise ShardingError(f"`mesh` has no devices. {available_devices()}")
     seen: set[jax.Device] = set()
-    twice = [d for d in devices if d in seen or seen.add(d)]
-    if twice:
+    if twice := [d for d in devices if d in seen or seen.add(d)]:
         raise ShardingError(
             f"`mesh` lists {format_devices(twice)} more than once: "
             f"[{format_devices(devices)}]. Each device may appear once in a mesh; build it "
@@ -405,11 +404,9 @@ def _parse_axes(axes: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if not pairs:
         raise ShardingError(f"{form}, got no axes: a mesh needs at least one axis.")
     names, sizes = zip(*pairs)
-    bad = [n for n in names if not isinstance(n, str) or not n]
-    if bad:
+    if bad := [n for n in names if not isinstance(n, str) or not n]:
         raise ShardingError(f"{form}; axis names must be non-empty strings, got {bad[0]!r}.")
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ShardingError(f"{form}; axis names must differ, {twice} appear twice in {axes!r}.")
     for name, size in pairs:
         whole = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
