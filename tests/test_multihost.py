@@ -614,3 +614,11 @@ def test_divergent_process_is_named_in_bounded_time(name):
         assert "compiled different programs" in result.output.split("jaxdev launch:")[-1]
     if name == "never_joined":
         assert "gave up after" not in result.output  # named before process 0's init timeout
+
+
+@pytest.mark.parametrize("cmd", ["python train.py", b"python", [PY, 3], [PY, None]])
+def test_launch_refuses_a_command_that_is_not_a_list_of_strings(cmd):
+    """``launch("python train.py")`` ran the string's first character as the command
+    (subprocess took it as a sequence); other leaves failed inside subprocess."""
+    with pytest.raises(jaxdev.UsageError, match=r"`cmd` must be a list of strings.*shlex\.split"):
+        jaxdev.distributed.launch(cmd, 1, 1, out=io.StringIO())

@@ -312,6 +312,11 @@ def launch(
     """
     if not cmd:
         raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
+    if isinstance(cmd, (str, bytes)) or not all(isinstance(a, (str, os.PathLike)) for a in cmd):
+        raise UsageError(
+            f"`cmd` must be a list of strings, e.g. ['python', 'train.py'], got {cmd!r} (a "
+            "string would run its first character): split it with `shlex.split(cmd)`."
+        )
     for name, n in (("num_processes", num_processes), ("devices_per_process", devices_per_process)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UsageError(f"`{name}` must be an int >= 1, got {n!r}.")
