@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
-from ._errors import DistributedError, PlacementAssertionError, join_failures
+from ._errors import DistributedError, PlacementAssertionError, UsageError, join_failures
 from ._leaves import asserts_disabled, is_prng_key, keystr
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -93,7 +94,11 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
 
     Raises:
       DistributedError: a process did not publish within ``timeout_s``; names it.
+      UsageError: ``timeout_s`` is not a number of seconds > 0.
     """
+    number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if timeout_s is not None and not (number and 0 < timeout_s < math.inf):  # NaN too
+        raise UsageError(f"`timeout_s` must be a number of seconds > 0, got {timeout_s!r}.")
     if jax.process_count() == 1:
         return [payload]
     timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)

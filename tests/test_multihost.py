@@ -227,6 +227,16 @@ def test_default_timeout_reads_the_environment(monkeypatch):
             _multihost.default_timeout_s()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1.0, True, "60"])
+def test_a_timeout_passed_to_the_cross_process_checks_is_checked(bad):
+    """``assert_same_across_processes(timeout_s=nan)`` (and every check through exchange)
+    was taken as it came: under several processes its deadline raised a raw ValueError or
+    OverflowError at int()."""
+    with pytest.raises(jaxdev.UsageError, match=r"`timeout_s` must be a number of seconds > 0"):
+        _multihost.exchange("t", "x", bad)
+    assert _multihost.exchange("t", "x", 2.5) == _multihost.exchange("t", "x") == ["x"]
+
+
 def test_initialize_logs_the_job_left_to_auto_detection(monkeypatch, caplog):
     for step in ("leave_join_marker", "_prepare", "_connect", "_after_connect"):
         monkeypatch.setattr(_distributed, step, lambda *a: None)  # no JAX runtime started
