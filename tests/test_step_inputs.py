@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
 
 import flax.linen as nn
@@ -417,3 +418,30 @@ def test_a_step_called_inside_a_jax_transformation_is_named_and_keeps_working(
     want = fresh(state, fresh.put_batch(batch))
     for a, b in zip(jax.tree.leaves(jaxdev.to_host(got)), jax.tree.leaves(jaxdev.to_host(want))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["batch", "a later batch", "state"])
+@pytest.mark.parametrize("kind", ["train", "eval"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_host_values_jax_would_truncate_are_named_in_a_raw_batch_or_state(name, kind, where):
+    """A raw numpy batch (not put_batch'ed) or a state of numpy leaves with int64 values past
+    int32 (x64 off) trained on the truncated values without a word under single, sharded
+    and shard_map (jit's implicit transfer), and a batch signature seen before skipped the
+    check on later calls. Each is a LeafValueError naming the leaf, as put_batch's is."""
+    args = (loss, SGD) if kind == "train" else (loss,)
+    step = (jaxdev.make_train_step if kind == "train" else jaxdev.make_eval_step)(
+        *args, STRATEGIES[name]()
+    )
+    state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=SGD)
+    batch = {**_batch(), "i": np.arange(16, dtype=np.int64)}  # int64 values that fit: fine
+    if where == "a later batch":  # then the same signature on the fast path
+        for _ in range(2):
+            out = step(state, batch)
+            state = out[0] if kind == "train" else state
+    huge = np.arange(2**40, 2**40 + 16, dtype=np.int64)
+    if where == "state":
+        state, arg, leaf = state.replace(params={**state.params, "i": huge[:4]}), "state", "['i']"
+    else:
+        batch, arg, leaf = {**batch, "i": huge}, "batch", "['i']"
+    with pytest.raises(jaxdev.LeafValueError, match=rf"`{arg}` leaf .*{re.escape(leaf)}: int64"):
+        step(state, batch)

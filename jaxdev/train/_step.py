@@ -26,7 +26,15 @@ from jax.sharding import Sharding
 from .. import _timeline
 from .._batches import Padded, padded_shapes
 from .._errors import DeletedArrayError, JaxdevError, PlacementError, UsageError
-from .._leaves import array_type, deleted, is_jax_array, is_tracer, key_strings, same_layout
+from .._leaves import (
+    array_type,
+    check_host_leaves,
+    deleted,
+    is_jax_array,
+    is_tracer,
+    key_strings,
+    same_layout,
+)
 from .._pending import failed, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
@@ -124,8 +132,9 @@ class _Step:
         hit = seen = None
         if fresh is not None:
             leaves, treedef = jax.tree.flatten(batch)
-            seen = (metrics is None, fresh, treedef, *_placed_shapes(leaves))
-            hit = self._seen.get(seen)
+            if (shapes := _placed_shapes(leaves)) is not None:  # host leaves: checked each call
+                seen = (metrics is None, fresh, treedef, *shapes)
+                hit = self._seen.get(seen)
         if hit is None:
             args, key, program, same = self._prepare(state, batch, metrics, fresh)
             known = self._programs.get(program)  # (OOM-later explainer, returned state's key)
@@ -185,9 +194,11 @@ class _Step:
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if fresh is None:
             check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
+            check_host_leaves(state, jax.tree.leaves(state), "state")  # int64 past int32 ...
             if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
                 metrics = to_device(metrics, self._target)  # or each placement compiles anew
         given = (inner, mask)
+        check_host_leaves(inner, jax.tree.leaves(inner), "batch")  # jit would truncate them
         if mask is None:
             inner = self._raw_batch(inner)
         else:
@@ -586,21 +597,14 @@ def _direct(bound: Any) -> Any:
     return lambda *args: fn(*args) if get_mesh().empty else bound(*args)
 
 
-def _placed_shapes(leaves: list) -> list:
+def _placed_shapes(leaves: list) -> list | None:
     """What a batch's checks read of its leaves: each one's shape, dtype and (committed)
-    sharding, in one flat list (attributes read directly from jax.Arrays: on every call)."""
+    sharding, in one flat list (attributes read directly from jax.Arrays: on every call);
+    ``None`` for a batch with a host leaf, whose values are checked at every call."""
     try:
         return [a for x in leaves for a in (x.shape, x.dtype, x.committed and x.sharding)]
     except AttributeError:  # a host leaf (numpy, a Python number)
-        return [
-            a
-            for x in leaves
-            for a in (
-                getattr(x, "shape", ()),
-                getattr(x, "dtype", None),
-                getattr(x, "committed", False) and x.sharding,
-            )
-        ]
+        return None
 
 
 def _shaped(treedef: Any, shapes: list) -> Any:
