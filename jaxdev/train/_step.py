@@ -350,6 +350,7 @@ class _Step:
           >>> compiled.memory_analysis().argument_size_in_bytes  # w/4 + batch/8 + step
           36868
         """
+        _refuse_traces("lower", ": it takes `jax.ShapeDtypeStruct` s (jax.eval_shape) as they are")
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None:
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
@@ -423,6 +424,7 @@ class _Step:
           >>> why.fits, [o.change for o in why.options if o.fits][0]
           (False, "Strategy.sharded(mesh, rules='fsdp')")
         """
+        _refuse_traces("explain_memory", ": it takes `jax.ShapeDtypeStruct` s as they are")
         return explain_memory(
             self.spec, state, batch, limit, metrics=metrics, options=options, remat=remat
         )
@@ -474,6 +476,8 @@ class _Step:
           >>> state.params["w"].sharding.spec, state.opt_state[0].mu["w"].sharding.spec
           (P('fsdp', None), P('fsdp', None))
         """
+        _refuse_traces("init_state", ": it places the state itself (make the params in a jit, "
+                       "return them, then pass them in)")
         for name, value in (("params", params), ("rng", rng), ("model_state", model_state)):
             self.strategy.check_params(value, name)  # flax's jax_utils.replicate: refused
         if is_train_state(params):  # a whole state (flax's TrainState): laid out as the step does
@@ -632,19 +636,49 @@ def _raise_deleted_batch(batch: Any, err: Exception) -> None:
     _raise_dead("batch ", _named_leaves(batch=batch), fix, err)
 
 
+_TRACED = (
+    " was called inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.vmap`, `lax.scan`, "
+    "...), but a jaxdev step places, checks and compiles its programs itself: call it outside "
+    "any transformation"
+)
+
+
+def _inside_trace() -> bool:
+    """Whether a JAX transformation (jit, grad, vmap, scan, ...) is tracing here: the public
+    ``jax.sharding.get_mesh`` refuses to run then."""
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
+        return True
+    return False
+
+
+def _refuse_traces(what: str, fix: str) -> None:
+    """Raise UsageError when ``step.<what>`` runs inside a JAX transformation."""
+    if _inside_trace():
+        raise UsageError(f"`step.{what}`{_TRACED}{fix}")
+
+
 def _raise_traced(err: Exception, **trees: Any) -> None:
-    """Name the tracers among the arguments, if any: the step was called inside a JAX
-    transformation (the error path of a call)."""
+    """Name a call inside a JAX transformation, or tracers leaked into its arguments (the
+    error path of a call: JAX's own error names neither)."""
     traced = [p for p, x in _named_leaves(**trees) if is_tracer(x)]
-    if traced:
+    inside = _inside_trace()
+    if not (traced or inside):
+        return
+    got = f"the step got {len(traced)} traced leaf/leaves: {', '.join(traced[:8])}"
+    got += " ..." if len(traced) > 8 else ""
+    if not inside:
         raise UsageError(
-            f"the step got {len(traced)} traced leaf/leaves: {', '.join(traced[:8])}"
-            + (" ..." if len(traced) > 8 else "")
-            + ". It was called inside a JAX transformation (`jax.jit`, `jax.grad`, `jax.vmap`,"
-            " `lax.scan`, ...), but a jaxdev step places, checks and compiles its program "
-            "itself: call it outside any transformation (it is a compiled program already); "
-            "to transform the loss, transform `loss_fn`."
+            f"{got}, but no JAX transformation is tracing here: tracers leaked out of an "
+            "earlier `jax.jit` / `grad` / `vmap` (kept in the state or batch). Return the "
+            "values from the transformed function instead of keeping its tracers."
         ) from err
+    who = f"{got}. It" if traced else "The step"
+    raise UsageError(
+        f"{who}{_TRACED} (it is a compiled program already); to transform the loss, "
+        "transform `loss_fn`."
+    ) from err
 
 
 def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
