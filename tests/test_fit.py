@@ -8,7 +8,9 @@ trains under ``memory_limit``.
 
 from __future__ import annotations
 
+import os
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -213,8 +215,6 @@ def test_the_search_fits_a_line_and_verifies_the_answer_in_a_few_compiles(caplog
 def test_a_flat_start_goes_16x_out_instead_of_projecting_to_the_cap():
     """1 and 2 rows both ~5.0 MiB: the near-zero slope projected to the cap (a 65536-rows
     program compiled, 12 compiles in all); a prediction goes at most 16 times further out."""
-    from types import SimpleNamespace
-
     from jaxdev.memory._explain import FitTrial, _Search
 
     search = _Search(None, None, 48 * MiB)
@@ -233,3 +233,42 @@ def test_a_backend_without_memory_analysis_is_named_not_called_fitting(monkeypat
     monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", lambda self: None)
     with pytest.raises(jaxdev.MemoryPlanError, match=r"this backend \(cpu\) gives none"):
         jaxdev.memory.fit_memory(step, _state(), _example(), limit=2**30, max_batch_size=64)
+
+
+NO_ANALYSIS = {  # what a backend's `compiled.memory_analysis()` may give that says nothing
+    "None": lambda self: None,
+    "no fields": lambda self: SimpleNamespace(),
+    "all zero": lambda self: SimpleNamespace(
+        **{f"{k}_size_in_bytes": 0 for k in ("argument", "output", "alias", "temp")}
+    ),
+}
+CLI_MODEL = os.path.join(os.path.dirname(__file__), "test_memory_cli.py") + ":tiny"
+
+
+@pytest.mark.parametrize("analysis", list(NO_ANALYSIS))
+@pytest.mark.parametrize("question", ["plan.fits", "explain_memory", "fit_memory", "cli"])
+def test_no_memory_analysis_is_never_called_fitting(monkeypatch, capsys, analysis, question):
+    """Without a compiled analysis (None, or one without figures) plan.fits() and
+    explain_memory said "fits" from the state's and batch's bytes alone (the CLI: "it fits,
+    nothing to fix"); an empty analysis read as a peak of 0 B everywhere (fit_memory: 65536
+    rows, peak 0 B). Each fit question is refused by name; the plan's rows still come."""
+    from jaxdev.cli._cli import main
+
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.single())
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", NO_ANALYSIS[analysis])
+    p = jaxdev.memory.plan(_state(), step=step, batch=_example())  # its rows: still a plan
+    assert p.compiled is None and p["params"] == 4 * (64 * 256 + 256 * 4)
+    assert "compiled step: the cpu backend gives no memory analysis" in str(p)
+    ask = {
+        "plan.fits": lambda: p.fits(2**30),
+        "explain_memory": lambda: step.explain_memory(_state(), _example(), limit=2**30),
+        "fit_memory": lambda: jaxdev.memory.fit_memory(step, _state(), _example(), limit=2**30),
+    }
+    if question == "cli":
+        args = ["memory", "--model", CLI_MODEL, "--limit", "1", "--options", "remat"]
+        assert main(args) == 1
+        out, err = capsys.readouterr()
+        assert "fits" not in out and "MemoryPlanError" in err and "gives none" in err, (out, err)
+        return
+    with pytest.raises(jaxdev.MemoryPlanError, match=r"this backend \(cpu\) gives none"):
+        ask[question]()

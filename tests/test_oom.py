@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -384,8 +385,9 @@ def test_explain_memory_says_what_it_compiles_and_takes_the_options_to_try(caplo
     assert [o.change for o in why.options] == ["remat=True", "a batch of 512 rows"]
     logs = [r.getMessage() for r in caplog.records if r.name == "jaxdev"]
     assert logs[0].startswith("explain_memory: compiling the train step and its options: remat, ")
+    assert re.fullmatch(r"explain_memory: the train step needs [\d.]+ MiB per device", logs[1])
     assert re.fullmatch(
-        r"explain_memory: compiled remat=True \(loss rematerialised\) in [\d.]+ s", logs[1]
+        r"explain_memory: compiled remat=True \(loss rematerialised\) in [\d.]+ s", logs[2]
     )
     assert re.fullmatch(r"explain_memory: 3 programs compiled in [\d.]+ s", logs[-1]), logs
     assert re.search(
@@ -777,3 +779,32 @@ def test_a_call_still_running_at_its_next_call_is_named_where_its_outputs_are_re
     second.finish()
     explained = pending.failed("Collection.fetch", again=True, error=err)
     assert explained is not None, "a read of the failed call's outputs raises JAX's bare error"
+
+
+@pytest.mark.parametrize("analysis", ["None", "all zero"])
+@pytest.mark.parametrize("budget", ["memory_limit", "default"])
+def test_a_budget_the_backend_cannot_check_is_skipped_not_failed(
+    monkeypatch, caplog, analysis, budget
+):
+    """Without a compiled analysis a step's budget cannot be checked: the user's own
+    `memory_limit` was skipped without a word (an all-zero analysis passed it as 0 B); now
+    skipped with one warning per step. The default budget (a GPU's) is skipped silently:
+    training goes on either way."""
+    none = {"None": None, "all zero": types.SimpleNamespace(argument_size_in_bytes=0)}[analysis]
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", lambda self: none)
+    if budget == "default":  # a backend that reports a bytes_limit, as a GPU does
+        monkeypatch.setattr(jaxdev.memory._plan, "bytes_limit", lambda device: 1024)
+    limit = 1024 if budget == "memory_limit" else None
+    step = jaxdev.make_train_step(
+        loss_fn, TX, jaxdev.Strategy.sharded(jaxdev.data_mesh()), memory_limit=limit
+    )
+    state, metrics = step.init_state(_params(), TX), None
+    with caplog.at_level(logging.WARNING, "jaxdev"):
+        for rows in (64, 128, 64):  # two programs, each checked before its first call
+            state, metrics = step(state, step.put_batch(_host_batch(rows)), metrics)
+    said = [r.getMessage() for r in caplog.records if "memory analysis" in r.getMessage()]
+    assert int(state.step) == 3 and np.isfinite(metrics.fetch()["loss"])
+    if budget == "default":
+        assert said == []
+    else:
+        assert len(said) == 1 and "memory_limit=1024 is not checked" in said[0], said

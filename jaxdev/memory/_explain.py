@@ -135,8 +135,6 @@ def option(v: Variant, state: Any, batch: Any, limit: int | None) -> MemoryOptio
     finally:
         took = time.perf_counter() - start
         _log.info("explain_memory: compiled %s (%s) in %.1f s", change, what, took)
-    if p.compiled is None:
-        return MemoryOption(change, what, None, None, None, "the backend gives no memory analysis")
     fits = None if limit is None else p.peak <= limit and not p.compiled.untuned
     note = _UNTUNED if p.compiled.untuned else ""
     return MemoryOption(change, what, p.peak, p.compiled.temp, fits, note)
@@ -381,6 +379,9 @@ def explain_memory(
         where remat saves memory), compiled with this step's strategy.
       source: where ``limit`` came from; ``plan_``: the step's plan, when
         compiled already; ``error``: XLA's message after an out-of-memory.
+
+    Raises:
+      MemoryPlanError: the backend gives no memory analysis of the step (no peak to explain).
     """
     try:
         names = (options,) if isinstance(options, str) else tuple(options)
@@ -401,6 +402,7 @@ def explain_memory(
     if plan_ is None:
         lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
         plan_ = step_plan(spec, shapes, batch_shapes, lowered)
+    _log.info("explain_memory: %s needs %s per device", subject, human_bytes(plan_.peak))
     trees = {"state": state, "batch": batch}  # those holding arrays (shapes would flag copies)
     trees = {k: v for k, v in trees.items() if any(map(is_jax_array, jax.tree.leaves(v)))}
     book, live = live_now(trees)
@@ -430,7 +432,11 @@ def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
     if limit is None:
         return
     plan_ = step_plan(spec, args[0], args[1], jitted.lower(*args))
-    if plan_.compiled is None:  # the backend does not analyse memory
+    if plan_.no_analysis:  # no peak to check: the user's own budget is said to go unchecked
+        if spec.memory_limit is not None and "no analysis" not in spec.warned:
+            spec.warned.add("no analysis")
+            _log.warning("%s: memory_limit=%d is not checked: the %s backend gives no memory "
+                         "analysis", spec.subject, spec.memory_limit, plan_.backend)
         return
     explain = functools.partial(explain_args, spec, args, plan_=plan_)  # when it does not fit
     check_fits(plan_, limit, source=source, subject=spec.subject, explain=explain)
@@ -552,18 +558,11 @@ class _Search:
             n, note, peak, untuned = v.spec.strategy.n_devices, "", None, False
             batch, start = batch_for(v.spec, self.rows, b * n), time.perf_counter()
             try:
-                compiled = plan(state_shapes(self.state), step=v.spec, batch=batch).compiled
+                p = plan(state_shapes(self.state), step=v.spec, batch=batch)
             except Exception as err:  # a candidate that does not compile does not fit
                 note, self.errors[v.change, b] = f"does not compile: {type(err).__name__}", err
-            else:
-                if compiled is None:  # only the state's and batch's bytes: never call it a fit
-                    raise MemoryPlanError(
-                        "fit_memory reads XLA's memory analysis of each compiled candidate, "
-                        f"but this backend ({v.spec.strategy.devices[0].platform}) gives none "
-                        "(`compiled.memory_analysis()` is None): no batch size can be called "
-                        "fitting. Time a few sizes instead."
-                    )
-                peak, untuned = compiled.peak, compiled.untuned
+            else:  # no memory analysis: p.peak raises
+                peak, untuned = p.peak, p.compiled.untuned
             fits = peak is not None and peak <= self.limit and not untuned
             note = _UNTUNED if untuned else note
             self.tried[v.change, b] = FitTrial(v.change, b, b * n, peak, fits, note)

@@ -102,6 +102,8 @@ class MemoryPlan:
       backend: the platform of the mesh's devices, whose compiler built ``compiled``
         (``'cpu'``, ``'gpu'``).
       target: the target the mesh was made for (``make_mesh(..., target='h100')``), or None.
+      no_analysis: the step was compiled, but its backend gives no memory analysis
+        (``compiled.memory_analysis()`` None or without figures): :attr:`peak` raises.
     """
 
     rows: tuple[PlanRow, ...]
@@ -116,6 +118,7 @@ class MemoryPlan:
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
     backend: str = "cpu"
     target: str | None = None
+    no_analysis: bool = False
 
     @property
     def overstates(self) -> bool:
@@ -139,7 +142,15 @@ class MemoryPlan:
     @property
     def peak(self) -> int:
         """Bytes per device needed: the compiled step's ``argument + output - alias + temp``
-        if compiled (XLA's own ``peak_memory_in_bytes``: ``compiled.xla_peak``), else ``total``."""
+        if compiled (XLA's own ``peak_memory_in_bytes``: ``compiled.xla_peak``), else ``total``;
+        :class:`MemoryPlanError` if :attr:`no_analysis` (``total`` has no temporaries)."""
+        if self.no_analysis:
+            raise MemoryPlanError(
+                "the peak is XLA's memory analysis of the compiled step, but this backend "
+                f"({self.backend}) gives none (`compiled.memory_analysis()` is None or has no "
+                "figures): nothing can be called fitting (`plan.total` is the state and batch "
+                "alone). Plan for the GPUs you will use: jaxdev.make_mesh(..., target='h100')."
+            )
         return self.compiled.peak if self.compiled is not None else self.total
 
     def fits(self, limit: int | None = None) -> bool:
@@ -148,6 +159,7 @@ class MemoryPlan:
 
         Raises:
           UsageError: ``limit`` is not a number of bytes, or ``None`` on CPU (no limit).
+          MemoryPlanError: the backend gives no memory analysis of the step (see :attr:`peak`).
 
         Example:
           >>> import jax, jaxdev
@@ -306,9 +318,9 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
     compiled = None if lowered is None else _compiled_memory(lowered)
     inputs = (state, batch, batch_spec, dict(options))
     host = host if any(host.values()) else {}
-    backend, target = mesh.devices.flat[0].platform, target_of(mesh)
-    target = None if target is None else target.name
-    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host, backend, target)
+    backend, target = mesh.devices.flat[0].platform, getattr(target_of(mesh), "name", None)
+    flags = (backend, target, lowered is not None and compiled is None)  # the last: no analysis
+    return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host, *flags)
 
 
 def _same_rules(a: Any, b: Any) -> bool:
@@ -351,9 +363,9 @@ def _compiled_memory(lowered: Any) -> CompiledMemory | None:
                 "is live) or use fewer rows per device."
             ) from again
     analysis = compiled.memory_analysis()
-    if analysis is None:  # the backend does not analyse memory
-        return None
     size = lambda k: int(getattr(analysis, f"{k}_size_in_bytes", 0) or 0)  # noqa: E731
+    if not any(map(size, ("argument", "output", "temp"))):  # None, or no figures: no analysis
+        return None
     argument, output, alias = size("argument"), size("output"), size("alias")
     h_arg, h_out, h_alias = host_bytes(lowered, compiled)
     reported = [size(f"host_{k}") for k in ("argument", "output", "alias")]
@@ -507,6 +519,8 @@ def _format(p: MemoryPlan) -> str:
             "(0 on the devices: not in the rows above)"
         )
     c = p.compiled
+    if p.no_analysis:
+        lines.append(f"compiled step: the {p.backend} backend gives no memory analysis (no peak)")
     if c is not None:
         host = f"; in host memory: {human_bytes(c.host)}" if c.host else ""
         lines += [

@@ -32,6 +32,9 @@ class StepSpec:
     build: Callable[[StepSpec], Any] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
+    warned: set[str] = dataclasses.field(  # what was logged once for this step
+        default_factory=set, init=False, compare=False, repr=False
+    )
 
     @property
     def accumulate(self) -> int:
