@@ -165,6 +165,24 @@ def test_a_new_batch_shape_is_checked_against_the_budget_before_it_runs(monkeypa
     assert len(checked) == 3
 
 
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_state_of_new_shapes_is_a_new_program_checked_against_the_budget(name):
+    """A program's key held the batch's shapes but not the state's: after a small model, a
+    state 4096x larger (the same structure: a notebook's next model size) ran with no check
+    against `memory_limit` (jax.jit retraced it silently), and its later out-of-memory was
+    explained with the old shapes. Now it is refused before it runs, as a fresh step does."""
+    limit = 2**20  # 1 MiB a device
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name](), memory_limit=limit)
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    state, metrics = step(step.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))}), batch)
+    state, metrics = step(state, batch, metrics)  # the fast path's programs are known
+    big = step.init_state({"a": jnp.ones((4, 2**16)), "b": jnp.ones((4, 2**16))})
+    with pytest.raises(jaxdev.MemoryPlanError, match=r"needs .* MiB per device"):
+        step(big, step.put_batch(np.ones((8, 4), np.float32)), metrics)
+    state, metrics = step(state, batch, metrics)  # the small model trains on
+    assert int(state.step) == 3
+
+
 def test_a_wrong_layout_batch_is_refused_on_the_fast_path():
     step, state, metrics, batch = _warm(jaxdev.Strategy.sharded())
     stacked = np.ones((8, 2, 4), np.float32)  # rows of (2, 4), or 8 devices x 2 rows?

@@ -95,6 +95,7 @@ class _Step:
         self._seen: dict[tuple, tuple] = {}  # batch signature -> key, program, known
         self._last: tuple | None = None  # ids of the state and metrics returned last, the key's
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
+        self._states: dict[tuple, int] = {}  # a state's structure, shapes, dtypes -> its number
         # jax < 0.12 with several devices segfaults on a deleted or one buffer donated twice
         self._shared_crashes = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
@@ -216,8 +217,16 @@ class _Step:
         return args, key, (key, treedef, *shapes), same  # one program per shapes
 
     def _structure(self, state: Any) -> tuple:
-        """The state's part of a program's key: under rules its structure (its layout)."""
-        return (jax.tree.structure(state),) if self._by_rules else ()
+        """The state's part of a program's key: a number per structure, shapes and dtypes
+        seen (a model of another size is another program: its memory checked, under rules
+        its layout), so that the fast path hashes a number, never the leaves."""
+        leaves, treedef = jax.tree.flatten(state)
+        seen = [treedef, *(_shape_dtype(x) for x in leaves)]
+        try:
+            hash(seen[0])
+        except TypeError:  # a custom node with unhashable aux data
+            seen[0] = str(treedef)
+        return (self._states.setdefault(tuple(seen), len(self._states)),)
 
     def _keep(self, program: tuple, out: Any) -> tuple:
         """What later calls of a new ``program`` need: how to explain its OOM read later, and
@@ -609,6 +618,14 @@ def _placed_shapes(leaves: list) -> list | None:
         return [a for x in leaves for a in (x.shape, x.dtype, x.committed and x.sharding)]
     except AttributeError:  # a host leaf (numpy, a Python number)
         return None
+
+
+def _shape_dtype(x: Any) -> tuple:
+    """A state leaf's shape and dtype as the program takes it (host values by x64's rules:
+    flax's ``TrainState.create`` starts ``step`` as a Python 0, the step returns an int32)."""
+    dtype = getattr(x, "dtype", None)
+    dtype = np.result_type(x) if dtype is None else dtype
+    return np.shape(x), jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def _shaped(treedef: Any, shapes: list) -> Any:
