@@ -349,11 +349,16 @@ def describe() -> dict[str, Any]:
     }
 
 
-def _describe_device(d: jax.Device) -> dict[str, Any]:
+def memory_stats(device: jax.Device) -> dict[str, Any] | None:
+    """``device.memory_stats()``, None where the backend reports none: the one reader."""
     try:
-        stats = d.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
+        return device.memory_stats()
+    except Exception:  # CPU and some backends report none (some raise instead)
+        return None
+
+
+def _describe_device(d: jax.Device) -> dict[str, Any]:
+    stats = memory_stats(d)
     return {
         "id": d.id,
         "platform": d.platform,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from .._asserts import HOST_KINDS
+from .._devices import memory_stats
 from .._errors import UsageError, device_name
 from .._leaves import device_key, is_jax_array, is_prng_key
 from .._report import figure, human_bytes, text_table
@@ -252,14 +253,6 @@ def _buffers(x: jax.Array) -> list[tuple[jax.Device, int]]:
     if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):  # no Shard to build
         return [(x.device, x.unsafe_buffer_pointer())]
     return [(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards]
-
-
-def memory_stats(device: jax.Device) -> dict[str, Any] | None:
-    """``device.memory_stats()``, None where the backend reports none: the one reader."""
-    try:
-        return device.memory_stats()
-    except Exception:  # CPU and some backends report none
-        return None
 
 
 # ---------------------------------------------------------------- text
