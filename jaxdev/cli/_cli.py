@@ -515,8 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, jaxdev.DeviceNotFoundError, jaxdev.BackendStartedError) as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except Exception as e:  # a failure, not a user mistake: keep the traceback
-        traceback.print_exc()
+    except Exception as e:  # a failure: jaxdev's named ones explain themselves, others keep
+        if not isinstance(e, jaxdev.JaxdevError):  # their traceback
+            traceback.print_exc()
         print(f"{prog}: failed: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
 
