@@ -221,7 +221,9 @@ class _Step:
         seen (a model of another size is another program: its memory checked, under rules
         its layout), so that the fast path hashes a number, never the leaves."""
         leaves, treedef = jax.tree.flatten(state)
-        seen = [treedef, *(_shape_dtype(x) for x in leaves)]
+        impl = array_type()  # its attributes read directly (a 2000-leaf state: 5x faster)
+        seen = [treedef]
+        seen += [(x.shape, x.dtype) if type(x) is impl else _shape_dtype(x) for x in leaves]
         try:
             hash(seen[0])
         except TypeError:  # a custom node with unhashable aux data
@@ -486,7 +488,7 @@ class _Step:
           (P('fsdp', None), P('fsdp', None))
         """
         _refuse_traces("init_state", ": it places the state itself (make the params in a jit, "
-                       "return them, then pass them in)")
+                       "return them, then pass them in; for its shapes: `step.abstract_state`)")
         for name, value in (("params", params), ("rng", rng), ("model_state", model_state)):
             self.strategy.check_params(value, name)  # flax's jax_utils.replicate: refused
         if is_train_state(params):  # a whole state (flax's TrainState): laid out as the step does
