@@ -39,6 +39,7 @@ from .._pending import failed, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
 from .._rules import has_state_fields, is_train_state, unbox
+from .._target import refuse
 from ..distributed import same_program, step_call
 from ..memory import (
     OPTIONS,
@@ -194,6 +195,7 @@ class _Step:
         and shapes), and whether the batch goes in as it was given."""
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if fresh is None:
+            refuse("running a step", self._target)  # a target mesh: named before its leaves
             check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
             check_host_leaves(state, jax.tree.leaves(state), "state")  # int64 past int32 ...
             if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
