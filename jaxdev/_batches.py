@@ -283,17 +283,9 @@ def select_rows(
     XLA's slice is a masked sum (``-0.0`` -> ``0.0``), so floats move as uints.
     """
     if not isinstance(x, jax.Array):
-        x = np.asarray(x)
-        if merge:
-            x = x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
-        if indices is not None:
-            return x[indices]
-        return x if size in (None, x.shape[0]) else x[:size]
-    rows = x.shape[0] * x.shape[1] if merge else x.shape[0]
-    if indices is None and size in (None, rows) and not merge:
+        return _take_rows(np.asarray(x), indices, size, merge)
+    if indices is None and size in (None, x.shape[0]) and not merge:
         return x
-    if indices is None and size == rows:
-        size = None
     dtype = np.dtype(x.dtype)
     exact = len(x.sharding.device_set) == 1 or _bits_dtype(dtype) is None
     s = x.sharding
@@ -323,11 +315,16 @@ def _rows_jit(x: jax.Array, indices: Any, size: int | None, merge: bool, as_bits
             x = jnp.stack([jax.lax.bitcast_convert_type(p, bits) for p in parts], axis=-1)
         else:
             x = jax.lax.bitcast_convert_type(x, bits)
+    return _take_rows(x, indices, size, merge)
+
+
+def _take_rows(x: Any, indices: Any, size: int | None, merge: bool) -> Any:
+    """:func:`select_rows` on a numpy array, or traced in :func:`_rows_jit`."""
     if merge:
         x = x.reshape((x.shape[0] * x.shape[1], *x.shape[2:]))
     if indices is not None:
-        return jnp.take(x, indices, axis=0)
-    return x if size is None else x[:size]
+        return x[indices]
+    return x if size in (None, x.shape[0]) else x[:size]
 
 
 @functools.partial(jax.jit, static_argnums=1)
