@@ -230,6 +230,18 @@ def test_bad_arguments_are_named(kwargs):
         StepMeter(**kwargs)
 
 
+@pytest.mark.parametrize("last", [None, 2.5, 0.5])
+def test_last_is_a_whole_count_of_steps(last):
+    # None raised a raw TypeError (int(None)); 2.5 was cut to 2 and 0.5 to 0 (every step drawn)
+    with pytest.raises(jaxdev.UsageError, match="`last` must be a number > 0, a whole one"):
+        StepMeter(last=last)
+
+
+def test_numpy_numbers_are_numbers():  # np.int64(16) was refused as "not a number > 0"
+    m = StepMeter(examples_per_step=np.int64(16), tokens_per_step=np.float32(160), last=np.int32(5))
+    assert (m.examples, m.tokens, m.last) == (16, 160, 5)
+
+
 def test_a_meter_meters_one_block():
     m = StepMeter()
     with m:

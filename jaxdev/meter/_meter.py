@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import dataclasses
 import math
+import numbers
 import sys
 import threading
 import time
@@ -144,9 +145,12 @@ class StepMeter:
     ):
         for name, value in (("examples_per_step", examples_per_step),
                             ("tokens_per_step", tokens_per_step), ("last", last)):
-            if value is not None and (isinstance(value, bool) or not (
-                    isinstance(value, (int, float)) and 0 < value < math.inf)):
-                raise UsageError(f"`{name}` must be a number > 0 (or None), got {value!r}.")
+            count = name == "last"  # a count of steps: whole, never None
+            if (value is not None or count) and (isinstance(value, bool) or not (
+                    isinstance(value, numbers.Integral if count else numbers.Real)
+                    and 0 < value < math.inf)):
+                kind = "number > 0, a whole one" if count else "number > 0 (or None)"
+                raise UsageError(f"`{name}` must be a {kind}, got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
         self._first, self._kept = 0, None  # its first call in _timeline.times; its record
