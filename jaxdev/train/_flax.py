@@ -16,10 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
 
 from .._errors import UsageError
+from .._placement import as_sharding
 from .._rules import unbox
 from ._metrics import ambient_value
 from ._train import TrainState
@@ -249,10 +248,8 @@ def abstract_state(init_fn: Any, *args: Any, step: Any, rng: Any = None) -> Any:
     shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt, rng, model_state)
     if strategy.by_rules:
         layout = strategy.state_layout(shapes)
-    else:
-        target = strategy.state_target
-        where = NamedSharding(target, P()) if isinstance(target, Mesh) else (
-            SingleDeviceSharding(target))
+    else:  # the device, or the mesh replicated
+        where = as_sharding(strategy.state_target)
         layout = jax.tree.map(lambda _: where, shapes._replace(params=unboxed))
     shapes = jax.eval_shape(lambda s: s, shapes._replace(params=unboxed))
     out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -628,25 +628,19 @@ class DeviceLog:
         cls, capacity: int, shape: tuple[int, ...] = (), dtype: Any = jnp.float32
     ) -> DeviceLog:
         """Return an empty log of ``capacity`` slots, each of ``shape``/``dtype``."""
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        is_int = lambda x: isinstance(x, (int, np.integer)) and type(x) is not bool  # noqa: E731
+        if not is_int(capacity) or capacity <= 0:
+            got = capacity if is_int(capacity) else f"{type(capacity).__name__} {capacity!r}"
             raise MetricError(
-                f"`DeviceLog.create` expects `capacity` to be a positive int, got "
-                f"{type(capacity).__name__} {capacity!r}."
+                f"`DeviceLog.create` expects `capacity` to be a positive int, got {got}."
             )
-        if capacity <= 0:
-            raise MetricError(
-                f"`DeviceLog.create` expects `capacity` to be a positive int, got {capacity}."
-            )
-        dims = tuple(shape) if isinstance(shape, (tuple, list)) else (None,)
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
-            dims = (-1,)
-        if any(d < 0 for d in dims):
+        dims = tuple(shape) if isinstance(shape, (tuple, list)) else (-1,)
+        if not all(is_int(d) and d >= 0 for d in dims):
             raise MetricError(
                 f"`DeviceLog.create` expects `shape` to be a tuple of non-negative ints, got "
                 f"{shape!r}."
             )
-        shape = tuple(int(d) for d in dims)
-        buffer = jnp.zeros((int(capacity), *shape), dtype)
+        buffer = jnp.zeros((int(capacity), *map(int, dims)), dtype)
         return cls(buffer=buffer, count=jnp.zeros((), _I32))
 
     @property

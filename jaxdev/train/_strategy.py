@@ -156,9 +156,8 @@ class Strategy:
         """
         mesh = check_mesh(mesh)
         params = _hashable_rules(rules if params is None else _renamed(rules, params))
-        logical = _hashable_rules(logical_axis_rules)
-        named = dict(min_size=min_size, fsdp_axis=fsdp_axis, logical_axis_rules=logical)
-        named["indivisible"] = indivisible
+        named = dict(min_size=min_size, fsdp_axis=fsdp_axis, indivisible=indivisible)
+        named["logical_axis_rules"] = _hashable_rules(logical_axis_rules)
         options = {k: v for k, v in named.items() if v is not None}
         check_rules(params, mesh, **options)  # a typo fails here, not at the first init_state
         offload = check_offload(offload, mesh.devices.flat)
@@ -389,21 +388,17 @@ class Strategy:
         (n, m), shape, path = lead, np.shape(leaves[0]), key_strings(batch)[0]
         whose = "this step's" if n == self.n_devices else "this host's"
         axes = f"axes {shape[:at]} then" if at else "leading axes"
-        rows, stacked = (
-            ("it with `step.put_batch(batch)`", "`jaxdev.pmap.unshard_from_pmap(batch)` gives")
-            if not at
-            else (
-                "the rows with `step.put_batch` (it groups them)",
-                "apply `jaxdev.pmap.unshard_from_pmap` to each batch before grouping: it gives",
-            )
-        )
+        rows, stacked = "it with `step.put_batch(batch)`", "`jaxdev.pmap.unshard_from_pmap(batch)`"
+        if at:  # grouped (steps_per_call / accumulate)
+            rows = "the rows with `step.put_batch` (it groups them)"
+            stacked = "apply `jaxdev.pmap.unshard_from_pmap` to each batch before grouping: it"
         raise ShardingError(
             f"`batch` reads two ways and jaxdev does not guess: every leaf has {axes} "
             f"({n}, {m}) (batch{'' if path == '<root>' else path}: shape {shape}), and {n} is "
             f"{whose} device count. As rows it is {n} examples of shape {shape[at + 1 :]}; in "
             f"`jax.pmap`'s stacked layout (what `flax.training.common_utils.shard` makes) it is "
             f"{n} devices x {m} rows of shape {shape[at + 2 :]}. Rows: place {rows}. Stacked: "
-            f"{stacked} the {n * m} rows"
+            f"{stacked} gives the {n * m} rows"
             + (self._split_fix if n == self.n_devices and not at else "")
             + "."
         )
@@ -642,11 +637,8 @@ class _Sharded(Strategy):
             state, layout = params, layout.params
         else:
             step = place_tree(jnp.zeros((), jnp.int32), layout.step, copy=True)
-            rng = None if rng is None else place_tree(rng, layout.rng, copy=True, arg="rng")
-            if model_state is not None:
-                model_state = place_tree(
-                    model_state, layout.model_state, copy=True, arg="model_state"
-                )
+            rng = place_tree(rng, layout.rng, copy=True, arg="rng")  # None: None
+            model_state = place_tree(model_state, layout.model_state, copy=True, arg="model_state")
             if tx is not None:  # no replicated copy of anything big
                 opt = _own_buffers(jax.jit(tx.init, out_shardings=layout.opt_state)(params), params)
             state = TrainState(step, params, opt, rng, model_state)
