@@ -251,17 +251,15 @@ class StepMeter:
         (times, changes), t0, t1 = self._record(), self._t0, self._t1 or time.perf_counter()
         done = self._finishes(times)
         n, starts, ends = len(times) // 2, times[0::2], times[1::2]
-        runs, host, kinds = [], list(self._host), []  # runs: [step, key, calls done] each
+        runs, host, kinds = [], list(self._host), []  # runs: (step, key, calls done) each
         for (a, step, key, compiled), b in zip(changes, [a for a, *_ in changes[1:]] + [n]):
             if compiled:
                 host.append(("compile", starts[a], ends[a], ""))
             if not step.is_train:
                 host += [("eval", starts[i], ends[i], "") for i in range(a, b)]
             kinds += [step.is_train] * (b - a)
-            if runs and step is runs[-1][0] and key == runs[-1][1]:
-                runs[-1][2] += max(min(b, len(done)) - a, 0)
-            elif b > a and len(done) > a:
-                runs.append([step, key, min(b, len(done)) - a])
+            if (calls := min(b, len(done)) - a) > 0:  # step.cost(key) is computed once
+                runs.append((step, key, calls))
         inputs = sorted([*starts, *[s for label, s, _, _ in self._host if label == "input"]])
         for label, when in self._marks:  # until the next step call or input wait
             i = bisect.bisect_left(inputs, when)
