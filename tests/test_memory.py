@@ -26,9 +26,7 @@ def _expected_per_device() -> dict:
             if ptr in seen:  # a per-device view of an array counted already
                 continue
             seen.add(ptr)
-            data = s.data
-            nbytes = data.size * data.itemsize
-            out[s.device] = out.get(s.device, 0) + nbytes
+            out[s.device] = out.get(s.device, 0) + s.data.on_device_size_in_bytes()
     return out
 
 
@@ -273,3 +271,17 @@ def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagg
     assert (entry.shape, entry.dtype) == ((8,), "key<fry>")  # was (8, 2) uint32
     assert "state['rng']" in {e.like for e in ledger.unattributed}, str(ledger)
     del old
+
+
+@pytest.mark.parametrize("spec", [None, jax.P(), jax.P("data")])
+def test_sub_byte_arrays_count_the_packed_bytes_xla_holds(spec):
+    """The bytes each buffer holds: jax 0.12 packs two int4 a byte on CPU (an odd count
+    rounded up), jax 0.10.2 a byte each; the ledger counted a byte each (JAX's ``nbytes``)."""
+    x = jnp.arange(8 * 1023, dtype=jnp.int4)
+    if spec is not None:
+        x = jax.device_put(x, jax.NamedSharding(jaxdev.data_mesh(), spec))
+    ledger = jaxdev.memory.ledger(params={"x": x})
+    want = [s.data.on_device_size_in_bytes() for s in x.addressable_shards]
+    if jax.__version_info__ >= (0, 12):
+        assert want == [-(-s.data.size // 2) for s in x.addressable_shards]
+    assert [e.total for e in ledger.entries if e.path == "params['x']"] == [sum(want)]

@@ -374,3 +374,19 @@ def test_grouped_and_pmap_batches_match_the_compiled_arguments(mesh24, kind):
     p = jaxdev.memory.plan(jax.eval_shape(lambda: _state(tx)), step=step, batch=batch)
     assert p["batch"] == math.prod(lead) * (512 + 16) * 4 // 8
     assert abs(p.compiled.argument - p.total) <= 0.01 * p.total, (p.compiled.argument, p.total)
+
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2, jnp.float4_e2m1fn])
+def test_sub_byte_dtypes_are_planned_packed_as_xla_stores_them(dtype):
+    """XLA packs sub-byte elements (two int4 a byte, an odd count rounded up); the plan
+    counted a byte each, as JAX's ``nbytes`` does."""
+    mesh = jaxdev.make_mesh({"fsdp": 8})
+    sizes = [(1024, 8), (4096,), (7,), (3, 5)]
+    shapes = {str(s): jax.ShapeDtypeStruct(s, dtype) for s in sizes}
+    p = jaxdev.memory.plan(shapes, mesh, "fsdp", min_size=0)
+    shardings = jaxdev.param_shardings(shapes, mesh, "fsdp", min_size=0)
+    compiled = jax.jit(lambda t: t, in_shardings=(shardings,)).lower(shapes).compile()
+    assert p["params"] == compiled.memory_analysis().argument_size_in_bytes
+    bits = jax.dtypes.itemsize_bits(dtype)
+    assert p.rows[0].total_bytes == sum(-(-math.prod(s) * bits // 8) for s in sizes)

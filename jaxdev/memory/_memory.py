@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -184,7 +183,7 @@ def ledger(**trees: Any) -> MemoryLedger:
         seen.update(keys)
         if not fresh:
             continue
-        counts = dict.fromkeys(fresh, math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize)
+        counts = dict.fromkeys(fresh, x.on_device_size_in_bytes() // x.sharding.num_devices)
         in_host = x.sharding.memory_kind in HOST_KINDS
         (host if in_host else per_device).update(counts)
         named = [names[k] for k in keys if k in names]

@@ -147,10 +147,18 @@ def shard_bytes(s: Sharding, shape: tuple[int, ...], dtype: Any) -> int:
     """Bytes of one shard of ``shape`` under ``s``; a dimension an axis does not divide is
     padded up (XLA's way)."""
     try:
-        return math.prod(s.shard_shape(shape)) * dtype.itemsize
+        return packed_bytes(math.prod(s.shard_shape(shape)), dtype)
     except ValueError:
         if not isinstance(s, NamedSharding):
             raise
     spec = [*s.spec, *[None] * len(shape)]  # entries past the spec's: not split
     ns = [1 if entry is None else axis_size(s.mesh, entry) for entry in spec]
-    return math.prod(-(-n // k) for n, k in zip(shape, ns)) * dtype.itemsize
+    return packed_bytes(math.prod(-(-n // k) for n, k in zip(shape, ns)), dtype)
+
+
+def packed_bytes(n: int, dtype: Any) -> int:
+    """Bytes of ``n`` elements of ``dtype`` as XLA stores them: sub-byte dtypes packed (two
+    int4 a byte; JAX's ``nbytes`` counts a byte each), a PRNG key its ``itemsize``."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return n * dtype.itemsize
+    return -(-n * jax.dtypes.itemsize_bits(dtype) // 8)

@@ -1,7 +1,8 @@
 """Memory plans: how many bytes each device will hold, from shapes alone, before allocating.
 
 A leaf of shape ``s`` under sharding ``S`` puts ``prod(S.shard_shape(s)) * itemsize``
-bytes on each device of ``S`` (undivided dimensions padded up, as XLA does); a
+bytes on each device of ``S`` (undivided dimensions padded up, sub-byte dtypes such as
+int4 packed, as XLA does); a
 category's figure is the fullest device's sum, and :attr:`MemoryPlan.total` the
 fullest device's sum over every category. With a step and a batch the step is
 compiled too and its ``memory_analysis()`` kept.
@@ -28,7 +29,7 @@ from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 from .._target import target_of
 from ._memory import memory_stats
-from ._offload import host_bytes, is_host, kept_host, shard_bytes
+from ._offload import host_bytes, is_host, kept_host, packed_bytes, shard_bytes
 from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
@@ -219,7 +220,7 @@ def _build(
         row = per_device["host" if is_host(s) else category]
         for name in on:  # the mesh's devices: every layout here is on the mesh
             row[name] += per
-        logical, t = math.prod(shape) * dtype.itemsize, totals[category]
+        logical, t = packed_bytes(math.prod(shape), dtype), totals[category]
         t[0], t[1], t[2] = t[0] + logical, t[1] + logical * split, t[2] + 1
     by_device = {name: sum(per_device[c][name] for c in CATEGORIES) for name in names}
     rows = [PlanRow(c, max(per_device[c].values()), *totals[c]) for c in CATEGORIES]
