@@ -233,11 +233,8 @@ def log_on_host_vs_device(steps: int, reps: int, size: int = 100) -> Result:
     step = jax.jit(_norm_step)
 
     @jax.jit
-    def scan_log(x, w, log):
-        def body(carry, _):
-            return _norm_step(carry[0], w, carry[1]), None
-
-        return jax.lax.scan(body, (x, log), None, length=steps)[0]
+    def scan_log(x, w, log):  # a fori_loop of a static length is a lax.scan
+        return jax.lax.fori_loop(0, steps, lambda _, c: _norm_step(c[0], w, c[1]), (x, log))
 
     def host_log():
         x, norms = x0, []
