@@ -183,6 +183,7 @@ def _sharding_checks(want: Sharding, memory_kind: str | None) -> _Checks:
 def _backend_checks(memory_kind: str | None) -> tuple[_Checks, str, str]:
     """Checks, rule, fix for ``target=None``: the default backend, ``memory_kind`` or default."""
     platform = jax.default_backend()
+    _check_memory_kind(jax.devices(), memory_kind)
     kinds: dict[int, str | None] = {}  # id(first device) -> the memory kind wanted there
     expected = f"a jax.Array on {platform} devices"
 
@@ -435,7 +436,8 @@ def assert_sharded(
 
 
 def _spec_checks(spec: PartitionSpec, memory_kind: str | None) -> _Checks:
-    """Checks for a spec taken on each leaf's own mesh."""
+    """Checks for a spec taken on each leaf's own mesh (a memory kind of the default backend)."""
+    _check_memory_kind(jax.devices(), memory_kind)
     expected = f"{spec} on the leaf's mesh" + _kind_note(memory_kind)
 
     def kind_ok(s: Sharding) -> bool:

@@ -141,6 +141,26 @@ def test_on_device_unknown_memory_kind_is_a_usage_error(devices):
         jaxdev.assert_on_device(on(jnp.ones(2), devices[0]), devices[0], memory_kind="hbm")
 
 
+@pytest.mark.parametrize("kind", ["", "hbm"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda t, kind: jaxdev.assert_on_device(t, memory_kind=kind),
+        lambda t, kind: jaxdev.assert_on_device(t, "cpu:0", memory_kind=kind),
+        lambda t, kind: jaxdev.assert_replicated(t, memory_kind=kind),
+        lambda t, kind: jaxdev.assert_sharded(t, P(), memory_kind=kind),
+        lambda t, kind: jaxdev.assert_sharded(t, P(), mesh=jaxdev.data_mesh(), memory_kind=kind),
+    ],
+    ids=["on_device", "on_device-target", "replicated", "sharded-spec", "sharded-mesh"],
+)
+def test_every_assertion_refuses_a_memory_kind_no_device_has(check, kind):
+    """JAX refuses ``memory_kind=""`` too; ``assert_on_device`` without a target and
+    ``assert_sharded`` on a spec took ``""`` as the default kind (a failure then read
+    "in '' memory") and an unknown kind as a placement failure of every leaf."""
+    with pytest.raises(PlacementError, match=rf"`memory_kind`='{kind}' does not exist on cpu:\d"):
+        check({"x": jnp.ones(2)}, kind)
+
+
 def test_on_device_checks_committed_when_asked_unlike_chex(devices):
     tree = {"a": jnp.ones(2), "b": jnp.zeros(2), "c": on(jnp.ones(2), devices[0])}
     chex.assert_tree_is_on_device(tree, device=devices[0])  # chex: committed-ness ignored
