@@ -240,9 +240,7 @@ class _CountedUfunc:
     """Stands in for a numpy ufunc: calls on a device array count; attributes pass through."""
 
     def __init__(self, ufunc: np.ufunc):
-        self.__wrapped__ = ufunc
-        self.__module__ = ufunc.__module__  # pickles by name, as the ufunc itself
-        self.__doc__ = ufunc.__doc__
+        functools.update_wrapper(self, ufunc)  # its __module__: pickles by name, as the ufunc
         self._call = _counted(ufunc, D2H, f"np.{ufunc.__name__}", _holds_device_array)
 
     def __call__(self, *args, **kwargs):
