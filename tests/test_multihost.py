@@ -633,3 +633,10 @@ def test_launch_refuses_a_command_that_is_not_a_list_of_strings(cmd):
     (subprocess took it as a sequence); other leaves failed inside subprocess."""
     with pytest.raises(jaxdev.UsageError, match=r"`cmd` must be a list of strings.*shlex\.split"):
         jaxdev.distributed.launch(cmd, 1, 1, out=io.StringIO())
+
+
+def test_launch_runs_a_command_with_bytes_arguments_as_posix_popen_does():
+    """``os.fsencode``'d arguments (a path in no encoding) were refused as not strings."""
+    out = io.StringIO()
+    assert jaxdev.distributed.launch([os.fsencode(PY), b"-c", "print('hi')"], 1, 1, out=out) == 0
+    assert "[p0] hi" in out.getvalue()

@@ -312,7 +312,8 @@ def launch(
     """
     if not cmd:
         raise UsageError("`cmd` is empty; give the command after `--`, e.g. `-- python script.py`.")
-    if isinstance(cmd, (str, bytes)) or not all(isinstance(a, (str, os.PathLike)) for a in cmd):
+    args_ok = all(isinstance(a, (str, bytes, os.PathLike)) for a in cmd)  # as Popen takes them
+    if isinstance(cmd, (str, bytes)) or not args_ok:
         raise UsageError(
             f"`cmd` must be a list of strings, e.g. ['python', 'train.py'], got {cmd!r} (a "
             "string would run its first character): split it with `shlex.split(cmd)`."
