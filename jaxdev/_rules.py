@@ -296,7 +296,8 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
             f"dimension(s). Give at most {ndim} entries (missing ones mean 'not split')."
         )
     used: list[str] = []
-    for d, entry in enumerate(spec):
+    parts = spec.partitions  # a spec's unreduced/reduced axes are kept (spec.update)
+    for d, entry in enumerate(parts):
         if entry is None:
             continue
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
@@ -323,10 +324,10 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
             if (key := (leaf.keys, shape, spec, mesh)) not in _TOLD:
                 _TOLD.add(key)
                 _log.warning("%s: %s, so it is replicated (indivisible='replicate')", where, why)
-            spec = P(*spec[:d], None, *spec[d + 1 :])
+            parts = (*parts[:d], None, *parts[d + 1 :])
             continue
         used.extend(axes)
-    return P(*spec, *[None] * (ndim - len(spec))) if used else P()  # replicated: always P()
+    return spec.update(partitions=(*parts, *[None] * (ndim - len(parts))) if used else ())
 
 
 def param_shardings(

@@ -699,3 +699,17 @@ def test_indivisible_is_checked_by_name_at_every_door_and_plans_as_it_places():
     assert {k: x.sharding.spec for k, x in placed.items()} == {"k": P(None, "model"), "v": P()}
     plan = jaxdev.memory.plan(params, mesh, rules, indivisible="replicate")
     assert plan["params"] == 16 * 8 * 4 // 4 + 8 * 3 * 4  # k split 4 ways, v replicated
+
+
+@pytest.mark.parametrize("form", ["regex", "pytree"])
+@pytest.mark.parametrize("field", ["unreduced", "reduced"])
+def test_a_rule_specs_unreduced_and_reduced_axes_are_kept(form, field):
+    """``_check_spec`` rebuilt ``P(*spec)``, which JAX refuses (ValueError) for a spec with
+    unreduced/reduced axes; a split leaf and an indivisible (replicated) one keep them."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    shapes = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in [("w", (8, 16)), ("v", (8, 6))]}
+    rule = {"w": P(None, "model", **{field: {"data"}}), "v": P(None, "model", **{field: {"data"}})}
+    rules = list(rule.items()) if form == "regex" else rule
+    out = jaxdev.param_shardings(shapes, mesh, rules, indivisible="replicate")
+    assert out["w"].spec == P(None, "model", **{field: {"data"}})
+    assert out["v"].spec == P(**{field: {"data"}})  # 6 is not divisible by 4: replicated
