@@ -177,6 +177,17 @@ def test_where_names_the_innermost_user_frame_with_its_code(tmp_path):
     assert _hang.where(ns["load"]()) == "loop.py:4 in load: `return sys._getframe()  # the loader`"
 
 
+def test_where_and_inside_take_a_frame_without_a_line_number(tmp_path):
+    """Python 3.12 gives ``f_lineno=None`` on some frames; ``linecache.getline`` then raised
+    TypeError and the watchdog's report was lost."""
+    script = tmp_path / "loop.py"
+    script.write_text("wait_at_barrier()\n")
+    code = SimpleNamespace(co_filename=str(script), co_name="load")
+    frame = SimpleNamespace(f_code=code, f_lineno=None, f_back=None)
+    assert _hang.where(frame) == "loop.py:? in load"
+    assert _hang.inside(frame) == set()
+
+
 def test_thread_stacks_list_every_thread_main_first():
     ready, done = threading.Event(), threading.Event()
     t = threading.Thread(target=lambda: (ready.set(), done.wait(10)), name="loader-thread")

@@ -118,8 +118,8 @@ def where(frame: Any) -> str:
     while f is not None and not is_user_file(f.f_code.co_filename):
         f = f.f_back
     f = f or innermost
-    code = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
-    site = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+    code = linecache.getline(f.f_code.co_filename, f.f_lineno or 0).strip()  # None: no line
+    site = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno or '?'} in {f.f_code.co_name}"
     return f"{site}: `{code}`" if code else site
 
 
@@ -127,7 +127,7 @@ def inside(frame: Any) -> frozenset[str]:
     """Tags: ``compile``, ``barrier``, ``jax``; jaxdev's ``step``, ``check``, ``checkpoint``."""
     tags = set()
     if frame is not None and "wait_at_barrier" in linecache.getline(
-        frame.f_code.co_filename, frame.f_lineno
+        frame.f_code.co_filename, frame.f_lineno or 0
     ):
         tags.add("barrier")
     while frame is not None:
