@@ -39,9 +39,10 @@ def is_stacked(x: Any) -> bool:
     return n > 1 and len(s.device_set) == n and s.shard_shape(x.shape) == (1, *x.shape[1:])
 
 
-def _pmap_mesh(devices: Any) -> tuple[int, Mesh]:
+def _pmap_mesh(devices: Any) -> tuple[int, Mesh, Sharding]:
     devs = device_list(devices)
-    return len(devs), mesh_of(tuple(devs), DEFAULT_AXIS)
+    mesh = mesh_of(tuple(devs), DEFAULT_AXIS)
+    return len(devs), mesh, named_sharding(mesh, P(DEFAULT_AXIS))  # rows on the devices
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,12 +70,11 @@ def stack_for_pmap(tree: Any, devices: Any = None) -> Any:
       >>> s["w"].shape == (jax.local_device_count(), 3)
       True
     """
-    n, mesh = _pmap_mesh(devices)
+    n, mesh, stacked = _pmap_mesh(devices)
     replicated = to_device(tree, named_sharding(mesh, P()))
     leaves, treedef = jax.tree_util.tree_flatten(replicated)
     if not leaves:
         return tree
-    stacked = named_sharding(mesh, P(DEFAULT_AXIS))
     # When every output of a jitted program is zero-size, jax 0.10.2 gives each
     # shard the full shape and reading the array fails. Zero-size leaves carry
     # no data: they are made by a device_put instead.
@@ -160,8 +160,7 @@ def shard_for_pmap(batch: Any, devices: Any = None, pad: bool = False) -> Any:
       >>> x.shape == (n, 2, 3)
       True
     """
-    n, mesh = _pmap_mesh(devices)
-    stacked = named_sharding(mesh, P(DEFAULT_AXIS))
+    n, _, stacked = _pmap_mesh(devices)
     return place_rows(batch, stacked, n, pad, stacked, pmap=True)
 
 
