@@ -499,8 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..distributed import launch_main
 
         return launch_main(argv[1:])
-    command = argv[0] if argv and argv[0] in _COMMANDS else None
-    prog = f"jaxdev {command}" if command else "jaxdev"
+    prog = f"jaxdev {argv[0]}" if argv and argv[0] in _COMMANDS else "jaxdev"
     try:
         args = build_parser().parse_args(argv)
         return _COMMANDS[args.command](args)
