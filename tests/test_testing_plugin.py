@@ -501,13 +501,57 @@ def test_processes_share_one_tmp_path_and_stay_warm(inner):
     subtests = int(pytest.__version__.split(".")[0]) >= 9
     result.assert_outcomes(passed=1 + 4 + 1 + subtests, failed=1)
     out = result.stdout.str()
-    assert "process 0 of 2 failed; the processes' output" in out
+    assert re.search(r"process [01] of 2 failed; the processes' output", out)  # the first
     assert "AssertionError: 2 not less than 2" in out
     assert "every process passed" not in out
     if subtests:
         assert "4 subtests passed" in out
     pids = (inner.path / "pids.txt").read_text().split()
     assert len(set(pids[:6])) == 2 and len(set(pids)) == 4  # fresh ones after the shutdown
+
+
+@pytest.mark.multiprocess
+def test_each_failed_process_is_named_first_failed_first(inner):
+    """Process 1 fails first, process 0 after it (each waits, bounded, for the other's report
+    in the plugin's run folder, so the order is certain). Before: only process 0's failure
+    was in the report (the lowest id), process 1's exception nowhere."""
+    inner.makepyfile(
+        test_two="""
+        import pathlib, time, jax, pytest
+        import _jaxdev_pytest  # the plugin: its orders name the run folder
+        from conftest import record_pid
+
+        def wait_for_failure_of(i):
+            run, deadline = pathlib.Path(_jaxdev_pytest._WORKER["run_dir"]), time.monotonic() + 60
+            while not any('"when": "call"' in p.read_text() for p in run.glob(f"p{i}-*.jsonl")):
+                assert time.monotonic() < deadline, f"process {i} did not fail"
+                time.sleep(0.01)
+
+        @pytest.fixture
+        def process_1_outlives_process_0s_failure():
+            yield
+            if jax.process_index() == 1:
+                wait_for_failure_of(0)
+
+        @pytest.mark.processes(2, devices=1)
+        def test_both_fail(process_1_outlives_process_0s_failure):
+            record_pid()
+            if jax.process_index() == 1:
+                raise ValueError("process 1 fails first")
+            wait_for_failure_of(1)
+            raise KeyError("process 0 fails second")
+        """
+    )
+    result = run(inner, "-q", "-rf")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "FAILED test_two.py::test_both_fail - process 1 of 2: ValueError" in out
+    assert "ValueError: process 1 fails first" in out.split("process 1 of 2 failed;")[0]  # trace
+    assert (
+        "failed, first to last:\n"
+        "process 1 of 2: ValueError: process 1 fails first\n"
+        "process 0 of 2: KeyError: 'process 0 fails second'\n"
+    ) in out
 
 
 def test_inert_unless_asked(pytester):

@@ -282,6 +282,12 @@ def _failed(item, when: str, text: str) -> pytest.TestReport:
     return pytest.TestReport(item.nodeid, item.location, keywords, "failed", text, when)
 
 
+def _crash(report) -> str:
+    """A failed report's exception line (its crash message, else its text's last line)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    return crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
+
+
 def _describe(rc: int) -> str:
     from jaxdev.distributed import describe_returncode
 
@@ -672,9 +678,15 @@ def _as_processes(ctrl, item, n: int, m: int, timeout: float, nextid: str | None
     done = []
     for when in ("setup", "call", "teardown"):  # a phase may report more than once: subtests
         got = [[r for r in reports if r.when == when] for reports in per]
-        if failed := [(i, r) for i, rs in enumerate(got) for r in rs if r.failed]:
+        failed = [(i, r) for i, rs in enumerate(got) for r in rs if r.failed]
+        if failed := sorted(failed, key=lambda f: f[1].stop):  # the first to fail first
             i, report = failed[0]  # named in its crash line, with every process's output
             who, longrepr = f"process {i} of {n}", report.longrepr
+            crashes: dict[int, str] = {}  # each failed process's first crash line
+            for j, r in failed:
+                crashes.setdefault(j, f"process {j} of {n}: {_crash(r)}")
+            if len(crashes) > 1:
+                tail = "\n".join(["failed, first to last:", *crashes.values(), "", tail])
             if hasattr(longrepr, "addsection"):
                 if getattr(longrepr, "reprcrash", None) is not None:
                     longrepr.reprcrash.message = f"{who}: {longrepr.reprcrash.message}"
