@@ -639,8 +639,8 @@ class _Sharded(Strategy):
             step = place_tree(jnp.zeros((), jnp.int32), layout.step, copy=True)
             rng = place_tree(rng, layout.rng, copy=True, arg="rng")  # None: None
             model_state = place_tree(model_state, layout.model_state, copy=True, arg="model_state")
-            if tx is not None:  # no replicated copy of anything big
-                opt = _own_buffers(jax.jit(tx.init, out_shardings=layout.opt_state)(params), params)
+            if tx is not None:  # no replicated copy of anything big; jit's outputs never alias
+                opt = jax.jit(tx.init, out_shardings=layout.opt_state)(params)  # the params
             state = TrainState(step, params, opt, rng, model_state)
         if not self.offload:
             return state
@@ -720,20 +720,6 @@ def _renamed(rules: Any, params: Any) -> Any:
         stacklevel=3,
     )
     return params
-
-
-def _own_buffers(tree: Any, others: Any) -> Any:
-    """``tree`` with leaves shared with ``others`` (or itself) copied: XLA crashes donating
-    one buffer twice (``tx.init`` may return the params: lookahead's slow weights)."""
-    seen = {id(x) for x in jax.tree.leaves(others)}
-
-    def own(x: Any) -> Any:
-        if is_jax_array(x) and id(x) in seen:
-            x = jax.device_put(x, x.sharding, may_alias=False)
-        seen.add(id(x))
-        return x
-
-    return jax.tree.map(own, tree)
 
 
 def _a_leaf(tree: Any) -> Any:
