@@ -152,6 +152,11 @@ def test_eval_steps_on_params_laid_out_by_other_rules(mesh):
 def test_lower_and_plan_of_a_misplaced_state_move_nothing(mesh):
     fsdp, rep = _step(mesh), _step(mesh, "replicate")
     state, batch = rep.init_state(_params(), SGD), fsdp.put_batch(_batch())
+    # JAX/flax alone, once per process and mesh: flax's apply checks each param's shape by
+    # tracing its init (jax.eval_shape), whose jax.random trace calls jax.device_put on a
+    # host constant, which count_transfers counts (2 when this test ran first). Trace it here.
+    with jax.set_mesh(mesh):
+        jax.eval_shape(loss_fn, state.params, batch)
     with jaxdev.count_transfers() as c:
         compiled = fsdp.lower(state, batch).compile()
         plan = jaxdev.memory.plan(state, step=fsdp, batch=batch)
