@@ -697,6 +697,7 @@ def test_a_step_called_while_another_thread_records_a_call_never_breaks():
         while time.monotonic() < deadline and not errors:
             try:
                 _pending.failed("the next call of the step", me)
+                _pending.look("the next call of the step", me)
             except RuntimeError as err:
                 errors.append(err)
     finally:
@@ -729,6 +730,60 @@ class _Token:
 
     def finish(self):
         self.ready = True
+
+
+class _Ask(_Token):
+    """A token that counts the times it is asked whether it is ready."""
+
+    def __init__(self, deleted=False):
+        super().__init__()
+        self.asked, self.deleted = 0, deleted
+
+    def is_ready(self):
+        self.asked += 1
+        return self.ready
+
+    def is_deleted(self):
+        return self.deleted
+
+
+def test_the_look_at_a_steps_next_call_asks_each_queued_call_once_and_names_a_failure(pending):
+    """``look`` (a step's next call): a loop runs ahead of the device, and asking each new
+    queued output whether it is ready cost ~2-4 us a call on CPU. It watches one queued call
+    until it ends, then asks the newest; every state of the last call and the watched one."""
+    step, err = object(), jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory A")
+    where = "the next call of the step"
+    assert pending.look(where, step) is None  # no call recorded
+    calls = [_Ask() for _ in range(4)]
+    pending.record(step, calls[0], _explain)
+    assert pending.look(where, step) is None and calls[0].asked == 1  # queued: now watched
+    for token in calls[1:3]:  # the next calls, while the watched one is queued: not asked
+        pending.record(step, token, _explain)
+        assert pending.look(where, step) is None
+    assert [t.asked for t in calls[:3]] == [3, 0, 0]  # the watched one: again, cheaply
+    calls[0].finish()  # it ended fine: the newest is asked, queued, watched now
+    assert pending.look(where, step) is None and calls[2].asked == 1
+    pending.record(step, calls[3], _explain)
+    calls[2].finish()
+    calls[3].finish()  # the newest ended fine: forgotten
+    assert pending.look(where, step) is None and step not in pending._PENDING
+    failing = _Ask()
+    pending.record(step, failing, _explain)
+    failing.fail(err)  # ended with an error (the user waited on it): named at the next call
+    explained = pending.look(where, step)
+    assert isinstance(explained, jaxdev.OutOfMemoryError) and where in str(explained)
+    assert explained.__cause__ is err
+    assert pending.look(where, step) is None  # raised once: its reads stay explained
+    gone = _Ask(deleted=True)  # deleted (an eval step's metrics donated by the user)
+    pending.record(step, gone, _explain)
+    assert pending.look(where, step) is None and gone.asked == 0 and step not in pending._PENDING
+    watched, newest = _Ask(), _Ask()
+    pending.record(step, watched, _explain)
+    assert pending.look(where, step) is None  # watched
+    pending.record(step, newest, _explain)
+    watched.deleted = True  # the watched one deleted since: the newest is asked
+    newest.fail(err)
+    assert isinstance(pending.look(where, step), jaxdev.OutOfMemoryError)
 
 
 def _explain(err, where):

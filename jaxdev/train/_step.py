@@ -35,7 +35,7 @@ from .._leaves import (
     key_strings,
     same_layout,
 )
-from .._pending import failed, record, wait
+from .._pending import failed, look, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
 from .._rules import has_state_fields, is_train_state, unbox
@@ -67,6 +67,7 @@ from ._train import (
 )
 
 _MAX_INFLIGHT = 8
+_ARRAY = array_type()
 _MAX_SEEN = 64  # batch signatures a step remembers as checked
 
 
@@ -105,7 +106,7 @@ class _Step:
 
     def __call__(self, state: Any, batch: Any, metrics: Collection | None = None) -> Any:
         start = _timeline.start()
-        explained = failed("the next call of the step", self)  # the last call ran out of memory
+        explained = look("the next call of the step", self)  # the last call ran out of memory
         if explained is not None:
             raise explained
         last = self._last  # what its last call returned (an eval step: took): ids, structure
@@ -115,7 +116,9 @@ class _Step:
                 raise RuntimeError("a deleted batch leaf")  # it segfaults there: named below
             if same and (metrics is None or id(metrics) == last[1]):
                 try:  # its leaves are fresh, distinct outputs placed by the program: no walk
-                    return self._call(state, batch, metrics, start, last[2])
+                    if (out := self._fast(state, batch, metrics, start, last[2])) is None:
+                        out = self._call(state, batch, metrics, start, last[2])
+                    return out
                 except _Refused:  # JAX refused the call before it ran: the checks name why
                     return self._call(state, batch, metrics, start, None, beat=False)
             return self._call(state, batch, metrics, start, None)
@@ -124,26 +127,52 @@ class _Step:
             _raise_traced(err, state=state, batch=batch, metrics=metrics)
             raise
 
+    def _fast(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
+        """A loop's call: the state (and metrics) it returned last, a batch of the structure,
+        shapes and placement of one that went in as given before. One flatten, a dict lookup,
+        the program; ``None`` for any other call (the checked path, :meth:`_call`)."""
+        leaves, treedef = jax.tree.flatten(batch)
+        if (shapes := _placed_shapes(leaves)) is None:  # host leaves: checked each call
+            return None
+        hit = self._seen.get((metrics is None, fresh, treedef, *shapes))
+        if hit is None:
+            return None
+        key, known, fn, direct, program = hit
+        if direct and not jax.sharding.get_abstract_mesh().empty:  # a mesh of the user's set
+            return None  # (_direct: one of the user's meshes, the concrete one, is never taken)
+        args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
+        if key[1]:
+            args.append(metrics)
+        step_call(self.is_train, compiling=False)
+        self._tracing = False  # (its program is traced: no state to check, _state_in)
+        try:
+            if self._shared_crashes:  # see _call
+                _check_crashes(args, key[1], self.donate)
+            out, token = self._outputs(fn(*args))
+            if type(token) is not _ARRAY:  # traced: called inside a JAX transformation
+                raise _Refused  # (the checked path names it)
+            if self._bounded:  # see _call
+                self._inflight.append(token)
+                if len(self._inflight) > _MAX_INFLIGHT:
+                    wait(self._inflight.popleft())
+        except Exception as err:
+            self._failed_call(err, args, key, fresh)
+        record(self, token, known[0])
+        ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
+        self._last = (*ids, known[1])
+        if start:  # a step meter listens
+            _timeline.dispatched(self, program, start, False, token)
+        return out
+
     def _call(
         self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any, beat: bool = True
     ) -> Any:
-        """One call; ``fresh`` (the state's part of the key): the state is the one the step
-        returned, so the walks over its leaves are skipped, and a refusal raises _Refused.
-        A fresh call whose batch has the structure, shapes and placement of one that went in
-        as given before (checked, nothing placed or moved) skips its checks: one flatten."""
-        hit = seen = None
-        if fresh is not None:
-            leaves, treedef = jax.tree.flatten(batch)
-            if (shapes := _placed_shapes(leaves)) is not None:  # host leaves: checked each call
-                seen = (metrics is None, fresh, treedef, *shapes)
-                hit = self._seen.get(seen)
-        if hit is None:
-            args, key, program, same = self._prepare(state, batch, metrics, fresh)
-            known = self._programs.get(program)  # (OOM-later explainer, returned state's key)
-        else:
-            (key, program, known), same = hit, False
-            args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
-            args += [metrics] if key[1] else []
+        """A call with its checks; ``fresh`` (the state's part of the key): the state is the
+        one the step returned, so the walks over its leaves are skipped, and a refusal raises
+        _Refused. A fresh call whose batch went in as given (checked, nothing placed or
+        moved) is remembered: its batch's next calls of that signature take :meth:`_fast`."""
+        args, key, program, same = self._prepare(state, batch, metrics, fresh)
+        known = self._programs.get(program)  # (OOM-later explainer, returned state's key)
         compiled = known is None
         if beat:  # the hang watchdog's heartbeat, once a call (a refused one: beat already)
             step_call(self.is_train, compiling=compiled)
@@ -154,7 +183,7 @@ class _Step:
                 fn = self._compiled[key]  # its first call checks every process compiled the same
             else:
                 fn = self._run[key]
-                if hit is None and key in self._in_shardings:  # jit refuses committed leaves
+                if key in self._in_shardings:  # jit refuses committed leaves
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
                     args, same = (args, same) if moved is None else (moved, False)
@@ -168,27 +197,36 @@ class _Step:
                 if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
                     wait(self._inflight.popleft())  # its error: to its reads (_pending)
         except Exception as err:
-            if self.donate and not self._tracing and not isinstance(err, JaxdevError):
-                _raise_read_donated(args, key[1], err)  # JAX names no leaf donated and read
-            if fresh is not None and not self._tracing and _refusal(err):
-                raise _Refused from None
-            explained = failed("the next call of the step", error=err)  # one it comes from
-            explained = explained or oom_error(self.spec, args, err)
-            if explained is None:
-                raise
-            raise explained from err
+            self._failed_call(err, args, key, fresh)
         finally:
             self._state_in = None
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
         ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
         self._last = (*ids, known[1])
-        if same and seen is not None and not compiled:  # its batch's checks passed as given
-            if len(self._seen) >= _MAX_SEEN:
-                self._seen.clear()
-            self._seen[seen] = (key, program, known)
+        if same and fresh is not None and not compiled:  # its batch's checks passed as given
+            leaves, treedef = jax.tree.flatten(batch)
+            if (shapes := _placed_shapes(leaves)) is not None:  # its checks passed as given
+                if len(self._seen) >= _MAX_SEEN:
+                    self._seen.clear()
+                jitted = self._jitted[key]  # called directly where no mesh is set: as _direct
+                fast = (jitted.fn, True) if jitted.mesh is None else (fn, False)
+                self._seen[(metrics is None, fresh, treedef, *shapes)] = (key, known, *fast, program)
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
+
+    def _failed_call(self, err: Exception, args: list, key: tuple, fresh: Any) -> None:
+        """Raise the named error of a call JAX refused or that failed (``fresh``: a call on
+        the fast path, retaken with its checks when JAX refused it before it ran)."""
+        if self.donate and not self._tracing and not isinstance(err, JaxdevError):
+            _raise_read_donated(args, key[1], err)  # JAX names no leaf donated and read
+        if fresh is not None and not self._tracing and _refusal(err):
+            raise _Refused from None
+        explained = failed("the next call of the step", error=err)  # one it comes from
+        explained = explained or oom_error(self.spec, args, err)
+        if explained is None:
+            raise err
+        raise explained from err
 
     def _prepare(self, state: Any, batch: Any, metrics: Any, fresh: Any) -> tuple:
         """The checks of a call: its arguments (placed), key, program (variant, batch treedef
