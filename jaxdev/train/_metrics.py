@@ -670,8 +670,7 @@ class DeviceLog:
         """Return the recorded values oldest-first (with ``with_steps``: ``(steps, values)``)."""
         with explained_reads("DeviceLog.fetch"):
             buffer, count = jax.device_get((self.buffer, self.count))
-        count = int(count)
-        kept = min(count, self.capacity)
-        start = count % self.capacity if count > self.capacity else 0
-        values = np.roll(buffer, -start, axis=0)[:kept]
+        count, cap = int(count), self.capacity
+        start, kept = (count % cap, cap) if count > cap else (0, count)
+        values = np.roll(buffer, -start, axis=0)[:kept]  # a copy: writable
         return (np.arange(count - kept, count), values) if with_steps else values
