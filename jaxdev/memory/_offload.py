@@ -157,8 +157,7 @@ def shard_bytes(s: Sharding, shape: tuple[int, ...], dtype: Any) -> int:
 
 
 def packed_bytes(n: int, dtype: Any) -> int:
-    """Bytes of ``n`` elements of ``dtype`` as XLA stores them: sub-byte dtypes packed (two
-    int4 a byte; JAX's ``nbytes`` counts a byte each), a PRNG key its ``itemsize``."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    """Bytes of ``n`` elements as XLA stores them: sub-byte dtypes packed (two int4 a byte)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: its itemsize
         return n * dtype.itemsize
     return -(-n * jax.dtypes.itemsize_bits(dtype) // 8)

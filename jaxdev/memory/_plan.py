@@ -1,8 +1,7 @@
 """Memory plans: how many bytes each device will hold, from shapes alone, before allocating.
 
-A leaf of shape ``s`` under sharding ``S`` puts ``prod(S.shard_shape(s)) * itemsize``
-bytes on each device of ``S`` (undivided dimensions padded up, sub-byte dtypes such as
-int4 packed, as XLA does); a
+A leaf of shape ``s`` under sharding ``S`` puts ``prod(S.shard_shape(s))`` elements on each
+device of ``S`` (undivided dimensions padded up, sub-byte dtypes packed, as XLA does); a
 category's figure is the fullest device's sum, and :attr:`MemoryPlan.total` the
 fullest device's sum over every category. With a step and a batch the step is
 compiled too and its ``memory_analysis()`` kept.
