@@ -58,6 +58,16 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def inside_trace() -> bool:
+    """Whether a JAX transformation (jit, grad, vmap, eval_shape, ...) is tracing here: the
+    public ``jax.sharding.get_mesh`` refuses to run then."""
+    try:
+        jax.sharding.get_mesh()
+    except ValueError:
+        return True
+    return False
+
+
 def is_concrete(x: Any) -> bool:
     """Whether ``x`` is a ``jax.Array`` with buffers (not a tracer)."""
     return type(x) is array_type() or (is_jax_array(x) and not is_tracer(x))
