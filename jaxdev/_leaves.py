@@ -58,6 +58,13 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def packed_bytes(n: int, dtype: Any) -> int:
+    """Bytes of ``n`` elements as XLA stores them: sub-byte dtypes packed (two int4 a byte)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: its itemsize
+        return n * dtype.itemsize
+    return -(-n * jax.dtypes.itemsize_bits(dtype) // 8)
+
+
 def inside_trace() -> bool:
     """Whether a JAX transformation (jit, grad, vmap, eval_shape, ...) is tracing here: the
     public ``jax.sharding.get_mesh`` refuses to run then."""

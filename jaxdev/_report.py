@@ -25,6 +25,7 @@ from ._leaves import (
     host_problem,
     is_tracer,
     key_strings,
+    packed_bytes,
     sharding_key,
 )
 
@@ -153,7 +154,7 @@ class _Kind:
         description, devices, self.local, self.sharded = described  # local: for the totals
         s, shape = leaf.sharding, tuple(leaf.shape)
         self.row_head = (shape, str(leaf.dtype), devices, description, s.memory_kind)
-        self.nbytes, self.count = math.prod(s.shard_shape(shape)) * leaf.dtype.itemsize, 0
+        self.nbytes, self.count = packed_bytes(math.prod(s.shard_shape(shape)), leaf.dtype), 0
 
 
 class _ReportBuilder:

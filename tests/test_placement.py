@@ -207,6 +207,18 @@ def test_device_of(devices):
     assert jaxdev.devices_of({"s": sharded, "a": a}) == set(devices)
 
 
+def test_placement_counts_sub_byte_dtypes_packed(devices):
+    """int4 is stored two to a byte (XLA packs it, as plan and the ledger count it); the
+    report said one byte an element (JAX's nbytes)."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    tree = {
+        "one": jaxdev.to_device(jnp.ones((4, 8), jnp.int4), devices[0]),
+        "split": jaxdev.to_device(jnp.ones((16, 3), jnp.int4), NamedSharding(mesh, P("data"))),
+    }
+    rows = {r.path: r.bytes_per_device for r in jaxdev.placement(tree).leaves}
+    assert rows == {"['one']": 16, "['split']": 3}  # 32 / 2; 2 x 3 = 6 elements / 2
+
+
 def test_placement_report(devices):
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     tree = {

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, Sharding
 
 from .._asserts import HOST_KINDS
 from .._errors import UsageError
+from .._leaves import packed_bytes
 from .._mesh import axis_size
 from .._rules import has_state_fields
 from .._target import is_target
@@ -154,10 +155,3 @@ def shard_bytes(s: Sharding, shape: tuple[int, ...], dtype: Any) -> int:
     spec = [*s.spec, *[None] * len(shape)]  # entries past the spec's: not split
     ns = [1 if entry is None else axis_size(s.mesh, entry) for entry in spec]
     return packed_bytes(math.prod(-(-n // k) for n, k in zip(shape, ns)), dtype)
-
-
-def packed_bytes(n: int, dtype: Any) -> int:
-    """Bytes of ``n`` elements as XLA stores them: sub-byte dtypes packed (two int4 a byte)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: its itemsize
-        return n * dtype.itemsize
-    return -(-n * jax.dtypes.itemsize_bits(dtype) // 8)
