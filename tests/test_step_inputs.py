@@ -478,3 +478,42 @@ def test_a_step_method_inside_jax_jit_is_named(name, method):
     }
     with pytest.raises(jaxdev.UsageError, match=rf"`step.{method}` was called inside a JAX"):
         jax.jit(calls[method])(jnp.ones(4))
+
+
+@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
+def test_a_new_state_at_a_freed_states_address_is_checked(strategy):
+    """The step knows the state it saw last by its id: a params dict built per call
+    (``ev({"w": w}, b)``) is freed after the call, and CPython gives the next dict its
+    address. A state of other leaves there skipped its checks: an int64 past int32 was
+    truncated silently (5.0, not a LeafValueError)."""
+    ev = jaxdev.make_eval_step(lambda p, b: b["x"][:, 0] * p["w"].sum(),
+                               getattr(jaxdev.Strategy, strategy)())
+    batch = ev.put_batch({"x": np.ones((16, 4), np.float32)})
+    given = {"w": jnp.ones((4,))}
+    ev(given, batch)
+    ev(given, batch)
+    address = id(given)
+    del given
+    kept = []
+    for _ in range(10_000):  # bounded: CPython hands a freed address out again at once
+        kept.append({"w": np.array([2**40 + 5, 0, 0, 0])})
+        if id(kept[-1]) == address:  # (none when the step keeps what it saw alive)
+            break
+    with pytest.raises(jaxdev.LeafValueError, match=r"\['w'\]"):
+        ev(kept[-1], batch)
+
+
+@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
+def test_a_train_state_at_a_freed_states_address_is_checked(strategy):
+    """Another state object at the address of the state the step returned (freed): it was
+    taken for it, its checks skipped (a host int64 step counter past int32 truncated). Now
+    the returned state is also known by its step counter (a weak reference)."""
+    step = jaxdev.make_train_step(
+        lambda p, b: b["x"] @ p["w"], optax.sgd(0.1), getattr(jaxdev.Strategy, strategy)()
+    )
+    batch = step.put_batch({"x": np.ones((16, 4), np.float32)})
+    state, metrics = step(step.init_state({"w": jnp.ones((4,))}), batch)
+    fake = state._replace(step=np.int64(2**40 + 5))
+    step._last = (id(fake), *step._last[1:])  # private: as if fake sat at its freed address
+    with pytest.raises(jaxdev.LeafValueError, match="step"):
+        step(fake, batch, metrics)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -95,7 +96,7 @@ class _Step:
         self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
         self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
         self._seen: dict[tuple, tuple] = {}  # batch signature -> key, program, known
-        self._last: tuple | None = None  # ids of the state and metrics returned last, the key's
+        self._last: tuple | None = None  # the state and metrics returned last: _remember
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
         self._states: dict[tuple, int] = {}  # a state's structure, shapes, dtypes -> its number
         # jax < 0.12 with several devices segfaults on a deleted or one buffer donated twice
@@ -109,15 +110,15 @@ class _Step:
         explained = look("the next call of the step", self)  # the last call ran out of memory
         if explained is not None:
             raise explained
-        last = self._last  # what its last call returned (an eval step: took): ids, structure
-        same = last is not None and id(state) == last[0]
+        last = self._last  # the state and metrics its last call returned (eval: took), key
+        same = last is not None and id(state) == last[0] and self._is_last(state, last[1])
         try:
             if self._shared_crashes and _any_deleted(jax.tree.leaves(batch)):
                 raise RuntimeError("a deleted batch leaf")  # it segfaults there: named below
-            if same and (metrics is None or id(metrics) == last[1]):
+            if same and (metrics is None or metrics is last[2]()):
                 try:  # its leaves are fresh, distinct outputs placed by the program: no walk
-                    if (out := self._fast(state, batch, metrics, start, last[2])) is None:
-                        out = self._call(state, batch, metrics, start, last[2])
+                    if (out := self._fast(state, batch, metrics, start, last[3])) is None:
+                        out = self._call(state, batch, metrics, start, last[3])
                     return out
                 except _Refused:  # JAX refused the call before it ran: the checks name why
                     return self._call(state, batch, metrics, start, None, beat=False)
@@ -158,8 +159,7 @@ class _Step:
         except Exception as err:
             self._failed_call(err, args, key, fresh)
         record(self, token, known[0])
-        ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
-        self._last = (*ids, known[1])
+        self._last = self._remember(state, out, known[1])
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, False, token)
         return out
@@ -201,8 +201,7 @@ class _Step:
         finally:
             self._state_in = None
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
-        ids = (id(out[0]), id(out[1])) if self.is_train else (id(state), id(out))
-        self._last = (*ids, known[1])
+        self._last = self._remember(state, out, known[1], fresh is not None)
         if same and fresh is not None and not compiled:  # its batch's checks passed as given
             leaves, treedef = jax.tree.flatten(batch)
             if (shapes := _placed_shapes(leaves)) is not None:  # its checks passed as given
@@ -210,7 +209,8 @@ class _Step:
                     self._seen.clear()
                 jitted = self._jitted[key]  # called directly where no mesh is set: as _direct
                 fast = (jitted.fn, True) if jitted.mesh is None else (fn, False)
-                self._seen[(metrics is None, fresh, treedef, *shapes)] = (key, known, *fast, program)
+                seen = (metrics is None, fresh, treedef, *shapes)
+                self._seen[seen] = (key, known, *fast, program)
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
@@ -602,12 +602,37 @@ class TrainStep(_Step):
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
         return out[:2], out[2]  # the token: an undonated copy of the step counter
 
+    # The state the step returned last, known by its id and its step counter (a weak
+    # reference: a freed state's address given to another object is not taken for it)
+    def _remember(self, state: Any, out: Any, key: Any, same: bool = True) -> tuple:
+        return id(out[0]), weakref.ref(out[0].step), weakref.ref(out[1]), key
+
+    def _is_last(self, state: Any, step: Any) -> bool:
+        return getattr(state, "step", None) is step()
+
 
 class EvalStep(_Step):
     """A compiled eval step: ``step(params_or_state, batch, metrics=None) -> metrics``.
 
     Made by :func:`jaxdev.make_eval_step`; nothing is donated.
     """
+
+    # The state it took last, known by its id and each of its leaves (weak references: a
+    # params dict built per call, or changed in place, is checked again; host leaves always)
+    def _remember(self, state: Any, out: Any, key: Any, same: bool = True) -> tuple:
+        if same:  # the leaves it took last
+            return id(state), self._last[1], weakref.ref(out), key
+        leaves = jax.tree.leaves(state)  # a host leaf: checked at each call
+        refs = [weakref.ref(x) for x in leaves] if all(type(x) is _ARRAY for x in leaves) else None
+        return id(state), refs, weakref.ref(out), key
+
+    def _is_last(self, state: Any, refs: Any) -> bool:
+        leaves = jax.tree.leaves(state)
+        return refs is not None and len(refs) == len(leaves) and all(map(_alive_is, refs, leaves))
+
+
+def _alive_is(ref: Any, x: Any) -> bool:
+    return ref() is x
 
 
 def _misplaced(
