@@ -58,6 +58,19 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """A leaf's shape and its dtype on a device (x64 rules for host values and shapes, as
+    JAX lowers them; JAX's extended dtypes kept)."""
+    if is_jax_array(x):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)
+    if isinstance(x, PY_SCALARS):
+        return (), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(type(x))))
+    arr = np.asarray(x)  # numpy leaves (state_shardings has checked the types)
+    return arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
+
+
 def packed_bytes(n: int, dtype: Any) -> int:
     """Bytes of ``n`` elements as XLA stores them: sub-byte dtypes packed (two int4 a byte)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: its itemsize

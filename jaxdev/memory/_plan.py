@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
 from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
-from .._leaves import PY_SCALARS, device_key, is_jax_array
+from .._leaves import device_key, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
@@ -182,19 +182,6 @@ class MemoryPlan:
 # ---------------------------------------------------------------- counting bytes
 
 
-def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
-    """A leaf's shape and its dtype on a device (x64 rules for host values and shapes, as
-    JAX lowers them; JAX's extended dtypes kept)."""
-    if is_jax_array(x):
-        return tuple(x.shape), x.dtype
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)
-    if isinstance(x, PY_SCALARS):
-        return (), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(type(x))))
-    arr = np.asarray(x)  # numpy leaves (state_shardings has checked the types)
-    return arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
-
-
 def _build(
     state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
@@ -207,8 +194,8 @@ def _build(
     targets = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     for (path, leaf), s in zip(flat, targets, strict=True):  # state_shardings keeps the tree
         field = getattr(path[0], "name", None) if is_state else "params"
-        leaves.append((field if field in CATEGORIES[:3] else "other", _shape_dtype(leaf), s))
-    for shape, dtype in map(_shape_dtype, jax.tree.leaves(batch)):
+        leaves.append((field if field in CATEGORIES[:3] else "other", shape_dtype(leaf), s))
+    for shape, dtype in map(shape_dtype, jax.tree.leaves(batch)):
         leaves.append(("batch", (shape, dtype), named_sharding(mesh, batch_spec(len(shape)))))
     for category, (shape, dtype), s in leaves:
         if (s, shape, dtype) not in cache:

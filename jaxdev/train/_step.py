@@ -31,10 +31,12 @@ from .._leaves import (
     array_type,
     check_host_leaves,
     deleted,
+    inside_trace,
     is_jax_array,
     is_tracer,
     key_strings,
     same_layout,
+    shape_dtype,
 )
 from .._pending import failed, look, record, wait
 from .._placement import put_leaves, to_device
@@ -263,7 +265,7 @@ class _Step:
         leaves, treedef = jax.tree.flatten(state)
         impl = array_type()  # its attributes read directly (a 2000-leaf state: 5x faster)
         seen = [treedef]
-        seen += [(x.shape, x.dtype) if type(x) is impl else _shape_dtype(x) for x in leaves]
+        seen += [(x.shape, x.dtype) if type(x) is impl else shape_dtype(x) for x in leaves]
         try:
             hash(seen[0])
         except TypeError:  # a custom node with unhashable aux data
@@ -687,14 +689,6 @@ def _placed_shapes(leaves: list) -> list | None:
         return None
 
 
-def _shape_dtype(x: Any) -> tuple:
-    """A state leaf's shape and dtype as the program takes it (host values by x64's rules:
-    flax's ``TrainState.create`` starts ``step`` as a Python 0, the step returns an int32)."""
-    dtype = getattr(x, "dtype", None)
-    dtype = np.result_type(x) if dtype is None else dtype
-    return np.shape(x), jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
-
-
 def _shaped(treedef: Any, shapes: list) -> Any:
     """The batch (and mask) of a program as ``ShapeDtypeStruct`` s (a number: as it was)."""
     return treedef.unflatten([s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes])
@@ -727,19 +721,9 @@ _TRACED = (
 )
 
 
-def _inside_trace() -> bool:
-    """Whether a JAX transformation (jit, grad, vmap, scan, ...) is tracing here: the public
-    ``jax.sharding.get_mesh`` refuses to run then."""
-    try:
-        jax.sharding.get_mesh()
-    except ValueError:
-        return True
-    return False
-
-
 def _refuse_traces(what: str, fix: str) -> None:
     """Raise UsageError when ``step.<what>`` runs inside a JAX transformation."""
-    if _inside_trace():
+    if inside_trace():
         raise UsageError(f"`step.{what}`{_TRACED}{fix}")
 
 
@@ -747,11 +731,10 @@ def _raise_traced(err: Exception, **trees: Any) -> None:
     """Name a call inside a JAX transformation, or tracers leaked into its arguments (the
     error path of a call: JAX's own error names neither)."""
     traced = [p for p, x in _named_leaves(**trees) if is_tracer(x)]
-    inside = _inside_trace()
+    inside = inside_trace()
     if not (traced or inside):
         return
-    got = f"the step got {len(traced)} traced leaf/leaves: {', '.join(traced[:8])}"
-    got += " ..." if len(traced) > 8 else ""
+    got = _got(traced, "traced ")
     if not inside:
         raise UsageError(
             f"{got}, but no JAX transformation is tracing here: tracers leaked out of an "
@@ -859,10 +842,13 @@ def _raise_dead(what: str, named: Any, fix: str, cause: Exception | None = None)
     """Raise DeletedArrayError naming the deleted leaves of ``named`` ((path, leaf) pairs)."""
     dead = [p for p, x in named if is_jax_array(x) and deleted(x)]
     if dead:
-        raise DeletedArrayError(
-            f"the step got {len(dead)} deleted or donated {what}leaf/leaves: "
-            f"{', '.join(dead[:8])}" + (" ..." if len(dead) > 8 else "") + f". {fix}"
-        ) from cause
+        raise DeletedArrayError(f"{_got(dead, f'deleted or donated {what}')}. {fix}") from cause
+
+
+def _got(paths: list[str], what: str) -> str:
+    """``the step got N <what>leaf/leaves: a, b, ...`` (the first 8 paths)."""
+    more = " ..." if len(paths) > 8 else ""
+    return f"the step got {len(paths)} {what}leaf/leaves: {', '.join(paths[:8])}{more}"
 
 
 # ---------------------------------------------------------------- compiling
