@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _stderr_relay, _timeline
 from ._errors import GuardArgumentError, GuardError
-from ._leaves import array_type, inside_trace
+from ._leaves import array_type
 
 D2H = "device_to_host"
 H2D = "host_to_device"
@@ -233,9 +233,7 @@ def _tree_has_device_array(x: Any = None, *args, **kwargs) -> bool:
 
 
 def _tree_has_host_data(x: Any = None, *args, **kwargs) -> bool:
-    """Host data put on a device, not while JAX traces (a constant of the program: no move)."""
-    leaves = jax.tree_util.tree_leaves(x)
-    return not all(isinstance(y, array_type()) for y in leaves) and not inside_trace()
+    return not all(isinstance(y, array_type()) for y in jax.tree_util.tree_leaves(x))
 
 
 class _CountedUfunc:

@@ -131,24 +131,6 @@ def test_device_get_of_a_tree_is_one_sync(x):
     assert c.device_to_host == 0
 
 
-@pytest.mark.parametrize("trace", ["jit", "eval_shape"])
-def test_a_device_put_while_jax_traces_is_no_transfer(trace):
-    """A ``jax.device_put`` of host data inside a traced function puts a constant into the
-    program: nothing moves (flax's param-shape check traces initializers that do it). It was
-    counted as a host-to-device transfer, on the first trace only (JAX caches it after)."""
-    def f(w):
-        return (w * jax.device_put(np.ones(3, np.float32))).sum()
-
-    w = jnp.ones(3)
-    run = {"jit": lambda: jax.jit(f).lower(w), "eval_shape": lambda: jax.eval_shape(f, w)}[trace]
-    with count_transfers() as c:
-        run()
-    assert c.host_to_device == 0, c.summary()
-    with count_transfers() as c:  # outside a trace: one transfer, as before
-        jax.device_put(np.ones(3, np.float32))
-    assert c.host_to_device == 1, c.summary()
-
-
 def test_numpy_on_host_data_is_not_counted():
     with count_transfers() as c:
         np.asarray([1.0, 2.0])

@@ -517,3 +517,73 @@ def test_a_train_state_at_a_freed_states_address_is_checked(strategy):
     step._last = (id(fake), *step._last[1:])  # private: as if fake sat at its freed address
     with pytest.raises(jaxdev.LeafValueError, match="step"):
         step(fake, batch, metrics)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+@pytest.mark.parametrize("strategy", ["single", "pmap", "sharded"])
+def test_a_loops_call_closed_over_inside_an_eager_transformation_is_named(strategy, transform):
+    """A step called (its state and batch closed over) inside eager ``jax.vmap``/``grad`` on
+    a call the fast path takes: it ran for real and donated the state under single and pmap
+    (review of the fast path); named as inside a transformation, as on the checked path."""
+    step = jaxdev.make_train_step(
+        lambda p, b: b["x"] @ p["w"], optax.sgd(0.1), getattr(jaxdev.Strategy, strategy)()
+    )
+    batch = step.put_batch({"x": np.ones((16, 4), np.float32)})
+    state, metrics = step(step.init_state({"w": jnp.ones((4,))}), batch)
+    for _ in range(2):
+        state, metrics = step(state, batch, metrics)
+
+    def inside(x):
+        step(state, batch, metrics)
+        return x.sum()
+
+    with pytest.raises(jaxdev.UsageError, match="inside a JAX transformation"):
+        getattr(jax, transform)(inside)(jnp.ones(3))
+    state, metrics = step(state, batch, metrics)  # not donated: it trains on
+    assert int(state.step) == 4
+
+
+def test_a_loop_under_the_users_set_mesh_takes_the_fast_path(monkeypatch):
+    """A one-device step in a loop under the user's ``jax.set_mesh`` (the current JAX idiom)
+    ran its checks at every call (review of the fast path: 1.7-2x slower a call)."""
+    from jaxdev.train import _step
+
+    step = jaxdev.make_train_step(lambda p, b: b["x"] @ p["w"], optax.sgd(0.1))
+    batch = step.put_batch({"x": np.ones((16, 4), np.float32)})
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    state, metrics = step(step.init_state({"w": jnp.ones((4,))}), batch)
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            state, metrics = step(state, batch, metrics)
+        checked, prepare = [], _step._Step._prepare
+        spy = lambda s, *a: checked.append(1) or prepare(s, *a)  # noqa: E731
+        monkeypatch.setattr(_step._Step, "_prepare", spy)
+        for _ in range(3):
+            state, metrics = step(state, batch, metrics)
+    assert checked == [] and int(state.step) == 6
+
+
+def test_an_eval_state_is_known_by_its_structure_and_any_concrete_leaf():
+    """An eval step's state of the same leaves: a typed PRNG key leaf is a concrete array (it
+    was never taken as known: checked at every call); a dict renamed in place, the same
+    leaves, is another structure (it was taken as known: jit retraced it unchecked)."""
+    from jaxdev.train import _step
+
+    ev = jaxdev.make_eval_step(lambda p, b: b["x"] @ p["w"])
+    batch = ev.put_batch({"x": np.ones((16, 4), np.float32)})
+    params = {"w": jnp.ones((4,)), "key": jax.random.key(0)}
+    ev(params, batch)
+    assert ev._is_last(params, ev._last[1])
+    params["v"] = params.pop("w")  # the same leaves under another name
+    assert not ev._is_last(params, ev._last[1])
+
+
+def test_a_freed_returned_state_is_not_matched_by_an_object_without_a_step():
+    """Once the state a train step returned is freed, its weak reference is dead: an object
+    without ``.step`` at its address read ``None is None`` (review of the fast path)."""
+    step = jaxdev.make_train_step(lambda p, b: b["x"] @ p["w"], optax.sgd(0.1))
+    batch = step.put_batch({"x": np.ones((16, 4), np.float32)})
+    state, _ = step(step.init_state({"w": jnp.ones((4,))}), batch)
+    last = step._last
+    del state
+    assert not step._is_last(({"w": jnp.ones(4)}, 1, 2), last[1])

@@ -22,13 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
 from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
-from .._leaves import device_key, shape_dtype
+from .._leaves import device_key, packed_bytes, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
 from .._target import target_of
 from ._memory import memory_stats
-from ._offload import host_bytes, is_host, kept_host, packed_bytes, shard_bytes
+from ._offload import host_bytes, is_host, kept_host, shard_bytes
 from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -70,7 +71,6 @@ from ._train import (
 )
 
 _MAX_INFLIGHT = 8
-_ARRAY = array_type()
 _MAX_SEEN = 64  # batch signatures a step remembers as checked
 
 
@@ -97,7 +97,7 @@ class _Step:
         self._budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
         self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
-        self._seen: dict[tuple, tuple] = {}  # batch signature -> key, program, known
+        self._seen: dict[tuple, tuple] = {}  # batch signature -> key, known, fn, program
         self._last: tuple | None = None  # the state and metrics returned last: _remember
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
         self._states: dict[tuple, int] = {}  # a state's structure, shapes, dtypes -> its number
@@ -140,9 +140,7 @@ class _Step:
         hit = self._seen.get((metrics is None, fresh, treedef, *shapes))
         if hit is None:
             return None
-        key, known, fn, direct, program = hit
-        if direct and not jax.sharding.get_abstract_mesh().empty:  # a mesh of the user's set
-            return None  # (_direct: one of the user's meshes, the concrete one, is never taken)
+        key, known, fn, program = hit
         args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
         if key[1]:
             args.append(metrics)
@@ -151,9 +149,7 @@ class _Step:
         try:
             if self._shared_crashes:  # see _call
                 _check_crashes(args, key[1], self.donate)
-            out, token = self._outputs(fn(*args))
-            if type(token) is not _ARRAY:  # traced: called inside a JAX transformation
-                raise _Refused  # (the checked path names it)
+            out, token = self._outputs(fn(*args))  # (inside a trace: get_mesh refuses it)
             if self._bounded:  # see _call
                 self._inflight.append(token)
                 if len(self._inflight) > _MAX_INFLIGHT:
@@ -209,10 +205,7 @@ class _Step:
             if (shapes := _placed_shapes(leaves)) is not None:  # its checks passed as given
                 if len(self._seen) >= _MAX_SEEN:
                     self._seen.clear()
-                jitted = self._jitted[key]  # called directly where no mesh is set: as _direct
-                fast = (jitted.fn, True) if jitted.mesh is None else (fn, False)
-                seen = (metrics is None, fresh, treedef, *shapes)
-                self._seen[seen] = (key, known, *fast, program)
+                self._seen[(metrics is None, fresh, treedef, *shapes)] = (key, known, fn, program)
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
@@ -610,7 +603,7 @@ class TrainStep(_Step):
         return id(out[0]), weakref.ref(out[0].step), weakref.ref(out[1]), key
 
     def _is_last(self, state: Any, step: Any) -> bool:
-        return getattr(state, "step", None) is step()
+        return (returned := step()) is not None and getattr(state, "step", None) is returned
 
 
 class EvalStep(_Step):
@@ -624,17 +617,17 @@ class EvalStep(_Step):
     def _remember(self, state: Any, out: Any, key: Any, same: bool = True) -> tuple:
         if same:  # the leaves it took last
             return id(state), self._last[1], weakref.ref(out), key
-        leaves = jax.tree.leaves(state)  # a host leaf: checked at each call
-        refs = [weakref.ref(x) for x in leaves] if all(type(x) is _ARRAY for x in leaves) else None
+        leaves, treedef = jax.tree.flatten(state)  # a host leaf: checked at each call
+        concrete = all(is_jax_array(x) and not is_tracer(x) for x in leaves)
+        refs = (treedef, [weakref.ref(x) for x in leaves]) if concrete else None
         return id(state), refs, weakref.ref(out), key
 
     def _is_last(self, state: Any, refs: Any) -> bool:
-        leaves = jax.tree.leaves(state)
-        return refs is not None and len(refs) == len(leaves) and all(map(_alive_is, refs, leaves))
-
-
-def _alive_is(ref: Any, x: Any) -> bool:
-    return ref() is x
+        leaves, treedef = jax.tree.flatten(state)  # compared in C: no Python a leaf
+        return (
+            refs is not None and treedef == refs[0] and len(leaves) == len(refs[1])
+            and all(map(operator.is_, map(operator.call, refs[1]), leaves))
+        )
 
 
 def _misplaced(
