@@ -33,6 +33,7 @@ from .._leaves import (
     check_host_leaves,
     deleted,
     inside_trace,
+    is_concrete,
     is_jax_array,
     is_tracer,
     key_strings,
@@ -150,10 +151,8 @@ class _Step:
             if self._shared_crashes:  # see _call
                 _check_crashes(args, key[1], self.donate)
             out, token = self._outputs(fn(*args))  # (inside a trace: get_mesh refuses it)
-            if self._bounded:  # see _call
-                self._inflight.append(token)
-                if len(self._inflight) > _MAX_INFLIGHT:
-                    wait(self._inflight.popleft())
+            if self._bounded:
+                self._queue(token)
         except Exception as err:
             self._failed_call(err, args, key, fresh)
         record(self, token, known[0])
@@ -190,10 +189,8 @@ class _Step:
             out, token = self._outputs(fn(*args))
             if compiled:
                 known = self._programs[program] = self._keep(program, out)
-            if self._bounded:  # at most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100
-                self._inflight.append(token)  # queued collective programs on multi-device CPU
-                if len(self._inflight) > _MAX_INFLIGHT:  # (jax 0.10.2, 8 devices, 2 cores)
-                    wait(self._inflight.popleft())  # its error: to its reads (_pending)
+            if self._bounded:
+                self._queue(token)
         except Exception as err:
             self._failed_call(err, args, key, fresh)
         finally:
@@ -209,6 +206,14 @@ class _Step:
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
+
+    def _queue(self, token: Any) -> None:
+        """At most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100 queued collective
+        programs on multi-device CPU (jax 0.10.2, 8 devices, 2 cores). A waited call's error
+        is left to its reads (_pending)."""
+        self._inflight.append(token)
+        if len(self._inflight) > _MAX_INFLIGHT:
+            wait(self._inflight.popleft())
 
     def _failed_call(self, err: Exception, args: list, key: tuple, fresh: Any) -> None:
         """Raise the named error of a call JAX refused or that failed (``fresh``: a call on
@@ -618,7 +623,7 @@ class EvalStep(_Step):
         if same:  # the leaves it took last
             return id(state), self._last[1], weakref.ref(out), key
         leaves, treedef = jax.tree.flatten(state)  # a host leaf: checked at each call
-        concrete = all(is_jax_array(x) and not is_tracer(x) for x in leaves)
+        concrete = all(map(is_concrete, leaves))
         refs = (treedef, [weakref.ref(x) for x in leaves]) if concrete else None
         return id(state), refs, weakref.ref(out), key
 
