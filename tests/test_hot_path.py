@@ -6,6 +6,7 @@ state structure under rules, an out-of-memory explained where it is read."""
 
 from __future__ import annotations
 
+import sys
 from array import array
 
 import jax
@@ -441,3 +442,40 @@ def test_a_deleted_eval_output_breaks_no_later_call(monkeypatch):
     state, _ = train(state, batch)  # ran, donated the state: must return the new one
     assert int(state.step) == 1
     ev(state, batch)  # the eval step still works
+
+
+def _python_calls(step, state, batch, metrics) -> int:
+    """The Python functions one call of ``step`` runs (sys.setprofile's "call" events)."""
+    calls = [0]
+
+    def count(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(count)
+    try:
+        step(state, batch, metrics)
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+@pytest.mark.parametrize("name", ["single", "sharded"])
+def test_a_loops_call_runs_no_python_per_leaf(name):
+    """Before: the fast path read four Python properties of each batch leaf (and hashed its
+    sharding in Python). Now a call of 2 or 40 batch leaves, of a state of 2 or 100 leaves,
+    runs the same Python."""
+
+    def tree_loss(params, batch):
+        x = sum(batch.values())
+        return sum((x @ w).sum(-1) for w in params.values())
+
+    counts = {}
+    for n_params, n_batch in ((2, 2), (2, 40), (100, 2)):
+        step = jaxdev.make_train_step(tree_loss, SGD, STRATEGIES[name]())
+        state = step.init_state({f"w{i}": jnp.ones((4, 2)) for i in range(n_params)})
+        batch = step.put_batch({f"x{i}": np.ones((8, 4), np.float32) for i in range(n_batch)})
+        state, metrics = step(state, batch)
+        for _ in range(3):
+            state, metrics = step(state, batch, metrics)
+        counts[n_params, n_batch] = _python_calls(step, state, batch, metrics)
+    assert len(set(counts.values())) == 1, counts

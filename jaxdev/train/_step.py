@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Iterable
@@ -73,6 +74,10 @@ from ._train import (
 
 _MAX_INFLIGHT = 8
 _MAX_SEEN = 64  # batch signatures a step remembers as checked
+_flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten, without its two frames
+_SHAPE = operator.attrgetter("aval.shape", "aval.dtype")  # read in C
+_TRACER = itertools.repeat(jax.core.Tracer)
+_get_mesh = jax.sharding.get_mesh
 
 
 class _Step:
@@ -98,12 +103,13 @@ class _Step:
         self._budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
         self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
-        self._seen: dict[tuple, tuple] = {}  # batch signature -> key, known, fn, program
+        self._seen: dict[tuple, tuple] = {}  # batch signature -> key, known, bound, bare, program
         self._last: tuple | None = None  # the state and metrics returned last: _remember
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
         self._states: dict[tuple, int] = {}  # a state's structure, shapes, dtypes -> its number
         # jax < 0.12 with several devices segfaults on a deleted or one buffer donated twice
         self._shared_crashes = len(strategy.devices) > 1 and jax.__version_info__ < (0, 12)
+        self._signature = _placed_shapes if strategy.kind == "pmap" else _shapes
         self._arg_shapes: dict[tuple, tuple[Any, Any]] = {}  # the state's and metrics', per key
         self._state_in: Any = None  # during a call: the state given, checked when jax traces
         self._tracing = False  # set while jax traces the step's body: its errors are no refusal
@@ -132,16 +138,17 @@ class _Step:
             raise
 
     def _fast(self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any) -> Any:
-        """A loop's call: the state (and metrics) it returned last, a batch of the structure,
-        shapes and placement of one that went in as given before. One flatten, a dict lookup,
-        the program; ``None`` for any other call (the checked path, :meth:`_call`)."""
-        leaves, treedef = jax.tree.flatten(batch)
-        if (shapes := _placed_shapes(leaves)) is None:  # host leaves: checked each call
+        """A loop's call: the state (and metrics) it returned last, a batch of the structure
+        and shapes of one that went in as given before (its placement: jit refuses a committed
+        leaf laid out otherwise, then the checks move it). One flatten, a dict lookup, the
+        program; ``None`` for any other call (the checked path, :meth:`_call`)."""
+        leaves, treedef = _flatten(batch)
+        if (shapes := self._signature(leaves)) is None:  # host leaves: checked each call
             return None
         hit = self._seen.get((metrics is None, fresh, treedef, *shapes))
         if hit is None:
             return None
-        key, known, fn, program = hit
+        key, known, bound, bare, program = hit
         args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
         if key[1]:
             args.append(metrics)
@@ -150,7 +157,10 @@ class _Step:
         try:
             if self._shared_crashes:  # see _call
                 _check_crashes(args, key[1], self.donate)
-            out, token = self._outputs(fn(*args))  # (inside a trace: get_mesh refuses it)
+            # a one-device program runs directly where no mesh is set (as _direct; inside a
+            # trace get_mesh refuses it)
+            out = bare(*args) if bare is not None and _get_mesh().empty else bound(*args)
+            out, token = self._outputs(out)
             if self._bounded:
                 self._queue(token)
         except Exception as err:
@@ -198,11 +208,15 @@ class _Step:
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
         self._last = self._remember(state, out, known[1], fresh is not None)
         if same and fresh is not None and not compiled:  # its batch's checks passed as given
-            leaves, treedef = jax.tree.flatten(batch)
-            if (shapes := _placed_shapes(leaves)) is not None:  # its checks passed as given
+            leaves, treedef = _flatten(batch)
+            if (shapes := self._signature(leaves)) is not None:  # its checks passed as given
                 if len(self._seen) >= _MAX_SEEN:
                     self._seen.clear()
-                self._seen[(metrics is None, fresh, treedef, *shapes)] = (key, known, fn, program)
+                bound = self._jitted[key]  # its MeshBound, and the jitted function in it
+                bare = bound.fn if bound.mesh is None else None
+                self._seen[(metrics is None, fresh, treedef, *shapes)] = (
+                    key, known, bound, bare, program
+                )
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
@@ -673,17 +687,29 @@ def _direct(bound: Any) -> Any:
     (what ``outside_mesh`` does, without its frames)."""
     if bound.mesh is not None:
         return bound
-    fn, get_mesh = bound.fn, jax.sharding.get_mesh
-    return lambda *args: fn(*args) if get_mesh().empty else bound(*args)
+    fn = bound.fn
+    return lambda *args: fn(*args) if _get_mesh().empty else bound(*args)
+
+
+def _shapes(leaves: list) -> list | None:
+    """A batch's signature on the fast path: each leaf's shape and dtype, read in C (no
+    Python a leaf); ``None`` for a batch with a host leaf (its values are checked at every
+    call) or a tracer. Its placement is jit's to check: a committed leaf laid out otherwise
+    is refused (then the checks move it), an uncommitted one placed, as the checks leave it."""
+    if any(map(isinstance, leaves, _TRACER)):
+        return None
+    try:
+        return list(map(_SHAPE, leaves))
+    except AttributeError:  # a host leaf (numpy, a Python number)
+        return None
 
 
 def _placed_shapes(leaves: list) -> list | None:
-    """What a batch's checks read of its leaves: each one's shape, dtype and (committed)
-    sharding, in one flat list (attributes read directly from jax.Arrays: on every call);
-    ``None`` for a batch with a host leaf, whose values are checked at every call."""
+    """:func:`_shapes` with each leaf's (committed) sharding, for pmap: it places a committed
+    leaf laid out otherwise itself, where the checks refuse or split it."""
     try:
         return [a for x in leaves for a in (x.shape, x.dtype, x.committed and x.sharding)]
-    except AttributeError:  # a host leaf (numpy, a Python number)
+    except AttributeError:  # a host leaf (numpy, a Python number), a tracer
         return None
 
 
