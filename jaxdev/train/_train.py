@@ -299,9 +299,6 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     return grads, model_state, metrics, (weight if cfg.weighted else None)
 
 
-_KEYS_TOLD: set[int] = set()  # the steps that logged their keys' difference (README: Dropout keys)
-
-
 def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask):
     """One update of ``state`` on this device's rows (all rows when ``axis`` is None)."""
     rng = getattr(state, "rng", None)
@@ -309,8 +306,8 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
         rng = jax.random.fold_in(rng, state.step)
         if axis is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        if (axis is not None or cfg.accumulate > 1) and id(cfg) not in _KEYS_TOLD:
-            _KEYS_TOLD.add(id(cfg))
+        if (axis is not None or cfg.accumulate > 1) and "told" not in vars(cfg):
+            vars(cfg)["told"] = True  # once a step (README: Dropout keys); an id can be reused
             folds = [] if axis is None else [f"the device index over {axis!r}"]
             if cfg.accumulate > 1:
                 folds.append(f"the micro-batch index (accumulate={cfg.accumulate})")
