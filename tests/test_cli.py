@@ -133,6 +133,8 @@ def test_demo_exit_1_when_below_min_accuracy():
         (["demo", "--min-accuracy", "2"], ["--min-accuracy", "[0, 1]"]),
         (["demo", "--mesh", "data=2,fsdp"], ["--mesh", "data=2,fsdp=4"]),
         (["demo", "--mesh", "data=3,fsdp=4"], ["`--mesh`", "multiply to 12 devices but 8"]),
+        (["memory", "--model", "tests/test_memory_cli.py:tiny", "--mesh", "data=-1,fsdp=-1"],
+         ["argument --mesh", "one may be -1", "got 'data=-1,fsdp=-1'"]),  # was: exit 1, 64 devices
         (["demo", "--strategy", "pmap", "--params", "fsdp"], ["`--params`", "sharded"]),
         (["bench", "--json", "/no/such/folder/out.json"], ["/no/such/folder", "does not exist"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),

@@ -379,18 +379,12 @@ _fraction = _number(float, 0.0, 1.0, "a number in [0, 1]")
 
 def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
     """``'data=2,fsdp=4'`` -> ``(('data', 2), ('fsdp', 4))``; one size may be -1."""
-    axes = []
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        try:
-            value = int(size)
-        except ValueError:
-            value = 0
-        if not name.strip() or (value < 1 and value != -1):
-            raise argparse.ArgumentTypeError(
-                f"expected axes such as data=2,fsdp=4 (sizes >= 1, one may be -1), got {text!r}"
-            )
-        axes.append((name.strip(), value))
+    axes = [(n.strip(), int(s) if n.strip() and re.fullmatch(r"\s*(-1|\+?\d+)\s*", s) else 0)
+            for n, _, s in (part.partition("=") for part in text.split(","))]
+    if [v for _, v in axes].count(-1) > 1 or any(v == 0 for _, v in axes):
+        raise argparse.ArgumentTypeError(
+            f"expected axes such as data=2,fsdp=4 (sizes >= 1, one may be -1), got {text!r}"
+        )
     return tuple(axes)
 
 
