@@ -97,7 +97,7 @@ def exchange(tag: str, payload: str, timeout_s: float | None = None) -> list[str
       DistributedError: a process did not publish within ``timeout_s``; names it.
       UsageError: ``timeout_s`` is not a number of seconds > 0.
     """
-    number = isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, (bool, np.bool_))
+    number = isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
     if timeout_s is not None and not (number and 0 < timeout_s < math.inf):  # NaN too
         raise UsageError(f"`timeout_s` must be a number of seconds > 0, got {timeout_s!r}.")
     if jax.process_count() == 1:

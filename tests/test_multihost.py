@@ -227,7 +227,7 @@ def test_default_timeout_reads_the_environment(monkeypatch):
             _multihost.default_timeout_s()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1.0, True, "60"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1.0, True, np.bool_(True), "60"])
 def test_a_timeout_passed_to_the_cross_process_checks_is_checked(bad):
     """``assert_same_across_processes(timeout_s=nan)`` (and every check through exchange)
     was taken as it came: under several processes its deadline raised a raw ValueError or
