@@ -11,6 +11,7 @@ and list deleted/donated leaves and tracers instead of raising. ``target`` is wh
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from ._leaves import (
     is_jax_array,
     is_tracer,
     key_strings,
+    packed_bytes,
     replica_copies,
     replica_drift,
     same_layout,
@@ -64,6 +66,7 @@ _NOTES = {
 HOST_KINDS = ("pinned_host", "unpinned_host")
 """Memory kinds in host memory (not counted on the devices)."""
 _MAX_LISTED = 10  # leaves listed by assert_sharded_fraction
+_bits = functools.cache(lambda dtype: packed_bytes(8, dtype))  # a dtype's bits, looked up once
 
 
 class _Checks(NamedTuple):
@@ -617,13 +620,13 @@ def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
     total, sharded, whole, bad = 0, 0, [], []  # whole: (bytes, index); bad: (index, why)
     for i, x in enumerate(leaves):
         if is_host_value(x):
-            n, split = np.asarray(x).nbytes, False
+            x, split = np.asarray(x), False
         elif (problem := _live_array_problem(x, "a live jax.Array")) is not None:
             bad.append((i, problem))
             continue
         else:
-            n, s = x.nbytes, x.sharding
-            split = len(s.device_set) > 1 and not s.is_fully_replicated
+            split = len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
+        n = -(-x.size * _bits(x.dtype) // 8)  # sub-byte dtypes packed, as XLA stores them
         total += n
         if split:
             sharded += n

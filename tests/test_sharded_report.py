@@ -128,6 +128,19 @@ def test_sharded_fraction_passes_and_fails_on_logical_bytes(mesh):
     assert isinstance(err.value, AssertionError)
 
 
+def test_sharded_fraction_counts_sub_byte_dtypes_packed(mesh):
+    tree = {  # 4 KiB of int4 sharded, 4 KiB float32 replicated, 1 KiB of int4 on the host
+        "w": _on(jnp.zeros(8192, jnp.int4), mesh, P("data")),
+        "b": _on(jnp.ones(1024, jnp.float32), mesh, P()),
+        "h": np.zeros(2048, jnp.int4),
+    }
+    with pytest.raises(PlacementAssertionError) as err:  # was 57.14% of 14.0 KiB: passed
+        jaxdev.assert_sharded_fraction(tree, at_least=0.5)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("`assert_sharded_fraction` failed: 44.44% of the 9.0 KiB ")
+    assert lines[2].startswith("  ['h']: int4[2048], 1.0 KiB, found ")
+
+
 def test_sharded_fraction_lists_largest_first_and_counts_the_rest(mesh, devices):
     tree = {f"w{i:02d}": _on(jnp.ones((i + 1) * 8, jnp.bfloat16), mesh, P()) for i in range(12)}
     tree["one"] = jax.device_put(jnp.ones((2, 1000), jnp.int8), devices[5])
