@@ -276,3 +276,29 @@ def test_bad_inputs():
         k_step.put_batch({"x": x[0], "y": y[0]})
     with pytest.raises(jaxdev.ShardingError, match="`axis`='model' is not an axis"):
         jaxdev.Strategy.sharded(jaxdev.data_mesh(), axis="model")
+
+
+@pytest.mark.parametrize("kind", ["train", "train donate=False", "eval"])
+@pytest.mark.parametrize("name", ["single", "pmap", "sharded", "sharded 1 device", "shard_map"])
+def test_a_scalar_batch_leaf_is_named_by_every_strategy(name, kind):
+    """Was, sharded: JAX's ValueError 'pjit arguments ... args[1]['t'] ... incompatible with
+    its sharding annotation' (jit's in_shardings split every batch leaf, before the step's own
+    check in the loss's trace): single and pmap named it."""
+    strategy = {
+        "single": lambda: jaxdev.Strategy.single(),
+        "pmap": lambda: jaxdev.Strategy.pmap(),
+        "sharded": lambda: jaxdev.Strategy.sharded(),
+        "sharded 1 device": lambda: jaxdev.Strategy.sharded(jaxdev.data_mesh(jax.devices()[:1])),
+        "shard_map": lambda: jaxdev.Strategy.sharded(shard_map=True),
+    }[name]()
+    loss = lambda p, b: (b["x"] @ p["w"] * b["t"]) ** 2  # noqa: E731
+    if kind == "eval":
+        step, state = jaxdev.make_eval_step(loss, strategy), {"w": jnp.ones(4)}
+    else:
+        step = jaxdev.make_train_step(loss, optax.sgd(0.1), strategy, donate=kind == "train")
+        state = step.init_state({"w": jnp.ones(4)})
+    batch = {"x": np.ones((8, 4), np.float32), "t": jnp.float32(2)}
+    with pytest.raises(jaxdev.ShardingError, match=r"scalar leaves.*\n  \['t'\]: shape \(\)"):
+        step(state, batch)
+    with pytest.raises(jaxdev.ShardingError, match=r"scalar leaves.*\n  \['t'\]: shape \(\)"):
+        step.put_batch(batch)

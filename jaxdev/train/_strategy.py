@@ -604,6 +604,11 @@ class _Sharded(Strategy):
         sharding, n = batch_layout(self.mesh, self.axis)
         return row_multiple(sharding, n)
 
+    def check_even(self, batch: Any, axis: int = 0) -> None:
+        leaves = jax.tree.leaves(batch)  # a scalar leaf named: jit's in_shardings split it
+        batch_rows(batch, [np.shape(x)[axis:] for x in leaves], "batch")
+        super().check_even(batch, axis)
+
     def mask_spec(self, k: int = 1, m: int = 1) -> P:
         # replicated, jit counts the real rows on each device: the loss's denominator
         # needs no all-reduce before the backward pass (uneven batches: 2 all-reduces -> 1)
