@@ -73,9 +73,15 @@ def shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
 
 def packed_bytes(n: int, dtype: Any) -> int:
     """Bytes of ``n`` elements as XLA stores them: sub-byte dtypes packed (two int4 a byte)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # a PRNG key: its itemsize
-        return n * dtype.itemsize
-    return -(-n * jax.dtypes.itemsize_bits(dtype) // 8)
+    return -(-n * _bits(dtype) // 8)
+
+
+@functools.lru_cache(maxsize=256)
+def _bits(dtype: Any) -> int:
+    """Bits an element of ``dtype`` takes (a PRNG key: its itemsize's)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return 8 * dtype.itemsize
+    return jax.dtypes.itemsize_bits(dtype)
 
 
 def inside_trace() -> bool:

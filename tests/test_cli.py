@@ -135,6 +135,8 @@ def test_demo_exit_1_when_below_min_accuracy():
         (["demo", "--mesh", "data=3,fsdp=4"], ["`--mesh`", "multiply to 12 devices but 8"]),
         (["memory", "--model", "tests/test_memory_cli.py:tiny", "--mesh", "data=-1,fsdp=-1"],
          ["argument --mesh", "one may be -1", "got 'data=-1,fsdp=-1'"]),  # was: exit 1, 64 devices
+        (["memory", "--model", "tests/test_memory_cli.py:tiny", "--mesh", "data=2,data=4"],
+         ["argument --mesh", "distinct names", "got 'data=2,data=4'"]),  # was: data=4 planned
         (["demo", "--strategy", "pmap", "--params", "fsdp"], ["`--params`", "sharded"]),
         (["bench", "--json", "/no/such/folder/out.json"], ["/no/such/folder", "does not exist"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),

@@ -381,9 +381,11 @@ def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
     """``'data=2,fsdp=4'`` -> ``(('data', 2), ('fsdp', 4))``; one size may be -1."""
     axes = [(n.strip(), int(s) if n.strip() and re.fullmatch(r"\s*(-1|\+?\d+)\s*", s) else 0)
             for n, _, s in (part.partition("=") for part in text.split(","))]
-    if [v for _, v in axes].count(-1) > 1 or any(v == 0 for _, v in axes):
+    names, sizes = [n for n, _ in axes], [v for _, v in axes]
+    if sizes.count(-1) > 1 or 0 in sizes or len(set(names)) < len(names):
         raise argparse.ArgumentTypeError(
-            f"expected axes such as data=2,fsdp=4 (sizes >= 1, one may be -1), got {text!r}"
+            "expected axes such as data=2,fsdp=4 (distinct names, sizes >= 1, one may be -1), "
+            f"got {text!r}"
         )
     return tuple(axes)
 
