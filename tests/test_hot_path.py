@@ -463,7 +463,7 @@ def _python_calls(step, state, batch, metrics) -> int:
 def test_a_loops_call_runs_no_python_per_leaf(name):
     """Before: the fast path read four Python properties of each batch leaf (and hashed its
     sharding in Python). Now a call of 2 or 40 batch leaves, of a state of 2 or 100 leaves,
-    runs the same Python."""
+    runs the same Python (pmap still reads each batch leaf's placement)."""
 
     def tree_loss(params, batch):
         x = sum(batch.values())
@@ -479,3 +479,88 @@ def test_a_loops_call_runs_no_python_per_leaf(name):
             state, metrics = step(state, batch, metrics)
         counts[n_params, n_batch] = _python_calls(step, state, batch, metrics)
     assert len(set(counts.values())) == 1, counts
+
+
+def _odd_batches():
+    """Batches of a loop's shapes (16, 4) (or (8, 4): rows = the device count) and dtype,
+    laid out otherwise than its put_batch'ed ones (helper-53's attack on 14909e6)."""
+    from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
+
+    devs, x = jax.devices(), np.arange(64, dtype=np.float32).reshape(16, 4)
+    mesh = jax.sharding.Mesh(np.array(devs), ("data",))
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    return {
+        "device 3": lambda: jax.device_put(x, devs[3]),
+        "replicated": lambda: jax.device_put(x, NamedSharding(mesh, P())),
+        "explicit mesh": lambda: jax.device_put(x, NamedSharding(explicit, P("data"))),
+        "pinned host": lambda: jax.device_put(x, SingleDeviceSharding(devs[0], memory_kind="pinned_host")),
+        "uncommitted, reads two ways": lambda: jnp.ones((8, 4)),
+        "another mesh's stacked rows": lambda: jax.device_put(
+            np.ones((8, 4), np.float32), NamedSharding(jax.sharding.Mesh(np.array(devs), ("b",)), P("b"))
+        ),
+    }
+
+
+@pytest.mark.parametrize("odd", sorted(_odd_batches()))
+@pytest.mark.parametrize("name", ["single", "sharded"])
+@pytest.mark.parametrize("disable_jit", [False, True])
+def test_a_batch_laid_out_otherwise_after_a_loop_is_taken_as_a_fresh_step_takes_it(
+    name, odd, disable_jit
+):
+    """The fast path keys a batch by its abstract values and leaves its devices to jit. Before
+    (14909e6): an Explicit-mesh or pinned-host batch of the loop's shapes got JAX's raw
+    error, a batch that reads two ways trained silently, one jit refused was traced again
+    (the user's loss re-run), and under jax.disable_jit a misplaced one raised."""
+    rows = (8, 4) if "rows" in odd or "two ways" in odd else (16, 4)
+
+    traced = [0]
+
+    def counted(params, batch):
+        traced[0] += 1
+        return loss(params, batch)
+
+    def outcome(calls, place=False):
+        step = jaxdev.make_train_step(counted, SGD, STRATEGIES[name]())
+        state = step.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))})
+        loop, metrics = step.put_batch(np.ones(rows, np.float32)), None
+        for _ in range(calls):
+            state, metrics = step(state, loop, metrics)
+        batch = _odd_batches()[odd]()
+        batch = step.put_batch(np.asarray(batch)) if place else batch  # placed as the loop's
+        traced[0] = 0
+        try:
+            with jax.disable_jit(disable_jit):
+                _, metrics = step(state, batch, metrics)
+            return float(metrics.fetch()["loss"]), traced[0]
+        except Exception as err:  # noqa: BLE001 - under disable_jit an Explicit mesh's: JAX's
+            return type(err).__name__, 0
+
+    got, fresh = outcome(4), outcome(0)
+    assert type(got[0]) is type(fresh[0]) and (isinstance(got[0], float) or got == fresh)
+    if isinstance(got[0], float):  # the numbers of the batch placed as the loop's; the loss
+        assert got[0] == outcome(4, place=True)[0]  # not traced again (a refusing jit did)
+        assert got[1] == 0 or disable_jit  # (then the loss runs at each call, once)
+
+
+def test_a_state_leaf_laid_out_otherwise_as_the_batch_after_a_loop_is_copied():
+    """A fresh sharded step moves a batch that is a (replicated) state leaf into its own
+    buffer; after a loop too (helper-53: a fast path keyed without placement raised
+    PlacementError 'would donate an array it also reads')."""
+    name = "sharded"
+
+    def bloss(params, batch):
+        return ((batch + 0 * params["b"]) @ params["a"]).sum(-1)
+
+    def outcome(calls):
+        step = jaxdev.make_train_step(bloss, SGD, STRATEGIES[name]())
+        state = step.init_state({"a": jnp.ones((4, 2)), "b": jnp.full((16, 4), 3.0)})
+        loop, metrics = step.put_batch(np.ones((16, 4), np.float32)), None
+        for _ in range(calls):
+            state, metrics = step(state, loop, metrics)
+        try:
+            _, metrics = step(state, state.params["b"], metrics)
+            return float(metrics.fetch()["loss"])
+        except jaxdev.JaxdevError as err:
+            return type(err).__name__
+
+    assert isinstance(outcome(0), float) and isinstance(outcome(4), float)

@@ -75,7 +75,7 @@ from ._train import (
 _MAX_INFLIGHT = 8
 _MAX_SEEN = 64  # batch signatures a step remembers as checked
 _flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten, without its two frames
-_SHAPE = operator.attrgetter("aval.shape", "aval.dtype")  # read in C
+_AVAL = operator.attrgetter("aval")  # shape, dtype, sharding type, memory: read, hashed in C
 _TRACER = itertools.repeat(jax.core.Tracer)
 _get_mesh = jax.sharding.get_mesh
 
@@ -148,15 +148,20 @@ class _Step:
         hit = self._seen.get((metrics is None, fresh, treedef, *shapes))
         if hit is None:
             return None
-        key, known, bound, bare, program = hit
+        key, known, bound, bare, program, probe = hit
+        if probe and not self.strategy.placed(leaves[0]):  # it reads two ways: check_layout
+            return None
         args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
         if key[1]:
             args.append(metrics)
         step_call(self.is_train, compiling=False)
         self._tracing = False  # (its program is traced: no state to check, _state_in)
-        try:
-            if self._shared_crashes:  # see _call
+        if self._shared_crashes:  # see _call; the checks may move the batch first
+            try:
                 _check_crashes(args, key[1], self.donate)
+            except PlacementError:
+                raise _Refused from None
+        try:
             # a one-device program runs directly where no mesh is set (as _direct; inside a
             # trace get_mesh refuses it)
             out = bare(*args) if bare is not None and _get_mesh().empty else bound(*args)
@@ -215,11 +220,20 @@ class _Step:
                 bound = self._jitted[key]  # its MeshBound, and the jitted function in it
                 bare = bound.fn if bound.mesh is None else None
                 self._seen[(metrics is None, fresh, treedef, *shapes)] = (
-                    key, known, bound, bare, program
+                    key, known, bound, bare, program, self._two_ways(leaves)
                 )
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
+
+    def _two_ways(self, leaves: list) -> bool:
+        """Whether a batch of these shapes reads as rows and as pmap's stacked layout, so that
+        :meth:`Strategy.check_layout` passed it by its first leaf's placement."""
+        axis, rows = self.strategy.row_axis(self.steps_per_call, self.accumulate), self._reads_rows()
+        if not leaves or not (rows or axis):  # as _check_layout reads it
+            return False
+        lead = np.shape(leaves[0])[0 if rows else axis :][:2]
+        return len(lead) == 2 and lead[0] in self.strategy.stacked_sizes
 
     def _queue(self, token: Any) -> None:
         """At most _MAX_INFLIGHT queued calls: XLA deadlocks with ~100 queued collective
@@ -232,10 +246,11 @@ class _Step:
     def _failed_call(self, err: Exception, args: list, key: tuple, fresh: Any) -> None:
         """Raise the named error of a call JAX refused or that failed (``fresh``: a call on
         the fast path, retaken with its checks when JAX refused it before it ran)."""
+        eager = self._tracing and jax.config.jax_disable_jit  # a body run op by op: in it
+        if fresh is not None and (eager or not self._tracing) and _refusal(err):
+            raise _Refused from None  # (first: the checks may move a batch that is a state leaf)
         if self.donate and not self._tracing and not isinstance(err, JaxdevError):
             _raise_read_donated(args, key[1], err)  # JAX names no leaf donated and read
-        if fresh is not None and not self._tracing and _refusal(err):
-            raise _Refused from None
         explained = failed("the next call of the step", error=err)  # one it comes from
         explained = explained or oom_error(self.spec, args, err)
         if explained is None:
@@ -692,21 +707,22 @@ def _direct(bound: Any) -> Any:
 
 
 def _shapes(leaves: list) -> list | None:
-    """A batch's signature on the fast path: each leaf's shape and dtype, read in C (no
-    Python a leaf); ``None`` for a batch with a host leaf (its values are checked at every
-    call) or a tracer. Its placement is jit's to check: a committed leaf laid out otherwise
-    is refused (then the checks move it), an uncommitted one placed, as the checks leave it."""
+    """A batch's signature on the fast path: each leaf's abstract value (shape, dtype, an
+    Explicit mesh's sharding, memory space), read and hashed in C (no Python a leaf); ``None``
+    for a batch with a host leaf (its values are checked at every call) or a tracer. Its
+    devices are jit's to check: it refuses a committed leaf laid out otherwise (then the
+    checks move it) and places an uncommitted one, as the checks leave it."""
     if any(map(isinstance, leaves, _TRACER)):
         return None
     try:
-        return list(map(_SHAPE, leaves))
+        return list(map(_AVAL, leaves))
     except AttributeError:  # a host leaf (numpy, a Python number)
         return None
 
 
 def _placed_shapes(leaves: list) -> list | None:
-    """:func:`_shapes` with each leaf's (committed) sharding, for pmap: it places a committed
-    leaf laid out otherwise itself, where the checks refuse or split it."""
+    """:func:`_shapes` with each leaf's (committed) sharding, read in Python, for pmap: it
+    places a committed leaf laid out otherwise itself, where the checks refuse or split it."""
     try:
         return [a for x in leaves for a in (x.shape, x.dtype, x.committed and x.sharding)]
     except AttributeError:  # a host leaf (numpy, a Python number), a tracer
