@@ -11,7 +11,6 @@ and list deleted/donated leaves and tracers instead of raising. ``target`` is wh
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,7 +65,6 @@ _NOTES = {
 HOST_KINDS = ("pinned_host", "unpinned_host")
 """Memory kinds in host memory (not counted on the devices)."""
 _MAX_LISTED = 10  # leaves listed by assert_sharded_fraction
-_bits = functools.cache(lambda dtype: packed_bytes(8, dtype))  # a dtype's bits, looked up once
 
 
 class _Checks(NamedTuple):
@@ -626,7 +624,7 @@ def _sharded_bytes(leaves: list[Any]) -> tuple[int, int, list, list]:
             continue
         else:
             split = len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
-        n = -(-x.size * _bits(x.dtype) // 8)  # sub-byte dtypes packed, as XLA stores them
+        n = packed_bytes(x.size, x.dtype)  # sub-byte dtypes packed, as XLA stores them
         total += n
         if split:
             sharded += n

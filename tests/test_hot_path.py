@@ -489,15 +489,14 @@ def _odd_batches():
     devs, x = jax.devices(), np.arange(64, dtype=np.float32).reshape(16, 4)
     mesh = jax.sharding.Mesh(np.array(devs), ("data",))
     explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    other, host = NamedSharding(jax.sharding.Mesh(np.array(devs), ("b",)), P("b")), "pinned_host"
     return {
         "device 3": lambda: jax.device_put(x, devs[3]),
         "replicated": lambda: jax.device_put(x, NamedSharding(mesh, P())),
         "explicit mesh": lambda: jax.device_put(x, NamedSharding(explicit, P("data"))),
-        "pinned host": lambda: jax.device_put(x, SingleDeviceSharding(devs[0], memory_kind="pinned_host")),
+        "pinned host": lambda: jax.device_put(x, SingleDeviceSharding(devs[0], memory_kind=host)),
         "uncommitted, reads two ways": lambda: jnp.ones((8, 4)),
-        "another mesh's stacked rows": lambda: jax.device_put(
-            np.ones((8, 4), np.float32), NamedSharding(jax.sharding.Mesh(np.array(devs), ("b",)), P("b"))
-        ),
+        "another mesh's stacked rows": lambda: jax.device_put(np.ones((8, 4), np.float32), other),
     }
 
 

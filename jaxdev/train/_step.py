@@ -229,7 +229,8 @@ class _Step:
     def _two_ways(self, leaves: list) -> bool:
         """Whether a batch of these shapes reads as rows and as pmap's stacked layout, so that
         :meth:`Strategy.check_layout` passed it by its first leaf's placement."""
-        axis, rows = self.strategy.row_axis(self.steps_per_call, self.accumulate), self._reads_rows()
+        axis = self.strategy.row_axis(self.steps_per_call, self.accumulate)
+        rows = self._reads_rows()
         if not leaves or not (rows or axis):  # as _check_layout reads it
             return False
         lead = np.shape(leaves[0])[0 if rows else axis :][:2]
