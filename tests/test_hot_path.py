@@ -563,3 +563,27 @@ def test_a_state_leaf_laid_out_otherwise_as_the_batch_after_a_loop_is_copied():
             return type(err).__name__
 
     assert isinstance(outcome(0), float) and isinstance(outcome(4), float)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_loop_of_uneven_batches_takes_the_fast_path(name, monkeypatch):
+    """Before: a Padded batch (put_batch of rows the devices do not divide) never took the
+    fast path (its size, a Python int, is a leaf): every call of an uneven loop was checked.
+    The numbers are the checked path's."""
+    prepared = []
+    prepare = _step._Step._prepare
+    monkeypatch.setattr(_step._Step, "_prepare", lambda s, *a: prepared.append(1) or prepare(s, *a))
+
+    def run(fast):
+        step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+        state, metrics = step.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))}), None
+        for i in range(6):
+            batch = step.put_batch(np.full((12, 4), i, np.float32))  # 12 rows: padded to 16
+            state = state if fast else jax.tree.map(jnp.copy, state)  # a copy: checked
+            state, metrics = step(state, batch, metrics)
+        return float(metrics.fetch()["loss"]), jax.device_get(state.params)
+
+    fast = run(True)
+    assert len(prepared) == 3  # two programs compiled (no metrics, metrics), one remembered
+    assert fast[0] == run(False)[0] and len(prepared) == 9
+    jax.tree.map(np.testing.assert_array_equal, fast[1], run(False)[1])

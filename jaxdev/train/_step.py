@@ -142,10 +142,11 @@ class _Step:
         and shapes of one that went in as given before (its placement: jit refuses a committed
         leaf laid out otherwise, then the checks move it). One flatten, a dict lookup, the
         program; ``None`` for any other call (the checked path, :meth:`_call`)."""
-        leaves, treedef = _flatten(batch)
+        padded = type(batch) is Padded  # its rows and mask (its size is no part of a program)
+        leaves, treedef = _flatten(batch[:2] if padded else batch)
         if (shapes := self._signature(leaves)) is None:  # host leaves: checked each call
             return None
-        hit = self._seen.get((metrics is None, fresh, treedef, *shapes))
+        hit = self._seen.get((metrics is None, fresh, padded, treedef, *shapes))
         if hit is None:
             return None
         key, known, bound, bare, program, probe = hit
@@ -213,14 +214,15 @@ class _Step:
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
         self._last = self._remember(state, out, known[1], fresh is not None)
         if same and fresh is not None and not compiled:  # its batch's checks passed as given
-            leaves, treedef = _flatten(batch)
+            padded = type(batch) is Padded  # as _fast reads it
+            leaves, treedef = _flatten(batch[:2] if padded else batch)
             if (shapes := self._signature(leaves)) is not None:  # its checks passed as given
                 if len(self._seen) >= _MAX_SEEN:
                     self._seen.clear()
                 bound = self._jitted[key]  # its MeshBound, and the jitted function in it
                 bare = bound.fn if bound.mesh is None else None
-                self._seen[(metrics is None, fresh, treedef, *shapes)] = (
-                    key, known, bound, bare, program, self._two_ways(leaves)
+                self._seen[(metrics is None, fresh, padded, treedef, *shapes)] = (
+                    key, known, bound, bare, program, not padded and self._two_ways(leaves)
                 )
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
