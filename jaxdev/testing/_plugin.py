@@ -285,7 +285,8 @@ def _failed(item, when: str, text: str) -> pytest.TestReport:
 def _crash(report) -> str:
     """A failed report's exception line (its crash message, else its text's last line)."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    return crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
+    lines = str(report.longrepr).strip().splitlines() or [""]
+    return crash.message if crash is not None else lines[-1]
 
 
 def _describe(rc: int) -> str:

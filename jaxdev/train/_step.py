@@ -102,7 +102,6 @@ class _Step:
         # with a budget, each program (variant, batch shape) checked before it first runs
         self._budget = resolve_limit(spec.memory_limit, strategy.devices, required=False)[0]
         self._programs: dict[tuple, tuple] = {}  # (key, batch treedef, *shapes) -> _keep's
-        self._run: dict[tuple, Any] = {}  # key -> the jitted function its later calls run
         self._seen: dict[tuple, tuple] = {}  # batch signature -> key, known, bound, bare, program
         self._last: tuple | None = None  # the state and metrics returned last: _remember
         self._flops: dict[tuple, float | None] = {}  # program -> cost()
@@ -126,9 +125,7 @@ class _Step:
                 raise RuntimeError("a deleted batch leaf")  # it segfaults there: named below
             if same and (metrics is None or metrics is last[2]()):
                 try:  # its leaves are fresh, distinct outputs placed by the program: no walk
-                    if (out := self._fast(state, batch, metrics, start, last[3])) is None:
-                        out = self._call(state, batch, metrics, start, last[3])
-                    return out
+                    return self._fast(state, batch, metrics, start, last[3])
                 except _Refused:  # JAX refused the call before it ran: the checks name why
                     return self._call(state, batch, metrics, start, None, beat=False)
             return self._call(state, batch, metrics, start, None)
@@ -141,17 +138,17 @@ class _Step:
         """A loop's call: the state (and metrics) it returned last, a batch of the structure
         and shapes of one that went in as given before (its placement: jit refuses a committed
         leaf laid out otherwise, then the checks move it). One flatten, a dict lookup, the
-        program; ``None`` for any other call (the checked path, :meth:`_call`)."""
+        program; any other call takes the checked path (:meth:`_call`), told the signature."""
         padded = type(batch) is Padded  # its rows and mask (its size is no part of a program)
         leaves, treedef = _flatten(batch[:2] if padded else batch)
         if (shapes := self._signature(leaves)) is None:  # host leaves: checked each call
-            return None
-        hit = self._seen.get((metrics is None, fresh, padded, treedef, *shapes))
-        if hit is None:
-            return None
+            return self._call(state, batch, metrics, start, fresh)
+        seen = (metrics is None, fresh, padded, treedef, *shapes)
+        if (hit := self._seen.get(seen)) is None:
+            return self._call(state, batch, metrics, start, fresh, seen=(seen, leaves))
         key, known, bound, bare, program, probe = hit
         if probe and not self.strategy.placed(leaves[0]):  # it reads two ways: check_layout
-            return None
+            return self._call(state, batch, metrics, start, fresh)
         args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
         if key[1]:
             args.append(metrics)
@@ -163,8 +160,8 @@ class _Step:
             except PlacementError:
                 raise _Refused from None
         try:
-            # a one-device program runs directly where no mesh is set (as _direct; inside a
-            # trace get_mesh refuses it)
+            # a one-device program runs directly where no mesh is set (what outside_mesh
+            # does, without its frames; inside a trace get_mesh refuses it)
             out = bare(*args) if bare is not None and _get_mesh().empty else bound(*args)
             out, token = self._outputs(out)
             if self._bounded:
@@ -178,12 +175,20 @@ class _Step:
         return out
 
     def _call(
-        self, state: Any, batch: Any, metrics: Any, start: float, fresh: Any, beat: bool = True
+        self,
+        state: Any,
+        batch: Any,
+        metrics: Any,
+        start: float,
+        fresh: Any,
+        beat: bool = True,
+        seen: tuple | None = None,
     ) -> Any:
         """A call with its checks; ``fresh`` (the state's part of the key): the state is the
         one the step returned, so the walks over its leaves are skipped, and a refusal raises
-        _Refused. A fresh call whose batch went in as given (checked, nothing placed or
-        moved) is remembered: its batch's next calls of that signature take :meth:`_fast`."""
+        _Refused. ``seen``: the batch's signature and leaves, as :meth:`_fast` read them; when
+        the batch went in as given (checked, nothing placed or moved), its next calls of that
+        signature take :meth:`_fast`."""
         args, key, program, same = self._prepare(state, batch, metrics, fresh)
         known = self._programs.get(program)  # (OOM-later explainer, returned state's key)
         compiled = known is None
@@ -194,8 +199,9 @@ class _Step:
             if compiled:
                 args = self._new_program(key, args)
                 fn = self._compiled[key]  # its first call checks every process compiled the same
-            else:
-                fn = self._run[key]
+            else:  # a one-device program called directly where no mesh is set (as _fast)
+                bound = self._jitted[key]
+                fn = bound.fn if bound.mesh is None and _get_mesh().empty else bound
                 if key in self._in_shardings:  # jit refuses committed leaves
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
@@ -213,17 +219,13 @@ class _Step:
             self._state_in = None
         record(self, token, known[0])  # its error surfaces later, where its outputs are read
         self._last = self._remember(state, out, known[1], fresh is not None)
-        if same and fresh is not None and not compiled:  # its batch's checks passed as given
-            padded = type(batch) is Padded  # as _fast reads it
-            leaves, treedef = _flatten(batch[:2] if padded else batch)
-            if (shapes := self._signature(leaves)) is not None:  # its checks passed as given
-                if len(self._seen) >= _MAX_SEEN:
-                    self._seen.clear()
-                bound = self._jitted[key]  # its MeshBound, and the jitted function in it
-                bare = bound.fn if bound.mesh is None else None
-                self._seen[(metrics is None, fresh, padded, treedef, *shapes)] = (
-                    key, known, bound, bare, program, not padded and self._two_ways(leaves)
-                )
+        if same and seen is not None and not compiled:  # its batch's checks passed as given
+            if len(self._seen) >= _MAX_SEEN:
+                self._seen.clear()
+            (signature, leaves), bound = seen, self._jitted[key]  # its MeshBound, jit inside
+            bare = bound.fn if bound.mesh is None else None
+            probe = not signature[2] and self._two_ways(leaves)  # (padded: no layout to read)
+            self._seen[signature] = (key, known, bound, bare, program, probe)
         if start:  # a step meter listens
             _timeline.dispatched(self, program, start, compiled, token)
         return out
@@ -380,7 +382,7 @@ class _Step:
             kind = "train" if self.is_train else "eval"
             name = f"{kind} step (padded={key[0]}, metrics={key[1]})"
             # its first call checks every process compiled the same program
-            self._compiled[key], self._run[key] = same_program(jitted, name=name), _direct(jitted)
+            self._compiled[key] = same_program(jitted, name=name)
         return args
 
     def _jit(self, key: tuple, args: list[Any]) -> Any:
@@ -698,15 +700,6 @@ def _misplaced(
 
 
 # ---------------------------------------------------------------- donation safety
-
-
-def _direct(bound: Any) -> Any:
-    """A ``MeshBound`` without a mesh as its function, called directly while no mesh is set
-    (what ``outside_mesh`` does, without its frames)."""
-    if bound.mesh is not None:
-        return bound
-    fn = bound.fn
-    return lambda *args: fn(*args) if _get_mesh().empty else bound(*args)
 
 
 def _shapes(leaves: list) -> list | None:
