@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _stderr_relay, _timeline
 from ._errors import GuardArgumentError, GuardError
-from ._leaves import array_type
+from ._leaves import array_type, is_concrete
 
 D2H = "device_to_host"
 H2D = "host_to_device"
@@ -233,7 +233,7 @@ def _tree_has_device_array(x: Any = None, *args, **kwargs) -> bool:
 
 
 def _tree_has_host_data(x: Any = None, *args, **kwargs) -> bool:
-    return not all(isinstance(y, array_type()) for y in jax.tree_util.tree_leaves(x))
+    return not all(map(is_concrete, jax.tree_util.tree_leaves(x)))  # typed keys: on devices
 
 
 class _CountedUfunc:

@@ -218,10 +218,14 @@ def test_repeated_reads_all_count(x):
 
 
 def test_device_put_of_host_data_counts_and_of_device_data_does_not(x):
+    """A typed PRNG key array (no ``ArrayImpl``) moved between devices counted as a
+    host-to-device transfer (helper-53's review)."""
+    key = jax.random.key(0)
     with count_transfers() as c:
         jax.device_put(np.ones(3))
         jax.device_put({"a": np.ones(2), "b": 1.0})
         jax.device_put(x, jax.devices()[1])  # device to device: not host
+        jax.device_put({"key": key, "x": x}, jax.devices()[2])  # a typed key too
     assert c.host_to_device == 2, c.summary()
     assert {e.kind for e in c.events} == {"jax.device_put"}
 
