@@ -195,7 +195,8 @@ def outside_mesh() -> contextlib.AbstractContextManager:
     ``jax.set_mesh`` of another mesh would make JAX refuse them. Call it in a ``with``
     statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3).
     Placing arrays on a target's devices (JAX: 'compile-only client') raises PlacementError."""
-    return _OUTSIDE if jax.sharding.get_mesh().empty else _Named(jax.set_mesh(None), None)
+    free = jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty
+    return _OUTSIDE if free else _Named(jax.set_mesh(None), None)  # use_abstract_mesh too
 
 
 _OUTSIDE = _Named(None, None)

@@ -206,6 +206,30 @@ def test_single_and_pmap_steps_run_under_a_users_set_mesh(name):
     assert np.isfinite(metrics.fetch()["loss"])
 
 
+@pytest.mark.parametrize("name", ["single", "pmap"])
+def test_single_and_pmap_steps_run_under_a_users_abstract_mesh(name):
+    """Under ``jax.sharding.use_abstract_mesh`` of another mesh (no concrete mesh set) a
+    single or pmap step raised JAX's raw ValueError (incompatible devices; the context mesh
+    should match shard_map's): jaxdev stepped outside a concrete mesh only. It trains as
+    outside, in a loop (the fast path), tracing the loss once."""
+    other = jax.sharding.AbstractMesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    strategy = jaxdev.Strategy.single() if name == "single" else jaxdev.Strategy.pmap()
+    traced = [0]
+
+    def plain(p, b):
+        traced[0] += 1
+        return ((b["x"] @ p["w"]).sum(-1) - b["y"]) ** 2
+
+    step = jaxdev.make_train_step(plain, optax.sgd(0.01), strategy)
+    state, batch, metrics = step.init_state({"w": jnp.full((8, 4), 0.1)}), _batch(), None
+    for _ in range(3):
+        placed = step.put_batch(batch)
+        with jax.sharding.use_abstract_mesh(other):  # was: raw ValueError
+            state, metrics = step(state, placed, metrics)
+    np.testing.assert_allclose(np.asarray(state.params["w"]), _reference(batch, 3), rtol=1e-5)
+    assert traced[0] == 2  # two programs: without, then with running metrics
+
+
 # ---------------------------------------------------------------- explicit mesh= wins
 
 

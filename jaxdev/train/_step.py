@@ -201,7 +201,8 @@ class _Step:
                 fn = self._compiled[key]  # its first call checks every process compiled the same
             else:  # a one-device program called directly where no mesh is set (as _fast)
                 bound = self._jitted[key]
-                fn = bound.fn if bound.mesh is None and _get_mesh().empty else bound
+                free = _get_mesh().empty and jax.sharding.get_abstract_mesh().empty
+                fn = bound.fn if bound.mesh is None and free else bound  # else outside_mesh
                 if key in self._in_shardings:  # jit refuses committed leaves
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
