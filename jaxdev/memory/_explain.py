@@ -661,10 +661,9 @@ def fit_memory(
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = _limit(limit, spec, example=example)
-    # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     start = time.perf_counter()
     _log.info("fit_memory: the largest batch under %s (%s)", human_bytes(limit_), source)
-    with spec.strategy.mesh_context():
+    with spec.strategy.mesh_context():  # another jax.set_mesh is named, not 'nothing fits'
         rows = batch_rows(spec, example_batch, "example_batch")
         search = _Search(rows, state, limit_)
         for v in _candidates(spec, state):
