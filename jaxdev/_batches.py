@@ -13,13 +13,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, Sharding, SingleDeviceSh
 from jax.sharding import PartitionSpec as P
 
 from ._errors import ShardingError, format_devices
-from ._leaves import (
-    checked_leaves,
-    host_problem,
-    key_strings,
-    raise_leaf,
-    raise_leaves,
-)
+from ._leaves import checked_leaves, host_problem, key_strings, raise_leaf, raise_leaves
 from ._mesh import AxisName, batch_layout, check_mesh, outside_mesh
 from ._placement import aligned_copy, detach_host, detached, to_device
 

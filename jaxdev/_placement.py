@@ -18,13 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 
 from ._devices import DeviceSpec, resolve_device
-from ._errors import (
-    LeafTypeError,
-    PlacementError,
-    ShardingError,
-    available_devices,
-    format_devices,
-)
+from ._errors import LeafTypeError, PlacementError, ShardingError, available_devices, format_devices
 from ._leaves import (
     array_type,
     check_host_leaves,

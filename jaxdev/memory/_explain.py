@@ -22,7 +22,7 @@ import numpy as np
 
 from .._batches import Padded
 from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
-from .._leaves import is_jax_array
+from .._leaves import is_jax_array, shape_dtype
 from .._mesh import axis_size, check_mesh
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state
@@ -65,15 +65,10 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
                 f"shape ({want} (steps_per_call={k}, accumulate={m})."
             )
         rows.add(math.prod(shape[: lead + 1]) // (shape[k_at] if k > 1 else 1))
-        out.append((shape[lead + 1 :], _dtype(x)))
+        out.append((shape[lead + 1 :], shape_dtype(x)[1]))
     if len(rows) != 1:
         raise UsageError(f"`{arg}` leaves disagree on their rows: {sorted(rows)}.")
     return BatchRows(treedef, tuple(out), rows.pop(), shape[k_at] if k > 1 else 1)
-
-
-def _dtype(x: Any) -> Any:
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)  # typed keys kept
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
@@ -90,7 +85,7 @@ def state_shapes(tree: Any) -> Any:
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if isinstance(x, np.ndarray):
-            return jax.ShapeDtypeStruct(x.shape, _dtype(x))
+            return jax.ShapeDtypeStruct(x.shape, shape_dtype(x)[1])
         return x
 
     return jax.tree.map(one, tree)
@@ -666,10 +661,9 @@ def fit_memory(
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = _limit(limit, spec, example=example)
-    # under the strategy's mesh: another jax.set_mesh is named, not taken for 'nothing fits'
     start = time.perf_counter()
     _log.info("fit_memory: the largest batch under %s (%s)", human_bytes(limit_), source)
-    with spec.strategy.mesh_context():
+    with spec.strategy.mesh_context():  # another jax.set_mesh is named, not 'nothing fits'
         rows = batch_rows(spec, example_batch, "example_batch")
         search = _Search(rows, state, limit_)
         for v in _candidates(spec, state):

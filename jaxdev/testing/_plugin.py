@@ -175,7 +175,7 @@ def pytest_itemcollected(item):
             item.add_marker(mark)
 
 
-@functools.lru_cache(maxsize=None)  # absl makes many test methods of one def
+@functools.cache  # absl makes many test methods of one def
 def _decorators(fn) -> tuple[str, list]:
     """The source of ``fn``'s ``def`` and its decorators' AST nodes (none without source)."""
     try:
