@@ -61,7 +61,6 @@ def _jaxdev_step(got, mesh):
 def part(name: str, config: str) -> dict:
     """One part, in this process: ``{"peak", "seconds", "rss"}``."""
     got, _ = _setup(config)
-    import jax
 
     import jaxdev
 

@@ -398,8 +398,7 @@ class _StderrTap:
 
 
 _tap = _StderrTap()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_tap.forget)
+os.register_at_fork(after_in_child=_tap.forget)
 
 
 def _drain_implicit(stop: bool = False) -> None:

@@ -36,7 +36,7 @@ from ._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from ._placement import place_tree
 
 Rules = Any
-"""``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout pytree."""
+"""``"replicate"`` | ``"fsdp"`` | ``"flax"`` | ``[(regex, PartitionSpec), ...]`` | a layout tree."""
 
 _FORMS = (
     "'replicate', 'fsdp', 'flax', a list of (regex, PartitionSpec) pairs such as "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import threading
@@ -18,6 +17,7 @@ import jaxdev
 from jaxdev import _timeline
 from jaxdev.meter import StepMeter
 from jaxdev.meter._meter import peak_flops
+
 
 def _loss(params, batch):
     h = batch["x"]

@@ -567,7 +567,6 @@ def test_an_eval_state_is_known_by_its_structure_and_any_concrete_leaf():
     """An eval step's state of the same leaves: a typed PRNG key leaf is a concrete array (it
     was never taken as known: checked at every call); a dict renamed in place, the same
     leaves, is another structure (it was taken as known: jit retraced it unchecked)."""
-    from jaxdev.train import _step
 
     ev = jaxdev.make_eval_step(lambda p, b: b["x"] @ p["w"])
     batch = ev.put_batch({"x": np.ones((16, 4), np.float32)})

@@ -638,7 +638,8 @@ def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: 
                 f"Cannot restore checkpoint {path} onto `target` {target!r}: {err}"
             ) from err
         target = _rebuild(skeleton, [_as_saved(e, common) for e in entries])
-    is_leaf = lambda x: isinstance(x, (Sharding, Mesh, jax.Device, jax.ShapeDtypeStruct))  # noqa: E731
+    kinds = (Sharding, Mesh, jax.Device, jax.ShapeDtypeStruct)
+    is_leaf = lambda x: isinstance(x, kinds)  # noqa: E731
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     saved = {tuple(e["key"]): i for i, e in enumerate(entries)}
     asked = {_key(p): (keystr(p), leaf) for p, leaf in pairs}
