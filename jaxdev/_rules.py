@@ -295,8 +295,14 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
             f"{where}: the spec has {len(spec)} entries but the leaf has {ndim} "
             f"dimension(s). Give at most {ndim} entries (missing ones mean 'not split')."
         )
+    for kind in ("unreduced", "reduced"):  # kept (spec.update), so named here as a split's
+        if missing := sorted(set(getattr(spec, kind, ())) - set(mesh.axis_names)):
+            raise ShardingError(
+                f"{where}: {kind} mesh axis {missing[0]!r} does not exist; the mesh has axes "
+                f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or drop it."
+            )
     used: list[str] = []
-    parts = spec.partitions  # a spec's unreduced/reduced axes are kept (spec.update)
+    parts = spec.partitions
     for d, entry in enumerate(parts):
         if entry is None:
             continue

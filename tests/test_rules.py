@@ -713,3 +713,19 @@ def test_a_rule_specs_unreduced_and_reduced_axes_are_kept(form, field):
     out = jaxdev.param_shardings(shapes, mesh, rules, indivisible="replicate")
     assert out["w"].spec == P(None, "model", **{field: {"data"}})
     assert out["v"].spec == P(**{field: {"data"}})  # 6 is not divisible by 4: replicated
+
+
+@pytest.mark.parametrize("field", ["unreduced", "reduced"])
+@pytest.mark.parametrize("door", ["param_shardings", "init_state"])
+def test_a_rule_specs_unreduced_or_reduced_axis_not_on_the_mesh_is_named(field, door):
+    """An unreduced/reduced axis the mesh lacks raised JAX's raw ValueError (`_check_spec`
+    checked the split axes only). It is the ShardingError a split axis gets, with the leaf."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4})
+    rules = [("w", P("model", **{field: {"nope"}}))]
+    with pytest.raises(jaxdev.ShardingError, match=f"{field} mesh axis 'nope' does not exist"):
+        if door == "param_shardings":
+            jaxdev.param_shardings({"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, mesh, rules)
+        else:
+            strategy = jaxdev.Strategy.sharded(mesh, rules=rules)
+            step = jaxdev.make_train_step(lambda p, b: b["x"] @ p["w"], optax.sgd(0.1), strategy)
+            step.init_state({"w": jnp.ones((8,))})
