@@ -81,6 +81,7 @@ class StepConfig:
     lr_fn: Callable[[jax.Array], jax.Array] | None = None
     weighted: bool = False
     remat: Any = False  # True, or a jax.checkpoint policy: the loss under jax.checkpoint
+    told: list = dataclasses.field(default_factory=list, compare=False, repr=False)  # warned
 
 
 # ---------------------------------------------------------------- calling loss_fn
@@ -306,8 +307,8 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
         rng = jax.random.fold_in(rng, state.step)
         if axis is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        if (axis is not None or cfg.accumulate > 1) and "told" not in vars(cfg):
-            vars(cfg)["told"] = True  # once a step (README: Dropout keys); an id can be reused
+        if (axis is not None or cfg.accumulate > 1) and not cfg.told:
+            cfg.told.append(True)  # once a step (README: Dropout keys); an id can be reused
             folds = [] if axis is None else [f"the device index over {axis!r}"]
             if cfg.accumulate > 1:
                 folds.append(f"the micro-batch index (accumulate={cfg.accumulate})")
