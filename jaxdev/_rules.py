@@ -295,11 +295,19 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
             f"{where}: the spec has {len(spec)} entries but the leaf has {ndim} "
             f"dimension(s). Give at most {ndim} entries (missing ones mean 'not split')."
         )
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
     for kind in ("unreduced", "reduced"):  # kept (spec.update), so named here as a split's
-        if missing := sorted(set(getattr(spec, kind, ())) - set(mesh.axis_names)):
+        names = sorted(getattr(spec, kind, ()))
+        if missing := [a for a in names if a not in types]:
             raise ShardingError(
                 f"{where}: {kind} mesh axis {missing[0]!r} does not exist; the mesh has axes "
                 f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or drop it."
+            )
+        if auto := [a for a in names if types[a] != jax.sharding.AxisType.Explicit]:
+            raise ShardingError(
+                f"{where}: {kind} mesh axis {auto[0]!r} is {types[auto[0]].name}, and JAX takes "
+                f"{kind} axes of Explicit mesh axes only. Make it Explicit "
+                "(`jaxdev.make_mesh(..., axis_type='explicit')`), or drop it."
             )
     used: list[str] = []
     parts = spec.partitions

@@ -715,14 +715,17 @@ def test_a_rule_specs_unreduced_and_reduced_axes_are_kept(form, field):
     assert out["v"].spec == P(**{field: {"data"}})  # 6 is not divisible by 4: replicated
 
 
+@pytest.mark.parametrize("axis", ["missing", "auto"])
 @pytest.mark.parametrize("field", ["unreduced", "reduced"])
 @pytest.mark.parametrize("door", ["param_shardings", "init_state"])
-def test_a_rule_specs_unreduced_or_reduced_axis_not_on_the_mesh_is_named(field, door):
-    """An unreduced/reduced axis the mesh lacks raised JAX's raw ValueError (`_check_spec`
-    checked the split axes only). It is the ShardingError a split axis gets, with the leaf."""
+def test_a_rule_specs_unreduced_or_reduced_axis_jax_refuses_is_named(field, door, axis):
+    """An unreduced/reduced axis the mesh lacks, or one of an Auto mesh axis (make_mesh's
+    default), raised JAX's raw ValueError (`_check_spec` checked the split axes only). Each
+    is a ShardingError naming the rule and the leaf, as a split axis's is."""
     mesh = jaxdev.make_mesh({"data": 2, "model": 4})
-    rules = [("w", P("model", **{field: {"nope"}}))]
-    with pytest.raises(jaxdev.ShardingError, match=f"{field} mesh axis 'nope' does not exist"):
+    name, why = ("nope", "does not exist") if axis == "missing" else ("data", "is Auto")
+    rules = [("w", P("model", **{field: {name}}))]
+    with pytest.raises(jaxdev.ShardingError, match=f"{field} mesh axis '{name}' {why}"):
         if door == "param_shardings":
             jaxdev.param_shardings({"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, mesh, rules)
         else:
