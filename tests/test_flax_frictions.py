@@ -151,6 +151,25 @@ def test_the_step_says_once_when_its_keys_are_not_a_plain_jit_steps(name, caplog
         assert "Strategy.single()" in told[0]
 
 
+def test_a_step_built_from_another_steps_spec_says_so_too(caplog):
+    """A step made by ``spec.replace(...)`` (what fit_memory's ``fit.step`` and the memory
+    options are) shared its parent's once-a-step flag (a field copied by
+    ``dataclasses.replace``): after its parent warned, it said nothing (attack on 8198f46).
+    And ``explain_memory(remat=<a step that warned>)`` raised TypeError (the flag, kept in
+    the config's ``__dict__``, was passed back as an option)."""
+    step = jaxdev.make_train_step(_loss_rng, SGD, accumulate=2)
+    with caplog.at_level("WARNING", logger="jaxdev"):
+        for made in (step, step.spec.replace(accumulate=4).step()):
+            state = made.init_state({"w": jnp.zeros(4)}, rng=jax.random.key(0))
+            made(state, made.put_batch(_batch()))
+    told = [r.getMessage() for r in caplog.records if "keys differ" in r.getMessage()]
+    assert len(told) == 2 and "accumulate=4" in told[1], told
+    fresh = jaxdev.make_train_step(_loss_rng, SGD)  # the model's own remat: the step above
+    batch = fresh.put_batch(_batch())
+    got = jaxdev.memory.explain_memory(fresh, state, batch, options=("remat",), remat=step)
+    assert "the model's own remat" in str(got)
+
+
 def test_each_new_step_says_so_even_at_a_freed_steps_address(caplog):
     seen, told = set(), 0  # a freed step's config address given to a new one skipped its warning
     with caplog.at_level("WARNING", logger="jaxdev"):

@@ -158,7 +158,9 @@ def remat_variant(spec: StepSpec, remat: Any = True) -> Variant | str:
     if not spec.train:
         return "an eval step keeps no activations for a backward pass"
     if isinstance(remat, (StepSpec, Described)):  # model code: its loss and options, our layout
-        own = spec.replace(**vars(spec_of(remat, "remat").config))  # every field of its config
+        mine = spec_of(remat, "remat").config  # every option of its config (not its flags)
+        options = {f.name: getattr(mine, f.name) for f in dataclasses.fields(mine) if f.init}
+        own = spec.replace(**options)
         return Variant("your `remat` step", "the model's own remat", own)
     if remat is not True and not (callable(remat) and not isinstance(remat, type)):
         raise UsageError(

@@ -81,7 +81,9 @@ class StepConfig:
     lr_fn: Callable[[jax.Array], jax.Array] | None = None
     weighted: bool = False
     remat: Any = False  # True, or a jax.checkpoint policy: the loss under jax.checkpoint
-    told: list = dataclasses.field(default_factory=list, compare=False, repr=False)  # warned
+    told: list = dataclasses.field(  # the keys-differ warning given: once a step, each its own
+        default_factory=list, init=False, compare=False, repr=False
+    )
 
 
 # ---------------------------------------------------------------- calling loss_fn
