@@ -231,6 +231,28 @@ def test_single_and_pmap_steps_run_under_a_users_abstract_mesh(name):
     assert traced[0] == 2  # two programs: without, then with running metrics
 
 
+@pytest.mark.parametrize("shard_map", [False, True], ids=["jit", "shard_map"])
+def test_a_sharded_step_under_its_own_set_mesh_and_another_abstract_mesh_trains(shard_map):
+    """Under ``jax.set_mesh(strategy.mesh)`` with ``use_abstract_mesh`` of another mesh inside,
+    a sharded step raised JAX's raw ValueError: jaxdev saw its own concrete mesh set and
+    entered nothing (helper-56's attack). It trains as outside."""
+    other = jax.sharding.AbstractMesh((8,), ("zz",), axis_types=(AxisType.Explicit,))
+    plain = lambda p, b: ((b["x"] @ p["w"]).sum(-1) - b["y"]) ** 2  # noqa: E731
+    params = {}
+    for inside in (False, True):
+        strategy = jaxdev.Strategy.sharded(jaxdev.data_mesh(), shard_map=shard_map)
+        step = jaxdev.make_train_step(plain, optax.sgd(0.01), strategy)
+        state, metrics = step.init_state({"w": jnp.full((8, 4), 0.1)}), None
+        with contextlib.ExitStack() as ctx:
+            if inside:
+                ctx.enter_context(jax.set_mesh(strategy.mesh))
+                ctx.enter_context(jax.sharding.use_abstract_mesh(other))
+            for _ in range(4):
+                state, metrics = step(state, step.put_batch(_batch()), metrics)
+        params[inside] = np.asarray(state.params["w"])
+    np.testing.assert_array_equal(params[True], params[False])
+
+
 # ---------------------------------------------------------------- explicit mesh= wins
 
 
