@@ -152,10 +152,11 @@ def under_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
       True
     """
     current = jax.sharding.get_mesh()
-    if current == mesh and jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
-        return _Named(None, mesh)
-    if current.empty or current == mesh:  # (a use_abstract_mesh of another inside: left)
+    if current.empty:
         return _Named(jax.set_mesh(mesh), mesh)
+    if current == mesh:  # kept, unless a use_abstract_mesh of another mesh is inside it
+        kept = jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+        return _Named(None if kept else jax.set_mesh(mesh), mesh)
     raise ShardingError(
         f"a mesh is already set with `jax.set_mesh`: {_describe(current)}, but the strategy's "
         f"mesh is {_describe(mesh)}. Call jaxdev under the strategy's own mesh "
