@@ -202,8 +202,8 @@ class _Step:
                 fn = self._compiled[key]  # its first call checks every process compiled the same
             else:  # a one-device program called directly where no mesh is set (as _fast)
                 bound = self._jitted[key]
-                free = _get_mesh().empty and _get_abstract_mesh().empty
-                fn = bound.fn if bound.mesh is None and free else bound  # else outside_mesh
+                direct = bound.mesh is None and _get_mesh().empty and _get_abstract_mesh().empty
+                fn = bound.fn if direct else bound  # else under outside_mesh, or its mesh
                 if key in self._in_shardings:  # jit refuses committed leaves
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
