@@ -282,6 +282,16 @@ def _form(rules: Rules) -> Any:
     return "layout"
 
 
+def _check_exists(where: str, axes: Any, mesh: Mesh, what: str = "") -> None:
+    """Raise naming the first of ``axes`` that ``mesh`` lacks (``what``: e.g. 'unreduced ')."""
+    if missing := [a for a in axes if a not in mesh.axis_names]:
+        raise ShardingError(
+            f"{where}: {what}mesh axis {missing[0]!r} does not exist; the mesh has axes "
+            f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or build a mesh with "
+            "it: jaxdev.make_mesh({...})."
+        )
+
+
 def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str = "error") -> P:
     """Pad ``spec`` to the leaf's rank (``P()`` if it splits nothing); raise if it cannot apply
     (``indivisible="replicate"``: a dimension its axes do not divide is replicated, logged)."""
@@ -298,11 +308,7 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     for kind in ("unreduced", "reduced"):  # kept (spec.update), so named here as a split's
         names = sorted(getattr(spec, kind, ()))
-        if missing := [a for a in names if a not in types]:
-            raise ShardingError(
-                f"{where}: {kind} mesh axis {missing[0]!r} does not exist; the mesh has axes "
-                f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or drop it."
-            )
+        _check_exists(where, names, mesh, f"{kind} ")
         if auto := [a for a in names if types[a] != jax.sharding.AxisType.Explicit]:
             raise ShardingError(
                 f"{where}: {kind} mesh axis {auto[0]!r} is {types[auto[0]].name}, and JAX takes "
@@ -315,12 +321,7 @@ def _check_spec(leaf: _Leaf, spec: P, source: str, mesh: Mesh, indivisible: str 
         if entry is None:
             continue
         axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        if missing := [a for a in axes if a not in mesh.axis_names]:
-            raise ShardingError(
-                f"{where}: mesh axis {missing[0]!r} does not exist; the mesh has axes "
-                f"{tuple(mesh.axis_names)}. Rename the axis in the rule, or build a mesh with "
-                "it: jaxdev.make_mesh({...})."
-            )
+        _check_exists(where, axes, mesh)
         if twice := [a for a in axes if a in used]:
             raise ShardingError(
                 f"{where}: mesh axis {twice[0]!r} is used for two dimensions; each mesh axis "
