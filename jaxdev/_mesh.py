@@ -196,8 +196,13 @@ def outside_mesh() -> contextlib.AbstractContextManager:
     ``jax.set_mesh`` of another mesh would make JAX refuse them. Call it in a ``with``
     statement, as :func:`under_mesh`; nothing to leave when no mesh is set (1 us, not 3).
     Placing arrays on a target's devices (JAX: 'compile-only client') raises PlacementError."""
-    free = jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty
-    return _OUTSIDE if free else _Named(jax.set_mesh(None), None)  # use_abstract_mesh too
+    return _OUTSIDE if no_mesh() else _Named(jax.set_mesh(None), None)
+
+
+def no_mesh() -> bool:
+    """Whether no mesh is set: neither ``jax.set_mesh`` nor ``use_abstract_mesh`` (where a
+    one-device program runs as it is). Inside a trace ``get_mesh`` raises ``ValueError``."""
+    return jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty
 
 
 _OUTSIDE = _Named(None, None)

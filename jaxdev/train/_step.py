@@ -41,6 +41,7 @@ from .._leaves import (
     same_layout,
     shape_dtype,
 )
+from .._mesh import no_mesh
 from .._pending import failed, look, record, wait
 from .._placement import put_leaves, to_device
 from .._prefetch import Prefetcher
@@ -77,7 +78,6 @@ _MAX_SEEN = 64  # batch signatures a step remembers as checked
 _flatten = jax.tree_util.default_registry.flatten  # jax.tree.flatten, without its two frames
 _AVAL = operator.attrgetter("aval")  # shape, dtype, sharding type, memory: read, hashed in C
 _TRACER = itertools.repeat(jax.core.Tracer)
-_get_mesh, _get_abstract_mesh = jax.sharding.get_mesh, jax.sharding.get_abstract_mesh
 
 
 class _Step:
@@ -162,8 +162,7 @@ class _Step:
         try:
             # a one-device program runs directly where no mesh is set (what outside_mesh
             # does, without its frames; inside a trace get_mesh refuses it)
-            free = bare is not None and _get_mesh().empty and _get_abstract_mesh().empty
-            out = bare(*args) if free else bound(*args)
+            out = bare(*args) if bare is not None and no_mesh() else bound(*args)
             out, token = self._outputs(out)
             if self._bounded:
                 self._queue(token)
@@ -202,8 +201,7 @@ class _Step:
                 fn = self._compiled[key]  # its first call checks every process compiled the same
             else:  # a one-device program called directly where no mesh is set (as _fast)
                 bound = self._jitted[key]
-                direct = bound.mesh is None and _get_mesh().empty and _get_abstract_mesh().empty
-                fn = bound.fn if direct else bound  # else under outside_mesh, or its mesh
+                fn = bound.fn if bound.mesh is None and no_mesh() else bound
                 if key in self._in_shardings:  # jit refuses committed leaves
                     only = None if fresh is None else range(1, 2 + key[0])  # laid out otherwise
                     moved = self._relayout(key, args, only=only)  # fresh: the batch
