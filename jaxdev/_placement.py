@@ -71,9 +71,17 @@ def as_sharding(target: Target) -> Sharding:
 
 
 def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Sharding, arg: str):
-    """Raise ShardingError naming leaves whose shape ``s`` cannot split."""
+    """Raise ShardingError naming leaves whose shape ``s`` cannot split, or any leaf when
+    ``s`` is unreduced (a placed value would count once per copy; jax 0.12 refuses it raw)."""
     if isinstance(s, SingleDeviceSharding):
         return
+    if idx and (unreduced := getattr(getattr(s, "spec", None), "unreduced", None)):
+        raise ShardingError(
+            f"`{arg}` leaf {key_strings(tree)[idx[0]]} cannot be placed on "
+            f"{describe_sharding(s)}: an array unreduced over {sorted(unreduced)} is the sum of "
+            "its copies there, so a placed value would count once per copy. Drop `unreduced` "
+            "from the spec or rule that places it (unreduced values arise inside a step)."
+        )
     for i in idx:
         shape = np.shape(leaves[i])
         try:

@@ -33,7 +33,6 @@ import time
 import traceback
 
 import pytest
-from _pytest.terminal import TerminalReporter  # pytest.TerminalReporter only from 8.4
 
 ENV = "JAXDEV_TESTING"  # a worker's orders (JSON); read and removed at start-up
 DEFAULT_TIMEOUT_S = 60.0
@@ -846,7 +845,7 @@ class _SharedTmpPath:
         return pathlib.Path(_WORKER["tmp_path"])
 
 
-class _Quiet(TerminalReporter):
+class _Quiet(pytest.TerminalReporter):
     """A worker's terminal: nothing shown, no summary (hypothesis's imports hypothesis: slow)."""
 
     pytest_sessionfinish = None
