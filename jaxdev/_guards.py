@@ -16,6 +16,7 @@ import functools
 import os
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections import Counter
@@ -117,7 +118,13 @@ _undo: list[Callable[[], None]] = []
 _tls = threading.local()
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(_HERE) + os.sep
-_SKIP = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, np))
+# libraries' code (jax, numpy, the standard library, site-packages): a call site is the
+# first frame outside them, the user's (a ``logging`` call's ``str()``, orbax's reads)
+_LIBRARIES = (*{
+    os.path.abspath(d) + os.sep
+    for d in (*(os.path.dirname(m.__file__) for m in (jax, np, os)),
+              *(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+}, "<frozen ")
 
 
 def _emit(direction: str, kind: str, where: str = "") -> None:
@@ -130,15 +137,16 @@ def _emit(direction: str, kind: str, where: str = "") -> None:
 
 
 def _call_site() -> str:
-    """``file:line (function)`` of the first caller outside jax/numpy (then jaxdev, ``via``)."""
+    """``file:line (function)`` of the first caller outside jaxdev and the libraries (then
+    jaxdev's first frame, ``via``); jaxdev's own when no other (``python -m jaxdev``)."""
     frame, inner = sys._getframe(2), ""
     while frame is not None:
         name = frame.f_code.co_filename
-        if name != _HERE and not name.startswith(_SKIP) and "jaxlib" not in name:
-            site = f"{os.path.basename(name)}:{frame.f_lineno} ({frame.f_code.co_name})"
-            if not name.startswith(_PACKAGE):
-                return f"{site} via {inner}" if inner else site
-            inner = inner or site
+        site = f"{os.path.basename(name)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        if name.startswith(_PACKAGE):
+            inner = inner or (site if name != _HERE else "")
+        elif not name.startswith(_LIBRARIES) and "jaxlib" not in name:
+            return f"{site} via {inner}" if inner else site
         frame = frame.f_back
     return inner
 

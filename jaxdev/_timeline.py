@@ -1,12 +1,13 @@
 """Where jaxdev tells the active step meters what its steps and the host did.
 
 With no meter on, a step pays two truth tests of :data:`listeners` per call, a prefetcher's
-``next`` one; with meters on, two clock reads and an append to one array they share. A meter
-(``jaxdev.meter``) listens (:func:`listen`) while it is on.
+``next`` one; with meters on, a thread id, two clock reads and an append to one array they
+share. A meter (``jaxdev.meter``) listens (:func:`listen`) while it is on, in one thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 from typing import Any
@@ -16,6 +17,7 @@ times = array("d")  # each metered step call's start and end: no object the GC w
 runs: list[tuple] = []  # (first call, step, key, compiled) of each program run in ``times``
 newest: tuple = (0, None)  # (calls in ``times``, an output of the last): kept outputs cost
 _run: tuple = (None, None)  # the step and program key of the last run
+_thread: int | None = None  # the meters' loop thread: another thread's steps are not theirs
 _KEEP = 1 << 21  # doubles kept when no meter listens (16 MiB): a new meter then starts afresh
 
 
@@ -28,6 +30,8 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
     """Record for the meters: ``step``'s program ``key`` was dispatched from ``start`` until
     now (``compiled``: this call traced and compiled it); ``token`` is an output to wait on."""
     global newest, _run
+    if threading.get_ident() != _thread:
+        return
     times.extend((start, time.perf_counter()))
     if compiled or key is not _run[1] or step is not _run[0]:  # a new program run
         _run = (step, key)
@@ -36,13 +40,14 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
 
 
 def listen(meter: Any) -> int:
-    """Add ``meter``; return the index its first step call will have in :data:`times`."""
-    global _run, newest
+    """Add ``meter`` (of the thread calling); return the index its first step call will have
+    in :data:`times`."""
+    global _run, newest, _thread
     if not listeners and len(times) > _KEEP:
         del times[:], runs[:]
         newest = (0, None)  # its count indexed the cleared record
     listeners.append(meter)
-    _run = (None, None)  # its first call starts a run
+    _run, _thread = (None, None), threading.get_ident()  # its first call starts a run
     return len(times) // 2
 
 

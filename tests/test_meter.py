@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import threading
 import time
 
@@ -70,6 +71,43 @@ def test_a_prefetchers_waits_are_input_without_wrapping():
         for b in jaxdev.prefetch_to_device(loader(10), 2, jax.devices()[0]):
             state, _ = step(state, b)
     assert m.report().seconds["input"] > 0.1, m.report()
+
+
+def _sleep(seconds, into):
+    t = time.perf_counter()
+    time.sleep(seconds)
+    into.append(time.perf_counter() - t)
+
+
+@pytest.mark.parametrize("where", ["after_an_input_wait", "before_a_sync", "before_leaving"])
+def test_host_work_the_meter_cannot_see_is_other(where):
+    """The host's own work (a sleep here) while the device waits is "other". It went to input
+    when it followed an input wait (the wait ended a switch interval before the step ended),
+    to sync when a sync that found the step done came after it, and to the step when it came
+    before leaving the block (leaving stamped a step done long before as ending then)."""
+    step, state, batch, metrics = _setup()
+    float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
+    inputs, work = [], []
+
+    def loader(n):
+        for _ in range(n):
+            _sleep(0.01, inputs)
+            yield batch
+
+    with StepMeter() as m:
+        for b in m.inputs(loader(8)) if where == "after_an_input_wait" else [batch] * 8:
+            state, metrics = step(state, b)
+            if where != "before_leaving":
+                _sleep(0.02, work)
+                if where == "before_a_sync":
+                    float(metrics.compute()["loss"])  # the step ended long ago: no wait
+        if where == "before_leaving":
+            _sleep(0.06, work)
+    r = m.report()
+    assert r.seconds["other"] == pytest.approx(sum(work), rel=0.15), r
+    assert r.seconds["input"] == pytest.approx(sum(inputs), rel=0.15, abs=1e-3), r
+    assert r.seconds["sync"] + r.seconds["step"] < 0.1 * sum(work), r
+    assert sum(r.seconds.values()) == pytest.approx(r.wall)
 
 
 def test_float_loss_each_step_is_a_host_sync_named_by_its_line():
@@ -143,7 +181,7 @@ def test_the_watcher_wakes_once_per_batch_of_steps_not_per_step():
     r, looks = m.report(), [t for _, t in m._looks]  # no syncs: the watcher's looks only
     assert r.steps == 300 and len(looks) < 300 / 4, len(looks)
     assert all(b - a >= 1e-3 for a, b in zip(looks, looks[1:-1]))  # >= 1 ms apart (not exit's)
-    assert 0 < r.seconds["step"] <= r.wall
+    assert 0 <= r.seconds["step"] <= r.wall  # a step seen done: ended by its dispatch at most
 
 
 def test_a_metered_step_leaves_no_object_for_the_garbage_collector():
@@ -221,6 +259,25 @@ def test_a_report_compiles_nothing_and_shows_flops_per_device():
     assert flops["sharded"] == pytest.approx(flops["single"] / 8, rel=0.2), flops
 
 
+@pytest.mark.parametrize("group", ["steps_per_call", "accumulate"])
+def test_flops_count_every_step_and_micro_batch_of_a_call(group):
+    """XLA's cost analysis counts a loop's body once: a call of 4 steps, or of 4 accumulated
+    micro-batches, was counted as one plain call's FLOPs (FLOP/s and MFU 4x too low)."""
+    tx, per_call = optax.sgd(0.1), {}
+    for k in (1, 4):
+        step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single(), **{group: k})
+        state = step.init_state({"w": jnp.full((64, 64), 0.01)}, tx)
+        shape = (k, 64, 64) if group == "steps_per_call" and k > 1 else (64 * k, 64)
+        batch = step.put_batch({"x": np.ones(shape, np.float32)})
+        state, _ = step(state, batch)
+        with StepMeter() as m:
+            for _ in range(3):
+                state, _ = step(state, batch)
+        r = m.report()
+        per_call[k] = r.flops_per_device * r.wall / 3
+    assert per_call[4] == pytest.approx(4 * per_call[1], rel=0.1), per_call
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"examples_per_step": -1}, {"tokens_per_step": True}, {"last": 0},
                {"examples_per_step": "8"}, {"tokens_per_step": float("nan")}]
@@ -240,6 +297,60 @@ def test_last_is_a_whole_count_of_steps(last):
 def test_numpy_numbers_are_numbers():  # np.int64(16) was refused as "not a number > 0"
     m = StepMeter(examples_per_step=np.int64(16), tokens_per_step=np.float32(160), last=np.int32(5))
     assert (m.examples, m.tokens, m.last) == (16, 160, 5)
+
+
+def test_a_meter_in_a_second_thread_is_refused_and_its_steps_not_counted():
+    """Meters in two threads counted each other's steps (5 and 7 calls reported as 10 and
+    12): the record of step calls is one. A second thread's meter is refused by name, and a
+    step called in another thread is not the metered loop's."""
+    step, state, batch, _ = _setup()
+    other, errors = _setup()[:3], []
+
+    def elsewhere(n):
+        st = other[1]
+        for _ in range(n):
+            st, _ = other[0](st, other[2])
+        try:
+            with StepMeter():
+                pass
+        except jaxdev.UsageError as err:
+            errors.append(str(err))
+
+    with StepMeter() as m:
+        thread = threading.Thread(target=elsewhere, args=(7,))
+        thread.start()
+        for _ in range(5):
+            state, _ = step(state, batch)
+        thread.join()
+    assert m.report().steps == 5
+    assert len(errors) == 1 and "one thread's loop at a time" in errors[0], errors
+
+
+def test_a_sync_in_a_logging_call_is_named_at_the_users_line(caplog):
+    """``logging``'s ``str()`` of a device array was named at logging's own line."""
+    step, state, batch, metrics = _setup()
+    with StepMeter() as m:
+        state, metrics = step(state, batch)
+        logging.getLogger("jaxdev-test").warning("loss %s", metrics["loss"].compute())
+    line = inspect.currentframe().f_lineno - 1
+    assert [w for w, _, _ in m.report().syncs if f"test_meter.py:{line} " in w], m.report().syncs
+
+
+def test_inputs_and_report_outside_the_block():
+    """``inputs`` iterated before the block raised a raw AttributeError, after it kept
+    adding to the finished report; ``report`` of a meter never entered measured from 0;
+    ``inputs(None)`` raised a bare TypeError at the first item."""
+    m = StepMeter()
+    with pytest.raises(jaxdev.UsageError, match="enter the meter"):
+        m.report()
+    with pytest.raises(jaxdev.UsageError, match="expects an iterable of batches, got NoneType"):
+        m.inputs(None)
+    assert list(m.inputs(range(2))) == [0, 1]  # before: untimed
+    with m:
+        assert list(m.inputs(range(2))) == [0, 1]
+    before = m.report()
+    assert list(m.inputs(iter([time.sleep(0.01)]))) == [None]  # after: untimed
+    assert m.report() == before
 
 
 def test_a_meter_meters_one_block():

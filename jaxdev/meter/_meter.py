@@ -41,6 +41,7 @@ SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
 _RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
 _EVERY, _POLL = 0.05, 2e-3  # the watcher looks every 50 ms; polls every 2 ms while catching
 _LOOK = (0.05, 64)  # it catches a running step within 50 ms or 64 steps, else takes the last
+_WAITED = 1e-3  # a sync this long that found the newest step done waited for it
 
 
 _watcher: threading.Thread | None = None
@@ -153,9 +154,10 @@ class StepMeter:
                 raise UsageError(f"`{name}` must be a {kind}, got {value!r}.")
         self.examples, self.tokens, self.last = examples_per_step, tokens_per_step, int(last)
         self._t0 = self._t1 = 0.0
+        self._tid: int | None = None  # the loop's thread, while in the block
         self._first, self._kept = 0, None  # its first call in _timeline.times; its record
         self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
-        self._synced: list[tuple[int, float]] = []  # (step, a sync's end: it ended by then)
+        self._synced: list[tuple[int, float, float]] = []  # (step, a sync: it ended by then)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
         self._marks: list[tuple[str, float]] = []  # (label, start): until the next step or input
         self._lock = threading.Lock()  # one look at a time (the watcher's, leaving's)
@@ -166,6 +168,12 @@ class StepMeter:
         if self._t0:
             raise UsageError("A StepMeter meters one block: make a new one for the next.")
         self._tid = threading.get_ident()
+        if other := [m for m in _timeline.listeners if m._tid != self._tid]:
+            raise UsageError(
+                f"A StepMeter is on in thread {other[0]._tid}, and this one would be in thread "
+                f"{self._tid}: jaxdev meters one thread's loop at a time (each would count the "
+                "other's steps). Meter one loop, or leave the other's block first."
+            )
         self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs and compiles
         self._guard.__enter__()
         self._t0 = time.perf_counter()
@@ -186,6 +194,7 @@ class StepMeter:
             _timeline.leave(self)
             self._guard.__exit__(None, None, None)
         self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
+        self._tid = None  # its inputs() after the block are not its own
 
     def _look(self, final: bool = False) -> bool:
         """Note when the newest step ended: wait for it while it runs; one done already
@@ -199,23 +208,39 @@ class StepMeter:
             if n <= done:
                 return False
             # deleted (an eval step's metrics, donated since): it ended (jax 0.10.2 segfaults
-            ready = token.is_deleted() or (not final and token.is_ready())  # on is_ready)
+            ready = token.is_deleted() or token.is_ready()  # on is_ready)
             seen, since = self._catch if self._catch[0] else (n, time.perf_counter())
-            if ready and n - seen < _LOOK[1] and time.perf_counter() - since < _LOOK[0]:
+            if ready and not final and n - seen < _LOOK[1] and time.perf_counter() - since < _LOOK[0]:
                 self._catch = (seen, since)
                 return True
             if not ready:
                 with contextlib.suppress(Exception):  # a failed step: its reads raise
                     token.block_until_ready()
-            end = _timeline.times[2 * (self._first + n) - 1]
-            self._looks.append((n - 1, time.perf_counter() if not ready else end))
+            end = _timeline.times[2 * (self._first + n) - 1]  # its dispatch's end
+            if ready:  # done: by then, or by the end of a sync that waited for it
+                end = max([end, *[e for j, s, e in self._synced if j == n - 1 and e - s > _WAITED]])
+            self._looks.append((n - 1, end if ready else time.perf_counter()))
             self._catch = (0, 0.0)
             return False
 
     def inputs(self, iterable: Any) -> Any:
-        """Yield ``iterable``'s items, timing each wait for the next as input."""
+        """Yield ``iterable``'s items, timing each wait for the next as input (inside the
+        block; outside it they pass untimed).
+
+        Raises:
+          UsageError: ``iterable`` is not iterable.
+        """
+        try:
+            items = iter(iterable)
+        except TypeError:
+            raise UsageError(
+                f"`StepMeter.inputs` expects an iterable of batches, got {type(iterable).__name__}."
+            ) from None
+        return self._timed(items)
+
+    def _timed(self, items: Any) -> Any:
         start = time.perf_counter()
-        for item in iterable:
+        for item in items:
             self.on_host("input", start, time.perf_counter(), "")
             yield item
             start = time.perf_counter()
@@ -223,14 +248,12 @@ class StepMeter:
     # -------------------------------------------------- what _timeline tells it
 
     def on_host(self, label: str, start: float, end: float, where: str) -> None:
-        if threading.get_ident() == self._tid:  # the loop's thread only
-            what, _, site = where.partition(" at ")  # ``python -m``: jaxdev's own line
-            where = f"{what} at {site.split(' via ')[-1]}" if site.startswith("<") else where
+        if threading.get_ident() == self._tid:  # the loop's thread only, inside the block
             self._host.append((label, start, end, where))
             n, token = _timeline.newest
             if label == "sync" and token is not None and n > self._first:
                 if not token.is_deleted() and token.is_ready():  # it and all before it
-                    self._synced.append((n - 1 - self._first, end))  # ended by the sync's end
+                    self._synced.append((n - 1 - self._first, start, end))  # ended by its end
 
     def _record(self) -> tuple[Any, list[tuple]]:
         """Its step calls' starts and ends, and ``(first call, step, key, compiled)`` runs."""
@@ -247,7 +270,14 @@ class StepMeter:
     # ------------------------------------------------------------ the report
 
     def report(self) -> MeterReport:
-        """The summary of the block (of what finished so far, inside it)."""
+        """The summary of the block (inside it: of the steps seen ending so far, at the
+        watcher's looks).
+
+        Raises:
+          UsageError: the meter was never entered.
+        """
+        if not self._t0:
+            raise UsageError("`StepMeter.report` reports a block: enter the meter (`with`) first.")
         (times, changes), t0, t1 = self._record(), self._t0, self._t1 or time.perf_counter()
         done = self._finishes(times)
         n, starts, ends = len(times) // 2, times[0::2], times[1::2]
@@ -264,19 +294,19 @@ class StepMeter:
         for label, when in self._marks:  # until the next step call or input wait
             i = bisect.bisect_left(inputs, when)
             host.append((label, when, inputs[i] if i < len(inputs) else t1, ""))
-        busy, prev = [], t0
+        busy, prev = [], t0  # each step's (a step done at once: from its dispatch, for 0 s)
         for end, finish, train in zip(ends, done, kinds):
-            if finish > max(end, prev):
-                busy.append((max(end, prev), finish, "step" if train else "eval"))
-            prev = max(prev, finish)
+            start = max(end, prev)
+            busy.append((start, prev := max(finish, start), "step" if train else "eval"))
         seconds = dict.fromkeys(SHARES, 0.0)
         for s, e, label in busy:
             seconds[label] += e - s
         segments = _flatten([h[:3] for h in host])
         starts = [s for s, _, _ in segments]
-        for a, b in zip([t0] + [e for _, e, _ in busy], [s for s, _, _ in busy] + [t1]):
+        since = [t0] + [s for s, _, _ in busy]  # the device's work before a gap: given by then
+        for a, b, given in zip([t0] + [e for _, e, _ in busy], since[1:] + [t1], since):
             if b > a:  # a gap between the device's busy spans
-                _attribute(a, b, segments, starts, seconds)
+                _attribute(a, b, given, segments, starts, seconds)
         syncs: dict[str, list] = {}
         for label, s, e, where in host:
             if label == "sync":
@@ -302,7 +332,7 @@ class StepMeter:
         marks, bound = sorted(self._synced), math.inf  # in order: ended by a later one's sync
         for j in range(len(out) - 1, -1, -1):
             while marks and marks[-1][0] >= j:
-                bound = min(bound, marks.pop()[1])
+                bound = min(bound, marks.pop()[2])
             out[j] = min(out[j], bound)
         return out
 
@@ -326,7 +356,7 @@ class StepMeter:
         if not busy:
             return ((),)
         since = busy[-min(self.last, len(busy))][0]
-        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if e > since]
+        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if e > max(s, since)]
         lanes += [(lb, s - t0, e - t0) for s, e, lb in segments if e > since]
         return (tuple(lanes),)
 
@@ -349,18 +379,19 @@ def _flatten(intervals: list[tuple[str, float, float]]) -> list[tuple[float, flo
     return out
 
 
-def _attribute(a: float, b: float, segments: list, starts: list, seconds: dict) -> None:
-    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to a sync
-    in it (it held back the next dispatch), else to the record under way when the device ran
-    out of work (a switch interval late at most: step ends are estimates between looks)."""
-    i = max(bisect.bisect_right(starts, a) - 1, 0)
+def _attribute(a: float, b: float, given: float, segments: list, starts: list, seconds: dict):
+    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to the
+    record under way when the device ran out of work at ``a`` (a switch interval either way:
+    step ends are estimates between looks; one ended before the device's work was ``given``
+    held nothing back), else to "other" (the host's own work)."""
+    tol = sys.getswitchinterval()
     covered, cause = 0.0, "other"
-    if segments and segments[i][0] <= a <= segments[i][1] + sys.getswitchinterval():
-        cause = segments[i][2]
-    for s, e, label in segments[i:]:
+    for s, e, label in segments[max(bisect.bisect_right(starts, a) - 1, 0) :]:
         if s >= b:
             break
+        if cause == "other" and e > given and s - tol <= a <= e + tol:
+            cause = label
         if (ov := min(b, e) - max(a, s)) > 0:
             seconds[label] += ov
-            covered, cause = covered + ov, "sync" if label == "sync" else cause
+            covered += ov
     seconds[cause] += b - a - covered

@@ -346,8 +346,10 @@ class _Step:
     def cost(self, key: tuple) -> float | None:
         """The FLOPs per device of one call of program ``key`` (as :mod:`jaxdev._timeline`
         names it) by XLA's cost analysis of its lowered program (no compile; a GSPMD
-        program's split evenly over its devices); computed once, ``None`` when the backend
-        gives none. For the step meter."""
+        program's split evenly over its devices; the analysis counts a loop's body once, so
+        times ``steps_per_call * accumulate``: an accumulated step's one optimizer update
+        then counts ``accumulate`` times); computed once, ``None`` when the backend gives
+        none. For the step meter."""
         if key not in self._flops:
             self._flops[key] = None
             variant, treedef, *shapes = key
@@ -357,7 +359,8 @@ class _Step:
                 costs = self._jitted[variant].lower(*args).cost_analysis()
                 costs = costs[0] if isinstance(costs, (list, tuple)) else costs  # jax 0.10.2
                 spmd = self.strategy.kind == "sharded" and not self.strategy.shard_map
-                self._flops[key] = float(costs["flops"]) / len(self.strategy.devices) ** spmd
+                group = self.steps_per_call * self.accumulate  # scan bodies, counted once
+                self._flops[key] = float(costs["flops"]) * group / len(self.strategy.devices) ** spmd
             except Exception:  # noqa: BLE001 - the meter says "unknown"
                 pass
         return self._flops[key]
