@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import pathlib
 import re
 from collections.abc import Sequence
@@ -283,8 +284,11 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     file ``path`` names (``.png`` added when it has no suffix: what matplotlib writes).
 
     Raises:
-      UsageError: matplotlib is not installed, or ``path``'s folder does not exist.
+      UsageError: matplotlib is not installed, ``path`` is no path, or its folder does not
+        exist.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"`path` must be a file path (str or os.PathLike), got {path!r}.")
     try:
         from matplotlib.figure import Figure
     except ImportError:

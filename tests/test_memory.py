@@ -259,6 +259,9 @@ def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_lim
     assert path == str(tmp_path / "noext.png") and pathlib.Path(path).is_file()
     with pytest.raises(jaxdev.UsageError, match=r"`path`.*'[^']*missing' does not exist"):
         ledger.plot(str(tmp_path / "missing" / "m.png"))  # was a raw FileNotFoundError
+    with pytest.raises(jaxdev.UsageError, match=r"`path` must be a file path .*got 123"):
+        ledger.plot(123)  # was pathlib's bare TypeError (a meter report's plot too)
+    assert pathlib.Path(ledger.plot(tmp_path / "p")).is_file()  # a PathLike
     for bad in (0, -5):  # were drawn as if no limit were given
         with pytest.raises(jaxdev.UsageError, match=f"`limit`.*got {bad}"):
             ledger.plot(str(tmp_path / "m.png"), limit=bad)
