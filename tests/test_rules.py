@@ -734,23 +734,34 @@ def test_a_rule_specs_unreduced_or_reduced_axis_jax_refuses_is_named(field, door
             step.init_state({"w": jnp.ones((8,))})
 
 
-@pytest.mark.parametrize("door", ["shard_params", "init_state", "to_device"])
+@pytest.mark.parametrize(
+    "door", ["shard_params", "to_device", "init_sharded", "jit_to_device", "jit_shard_params"]
+)
 def test_placing_a_value_unreduced_is_named(door):
     """An unreduced array is the sum of its copies: a value placed so counts once per copy.
     jax 0.12's device_put raised its raw NotImplementedError; 0.10.2 placed it (and its
-    device_get raised). Each door refuses it by name; a reduced axis still places."""
+    device_get raised). Each door refuses it by name, saying what arrived (init_sharded
+    returned an array nothing could read; inside jit, JAX's raw ValueError); a reduced axis
+    still places."""
     mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
     spec = P("model", unreduced={"data"})
-    params = {"w": jnp.ones((8,))}
-    with pytest.raises(jaxdev.ShardingError, match=r"leaf \['w'\] .* unreduced over \['data'\]"):
+    params = {"w": jaxdev.to_device(jnp.ones((8,)), "cpu:1")}
+    got = r"leaf \['w'\] \(shape \(8,\), dtype float32(, now on cpu:1)?\) cannot be placed"
+    with pytest.raises(jaxdev.ShardingError, match=rf"{got} .* unreduced over \['data'\]"):
         if door == "shard_params":
             jaxdev.shard_params(params, mesh, [("w", spec)])
         elif door == "to_device":
-            jaxdev.to_device(params, jax.sharding.NamedSharding(mesh, spec))
+            jaxdev.to_device(params, NamedSharding(mesh, spec))
+        elif door == "init_sharded":
+            jaxdev.init_sharded(lambda: {"w": jnp.ones((8,))}, mesh=mesh, rules=[("w", spec)])
+        elif door == "jit_to_device":
+            jax.jit(lambda t: jaxdev.to_device(t, {"w": NamedSharding(mesh, spec)}))(params)
         else:
-            strategy = jaxdev.Strategy.sharded(mesh, rules=[("w", spec)])
-            step = jaxdev.make_train_step(lambda p, b: b["x"] @ p["w"], optax.sgd(0.1), strategy)
-            step.init_state(params)
+            jax.jit(lambda t: jaxdev.shard_params(t, mesh, [("w", spec)]))(params)
+    if door in ("shard_params", "to_device"):
+        with pytest.raises(jaxdev.ShardingError, match="now on cpu:1"):
+            jaxdev.shard_params(params, mesh, [("w", spec)])
     placed = jaxdev.shard_params(params, mesh, [("w", P("model", reduced={"data"}))])
     assert placed["w"].sharding.spec == P("model", reduced={"data"})
     np.testing.assert_array_equal(jax.device_get(placed["w"]), np.ones(8))
+
