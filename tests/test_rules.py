@@ -725,7 +725,10 @@ def test_a_rule_specs_unreduced_or_reduced_axis_jax_refuses_is_named(field, door
     mesh = jaxdev.make_mesh({"data": 2, "model": 4})
     name, why = ("nope", "does not exist") if axis == "missing" else ("data", "is Auto")
     rules = [("w", P("model", **{field: {name}}))]
-    with pytest.raises(jaxdev.ShardingError, match=f"{field} mesh axis '{name}' {why}"):
+    match = f"{field} mesh axis '{name}' {why}"
+    if (door, field) == ("init_state", "unreduced"):  # a Strategy refuses unreduced rules first
+        match = rf"`rules` pattern 'w' gives P\('model', unreduced={{'{name}'}}"
+    with pytest.raises(jaxdev.ShardingError, match=match):
         if door == "param_shardings":
             jaxdev.param_shardings({"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, mesh, rules)
         else:
@@ -765,3 +768,26 @@ def test_placing_a_value_unreduced_is_named(door):
     assert placed["w"].sharding.spec == P("model", reduced={"data"})
     np.testing.assert_array_equal(jax.device_get(placed["w"]), np.ones(8))
 
+
+@pytest.mark.parametrize("form", ["regex", "pytree", "sharding"])
+@pytest.mark.parametrize("state", ["one device", "replicated", "init_state"])
+def test_a_strategy_with_unreduced_rules_is_refused_where_built(form, state):
+    """``Strategy.sharded`` took unreduced rules; a step given a state not from init_state
+    then raised JAX's raw errors. The Strategy refuses them where it is built, naming the
+    rule; param_shardings still keeps them (test above)."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    spec = P("model", unreduced={"data"})
+    rules = {"regex": [("w", spec)], "pytree": {"w": spec}, "sharding": {"w": NamedSharding(mesh, spec)}}[form]
+    where = "pattern 'w'" if form == "regex" else r"leaf \['w'\]"
+    with pytest.raises(ShardingError, match=rf"`rules` {where} gives .* unreduced over \['data'\]"):
+        strategy = jaxdev.Strategy.sharded(mesh, rules=rules)
+        loss = lambda p, b: jnp.sum(p["w"]) * jnp.ones(b["x"].shape[0])  # noqa: E731
+        step = jaxdev.make_train_step(loss, optax.sgd(0.1), strategy)
+        tstate = jaxdev.TrainState.create({"w": jnp.arange(8.0)}, optax.sgd(0.1))
+        if state == "init_state":
+            tstate = step.init_state({"w": jnp.arange(8.0)})
+        elif state == "one device":
+            tstate = jaxdev.to_device(tstate, "cpu:0")
+        else:
+            tstate = jaxdev.replicate(tstate, mesh)
+        step(tstate, {"x": np.ones((4, 3), np.float32)})
