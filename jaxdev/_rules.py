@@ -214,7 +214,7 @@ def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
 
 
 def _strip_unconstrained(spec: P) -> P:
-    return P(*(None if s is P.UNCONSTRAINED else s for s in spec))
+    return spec.update(partitions=[None if s is P.UNCONSTRAINED else s for s in spec.partitions])
 
 
 def _is_spec(x: Any) -> bool:

@@ -404,6 +404,18 @@ def test_flax_nnx_out_sharding_metadata(dm):
     assert "mesh axis 'hidden' does not exist" in str(e.value)
 
 
+@pytest.mark.parametrize("field", ["unreduced", "reduced"])
+def test_flax_nnx_out_sharding_a_sharding_with_reduced_axes_is_kept(field):
+    """An NNX out_sharding that is a NamedSharding was rebuilt ``P(*spec)``: JAX's raw
+    ValueError for a spec with unreduced/reduced axes; now kept as given."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    spec = P("model", **{field: {"data"}})
+    make = lambda: nnx.Param(jnp.ones((8,)), out_sharding=NamedSharding(mesh, spec))  # noqa: E731
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(lambda: nnx.Dict(w=make())))
+    assert jaxdev.param_shardings(state, mesh, "flax")["w"].get_value().spec == spec
+
+
 # ---------------------------------------------------------------- shard_params
 
 
@@ -777,7 +789,8 @@ def test_a_strategy_with_unreduced_rules_is_refused_where_built(form, state):
     rule; param_shardings still keeps them (test above)."""
     mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
     spec = P("model", unreduced={"data"})
-    rules = {"regex": [("w", spec)], "pytree": {"w": spec}, "sharding": {"w": NamedSharding(mesh, spec)}}[form]
+    rules = {"regex": [("w", spec)], "pytree": {"w": spec}}.get(form)
+    rules = rules or {"w": NamedSharding(mesh, spec)}
     where = "pattern 'w'" if form == "regex" else r"leaf \['w'\]"
     with pytest.raises(ShardingError, match=rf"`rules` {where} gives .* unreduced over \['data'\]"):
         strategy = jaxdev.Strategy.sharded(mesh, rules=rules)
