@@ -41,7 +41,7 @@ from .._target import refuse
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
 from . import _ckpt_files as files
-from ._checksum import bits, checksums, legacy_checksums, per_group
+from ._checksum import bits, checksums, legacy_checksums, per_group, without_reduced
 
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
@@ -153,7 +153,8 @@ def _describe(s: Any) -> dict | None:
             "devices": s.mesh.device_ids.tolist(),
             "axes": list(s.mesh.axis_names),
             "types": [t.name for t in s.mesh.axis_types],  # Explicit axes type the arrays
-            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
+            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec.partitions],
+            **({"reduced": sorted(s.spec.reduced)} if s.spec.reduced else {}),
         }
     if isinstance(s, SingleDeviceSharding):
         return {"kind": "device", "device": next(iter(s.device_set)).id}
@@ -173,6 +174,7 @@ def _saved_sharding(desc: dict | None) -> Sharding | None:
         return None
     devs = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     spec = P(*[tuple(e) if isinstance(e, list) else e for e in desc["spec"]])
+    spec = spec.update(reduced=frozenset(desc.get("reduced", ())))
     types = tuple(AxisType[t] for t in desc.get("types", ())) or None  # older saves: Auto
     return NamedSharding(Mesh(devs, tuple(desc["axes"]), axis_types=types), spec)
 
@@ -215,6 +217,8 @@ def _leaf_problem(x: Any) -> str | None:
         return "a tracer (checkpoints are written outside jit)"
     if isinstance(x, jax.Array) and x.is_deleted():
         return "deleted or donated"
+    if unreduced := getattr(getattr(getattr(x, "sharding", None), "spec", None), "unreduced", 0):
+        return f"unreduced over {sorted(unreduced)} (the sum of its copies): reduce it in the step"
     if not isinstance(x, (jax.Array, np.ndarray, np.generic, *PY_SCALARS)):
         return f"{type(x).__name__} (only arrays, Python numbers and None)"
     if isinstance(x, (np.ndarray, np.generic)) and not is_host_value(x):
@@ -262,7 +266,7 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
         if np.size(x) == 0:
             entry["empty"] = True  # no bytes: the metadata says it all
         else:
-            written[key] = (entry, x)
+            written[key] = (entry, without_reduced(x) if isinstance(x, jax.Array) else x)
     for (entry, _), s in zip(written.values(), checksums([x for _, x in written.values()])):
         entry["checksum"] = s
     mine = [entries[i] for i in local]  # saved when every process holds the same bits
