@@ -804,3 +804,23 @@ def test_a_strategy_with_unreduced_rules_is_refused_where_built(form, state):
         else:
             tstate = jaxdev.replicate(tstate, mesh)
         step(tstate, {"x": np.ones((4, 3), np.float32)})
+
+
+@pytest.mark.parametrize("state", ["one device", "init_state"])
+def test_a_strategy_refuses_an_unreduced_nnx_out_sharding_where_it_lays_out_the_state(state):
+    """Under ``rules="flax"`` the specs are the leaves' own (an NNX out_sharding), known only
+    per state: a step given a state not from init_state raised JAX's raw ValueError. The
+    Strategy's state_layout (the step's, once per compile) names the leaf."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    u = NamedSharding(mesh, P("model", unreduced={"data"}))
+    with nnx.use_eager_sharding(False):
+        module = nnx.eval_shape(lambda: nnx.Dict(w=nnx.Param(jnp.ones(8), out_sharding=u)))
+    shapes = nnx.state(module)
+    params = jax.tree.map(lambda _: jnp.arange(8.0), shapes)
+    loss = lambda p, b: jnp.sum(p["w"][...]) * jnp.ones(b["x"].shape[0])  # noqa: E731
+    step = jaxdev.make_train_step(loss, optax.sgd(0.1), jaxdev.Strategy.sharded(mesh, rules="flax"))
+    with pytest.raises(ShardingError, match=r"leaf .*\['w'\].* unreduced over \['data'\]"):
+        if state == "init_state":
+            step.init_state(params)
+        tstate = jaxdev.to_device(jaxdev.TrainState.create(params, optax.sgd(0.1)), "cpu:0")
+        step(tstate, {"x": np.ones((4, 3), np.float32)})
