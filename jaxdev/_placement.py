@@ -9,7 +9,7 @@ copy on each device); :func:`as_sharding` is the one reader.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -72,16 +72,11 @@ def as_sharding(target: Target) -> Sharding:
 
 def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Sharding, arg: str):
     """Raise ShardingError naming leaves whose shape ``s`` cannot split, or any leaf when
-    ``s`` is unreduced (a placed value would count once per copy; jax 0.12 refuses it raw)."""
+    ``s`` is unreduced (:func:`refuse_unreduced`)."""
     if isinstance(s, SingleDeviceSharding):
         return
-    if idx and (unreduced := getattr(getattr(s, "spec", None), "unreduced", None)):
-        raise ShardingError(
-            f"`{arg}` leaf {key_strings(tree)[idx[0]]} cannot be placed on "
-            f"{describe_sharding(s)}: an array unreduced over {sorted(unreduced)} is the sum of "
-            "its copies there, so a placed value would count once per copy. Drop `unreduced` "
-            "from the spec or rule that places it (unreduced values arise inside a step)."
-        )
+    if idx:
+        refuse_unreduced(s, arg, leaves[idx[0]], lambda: key_strings(tree)[idx[0]])
     for i in idx:
         shape = np.shape(leaves[i])
         try:
@@ -92,6 +87,23 @@ def _check_fits(tree: Any, leaves: Sequence[Any], idx: Sequence[int], s: Shardin
                 f"{describe_sharding(s)}: {err}. Pad the leaf or choose a spec that "
                 f"divides its shape. {available_devices()}"
             ) from None
+
+
+def refuse_unreduced(s: Any, arg: str, x: Any, name: Callable[[], str]) -> None:
+    """Raise ShardingError when ``s`` is unreduced: an array unreduced over mesh axes is the
+    sum of its copies, so a value placed (or restored) so would count once per copy; jax 0.12
+    refuses it raw, 0.10.2 placed it wrongly. ``x``: the leaf (shape, dtype); ``name()``: its
+    key path."""
+    if unreduced := getattr(getattr(s, "spec", None), "unreduced", None):
+        live = is_jax_array(x) and not is_tracer(x)  # a tracer has no sharding to show
+        now = f", now on {describe_sharding(x.sharding)}" if live else ""
+        raise ShardingError(
+            f"`{arg}` leaf {name()} (shape {np.shape(x)}, dtype "
+            f"{getattr(x, 'dtype', type(x).__name__)}{now}) cannot be placed on "
+            f"{describe_sharding(s)}: an array unreduced over {sorted(unreduced)} is the sum of "
+            "its copies there, so a placed value would count once per copy. Drop `unreduced` "
+            "from the spec or rule that places it (unreduced values arise inside a step)."
+        )
 
 
 def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:
@@ -449,6 +461,9 @@ def place_tree(tree: Any, shardings: Any, *, copy: bool, arg: str = "tree") -> A
     one = isinstance(shardings, Sharding)
     targets = [shardings] * len(leaves) if one else treedef.flatten_up_to(shardings)
     if not copy and any(is_tracer(x) for x in leaves):
+        for i, s in enumerate(targets):  # named, not JAX's raw error inside the trace
+            if isinstance(s, Sharding):
+                _check_fits(tree, leaves, [i], s, arg)
         return treedef.unflatten(jax.lax.with_sharding_constraint(leaves, targets))
     check_live(tree, leaves, arg)
     for i, x in enumerate(leaves):

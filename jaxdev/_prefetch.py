@@ -205,8 +205,9 @@ def prefetch_to_device(
             "`jaxdev.batch_sharding(mesh)`; to replicate, `jaxdev.as_sharding(mesh)`."
         )
     s = batch_sharding(check_mesh(None)) if target is None else as_sharding(target)
-    if isinstance(s, NamedSharding) and len(s.spec) and s.spec[0] is not None:  # splits rows
-        split = functools.partial(shard_batch, mesh=s.mesh, pad=pad, axis=s.spec[0])
+    rows = s.spec.partitions[:1] if isinstance(s, NamedSharding) else ()  # reduced: indexable
+    if rows and rows[0] is not None and not s.spec.unreduced:  # splits rows (unreduced: named)
+        split = functools.partial(shard_batch, mesh=s.mesh, pad=pad, axis=rows[0])
         return Prefetcher(iterator, size, split)
     if pad:
         raise ShardingError(

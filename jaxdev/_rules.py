@@ -214,7 +214,7 @@ def _flax_spec(leaf: _Leaf, logical_axis_rules: Any) -> tuple[P, str]:
 
 
 def _strip_unconstrained(spec: P) -> P:
-    return P(*(None if s is P.UNCONSTRAINED else s for s in spec))
+    return spec.update(partitions=[None if s is P.UNCONSTRAINED else s for s in spec.partitions])
 
 
 def _is_spec(x: Any) -> bool:
@@ -401,14 +401,26 @@ def param_shardings(
 
 def check_rules(rules: Rules, mesh: Mesh, **options: Any) -> None:
     """Raise ``ShardingError`` now for rules that can apply to no params on ``mesh``: their
-    form and options, without the params (``Strategy.sharded``: a typo fails where it is
-    written; specs are checked per leaf later)."""
+    form, options and unreduced specs, without the params (``Strategy.sharded``: a typo fails
+    where it is written; specs are checked per leaf later)."""
     if options.get("min_size") is not None:
         _check_min_size(options["min_size"])
     _check_indivisible(options.get("indivisible", "error"))
     if options.get("fsdp_axis") is not None or (isinstance(rules, str) and rules == "fsdp"):
         fsdp_axis_of(mesh, options.get("fsdp_axis"))
-    _form(rules)
+    form = _form(rules)
+    given = [(f"pattern {p!r}", s) for _, s, p in form] if isinstance(form, list) else []
+    if form == "layout":
+        flat = jax.tree_util.tree_flatten_with_path(rules, is_leaf=_is_spec)[0]
+        given = [(f"leaf {jax.tree_util.keystr(k)}", getattr(s, "spec", s)) for k, s in flat]
+    for where, spec in given:
+        if unreduced := getattr(spec, "unreduced", None):
+            raise ShardingError(
+                f"`rules` {where} gives {spec}: a Strategy places params and optimizer state by "
+                f"its rules, and an array unreduced over {sorted(unreduced)} is the sum of its "
+                "copies, so each placed value would count once per copy. Drop `unreduced` from "
+                "the rule (jaxdev.param_shardings keeps it, for shardings inside a step)."
+            )
 
 
 def _check_indivisible(indivisible: Any) -> str:

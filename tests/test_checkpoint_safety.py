@@ -471,6 +471,36 @@ def test_a_64_bit_numpy_leaf_onto_a_jax_target_is_refused_not_reported_corrupted
     assert back["x"].dtype == np.float64 and np.array_equal(back["x"], np.arange(3.0))
 
 
+@pytest.mark.parametrize("bad", ["unreduced", "unreduced_sds", "unreduced_rules", "rank"])
+def test_a_bad_target_is_the_callers_error_and_no_step_is_deleted(tmp_path, bad):
+    """A target orbax could not read onto (unreduced: JAX's NotImplementedError; a spec longer
+    than the leaf, UNCONSTRAINED past its rank: ValueError) was called damage: a Checkpointer
+    marked every step damaged and its next save deleted them all. The caller's error now,
+    before any read for unreduced; every step stays and restores."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    u = NamedSharding(mesh, P("model", unreduced={"data"}))
+    target, rules, error = {"w": u}, None, jaxdev.ShardingError
+    if bad == "unreduced_sds":
+        target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=u)}
+    elif bad == "unreduced_rules":
+        target, rules = mesh, [("w", u.spec)]
+    elif bad == "rank":
+        auto = jaxdev.make_mesh({"data": 2, "model": 4})
+        target, error = {"w": NamedSharding(auto, P("model", P.UNCONSTRAINED))}, CheckpointError
+    params = {"w": jnp.arange(8.0)}
+    with jaxdev.Checkpointer(tmp_path, async_=False) as ckpt:
+        ckpt.save(1, params)
+        ckpt.save(2, params)
+        for restore in (ckpt.restore, lambda *a, **k: jaxdev.restore(tmp_path / "2", *a, **k)):
+            with pytest.raises(error, match=r"\['w'\]") as e:
+                restore(target, rules=rules)
+            assert not isinstance(e.value, ck.Damaged) and "damaged" not in str(e.value)
+        ckpt.save(3, params)
+        assert ckpt.all_steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            np.testing.assert_array_equal(ckpt.restore("cpu:0", step)["w"], np.arange(8.0))
+
+
 def test_overwrite_through_a_symlink_replaces_its_target(tmp_path):
     jaxdev.save(tmp_path / "real", {"v": 1})
     os.symlink(tmp_path / "real", tmp_path / "link")

@@ -533,6 +533,23 @@ def test_prefetch_pad(mesh):
         jaxdev.prefetch_to_device(_batches(2), 0)
 
 
+@pytest.mark.parametrize("kind", ["reduced", "unreduced"])
+def test_prefetch_onto_a_spec_with_reduced_or_unreduced_axes(kind):
+    """prefetch_to_device read ``spec[0]``, which JAX refuses for a spec with a reduced or
+    unreduced set (raw ValueError). A reduced target splits the rows as any batch sharding
+    does; an unreduced one is the placement's named refusal, in the consumer."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    target = NamedSharding(mesh, P("data", **{kind: {"model"}}))
+    it = jaxdev.prefetch_to_device(_batches(2), 1, target)
+    if kind == "unreduced":
+        with pytest.raises(ShardingError, match=r"leaf \['i'\] .* unreduced over \['model'\]"):
+            next(it)
+        return
+    got = list(it)
+    assert [int(np.asarray(b["i"])[0]) for b in got] == [0, 1]
+    assert got[0]["x"].sharding.spec == P("data")
+
+
 def _failing_source():
     yield from _batches(2)
     raise KeyError("corrupt record 17")

@@ -152,6 +152,9 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     s = NamedSharding(mesh24, P(None, "fsdp"))
     f32 = np.dtype("float32")
     assert shard_bytes(s, (3, 6), f32) == shard_bytes(s, (3, 8), f32) == 3 * 2 * 4
+    explicit = jaxdev.make_mesh({"data": 2, "fsdp": 4}, axis_type="explicit")
+    reduced = NamedSharding(explicit, P(None, "fsdp", reduced={"data"}))  # [*spec]: ValueError
+    assert shard_bytes(reduced, (3, 6), f32) == 3 * 2 * 4
 
 
 def test_the_batch_splits_over_every_axis_but_model_axes():

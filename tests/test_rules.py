@@ -404,6 +404,18 @@ def test_flax_nnx_out_sharding_metadata(dm):
     assert "mesh axis 'hidden' does not exist" in str(e.value)
 
 
+@pytest.mark.parametrize("field", ["unreduced", "reduced"])
+def test_flax_nnx_out_sharding_a_sharding_with_reduced_axes_is_kept(field):
+    """An NNX out_sharding that is a NamedSharding was rebuilt ``P(*spec)``: JAX's raw
+    ValueError for a spec with unreduced/reduced axes; now kept as given."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    spec = P("model", **{field: {"data"}})
+    make = lambda: nnx.Param(jnp.ones((8,)), out_sharding=NamedSharding(mesh, spec))  # noqa: E731
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(lambda: nnx.Dict(w=make())))
+    assert jaxdev.param_shardings(state, mesh, "flax")["w"].get_value().spec == spec
+
+
 # ---------------------------------------------------------------- shard_params
 
 
@@ -725,7 +737,10 @@ def test_a_rule_specs_unreduced_or_reduced_axis_jax_refuses_is_named(field, door
     mesh = jaxdev.make_mesh({"data": 2, "model": 4})
     name, why = ("nope", "does not exist") if axis == "missing" else ("data", "is Auto")
     rules = [("w", P("model", **{field: {name}}))]
-    with pytest.raises(jaxdev.ShardingError, match=f"{field} mesh axis '{name}' {why}"):
+    match = f"{field} mesh axis '{name}' {why}"
+    if (door, field) == ("init_state", "unreduced"):  # a Strategy refuses unreduced rules first
+        match = rf"`rules` pattern 'w' gives P\('model', unreduced={{'{name}'}}"
+    with pytest.raises(jaxdev.ShardingError, match=match):
         if door == "param_shardings":
             jaxdev.param_shardings({"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, mesh, rules)
         else:
@@ -734,23 +749,78 @@ def test_a_rule_specs_unreduced_or_reduced_axis_jax_refuses_is_named(field, door
             step.init_state({"w": jnp.ones((8,))})
 
 
-@pytest.mark.parametrize("door", ["shard_params", "init_state", "to_device"])
+@pytest.mark.parametrize(
+    "door", ["shard_params", "to_device", "init_sharded", "jit_to_device", "jit_shard_params"]
+)
 def test_placing_a_value_unreduced_is_named(door):
     """An unreduced array is the sum of its copies: a value placed so counts once per copy.
     jax 0.12's device_put raised its raw NotImplementedError; 0.10.2 placed it (and its
-    device_get raised). Each door refuses it by name; a reduced axis still places."""
+    device_get raised). Each door refuses it by name, saying what arrived (init_sharded
+    returned an array nothing could read; inside jit, JAX's raw ValueError); a reduced axis
+    still places."""
     mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
     spec = P("model", unreduced={"data"})
-    params = {"w": jnp.ones((8,))}
-    with pytest.raises(jaxdev.ShardingError, match=r"leaf \['w'\] .* unreduced over \['data'\]"):
+    params = {"w": jaxdev.to_device(jnp.ones((8,)), "cpu:1")}
+    got = r"leaf \['w'\] \(shape \(8,\), dtype float32(, now on cpu:1)?\) cannot be placed"
+    with pytest.raises(jaxdev.ShardingError, match=rf"{got} .* unreduced over \['data'\]"):
         if door == "shard_params":
             jaxdev.shard_params(params, mesh, [("w", spec)])
         elif door == "to_device":
-            jaxdev.to_device(params, jax.sharding.NamedSharding(mesh, spec))
+            jaxdev.to_device(params, NamedSharding(mesh, spec))
+        elif door == "init_sharded":
+            jaxdev.init_sharded(lambda: {"w": jnp.ones((8,))}, mesh=mesh, rules=[("w", spec)])
+        elif door == "jit_to_device":
+            jax.jit(lambda t: jaxdev.to_device(t, {"w": NamedSharding(mesh, spec)}))(params)
         else:
-            strategy = jaxdev.Strategy.sharded(mesh, rules=[("w", spec)])
-            step = jaxdev.make_train_step(lambda p, b: b["x"] @ p["w"], optax.sgd(0.1), strategy)
-            step.init_state(params)
+            jax.jit(lambda t: jaxdev.shard_params(t, mesh, [("w", spec)]))(params)
+    if door in ("shard_params", "to_device"):
+        with pytest.raises(jaxdev.ShardingError, match="now on cpu:1"):
+            jaxdev.shard_params(params, mesh, [("w", spec)])
     placed = jaxdev.shard_params(params, mesh, [("w", P("model", reduced={"data"}))])
     assert placed["w"].sharding.spec == P("model", reduced={"data"})
     np.testing.assert_array_equal(jax.device_get(placed["w"]), np.ones(8))
+
+
+@pytest.mark.parametrize("form", ["regex", "pytree", "sharding"])
+@pytest.mark.parametrize("state", ["one device", "replicated", "init_state"])
+def test_a_strategy_with_unreduced_rules_is_refused_where_built(form, state):
+    """``Strategy.sharded`` took unreduced rules; a step given a state not from init_state
+    then raised JAX's raw errors. The Strategy refuses them where it is built, naming the
+    rule; param_shardings still keeps them (test above)."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    spec = P("model", unreduced={"data"})
+    rules = {"regex": [("w", spec)], "pytree": {"w": spec}}.get(form)
+    rules = rules or {"w": NamedSharding(mesh, spec)}
+    where = "pattern 'w'" if form == "regex" else r"leaf \['w'\]"
+    with pytest.raises(ShardingError, match=rf"`rules` {where} gives .* unreduced over \['data'\]"):
+        strategy = jaxdev.Strategy.sharded(mesh, rules=rules)
+        loss = lambda p, b: jnp.sum(p["w"]) * jnp.ones(b["x"].shape[0])  # noqa: E731
+        step = jaxdev.make_train_step(loss, optax.sgd(0.1), strategy)
+        tstate = jaxdev.TrainState.create({"w": jnp.arange(8.0)}, optax.sgd(0.1))
+        if state == "init_state":
+            tstate = step.init_state({"w": jnp.arange(8.0)})
+        elif state == "one device":
+            tstate = jaxdev.to_device(tstate, "cpu:0")
+        else:
+            tstate = jaxdev.replicate(tstate, mesh)
+        step(tstate, {"x": np.ones((4, 3), np.float32)})
+
+
+@pytest.mark.parametrize("state", ["one device", "init_state"])
+def test_a_strategy_refuses_an_unreduced_nnx_out_sharding_where_it_lays_out_the_state(state):
+    """Under ``rules="flax"`` the specs are the leaves' own (an NNX out_sharding), known only
+    per state: a step given a state not from init_state raised JAX's raw ValueError. The
+    Strategy's state_layout (the step's, once per compile) names the leaf."""
+    mesh = jaxdev.make_mesh({"data": 2, "model": 4}, axis_type="explicit")
+    u = NamedSharding(mesh, P("model", unreduced={"data"}))
+    with nnx.use_eager_sharding(False):
+        module = nnx.eval_shape(lambda: nnx.Dict(w=nnx.Param(jnp.ones(8), out_sharding=u)))
+    shapes = nnx.state(module)
+    params = jax.tree.map(lambda _: jnp.arange(8.0), shapes)
+    loss = lambda p, b: jnp.sum(p["w"][...]) * jnp.ones(b["x"].shape[0])  # noqa: E731
+    step = jaxdev.make_train_step(loss, optax.sgd(0.1), jaxdev.Strategy.sharded(mesh, rules="flax"))
+    with pytest.raises(ShardingError, match=r"leaf .*\['w'\].* unreduced over \['data'\]"):
+        if state == "init_state":
+            step.init_state(params)
+        tstate = jaxdev.to_device(jaxdev.TrainState.create(params, optax.sgd(0.1)), "cpu:0")
+        step(tstate, {"x": np.ones((4, 3), np.float32)})

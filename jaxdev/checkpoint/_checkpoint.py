@@ -34,14 +34,14 @@ from .._errors import CheckpointError, UsageError, join_failures, short
 from .._leaves import PY_SCALARS, is_host_value, is_prng_key, is_tracer, keystr, x64
 from .._mesh import DEFAULT_AXIS, data_mesh, mesh_of, replicated_sharding
 from .._multihost import exchange
-from .._placement import as_sharding, place_tree
+from .._placement import as_sharding, place_tree, refuse_unreduced
 from .._pmap_layout import is_stacked, stacker, unstack_from_pmap
 from .._report import human_bytes
 from .._target import refuse
 from ..distributed import beat
 from ..memory import explained_oom, is_resource_exhausted
 from . import _ckpt_files as files
-from ._checksum import bits, checksums, legacy_checksums, per_group
+from ._checksum import bits, checksums, legacy_checksums, per_group, without_reduced
 
 FORMAT = "jaxdev-checkpoint"
 VERSION = 2  # 2: 64-bit checksums, metadata digest, typed keys, zero-size leaves
@@ -153,7 +153,8 @@ def _describe(s: Any) -> dict | None:
             "devices": s.mesh.device_ids.tolist(),
             "axes": list(s.mesh.axis_names),
             "types": [t.name for t in s.mesh.axis_types],  # Explicit axes type the arrays
-            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
+            "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec.partitions],
+            **({"reduced": sorted(s.spec.reduced)} if s.spec.reduced else {}),
         }
     if isinstance(s, SingleDeviceSharding):
         return {"kind": "device", "device": next(iter(s.device_set)).id}
@@ -173,6 +174,7 @@ def _saved_sharding(desc: dict | None) -> Sharding | None:
         return None
     devs = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(ids)
     spec = P(*[tuple(e) if isinstance(e, list) else e for e in desc["spec"]])
+    spec = spec.update(reduced=frozenset(desc.get("reduced", ())))
     types = tuple(AxisType[t] for t in desc.get("types", ())) or None  # older saves: Auto
     return NamedSharding(Mesh(devs, tuple(desc["axes"]), axis_types=types), spec)
 
@@ -215,6 +217,8 @@ def _leaf_problem(x: Any) -> str | None:
         return "a tracer (checkpoints are written outside jit)"
     if isinstance(x, jax.Array) and x.is_deleted():
         return "deleted or donated"
+    if unreduced := getattr(getattr(getattr(x, "sharding", None), "spec", None), "unreduced", 0):
+        return f"unreduced over {sorted(unreduced)} (the sum of its copies): reduce it in the step"
     if not isinstance(x, (jax.Array, np.ndarray, np.generic, *PY_SCALARS)):
         return f"{type(x).__name__} (only arrays, Python numbers and None)"
     if isinstance(x, (np.ndarray, np.generic)) and not is_host_value(x):
@@ -262,7 +266,7 @@ def prepare(tree: Any, arg: str = "tree") -> _Prepared:
         if np.size(x) == 0:
             entry["empty"] = True  # no bytes: the metadata says it all
         else:
-            written[key] = (entry, x)
+            written[key] = (entry, without_reduced(x) if isinstance(x, jax.Array) else x)
     for (entry, _), s in zip(written.values(), checksums([x for _, x in written.values()])):
         entry["checksum"] = s
     mine = [entries[i] for i in local]  # saved when every process holds the same bits
@@ -893,39 +897,44 @@ def _stack_source(s: Sharding) -> Sharding:
 
 def _orbax_restore(path, reader, item, entries, reads, what):
     ocp = orbax()
-    abstract, args = {}, {}
-    for e, r in zip(entries, reads):
-        if r is None or r.empty:
-            continue
-        key, shape, dtype = tuple(e["key"]), tuple(e["shape"]), np.dtype(e["dtype"])
-        if r.sharding is None:
-            abstract[key] = jax.ShapeDtypeStruct(shape, dtype) if shape else np.zeros((), dtype)
-            args[key] = ocp.RestoreArgs(restore_type=np.ndarray)
-        else:
-            abstract[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=r.sharding)
-            args[key] = ocp.ArrayRestoreArgs(sharding=r.sharding, global_shape=shape, dtype=dtype)
-    if not abstract:
+    todo = {tuple(e["key"]): (e, r.sharding) for e, r in zip(entries, reads) if r and not r.empty}
+    if not todo:
         return []
 
-    def read(keys: Sequence[tuple[str, ...]], **options: Any) -> Any:
+    def args(e: dict, sharding: Sharding | None) -> tuple[Any, Any]:
+        shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+        if sharding is None:
+            abstract = jax.ShapeDtypeStruct(shape, dtype) if shape else np.zeros((), dtype)
+            return abstract, ocp.RestoreArgs(restore_type=np.ndarray)
+        abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return abstract, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+
+    def read(keys: Sequence[tuple[str, ...]], host: bool = False, **options: Any) -> Any:
+        got = {k: args(todo[k][0], None if host else todo[k][1]) for k in keys}
         one = ocp.args.PyTreeRestore(
-            ocp.tree.from_flat_dict({k: abstract[k] for k in keys}),
-            restore_args=ocp.tree.from_flat_dict({k: args[k] for k in keys}),
+            ocp.tree.from_flat_dict({k: a for k, (a, _) in got.items()}),
+            restore_args=ocp.tree.from_flat_dict({k: r for k, (_, r) in got.items()}),
             **options,
         )
         return ocp.tree.to_flat_dict(reader(args=ocp.args.Composite(**{item: one}))[item])
 
     try:
-        out = read(list(abstract))
+        out = read(list(todo))
     except Exception as err:  # a damaged or truncated data file
         if is_resource_exhausted(err):  # not damage: explained by restore_item
             raise
         failure = f"{type(err).__name__}: {short(str(err), 400)}"
         _quiet_abandoned_reads()  # its frames hold orbax's abandoned reads, let go on leaving
     else:
-        return [out[k] for k in abstract]
-    broken = [e["path"] for e in entries if tuple(e["key"]) in abstract and _fails(read, e)]
-    shown = f", leaves {', '.join(broken[:10])}" + (" ..." if len(broken) > 10 else "")
+        return [out[k] for k in todo]
+    broken = [e for e, _ in todo.values() if _fails(read, e)]
+    names = [e["path"] for e in broken[:10]]
+    shown = f", leaves {', '.join(names)}" + (" ..." if len(broken) > 10 else "")
+    if broken and not any(_fails(read, e, host=True) for e in broken):
+        raise CheckpointError(  # the files read whole on the host: the target is the problem
+            f"Could not read checkpoint {path} ({what}){shown} onto `target`: {failure}. The "
+            "checkpoint is intact (these leaves read on the host): fix the target's shardings."
+        )
     raise Damaged(
         f"Could not read checkpoint {path} ({what}){shown if broken else ''}: {failure}. The "
         "checkpoint is damaged or incomplete: restore an earlier one."
@@ -975,10 +984,11 @@ def _abandoned_read(u: Any) -> bool:
     )
 
 
-def _fails(read: Callable[..., Any], e: dict) -> bool:
-    """Whether reading leaf ``e`` alone fails (to name the broken leaves after a failed read)."""
+def _fails(read: Callable[..., Any], e: dict, host: bool = False) -> bool:
+    """Whether reading leaf ``e`` alone fails (to name the broken leaves after a failed read;
+    ``host``: as numpy, the target's sharding aside)."""
     try:
-        read([tuple(e["key"])], partial_restore=True)
+        read([tuple(e["key"])], host=host, partial_restore=True)
     except Exception:
         return True
     return False
@@ -1061,6 +1071,12 @@ def restore_item(path, reader, item, target, rules, what):
     wants, build = _resolve(path, entries, skeleton, target, rules, what)
     for w in {w.sharding for w in wants}:  # a target (mesh, sharding, tree on it): named
         refuse(f"restoring checkpoint {path} ({what})", w)
+    for e, w in zip(entries, wants):  # the caller's error, before any read: never damage
+        if e["kind"] == "scalar":
+            saved = _scalar_value(e["type"], e["value"])
+        else:
+            saved = jax.ShapeDtypeStruct(e["shape"], e["dtype"])
+        refuse_unreduced(w.sharding, "target", saved, lambda p=e["path"]: p)
     reads = _plan(path, entries, wants, what)
     step, digest = meta.get("step"), str(meta.get("digest"))
     _agree(

@@ -119,8 +119,19 @@ def _split_checksums(mesh: Mesh) -> Callable[[list[jax.Array]], jax.Array]:
     return jax.jit(lambda xs: jnp.stack(list(map(one, xs))), out_shardings=NamedSharding(mesh, P()))
 
 
+def without_reduced(x: jax.Array) -> jax.Array:
+    """``x`` with reduced axes as the same buffers without them (each device holds the same
+    data either way): JAX's bitcasts have no reduced rule, orbax's writer cannot iterate it."""
+    if not getattr(getattr(x.sharding, "spec", None), "reduced", None):
+        return x
+    s = x.sharding.update(spec=x.sharding.spec.update(reduced=frozenset()))
+    shards = [a.data for a in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, s, shards)
+
+
 def _one_copy(x: jax.Array) -> jax.Array:
     """A replicated array's first local copy, unless it can be split over its devices."""
+    x = without_reduced(x)
     if len(x.sharding.device_set) > 1 and x.sharding.is_fully_replicated:
         return x if x.is_fully_addressable else x.addressable_shards[0].data
     return x

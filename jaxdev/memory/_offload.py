@@ -152,6 +152,6 @@ def shard_bytes(s: Sharding, shape: tuple[int, ...], dtype: Any) -> int:
     except ValueError:
         if not isinstance(s, NamedSharding):
             raise
-    spec = [*s.spec, *[None] * len(shape)]  # entries past the spec's: not split
+    spec = [*s.spec.partitions, *[None] * len(shape)]  # entries past the spec's: not split
     ns = [1 if entry is None else axis_size(s.mesh, entry) for entry in spec]
     return packed_bytes(math.prod(-(-n // k) for n, k in zip(shape, ns)), dtype)
