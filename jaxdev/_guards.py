@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import subprocess
+import site
 import sys
 import sysconfig
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 
 from . import _stderr_relay, _timeline
@@ -118,11 +120,13 @@ _undo: list[Callable[[], None]] = []
 _tls = threading.local()
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(_HERE) + os.sep
-# libraries' code (jax, numpy, the standard library, site-packages): a call site is the
-# first frame outside them, the user's (a ``logging`` call's ``str()``, orbax's reads)
+_JAX = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jaxlib, np))
+# libraries' code (the standard library, site-packages): a call site is the first frame
+# outside them, the user's (a ``logging`` call's ``str()``, orbax's reads), else theirs
 _LIBRARIES = (*{
     os.path.abspath(d) + os.sep
-    for d in (*(os.path.dirname(m.__file__) for m in (jax, np, os)),
+    for d in (os.path.dirname(os.__file__), site.getusersitepackages(),
+              *getattr(site, "getsitepackages", list)(),
               *(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
 }, "<frozen ")
 
@@ -137,18 +141,22 @@ def _emit(direction: str, kind: str, where: str = "") -> None:
 
 
 def _call_site() -> str:
-    """``file:line (function)`` of the first caller outside jaxdev and the libraries (then
-    jaxdev's first frame, ``via``); jaxdev's own when no other (``python -m jaxdev``)."""
-    frame, inner = sys._getframe(2), ""
+    """``file:line (function)`` of the first caller outside jaxdev, jax, numpy and the
+    libraries (then jaxdev's first frame, ``via``); with none, the first library's (user code
+    installed in site-packages), else jaxdev's own (``python -m jaxdev``)."""
+    frame, inner, library = sys._getframe(2), "", ""
     while frame is not None:
-        name = frame.f_code.co_filename
-        site = f"{os.path.basename(name)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        code = frame.f_code
+        name, here = code.co_filename, f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+        here += f" ({code.co_name})"
         if name.startswith(_PACKAGE):
-            inner = inner or (site if name != _HERE else "")
-        elif not name.startswith(_LIBRARIES) and "jaxlib" not in name:
-            return f"{site} via {inner}" if inner else site
+            inner = inner or (here if name != _HERE else "")
+        elif not name.startswith(_JAX) and "__create_fn__" not in code.co_qualname:
+            if not name.startswith(_LIBRARIES):  # (a dataclass's own __repr__: "<string>")
+                return f"{here} via {inner}" if inner else here
+            library = library or ("" if name.startswith("<frozen ") else here)
         frame = frame.f_back
-    return inner
+    return f"{library} via {inner}" if library and inner else library or inner
 
 
 class _outermost:  # noqa: N801 - used as the context manager function it was
@@ -189,11 +197,11 @@ def _counted(fn: Callable, direction: str, kind: str, when: Callable | None = No
             if _active and (when is None or when(*args, **kwargs)):
                 _emit(direction, kind, site := _call_site())
                 if _timeline.listeners and key == "host":  # a step meter times the sync
-                    start = time.perf_counter()
+                    waited, start = _timeline.running(), time.perf_counter()
                     try:
                         return fn(*args, **kwargs)
                     finally:
-                        _timeline.host("sync", start, f"{kind} at {site}")
+                        _timeline.host("sync", start, f"{kind} at {site}", waited)
             return fn(*args, **kwargs)
 
     try:

@@ -12,12 +12,16 @@ import time
 from array import array
 from typing import Any
 
-listeners: list[Any] = []  # the active meters: ``on_host(label, start, end, where)``, ``on_mark``
+listeners: list[Any] = []  # the active meters: ``on_host(label, start, end, where, waited)``,
+# ``on_mark(label, when)``
 times = array("d")  # each metered step call's start and end: no object the GC would walk
+done = array("b")  # each call's: 1 when it returned its step done (XLA:CPU runs some inline)
 runs: list[tuple] = []  # (first call, step, key, compiled) of each program run in ``times``
 newest: tuple = (0, None)  # (calls in ``times``, an output of the last): kept outputs cost
 _run: tuple = (None, None)  # the step and program key of the last run
 _thread: int | None = None  # the meters' loop thread: another thread's steps are not theirs
+dispatch = threading.Event()  # set by a step call while the meters' watcher is ``waiting``
+waiting = False
 _KEEP = 1 << 21  # doubles kept when no meter listens (16 MiB): a new meter then starts afresh
 
 
@@ -33,10 +37,13 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
     if threading.get_ident() != _thread:
         return
     times.extend((start, time.perf_counter()))
+    done.append(token.is_ready())
     if compiled or key is not _run[1] or step is not _run[0]:  # a new program run
         _run = (step, key)
         runs.append((len(times) // 2 - 1, step, key, compiled))
     newest = (len(times) >> 1, token)
+    if waiting:
+        dispatch.set()
 
 
 def listen(meter: Any) -> int:
@@ -44,7 +51,7 @@ def listen(meter: Any) -> int:
     in :data:`times`."""
     global _run, newest, _thread
     if not listeners and len(times) > _KEEP:
-        del times[:], runs[:]
+        del times[:], runs[:], done[:]
         newest = (0, None)  # its count indexed the cleared record
     listeners.append(meter)
     _run, _thread = (None, None), threading.get_ident()  # its first call starts a run
@@ -61,12 +68,19 @@ def leave(meter: Any) -> None:
         del runs[:]
 
 
-def host(label: str, start: float, where: str = "") -> None:
+def host(label: str, start: float, where: str = "", waited: bool = False) -> None:
     """Tell each meter: the host spent ``start`` until now in ``label`` (``"input"``,
-    ``"sync"``, ``"compile"``), at ``where`` (``file:line``, for syncs)."""
+    ``"sync"``, ``"compile"``), at ``where`` (``file:line``, for syncs); ``waited``: a sync
+    that began while the newest step ran (:func:`running`)."""
     end = time.perf_counter()
     for meter in list(listeners):
-        meter.on_host(label, start, end, where)
+        meter.on_host(label, start, end, where, waited)
+
+
+def running() -> bool:
+    """Whether the newest metered step is still running (a sync beginning now waits for it)."""
+    token = newest[1]
+    return token is not None and not token.is_deleted() and not token.is_ready()
 
 
 def mark(label: str) -> None:

@@ -225,7 +225,7 @@ def _last_program(step):
 def test_the_step_meter_hears_each_dispatch_and_can_ask_its_flops(monkeypatch):
     for name, value in (("listeners", [object()]), ("times", array("d")), ("runs", []),
                         ("newest", (0, None)), ("_run", (None, None)),
-                        ("_thread", threading.get_ident())):
+                        ("_thread", threading.get_ident()), ("done", array("b"))):
         monkeypatch.setattr(_timeline, name, value)  # a step meter listens
     step, state, metrics, batch = _warm(jaxdev.Strategy.single())
     runs, times = _timeline.runs, list(_timeline.times)

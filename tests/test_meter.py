@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import logging
@@ -326,14 +327,54 @@ def test_a_meter_in_a_second_thread_is_refused_and_its_steps_not_counted():
     assert len(errors) == 1 and "one thread's loop at a time" in errors[0], errors
 
 
-def test_a_sync_in_a_logging_call_is_named_at_the_users_line(caplog):
-    """``logging``'s ``str()`` of a device array was named at logging's own line."""
+@dataclasses.dataclass
+class _Holder:
+    loss: jax.Array
+
+
+@pytest.mark.parametrize("how", ["logging", "dataclass_repr"])
+def test_a_sync_in_a_library_or_generated_method_is_named_at_the_users_line(how, caplog):
+    """``logging``'s ``str()`` of a device array was named at logging's own line, a
+    dataclass's ``repr`` at ``<string>:3 (__repr__)`` (its generated method)."""
     step, state, batch, metrics = _setup()
     with StepMeter() as m:
         state, metrics = step(state, batch)
-        logging.getLogger("jaxdev-test").warning("loss %s", metrics["loss"].compute())
-    line = inspect.currentframe().f_lineno - 1
+        loss = metrics["loss"].compute()
+        line = inspect.currentframe().f_lineno + 2 + 2 * (how != "logging")
+        if how == "logging":
+            logging.getLogger("jaxdev-test").warning("loss %s", loss)
+        else:
+            repr(_Holder(loss))
     assert [w for w, _, _ in m.report().syncs if f"test_meter.py:{line} " in w], m.report().syncs
+
+
+def test_an_interrupt_while_leaving_still_leaves(monkeypatch):
+    """A Ctrl-C while leaving waited for the steps in flight: the meter stayed half-left (its
+    wall kept growing, inputs() after it were timed) and the watcher thread died looking at
+    it (``None.is_deleted``), so later meters saw no step end."""
+    step, state, batch, _ = _setup()
+    m = StepMeter()
+    with pytest.raises(KeyboardInterrupt), m:
+        state, _ = step(state, batch)
+        look = m._look
+        monkeypatch.setattr(m, "_look", lambda final=False: (
+            (_ for _ in ()).throw(KeyboardInterrupt()) if final else look()))
+    wall = m.report().wall
+    assert m not in _timeline.listeners and m.report().wall == wall
+    list(m.inputs(iter([time.sleep(0.01)])))
+    assert m.report().seconds["input"] == 0
+    time.sleep(0.1)  # the watcher looks at the left meter: it must not die
+    with StepMeter() as again:
+        for _ in range(3):
+            state, _ = step(state, batch)
+        time.sleep(0.1)  # the watcher sees them end
+    assert again.report().steps == 3 and meter_watcher_alive()
+
+
+def meter_watcher_alive():
+    from jaxdev.meter import _meter
+
+    return _meter._watcher is not None and _meter._watcher.is_alive()
 
 
 def test_inputs_and_report_outside_the_block():

@@ -4,8 +4,8 @@ jaxdev's steps tell it what they dispatched (:mod:`jaxdev._timeline`); a daemon 
 when the device finished them (:class:`StepMeter` says how often). The device was busy from a
 step's dispatch (or the previous step's end) to its end; in the gaps it waited for the host,
 and the host's own record (input waits, host syncs, compiles, checkpoint saves, eval
-dispatches) says what for. A gap's part no record covers goes to what the host was doing when
-the device ran out of work (the sync that held back the next dispatch), else to "other".
+dispatches) says what for. A gap's part no record covers is the host's own work ("other"),
+but after a sync that drained the device: up to the device time it could have overlapped.
 """
 
 from __future__ import annotations
@@ -39,26 +39,32 @@ PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
 )
 SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
 _RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
-_EVERY, _POLL = 0.05, 2e-3  # the watcher looks every 50 ms; polls every 2 ms while catching
-_LOOK = (0.05, 64)  # it catches a running step within 50 ms or 64 steps, else takes the last
-_WAITED = 1e-3  # a sync this long that found the newest step done waited for it
+_EVERY = 0.05  # the watcher looks at most every 50 ms after it saw a step end
+_CATCH = 64  # steps found done, one after another, before the newest is taken as it is
 
 
 _watcher: threading.Thread | None = None
 _wake = threading.Event()  # set while meters are on
+_entering = threading.Lock()  # a meter's thread check and listen, one meter at a time
 
 
 def _watch() -> None:
-    """One thread for all meters: each looks at its newest step every ``_EVERY``."""
+    """One thread for all meters: each looks at its newest step; after a step seen ending
+    it sleeps ``_EVERY``, else it waits for the next dispatch (or ``_EVERY``)."""
     with _guards._outermost("host"):  # its waits are not the user's: never counted
         while _wake.wait():
+            _timeline.dispatch.clear()
+            _timeline.waiting = True  # the next dispatch sets it
             meters = [m for m in _timeline.listeners if isinstance(m, StepMeter)]
-            soon = [m._look() for m in meters]  # a list: every meter looks
+            if any([m._look() for m in meters]):  # a list: every meter looks
+                _timeline.dispatch.wait(_EVERY)
+                continue
+            _timeline.waiting = False
             if not meters:
                 _wake.clear()
                 if _timeline.listeners:  # one came in meanwhile
                     _wake.set()
-            time.sleep(_POLL if any(soon) else _EVERY)
+            time.sleep(_EVERY)
 
 
 def peak_flops(kind: str) -> tuple[float, str] | None:
@@ -112,12 +118,16 @@ class StepMeter:
     jaxdev's train and eval steps, ``prefetch_to_device``, checkpoint saves and host syncs
     (``float(loss)``, ``jax.device_get``, ``np.asarray`` of device arrays) are seen as they
     are; wrap any other loader in :meth:`inputs`. The meter adds no sync, and a step pays
-    two clock reads and an append: one thread for all meters looks every 50 ms at the newest
-    step and waits for its end, so a step's end is exact at each look (one already done is
-    caught among the next steps within 50 ms, else taken as ending at its dispatch); between
-    looks the device runs its programs in order, and a queue model (each step of the batch
-    took the same time, from its dispatch or the previous one's end) places them, bounded by
-    the syncs that found them done. Leaving the block waits for the steps in flight.
+    two clock reads, a readiness check and two appends: one thread for all meters waits for
+    the newest step while it runs, so a step's end is exact there; 50 ms after a step it saw
+    end it looks again, and waits for the next dispatch while the newest is done already
+    (after 64 such, or at leaving, one done counts as ending at its dispatch, or where a sync
+    that waited for it ended). Between exact ends the device runs its programs in order, and
+    a queue model (each step of the batch took the same time, from its dispatch or the
+    previous one's end) places them, bounded by the syncs that found them done. A call that
+    returned its step done ran it (XLA:CPU runs some programs inline): its time beyond the
+    program's quickest call is the device's. Leaving the block waits for the steps in flight.
+    One thread's loop at a time.
 
     Args:
       examples_per_step: examples in one step's batch (global), for ``examples/s``.
@@ -157,27 +167,29 @@ class StepMeter:
         self._tid: int | None = None  # the loop's thread, while in the block
         self._first, self._kept = 0, None  # its first call in _timeline.times; its record
         self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
-        self._synced: list[tuple[int, float, float]] = []  # (step, a sync: it ended by then)
+        self._synced: list[tuple[int, float, bool]] = []  # (step, a sync's end, it waited)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
         self._marks: list[tuple[str, float]] = []  # (label, start): until the next step or input
         self._lock = threading.Lock()  # one look at a time (the watcher's, leaving's)
-        self._catch = (0, 0.0)  # (steps seen, since when) while its newest steps were done
+        self._catch = 0  # the step count when its newest steps began to be found done
 
     def __enter__(self) -> StepMeter:
         global _watcher
         if self._t0:
             raise UsageError("A StepMeter meters one block: make a new one for the next.")
-        self._tid = threading.get_ident()
-        if other := [m for m in _timeline.listeners if m._tid != self._tid]:
-            raise UsageError(
-                f"A StepMeter is on in thread {other[0]._tid}, and this one would be in thread "
-                f"{self._tid}: jaxdev meters one thread's loop at a time (each would count the "
-                "other's steps). Meter one loop, or leave the other's block first."
-            )
-        self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs and compiles
-        self._guard.__enter__()
-        self._t0 = time.perf_counter()
-        self._first = _timeline.listen(self)
+        with _entering:
+            if other := [m for m in _timeline.listeners if m._tid != threading.get_ident()]:
+                raise UsageError(
+                    f"A StepMeter is on in thread {other[0]._tid}, and this one would be in "
+                    f"thread {threading.get_ident()}: jaxdev meters one thread's loop at a time "
+                    "(each would count the other's steps). Meter one loop, or leave the other's "
+                    "block first."
+                )
+            self._tid = threading.get_ident()
+            self._guard = _guards.count_transfers(implicit=False)  # intercepts syncs, compiles
+            self._guard.__enter__()
+            self._t0 = time.perf_counter()
+            self._first = _timeline.listen(self)
         if _watcher is None or not _watcher.is_alive():  # one for all meters (and a fork's)
             _watcher = threading.Thread(target=_watch, name="jaxdev-meter", daemon=True)
             _watcher.start()
@@ -189,38 +201,40 @@ class StepMeter:
         try:
             with _guards._outermost("host"):  # waits for the steps in flight: not the user's
                 self._look(final=True)
+        finally:  # it leaves, and its counting wrappers go, whatever happened (a Ctrl-C too)
             self._kept = self._record()
-        finally:  # it leaves, and its counting wrappers go, whatever happened
             _timeline.leave(self)
             self._guard.__exit__(None, None, None)
-        self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step if later
-        self._tid = None  # its inputs() after the block are not its own
+            self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step's end
+            self._tid = None  # its inputs() after the block are not its own
 
     def _look(self, final: bool = False) -> bool:
-        """Note when the newest step ended: wait for it while it runs; one done already
-        is caught in the next ``_LOOK`` polls' steps, then taken as ending at its dispatch.
-        Returns whether to look again soon (catching)."""
+        """Note when the newest step ended: wait for it while it runs. One found done is
+        taken as ending at its dispatch (or at the end of a sync that waited for it) at
+        leaving, or when ``_CATCH`` steps came done one after another; until then the watcher
+        waits for the next dispatch to catch that one running. Returns whether to wait for
+        the next dispatch (nothing new, or catching)."""
         with self._lock:
             if self._kept is not None:  # it left (the watcher took it before): later steps
                 return False  # are not its own
             (n, token), done = _timeline.newest, len(self._looks) and self._looks[-1][0] + 1
             n -= self._first
-            if n <= done:
-                return False
+            if n <= done or token is None:
+                return True
             # deleted (an eval step's metrics, donated since): it ended (jax 0.10.2 segfaults
             ready = token.is_deleted() or token.is_ready()  # on is_ready)
-            seen, since = self._catch if self._catch[0] else (n, time.perf_counter())
-            if ready and not final and n - seen < _LOOK[1] and time.perf_counter() - since < _LOOK[0]:
-                self._catch = (seen, since)
+            seen = self._catch or n
+            if ready and not final and n - seen < _CATCH:
+                self._catch = seen
                 return True
             if not ready:
                 with contextlib.suppress(Exception):  # a failed step: its reads raise
                     token.block_until_ready()
             end = _timeline.times[2 * (self._first + n) - 1]  # its dispatch's end
-            if ready:  # done: by then, or by the end of a sync that waited for it
-                end = max([end, *[e for j, s, e in self._synced if j == n - 1 and e - s > _WAITED]])
+            if ready:  # done: by then, or when a sync that waited for it ended
+                end = max([end, *[e for j, e, waited in self._synced if j == n - 1 and waited]])
             self._looks.append((n - 1, end if ready else time.perf_counter()))
-            self._catch = (0, 0.0)
+            self._catch = 0
             return False
 
     def inputs(self, iterable: Any) -> Any:
@@ -247,21 +261,23 @@ class StepMeter:
 
     # -------------------------------------------------- what _timeline tells it
 
-    def on_host(self, label: str, start: float, end: float, where: str) -> None:
+    def on_host(self, label: str, start: float, end: float, where: str, waited=False) -> None:
+        """``waited``: a sync that began with the newest step running (``_timeline.host``)."""
         if threading.get_ident() == self._tid:  # the loop's thread only, inside the block
             self._host.append((label, start, end, where))
             n, token = _timeline.newest
             if label == "sync" and token is not None and n > self._first:
-                if not token.is_deleted() and token.is_ready():  # it and all before it
-                    self._synced.append((n - 1 - self._first, start, end))  # ended by its end
+                if not token.is_deleted() and token.is_ready():  # it and all before it ended
+                    self._synced.append((n - 1 - self._first, end, waited))  # by its end
 
-    def _record(self) -> tuple[Any, list[tuple]]:
-        """Its step calls' starts and ends, and ``(first call, step, key, compiled)`` runs."""
+    def _record(self) -> tuple[Any, Any, list[tuple]]:
+        """Its step calls' starts and ends, whether each returned its step done, and
+        ``(first call, step, key, compiled)`` runs."""
         if self._kept is not None:
             return self._kept
         first = self._first
         runs = [(i - first, *run) for i, *run in _timeline.runs if i >= first]
-        return _timeline.times[2 * first:], runs
+        return _timeline.times[2 * first:], _timeline.done[first:], runs
 
     def on_mark(self, label: str, when: float) -> None:
         if threading.get_ident() == self._tid:
@@ -278,16 +294,20 @@ class StepMeter:
         """
         if not self._t0:
             raise UsageError("`StepMeter.report` reports a block: enter the meter (`with`) first.")
-        (times, changes), t0, t1 = self._record(), self._t0, self._t1 or time.perf_counter()
-        done = self._finishes(times)
+        (times, ran, changes), t0 = self._record(), self._t0
+        t1, done = self._t1 or time.perf_counter(), self._finishes(times)
         n, starts, ends = len(times) // 2, times[0::2], times[1::2]
-        runs, host, kinds = [], list(self._host), []  # runs: (step, key, calls done) each
+        runs, host, kinds, own = [], list(self._host), [], []  # runs: (step, key, calls done)
+        fastest: dict[tuple, float] = {}  # a program's quickest dispatch: the host's own part
         for (a, step, key, compiled), b in zip(changes, [a for a, *_ in changes[1:]] + [n]):
             if compiled:
                 host.append(("compile", starts[a], ends[a], ""))
             if not step.is_train:
                 host += [("eval", starts[i], ends[i], "") for i in range(a, b)]
             kinds += [step.is_train] * (b - a)
+            own += [None if compiled else (step, key)] + [(step, key)] * (b - a - 1)
+            for i in range(a + compiled, b):
+                fastest[step, key] = min(fastest.get((step, key), math.inf), ends[i] - starts[i])
             if (calls := min(b, len(done)) - a) > 0:  # step.cost(key) is computed once
                 runs.append((step, key, calls))
         inputs = sorted([*starts, *[s for label, s, _, _ in self._host if label == "input"]])
@@ -295,7 +315,9 @@ class StepMeter:
             i = bisect.bisect_left(inputs, when)
             host.append((label, when, inputs[i] if i < len(inputs) else t1, ""))
         busy, prev = [], t0  # each step's (a step done at once: from its dispatch, for 0 s)
-        for end, finish, train in zip(ends, done, kinds):
+        for i, (end, finish, train) in enumerate(zip(ends, done, kinds)):
+            if ran[i] and own[i]:  # it ran in its call (beyond the program's quickest call)
+                end, finish = min(starts[i] + fastest[own[i]], end), min(finish, end)
             start = max(end, prev)
             busy.append((start, prev := max(finish, start), "step" if train else "eval"))
         seconds = dict.fromkeys(SHARES, 0.0)
@@ -303,8 +325,8 @@ class StepMeter:
             seconds[label] += e - s
         segments = _flatten([h[:3] for h in host])
         starts = [s for s, _, _ in segments]
-        since = [t0] + [s for s, _, _ in busy]  # the device's work before a gap: given by then
-        for a, b, given in zip([t0] + [e for _, e, _ in busy], since[1:] + [t1], since):
+        before = [(t0, t0)] + [(s, e) for s, e, _ in busy]  # the device's work before a gap
+        for (given, a), b in zip(before, [s for s, _, _ in busy] + [t1]):
             if b > a:  # a gap between the device's busy spans
                 _attribute(a, b, given, segments, starts, seconds)
         syncs: dict[str, list] = {}
@@ -332,7 +354,7 @@ class StepMeter:
         marks, bound = sorted(self._synced), math.inf  # in order: ended by a later one's sync
         for j in range(len(out) - 1, -1, -1):
             while marks and marks[-1][0] >= j:
-                bound = min(bound, marks.pop()[2])
+                bound = min(bound, marks.pop()[1])
             out[j] = min(out[j], bound)
         return out
 
@@ -380,18 +402,20 @@ def _flatten(intervals: list[tuple[str, float, float]]) -> list[tuple[float, flo
 
 
 def _attribute(a: float, b: float, given: float, segments: list, starts: list, seconds: dict):
-    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it, the rest to the
-    record under way when the device ran out of work at ``a`` (a switch interval either way:
-    step ends are estimates between looks; one ended before the device's work was ``given``
-    held nothing back), else to "other" (the host's own work)."""
-    tol = sys.getswitchinterval()
-    covered, cause = 0.0, "other"
+    """Add the gap ``[a, b]`` to ``seconds``: the host's records over it; the rest is the
+    host's own work ("other"), but for a sync under way when the device ran out of work at
+    ``a`` (a switch interval either way: step ends are estimates between looks; not one that
+    ended before the device was ``given`` that work): it drained the device, so the host's
+    work after it is idle it caused, up to the device time it could have overlapped
+    (``a - given``)."""
+    tol, covered, drained = sys.getswitchinterval(), 0.0, 0.0
     for s, e, label in segments[max(bisect.bisect_right(starts, a) - 1, 0) :]:
         if s >= b:
             break
-        if cause == "other" and e > given and s - tol <= a <= e + tol:
-            cause = label
+        if label == "sync" and e > given and s - tol <= a <= e + tol:
+            drained = a - given
         if (ov := min(b, e) - max(a, s)) > 0:
             seconds[label] += ov
             covered += ov
-    seconds[cause] += b - a - covered
+    seconds["sync"] += min(drained, b - a - covered)
+    seconds["other"] += b - a - covered - min(drained, b - a - covered)
