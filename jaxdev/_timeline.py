@@ -33,7 +33,7 @@ def start() -> float:
 def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) -> None:
     """Record for the meters: ``step``'s program ``key`` was dispatched from ``start`` until
     now (``compiled``: this call traced and compiled it); ``token`` is an output to wait on."""
-    global newest, _run
+    global newest, _run, waiting
     if threading.get_ident() != _thread:
         return
     times.extend((start, time.perf_counter()))
@@ -42,7 +42,8 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
         _run = (step, key)
         runs.append((len(times) // 2 - 1, step, key, compiled))
     newest = (len(times) >> 1, token)
-    if waiting:
+    if waiting:  # once a wait
+        waiting = False
         dispatch.set()
 
 

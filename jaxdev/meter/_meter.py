@@ -39,7 +39,7 @@ PEAKS = (  # (device_kind contains, dense bf16 FLOP/s per device, source)
 )
 SHARES = ("step", "eval", "input", "sync", "compile", "checkpoint", "other")
 _RANK = {"input": 1, "sync": 2, "eval": 3, "checkpoint": 4, "compile": 5}  # overlaps: higher wins
-_EVERY = 0.05  # the watcher looks at most every 50 ms after it saw a step end
+_EVERY, _POLL = 0.05, 2e-3  # the watcher looks 50 ms after it saw a step end; 2 ms apart
 _CATCH = 64  # steps found done, one after another, before the newest is taken as it is
 
 
@@ -50,13 +50,17 @@ _entering = threading.Lock()  # a meter's thread check and listen, one meter at 
 
 def _watch() -> None:
     """One thread for all meters: each looks at its newest step; after a step seen ending
-    it sleeps ``_EVERY``, else it waits for the next dispatch (or ``_EVERY``)."""
+    it sleeps ``_EVERY``, else it waits for the next dispatch (or ``_EVERY``; ``_POLL`` at
+    least while the newest steps are found done: tiny steps wake it no more)."""
     with _guards._outermost("host"):  # its waits are not the user's: never counted
         while _wake.wait():
             _timeline.dispatch.clear()
             _timeline.waiting = True  # the next dispatch sets it
             meters = [m for m in _timeline.listeners if isinstance(m, StepMeter)]
-            if any([m._look() for m in meters]):  # a list: every meter looks
+            soon = [m._look() for m in meters]  # a list: every meter looks
+            if any(soon):
+                if 2 in soon:  # catching
+                    time.sleep(_POLL)
                 _timeline.dispatch.wait(_EVERY)
                 continue
             _timeline.waiting = False
@@ -208,25 +212,25 @@ class StepMeter:
             self._t1 = max([now, *[t for _, t in self._looks[-1:]]])  # or its last step's end
             self._tid = None  # its inputs() after the block are not its own
 
-    def _look(self, final: bool = False) -> bool:
+    def _look(self, final: bool = False) -> int:
         """Note when the newest step ended: wait for it while it runs. One found done is
         taken as ending at its dispatch (or at the end of a sync that waited for it) at
         leaving, or when ``_CATCH`` steps came done one after another; until then the watcher
         waits for the next dispatch to catch that one running. Returns whether to wait for
-        the next dispatch (nothing new, or catching)."""
+        the next dispatch: 1 (nothing new), 2 (catching), else 0."""
         with self._lock:
             if self._kept is not None:  # it left (the watcher took it before): later steps
-                return False  # are not its own
+                return 0  # are not its own
             (n, token), done = _timeline.newest, len(self._looks) and self._looks[-1][0] + 1
             n -= self._first
             if n <= done or token is None:
-                return True
+                return 1
             # deleted (an eval step's metrics, donated since): it ended (jax 0.10.2 segfaults
             ready = token.is_deleted() or token.is_ready()  # on is_ready)
             seen = self._catch or n
             if ready and not final and n - seen < _CATCH:
                 self._catch = seen
-                return True
+                return 2
             if not ready:
                 with contextlib.suppress(Exception):  # a failed step: its reads raise
                     token.block_until_ready()
@@ -235,7 +239,7 @@ class StepMeter:
                 end = max([end, *[e for j, e, waited in self._synced if j == n - 1 and waited]])
             self._looks.append((n - 1, end if ready else time.perf_counter()))
             self._catch = 0
-            return False
+            return 0
 
     def inputs(self, iterable: Any) -> Any:
         """Yield ``iterable``'s items, timing each wait for the next as input (inside the
