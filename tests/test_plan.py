@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdev
 from jaxdev import MemoryPlanError, UsageError
 from jaxdev.memory._offload import shard_bytes
-from jaxdev.memory._plan import CompiledMemory, check_fits, resolve_limit
+from jaxdev.memory._plan import CompiledMemory, check_fits, fsdp_alternative, resolve_limit
 
 MiB = 2**20
 
@@ -390,3 +391,22 @@ def test_sub_byte_dtypes_are_planned_packed_as_xla_stores_them(dtype):
     assert p["params"] == compiled.memory_analysis().argument_size_in_bytes
     bits = jax.dtypes.itemsize_bits(dtype)
     assert p.rows[0].total_bytes == sum(-(-math.prod(s) * bits // 8) for s in sizes)
+
+
+def test_a_plan_and_the_steps_memory_error_keep_shapes_never_the_arrays():
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(
+        _loss, tx, jaxdev.Strategy.sharded(jaxdev.data_mesh()), memory_limit=MiB
+    )
+    params, state = _params(328), step.init_state(_params(328), tx)
+    batch = step.put_batch({"x": jnp.ones((40, 328)), "y": jnp.ones((40, 16))})
+    kept = jaxdev.memory.plan(params, batch=batch)
+    try:
+        step(state, batch)
+    except MemoryPlanError as e:
+        err = e.with_traceback(None)  # the frames' locals are Python's to keep, not the error's
+    del params, state, batch
+    gc.collect()
+    assert not [x.shape for x in jax.live_arrays() if 328 in x.shape or 40 in x.shape]
+    assert fsdp_alternative(kept).startswith("; with rules='fsdp' over 8 devices: ")  # from shapes
+    assert err.explanation.plan.peak > MiB

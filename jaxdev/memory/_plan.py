@@ -112,7 +112,8 @@ class MemoryPlan:
     mesh: Mesh
     rules: Any
     compiled: CompiledMemory | None = None
-    # what it was built from, for fsdp_alternative: the unboxed state, the batch, a batch
+    # what it was built from, for fsdp_alternative: the unboxed state's and the batch's
+    # shapes (never their arrays, which a kept plan or error would keep alive), a batch
     # leaf's spec by its rank, the options
     _inputs: tuple | None = dataclasses.field(default=None, compare=False)
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -303,11 +304,17 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)
-    inputs = (state, batch, batch_spec, dict(options))
+    inputs = (_shapes(state), _shapes(batch), batch_spec, dict(options))
     host = host if any(host.values()) else {}
     backend, target = mesh.devices.flat[0].platform, getattr(target_of(mesh), "name", None)
     flags = (backend, target, lowered is not None and compiled is None)  # the last: no analysis
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host, *flags)
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with a ``ShapeDtypeStruct`` (sharding kept) for each leaf: no array kept."""
+    sds = lambda x: jax.ShapeDtypeStruct(*shape_dtype(x), sharding=getattr(x, "sharding", None))  # noqa: E731
+    return jax.tree.map(sds, tree)
 
 
 def _same_rules(a: Any, b: Any) -> bool:
