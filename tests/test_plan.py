@@ -248,6 +248,22 @@ def test_plan_rejects_a_mesh_or_rules_other_than_the_steps(mesh24):
         jaxdev.memory.plan(state, step=lambda s, b: s)
 
 
+@pytest.mark.parametrize("with_step", [False, True])
+def test_plan_refuses_an_unknown_option_and_with_a_step_one_other_than_the_steps(with_step):
+    tx, mesh = optax.sgd(0.1), jaxdev.make_mesh({"fsdp": 8})
+    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh, rules="fsdp"))
+    kw = {"step": step, "batch": _batch()} if with_step else {"mesh": mesh, "rules": "fsdp"}
+    shapes = jax.eval_shape(lambda: _state(tx))
+    with pytest.raises(UsageError, match=r"`min_sizee` is no option .* takes `min_size`, `fsdp_"):
+        jaxdev.memory.plan(shapes, min_sizee=1, **kw)
+    same = jaxdev.memory.plan(shapes, min_size=1024, **kw)  # the default: the step's own
+    if with_step:  # the step replicates the 256-element bias: the rows may not split it
+        with pytest.raises(UsageError, match=r"`min_size`=1 differs from the step's 1024"):
+            jaxdev.memory.plan(shapes, min_size=1, **kw)
+    else:
+        assert jaxdev.memory.plan(shapes, min_size=1, **kw)["params"] < same["params"]
+
+
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -25,7 +26,8 @@ from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, sho
 from .._leaves import device_key, packed_bytes, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
-from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
+from .._rules import fsdp_axis_of, is_train_state, param_shardings, state_shardings, step_shardings
+from .._rules import unbox
 from .._target import target_of
 from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host, shard_bytes
@@ -33,6 +35,11 @@ from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
+_OPTIONS = {  # param_shardings' options and their defaults: what plan(**options) takes
+    k: p.default
+    for k, p in inspect.signature(param_shardings).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
+}
 
 
 class CompiledMemory(NamedTuple):
@@ -244,10 +251,10 @@ def plan(
         (the default stands for them; another value is an error).
       step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
       **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``, ``indivisible`` as in
-        :func:`jaxdev.param_shardings`.
+        :func:`jaxdev.param_shardings`; with ``step``, the step's (another value is an error).
 
     Raises:
-      UsageError: ``mesh`` / ``rules`` disagree with the step's.
+      UsageError: ``mesh`` / ``rules`` / an option disagree with the step's; an unknown option.
       ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
 
     Example:
@@ -269,6 +276,7 @@ def plan(
       total      3.0 MiB       12.0 MiB     >99.9%
     """
     spec = None if step is None else spec_of(step)
+    _check_options(options, spec)
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
     return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
 
@@ -276,6 +284,23 @@ def plan(
 def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
     """:func:`plan` of one call of the step ``spec`` with the program it lowered already."""
     return _plan(state, None, "replicate", spec, batch, lowered, {})
+
+
+def _check_options(options: dict[str, Any], spec: StepSpec | None) -> None:
+    """Refuse an option ``param_shardings`` does not take, or, with a step, not the step's."""
+    own = _OPTIONS if spec is None else {**_OPTIONS, **spec.strategy.options}
+    for name, value in options.items():
+        if name not in _OPTIONS:
+            raise UsageError(
+                f"`{name}` is no option of jaxdev.memory.plan: it takes "
+                f"{', '.join(f'`{k}`' for k in _OPTIONS)} (as jaxdev.param_shardings)."
+            )
+        if spec is not None and not _same_rules(value, own[name]):
+            raise UsageError(
+                f"`{name}`={short(value, 80)} differs from the step's {short(own[name], 80)}, "
+                f"which lays out the state it compiles; leave `{name}` out when passing `step` "
+                f"(the plan uses the step's), or make the step with it (Strategy.sharded)."
+            )
 
 
 def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> MemoryPlan:
@@ -298,8 +323,7 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
                 f"{short(strategy.rules, 80)}; leave `rules` out {leave}"
             )
         mesh, rules = strategy.mesh, strategy.rules
-        shardings = strategy.state_layout(state_or_shapes, **options)
-        options = {**strategy.options, **options}
+        shardings, options = strategy.state_layout(state_or_shapes), strategy.options
         batch_spec = functools.partial(strategy.batch_spec, spec.steps_per_call, spec.accumulate)
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
