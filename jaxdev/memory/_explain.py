@@ -635,7 +635,7 @@ def fit_memory(
         row shape and dtypes are read.
       limit: bytes per device. Default: the step's ``memory_limit``, else the devices'
         ``bytes_limit`` or the target's; required on CPU.
-      max_batch_size: the largest rows per device to try.
+      max_batch_size: the largest rows per device to try (at least the step's ``accumulate``).
 
     Raises:
       MemoryPlanError: nothing fits, as the step is or with any change (with the table).
@@ -661,6 +661,12 @@ def fit_memory(
     if bad or max_batch_size < 1:
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
+    if max_batch_size < spec.accumulate:  # a device's rows are split into micro-batches
+        raise UsageError(
+            f"`max_batch_size`={max_batch_size} is under the step's `accumulate`="
+            f"{spec.accumulate}: each device needs at least one row per micro-batch; pass "
+            f"`max_batch_size` >= {spec.accumulate}."
+        )
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = _limit(limit, spec, example=example)
     start = time.perf_counter()

@@ -26,8 +26,14 @@ from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, sho
 from .._leaves import device_key, packed_bytes, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
-from .._rules import fsdp_axis_of, is_train_state, param_shardings, state_shardings, step_shardings
-from .._rules import unbox
+from .._rules import (
+    fsdp_axis_of,
+    is_train_state,
+    param_shardings,
+    state_shardings,
+    step_shardings,
+    unbox,
+)
 from .._target import target_of
 from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host, shard_bytes
