@@ -264,6 +264,25 @@ def test_plan_refuses_an_unknown_option_and_with_a_step_one_other_than_the_steps
         assert jaxdev.memory.plan(shapes, min_size=1, **kw)["params"] < same["params"]
 
 
+@pytest.mark.parametrize(
+    "tree, batch, match",
+    [
+        ({"w": np.array(["a", "b"])}, None, r"`state_or_shapes` leaf \['w'\] is a numpy array of"),
+        ({"w": jax.ShapeDtypeStruct((-1, 4), jnp.float32)}, None, r"leaf \['w'\] has the shape"),
+        (_params(), {"x": "abc"}, r"`batch` leaf \['x'\] is a builtins.str; expected an array"),
+        (_params(), {"x": object()}, r"`batch` leaf \['x'\] is a builtins.object"),
+        (_params(), _batch(), r"`state_or_shapes` must be a train state .* got dict"),
+    ],
+)
+def test_plan_names_the_argument_and_leaf_it_cannot_read(tree, batch, match):
+    """Were raw ValueErrors (str and object leaves), -16 bytes (a negative dimension), and the
+    lowering's AttributeError (params for a train step's state)."""
+    step = jaxdev.make_train_step(_loss, optax.sgd(0.1), jaxdev.Strategy.sharded())
+    kw = {"step": step} if isinstance(batch, dict) and "y" in batch else {}
+    with pytest.raises(jaxdev.JaxdevError, match=match):
+        jaxdev.memory.plan(tree, batch=batch, **kw)
+
+
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))
@@ -304,11 +323,11 @@ def test_plan_table_is_exact():
 
 def test_fits_with_a_limit_and_without_one_on_cpu():
     p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)})
-    assert p.fits(limit=4 * MiB) and p.fits(4 * MiB + 0.5) and not p.fits(limit=4 * MiB - 1)
+    assert p.fits(limit=4 * MiB) and p.fits(4.0 * MiB) and not p.fits(limit=4 * MiB - 1)
     assert resolve_limit(None, jax.devices(), required=False) == (None, "no limit known")
     with pytest.raises(UsageError, match=r"reports no memory limit .* pass `limit=`"):
         p.fits()
-    for bad in (-1, "16GB", True, float("nan"), float("inf"), [1]):
+    for bad in (-1, "16GB", True, float("nan"), float("inf"), [1], 0.5, 4 * MiB + 0.5):
         with pytest.raises(UsageError, match="`limit` must be a number of bytes"):
             p.fits(limit=bad)
 

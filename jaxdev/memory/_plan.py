@@ -22,8 +22,16 @@ from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
-from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
-from .._leaves import device_key, packed_bytes, shape_dtype
+from .._errors import (
+    JaxdevError,
+    LeafTypeError,
+    LeafValueError,
+    MemoryPlanError,
+    UsageError,
+    device_name,
+    short,
+)
+from .._leaves import device_key, is_host_value, keystr, packed_bytes, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
 from .._rules import (
@@ -283,6 +291,10 @@ def plan(
     """
     spec = None if step is None else spec_of(step)
     _check_options(options, spec)
+    check_leaves(unbox(state_or_shapes), "state_or_shapes")
+    check_leaves(batch, "batch")
+    if spec is not None and batch is not None:
+        check_state(spec, state_or_shapes, "state_or_shapes")
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
     return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
 
@@ -290,6 +302,34 @@ def plan(
 def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
     """:func:`plan` of one call of the step ``spec`` with the program it lowered already."""
     return _plan(state, None, "replicate", spec, batch, lowered, {})
+
+
+def check_leaves(tree: Any, arg: str) -> None:
+    """Raise naming ``arg`` and the leaf that is no array, shape or number, or has a negative
+    dimension: a plan reads nothing else."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not is_host_value(x):
+            what = f"{type(x).__module__}.{type(x).__qualname__}"
+            what = f"numpy array of dtype {x.dtype}" if isinstance(x, np.ndarray) else what
+            raise LeafTypeError(
+                f"`{arg}` leaf {keystr(path)} is a {what}; "
+                "expected an array, a jax.ShapeDtypeStruct or a number (of a numeric dtype)."
+            )
+        if any(d < 0 for d in np.shape(x)):
+            raise LeafValueError(
+                f"`{arg}` leaf {keystr(path)} has the shape {np.shape(x)}; expected "
+                "dimensions >= 0."
+            )
+
+
+def check_state(spec: StepSpec, state: Any, arg: str = "state") -> None:
+    """Raise naming ``arg`` unless a train step gets a train state (or its shapes)."""
+    if spec.train and not is_train_state(unbox(state)):
+        raise UsageError(
+            f"`{arg}` must be a train state for {spec.subject} (`params`, `opt_state`, ...: "
+            f"`step.init_state(params, tx)`, or `step.abstract_state(params)` for its shapes), "
+            f"got {repr(state)[:60] if isinstance(state, str) else type(state).__name__}."
+        )
 
 
 def _check_options(options: dict[str, Any], spec: StepSpec | None) -> None:
@@ -444,10 +484,10 @@ def resolve_limit(
             f"per device, e.g. `{example}`."
         )
     number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
-    if not (number and math.isfinite(limit) and limit > 0):
+    if not (number and math.isfinite(limit) and limit >= 1 and float(limit).is_integer()):
         raise UsageError(
-            f"`{arg}` must be a number of bytes per device > 0 (e.g. 16 * 2**30) or None for "
-            f"the devices' own limit, got {limit!r}."
+            f"`{arg}` must be a number of bytes per device, whole and >= 1 (e.g. 16 * 2**30), "
+            f"or None for the devices' own limit, got {limit!r}."
         )
     return int(limit), arg
 
