@@ -140,12 +140,12 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     rows = {r.category: r for r in p.rows}
     assert p["params"] == 1001 * 3 * 4 + 8 * 4 * 4 // 4  # per device: 'w' over fsdp=4
     assert rows["params"].sharded_bytes == 8 * 4 * 4  # 'w' split, 'odd' whole
-    # 13 rows over data x fsdp (8 devices): 2 rows per device, as put_batch pads.
+    # 13 rows over data x fsdp (8 devices): 2 rows per device, as shard_batch(pad=True) pads.
     batch = {
         "x": jax.ShapeDtypeStruct((13, 5), jnp.float32),
         "n": jax.ShapeDtypeStruct((), "int32"),
     }
-    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1, batch=batch)
+    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1, batch=batch, pad=True)
     row = {r.category: r for r in p.rows}["batch"]
     assert row.bytes_per_device == 2 * 5 * 4 + 4 and row.total_bytes == 13 * 5 * 4 + 4
     assert row.sharded_bytes == 13 * 5 * 4  # the scalar is replicated
@@ -153,6 +153,18 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     s = NamedSharding(mesh24, P(None, "fsdp"))
     f32 = np.dtype("float32")
     assert shard_bytes(s, (3, 6), f32) == shard_bytes(s, (3, 8), f32) == 3 * 2 * 4
+
+
+@pytest.mark.parametrize("rows", [3, 13])
+def test_uneven_rows_are_refused_as_shard_batch_refuses_them_unless_pad(rows):
+    """plan counted 3 rows on 8 devices as padded where shard_batch raises."""
+    mesh, x = jaxdev.data_mesh(), np.ones((rows, 1000), np.float32)
+    with pytest.raises(jaxdev.ShardingError, match=f"`batch` leaf <root> has {rows} rows") as err:
+        jaxdev.shard_batch(x, mesh)
+    match = rf"`batch` leaf \['x'\] has {rows} rows, which do not split evenly over 8 devices"
+    with pytest.raises(type(err.value), match=match + r" .* Pass `pad=True`"):
+        jaxdev.memory.plan({}, mesh, batch={"x": x})
+    assert jaxdev.memory.plan({}, mesh, batch={"x": x}, pad=True)["batch"] == 4000 * -(-rows // 8)
 
 
 def test_the_batch_splits_over_every_axis_but_model_axes():

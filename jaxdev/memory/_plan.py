@@ -27,6 +27,7 @@ from .._errors import (
     LeafTypeError,
     LeafValueError,
     MemoryPlanError,
+    ShardingError,
     UsageError,
     device_name,
     short,
@@ -246,6 +247,7 @@ def plan(
     *,
     step: StepSpec | Described | None = None,
     batch: Any = None,
+    pad: bool = False,
     **options: Any,
 ) -> MemoryPlan:
     """Plan the bytes per device of a state (and batch, and step) before allocating anything.
@@ -254,8 +256,8 @@ def plan(
     ``jax.eval_shape``); shardings come from :func:`jaxdev.param_shardings`. A
     :class:`jaxdev.TrainState` gives rows ``params``, ``opt_state``,
     ``model_state`` and ``other``; any other tree counts as ``params``. The batch
-    (as the step receives it) is split the way ``step`` splits it, else as
-    :func:`jaxdev.shard_batch` does, uneven rows padded up. With ``step`` and
+    (as the step receives it) is split the way ``step`` splits it (uneven rows padded
+    up, as its ``put_batch`` does), else as :func:`jaxdev.shard_batch` does. With ``step`` and
     ``batch`` the step is compiled too (nothing runs): ``plan.peak`` is then
     its ``argument + output - alias + temp``.
 
@@ -264,12 +266,15 @@ def plan(
       rules: the :data:`jaxdev.Rules` for the params; with ``step``, the step's
         (the default stands for them; another value is an error).
       step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
+      pad: without ``step``, as :func:`jaxdev.shard_batch`'s: rows the batch axis does not
+        divide are a ``ShardingError`` unless ``True`` (then padded up).
       **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``, ``indivisible`` as in
         :func:`jaxdev.param_shardings`; with ``step``, the step's (another value is an error).
 
     Raises:
       UsageError: ``mesh`` / ``rules`` / an option disagree with the step's; an unknown option.
-      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
+      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`; uneven rows
+        without ``pad``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -296,7 +301,7 @@ def plan(
     if spec is not None and batch is not None:
         check_state(spec, state_or_shapes, "state_or_shapes")
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
-    return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
+    return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad)
 
 
 def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
@@ -349,13 +354,27 @@ def _check_options(options: dict[str, Any], spec: StepSpec | None) -> None:
             )
 
 
-def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> MemoryPlan:
+def _check_rows(batch: Any, n: int) -> None:
+    """Refuse, as :func:`jaxdev.shard_batch` does, a batch leaf whose rows ``n`` does not divide."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if np.ndim(x) and (rows := np.shape(x)[0]) % n:
+            raise ShardingError(
+                f"`batch` leaf {keystr(path)} has {rows} rows, which do not split evenly over "
+                f"{n} devices ({rows} % {n} = {rows % n}): jaxdev.shard_batch refuses it. Pass "
+                f"`pad=True` to plan it padded to {-(-rows // n) * n} rows, as "
+                f"shard_batch(..., pad=True) places it, or use a multiple of {n} rows."
+            )
+
+
+def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True) -> MemoryPlan:
     if spec is None:  # boxes read; the state as it is: leaves already offloaded count there
         mesh = check_mesh(mesh)
         shardings = step_shardings(state_or_shapes, mesh, rules, **options)
         shardings = kept_host(shardings, state_or_shapes)
         # the rows split as jaxdev.shard_batch splits them
         batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
+        if not pad:
+            _check_rows(batch, axis_size(mesh, batch_axis(mesh, None)))
     else:  # the step's layout: the fields it keeps in host memory count there
         strategy, leave = spec.strategy, "when passing `step` (the plan uses the step's)."
         if mesh is not None and check_mesh(mesh) != strategy.mesh:
