@@ -81,6 +81,7 @@ T = f"{__file__}:tiny"
     (["--model", T, "--target", "h100", "--topology", "3"],
      "`--topology 3` gives 3 target devices but `--mesh fsdp=8` needs 8"),
     (["--model", T, "--target", "h100", "--topology", "2x8"], "`--topology 2x8` gives 16"),
+    (["--model", T, "--topology", "2x4"], "`--topology 2x4` (hosts x devices per host) needs"),
 ])
 def test_bad_models_and_policies_are_usage_errors(capsys, args, fragment):
     """Each user mistake: exit 2, one line, no traceback, before anything is compiled."""

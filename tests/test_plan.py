@@ -329,6 +329,7 @@ def test_plan_table_is_exact():
     assert repr(p) == (
         "MemoryPlan(total=540676, params=262144, opt_state=262144, batch=16384, other=4)"
     )
+    assert repr(jaxdev.memory.plan({})) == "MemoryPlan(total=0)"  # was 'total=0, )'
     with pytest.raises(KeyError, match="'grads' is not a plan category"):
         p["grads"]
 

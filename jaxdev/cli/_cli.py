@@ -233,6 +233,11 @@ def _plan_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
     """``--mesh`` (default ``data=-1``) on ``--topology`` devices of ``--target`` (default 8)."""
     axes = dict(args.mesh or {"data": -1})
     if args.target is None:
+        if isinstance(args.topology, str):  # hosts x devices: a target's, not this host's
+            raise UsageError(
+                f"`--topology {args.topology}` (hosts x devices per host) needs `--target`; "
+                "on this host's devices give a device count (`--topology 8`)."
+            )
         return jaxdev.make_mesh(axes, args.topology)
     topo = args.topology or (8 if -1 in axes.values() else None)
     if topo is not None:

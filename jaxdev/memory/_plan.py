@@ -197,9 +197,9 @@ class MemoryPlan:
         return _format(self)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{r.category}={r.bytes_per_device}" for r in self.rows)
-        extra = f", compiled={tuple(self.compiled)}" if self.compiled is not None else ""
-        return f"MemoryPlan(total={self.total}, {parts}{extra})"
+        parts = [f"total={self.total}", *(f"{r.category}={r.bytes_per_device}" for r in self.rows)]
+        parts += [f"compiled={tuple(self.compiled)}"] if self.compiled is not None else []
+        return f"MemoryPlan({', '.join(parts)})"
 
 
 # ---------------------------------------------------------------- counting bytes
