@@ -391,6 +391,7 @@ def explain_memory(
 
     Raises:
       MemoryPlanError: the backend gives no memory analysis of the step (no peak to explain).
+      UsageError, LeafTypeError: a ``state``, ``batch`` or ``metrics`` the step cannot take.
     """
     try:
         names = (options,) if isinstance(options, str) else tuple(options)
@@ -658,7 +659,8 @@ def fit_memory(
 
     Raises:
       MemoryPlanError: nothing fits, as the step is or with any change (with the table).
-      UsageError: a bad ``step``, ``max_batch_size`` or ``example_batch``, or no ``limit`` on CPU.
+      UsageError: a bad ``step``, ``state``, ``max_batch_size`` or ``example_batch``, or no
+        ``limit`` on CPU.
       ShardingError: another mesh than the step's is set with ``jax.set_mesh``.
 
     Example:
