@@ -135,3 +135,28 @@ def test_explain_and_fit_take_the_steps_own_memory_limit():
     assert step.explain_memory(state, batch, 2**20, options=()).limit == 2**20
     fit = jaxdev.memory.fit_memory(step, state, batch, max_batch_size=2)
     assert fit.limit == 2**30 and fit.batch_size == 2
+
+
+PARAMS = {"w0": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+
+
+@pytest.mark.parametrize(
+    "state, batch, kw, match",
+    [
+        (None, _batch(8), {}, r"`state` must be a train state for the train step .* got NoneType"),
+        ("abc", _batch(8), {}, r"`state` must be a train state .* got 'abc'"),
+        (PARAMS, _batch(8), {}, r"`state` must be a train state .* got dict"),
+        (_state(), {"x": "abc", "y": 1.0}, {}, r"`batch` leaf \['x'\] is a builtins.str"),
+        (_state(), None, {}, r"`batch` is empty \(got None\)"),
+        (_state(), _batch(8), {"metrics": 3}, r"`metrics` must be the step's running metrics"),
+    ],
+)
+def test_explain_and_fit_name_the_argument_they_cannot_read(state, batch, kw, match):
+    """Each was a raw AttributeError / TypeError / ValueError of the lowering, or (batch None)
+    '`batch` leaves disagree on their rows: []'."""
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded())
+    with pytest.raises(jaxdev.JaxdevError, match=match):
+        step.explain_memory(state, batch, limit=2**30, options=(), **kw)
+    if not kw:  # fit_memory's batch is `example_batch`
+        with pytest.raises(jaxdev.JaxdevError, match=match.replace("`batch`", "`example_batch`")):
+            jaxdev.memory.fit_memory(step, state, batch, limit=2**30)

@@ -162,6 +162,14 @@ def test_nothing_fits_and_the_search_stops_at_max_batch_size():
     assert "larger batches may fit too" in str(capped)
 
 
+@pytest.mark.parametrize("most", [1, 3])
+def test_a_max_batch_size_under_accumulate_is_named_not_nothing_fits(most):
+    step, example = jaxdev.make_train_step(loss_fn, TX, accumulate=4), _example(8, (4,))
+    with pytest.raises(jaxdev.UsageError, match=f"`max_batch_size`={most} is under the step's"):
+        jaxdev.memory.fit_memory(step, _state(), example, limit=2**30, max_batch_size=most)
+    assert jaxdev.memory.fit_memory(step, _state(), example, limit=2**30, max_batch_size=4)
+
+
 def test_bad_inputs_are_named():
     step = jaxdev.make_train_step(loss_fn, TX)
     with pytest.raises(

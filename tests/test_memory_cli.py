@@ -50,6 +50,17 @@ def test_memory_plans_fits_and_explains_a_models_step(capsys):
     assert "largest batch that fits: " in out and "programs compiled in" in out
 
 
+@pytest.mark.parametrize("gib, code, verdict", [
+    ("1", 0, r"fits: the step needs [\d.]+ KiB per device, 1.0 GiB available \(--limit\)\n"),
+    ("0.00001", 1, r"does not fit: the step needs [\d.]+ KiB per device, 10.5 KiB available "
+     r"\(--limit\), [\d.]+ KiB over: exit 1\n"),
+])
+def test_a_limit_alone_gets_a_verdict_and_the_exit_code(capsys, gib, code, verdict):
+    """--limit without --fit/--options/--remat was ignored: no verdict, exit 0."""
+    assert main(["memory", "--model", T, "--mesh", "fsdp=8", "--limit", gib]) == code
+    assert re.search(verdict, capsys.readouterr().out)
+
+
 def not_a_dict():
     return (1, 2)
 
@@ -70,6 +81,7 @@ T = f"{__file__}:tiny"
     (["--model", T, "--target", "h100", "--topology", "3"],
      "`--topology 3` gives 3 target devices but `--mesh fsdp=8` needs 8"),
     (["--model", T, "--target", "h100", "--topology", "2x8"], "`--topology 2x8` gives 16"),
+    (["--model", T, "--topology", "2x4"], "`--topology 2x4` (hosts x devices per host) needs"),
 ])
 def test_bad_models_and_policies_are_usage_errors(capsys, args, fragment):
     """Each user mistake: exit 2, one line, no traceback, before anything is compiled."""

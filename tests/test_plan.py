@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdev
 from jaxdev import MemoryPlanError, UsageError
 from jaxdev.memory._offload import shard_bytes
-from jaxdev.memory._plan import CompiledMemory, check_fits, resolve_limit
+from jaxdev.memory._plan import CompiledMemory, check_fits, fsdp_alternative, resolve_limit
 
 MiB = 2**20
 
@@ -139,12 +140,12 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     rows = {r.category: r for r in p.rows}
     assert p["params"] == 1001 * 3 * 4 + 8 * 4 * 4 // 4  # per device: 'w' over fsdp=4
     assert rows["params"].sharded_bytes == 8 * 4 * 4  # 'w' split, 'odd' whole
-    # 13 rows over data x fsdp (8 devices): 2 rows per device, as put_batch pads.
+    # 13 rows over data x fsdp (8 devices): 2 rows per device, as shard_batch(pad=True) pads.
     batch = {
         "x": jax.ShapeDtypeStruct((13, 5), jnp.float32),
         "n": jax.ShapeDtypeStruct((), "int32"),
     }
-    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1, batch=batch)
+    p = jaxdev.memory.plan(even, mesh24, "fsdp", min_size=1, batch=batch, pad=True)
     row = {r.category: r for r in p.rows}["batch"]
     assert row.bytes_per_device == 2 * 5 * 4 + 4 and row.total_bytes == 13 * 5 * 4 + 4
     assert row.sharded_bytes == 13 * 5 * 4  # the scalar is replicated
@@ -155,6 +156,18 @@ def test_indivisible_leaves_stay_whole_and_uneven_batches_are_padded(mesh24):
     explicit = jaxdev.make_mesh({"data": 2, "fsdp": 4}, axis_type="explicit")
     reduced = NamedSharding(explicit, P(None, "fsdp", reduced={"data"}))  # [*spec]: ValueError
     assert shard_bytes(reduced, (3, 6), f32) == 3 * 2 * 4
+
+
+@pytest.mark.parametrize("rows", [3, 13])
+def test_uneven_rows_are_refused_as_shard_batch_refuses_them_unless_pad(rows):
+    """plan counted 3 rows on 8 devices as padded where shard_batch raises."""
+    mesh, x = jaxdev.data_mesh(), np.ones((rows, 1000), np.float32)
+    with pytest.raises(jaxdev.ShardingError, match=f"`batch` leaf <root> has {rows} rows") as err:
+        jaxdev.shard_batch(x, mesh)
+    match = rf"`batch` leaf \['x'\] has {rows} rows, which do not split evenly over 8 devices"
+    with pytest.raises(type(err.value), match=match + r" .* Pass `pad=True`"):
+        jaxdev.memory.plan({}, mesh, batch={"x": x})
+    assert jaxdev.memory.plan({}, mesh, batch={"x": x}, pad=True)["batch"] == 4000 * -(-rows // 8)
 
 
 def test_the_batch_splits_over_every_axis_but_model_axes():
@@ -250,6 +263,41 @@ def test_plan_rejects_a_mesh_or_rules_other_than_the_steps(mesh24):
         jaxdev.memory.plan(state, step=lambda s, b: s)
 
 
+@pytest.mark.parametrize("with_step", [False, True])
+def test_plan_refuses_an_unknown_option_and_with_a_step_one_other_than_the_steps(with_step):
+    tx, mesh = optax.sgd(0.1), jaxdev.make_mesh({"fsdp": 8})
+    step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.sharded(mesh, rules="fsdp"))
+    kw = {"step": step, "batch": _batch()} if with_step else {"mesh": mesh, "rules": "fsdp"}
+    shapes = jax.eval_shape(lambda: _state(tx))
+    with pytest.raises(UsageError, match=r"`min_sizee` is no option .* takes `min_size`, `fsdp_"):
+        jaxdev.memory.plan(shapes, min_sizee=1, **kw)
+    same = jaxdev.memory.plan(shapes, min_size=1024, **kw)  # the default: the step's own
+    if with_step:  # the step replicates the 256-element bias: the rows may not split it
+        with pytest.raises(UsageError, match=r"`min_size`=1 differs from the step's 1024"):
+            jaxdev.memory.plan(shapes, min_size=1, **kw)
+    else:
+        assert jaxdev.memory.plan(shapes, min_size=1, **kw)["params"] < same["params"]
+
+
+@pytest.mark.parametrize(
+    "tree, batch, match",
+    [
+        ({"w": np.array(["a", "b"])}, None, r"`state_or_shapes` leaf \['w'\] is a numpy array of"),
+        ({"w": jax.ShapeDtypeStruct((-1, 4), jnp.float32)}, None, r"leaf \['w'\] has the shape"),
+        (_params(), {"x": "abc"}, r"`batch` leaf \['x'\] is a builtins.str; expected an array"),
+        (_params(), {"x": object()}, r"`batch` leaf \['x'\] is a builtins.object"),
+        (_params(), _batch(), r"`state_or_shapes` must be a train state .* got dict"),
+    ],
+)
+def test_plan_names_the_argument_and_leaf_it_cannot_read(tree, batch, match):
+    """Were raw ValueErrors (str and object leaves), -16 bytes (a negative dimension), and the
+    lowering's AttributeError (params for a train step's state)."""
+    step = jaxdev.make_train_step(_loss, optax.sgd(0.1), jaxdev.Strategy.sharded())
+    kw = {"step": step} if isinstance(batch, dict) and "y" in batch else {}
+    with pytest.raises(jaxdev.JaxdevError, match=match):
+        jaxdev.memory.plan(tree, batch=batch, **kw)
+
+
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))
@@ -284,17 +332,18 @@ def test_plan_table_is_exact():
     assert repr(p) == (
         "MemoryPlan(total=540676, params=262144, opt_state=262144, batch=16384, other=4)"
     )
+    assert repr(jaxdev.memory.plan({})) == "MemoryPlan(total=0)"  # was 'total=0, )'
     with pytest.raises(KeyError, match="'grads' is not a plan category"):
         p["grads"]
 
 
 def test_fits_with_a_limit_and_without_one_on_cpu():
     p = jaxdev.memory.plan({"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)})
-    assert p.fits(limit=4 * MiB) and p.fits(4 * MiB + 0.5) and not p.fits(limit=4 * MiB - 1)
+    assert p.fits(limit=4 * MiB) and p.fits(4.0 * MiB) and not p.fits(limit=4 * MiB - 1)
     assert resolve_limit(None, jax.devices(), required=False) == (None, "no limit known")
     with pytest.raises(UsageError, match=r"reports no memory limit .* pass `limit=`"):
         p.fits()
-    for bad in (-1, "16GB", True, float("nan"), float("inf"), [1]):
+    for bad in (-1, "16GB", True, float("nan"), float("inf"), [1], 0.5, 4 * MiB + 0.5):
         with pytest.raises(UsageError, match="`limit` must be a number of bytes"):
             p.fits(limit=bad)
 
@@ -393,3 +442,22 @@ def test_sub_byte_dtypes_are_planned_packed_as_xla_stores_them(dtype):
     assert p["params"] == compiled.memory_analysis().argument_size_in_bytes
     bits = jax.dtypes.itemsize_bits(dtype)
     assert p.rows[0].total_bytes == sum(-(-math.prod(s) * bits // 8) for s in sizes)
+
+
+def test_a_plan_and_the_steps_memory_error_keep_shapes_never_the_arrays():
+    tx = optax.sgd(0.1)
+    step = jaxdev.make_train_step(
+        _loss, tx, jaxdev.Strategy.sharded(jaxdev.data_mesh()), memory_limit=MiB
+    )
+    params, state = _params(328), step.init_state(_params(328), tx)
+    batch = step.put_batch({"x": jnp.ones((40, 328)), "y": jnp.ones((40, 16))})
+    kept = jaxdev.memory.plan(params, batch=batch)
+    try:
+        step(state, batch)
+    except MemoryPlanError as e:
+        err = e.with_traceback(None)  # the frames' locals are Python's to keep, not the error's
+    del params, state, batch
+    gc.collect()
+    assert not [x.shape for x in jax.live_arrays() if 328 in x.shape or 40 in x.shape]
+    assert fsdp_alternative(kept).startswith("; with rules='fsdp' over 8 devices: ")  # from shapes
+    assert err.explanation.plan.peak > MiB

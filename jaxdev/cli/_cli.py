@@ -28,6 +28,7 @@ import jaxdev
 from jaxdev import UsageError
 
 from .._devices import backend_started
+from .._report import human_bytes
 from ..distributed import UsageParser
 
 DEFAULT_FAKE_DEVICES = 8
@@ -232,6 +233,11 @@ def _plan_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
     """``--mesh`` (default ``data=-1``) on ``--topology`` devices of ``--target`` (default 8)."""
     axes = dict(args.mesh or {"data": -1})
     if args.target is None:
+        if isinstance(args.topology, str):  # hosts x devices: a target's, not this host's
+            raise UsageError(
+                f"`--topology {args.topology}` (hosts x devices per host) needs `--target`; "
+                "on this host's devices give a device count (`--topology 8`)."
+            )
         return jaxdev.make_mesh(axes, args.topology)
     topo = args.topology or (8 if -1 in axes.values() else None)
     if topo is not None:
@@ -249,8 +255,9 @@ def _plan_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
 
 def plan_memory(args: argparse.Namespace) -> int:
     """``jaxdev memory --model ENTRY [--target h100 --topology 8] [--mesh AXES] [--fit]
-    [--options ...] [--remat POLICY]``: what the step needs per device, compiled for the
-    target (XLA:GPU, no GPU needed) or for this host's (fake) devices; nothing is allocated."""
+    [--options ...] [--remat POLICY] [--limit GiB]``: what the step needs per device, compiled
+    for the target (XLA:GPU, no GPU needed) or for this host's (fake) devices; nothing is
+    allocated. ``--limit`` alone: whether it fits, exit 1 when it does not."""
     import logging
 
     if args.target is not None and not backend_started() and not _requested_platforms():
@@ -280,7 +287,12 @@ def plan_memory(args: argparse.Namespace) -> int:
         print(why.headline(), *why.details().splitlines()[-len(why.options) - 3 :], sep="\n")
     if args.fit:
         print(jaxdev.memory.fit_memory(step, state, batch, limit=limit))
-    return 0
+    if limit is None or args.fit or args.options or args.remat:  # those print their verdict
+        return 0
+    over = f", {human_bytes(plan.peak - limit)} over: exit 1" if plan.peak > limit else ""
+    print(f"{'does not fit' if over else 'fits'}: the step needs {human_bytes(plan.peak)} per "
+          f"device, {human_bytes(limit)} available (--limit){over}")
+    return 1 if over else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -25,10 +25,19 @@ from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
 from .._leaves import is_jax_array, shape_dtype
 from .._mesh import axis_size, check_mesh
 from .._report import human_bytes, text_table
-from .._rules import fsdp_axis_of, is_train_state
+from .._rules import fsdp_axis_of, is_train_state, unbox
 from ._memory import MemoryLedger
 from ._oom import first_line, is_resource_exhausted, limit_line, live_now
-from ._plan import MemoryPlan, check_fits, fsdp_applies, plan, resolve_limit, step_plan
+from ._plan import (
+    MemoryPlan,
+    check_fits,
+    check_leaves,
+    check_state,
+    fsdp_applies,
+    plan,
+    resolve_limit,
+    step_plan,
+)
 from ._spec import Described, StepSpec, spec_of
 
 _log = logging.getLogger("jaxdev")
@@ -51,6 +60,9 @@ class BatchRows(NamedTuple):
 def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     """``batch`` (placed, Padded, or shapes) as rows per update, past the step's lead axes."""
     leaves, treedef = jax.tree.flatten(batch.batch if isinstance(batch, Padded) else batch)
+    if not leaves:
+        raise UsageError(f"`{arg}` is empty (got {short(batch, 60)}): pass the step's batch.")
+    check_leaves(batch.batch if isinstance(batch, Padded) else batch, arg)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
@@ -379,6 +391,7 @@ def explain_memory(
 
     Raises:
       MemoryPlanError: the backend gives no memory analysis of the step (no peak to explain).
+      UsageError, LeafTypeError: a ``state``, ``batch`` or ``metrics`` the step cannot take.
     """
     try:
         names = (options,) if isinstance(options, str) else tuple(options)
@@ -391,6 +404,13 @@ def explain_memory(
     spec = spec_of(step)
     limit, by = _limit(limit, spec, required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
+    check_state(spec, state)
+    check_leaves(unbox(state), "state")
+    if metrics is not None and not callable(getattr(metrics, "merge", None)):
+        raise UsageError(
+            f"`metrics` must be the step's running metrics (a jaxdev.metrics Collection, as "
+            f"the step returns them) or None, got {short(metrics, 60)}."
+        )
     subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
@@ -635,11 +655,12 @@ def fit_memory(
         row shape and dtypes are read.
       limit: bytes per device. Default: the step's ``memory_limit``, else the devices'
         ``bytes_limit`` or the target's; required on CPU.
-      max_batch_size: the largest rows per device to try.
+      max_batch_size: the largest rows per device to try (at least the step's ``accumulate``).
 
     Raises:
       MemoryPlanError: nothing fits, as the step is or with any change (with the table).
-      UsageError: a bad ``step``, ``max_batch_size`` or ``example_batch``, or no ``limit`` on CPU.
+      UsageError: a bad ``step``, ``state``, ``max_batch_size`` or ``example_batch``, or no
+        ``limit`` on CPU.
       ShardingError: another mesh than the step's is set with ``jax.set_mesh``.
 
     Example:
@@ -661,12 +682,20 @@ def fit_memory(
     if bad or max_batch_size < 1:
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
+    if max_batch_size < spec.accumulate:  # a device's rows are split into micro-batches
+        raise UsageError(
+            f"`max_batch_size`={max_batch_size} is under the step's `accumulate`="
+            f"{spec.accumulate}: each device needs at least one row per micro-batch; pass "
+            f"`max_batch_size` >= {spec.accumulate}."
+        )
     example = "jaxdev.memory.fit_memory(step, state, batch, limit=16 * 2**30)"
     limit_, source = _limit(limit, spec, example=example)
     start = time.perf_counter()
     _log.info("fit_memory: the largest batch under %s (%s)", human_bytes(limit_), source)
     with spec.strategy.mesh_context():  # another jax.set_mesh is named, not 'nothing fits'
         rows = batch_rows(spec, example_batch, "example_batch")
+        check_state(spec, state)
+        check_leaves(unbox(state), "state")
         search = _Search(rows, state, limit_)
         for v in _candidates(spec, state):
             unit = v.spec.accumulate  # 1 for an eval step

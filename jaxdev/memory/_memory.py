@@ -116,7 +116,7 @@ class MemoryLedger:
 
         Raises:
           UsageError: matplotlib is not installed, ``path``'s folder does not exist, or
-            ``limit`` is not positive.
+            ``limit`` is not a whole number of bytes >= 1.
 
         Example:
           >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
@@ -127,8 +127,10 @@ class MemoryLedger:
         """
         cats, devices = self.by_category(), list(self.per_device)
         fig, path = figure(path, figsize=(max(6.0, 2 + 0.6 * len(devices)), 4.5))
-        if limit is not None and not limit > 0:
-            raise UsageError(f"`limit` is bytes per device and must be positive, got {limit!r}.")
+        if limit is not None:  # the one check of a budget (imported here: _plan imports this)
+            from ._plan import resolve_limit
+
+            limit = resolve_limit(limit, ())[0]
         parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
         limits = [limit or (self.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
         if any(limits):

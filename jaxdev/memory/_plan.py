@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -21,11 +22,27 @@ from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
 from .._batches import lead_spec
-from .._errors import JaxdevError, MemoryPlanError, UsageError, device_name, short
-from .._leaves import device_key, packed_bytes, shape_dtype
+from .._errors import (
+    JaxdevError,
+    LeafTypeError,
+    LeafValueError,
+    MemoryPlanError,
+    ShardingError,
+    UsageError,
+    device_name,
+    short,
+)
+from .._leaves import device_key, is_host_value, keystr, packed_bytes, shape_dtype
 from .._mesh import axis_size, batch_axis, check_mesh, named_sharding
 from .._report import human_bytes, text_table
-from .._rules import fsdp_axis_of, is_train_state, state_shardings, step_shardings, unbox
+from .._rules import (
+    fsdp_axis_of,
+    is_train_state,
+    param_shardings,
+    state_shardings,
+    step_shardings,
+    unbox,
+)
 from .._target import target_of
 from ._memory import memory_stats
 from ._offload import host_bytes, is_host, kept_host, shard_bytes
@@ -33,6 +50,11 @@ from ._spec import Described, StepSpec, spec_of
 
 CATEGORIES = ("params", "opt_state", "model_state", "batch", "other")
 """The rows of a plan, in table order."""
+_OPTIONS = {  # param_shardings' options and their defaults: what plan(**options) takes
+    k: p.default
+    for k, p in inspect.signature(param_shardings).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
+}
 
 
 class CompiledMemory(NamedTuple):
@@ -112,7 +134,8 @@ class MemoryPlan:
     mesh: Mesh
     rules: Any
     compiled: CompiledMemory | None = None
-    # what it was built from, for fsdp_alternative: the unboxed state, the batch, a batch
+    # what it was built from, for fsdp_alternative: the unboxed state's and the batch's
+    # shapes (never their arrays, which a kept plan or error would keep alive), a batch
     # leaf's spec by its rank, the options
     _inputs: tuple | None = dataclasses.field(default=None, compare=False)
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -174,9 +197,9 @@ class MemoryPlan:
         return _format(self)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{r.category}={r.bytes_per_device}" for r in self.rows)
-        extra = f", compiled={tuple(self.compiled)}" if self.compiled is not None else ""
-        return f"MemoryPlan(total={self.total}, {parts}{extra})"
+        parts = [f"total={self.total}", *(f"{r.category}={r.bytes_per_device}" for r in self.rows)]
+        parts += [f"compiled={tuple(self.compiled)}"] if self.compiled is not None else []
+        return f"MemoryPlan({', '.join(parts)})"
 
 
 # ---------------------------------------------------------------- counting bytes
@@ -224,6 +247,7 @@ def plan(
     *,
     step: StepSpec | Described | None = None,
     batch: Any = None,
+    pad: bool = False,
     **options: Any,
 ) -> MemoryPlan:
     """Plan the bytes per device of a state (and batch, and step) before allocating anything.
@@ -232,8 +256,8 @@ def plan(
     ``jax.eval_shape``); shardings come from :func:`jaxdev.param_shardings`. A
     :class:`jaxdev.TrainState` gives rows ``params``, ``opt_state``,
     ``model_state`` and ``other``; any other tree counts as ``params``. The batch
-    (as the step receives it) is split the way ``step`` splits it, else as
-    :func:`jaxdev.shard_batch` does, uneven rows padded up. With ``step`` and
+    (as the step receives it) is split the way ``step`` splits it (uneven rows padded
+    up, as its ``put_batch`` does), else as :func:`jaxdev.shard_batch` does. With ``step`` and
     ``batch`` the step is compiled too (nothing runs): ``plan.peak`` is then
     its ``argument + output - alias + temp``.
 
@@ -242,12 +266,15 @@ def plan(
       rules: the :data:`jaxdev.Rules` for the params; with ``step``, the step's
         (the default stands for them; another value is an error).
       step: a :class:`jaxdev.TrainStep` or :class:`jaxdev.EvalStep` (or its ``.spec``).
+      pad: without ``step``, as :func:`jaxdev.shard_batch`'s: rows the batch axis does not
+        divide are a ``ShardingError`` unless ``True`` (then padded up).
       **options: ``min_size``, ``fsdp_axis``, ``logical_axis_rules``, ``indivisible`` as in
-        :func:`jaxdev.param_shardings`.
+        :func:`jaxdev.param_shardings`; with ``step``, the step's (another value is an error).
 
     Raises:
-      UsageError: ``mesh`` / ``rules`` disagree with the step's.
-      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`.
+      UsageError: ``mesh`` / ``rules`` / an option disagree with the step's; an unknown option.
+      ShardingError, LeafTypeError: as in :func:`jaxdev.param_shardings`; uneven rows
+        without ``pad``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -268,8 +295,13 @@ def plan(
       total      3.0 MiB       12.0 MiB     >99.9%
     """
     spec = None if step is None else spec_of(step)
+    _check_options(options, spec)
+    check_leaves(unbox(state_or_shapes), "state_or_shapes")
+    check_leaves(batch, "batch")
+    if spec is not None and batch is not None:
+        check_state(spec, state_or_shapes, "state_or_shapes")
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
-    return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options)
+    return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad)
 
 
 def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPlan:
@@ -277,13 +309,72 @@ def step_plan(spec: StepSpec, state: Any, batch: Any, lowered: Any) -> MemoryPla
     return _plan(state, None, "replicate", spec, batch, lowered, {})
 
 
-def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> MemoryPlan:
+def check_leaves(tree: Any, arg: str) -> None:
+    """Raise naming ``arg`` and the leaf that is no array, shape or number, or has a negative
+    dimension: a plan reads nothing else."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and not is_host_value(x):
+            what = f"{type(x).__module__}.{type(x).__qualname__}"
+            what = f"numpy array of dtype {x.dtype}" if isinstance(x, np.ndarray) else what
+            raise LeafTypeError(
+                f"`{arg}` leaf {keystr(path)} is a {what}; "
+                "expected an array, a jax.ShapeDtypeStruct or a number (of a numeric dtype)."
+            )
+        if any(d < 0 for d in np.shape(x)):
+            raise LeafValueError(
+                f"`{arg}` leaf {keystr(path)} has the shape {np.shape(x)}; expected "
+                "dimensions >= 0."
+            )
+
+
+def check_state(spec: StepSpec, state: Any, arg: str = "state") -> None:
+    """Raise naming ``arg`` unless a train step gets a train state (or its shapes)."""
+    if spec.train and not is_train_state(unbox(state)):
+        raise UsageError(
+            f"`{arg}` must be a train state for {spec.subject} (`params`, `opt_state`, ...: "
+            f"`step.init_state(params, tx)`, or `step.abstract_state(params)` for its shapes), "
+            f"got {repr(state)[:60] if isinstance(state, str) else type(state).__name__}."
+        )
+
+
+def _check_options(options: dict[str, Any], spec: StepSpec | None) -> None:
+    """Refuse an option ``param_shardings`` does not take, or, with a step, not the step's."""
+    own = _OPTIONS if spec is None else {**_OPTIONS, **spec.strategy.options}
+    for name, value in options.items():
+        if name not in _OPTIONS:
+            raise UsageError(
+                f"`{name}` is no option of jaxdev.memory.plan: it takes "
+                f"{', '.join(f'`{k}`' for k in _OPTIONS)} (as jaxdev.param_shardings)."
+            )
+        if spec is not None and not _same_rules(value, own[name]):
+            raise UsageError(
+                f"`{name}`={short(value, 80)} differs from the step's {short(own[name], 80)}, "
+                f"which lays out the state it compiles; leave `{name}` out when passing `step` "
+                f"(the plan uses the step's), or make the step with it (Strategy.sharded)."
+            )
+
+
+def _check_rows(batch: Any, n: int) -> None:
+    """Refuse, as :func:`jaxdev.shard_batch` does, a batch leaf whose rows ``n`` does not divide."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if np.ndim(x) and (rows := np.shape(x)[0]) % n:
+            raise ShardingError(
+                f"`batch` leaf {keystr(path)} has {rows} rows, which do not split evenly over "
+                f"{n} devices ({rows} % {n} = {rows % n}): jaxdev.shard_batch refuses it. Pass "
+                f"`pad=True` to plan it padded to {-(-rows // n) * n} rows, as "
+                f"shard_batch(..., pad=True) places it, or use a multiple of {n} rows."
+            )
+
+
+def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True) -> MemoryPlan:
     if spec is None:  # boxes read; the state as it is: leaves already offloaded count there
         mesh = check_mesh(mesh)
         shardings = step_shardings(state_or_shapes, mesh, rules, **options)
         shardings = kept_host(shardings, state_or_shapes)
         # the rows split as jaxdev.shard_batch splits them
         batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
+        if not pad:
+            _check_rows(batch, axis_size(mesh, batch_axis(mesh, None)))
     else:  # the step's layout: the fields it keeps in host memory count there
         strategy, leave = spec.strategy, "when passing `step` (the plan uses the step's)."
         if mesh is not None and check_mesh(mesh) != strategy.mesh:
@@ -297,17 +388,22 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options) -> Memory
                 f"{short(strategy.rules, 80)}; leave `rules` out {leave}"
             )
         mesh, rules = strategy.mesh, strategy.rules
-        shardings = strategy.state_layout(state_or_shapes, **options)
-        options = {**strategy.options, **options}
+        shardings, options = strategy.state_layout(state_or_shapes), strategy.options
         batch_spec = functools.partial(strategy.batch_spec, spec.steps_per_call, spec.accumulate)
     state = unbox(state_or_shapes)
     rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
     compiled = None if lowered is None else _compiled_memory(lowered)
-    inputs = (state, batch, batch_spec, dict(options))
+    inputs = (_shapes(state), _shapes(batch), batch_spec, dict(options))
     host = host if any(host.values()) else {}
     backend, target = mesh.devices.flat[0].platform, getattr(target_of(mesh), "name", None)
     flags = (backend, target, lowered is not None and compiled is None)  # the last: no analysis
     return MemoryPlan(rows, total, by_device, mesh, rules, compiled, inputs, host, *flags)
+
+
+def _shapes(tree: Any) -> Any:
+    """``tree`` with a ``ShapeDtypeStruct`` (sharding kept) for each leaf: no array kept."""
+    sds = lambda x: jax.ShapeDtypeStruct(*shape_dtype(x), sharding=getattr(x, "sharding", None))  # noqa: E731
+    return jax.tree.map(sds, tree)
 
 
 def _same_rules(a: Any, b: Any) -> bool:
@@ -407,10 +503,10 @@ def resolve_limit(
             f"per device, e.g. `{example}`."
         )
     number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
-    if not (number and math.isfinite(limit) and limit > 0):
+    if not (number and math.isfinite(limit) and limit >= 1 and float(limit).is_integer()):
         raise UsageError(
-            f"`{arg}` must be a number of bytes per device > 0 (e.g. 16 * 2**30) or None for "
-            f"the devices' own limit, got {limit!r}."
+            f"`{arg}` must be a number of bytes per device, whole and >= 1 (e.g. 16 * 2**30), "
+            f"or None for the devices' own limit, got {limit!r}."
         )
     return int(limit), arg
 
