@@ -14,8 +14,8 @@ import contextlib
 import dataclasses
 import functools
 import os
-import subprocess
 import site
+import subprocess
 import sys
 import sysconfig
 import threading

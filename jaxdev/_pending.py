@@ -138,9 +138,10 @@ def _comes_from(error: BaseException, failure: BaseException) -> bool:
 
 
 def wait(token: Any) -> None:
-    """Wait for a call's ``token``; its error is left to the reads and the next call."""
+    """Wait for a call's ``token`` (jaxdev's own bound on queued calls: no user's sync, not
+    counted); its error is left to the reads and the next call."""
     with contextlib.suppress(Exception):
-        token.block_until_ready()
+        quiet_wait(token)
 
 
 def settle(tree: Any, where: str) -> None:

@@ -7,19 +7,21 @@ share. A meter (``jaxdev.meter``) listens (:func:`listen`) while it is on, in on
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from array import array
+from collections.abc import Callable
 from typing import Any
 
-listeners: list[Any] = []  # the active meters: ``on_host(label, start, end, where, waited)``,
-# ``on_mark(label, when)``
+listeners: list[Any] = []  # the active meters: ``on_host(label, start, end, where, waited)``
 times = array("d")  # each metered step call's start and end: no object the GC would walk
 done = array("b")  # each call's: 1 when it returned its step done (XLA:CPU runs some inline)
 runs: list[tuple] = []  # (first call, step, key, compiled) of each program run in ``times``
 newest: tuple = (0, None)  # (calls in ``times``, an output of the last): kept outputs cost
 _run: tuple = (None, None)  # the step and program key of the last run
 _thread: int | None = None  # the meters' loop thread: another thread's steps are not theirs
+ended: tuple = (0, 0.0)  # (call, when): the last call a meter saw end (the others take it)
 dispatch = threading.Event()  # set by a step call while the meters' watcher is ``waiting``
 waiting = False
 _KEEP = 1 << 21  # doubles kept when no meter listens (16 MiB): a new meter then starts afresh
@@ -50,10 +52,10 @@ def dispatched(step: Any, key: tuple, start: float, compiled: bool, token: Any) 
 def listen(meter: Any) -> int:
     """Add ``meter`` (of the thread calling); return the index its first step call will have
     in :data:`times`."""
-    global _run, newest, _thread
+    global _run, newest, _thread, ended
     if not listeners and len(times) > _KEEP:
         del times[:], runs[:], done[:]
-        newest = (0, None)  # its count indexed the cleared record
+        newest, ended = (0, None), (0, 0.0)  # their counts indexed the cleared record
     listeners.append(meter)
     _run, _thread = (None, None), threading.get_ident()  # its first call starts a run
     return len(times) // 2
@@ -84,9 +86,20 @@ def running() -> bool:
     return token is not None and not token.is_deleted() and not token.is_ready()
 
 
-def mark(label: str) -> None:
-    """Tell each meter: the host starts ``label`` (``"checkpoint"``), until its next step
-    call or input wait."""
-    now = time.perf_counter()
-    for meter in list(listeners):
-        meter.on_mark(label, now)
+def span(label: str) -> Callable:
+    """Decorate a function: while meters listen, each call's time is told them as the host's
+    ``label`` (``"checkpoint"``: a save)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter() if listeners else 0.0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if start:
+                    host(label, start)
+
+        return timed
+
+    return wrap

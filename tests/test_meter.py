@@ -112,7 +112,7 @@ def test_host_work_the_meter_cannot_see_is_other(where):
 
 
 def test_float_loss_each_step_is_a_host_sync_named_by_its_line():
-    step, state, batch, metrics = _setup(width=256, rows=256)  # float() waits ~ms
+    step, state, batch, metrics = _setup(width=512, rows=512)  # float() waits ~10 ms: sync-bound
     float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
     with StepMeter() as m:
         for _ in range(10):

@@ -44,6 +44,29 @@ def _batch(rows=16, seed=0):
     }
 
 
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_params_dict_or_other_metrics_are_named_not_attribute_errors(name, door):
+    """``step(params, batch)`` raised jit's ``AttributeError: 'dict' object has no attribute
+    'params'`` from inside the trace, ``step(state, batch, 3)`` (and ``lower``, an eval
+    step's call) ``... has no attribute merge``."""
+    strategy = STRATEGIES[name]()
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    state, batch = step.init_state(_params(), SGD), step.put_batch(_batch())
+    state, metrics = step(state, batch)
+    call = step.lower if door == "lower" else step
+    if door == "eval":
+        call = jaxdev.make_eval_step(loss, strategy)
+    else:
+        for bad in (_params(), None, "abc"):
+            with pytest.raises(jaxdev.UsageError, match="`state` must be a train state"):
+                call(bad, batch)
+    for bad in (3, {"loss": 1.0}):
+        with pytest.raises(jaxdev.UsageError, match="`metrics` must be the step's running"):
+            call(state, batch, bad)
+    state, _ = step(state, batch, metrics)  # the state and metrics it returned still run
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""

@@ -231,7 +231,6 @@ def _leaf_problem(x: Any) -> str | None:
 def prepare(tree: Any, arg: str = "tree") -> _Prepared:
     """Check ``tree``'s leaves and build what orbax writes plus jaxdev's metadata."""
     beat("checkpoint")  # every save starts here: progress for the hang watchdog
-    _timeline.mark("checkpoint")  # and for a step meter: a save until the next step
     flat = _flat(tree, arg)
     bad = [f"{name}: {why}" for _, name, x in flat if (why := _leaf_problem(x))]
     if bad:
@@ -414,6 +413,7 @@ def take_writer_lock(lock_path: str, what: str) -> files.WriterLock:
     return lock
 
 
+@_timeline.span("checkpoint")  # a step meter's checkpoint share: the save's own time
 def save(
     path: Any, tree: Any, *, step: int | None = None, overwrite: bool = False, durable: bool = True
 ) -> None:

@@ -28,5 +28,5 @@ __all__ = [n for n in dir() if not n.startswith("_")]  # the names imported abov
 from ._explain import OPTIONS, check_step_memory, explain_memory, oom_error, state_shapes
 from ._offload import check_offload, offloaded, streamed
 from ._oom import explained_oom, is_resource_exhausted, plan_lines
-from ._plan import resolve_limit
+from ._plan import check_state, resolve_limit
 from ._spec import StepSpec

@@ -404,13 +404,8 @@ def explain_memory(
     spec = spec_of(step)
     limit, by = _limit(limit, spec, required=False)
     batch_rows(spec, batch)  # a batch the step cannot take is named before compiling
-    check_state(spec, state)
+    check_state(spec, state, metrics=metrics)
     check_leaves(unbox(state), "state")
-    if metrics is not None and not callable(getattr(metrics, "merge", None)):
-        raise UsageError(
-            f"`metrics` must be the step's running metrics (a jaxdev.metrics Collection, as "
-            f"the step returns them) or None, got {short(metrics, 60)}."
-        )
     subject = spec.subject
     what = f"{subject} and its options" if plan_ is None else f"the options of {subject}"
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +68,17 @@ class LedgerEntry:
     def fullest(self) -> int:
         """Bytes on the device holding the most of it (what ``print(ledger)`` shows)."""
         return max(self.bytes_per_device.values())
+
+
+def check_bytes(limit: Any, arg: str) -> int:
+    """``limit`` as bytes per device: the one check of a budget's number (whole, >= 1)."""
+    number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
+    if not (number and math.isfinite(limit) and limit >= 1 and float(limit).is_integer()):
+        raise UsageError(
+            f"`{arg}` must be a number of bytes per device, whole and >= 1 (e.g. 16 * 2**30), "
+            f"or None for the devices' own limit, got {limit!r}."
+        )
+    return int(limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +139,8 @@ class MemoryLedger:
         """
         cats, devices = self.by_category(), list(self.per_device)
         fig, path = figure(path, figsize=(max(6.0, 2 + 0.6 * len(devices)), 4.5))
-        if limit is not None:  # the one check of a budget (imported here: _plan imports this)
-            from ._plan import resolve_limit
-
-            limit = resolve_limit(limit, ())[0]
+        if limit is not None:
+            limit = check_bytes(limit, "limit")
         parts = {c: [cats[d][c] for d in devices] for c in CATEGORIES}
         limits = [limit or (self.device_stats.get(d) or {}).get("bytes_limit") for d in devices]
         if any(limits):

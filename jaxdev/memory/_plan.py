@@ -44,7 +44,7 @@ from .._rules import (
     unbox,
 )
 from .._target import target_of
-from ._memory import memory_stats
+from ._memory import check_bytes, memory_stats
 from ._offload import host_bytes, is_host, kept_host, shard_bytes
 from ._spec import Described, StepSpec, spec_of
 
@@ -327,13 +327,19 @@ def check_leaves(tree: Any, arg: str) -> None:
             )
 
 
-def check_state(spec: StepSpec, state: Any, arg: str = "state") -> None:
-    """Raise naming ``arg`` unless a train step gets a train state (or its shapes)."""
+def check_state(spec: StepSpec, state: Any, arg: str = "state", metrics: Any = None) -> None:
+    """Raise naming ``arg`` unless a train step gets a train state (or its shapes), and
+    ``metrics`` unless it is running metrics (a ``Collection``: it merges) or ``None``."""
     if spec.train and not is_train_state(unbox(state)):
         raise UsageError(
             f"`{arg}` must be a train state for {spec.subject} (`params`, `opt_state`, ...: "
             f"`step.init_state(params, tx)`, or `step.abstract_state(params)` for its shapes), "
             f"got {repr(state)[:60] if isinstance(state, str) else type(state).__name__}."
+        )
+    if metrics is not None and not callable(getattr(metrics, "merge", None)):
+        raise UsageError(
+            f"`metrics` must be the step's running metrics (a jaxdev.metrics Collection, as "
+            f"the step returns them) or None, got {short(metrics, 60)}."
         )
 
 
@@ -502,13 +508,7 @@ def resolve_limit(
             f"'bytes_limit'), so there is nothing to compare with: pass `{arg}=` in bytes "
             f"per device, e.g. `{example}`."
         )
-    number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
-    if not (number and math.isfinite(limit) and limit >= 1 and float(limit).is_integer()):
-        raise UsageError(
-            f"`{arg}` must be a number of bytes per device, whole and >= 1 (e.g. 16 * 2**30), "
-            f"or None for the devices' own limit, got {limit!r}."
-        )
-    return int(limit), arg
+    return check_bytes(limit, arg), arg
 
 
 def check_fits(

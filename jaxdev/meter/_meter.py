@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import itertools
 import math
 import numbers
 import sys
@@ -171,9 +172,8 @@ class StepMeter:
         self._tid: int | None = None  # the loop's thread, while in the block
         self._first, self._kept = 0, None  # its first call in _timeline.times; its record
         self._looks: list[tuple[int, float]] = []  # (step, when the watcher saw it end)
-        self._synced: list[tuple[int, float, bool]] = []  # (step, a sync's end, it waited)
+        self._synced: list[tuple[int, float, bool]] = []  # (step, ended by, a sync waited)
         self._host: list[tuple[str, float, float, str]] = []  # (label, start, end, where)
-        self._marks: list[tuple[str, float]] = []  # (label, start): until the next step or input
         self._lock = threading.Lock()  # one look at a time (the watcher's, leaving's)
         self._catch = 0  # the step count when its newest steps began to be found done
 
@@ -227,17 +227,21 @@ class StepMeter:
                 return 1
             # deleted (an eval step's metrics, donated since): it ended (jax 0.10.2 segfaults
             ready = token.is_deleted() or token.is_ready()  # on is_ready)
-            seen = self._catch or n
+            seen, g = self._catch or n, self._first + n  # g: its number in _timeline.times
             if ready and not final and n - seen < _CATCH:
                 self._catch = seen
+                self._synced.append((n - 1, time.perf_counter(), False))  # it ended by now
                 return 2
             if not ready:
                 with contextlib.suppress(Exception):  # a failed step: its reads raise
                     token.block_until_ready()
-            end = _timeline.times[2 * (self._first + n) - 1]  # its dispatch's end
-            if ready:  # done: by then, or when a sync that waited for it ended
-                end = max([end, *[e for j, e, waited in self._synced if j == n - 1 and waited]])
-            self._looks.append((n - 1, end if ready else time.perf_counter()))
+                _timeline.ended = (g, time.perf_counter())  # exact: every meter's (nested)
+            if _timeline.ended[0] == g:
+                end = _timeline.ended[1]
+            else:  # done: by its dispatch, or when a sync that waited for it ended
+                end = max([_timeline.times[2 * g - 1],
+                           *[e for j, e, waited in self._synced if j == n - 1 and waited]])
+            self._looks.append((n - 1, end))
             self._catch = 0
             return 0
 
@@ -283,10 +287,6 @@ class StepMeter:
         runs = [(i - first, *run) for i, *run in _timeline.runs if i >= first]
         return _timeline.times[2 * first:], _timeline.done[first:], runs
 
-    def on_mark(self, label: str, when: float) -> None:
-        if threading.get_ident() == self._tid:
-            self._marks.append((label, when))
-
     # ------------------------------------------------------------ the report
 
     def report(self) -> MeterReport:
@@ -299,9 +299,10 @@ class StepMeter:
         if not self._t0:
             raise UsageError("`StepMeter.report` reports a block: enter the meter (`with`) first.")
         (times, ran, changes), t0 = self._record(), self._t0
-        t1, done = self._t1 or time.perf_counter(), self._finishes(times)
-        n, starts, ends = len(times) // 2, times[0::2], times[1::2]
-        runs, host, kinds, own = [], list(self._host), [], []  # runs: (step, key, calls done)
+        t1, n = self._t1 or time.perf_counter(), len(times) // 2
+        starts, ends = times[::2], times[1::2]
+        compiles = {a for a, _, _, compiled in changes if compiled}  # its dispatch compiled
+        host, kinds, calls = list(self._host), [], []  # calls: each one's (step, program key)
         fastest: dict[tuple, float] = {}  # a program's quickest dispatch: the host's own part
         for (a, step, key, compiled), b in zip(changes, [a for a, *_ in changes[1:]] + [n]):
             if compiled:
@@ -309,19 +310,16 @@ class StepMeter:
             if not step.is_train:
                 host += [("eval", starts[i], ends[i], "") for i in range(a, b)]
             kinds += [step.is_train] * (b - a)
-            own += [None if compiled else (step, key)] + [(step, key)] * (b - a - 1)
+            calls += [(step, key)] * (b - a)
             for i in range(a + compiled, b):
                 fastest[step, key] = min(fastest.get((step, key), math.inf), ends[i] - starts[i])
-            if (calls := min(b, len(done)) - a) > 0:  # step.cost(key) is computed once
-                runs.append((step, key, calls))
-        inputs = sorted([*starts, *[s for label, s, _, _ in self._host if label == "input"]])
-        for label, when in self._marks:  # until the next step call or input wait
-            i = bisect.bisect_left(inputs, when)
-            host.append((label, when, inputs[i] if i < len(inputs) else t1, ""))
+        flops = {c: c[0].cost(c[1]) for c in set(calls)}  # each program's, computed once
+        done = self._finishes(times, [flops[c] for c in calls] if all(flops.values()) else None)
+        runs = [(*c, k) for c, k in Counter(calls[: len(done)]).items()]  # (step, key, calls)
         busy, prev = [], t0  # each step's (a step done at once: from its dispatch, for 0 s)
         for i, (end, finish, train) in enumerate(zip(ends, done, kinds)):
-            if ran[i] and own[i]:  # it ran in its call (beyond the program's quickest call)
-                end, finish = min(starts[i] + fastest[own[i]], end), min(finish, end)
+            if ran[i] and i not in compiles:  # it ran in its call (past its quickest call)
+                end, finish = min(starts[i] + fastest[calls[i]], end), min(finish, end)
             start = max(end, prev)
             busy.append((start, prev := max(finish, start), "step" if train else "eval"))
         seconds = dict.fromkeys(SHARES, 0.0)
@@ -343,16 +341,19 @@ class StepMeter:
             *self._rates(runs, t1 - t0), *self._lanes(busy, segments, t0),
         )
 
-    def _finishes(self, times: Any) -> list[float]:
-        """When the device finished each step the watcher saw end, by the queue model."""
+    def _finishes(self, times: Any, weights: list | None) -> list[float]:
+        """When the device finished each step the watcher saw end, by the queue model: each
+        call took ``c`` times its weight (its program's FLOPs, else 1)."""
         out, prev, lo = [], self._t0, 0
         for i, t in list(self._looks):
             ends = times[2 * lo + 1 : 2 * i + 2 : 2]  # each starts at max(end, prev)
+            w = weights[lo : i + 1] if weights else [1.0] * len(ends)
             t = max(t, prev)  # a step seen done at a look: from its dispatch on
-            chains = [(prev, len(ends))] + [(e, len(ends) - k) for k, e in enumerate(ends)]
+            rest = list(itertools.accumulate(reversed(w)))[::-1]  # the weight from each on
+            chains = [(prev, rest[0]), *zip(ends, rest)]
             c = max(min((t - base) / m for base, m in chains), 0.0)  # the last ends at t
-            for e in ends:
-                out.append(prev := min(max(e, prev) + c, t))
+            for e, wk in zip(ends, w):
+                out.append(prev := min(max(e, prev) + c * wk, t))
             out[-1] = prev = t
             lo = i + 1
         marks, bound = sorted(self._synced), math.inf  # in order: ended by a later one's sync

@@ -52,6 +52,7 @@ from ..memory import (
     OPTIONS,
     MemoryExplanation,
     StepSpec,
+    check_state,
     check_step_memory,
     explain_memory,
     explained_oom,
@@ -267,6 +268,7 @@ class _Step:
         and shapes), and whether the batch goes in as it was given."""
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if fresh is None:
+            check_state(self.spec, state, metrics=metrics)  # named, not jit's AttributeError
             refuse("running a step", self._target)  # a target mesh: named before its leaves
             check_donatable(state, metrics, self.donate)  # deleted or shared leaves: named
             check_host_leaves(state, jax.tree.leaves(state), "state")  # int64 past int32 ...
@@ -360,7 +362,8 @@ class _Step:
                 costs = costs[0] if isinstance(costs, (list, tuple)) else costs  # jax 0.10.2
                 spmd = self.strategy.kind == "sharded" and not self.strategy.shard_map
                 group = self.steps_per_call * self.accumulate  # scan bodies, counted once
-                self._flops[key] = float(costs["flops"]) * group / len(self.strategy.devices) ** spmd
+                devices = len(self.strategy.devices) ** spmd
+                self._flops[key] = float(costs["flops"]) * group / devices
             except Exception:  # noqa: BLE001 - the meter says "unknown"
                 pass
         return self._flops[key]
@@ -439,6 +442,7 @@ class _Step:
           36868
         """
         _refuse_traces("lower", ": it takes `jax.ShapeDtypeStruct` s (jax.eval_shape) as they are")
+        check_state(self.spec, state, metrics=metrics)
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
         if mask is None:
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
