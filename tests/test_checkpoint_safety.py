@@ -501,6 +501,27 @@ def test_a_bad_target_is_the_callers_error_and_no_step_is_deleted(tmp_path, bad)
             np.testing.assert_array_equal(ckpt.restore("cpu:0", step)["w"], np.arange(8.0))
 
 
+@pytest.mark.parametrize("target", [None, "cpu:0", "replicated"])
+def test_a_damaged_array_metadata_file_is_damage_not_the_targets_fault(tmp_path, target):
+    """A same-size corruption of orbax's array_metadatas read whole on the host (numpy reads
+    skip it), so the test above's "the target's fault" verdict took it for intact: a plain
+    CheckpointError that Checkpointer does not skip (every later restore stuck on it)."""
+    params = {"w": jnp.arange(8.0)}
+    with jaxdev.Checkpointer(tmp_path, async_=False) as ckpt:
+        ckpt.save(1, params)
+        ckpt.save(2, params)
+        meta = next((tmp_path / "2").rglob("array_metadatas/process_0"))
+        data = bytearray(meta.read_bytes())
+        half = len(data) // 2
+        meta.write_bytes(bytes(data[:half]) + bytes(b ^ 0xFF for b in data[half:]))
+        if target == "replicated":
+            target = jaxdev.as_sharding(jaxdev.data_mesh())
+        with pytest.raises(ck.Damaged, match=r"leaves \['w'\]"):
+            jaxdev.restore(tmp_path / "2", target)
+        np.testing.assert_array_equal(ckpt.restore(target)["w"], np.arange(8.0))  # step 1
+        assert ckpt.latest_step() == 1  # step 2 skipped as damaged
+
+
 def test_overwrite_through_a_symlink_replaces_its_target(tmp_path):
     jaxdev.save(tmp_path / "real", {"v": 1})
     os.symlink(tmp_path / "real", tmp_path / "link")

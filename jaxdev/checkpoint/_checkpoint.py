@@ -909,8 +909,8 @@ def _orbax_restore(path, reader, item, entries, reads, what):
         abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return abstract, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
 
-    def read(keys: Sequence[tuple[str, ...]], host: bool = False, **options: Any) -> Any:
-        got = {k: args(todo[k][0], None if host else todo[k][1]) for k in keys}
+    def read(keys: Sequence[tuple[str, ...]], on: Any = _TARGET, **options: Any) -> Any:
+        got = {k: args(todo[k][0], todo[k][1] if on is _TARGET else on) for k in keys}
         one = ocp.args.PyTreeRestore(
             ocp.tree.from_flat_dict({k: a for k, (a, _) in got.items()}),
             restore_args=ocp.tree.from_flat_dict({k: r for k, (_, r) in got.items()}),
@@ -930,10 +930,12 @@ def _orbax_restore(path, reader, item, entries, reads, what):
     broken = [e for e, _ in todo.values() if _fails(read, e)]
     names = [e["path"] for e in broken[:10]]
     shown = f", leaves {', '.join(names)}" + (" ..." if len(broken) > 10 else "")
-    if broken and not any(_fails(read, e, host=True) for e in broken):
-        raise CheckpointError(  # the files read whole on the host: the target is the problem
+    one = SingleDeviceSharding(jax.local_devices()[0])  # orbax reads its array metadata then
+    if broken and not any(_fails(read, e, None) or _fails(read, e, one) for e in broken):
+        raise CheckpointError(  # they read whole on the host and on a device: the target's fault
             f"Could not read checkpoint {path} ({what}){shown} onto `target`: {failure}. The "
-            "checkpoint is intact (these leaves read on the host): fix the target's shardings."
+            "checkpoint is intact (these leaves read whole on the host and on one device): fix "
+            "the target's shardings."
         )
     raise Damaged(
         f"Could not read checkpoint {path} ({what}){shown if broken else ''}: {failure}. The "
@@ -984,11 +986,14 @@ def _abandoned_read(u: Any) -> bool:
     )
 
 
-def _fails(read: Callable[..., Any], e: dict, host: bool = False) -> bool:
+_TARGET = object()  # _orbax_restore's read: each leaf on its target's sharding
+
+
+def _fails(read: Callable[..., Any], e: dict, on: Any = _TARGET) -> bool:
     """Whether reading leaf ``e`` alone fails (to name the broken leaves after a failed read;
-    ``host``: as numpy, the target's sharding aside)."""
+    ``on``: a sharding instead of the target's, ``None``: as numpy)."""
     try:
-        read([tuple(e["key"])], host=host, partial_restore=True)
+        read([tuple(e["key"])], on=on, partial_restore=True)
     except Exception:
         return True
     return False

@@ -71,11 +71,12 @@ class LedgerEntry:
 
 
 def check_bytes(limit: Any, arg: str) -> int:
-    """``limit`` as bytes per device: the one check of a budget's number (whole, >= 1)."""
+    """``limit`` as whole bytes per device (``0.9 * 2**30`` floored): the one check of a
+    budget's number."""
     number = isinstance(limit, (int, float, np.integer, np.floating)) and type(limit) is not bool
-    if not (number and math.isfinite(limit) and limit >= 1 and float(limit).is_integer()):
+    if not (number and math.isfinite(limit) and limit >= 1):
         raise UsageError(
-            f"`{arg}` must be a number of bytes per device, whole and >= 1 (e.g. 16 * 2**30), "
+            f"`{arg}` must be a number of bytes per device, finite and >= 1 (e.g. 16 * 2**30), "
             f"or None for the devices' own limit, got {limit!r}."
         )
     return int(limit)
@@ -128,7 +129,7 @@ class MemoryLedger:
 
         Raises:
           UsageError: matplotlib is not installed, ``path``'s folder does not exist, or
-            ``limit`` is not a whole number of bytes >= 1.
+            ``limit`` is not a finite number of bytes >= 1.
 
         Example:
           >>> import pathlib, tempfile, jax.numpy as jnp, jaxdev
