@@ -1,8 +1,9 @@
 """Where jaxdev tells the active step meters what its steps and the host did.
 
 With no meter on, a step pays two truth tests of :data:`listeners` per call, a prefetcher's
-``next`` one; with meters on, a thread id, two clock reads and an append to one array they
-share. A meter (``jaxdev.meter``) listens (:func:`listen`) while it is on, in one thread.
+``next`` one; with meters on, a thread id, two clock reads, a readiness check and appends to
+two arrays they share. A meter (``jaxdev.meter``) listens (:func:`listen`) while it is on, in
+one thread.
 """
 
 from __future__ import annotations
