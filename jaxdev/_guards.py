@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
 
 from . import _stderr_relay, _timeline
@@ -120,7 +119,9 @@ _undo: list[Callable[[], None]] = []
 _tls = threading.local()
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(_HERE) + os.sep
-_JAX = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jaxlib, np))
+_JAX = tuple(  # jaxlib: loaded by jax (a dependency of jax's, not declared as jaxdev's)
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, sys.modules["jaxlib"], np)
+)
 # libraries' code (the standard library, site-packages): a call site is the first frame
 # outside them, the user's (a ``logging`` call's ``str()``, orbax's reads), else theirs
 _LIBRARIES = (*{
