@@ -33,6 +33,7 @@ from ._leaves import (
     is_placed,
     is_tracer,
     key_strings,
+    keystr,
     raise_leaf,
     same_layout,
     sharding_key,
@@ -104,6 +105,12 @@ def refuse_unreduced(s: Any, arg: str, x: Any, name: Callable[[], str]) -> None:
             "its copies there, so a placed value would count once per copy. Drop `unreduced` "
             "from the spec or rule that places it (unreduced values arise inside a step)."
         )
+
+
+def refuse_unreduced_leaves(shardings: Any, leaves: Sequence[Any], arg: str) -> None:
+    """:func:`refuse_unreduced` for each sharding of the tree ``shardings`` and its leaf."""
+    for (path, s), x in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], leaves):
+        refuse_unreduced(s, arg, x, lambda p=path: keystr(p))
 
 
 def _all_placed(leaves: Sequence[Any], s: Sharding) -> bool:

@@ -19,9 +19,8 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh
 
 from .._errors import UsageError
-from .._leaves import keystr
 from .._mesh import auto_axes_error, check_mesh, under_mesh
-from .._placement import refuse_unreduced
+from .._placement import refuse_unreduced_leaves
 from .._rules import Rules, param_shardings, unbox
 from .._target import refuse
 from ..distributed import same_program
@@ -80,8 +79,7 @@ def init_sharded(
                 graphdef, tree = nnx.split(abstract)
             shardings = param_shardings(tree, mesh, rules, **options)
             shapes = jax.tree.leaves(tree if graphdef is not None else unbox(tree))
-            for (path, s), x in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], shapes):
-                refuse_unreduced(s, "init_fn", x, lambda p=path: keystr(p))
+            refuse_unreduced_leaves(shardings, shapes, "init_fn")
             part = unbox if graphdef is None else nnx.state
             init = jax.jit(lambda *a: part(call(*a)), out_shardings=shardings)
             out = same_program(init, name="init_sharded's init_fn")(*dynamic)

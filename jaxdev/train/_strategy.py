@@ -33,7 +33,7 @@ from .._batches import (
 from .._devices import DeviceSpec, device_list
 from .._devices import device as resolve_device
 from .._errors import ShardingError, UsageError, short
-from .._leaves import checked_leaves, is_jax_array, key_strings, keystr, raise_leaves, same_layout
+from .._leaves import checked_leaves, is_jax_array, key_strings, raise_leaves, same_layout
 from .._mesh import (
     DEFAULT_AXIS,
     MODEL_AXES,
@@ -48,7 +48,7 @@ from .._mesh import (
     outside_mesh,
     under_mesh,
 )
-from .._placement import copy_to, place_tree, refuse_unreduced, to_device
+from .._placement import copy_to, place_tree, refuse_unreduced_leaves, to_device
 from .._pmap_layout import is_stacked
 from .._rules import check_rules, step_shardings, unbox
 from .._target import refuse
@@ -208,9 +208,8 @@ class Strategy:
           P('fsdp', None)
         """
         layout = step_shardings(state, self.mesh, self.rules, **{**self.options, **options})
-        flat = jax.tree_util.tree_flatten_with_path(layout)[0]  # "flax": a leaf's own sharding
-        for (path, s), x in zip(flat, jax.tree.leaves(unbox(state))):
-            refuse_unreduced(s, "state", x, lambda p=path: keystr(p))
+        # under rules="flax", a leaf's own (NNX out_sharding) sharding: unseen where built
+        refuse_unreduced_leaves(layout, jax.tree.leaves(unbox(state)), "state")
         return offloaded(layout, state, self.offload)
 
     def place_state(self, tree: Any) -> Any:
