@@ -136,11 +136,15 @@ def to_global(tree: Any, sharding: NamedSharding, timeout_s: float | None) -> An
     return to_device(tree, sharding)
 
 
-def indivisible_error(tree: Any, rows: int, multiple: int, sharding: NamedSharding, pmap: bool):
+def indivisible_error(
+    tree: Any, rows: int, multiple: int, sharding: NamedSharding, pmap: bool, name: str = ""
+) -> ShardingError:
+    """``batch`` leaf ``name`` (else ``tree``'s first) has ``rows`` no ``multiple`` divides."""
     lo, hi = (rows // multiple) * multiple, -(-rows // multiple) * multiple
     sizes, what = f"{hi}" if lo == 0 else f"{lo} or {hi}", "pmap devices" if pmap else "devices"
+    name = name or key_strings(tree)[0]
     return ShardingError(
-        f"`batch` leaf {key_strings(tree)[0]} has {rows} rows, which do not split evenly over "
+        f"`batch` leaf {name} has {rows} rows, which do not split evenly over "
         f"{multiple} {what} [{format_devices(list(sharding.mesh.devices.flat))}] "
         f"({rows} % {multiple} = {rows % multiple}). Pass `pad=True` to pad to {hi} rows "
         f"and get a validity mask, or use a batch size that is a multiple of {multiple} "

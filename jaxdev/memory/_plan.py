@@ -21,13 +21,12 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
-from .._batches import lead_spec
+from .._batches import indivisible_error, lead_spec
 from .._errors import (
     JaxdevError,
     LeafTypeError,
     LeafValueError,
     MemoryPlanError,
-    ShardingError,
     UsageError,
     device_name,
     short,
@@ -360,16 +359,13 @@ def _check_options(options: dict[str, Any], spec: StepSpec | None) -> None:
             )
 
 
-def _check_rows(batch: Any, n: int) -> None:
-    """Refuse, as :func:`jaxdev.shard_batch` does, a batch leaf whose rows ``n`` does not divide."""
+def _check_rows(batch: Any, mesh: Mesh) -> None:
+    """Refuse, with :func:`jaxdev.shard_batch`'s error, a batch leaf whose rows the batch axis
+    does not divide."""
+    n = axis_size(mesh, batch_axis(mesh, None))
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if np.ndim(x) and (rows := np.shape(x)[0]) % n:
-            raise ShardingError(
-                f"`batch` leaf {keystr(path)} has {rows} rows, which do not split evenly over "
-                f"{n} devices ({rows} % {n} = {rows % n}): jaxdev.shard_batch refuses it. Pass "
-                f"`pad=True` to plan it padded to {-(-rows // n) * n} rows, as "
-                f"shard_batch(..., pad=True) places it, or use a multiple of {n} rows."
-            )
+            raise indivisible_error(batch, rows, n, named_sharding(mesh, P()), False, keystr(path))
 
 
 def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True) -> MemoryPlan:
@@ -380,7 +376,7 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True)
         # the rows split as jaxdev.shard_batch splits them
         batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
         if not pad:
-            _check_rows(batch, axis_size(mesh, batch_axis(mesh, None)))
+            _check_rows(batch, mesh)
     else:  # the step's layout: the fields it keeps in host memory count there
         strategy, leave = spec.strategy, "when passing `step` (the plan uses the step's)."
         if mesh is not None and check_mesh(mesh) != strategy.mesh:
