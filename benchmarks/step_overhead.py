@@ -11,9 +11,10 @@ Per case (a model, a strategy) three loops of N calls each (N: a multiple of 8 m
 
 - ``step``: ``state, metrics = step(state, batch, metrics)`` (jaxdev, running metrics).
 - ``program``: the compiled program that step holds, called directly with the same
-  arguments: today ``step._jitted`` (private; the jax.jit / pmap object under jaxdev's
-  wrappers); if that is absent or fails, the public ``step.lower(...).compile()``. The JSON
-  says which (``program_source``). ``step - program`` is jaxdev's own Python per call.
+  arguments (the running metrics as the program takes them, ``dict(metrics)``): today
+  ``step._jitted`` (private; the jax.jit / pmap object under jaxdev's wrappers); if that is
+  absent or fails, the public ``step.lower(...).compile()``. The JSON says which
+  (``program_source``). ``step - program`` is jaxdev's own Python per call.
 - ``hand``: a hand-written step, SGD, state donated, returning the new state and the loss:
   ``jax.jit`` (single), ``jax.jit`` with ``NamedSharding`` in/out shardings (sharded, state
   replicated, batch split on the data axis), ``jax.pmap`` with ``lax.pmean`` (pmap).
@@ -242,16 +243,16 @@ def loops(kind, model, devices):
     s_step, s_prog = first(params), first(params)
     try:
         prog, source = program_of(step, s_prog[0], placed, s_prog[1])
-        out = jax.block_until_ready(prog(s_prog[0], placed, s_prog[1]))
+        out = jax.block_until_ready(prog(s_prog[0], placed, dict(s_prog[1])))
     except Exception as err:  # private attributes moved or the raw call failed: public API
         s_prog = first(params)
         prog = step.lower(s_prog[0], placed, s_prog[1]).compile()
         source = f"step.lower(...).compile() (private: {type(err).__name__})"
-        out = prog(s_prog[0], placed, s_prog[1])
+        out = prog(s_prog[0], placed, dict(s_prog[1]))
 
     def call_prog(c):
         out = prog(c[0], placed, c[1])
-        return (out[0], out[1]), out[-1]
+        return out, out[1]
 
     hand, h_state, h_batch = hand_step(kind, loss_fn, params, batch, devices)
     h_state, _ = jax.block_until_ready(hand(h_state, h_batch))

@@ -95,14 +95,19 @@ def test_an_rng_loss_with_a_state_without_a_key_says_where_the_key_goes():
     assert isinstance(state, RngState) and np.isfinite(metrics.fetch()["loss"])
 
 
-def test_fetch_of_metrics_donated_to_the_next_step_names_the_leaves():
+def test_metrics_passed_to_the_next_step_stay_readable_and_deleted_ones_are_named():
+    """The step donates the state, never the metrics: a step late, the last call's metrics
+    are read while the next call runs (was: donated, `first.fetch()` DeletedArrayError)."""
     step = jaxdev.make_train_step(_loss, SGD)
     state = step.init_state({"w": jnp.zeros(4)})
     state, first = step(state, step.put_batch(_batch()))
-    state, running = step(state, step.put_batch(_batch()), first)  # donates `first`
+    before = first.fetch()
+    state, running = step(state, step.put_batch(_batch()), first)
+    assert first.fetch() == before  # untouched by the call that merged it
+    assert jax.tree.leaves(running)[1] == 2 * jax.tree.leaves(first)[1]  # counted twice
+    jax.tree.leaves(first)[0].delete()
     with pytest.raises(jaxdev.DeletedArrayError, match="`metrics` has .* deleted or donated"):
         first.fetch()  # was: bare RuntimeError 'Array has been deleted'
-    assert np.isfinite(running.fetch()["loss"])
 
 
 class _BatchNormed(nn.Module):

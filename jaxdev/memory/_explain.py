@@ -438,12 +438,13 @@ def explain_args(spec: StepSpec, args: list[Any], **kwargs: Any) -> MemoryExplan
     return explain_memory(spec, state, batch, metrics=rest[0] if rest else None, **kwargs)
 
 
-def check_step_memory(spec: StepSpec, jitted: Any, args: list[Any]) -> None:
-    """Raise MemoryPlanError before a program's first call when it needs more than its budget."""
+def check_step_memory(spec: StepSpec, lower: Any, args: list[Any]) -> None:
+    """Raise MemoryPlanError before a program's first call when it needs more than its budget
+    (``lower()``: its lowering; ``args``: its arguments as the step took them)."""
     limit, source = _limit(None, spec, required=False)
     if limit is None:
         return
-    plan_ = step_plan(spec, args[0], args[1], jitted.lower(*args))
+    plan_ = step_plan(spec, args[0], args[1], lower())
     if plan_.no_analysis:  # no peak to check: the user's own budget is said to go unchecked
         if spec.memory_limit is not None and "no analysis" not in spec.warned:
             spec.warned.add("no analysis")

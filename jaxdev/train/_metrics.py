@@ -541,10 +541,15 @@ def _check_keys(owner: str, arg: str, expected: set, got: set) -> None:
         )
 
 
-def _unflatten_collection(keys: tuple[str, ...], children: Any) -> Collection:
-    out = object.__new__(Collection)  # unchecked: tree ops put other leaves in
-    out._metrics = dict(zip(keys, children, strict=True))
+def unchecked(metrics: dict[str, Any]) -> Collection:
+    """A Collection of ``metrics`` as they are (tree ops and a step's outputs: any leaves)."""
+    out = object.__new__(Collection)
+    out._metrics = metrics
     return out
+
+
+def _unflatten_collection(keys: tuple[str, ...], children: Any) -> Collection:
+    return unchecked(dict(zip(keys, children, strict=True)))
 
 
 jax.tree_util.register_pytree_with_keys(

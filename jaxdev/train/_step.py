@@ -62,7 +62,7 @@ from ..memory import (
     state_shapes,
 )
 from ._flax import abstract_state
-from ._metrics import Collection
+from ._metrics import Collection, unchecked
 from ._strategy import Strategy, as_strategy
 from ._train import (
     LossFn,
@@ -152,7 +152,7 @@ class _Step:
             return self._call(state, batch, metrics, start, fresh)
         args = [state, batch.batch, batch.mask] if key[0] else [state, batch]
         if key[1]:
-            args.append(metrics)
+            args.append(metrics._metrics)  # a dict crosses jit's boundary in C, no callback
         step_call(self.is_train, compiling=False)
         self._tracing = False  # (its program is traced: no state to check, _state_in)
         if self._shared_crashes:  # see _call; the checks may move the batch first
@@ -258,7 +258,7 @@ class _Step:
         if self.donate and not self._tracing and not isinstance(err, JaxdevError):
             _raise_read_donated(args, key[1], err)  # JAX names no leaf donated and read
         explained = failed("the next call of the step", error=err)  # one it comes from
-        explained = explained or oom_error(self.spec, args, err)
+        explained = explained or oom_error(self.spec, _as_given(args, key[1]), err)
         if explained is None:
             raise err
         raise explained from err
@@ -336,14 +336,14 @@ class _Step:
         """The program's arguments (absent ones left out) and its key: one program per
         variant (padded, running metrics) and, under rules, per state structure."""
         args = [state, batch] + ([mask] if mask is not None else [])
-        args += [metrics] if metrics is not None else []
+        args += [dict(metrics)] if metrics is not None else []  # as _fast passes it
         key = (mask is not None, metrics is not None)
         return args, key + (self._structure(state) if fresh is None else fresh)
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
-        """What a call returns, and an output to wait on (one metric's leaves, not all)."""
-        one = next(iter(out.values())) if isinstance(out, Collection) and out else out
-        return out, jax.tree.leaves(one)[0]
+        """What a call returns (its metrics' dict a Collection), and an output to wait on:
+        a metric's leaf (never donated)."""
+        return unchecked(out), _flatten(out)[0][0]
 
     def cost(self, key: tuple) -> float | None:
         """The FLOPs per device of one call of program ``key`` (as :mod:`jaxdev._timeline`
@@ -372,8 +372,8 @@ class _Step:
         """:func:`oom_error` of a call that failed after it returned, from shapes only
         (its arrays are not kept: they would outlive the loop as unnamed old copies)."""
         state, metrics = self._arg_shapes[key]
-        batch = _shaped(treedef, shapes)
-        return oom_error(self.spec, [state, *batch, *([metrics] if key[1] else [])], err, where)
+        args = [state, *_shaped(treedef, shapes), *([metrics] if key[1] else [])]
+        return oom_error(self.spec, _as_given(args, key[1]), err, where)
 
     def _new_program(self, key: tuple, args: list[Any]) -> list[Any]:
         """Before a program's (variant ``key``, batch shapes) first run: compile the variant
@@ -381,7 +381,8 @@ class _Step:
         jitted = self._jit(key, args)
         args = self._relayout(key, args) or args
         if self._budget is not None:
-            check_step_memory(self.spec, jitted, args)
+            lower = functools.partial(jitted.lower, *args)
+            check_step_memory(self.spec, lower, _as_given(args, key[1]))
         if key not in self._compiled:
             metrics = state_shapes(args[-1]) if key[1] else None
             self._arg_shapes[key] = (state_shapes(args[0]), metrics)
@@ -425,7 +426,8 @@ class _Step:
 
         Nothing runs: the arguments may be ``jax.ShapeDtypeStruct`` s (with their
         ``sharding``). Misplaced leaves are lowered in the program's layout, and
-        a sharded step lowers uneven rows padded, with a mask, as the call would.
+        a sharded step lowers uneven rows padded, with a mask, as the call would. The program
+        takes (and returns) the running metrics as a dict, ``dict(metrics)``.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
@@ -633,15 +635,16 @@ class _Step:
 class TrainStep(_Step):
     """A compiled train step: ``step(state, batch, metrics=None) -> (state, metrics)``.
 
-    The inputs are donated by default (reusing an old ``state`` raises
+    The state is donated by default (reusing an old ``state`` raises
     :class:`DeletedArrayError` naming its leaves). A running ``metrics``
-    :class:`Collection` is merged inside the compiled step; read it with
-    ``metrics.fetch()`` every N steps. ``spec`` is its :class:`StepSpec`;
+    :class:`Collection` is merged inside the compiled step and never donated; read it with
+    ``metrics.fetch()`` every N steps (the one a call returned before the last waits for
+    nothing still running). ``spec`` is its :class:`StepSpec`;
     ``n_lead`` the group axes (``steps_per_call``, ``accumulate``) before a batch's rows.
     """
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
-        return out[:2], out[2]  # the token: an undonated copy of the step counter
+        return (out[0], unchecked(out[1])), _flatten(out[1])[0][0]  # metrics: not donated
 
     # The state the step returned last, known by its id and its step counter (a weak
     # reference: a freed state's address given to another object is not taken for it)
@@ -791,28 +794,36 @@ def _raise_traced(err: Exception, **trees: Any) -> None:
     ) from err
 
 
+def _as_given(args: list, has_acc: bool) -> list:
+    """A program's arguments as a step takes them: its metrics' dict a Collection again."""
+    return [*args[:-1], unchecked(args[-1])] if has_acc else args
+
+
 def _check_crashes(args: list, has_acc: bool, donating: bool) -> None:
     """Where JAX crashes on a deleted, a twice-donated or a donated-and-read buffer: refuse it
     before the call (flattened and tested in C; the walks name it)."""
     state, metrics = args[0], args[-1] if has_acc else None
-    leaves = jax.tree.leaves((state, metrics))
-    ids = set(map(id, leaves))
-    if (donating and len(ids) != len(leaves)) or _any_deleted(leaves):  # numbers may repeat
+    donated, read = jax.tree.leaves(state), jax.tree.leaves(args[1:])  # batch, mask, metrics
+    ids = set(map(id, donated))
+    if (donating and len(ids) != len(donated)) or _any_deleted(donated + read):
         check_donatable(state, metrics, donating)
-    if donating and not ids.isdisjoint(map(id, jax.tree.leaves(args[1]))):
+    if donating and not ids.isdisjoint(map(id, read)):
         _raise_read_donated(args, has_acc, None)
 
 
 def _raise_read_donated(args: list, has_acc: bool, err: Exception | None) -> None:
-    """Name the state or metrics leaves the call's batch also holds (the error path of a call:
+    """Name the state leaves the call's batch or metrics also hold (the error path of a call:
     JAX refuses to donate a buffer it reads, naming a 'flattened argument')."""
-    donated = _named_leaves(state=args[0], metrics=args[-1] if has_acc else None)
-    pairs = _pairs(donated, _named_leaves(batch=args[1]))
-    if pairs:
+    read = _named_leaves(batch=args[1], metrics=args[-1] if has_acc else None)
+    _refuse_read(_named_leaves(state=args[0]), read, err)
+
+
+def _refuse_read(donated: list, read: list, err: Exception | None = None) -> None:
+    if pairs := _pairs(donated, read):
         raise PlacementError(
-            "the step would donate an array it also reads as the batch: "
+            "the step would donate an array it also reads: "
             + "; ".join(pairs[:8])
-            + " are the same jax.Array. Pass the batch its own buffer (`jaxdev.copy_to`), or "
+            + " are the same jax.Array. Pass each its own buffer (`jaxdev.copy_to`), or "
             "make the step with `donate=False`."
         ) from err
 
@@ -828,13 +839,14 @@ def _any_deleted(leaves: list) -> bool:
 def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
     """Raise before a call that would donate (or read) a deleted or a shared buffer.
 
-    ``donating=False`` (an eval step): only deleted leaves are refused. A shared buffer is
-    named first: JAX on several devices may free the donated buffers before it refuses one
-    donated twice, and then the deleted leaves are its doing.
+    ``donating=False`` (an eval step): only deleted leaves are refused. The state is donated,
+    never the metrics. A shared buffer is named first: JAX on several devices may free the
+    donated buffers before it refuses one donated twice, and then the deleted leaves are its
+    doing.
     """
-    arrays = [x for x in jax.tree.leaves((state, metrics)) if is_jax_array(x)]
+    arrays = [x for x in jax.tree.leaves(state) if is_jax_array(x)]
     if donating and len(set(map(id, arrays))) != len(arrays):  # one array reached twice
-        named = _named_leaves(state=state, metrics=metrics)
+        named = _named_leaves(state=state)
         gone = [p for p, x in named if is_jax_array(x) and deleted(x)]
         raise PlacementError(
             "the step would donate one array twice (segfault in XLA): "
@@ -849,7 +861,9 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
                 else ""
             )
         )
-    if any(map(deleted, arrays)):
+    if donating:
+        _refuse_read(_named_leaves(state=state), _named_leaves(metrics=metrics))
+    if _any_deleted(arrays + jax.tree.leaves(metrics)):
         _raise_deleted(state, metrics, donating)
 
 
@@ -870,13 +884,13 @@ def _pairs(named: list, then: list) -> list[str]:
 
 def _raise_deleted(state: Any, metrics: Any, donating: bool = True) -> None:
     fix = (
-        "The step donates `state` and `metrics`: after `state, metrics = step(state, "
-        "batch, metrics)` use the returned objects, not the ones passed in (or make the "
-        "step with `donate=False`)."
-        if donating
-        else "An eval step never deletes its inputs, nor a train step made with `donate=False`: "
-        "they were donated elsewhere (a train step's old state, `jax.jit(..., donate_argnums="
-        "...)`) or `.delete()`d. Pass the state (or params) a train step returned last."
+        "The step donates `state`: after `state, metrics = step(state, batch, metrics)` use "
+        "the returned state, not the one passed in (or make the step with `donate=False`)."
+        if donating and _any_deleted(jax.tree.leaves(state))
+        else "An eval step never deletes its inputs, a train step its metrics, nor a train "
+        "step made with `donate=False` its state: they were donated elsewhere (a train step's "
+        "old state, `jax.jit(..., donate_argnums=...)`) or `.delete()`d. Pass the state (or "
+        "params) and metrics a step returned last."
     )
     _raise_dead("", _named_leaves(state=state, metrics=metrics), fix)
 
@@ -909,17 +923,16 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         strategy.check_params(step._state_in, "state")
         state, batch = args[0], args[1]
         mask = args[2] if has_mask else jnp.ones(jnp.shape(jax.tree.leaves(batch)[0])[:lead], bool)
-        acc = args[-1] if has_acc else None
+        acc = unchecked(args[-1]) if has_acc else None  # a dict in, a dict out: see _fast
         if not train:
             metrics = eval_body(cfg, axis, state, batch, mask)
-            return metrics if acc is None else acc.merge(metrics)
+            return dict(metrics if acc is None else acc.merge(metrics))
         body = functools.partial(train_body, cfg, axis)
         if k == 1:
             state, metrics = body(state, batch, mask)
         else:
             state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
-        metrics = metrics if acc is None else acc.merge(metrics)
-        return state, metrics, state.step + 0  # an undonated token to wait on
+        return state, dict(metrics if acc is None else acc.merge(metrics))
 
     def traced(axis, *args):  # an error raised in here is the user's or a check's
         step._tracing = True
@@ -927,8 +940,8 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         step._tracing = False
         return out
 
-    n_args = 2 + has_mask + has_acc
-    donate = tuple(i for i in (0, n_args - 1) if step.donate and (i == 0 or has_acc))
+    donate = (0,) if step.donate else ()  # the state; metrics are a few scalars, and one of
+    # them is the output a call waits on (the in-flight bound, errors surfacing later, the meter)
     return strategy.compile(traced, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
 
 
