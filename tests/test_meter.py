@@ -60,6 +60,20 @@ def test_a_loader_sleeping_a_known_time_is_input_wait():
     assert sum(r.seconds.values()) == pytest.approx(r.wall)
 
 
+def test_an_eval_only_loop_counts_its_eval_steps():
+    """Was: steps 0, steps/s and examples/s 0 for a block that ran only an eval step."""
+    step, state, batch, _ = _setup()
+    ev = jaxdev.make_eval_step(_loss, jaxdev.Strategy.single())
+    jax.block_until_ready(ev(state, batch))  # compiled before the meter
+    with StepMeter(examples_per_step=8) as m:
+        for _ in range(6):
+            metrics = ev(state, batch)
+    r = m.report()
+    assert r.steps == 6 and r.rates["steps/s"] == pytest.approx(6 / r.wall)
+    assert r.rates["examples/s"] == pytest.approx(8 * r.rates["steps/s"])
+    assert np.isfinite(metrics.fetch()["loss"])
+
+
 def test_a_prefetchers_waits_are_input_without_wrapping():
     step, state, batch, _ = _setup()
 

@@ -87,7 +87,8 @@ class MeterReport:
         eval steps, else idle while the host waited for input, synced, compiled, saved a
         checkpoint, or did ``other`` work; they add up to ``wall``.
       syncs: ``(what at file:line, count, seconds the host waited)`` per call site.
-      steps: train steps run (a call of ``steps_per_call=K`` counts K).
+      steps: train steps run (a call of ``steps_per_call=K`` counts K); in a block that
+        ran no train step, the eval steps (an eval loop's rates are its own).
       rates: ``steps/s``, ``examples/s``, ``tokens/s`` (those known).
       flops_per_device: FLOP/s per device from XLA's cost analysis, or ``None``.
       mfu: its share of the device's peak, or ``None``; ``peak``: what that peak is.
@@ -364,7 +365,8 @@ class StepMeter:
         return out
 
     def _rates(self, runs: list[tuple], wall: float) -> tuple:
-        steps = sum(st.steps_per_call * n for st, _, n in runs if st.is_train)
+        train = [r for r in runs if r[0].is_train] or runs  # an eval loop: its eval steps
+        steps = sum(st.steps_per_call * n for st, _, n in train)
         rates = {"steps/s": steps / wall} if wall > 0 else {}
         for name, per in (("examples/s", self.examples), ("tokens/s", self.tokens)):
             if per is not None and wall > 0:
