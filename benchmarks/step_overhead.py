@@ -252,7 +252,7 @@ def loops(kind, model, devices):
 
     def call_prog(c):
         out = prog(c[0], placed, c[1])
-        return out, out[1]
+        return out[:2], out[-1]  # (state, metrics), the token the step waits on
 
     hand, h_state, h_batch = hand_step(kind, loss_fn, params, batch, devices)
     h_state, _ = jax.block_until_ready(hand(h_state, h_batch))

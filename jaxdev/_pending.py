@@ -59,7 +59,7 @@ def _forget_finished() -> None:
 
 def _error(token: Any, wait: bool = False) -> BaseException | None:
     """The error ``token``'s computation ended with (``None``: still running, fine, or
-    deleted since: an eval step's metrics the user donated to a train step; nothing may
+    deleted since: an eval step's metrics the user donated to their own jit; nothing may
     look at those, jax 0.10.2 segfaults).
 
     Never waits unless ``wait`` (an error path: under pmap a read of one output can fail

@@ -255,7 +255,7 @@ def test_the_step_meter_hears_each_dispatch_and_can_ask_its_flops(monkeypatch):
     runs, times = _timeline.runs, list(_timeline.times)
     assert [(i, c) for i, _, _, c in runs if c] == [(0, True), (1, True)]  # no metrics, metrics
     assert all(r[1] is step for r in runs) and len(times) == 8 and times == sorted(times)
-    assert _timeline.newest[0] == 4 and _timeline.newest[1] is jax.tree.leaves(metrics)[0]
+    assert _timeline.newest[0] == 4 and int(_timeline.newest[1]) == 4  # the step counter
     flops = step.cost(runs[-1][2])
     assert flops is None or flops > 0
     assert step.cost(runs[-1][2]) == flops  # computed once
@@ -617,3 +617,19 @@ def test_a_loop_of_uneven_batches_takes_the_fast_path(name, monkeypatch):
     assert len(prepared) == 3  # two programs compiled (no metrics, metrics), one remembered
     assert fast[0] == run(False)[0] and len(prepared) == 9
     jax.tree.map(np.testing.assert_array_equal, fast[1], run(False)[1])
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_step_waits_on_its_own_output_not_the_users_metrics(name):
+    """The metrics a call returns are the user's: donated to their own jit (or deleted), they
+    must leave the step an output to wait on (the in-flight bound, a later error, the meter).
+    Was (c976ae0): the token was the metrics' first leaf, deleted with them."""
+    step, state, metrics, batch = _warm(STRATEGIES[name]())
+    mine = jax.jit(lambda m: jax.tree.map(lambda x: x + 0, m), donate_argnums=0)
+    for _ in range(3):
+        state, metrics = step(state, batch, metrics)
+        metrics = mine(metrics)  # the returned metrics, donated by the user
+    entry = _pending._PENDING[step]
+    assert not entry[0].is_deleted()  # what a failure of the last call is read from
+    assert not any(t.is_deleted() for t in step._inflight)
+    assert int(metrics["loss"].count) == 8 * 7

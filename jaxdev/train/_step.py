@@ -644,7 +644,9 @@ class TrainStep(_Step):
     """
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
-        return (out[0], unchecked(out[1])), _flatten(out[1])[0][0]  # metrics: not donated
+        # the token: an undonated copy of the step counter, jaxdev's own (a metrics leaf is the
+        # user's: one they donate or delete would leave nothing to wait on, nor to explain)
+        return (out[0], unchecked(out[1])), out[2]
 
     # The state the step returned last, known by its id and its step counter (a weak
     # reference: a freed state's address given to another object is not taken for it)
@@ -932,7 +934,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
             state, metrics = body(state, batch, mask)
         else:
             state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
-        return state, dict(metrics if acc is None else acc.merge(metrics))
+        return state, dict(metrics if acc is None else acc.merge(metrics)), state.step + 0
 
     def traced(axis, *args):  # an error raised in here is the user's or a check's
         step._tracing = True
@@ -940,8 +942,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         step._tracing = False
         return out
 
-    donate = (0,) if step.donate else ()  # the state; metrics are a few scalars, and one of
-    # them is the output a call waits on (the in-flight bound, errors surfacing later, the meter)
+    donate = (0,) if step.donate else ()  # the state; metrics are a few scalars, never donated
     return strategy.compile(traced, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
 
 

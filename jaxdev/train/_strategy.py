@@ -583,7 +583,7 @@ class _Pmap(Strategy):
             axis_name=self.axis,  # several processes: each its local devices, the axis all
             devices=list(self.devices) if jax.process_count() == 1 else None,
             in_axes=in_axes,
-            out_axes=(None, None) if train else None,
+            out_axes=(None, None, None) if train else None,
             donate_argnums=donate,
         )
         return MeshBound(pmapped, None)  # a user's jax.set_mesh is not pmap's
@@ -670,7 +670,7 @@ class _Sharded(Strategy):
             # check_vma=False: the step's own psum sums replicated params' gradients, as
             # under pmap (with vma checks JAX would sum them too: n times the gradient)
             specs = tuple(s.spec for s in ins)
-            out_specs = (P(), P()) if train else P()
+            out_specs = (P(), P(), P()) if train else P()
             inner = jax.shard_map(
                 functools.partial(run, axis),
                 mesh=mesh,
@@ -681,7 +681,7 @@ class _Sharded(Strategy):
         else:
             inner = functools.partial(run, None)
         replicated = named_sharding(mesh, P())
-        outs = (ins[0], replicated) if train else replicated
+        outs = (ins[0], replicated, replicated) if train else replicated
         jitted = jax.jit(inner, in_shardings=tuple(ins), out_shardings=outs, donate_argnums=donate)
         return MeshBound(jitted, mesh)  # model code may name bare PartitionSpecs
 
