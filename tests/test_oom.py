@@ -540,6 +540,40 @@ for name, strategy in STRATEGIES.items():
 """
 
 
+DONATED_METRICS = HUGE + """
+import jaxdev.memory._explain as X
+
+_real = X.explain_args
+X.explain_args = lambda spec, args, **kw: _real(spec, args, options=(), **kw)  # no options
+post = jax.jit(lambda m: jax.tree.map(lambda x: x + 0, m), donate_argnums=0)  # an EMA, a reset
+for name in ("single", "sharded", "pmap"):
+    step = jaxdev.make_train_step(huge_loss, tx, getattr(jaxdev.Strategy, name)())
+    batch = step.put_batch(np.ones((8, 4), np.float32))
+    state, metrics = step.init_state({"w": jnp.ones((4, 4))}, tx), None
+    try:
+        for i in range(3):
+            state, metrics = step(state, batch, metrics)
+            metrics = post(metrics)  # the returned metrics, donated by the user's own jit
+        print(name, "no error")
+    except jaxdev.OutOfMemoryError as e:
+        print(name, i, str(e).splitlines()[1].split(":")[0])
+"""
+
+
+def test_an_out_of_memory_is_named_at_the_next_call_when_the_user_donates_the_metrics():
+    """The step waits on an output of its own, not on the metrics it returns: the user's, which
+    they may donate or delete. Was (c976ae0, a metrics leaf the token): no error at any call,
+    then a bare INTERNAL 'Error dispatching computation' at fetch (helper-65)."""
+    from conftest import run_python
+
+    proc = run_python(DONATED_METRICS, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [line.split(" ", 2) for line in proc.stdout.splitlines()]  # a later call, if running
+    assert [(n, w) for n, _, w in got] == [
+        (n, "it surfaced at the next call of the step") for n in ("single", "sharded", "pmap")
+    ], proc.stdout
+
+
 @pytest.fixture(scope="module")
 def later_reads():
     """Every read path x strategy of a step's real out-of-memory, each path read first 12
