@@ -342,7 +342,8 @@ class _Step:
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
         """What a call returns (its metrics' dict a Collection), and an output to wait on:
-        a metric's leaf (never donated)."""
+        an eval step's first metric leaf (the user's, which they may donate or delete: then
+        nothing is left to wait on; a train step returns a token of its own)."""
         return unchecked(out), _flatten(out)[0][0]
 
     def cost(self, key: tuple) -> float | None:
