@@ -864,9 +864,10 @@ def check_donatable(state: Any, metrics: Any, donating: bool = True) -> None:
                 else ""
             )
         )
-    if donating:
+    read = jax.tree.leaves(metrics)
+    if donating and not set(map(id, arrays)).isdisjoint(map(id, read)):  # then the walks
         _refuse_read(_named_leaves(state=state), _named_leaves(metrics=metrics))
-    if _any_deleted(arrays + jax.tree.leaves(metrics)):
+    if _any_deleted(arrays + read):
         _raise_deleted(state, metrics, donating)
 
 
