@@ -169,7 +169,7 @@ def bench_host(name: str, dev, repeats: int) -> list[dict]:
 
 
 def load_before(folder: str):
-    """The ``jaxdev`` package in ``folder`` imported as ``jaxdev_before`` (its imports are relative)."""
+    """The ``jaxdev`` package in ``folder`` imported as ``jaxdev_before`` (relative imports)."""
     import importlib.util
 
     init = os.path.join(folder, "jaxdev", "__init__.py")

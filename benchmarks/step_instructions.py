@@ -5,13 +5,13 @@ Run: ``python benchmarks/step_instructions.py [--strategies single,sharded] [--l
 
 A time on a shared 2-core VM moves by 2x between runs; an instruction count does not (the
 same count to 0.1% run after run). Each variant of ``step_overhead.py`` (``step``,
-``program``, ``hand``; same models, placement and donation) runs in its own process under
-``valgrind --tool=callgrind --instr-atstart=no --separate-threads=yes``: after 50 warm-up
-calls the process switches counting on (``callgrind_control -i on``), makes ``--calls``
-calls, and switches it off. The figure is the main thread's count per call, less that of an
-empty on/off window. Callgrind runs one thread at a time, so a count says nothing about
-waits or XLA's worker threads; it is what the host executes to dispatch a call: jaxdev's
-Python, JAX's C++ dispatch and the pytree work of the arguments and outputs.
+``program``, ``hand``, ``hand+mean``; same models, placement and donation) runs in its own
+process under ``valgrind --tool=callgrind --instr-atstart=no --separate-threads=yes``: after
+50 warm-up calls the process switches counting on (``callgrind_control -i on``), makes
+``--calls`` calls, and switches it off. The figure is the main thread's count per call,
+less that of an empty on/off window. Callgrind runs one thread at a time, so a count says
+nothing about waits or XLA's worker threads; it is what the host executes to dispatch a
+call: jaxdev's Python, JAX's C++ dispatch and the pytree work of the arguments and outputs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("empty", "step", "program", "hand")
+VARIANTS = ("empty", "step", "program", "hand", "hand+mean")
 
 
 def count(kind: str, leaves: int, variant: str, calls: int) -> None:
@@ -78,15 +78,19 @@ def main() -> None:
     if args.count:
         kind, leaves, variant, calls = args.count
         return count(kind, int(leaves), variant, int(calls))
-    print("| leaves | strategy | step | program | hand | step/hand | program/hand | step-program |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| leaves | strategy | step | program | hand | hand+mean | step/hand | program/hand "
+        "| step/hand+mean | step-program |"
+    )
+    print("|---:|---|" + "---:|" * 8)
     for kind in args.strategies.split(","):
         for leaves in map(int, args.leaves.split(",")):
             n = {v: measure(kind, leaves, v, args.calls) for v in VARIANTS}
             k = {v: (n[v] - n["empty"]) / args.calls / 1000 for v in VARIANTS[1:]}
             print(
                 f"| {leaves} | {kind} | {k['step']:.1f}k | {k['program']:.1f}k | {k['hand']:.1f}k "
-                f"| {k['step'] / k['hand']:.2f}x | {k['program'] / k['hand']:.2f}x "
+                f"| {k['hand+mean']:.1f}k | {k['step'] / k['hand']:.2f}x "
+                f"| {k['program'] / k['hand']:.2f}x | {k['step'] / k['hand+mean']:.2f}x "
                 f"| {k['step'] - k['program']:+.1f}k |",
                 flush=True,
             )

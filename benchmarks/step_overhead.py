@@ -17,7 +17,13 @@ Per case (a model, a strategy) three loops of N calls each (N: a multiple of 8 m
   (``program_source``). ``step - program`` is jaxdev's own Python per call.
 - ``hand``: a hand-written step, SGD, state donated, returning the new state and the loss:
   ``jax.jit`` (single), ``jax.jit`` with ``NamedSharding`` in/out shardings (sharded, state
-  replicated, batch split on the data axis), ``jax.pmap`` with ``lax.pmean`` (pmap).
+  replicated, batch split on the data axis), ``jax.pmap`` with ``lax.pmean`` (pmap). The
+  goals are read against it.
+- ``hand+mean``: the same hand step doing the same work as jaxdev's: it also keeps the
+  running mean of the loss on the device (a dict ``{"total": f32, "count": i32}`` in and
+  out, not donated, as jaxdev's metrics). ``step/hand+mean`` is what jaxdev's wrapper and
+  its program's own outputs (a token, its pytrees) cost over a hand step with the same
+  on-device metric; ``hand+mean/hand`` what that metric costs a hand step.
 
 The loops are timed interleaved in ``--rounds`` rounds (the order rotating each round, after
 one untimed warm-up round); a figure is the median over rounds of the per-call time, a ratio
@@ -144,43 +150,68 @@ def transformer(d: int = 32, heads: int = 4, blocks: int = 6, seq: int = 16, voc
     return f"linen transformer {blocks}x{d}", params, loss, batch
 
 
-# ---------------------------------------------------------------- the three loops
+# ---------------------------------------------------------------- the loops
 
 
-def hand_body(loss_fn, axis=None):
-    """The hand step: ``(step, params, opt_state), batch -> (new state, mean loss)``."""
+def hand_body(loss_fn, axis=None, mean=False):
+    """The hand step: ``(step, params, opt_state), batch -> (new state, mean loss)``; with
+    ``mean``, ``(state, batch, running) -> (new state, running)``: ``running`` the sum of
+    the losses and their count so far (``{"total": f32, "count": i32}``)."""
 
-    def body(state, batch):
+    def body(state, batch, running=None):
         n, params, opt = state
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch).mean())(params)
+        if not mean:  # as in every round before
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch).mean())(params)
+        else:
+            losses_of = lambda p: (lambda ls: (ls.mean(), ls))(loss_fn(p, batch))  # noqa: E731
+            (loss, losses), grads = jax.value_and_grad(losses_of, has_aux=True)(params)
+            total, count = jnp.sum(losses), jnp.int32(losses.size)
         if axis is not None:
             loss, grads = jax.lax.pmean((loss, grads), axis)
+            if mean:
+                total, count = jax.lax.psum((total, count), axis)
         updates, opt = TX.update(grads, opt, params)
-        return (n + 1, optax.apply_updates(params, updates), opt), loss
+        new = (n + 1, optax.apply_updates(params, updates), opt)
+        if not mean:
+            return new, loss
+        return new, {"total": running["total"] + total, "count": running["count"] + count}
 
     return body
 
 
-def hand_step(kind: str, loss_fn, params, batch, devices):
-    """The hand-written step for ``kind`` and its placed state and batch."""
+def hand_step(kind: str, loss_fn, params, batch, devices, mean=False):
+    """The hand-written step for ``kind`` and its placed state and batch (with ``mean``, and
+    its running sums, zero: ``fn(state, batch, running)``)."""
     state = (np.int32(0), params, TX.init(params))
+    running = {"total": np.float32(0), "count": np.int32(0)}
+    body = hand_body(loss_fn, "d" if kind == "pmap" else None, mean)
+    more = (running,) if mean else ()
     if kind == "single":
         dev = devices[0]
-        fn = jax.jit(hand_body(loss_fn), donate_argnums=0)
-        return fn, jax.device_put(state, dev), jax.device_put(batch, dev)
+        fn = jax.jit(body, donate_argnums=0)
+        return (
+            fn,
+            jax.device_put(state, dev),
+            jax.device_put(batch, dev),
+            *jax.device_put(more, dev),
+        )
     if kind == "sharded":
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
         rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        fn = jax.jit(
-            hand_body(loss_fn), in_shardings=(rep, rows), out_shardings=(rep, rep), donate_argnums=0
+        ins = (rep, rows, rep)[: 2 + mean]
+        fn = jax.jit(body, in_shardings=ins, out_shardings=(rep, rep), donate_argnums=0)
+        return (
+            fn,
+            jax.device_put(state, rep),
+            jax.device_put(batch, rows),
+            *jax.device_put(more, rep),
         )
-        return fn, jax.device_put(state, rep), jax.device_put(batch, rows)
     n = len(devices)  # pmap: state stacked on a device axis, batch split (n, rows / n, ...)
     place = jax.pmap(lambda x: x, devices=devices)
-    stacked = place(jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), state))
+    stack = lambda t: place(jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), t))  # noqa: E731
     split = place(jax.tree.map(lambda x: np.reshape(x, (n, -1, *np.shape(x)[1:])), batch))
-    fn = jax.pmap(hand_body(loss_fn, "d"), axis_name="d", devices=devices, donate_argnums=0)
-    return fn, stacked, split
+    fn = jax.pmap(body, axis_name="d", devices=devices, donate_argnums=0)
+    return fn, stack(state), split, *(stack(more) if mean else ())
 
 
 def strategy_of(kind: str, devices):
@@ -225,7 +256,7 @@ def _loop(call, carry, calls, sync_every):
 
 
 def loops(kind, model, devices):
-    """The three variants' per-call functions (each ``carry -> (carry, output)``) with their
+    """The four variants' per-call functions (each ``carry -> (carry, output)``) with their
     carries, compiled and run once; the wait interval; the source of the program variant."""
     _, params, loss_fn, batch = model
     sync = SYNC_EVERY if len(devices) > 1 and devices[0].platform == "cpu" else 0
@@ -256,10 +287,22 @@ def loops(kind, model, devices):
 
     hand, h_state, h_batch = hand_step(kind, loss_fn, params, batch, devices)
     h_state, _ = jax.block_until_ready(hand(h_state, h_batch))
+    mean, m_state, m_batch, running = hand_step(kind, loss_fn, params, batch, devices, True)
+    for _ in range(2):  # as ``first``: the same work, checked (its mean is jaxdev's)
+        m_state, running = jax.block_until_ready(mean(m_state, m_batch, running))
+    want = float(s_step[1].fetch()["loss"])
+    got = float(np.sum(running["total"]) / np.sum(running["count"]))  # pmap: n equal copies
+    assert abs(got - want) <= 1e-5 * abs(want), f"hand+mean's running mean {got}, jaxdev's {want}"
+
+    def call_mean(c):
+        c = mean(c[0], m_batch, c[1])
+        return c, c[1]
+
     calls = {
         "step": (call_step, [s_step]),
         "program": (call_prog, [(out[0], out[1])]),
         "hand": (lambda c: hand(c, h_batch), [h_state]),
+        "hand+mean": (call_mean, [(m_state, running)]),
     }
     return calls, sync, source
 
@@ -300,6 +343,8 @@ def measure(kind, model, devices, rounds, max_calls, loop_s):
         "step/hand": t.ratio("step", "hand"),
         "program/hand": t.ratio("program", "hand"),
         "step/program": t.ratio("step", "program"),
+        "step/hand+mean": t.ratio("step", "hand+mean"),
+        "hand+mean/hand": t.ratio("hand+mean", "hand"),
         "step-program us": statistics.median(
             1e6 * (a - b) / n for a, b in zip(t["step"], t["program"])
         ),
@@ -356,6 +401,10 @@ def _calls(row) -> str:
     return "-" if calls is None else f"{calls:.0f}"
 
 
+def _ratio(row, name) -> str:
+    return "-" if row.get(name) is None else f"{row[name]:.2f}x"  # absent in older JSON files
+
+
 def _host(row) -> str:
     host = row.get("host us")  # absent in JSON files of older runs
     return "-" if host is None else f"{host['step']:.0f} / {host['hand']:.0f}"
@@ -369,14 +418,21 @@ def table(rows, info) -> str:
         f"load {info['loadavg_start'][0]:.2f} -> {info.get('loadavg_end', [0])[0]:.2f}"
     )
     cols = "| model | leaves | strategy | calls | step us | program us | hand us | step/hand "
-    cols += "| program/hand | step-program us | step-program Python calls | host us step/hand |"
-    lines = [head, "", cols, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cols += "| program/hand | step/hand+mean | hand+mean/hand | step-program us "
+    cols += "| step-program Python calls | host us step/hand |"
+    lines = [
+        head,
+        "",
+        cols,
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         us = r["us"]
         lines.append(
             f"| {r['model']} | {r['leaves']} | {r['strategy']} | {r['calls']} | {us['step']:.0f} "
             f"| {us['program']:.0f} | {us['hand']:.0f} | {r['step/hand']:.2f}x "
-            f"| {r['program/hand']:.2f}x | {r['step-program us']:+.0f} "
+            f"| {r['program/hand']:.2f}x | {_ratio(r, 'step/hand+mean')} "
+            f"| {_ratio(r, 'hand+mean/hand')} | {r['step-program us']:+.0f} "
             f"| {_calls(r)} | {_host(r)} |"
         )
     return "\n".join(lines)

@@ -32,11 +32,14 @@ def test_step_overhead_quick_runs_every_strategy(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     report = json.loads(out.read_text())
     assert report["runs"][0]["machine"]["device_count"] == 8
-    assert "backend cpu" in proc.stdout and "| step/hand |" in proc.stdout
+    assert "backend cpu" in proc.stdout
+    assert "| step/hand | program/hand | step/hand+mean | hand+mean/hand |" in proc.stdout
     rows = {(r["strategy"], r["leaves"]): r for r in report["rows"]}
     assert set(rows) == {("single", 2), ("sharded", 2), ("pmap", 2)}
     for row in rows.values():
         assert all(us > 0 for us in row["us"].values()), row
         assert row["host us"].keys() == row["us"].keys() and min(row["host us"].values()) > 0
-        assert all(math.isfinite(row[k]) for k in ("step/hand", "program/hand")), row
+        assert set(row["us"]) == {"step", "program", "hand", "hand+mean"}, row
+        ratios = ("step/hand", "program/hand", "step/hand+mean", "hand+mean/hand")
+        assert all(math.isfinite(row[k]) for k in ratios), row
         assert row["calls"] % 8 == 0 and row["program_source"], row
