@@ -113,17 +113,13 @@ def is_prng_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def is_ml_dtype(dtype: np.dtype) -> bool:
-    """bfloat16, float8_*, int4: numpy kind 'V' but real JAX dtypes."""
-    return dtype.kind == "V" and bool(jax.dtypes.issubdtype(dtype, np.number))
-
-
 def is_host_value(x: Any) -> bool:
     """Whether ``x`` is a numeric numpy value or a Python number (lives on the host)."""
     if isinstance(x, PY_SCALARS):
         return True
     if isinstance(x, (np.ndarray, np.generic)):
-        return x.dtype.kind in "biufc" or is_ml_dtype(x.dtype)
+        kind = x.dtype.kind  # bfloat16, float8_*, int4: numpy kind 'V' but real JAX dtypes
+        return kind in "biufc" or kind == "V" and bool(jax.dtypes.issubdtype(x.dtype, np.number))
     return False
 
 

@@ -548,14 +548,10 @@ def unchecked(metrics: dict[str, Any]) -> Collection:
     return out
 
 
-def _unflatten_collection(keys: tuple[str, ...], children: Any) -> Collection:
-    return unchecked(dict(zip(keys, children, strict=True)))
-
-
 jax.tree_util.register_pytree_with_keys(
     Collection,
     lambda c: ([(jax.tree_util.DictKey(k), m) for k, m in c._metrics.items()], tuple(c._metrics)),
-    _unflatten_collection,
+    lambda keys, children: unchecked(dict(zip(keys, children, strict=True))),
     flatten_func=lambda c: (list(c._metrics.values()), tuple(c._metrics)),
 )
 
