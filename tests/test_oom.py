@@ -442,11 +442,13 @@ def test_an_eval_step_explains_itself_as_the_eval_step():
     """The explanation names the step it is about (it said "the train step" for both)."""
     ev = jaxdev.make_eval_step(loss_fn)
     params = _shapes(_params())
-    why = ev.explain_memory(params, _shapes(_host_batch(64)), limit=2**30)
+    # options=(): the subject is the step's own, whatever options are compiled with it
+    why = ev.explain_memory(params, _shapes(_host_batch(64)), limit=2**30, options=())
     assert why.subject == "the eval step" and str(why).startswith("the eval step needs")
     train = jaxdev.make_train_step(loss_fn, TX)
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
-    assert train.explain_memory(state, _shapes(_host_batch(64)), limit=2**30).subject == (
+    batch = _shapes(_host_batch(64))
+    assert train.explain_memory(state, batch, limit=2**30, options=()).subject == (
         "the train step"
     )
 
