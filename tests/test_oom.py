@@ -453,9 +453,7 @@ def test_an_eval_step_explains_itself_as_the_eval_step():
     train = jaxdev.make_train_step(loss_fn, TX)
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
     batch = _shapes(_host_batch(64))
-    assert train.explain_memory(state, batch, limit=2**30, options=()).subject == (
-        "the train step"
-    )
+    assert train.explain_memory(state, batch, limit=2**30, options=()).subject == "the train step"
 
 
 @pytest.mark.gpu
