@@ -289,6 +289,11 @@ def test_a_real_resource_exhausted_becomes_an_explained_out_of_memory_error():
 ASYNC_OOM = (
     HUGE
     + """
+import jaxdev.memory._explain as X
+
+_real = X.explain_args  # no options compiled (REAL_OOM checks them): the reads are the test
+X.explain_args = lambda spec, args, **kw: _real(spec, args, options=(), **kw)
+
 def step_once():  # returns at once (asynchronous dispatch): the error is raised later
     return step(step.init_state({"w": jnp.ones((4, 4))}, tx), batch)
 
@@ -442,13 +447,13 @@ def test_an_eval_step_explains_itself_as_the_eval_step():
     """The explanation names the step it is about (it said "the train step" for both)."""
     ev = jaxdev.make_eval_step(loss_fn)
     params = _shapes(_params())
-    why = ev.explain_memory(params, _shapes(_host_batch(64)), limit=2**30)
+    # options=(): the subject is the step's own, whatever options are compiled with it
+    why = ev.explain_memory(params, _shapes(_host_batch(64)), limit=2**30, options=())
     assert why.subject == "the eval step" and str(why).startswith("the eval step needs")
     train = jaxdev.make_train_step(loss_fn, TX)
     state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), TX))
-    assert train.explain_memory(state, _shapes(_host_batch(64)), limit=2**30).subject == (
-        "the train step"
-    )
+    batch = _shapes(_host_batch(64))
+    assert train.explain_memory(state, batch, limit=2**30, options=()).subject == "the train step"
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import importlib.metadata
 import os
@@ -50,9 +51,14 @@ def _third_party(names: set[str]) -> set[str]:
     return {n for n in names if n not in sys.stdlib_module_names and n not in ("jaxdev",)}
 
 
+@functools.cache  # reads every installed distribution's file list: once a session, not a module
+def _packages_distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
     """Normalized names of the distributions that provide ``module``."""
-    dists = importlib.metadata.packages_distributions().get(module, [module])
+    dists = _packages_distributions().get(module, [module])
     return {re.sub(r"[-_.]+", "-", d).lower() for d in dists}
 
 
