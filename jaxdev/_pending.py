@@ -59,8 +59,8 @@ def _forget_finished() -> None:
 
 def _error(token: Any, wait: bool = False) -> BaseException | None:
     """The error ``token``'s computation ended with (``None``: still running, fine, or
-    deleted since: an eval step's metrics the user donated to their own jit; nothing may
-    look at those, jax 0.10.2 segfaults).
+    deleted since: never a step's own token, a guard; nothing may look at a deleted
+    array, jax 0.10.2 segfaults).
 
     Never waits unless ``wait`` (an error path: under pmap a read of one output can fail
     before the token, another output of the same failed call, is marked ready)."""

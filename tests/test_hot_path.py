@@ -633,3 +633,26 @@ def test_the_step_waits_on_its_own_output_not_the_users_metrics(name):
     assert not entry[0].is_deleted()  # what a failure of the last call is read from
     assert not any(t.is_deleted() for t in step._inflight)
     assert int(metrics["loss"].count) == 8 * 7
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_an_eval_step_waits_on_its_own_output_not_the_users_metrics(name, monkeypatch):
+    """An eval step's metrics are the user's too: donated to their own jit at each call, they
+    must leave the step an output to wait on. Was: its token was the metrics' first leaf, so
+    the multi-device CPU in-flight bound waited on deleted arrays (its wait raised, nothing
+    bounded): with the calls queued unbounded XLA's collectives deadlocked and the process
+    aborted ('Termination timeout for all reduce', 1 run in 30 of 300 calls, jax 0.10.2;
+    /tmp/crash311/evrace.py), and a later failure or the meter had nothing to look at."""
+    monkeypatch.setattr(_pending, "_PENDING", {})  # nothing left behind for other tests
+    strategy = STRATEGIES[name]()
+    ev = jaxdev.make_eval_step(loss, strategy)
+    params = ev.init_state({"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))})
+    batch = ev.put_batch(np.ones((8, 4), np.float32))
+    mine = jax.jit(lambda m: jax.tree.map(lambda x: x + 0, m), donate_argnums=0)
+    metrics = None
+    for _ in range(12):  # past the in-flight bound (8)
+        metrics = mine(ev(params, batch, metrics))  # the returned metrics, donated at once
+    assert not _pending._PENDING[ev][0].is_deleted()  # what a failure of the last call is read from
+    assert len(ev._inflight) == (8 if ev._bounded else 0)
+    assert not any(t.is_deleted() for t in ev._inflight)  # each wait of the bound a real one
+    assert int(metrics["loss"].count) == 8 * 12

@@ -226,7 +226,7 @@ class StepMeter:
             n -= self._first
             if n <= done or token is None:
                 return 1
-            # deleted (an eval step's metrics, donated by the user): it ended (jax 0.10.2 segfaults
+            # deleted (never a step's own token; a guard): it ended (jax 0.10.2 segfaults
             ready = token.is_deleted() or token.is_ready()  # on is_ready)
             seen, g = self._catch or n, self._first + n  # g: its number in _timeline.times
             if ready and not final and n - seen < _CATCH:

@@ -342,9 +342,10 @@ class _Step:
 
     def _outputs(self, out: Any) -> tuple[Any, jax.Array]:
         """What a call returns (its metrics' dict a Collection), and an output to wait on:
-        an eval step's first metric leaf (the user's, which they may donate or delete: then
-        nothing is left to wait on; a train step returns a token of its own)."""
-        return unchecked(out), _flatten(out)[0][0]
+        the eval program's token, jaxdev's own (a metric leaf is the user's: one they donate
+        or delete left the in-flight bound nothing to wait on, and on multi-device CPU ~100
+        queued collective programs deadlocked XLA: a rendezvous abort)."""
+        return unchecked(out[0]), out[1]
 
     def cost(self, key: tuple) -> float | None:
         """The FLOPs per device of one call of program ``key`` (as :mod:`jaxdev._timeline`
@@ -943,9 +944,11 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         state, batch = args[0], args[1]
         mask = args[2] if has_mask else jnp.ones(jnp.shape(jax.tree.leaves(batch)[0])[:lead], bool)
         acc = unchecked(args[-1]) if has_acc else None  # a dict in, a dict out: see _fast
-        if not train:
+        if not train:  # with its token: jaxdev's own output to wait on (the metrics are the user's)
             metrics = eval_body(cfg, axis, state, batch, mask)
-            return dict(metrics if acc is None else acc.merge(metrics))
+            metrics = dict(metrics if acc is None else acc.merge(metrics))
+            first = jax.tree.leaves(metrics)[0]  # a scalar computed from it: the call's token
+            return metrics, jnp.ravel(first)[:1].astype(jnp.float32).sum()
         body = functools.partial(train_body, cfg, axis)
         if k == 1:
             state, metrics = body(state, batch, mask)
