@@ -224,7 +224,7 @@ class _Step:
             if len(self._seen) >= _MAX_SEEN:
                 self._seen.clear()
             (signature, leaves), bound = seen, self._jitted[key]  # its MeshBound, jit inside
-            bare = bound.fn if bound.mesh is None else _ahead(bound, args)  # (a mesh: AOT)
+            bare = bound.fn if bound.mesh is None else None
             probe = not signature[2] and self._two_ways(leaves)  # (padded: no layout to read)
             self._seen[signature] = (key, known, bound, bare, program, probe)
         if start:  # a step meter listens
@@ -736,21 +736,6 @@ def _placed_shapes(leaves: list) -> list | None:
     try:
         return [a for x in leaves for a in (x.shape, x.dtype, x.committed and x.sharding)]
     except AttributeError:  # a host leaf (numpy, a Python number), a tracer
-        return None
-
-
-def _ahead(bound: Any, args: list) -> Any:
-    """The compiled program a mesh's ``bound`` jit runs on ``args`` (shapes: the state was
-    donated), called directly where no mesh is set: JAX's own C++ call, without entering
-    ``jax.set_mesh`` (its jit cache is keyed by the mesh in context) at every call of a loop.
-    It refuses what the jit refuses (another layout, a deleted leaf, a tracer). Lowered and
-    compiled as the call was (JAX's caches: no compile); ``None`` if that fails."""
-    shaped = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
-        x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type
-    )
-    try:
-        return bound.lower(*jax.tree.map(shaped, args)).compile()
-    except Exception:  # noqa: BLE001 - the jit under the mesh, as before
         return None
 
 
