@@ -429,7 +429,9 @@ class _Step:
         Nothing runs: the arguments may be ``jax.ShapeDtypeStruct`` s (with their
         ``sharding``). Misplaced leaves are lowered in the program's layout, and
         a sharded step lowers uneven rows padded, with a mask, as the call would. The program
-        takes (and returns) the running metrics as a dict, ``dict(metrics)``.
+        takes the running metrics as a dict, ``dict(metrics)``, and returns ``(state,
+        metrics_dict, token)`` (an eval step's: ``(metrics_dict, token)``): the token is the
+        scalar the step waits on.
 
         Example:
           >>> import jax, jax.numpy as jnp, optax, jaxdev
