@@ -656,3 +656,43 @@ def test_an_eval_step_waits_on_its_own_output_not_the_users_metrics(name, monkey
     assert len(ev._inflight) == (8 if ev._bounded else 0)
     assert not any(t.is_deleted() for t in ev._inflight)  # each wait of the bound a real one
     assert int(metrics["loss"].count) == 8 * 12
+
+
+@pytest.mark.parametrize("first", ["minor axis sharded", "prng key"])
+def test_an_eval_steps_token_takes_any_first_metric_leaf(first):
+    """The eval program's token is computed from its first metric leaf, whatever the user put
+    there. Was (4c93ef0): ``ravel(leaf)[:1]``, a reshape an Explicit mesh refuses for a leaf
+    sharded along a minor axis (a ShardingTypeError from jaxdev's own code, for metrics that
+    ran before), and a cast a PRNG key refuses (/tmp/attack47/e2.py, e1.py key)."""
+    import dataclasses
+
+    from jax.sharding import AxisType
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Keep(jaxdev.metrics.Metric):  # the last batch's value, kept as it is
+        v: jax.Array
+
+        def merge(self, other):
+            return other
+
+        def reduce(self, axis=None):
+            return self
+
+        def _compute(self, xp):
+            return self.v
+
+    def kept(params, batch):
+        h = batch @ params["a"]  # (8@data, 2)
+        value = h.T if first == "minor axis sharded" else jax.random.key(0)  # (2, 8@data)
+        return loss(params, batch), {"a_kept": Keep(value)}  # "a_kept" < "loss": first leaf
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    strategy = jaxdev.Strategy.sharded(mesh) if first == "minor axis sharded" else None
+    ev = jaxdev.make_eval_step(kept, strategy, has_aux=True)
+    params = {"a": jnp.ones((4, 2)), "b": jnp.ones((4, 2))}
+    batch, metrics = ev.put_batch(np.ones((8, 4), np.float32)), None
+    for _ in range(3):
+        metrics = ev(params, batch, metrics)
+    assert float(metrics["loss"].fetch()) == 16.0
+    assert int(metrics["loss"].count) == 8 * 3
