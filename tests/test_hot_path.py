@@ -658,12 +658,13 @@ def test_an_eval_step_waits_on_its_own_output_not_the_users_metrics(name, monkey
     assert int(metrics["loss"].count) == 8 * 12
 
 
-@pytest.mark.parametrize("first", ["minor axis sharded", "prng key"])
+@pytest.mark.parametrize("first", ["minor axis sharded", "prng key", "python number"])
 def test_an_eval_steps_token_takes_any_first_metric_leaf(first):
     """The eval program's token is computed from its first metric leaf, whatever the user put
     there. Was (4c93ef0): ``ravel(leaf)[:1]``, a reshape an Explicit mesh refuses for a leaf
     sharded along a minor axis (a ShardingTypeError from jaxdev's own code, for metrics that
-    ran before), and a cast a PRNG key refuses (/tmp/attack47/e2.py, e1.py key)."""
+    ran before), and a cast a PRNG key refuses (/tmp/attack47/e2.py, e1.py key); a Python
+    number a custom Metric holds has no dtype (e4.py)."""
     import dataclasses
 
     from jax.sharding import AxisType
@@ -684,7 +685,7 @@ def test_an_eval_steps_token_takes_any_first_metric_leaf(first):
 
     def kept(params, batch):
         h = batch @ params["a"]  # (8@data, 2)
-        value = h.T if first == "minor axis sharded" else jax.random.key(0)  # (2, 8@data)
+        value = {"minor axis sharded": h.T, "prng key": jax.random.key(0)}.get(first, 1.5)
         return loss(params, batch), {"a_kept": Keep(value)}  # "a_kept" < "loss": first leaf
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))

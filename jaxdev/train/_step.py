@@ -745,6 +745,7 @@ def _token(first: jax.Array) -> jax.Array:
     """An eval call's token: a float32 scalar reduced from its first metric leaf. A reduction,
     never a reshape: an Explicit mesh refuses to flatten a leaf sharded along a minor axis
     (``ShardingTypeError``, a metric of shape (2, batch)); a PRNG key leaf is read as its data."""
+    first = jnp.asarray(first)  # (a Python number a custom Metric holds: as it was)
     if jax.dtypes.issubdtype(first.dtype, jax.dtypes.prng_key):
         first = jax.random.key_data(first)
     return jnp.sum(jnp.real(first), dtype=jnp.float32)
