@@ -6,7 +6,7 @@ Run: ``python benchmarks/step_overhead.py [--leaves 2,100,500,1000] [--models ml
 ``--quick`` is a short smoke run (CI); ``--h100-mlp`` times BENCHMARKS.md's "One real GPU"
 MLP (1024-4096-10, batch 1024) on ``Strategy.single`` only (meant for a GPU host).
 
-Per case (a model, a strategy) three loops of N calls each (N: a multiple of 8 making
+Per case (a model, a strategy) four loops of N calls each (N: a multiple of 8 making
 ``--loop-s`` seconds of hand calls, at most ``--calls``), state donated:
 
 - ``step``: ``state, metrics = step(state, batch, metrics)`` (jaxdev, running metrics).
@@ -308,7 +308,7 @@ def loops(kind, model, devices):
 
 
 def measure(kind, model, devices, rounds, max_calls, loop_s):
-    """One row: per-call medians (us) and ratios of the three variants. A loop makes
+    """One row: per-call medians (us) and ratios of the four variants. A loop makes
     ``loop_s`` seconds of hand calls (a multiple of 8, at least 8, at most ``max_calls``)."""
     t0 = time.perf_counter()
     calls, sync, source = loops(kind, model, devices)
