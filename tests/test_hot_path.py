@@ -660,11 +660,12 @@ def test_an_eval_step_waits_on_its_own_output_not_the_users_metrics(name, monkey
 
 @pytest.mark.parametrize("first", ["minor axis sharded", "prng key", "python number"])
 def test_an_eval_steps_token_takes_any_first_metric_leaf(first):
-    """The eval program's token is computed from its first metric leaf, whatever the user put
-    there. Was (4c93ef0): ``ravel(leaf)[:1]``, a reshape an Explicit mesh refuses for a leaf
-    sharded along a minor axis (a ShardingTypeError from jaxdev's own code, for metrics that
-    ran before), and a cast a PRNG key refuses (/tmp/attack47/e2.py, e1.py key); a Python
-    number a custom Metric holds has no dtype (e4.py)."""
+    """An eval step runs whatever the user put first in its metrics: its token is jaxdev's own
+    (the count of the rows it read), never computed from a metric leaf. Was (4c93ef0):
+    ``ravel(leaf)[:1]``, a reshape an Explicit mesh refuses for a leaf sharded along a minor
+    axis (a ShardingTypeError from jaxdev's own code, for metrics that ran before), and a cast
+    a PRNG key refuses (/tmp/attack47/e2.py, e1.py key); a Python number a custom Metric holds
+    has no dtype (e4.py)."""
     import dataclasses
 
     from jax.sharding import AxisType

@@ -741,16 +741,6 @@ def _placed_shapes(leaves: list) -> list | None:
         return None
 
 
-def _token(first: jax.Array) -> jax.Array:
-    """An eval call's token: a float32 scalar reduced from its first metric leaf. A reduction,
-    never a reshape: an Explicit mesh refuses to flatten a leaf sharded along a minor axis
-    (``ShardingTypeError``, a metric of shape (2, batch)); a PRNG key leaf is read as its data."""
-    first = jnp.asarray(first)  # (a Python number a custom Metric holds: as it was)
-    if jax.dtypes.issubdtype(first.dtype, jax.dtypes.prng_key):
-        first = jax.random.key_data(first)
-    return jnp.sum(jnp.real(first), dtype=jnp.float32)
-
-
 def _shaped(treedef: Any, shapes: list) -> Any:
     """The batch (and mask) of a program as ``ShapeDtypeStruct`` s (a number: as it was)."""
     return treedef.unflatten([s if s[1] is None else jax.ShapeDtypeStruct(*s) for s in shapes])
@@ -944,7 +934,7 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         if not train:  # with its token: jaxdev's own output to wait on (the metrics are the user's)
             metrics = eval_body(cfg, axis, state, batch, mask)
             metrics = dict(metrics if acc is None else acc.merge(metrics))
-            return metrics, _token(jax.tree.leaves(metrics)[0])  # a scalar computed from it
+            return metrics, jnp.sum(mask, dtype=jnp.int32)  # the rows it read: jaxdev's own
         body = functools.partial(train_body, cfg, axis)
         if k == 1:
             state, metrics = body(state, batch, mask)
