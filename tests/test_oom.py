@@ -551,6 +551,14 @@ import jaxdev.memory._explain as X
 _real = X.explain_args
 X.explain_args = lambda spec, args, **kw: _real(spec, args, options=(), **kw)  # no options
 post = jax.jit(lambda m: jax.tree.map(lambda x: x + 0, m), donate_argnums=0)  # an EMA, a reset
+
+def settle(tree):  # the user's own wait on every device's part of the call: its failure is seen
+    for shard in (s for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards):
+        try:
+            shard.data.block_until_ready()
+        except jax.errors.JaxRuntimeError:
+            pass
+
 for name in ("single", "sharded", "pmap"):
     step = jaxdev.make_train_step(huge_loss, tx, getattr(jaxdev.Strategy, name)())
     batch = step.put_batch(np.ones((8, 4), np.float32))
@@ -559,6 +567,7 @@ for name in ("single", "sharded", "pmap"):
         for i in range(3):
             state, metrics = step(state, batch, metrics)
             metrics = post(metrics)  # the returned metrics, donated by the user's own jit
+            settle(state)  # (else the next call may come before the device failed: no error yet)
         print(name, "no error")
     except jaxdev.OutOfMemoryError as e:
         print(name, i, str(e).splitlines()[1].split(":")[0])
@@ -568,14 +577,16 @@ for name in ("single", "sharded", "pmap"):
 def test_an_out_of_memory_is_named_at_the_next_call_when_the_user_donates_the_metrics():
     """The step waits on an output of its own, not on the metrics it returns: the user's, which
     they may donate or delete. Was (c976ae0, a metrics leaf the token): no error at any call,
-    then a bare INTERNAL 'Error dispatching computation' at fetch (helper-65)."""
+    then a bare INTERNAL 'Error dispatching computation' at fetch (helper-65). The loop waits
+    on the state each call: without it, CI's pmap calls 1 and 2 came before the device failed
+    and the loop ended with no error to name yet (stop 47)."""
     from conftest import run_python
 
     proc = run_python(DONATED_METRICS, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [line.split(" ", 2) for line in proc.stdout.splitlines()]  # a later call, if running
-    assert [(n, w) for n, _, w in got] == [
-        (n, "it surfaced at the next call of the step") for n in ("single", "sharded", "pmap")
+    got = [tuple(line.split(" ", 2)) for line in proc.stdout.splitlines()]
+    assert got == [
+        (n, "1", "it surfaced at the next call of the step") for n in ("single", "sharded", "pmap")
     ], proc.stdout
 
 
