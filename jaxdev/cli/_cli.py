@@ -327,6 +327,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Before the run, not after it: the folders of ``--json``/``--plot``, matplotlib."""
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
+        if path is not None and not path.strip():  # was: nothing written, exit 0
+            raise UsageError(f"`--{flag}` needs a file path, got {path!r}.")
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path is not None and not os.path.isdir(folder):
             raise UsageError(f"`--{flag} {path}`: the folder {folder} does not exist.")
@@ -378,7 +380,7 @@ def _number(cast: type, low: float, high: float, what: str):
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not low <= value <= high:
+        if not low <= value <= high or value in (math.inf, -math.inf):  # nan fails low <= value
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -387,6 +389,8 @@ def _number(cast: type, low: float, high: float, what: str):
 
 _positive = _number(int, 1, float("inf"), "a positive int")
 _fraction = _number(float, 0.0, 1.0, "a number in [0, 1]")
+_rate = _number(float, 0.0, math.inf, "a finite number >= 0")  # nan, inf: trained to noise, exit 0
+_seed = _number(int, 0, 2**32 - 1, "an int in [0, 2**32 - 1]")  # numpy's and sklearn's range
 
 
 def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
@@ -470,14 +474,14 @@ def _add_demo(sub: Any) -> None:
     demo.add_argument("--epochs", type=_positive)
     demo.add_argument("--batch-size", type=_positive,
                       help="global batch, rounded up to a multiple of the device count")
-    demo.add_argument("--lr", dest="learning_rate", type=float,
+    demo.add_argument("--lr", dest="learning_rate", type=_rate,
                       help="Adam's initial learning rate (cosine decay)")
     demo.add_argument("--hidden", type=_positive, help="hidden layer width")
     demo.add_argument("--steps-per-call", type=_positive, metavar="K",
                       help="full batches per dispatch (lax.scan); when K does not divide an "
                       "epoch's full batches, the rest and the uneven last batch run one step at "
                       "a time (nothing dropped)")
-    demo.add_argument("--seed", type=int)
+    demo.add_argument("--seed", type=_seed)
     demo.add_argument("--params", choices=["replicate", "fsdp", "flax"],
                       help="how the sharded step places the params and optimizer state (default: "
                       "fsdp when --mesh has an fsdp axis, else replicate); prints the bytes per "
