@@ -579,6 +579,15 @@ def _failing_source():
     raise KeyError("corrupt record 17")
 
 
+@pytest.mark.parametrize("how", ["prefetch_to_device", "step.prefetch"])
+def test_prefetch_of_a_non_iterable_names_the_argument(how):
+    """Before: a bare TypeError "'int' object is not iterable" (StepMeter.inputs named it)."""
+    step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+    fn = jaxdev.prefetch_to_device if how == "prefetch_to_device" else step.prefetch
+    with pytest.raises(UsageError, match=r"`iterator` must be an iterable of batches.*got int"):
+        fn(5)
+
+
 def test_prefetch_reraises_source_exception(mesh):
     it = jaxdev.prefetch_to_device(_failing_source(), 2, jaxdev.batch_sharding(mesh))
     assert int(next(it)["i"][0]) == 0
