@@ -67,6 +67,29 @@ def test_a_params_dict_or_other_metrics_are_named_not_attribute_errors(name, doo
     state, _ = step(state, batch, metrics)  # the state and metrics it returned still run
 
 
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_running_metrics_of_other_names_or_kinds_are_named(name, door):
+    """Before: a running Collection with a name the step does not make, or a kind it does not
+    make, raised from inside the trace "`Collection.merge` expects `other` to have the names
+    ['acc', 'loss']; missing ['acc']" / "`Sum.merge` expects `other` to be a Sum, got Mean":
+    neither the argument (`metrics`) nor, for a kind, the metric's name."""
+    from jaxdev.metrics import Collection, Mean, Sum
+
+    strategy = STRATEGIES[name]()
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    state, batch = step.init_state(_params(), SGD), step.put_batch(_batch())
+    call = {"call": step, "lower": step.lower, "eval": jaxdev.make_eval_step(loss, strategy)}
+    for bad, got in [({"loss": Mean, "acc": Mean}, "{acc: Mean, loss: Mean}"),
+                     ({"loss": Sum}, "{loss: Sum}")]:
+        with pytest.raises(jaxdev.MetricError) as err:
+            call[door](state, batch, Collection.empty(bad))
+        assert "`metrics` must be running metrics of this step" in str(err.value)
+        assert f"the step makes {{loss: Mean}}, the `metrics` given hold {got}" in str(err.value)
+    state, metrics = step(state, batch, Collection.empty({"loss": Mean}))  # its own: trains
+    assert metrics.fetch()["loss"] > 0
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""
@@ -482,7 +505,8 @@ def test_a_tracer_leaked_into_the_state_is_named_as_leaked(kind):
     leaked = []
     jax.jit(lambda w: leaked.append(w) or w)(jnp.ones(4))
     state = train_state.TrainState.create(apply_fn=None, params={"w": leaked[0]}, tx=SGD)
-    with pytest.raises(jaxdev.UsageError, match=r"state\.params\['w'\], but no JAX transformation is"):
+    leak = r"state\.params\['w'\], but no JAX transformation is"
+    with pytest.raises(jaxdev.UsageError, match=leak):
         step(state, _batch())
 
 

@@ -28,7 +28,7 @@ from jax.sharding import Sharding
 
 from .. import _timeline
 from .._batches import Padded, padded_shapes
-from .._errors import DeletedArrayError, JaxdevError, PlacementError, UsageError
+from .._errors import DeletedArrayError, JaxdevError, MetricError, PlacementError, UsageError
 from .._leaves import (
     array_type,
     check_host_leaves,
@@ -933,14 +933,14 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         acc = unchecked(args[-1]) if has_acc else None  # a dict in, a dict out: see _fast
         if not train:  # with its token: jaxdev's own output to wait on (the metrics are the user's)
             metrics = eval_body(cfg, axis, state, batch, mask)
-            metrics = dict(metrics if acc is None else acc.merge(metrics))
+            metrics = dict(metrics if acc is None else _merge_running(acc, metrics))
             return metrics, jnp.sum(mask, dtype=jnp.int32)  # the rows it read: jaxdev's own
         body = functools.partial(train_body, cfg, axis)
         if k == 1:
             state, metrics = body(state, batch, mask)
         else:
             state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
-        return state, dict(metrics if acc is None else acc.merge(metrics)), state.step + 0
+        return state, dict(metrics if acc is None else _merge_running(acc, metrics)), state.step + 0
 
     def traced(axis, *args):  # an error raised in here is the user's or a check's
         step._tracing = True
@@ -950,6 +950,20 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
 
     donate = (0,) if step.donate else ()  # the state; metrics are a few scalars, never donated
     return strategy.compile(traced, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
+
+
+def _merge_running(acc: Collection, metrics: Collection) -> Collection:
+    """``acc.merge(metrics)``; running metrics ``acc`` not of the step's names and kinds are
+    refused naming ``metrics`` and both (``Collection.merge`` would name neither)."""
+    kinds = [", ".join(f"{k}: {type(c[k]).__name__}" for k in sorted(c)) for c in (metrics, acc)]
+    if kinds[0] != kinds[1]:
+        raise MetricError(
+            f"`metrics` must be running metrics of this step, by name and kind: the step makes "
+            f"{{{kinds[0]}}}, the `metrics` given hold {{{kinds[1]}}}. Pass `None` to start "
+            "afresh, the metrics a call of this step returned, or a `Collection.empty(...)` "
+            "of these names and kinds."
+        )
+    return acc.merge(metrics)
 
 
 # ---------------------------------------------------------------- factories
