@@ -177,18 +177,38 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop;
     with ``--model``: the plan, fit and options of a model's step (:func:`plan_memory`)."""
+    _check_memory_flags(args)
     if args.model is not None:
         return plan_memory(args)
     _check_outputs(args)
     note, _ = configure_devices(args.devices)
     from ._demo import DemoConfig, memory_demo
 
-    ledger = memory_demo(DemoConfig(strategy=args.strategy, devices=args.devices))
+    ledger = memory_demo(DemoConfig(strategy=args.strategy or "sharded", devices=args.devices))
     print(note)
     print(ledger)
     if args.plot:
         print(f"wrote {ledger.plot(args.plot)}")
     return 0
+
+
+_PLAN_FLAGS = ("target", "topology", "mesh", "rules", "rows", "limit", "fit", "options", "remat")
+
+
+def _check_memory_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags of the other ``jaxdev memory`` (were ignored: the ledger ran, exit 0)."""
+    if args.model is None:
+        if given := [f for f in _PLAN_FLAGS if getattr(args, f) not in (None, False)]:
+            raise UsageError(
+                f"`--{given[0]}` plans a model's step: it needs `--model FILE.py:FUNCTION` "
+                "(see examples/llama_plan.py); without `--model`, `jaxdev memory` shows the "
+                "demo's live memory ledger, which takes only --devices, --strategy and --plot."
+            )
+    elif given := [f for f in ("strategy", "plot") if getattr(args, f) is not None]:
+        raise UsageError(
+            f"`--{given[0]}` is for the demo's live memory ledger (`jaxdev memory` without "
+            "`--model`); a `--model` plan runs sharded jit on `--mesh` and prints its figures."
+        )
 
 
 def _entry(text: str) -> Callable[..., dict]:
@@ -272,14 +292,15 @@ def plan_memory(args: argparse.Namespace) -> int:
     policy = getattr(jax.checkpoint_policies, args.remat or "", None)
     if args.remat and policy is None:
         raise UsageError(f"`--remat {args.remat}` is not in jax.checkpoint_policies.")
-    strategy = jaxdev.Strategy.sharded(_plan_mesh(args), rules=args.rules)
-    step, state, batch = _model_step(entry, strategy, args.rows)
+    strategy = jaxdev.Strategy.sharded(_plan_mesh(args), rules=args.rules or "fsdp")
+    rows = args.rows or 1
+    step, state, batch = _model_step(entry, strategy, rows)
     limit = None if args.limit is None else int(args.limit * 2**30)
     plan = jaxdev.memory.plan(state, step=step, batch=batch)
     print(plan)
     print(f"planned in {time.perf_counter() - start:.1f} s")
     if args.options or args.remat:
-        remat = _model_step(entry, strategy, args.rows, remat=policy)[0] if args.remat else True
+        remat = _model_step(entry, strategy, rows, remat=policy)[0] if args.remat else True
         options = tuple(args.options or ("remat",))
         why = jaxdev.memory.explain_memory(
             step, state, batch, limit, options=options, remat=remat, plan_=plan
@@ -434,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
         "memory", help="what uses device memory, by pytree path, in a demo training loop"
     )
     mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
-    mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
+    mem.add_argument("--strategy", choices=["single", "pmap", "sharded"],
+                     help="the demo's strategy (default sharded)")
     mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger (needs matplotlib)")
     plan = mem.add_argument_group("planning a model's step (nothing is allocated)")
     plan.add_argument("--model", metavar="ENTRY", help="FILE.py:FUNCTION or module:function "
@@ -444,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", type=_topology,
                       help="target devices: 8, or hosts x devices: 2x8")
     plan.add_argument("--mesh", type=_mesh_axes, metavar="AXES", help="e.g. data=2,fsdp=4")
-    plan.add_argument("--rules", default="fsdp", choices=["fsdp", "replicate"])
-    plan.add_argument("--rows", type=_positive, default=1, help="rows per device (default 1)")
+    plan.add_argument("--rules", choices=["fsdp", "replicate"], help="(default fsdp)")
+    plan.add_argument("--rows", type=_positive, help="rows per device (default 1)")
     plan.add_argument("--limit", type=_gib, metavar="GiB", help="per device (default: the "
                       "target's or the devices' own)")
     plan.add_argument("--fit", action="store_true", help="the largest batch that fits")
