@@ -91,6 +91,25 @@ def test_running_metrics_of_other_names_or_kinds_are_named(name, door):
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_integer_and_key_leaves_in_the_params_are_named(name):
+    """Before: JAX's bare "TypeError: grad requires real- or complex-valued inputs ... but got
+    int32" from inside the trace, naming no leaf (a step counter or a PRNG key kept in the
+    params)."""
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+    params = {**_params(), "count": np.int32(0), "key": jax.random.key(0)}
+    state = step.init_state(params, SGD)
+    with pytest.raises(jaxdev.LeafTypeError) as err:
+        step(state, step.put_batch(_batch()))
+    msg = str(err.value)
+    assert "`state.params` has leaves the step cannot differentiate" in msg
+    assert "state.params['count']: int32" in msg and "state.params['key']: key<fry>" in msg
+    assert "['w']" not in msg and "has_state=True" in msg
+    state = step.init_state(_params(), SGD)  # float params: the same step trains
+    state, metrics = step(state, step.put_batch(_batch()))
+    assert metrics.fetch()["loss"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""
     step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())

@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from .._batches import rows_of
-from .._errors import MetricError, UsageError
+from .._errors import LeafTypeError, MetricError, UsageError, join_failures
+from .._leaves import key_strings
 from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value
 
 LossFn = Callable[..., Any]
@@ -242,6 +243,22 @@ def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None
 # ---------------------------------------------------------------- one update
 
 
+def _check_differentiable(params: Any) -> None:
+    """Refuse params leaves ``jax.grad`` refuses (its TypeError names no leaf), at trace time."""
+    leaves = jax.tree.leaves(params)
+    bad = [i for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.inexact)]
+    if bad:
+        paths = key_strings(params)
+        raise LeafTypeError(join_failures(
+            "`state.params` has leaves the step cannot differentiate: it trains every leaf of "
+            "the params, and `jax.grad` needs float or complex ones. Keep integer, boolean "
+            "and PRNG key leaves (counters, indices, keys) out of the params: in the model "
+            "state (`has_state=True`), in the state's `rng`, in the batch, or closed over by "
+            "`loss_fn`. Leaves:",
+            [f"state.params{paths[i]}: {leaves[i].dtype}" for i in bad],
+        ))
+
+
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
     """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, its metrics and weight."""
 
@@ -255,6 +272,7 @@ def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
 
     if cfg.remat:  # the forward pass is recomputed in the backward one, as the policy says
         objective = jax.checkpoint(objective, policy=None if cfg.remat is True else cfg.remat)
+    _check_differentiable(params)
     grads, (losses, weights, aux, new_state, weight) = jax.grad(objective, has_aux=True)(params)
     new_state = model_state if not cfg.has_state else new_state
     return grads, new_state, metrics_of(losses, aux, mask, weights), weight
