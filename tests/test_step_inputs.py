@@ -109,6 +109,27 @@ def test_integer_and_key_leaves_in_the_params_are_named(name):
     assert metrics.fetch()["loss"] > 0
 
 
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"pmap"}))
+def test_a_padded_batch_placed_by_a_pmap_step_is_named_on_the_others(name, door):
+    """Before: a pmap step's `put_batch` of 13 rows (a Padded with an (8, 2) mask) given to a
+    sharded step raised JAX's bare "ValueError: Incompatible shapes for broadcasting:
+    shapes=[(8, 2), (8,), ()]", to a shard_map step a MetricError about `Mean.from_value`'s
+    mask, to a single one "reads two ways"; a grouped step's Padded likewise."""
+    pmap_step = jaxdev.make_train_step(loss, SGD, STRATEGIES["pmap"]())
+    padded = pmap_step.put_batch(_batch(13))
+    assert padded.mask.shape == (8, 2)
+    strategy = STRATEGIES[name]()
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    state = step.init_state(_params(), SGD)
+    call = {"call": step, "lower": step.lower, "eval": jaxdev.make_eval_step(loss, strategy)}
+    with pytest.raises(jaxdev.UsageError, match=r"`batch` is a Padded whose mask has shape "
+                       r"\(8, 2\).*with this step's `put_batch`"):
+        call[door](state, padded)
+    state, metrics = step(state, step.put_batch(_batch(13)))  # its own put_batch: trains
+    assert metrics.fetch()["loss"] > 0
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""

@@ -279,6 +279,7 @@ class _Step:
         if mask is None:
             inner = self._raw_batch(inner)
         else:
+            self._check_mask(mask)
             if self._reads_rows():  # pmap splits padded rows laid out otherwise (shard_batch)
                 inner, mask = self.strategy.place_padded(inner, mask)
             if self.is_train and not self._warned_padding:
@@ -450,6 +451,8 @@ class _Step:
         _refuse_traces("lower", ": it takes `jax.ShapeDtypeStruct` s (jax.eval_shape) as they are")
         check_state(self.spec, state, metrics=metrics)
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if mask is not None:
+            self._check_mask(mask)
         if mask is None:
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
             if concrete and not self.strategy.pads_shapes():  # as the call takes it
@@ -469,6 +472,22 @@ class _Step:
             return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
         finally:
             self._state_in = None
+
+    def _check_mask(self, mask: Any) -> None:
+        """Refuse a Padded laid out for another step: its mask has other axes than this step's
+        ``put_batch`` gives (under pmap, also one row axis: ``shard_batch``'s padded rows)."""
+        strategy, k, m = self.strategy, self.steps_per_call, self.accumulate
+        want = strategy.batch_shape(strategy.n_devices, k, m)
+        if np.ndim(mask) == len(want) or (np.ndim(mask) == 1 and self._reads_rows()):
+            return
+        raise UsageError(
+            f"`batch` is a Padded whose mask has shape {np.shape(mask)}, but this step "
+            f"({strategy.kind}{', shard_map' if strategy.shard_map else ''}, steps_per_call={k}, "
+            f"accumulate={m}) takes a mask of {len(want)} axes, as its `put_batch` lays "
+            f"{strategy.n_devices} rows out: {want}. It was placed for another step (a pmap "
+            "step's `put_batch` gives (devices, rows per device)); place the rows with this "
+            "step's `put_batch`."
+        )
 
     def _reads_rows(self) -> bool:
         """Whether a raw batch's leading axis is its rows (not a group axis)."""
