@@ -293,6 +293,13 @@ def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collecti
     return carry, metrics
 
 
+def _reduce(metrics: Collection, axis: str, which: Callable[[Metric], bool]) -> Collection:
+    """``metrics`` with those ``which`` picks reduced over ``axis``. Under ``accumulate`` a
+    ``Last`` is reduced per micro-batch (its rows come micro-batch first, then device: merged
+    per device first, a device whose last micro-batch was padding kept an earlier row)."""
+    return Collection({k: m.reduce(axis) if which(m) else m for k, m in metrics.items()})
+
+
 def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     """Gradients over every micro-batch, the new model state, metrics, and the total weight.
 
@@ -310,6 +317,8 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
         b, m, i = xs
         key = None if rng is None else jax.random.fold_in(rng, i)
         g, model_state, metrics, w = _micro_grads(cfg, state.params, model_state, b, m, key, denom)
+        if axis is not None:  # a Last's rows are ordered micro-batch first, then device
+            metrics = _reduce(metrics, axis, lambda x: isinstance(x, Last))
         weight = weight if w is None else weight + w
         return (jax.tree.map(jnp.add, total, g), model_state, weight), metrics
 
@@ -345,7 +354,7 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
         weight = None if weight is None else jax.lax.psum(weight, axis)
-        metrics = metrics.reduce(axis)
+        metrics = _reduce(metrics, axis, lambda x: cfg.accumulate == 1 or not isinstance(x, Last))
         if cfg.has_state:  # float leaves averaged (flax's sync_batch_stats); others stay
             inexact = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.inexact)  # noqa: E731
             model_state = jax.tree.map(
