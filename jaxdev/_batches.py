@@ -335,6 +335,20 @@ def _from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+def _two_axes(padding: Any) -> str:
+    """What to call for a mask with more than one row axis (pmap's layout, grouped rows)."""
+    shape = np.shape(padding.mask if isinstance(padding, Padded) else padding)
+    if len(shape) < 2:
+        return ""
+    return (
+        f" `padding`'s mask has shape {shape}, not one row axis: in `jax.pmap`'s stacked "
+        "layout (devices, rows per device; `put_batch` under `Strategy.pmap`, "
+        "`jaxdev.pmap.shard_for_pmap`) merge and unpad with "
+        "`jaxdev.pmap.unshard_from_pmap(tree, padding)`; grouped for `steps_per_call` or "
+        "`accumulate`, unpad each group with its own part of the mask."
+    )
+
+
 def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
     """Remove the padded rows from every leaf of ``tree``, on device, bit for bit.
 
@@ -365,7 +379,7 @@ def unpad(tree: Any, padding: Padded | jax.Array | np.ndarray | int) -> Any:
         [i for i, r in enumerate(rows) if r < size or (expected is not None and r != expected)],
         f"`tree` leaves must have {want} leading rows to remove the padding (outputs of a "
         "function applied per row keep the batch as their leading axis; a reduction over the "
-        "batch would have mixed in the padded rows). Leaves:",
+        f"batch would have mixed in the padded rows).{_two_axes(padding)} Leaves:",
         lambda i: f"shape {np.shape(leaves[i])}",
     )
     out = [select_rows(x, size, indices) for x in leaves]

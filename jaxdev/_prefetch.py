@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from . import _timeline
 from ._batches import shard_batch
-from ._errors import ShardingError
+from ._errors import ShardingError, UsageError
 from ._mesh import batch_sharding, check_mesh
 from ._placement import Target, as_sharding, to_device
 
@@ -117,11 +117,18 @@ class Prefetcher(Iterator[Any], contextlib.AbstractContextManager):
     """
 
     def __init__(self, iterator: Iterable[Any], size: int, place: Callable[[Any], Any]):
+        try:
+            items = iter(iterator)
+        except TypeError:  # was JAX-free but bare: "'int' object is not iterable"
+            raise UsageError(
+                f"`iterator` must be an iterable of batches (a generator, a list, a data "
+                f"loader), got {type(iterator).__name__}."
+            ) from None
         self._channel = _Channel(size)
         self._done = False
         self.thread = threading.Thread(
             target=_produce,
-            args=(iter(iterator), place, self._channel),
+            args=(items, place, self._channel),
             name="jaxdev-prefetch",
             daemon=True,
         )
@@ -187,6 +194,7 @@ def prefetch_to_device(
     Raises:
       ShardingError: ``size`` is not a positive int, ``target`` is a bare ``Mesh``, or
         ``pad`` with a target that does not split the batch.
+      UsageError: ``iterator`` is not iterable.
 
     Example:
       >>> import numpy as np, jaxdev

@@ -287,7 +287,7 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
       UsageError: matplotlib is not installed, ``path`` is no path, or its folder does not
         exist.
     """
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
         raise UsageError(f"`path` must be a file path (str or os.PathLike), got {path!r}.")
     try:
         from matplotlib.figure import Figure

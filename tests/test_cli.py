@@ -139,6 +139,17 @@ def test_demo_exit_1_when_below_min_accuracy():
          ["argument --mesh", "distinct names", "got 'data=2,data=4'"]),  # was: data=4 planned
         (["demo", "--strategy", "pmap", "--params", "fsdp"], ["`--params`", "sharded"]),
         (["bench", "--json", "/no/such/folder/out.json"], ["/no/such/folder", "does not exist"]),
+        # were: trained to noise (accuracy 0.1) and exit 0; a traceback from sklearn, exit 1;
+        # nothing written and exit 0
+        (["demo", "--lr", "nan"], ["argument --lr", "finite number >= 0", "got nan"]),
+        (["demo", "--lr", "inf"], ["argument --lr", "finite number >= 0", "got inf"]),
+        (["demo", "--lr", "-0.1"], ["argument --lr", "finite number >= 0", "got -0.1"]),
+        (["demo", "--seed", "-1"], ["argument --seed", "[0, 2**32 - 1]", "got -1"]),
+        (["demo", "--seed", str(2**32)], ["argument --seed", "got 4294967296"]),
+        (["bench", "--json", ""], ["`--json`", "needs a file path, got ''"]),
+        (["memory", "--plot", " "], ["`--plot`", "needs a file path, got ' '"]),
+        (["memory", "--model", "tests/test_memory_cli.py:tiny", "--limit", "inf"],
+         ["argument --limit", "got inf"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),
         ([], ["required: command"]),
         (["launch", "-n", "2"], ["missing `--`"]),

@@ -267,6 +267,19 @@ def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_lim
             ledger.plot(str(tmp_path / "m.png"), limit=bad)
 
 
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_plot_path_is_refused_not_a_hidden_file(path, tmp_path, monkeypatch):
+    """Before: `ledger.plot("")` and a meter report's `plot("")` wrote the hidden file
+    `.png.png` in the working folder and returned `.png`, a file that does not exist."""
+    monkeypatch.chdir(tmp_path)
+    with jaxdev.meter.StepMeter() as m:
+        pass
+    for plot in (jaxdev.memory.ledger(params={"w": jnp.ones(4)}).plot, m.report().plot):
+        with pytest.raises(jaxdev.UsageError, match=r"`path` must be a file path .*got '\s*'"):
+            plot(path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_typed_prng_keys_show_their_key_shape_and_dtype_and_old_copies_are_flagged():
     rng, old = jax.random.split(jax.random.key(0), 8), jax.random.split(jax.random.key(1), 8)
     ledger = jaxdev.memory.ledger(state={"rng": rng})

@@ -90,6 +90,23 @@ def test_bad_models_and_policies_are_usage_errors(capsys, args, fragment):
     assert fragment in err and "Traceback" not in err and "memory plan" not in out
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--fit"], "`--fit` plans a model's step: it needs `--model FILE.py:FUNCTION`"),
+    (["--limit", "0.001", "--mesh", "data=8"], "`--mesh` plans a model's step: it needs"),
+    (["--rows", "4"], "`--rows` plans a model's step"),
+    (["--rules", "replicate"], "`--rules` plans a model's step"),
+    (["--model", T, "--strategy", "pmap"], "`--strategy` is for the demo's live memory ledger"),
+    (["--model", T, "--plot", "out.png"], "`--plot` is for the demo's live memory ledger"),
+])
+def test_the_flags_of_the_other_memory_command_are_refused(capsys, args, fragment):
+    """Before: ignored, exit 0. `jaxdev memory --limit 0.001 --mesh data=8` (no `--model`) ran
+    the demo's ledger and gave no verdict; `--model ... --strategy pmap` planned sharded jit
+    and `--model ... --plot p.png` drew nothing."""
+    assert main(["memory", *args]) == 2
+    out, err = capsys.readouterr()
+    assert fragment in err and "Traceback" not in err and not out.strip(), (out, err)
+
+
 @pytest.mark.target
 def test_memory_plans_for_a_gpu_target(capsys):
     args = ["--target", "h100", "--topology", "8", "--mesh", "fsdp=8"]

@@ -178,6 +178,28 @@ def test_a_checkpoint_save_and_an_eval_step_are_named(tmp_path):
     assert r.seconds["checkpoint"] > 0 and r.seconds["eval"] > 0, r
 
 
+def test_a_checkpoint_saves_own_reads_are_not_listed_as_the_users_syncs(tmp_path):
+    """Before: the reads inside `jaxdev.save` / `Checkpointer.save` (its checksum's
+    `jax.device_get`, its writer's `np.asarray`) were listed as host-sync sites at the user's
+    save line, often above their real syncs, while their seconds were the checkpoint share."""
+    step, state, batch, metrics = _setup()
+    float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
+    with jaxdev.Checkpointer(str(tmp_path / "c"), async_=False) as ckpt, StepMeter() as m:
+        for i in range(1, 5):
+            state, metrics = step(state, batch)
+            if i == 2:
+                jaxdev.save(str(tmp_path / "one"), state)
+                ckpt.save(i, state)
+        loss = float(metrics.compute()["loss"])  # the user's one sync
+    line = inspect.currentframe().f_lineno - 1
+    r = m.report()
+    assert loss > 0 and r.seconds["checkpoint"] > 0, r
+    assert ("float()", 1) in [(w.split()[0], n) for w, n, _ in r.syncs], r.syncs
+    assert all(f" at test_meter.py:{line} " in w for w, _, _ in r.syncs), r.syncs  # float and
+    # the wait of `compute()` when the step still runs: both the user's, at their line
+    assert sum(r.seconds.values()) == pytest.approx(r.wall)
+
+
 def test_the_meter_adds_no_host_sync():
     step, state, batch, _ = _setup()
     with jaxdev.no_host_sync(max_waits=0, max_compiles=0) as counter:
@@ -455,8 +477,9 @@ def _leave_if_left(meter):
 
 
 def test_a_meter_entered_after_the_record_was_cleared_looks_and_exits_cleanly(monkeypatch):
-    """Before (issue-35 review): listen() empties _timeline.times past _KEEP doubles (2**20 metered calls)
-    but keeps _timeline.newest = (calls before the clear, None). The next meter's first look
+    """Before (issue-35 review): listen() empties _timeline.times past _KEEP doubles
+    (2**20 metered calls) but keeps _timeline.newest = (calls before the clear, None). The
+    next meter's first look
     (the watcher's, within 50 ms, before its first step) calls None.is_ready(): the shared
     watcher thread dies (AttributeError); a block that leaves before its first step (the
     loader failed) raises IndexError from __exit__ in place of the user's error, and the

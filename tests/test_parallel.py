@@ -9,6 +9,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -316,6 +317,29 @@ def test_unpad_bad_inputs(mesh):
         jaxdev.unpad(out.batch, 9)
 
 
+@pytest.mark.parametrize("make", ["put_batch", "shard_for_pmap"])
+def test_unpad_of_a_stacked_padded_batch_names_unshard_from_pmap(make):
+    """Before: a Padded in pmap's stacked layout (`put_batch` under `Strategy.pmap`,
+    `shard_for_pmap(pad=True)`) given to `unpad`, README's one way to gather real rows, said
+    "leaves must have 16 leading rows" of leaves that lead with the mask's own shape (8, 2),
+    and named no way out; `unshard_from_pmap(tree, padding)` is the call."""
+    batch = {"x": np.arange(26.0).reshape(13, 2), "y": np.arange(13)}
+    if make == "put_batch":
+        step = jaxdev.make_train_step(lambda p, b: b["x"][:, 0] * p, optax.sgd(0.1),
+                                      jaxdev.Strategy.pmap())
+        padded = step.put_batch(batch)
+    else:
+        padded = jaxdev.pmap.shard_for_pmap(batch, pad=True)
+    assert padded.mask.shape == (8, 2) and padded.size == 13
+    fix = r"unshard_from_pmap\(tree, padding\)"
+    with pytest.raises(ShardingError, match=rf"(?s)16 leading rows.*shape \(8, 2\).*{fix}"):
+        jaxdev.unpad(padded.batch, padded)
+    with pytest.raises(ShardingError, match=fix):  # its mask alone: the same advice
+        jaxdev.unpad(padded.batch, padded.mask)
+    rows = jaxdev.to_host(jaxdev.pmap.unshard_from_pmap(padded.batch, padded))
+    assert rows["y"].tolist() == list(range(13)) and rows["x"].shape == (13, 2)
+
+
 def test_indivisible_batch_names_leaf_sizes_and_fix(mesh):
     batch = {"images": np.ones((10, 4)), "labels": np.ones(10)}
     with pytest.raises(ShardingError) as err:
@@ -553,6 +577,15 @@ def test_prefetch_onto_a_spec_with_reduced_or_unreduced_axes(kind):
 def _failing_source():
     yield from _batches(2)
     raise KeyError("corrupt record 17")
+
+
+@pytest.mark.parametrize("how", ["prefetch_to_device", "step.prefetch"])
+def test_prefetch_of_a_non_iterable_names_the_argument(how):
+    """Before: a bare TypeError "'int' object is not iterable" (StepMeter.inputs named it)."""
+    step = jaxdev.make_train_step(lambda p, b: b * p, optax.sgd(0.1))
+    fn = jaxdev.prefetch_to_device if how == "prefetch_to_device" else step.prefetch
+    with pytest.raises(UsageError, match=r"`iterator` must be an iterable of batches.*got int"):
+        fn(5)
 
 
 def test_prefetch_reraises_source_exception(mesh):

@@ -67,6 +67,69 @@ def test_a_params_dict_or_other_metrics_are_named_not_attribute_errors(name, doo
     state, _ = step(state, batch, metrics)  # the state and metrics it returned still run
 
 
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_running_metrics_of_other_names_or_kinds_are_named(name, door):
+    """Before: a running Collection with a name the step does not make, or a kind it does not
+    make, raised from inside the trace "`Collection.merge` expects `other` to have the names
+    ['acc', 'loss']; missing ['acc']" / "`Sum.merge` expects `other` to be a Sum, got Mean":
+    neither the argument (`metrics`) nor, for a kind, the metric's name."""
+    from jaxdev.metrics import Collection, Mean, Sum
+
+    strategy = STRATEGIES[name]()
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    state, batch = step.init_state(_params(), SGD), step.put_batch(_batch())
+    call = {"call": step, "lower": step.lower, "eval": jaxdev.make_eval_step(loss, strategy)}
+    for bad, got in [({"loss": Mean, "acc": Mean}, "{acc: Mean, loss: Mean}"),
+                     ({"loss": Sum}, "{loss: Sum}")]:
+        with pytest.raises(jaxdev.MetricError) as err:
+            call[door](state, batch, Collection.empty(bad))
+        assert "`metrics` must be running metrics of this step" in str(err.value)
+        assert f"the step makes {{loss: Mean}}, the `metrics` given hold {got}" in str(err.value)
+    state, metrics = step(state, batch, Collection.empty({"loss": Mean}))  # its own: trains
+    assert metrics.fetch()["loss"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_integer_and_key_leaves_in_the_params_are_named(name):
+    """Before: JAX's bare "TypeError: grad requires real- or complex-valued inputs ... but got
+    int32" from inside the trace, naming no leaf (a step counter or a PRNG key kept in the
+    params)."""
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+    params = {**_params(), "count": np.int32(0), "key": jax.random.key(0)}
+    state = step.init_state(params, SGD)
+    with pytest.raises(jaxdev.LeafTypeError) as err:
+        step(state, step.put_batch(_batch()))
+    msg = str(err.value)
+    assert "`state.params` has leaves the step cannot differentiate" in msg
+    assert "state.params['count']: int32" in msg and "state.params['key']: key<fry>" in msg
+    assert "['w']" not in msg and "has_state=True" in msg
+    state = step.init_state(_params(), SGD)  # float params: the same step trains
+    state, metrics = step(state, step.put_batch(_batch()))
+    assert metrics.fetch()["loss"] > 0
+
+
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"pmap"}))
+def test_a_padded_batch_placed_by_a_pmap_step_is_named_on_the_others(name, door):
+    """Before: a pmap step's `put_batch` of 13 rows (a Padded with an (8, 2) mask) given to a
+    sharded step raised JAX's bare "ValueError: Incompatible shapes for broadcasting:
+    shapes=[(8, 2), (8,), ()]", to a shard_map step a MetricError about `Mean.from_value`'s
+    mask, to a single one "reads two ways"; a grouped step's Padded likewise."""
+    pmap_step = jaxdev.make_train_step(loss, SGD, STRATEGIES["pmap"]())
+    padded = pmap_step.put_batch(_batch(13))
+    assert padded.mask.shape == (8, 2)
+    strategy = STRATEGIES[name]()
+    step = jaxdev.make_train_step(loss, SGD, strategy)
+    state = step.init_state(_params(), SGD)
+    call = {"call": step, "lower": step.lower, "eval": jaxdev.make_eval_step(loss, strategy)}
+    with pytest.raises(jaxdev.UsageError, match=r"`batch` is a Padded whose mask has shape "
+                       r"\(8, 2\).*with this step's `put_batch`"):
+        call[door](state, padded)
+    state, metrics = step(state, step.put_batch(_batch(13)))  # its own put_batch: trains
+    assert metrics.fetch()["loss"] > 0
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""
@@ -482,7 +545,8 @@ def test_a_tracer_leaked_into_the_state_is_named_as_leaked(kind):
     leaked = []
     jax.jit(lambda w: leaked.append(w) or w)(jnp.ones(4))
     state = train_state.TrainState.create(apply_fn=None, params={"w": leaked[0]}, tx=SGD)
-    with pytest.raises(jaxdev.UsageError, match=r"state\.params\['w'\], but no JAX transformation is"):
+    leak = r"state\.params\['w'\], but no JAX transformation is"
+    with pytest.raises(jaxdev.UsageError, match=leak):
         step(state, _batch())
 
 

@@ -91,6 +91,30 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_last_metric_of_rows_is_the_last_real_row_with_accumulate_and_padding(name, k):
+    """Before: under pmap and shard_map with `accumulate=2` and 13 rows (padded to 16),
+    `Last.from_value(batch["i"])` gave row 7, not 12: each device merged its micro-batches
+    first, devices 5-7 kept their first micro-batch's row (the second was padding), and the
+    reduce took the highest device. Rows run micro-batch first, then device."""
+    from jaxdev.metrics import Last, Sum
+
+    def loss(p, b):
+        aux = {"last": Last.from_value(b["i"]), "sum": Sum.from_value(b["i"])}
+        return (b["x"] @ p["w"]) ** 2, aux
+
+    step = jaxdev.make_train_step(loss, optax.sgd(0.0), STRATEGIES[name](), has_aux=True,
+                                  accumulate=2, steps_per_call=k)
+    state = step.init_state({"w": jnp.ones(3)}, optax.sgd(0.0))
+    rows = np.arange(13, dtype=np.float32)
+    i = rows if k == 1 else np.stack([rows, rows + 100])
+    batch = {"x": np.ones(i.shape + (3,), np.float32), "i": i}
+    _, metrics = step(state, step.put_batch(batch))
+    got = metrics.fetch()
+    assert (got["last"], got["sum"]) == (i.reshape(-1)[-1], i.sum()), got
+
+
 @pytest.fixture(scope="module")
 def reference():
     return _reference(*_data())

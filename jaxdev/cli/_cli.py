@@ -177,18 +177,38 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     """``jaxdev memory [--plot PATH.png]``: the live memory ledger of a demo training loop;
     with ``--model``: the plan, fit and options of a model's step (:func:`plan_memory`)."""
+    _check_memory_flags(args)
     if args.model is not None:
         return plan_memory(args)
     _check_outputs(args)
     note, _ = configure_devices(args.devices)
     from ._demo import DemoConfig, memory_demo
 
-    ledger = memory_demo(DemoConfig(strategy=args.strategy, devices=args.devices))
+    ledger = memory_demo(DemoConfig(strategy=args.strategy or "sharded", devices=args.devices))
     print(note)
     print(ledger)
     if args.plot:
         print(f"wrote {ledger.plot(args.plot)}")
     return 0
+
+
+_PLAN_FLAGS = ("target", "topology", "mesh", "rules", "rows", "limit", "fit", "options", "remat")
+
+
+def _check_memory_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags of the other ``jaxdev memory`` (were ignored: the ledger ran, exit 0)."""
+    if args.model is None:
+        if given := [f for f in _PLAN_FLAGS if getattr(args, f) not in (None, False)]:
+            raise UsageError(
+                f"`--{given[0]}` plans a model's step: it needs `--model FILE.py:FUNCTION` "
+                "(see examples/llama_plan.py); without `--model`, `jaxdev memory` shows the "
+                "demo's live memory ledger, which takes only --devices, --strategy and --plot."
+            )
+    elif given := [f for f in ("strategy", "plot") if getattr(args, f) is not None]:
+        raise UsageError(
+            f"`--{given[0]}` is for the demo's live memory ledger (`jaxdev memory` without "
+            "`--model`); a `--model` plan runs sharded jit on `--mesh` and prints its figures."
+        )
 
 
 def _entry(text: str) -> Callable[..., dict]:
@@ -272,14 +292,15 @@ def plan_memory(args: argparse.Namespace) -> int:
     policy = getattr(jax.checkpoint_policies, args.remat or "", None)
     if args.remat and policy is None:
         raise UsageError(f"`--remat {args.remat}` is not in jax.checkpoint_policies.")
-    strategy = jaxdev.Strategy.sharded(_plan_mesh(args), rules=args.rules)
-    step, state, batch = _model_step(entry, strategy, args.rows)
+    strategy = jaxdev.Strategy.sharded(_plan_mesh(args), rules=args.rules or "fsdp")
+    rows = args.rows or 1
+    step, state, batch = _model_step(entry, strategy, rows)
     limit = None if args.limit is None else int(args.limit * 2**30)
     plan = jaxdev.memory.plan(state, step=step, batch=batch)
     print(plan)
     print(f"planned in {time.perf_counter() - start:.1f} s")
     if args.options or args.remat:
-        remat = _model_step(entry, strategy, args.rows, remat=policy)[0] if args.remat else True
+        remat = _model_step(entry, strategy, rows, remat=policy)[0] if args.remat else True
         options = tuple(args.options or ("remat",))
         why = jaxdev.memory.explain_memory(
             step, state, batch, limit, options=options, remat=remat, plan_=plan
@@ -327,6 +348,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Before the run, not after it: the folders of ``--json``/``--plot``, matplotlib."""
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
+        if path is not None and not path.strip():  # was: nothing written, exit 0
+            raise UsageError(f"`--{flag}` needs a file path, got {path!r}.")
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path is not None and not os.path.isdir(folder):
             raise UsageError(f"`--{flag} {path}`: the folder {folder} does not exist.")
@@ -378,7 +401,7 @@ def _number(cast: type, low: float, high: float, what: str):
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not low <= value <= high:
+        if not low <= value <= high or value in (math.inf, -math.inf):  # nan fails low <= value
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -387,6 +410,8 @@ def _number(cast: type, low: float, high: float, what: str):
 
 _positive = _number(int, 1, float("inf"), "a positive int")
 _fraction = _number(float, 0.0, 1.0, "a number in [0, 1]")
+_rate = _number(float, 0.0, math.inf, "a finite number >= 0")  # nan, inf: trained to noise, exit 0
+_seed = _number(int, 0, 2**32 - 1, "an int in [0, 2**32 - 1]")  # numpy's and sklearn's range
 
 
 def _mesh_axes(text: str) -> tuple[tuple[str, int], ...]:
@@ -430,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
         "memory", help="what uses device memory, by pytree path, in a demo training loop"
     )
     mem.add_argument("--devices", type=_positive, help="fake CPU devices when no accelerator")
-    mem.add_argument("--strategy", default="sharded", choices=["single", "pmap", "sharded"])
+    mem.add_argument("--strategy", choices=["single", "pmap", "sharded"],
+                     help="the demo's strategy (default sharded)")
     mem.add_argument("--plot", metavar="PATH.png", help="also draw the ledger (needs matplotlib)")
     plan = mem.add_argument_group("planning a model's step (nothing is allocated)")
     plan.add_argument("--model", metavar="ENTRY", help="FILE.py:FUNCTION or module:function "
@@ -440,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--topology", type=_topology,
                       help="target devices: 8, or hosts x devices: 2x8")
     plan.add_argument("--mesh", type=_mesh_axes, metavar="AXES", help="e.g. data=2,fsdp=4")
-    plan.add_argument("--rules", default="fsdp", choices=["fsdp", "replicate"])
-    plan.add_argument("--rows", type=_positive, default=1, help="rows per device (default 1)")
+    plan.add_argument("--rules", choices=["fsdp", "replicate"], help="(default fsdp)")
+    plan.add_argument("--rows", type=_positive, help="rows per device (default 1)")
     plan.add_argument("--limit", type=_gib, metavar="GiB", help="per device (default: the "
                       "target's or the devices' own)")
     plan.add_argument("--fit", action="store_true", help="the largest batch that fits")
@@ -470,14 +496,14 @@ def _add_demo(sub: Any) -> None:
     demo.add_argument("--epochs", type=_positive)
     demo.add_argument("--batch-size", type=_positive,
                       help="global batch, rounded up to a multiple of the device count")
-    demo.add_argument("--lr", dest="learning_rate", type=float,
+    demo.add_argument("--lr", dest="learning_rate", type=_rate,
                       help="Adam's initial learning rate (cosine decay)")
     demo.add_argument("--hidden", type=_positive, help="hidden layer width")
     demo.add_argument("--steps-per-call", type=_positive, metavar="K",
                       help="full batches per dispatch (lax.scan); when K does not divide an "
                       "epoch's full batches, the rest and the uneven last batch run one step at "
                       "a time (nothing dropped)")
-    demo.add_argument("--seed", type=int)
+    demo.add_argument("--seed", type=_seed)
     demo.add_argument("--params", choices=["replicate", "fsdp", "flax"],
                       help="how the sharded step places the params and optimizer state (default: "
                       "fsdp when --mesh has an fsdp axis, else replicate); prints the bytes per "

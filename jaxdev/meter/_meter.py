@@ -86,7 +86,8 @@ class MeterReport:
       seconds: per share (:data:`SHARES`): the device computing train steps (``step``) or
         eval steps, else idle while the host waited for input, synced, compiled, saved a
         checkpoint, or did ``other`` work; they add up to ``wall``.
-      syncs: ``(what at file:line, count, seconds the host waited)`` per call site.
+      syncs: ``(what at file:line, count, seconds the host waited)`` per call site (the
+        reads a checkpoint save makes are the save's time, not listed).
       steps: train steps run (a call of ``steps_per_call=K`` counts K); in a block that
         ran no train step, the eval steps (an eval loop's rates are its own).
       rates: ``steps/s``, ``examples/s``, ``tokens/s`` (those known).
@@ -333,8 +334,9 @@ class StepMeter:
             if b > a:  # a gap between the device's busy spans
                 _attribute(a, b, given, segments, starts, seconds)
         syncs: dict[str, list] = {}
-        for label, s, e, where in host:
-            if label == "sync":
+        saves = [(s, e) for label, s, e, _ in host if label == "checkpoint"]
+        for label, s, e, where in host:  # a save's own reads are its share, not a sync site
+            if label == "sync" and not any(a <= s and e <= b for a, b in saves):
                 n, secs = syncs.get(where, (0, 0.0))
                 syncs[where] = [n + 1, secs + e - s]
         return MeterReport(

@@ -28,7 +28,7 @@ from jax.sharding import Sharding
 
 from .. import _timeline
 from .._batches import Padded, padded_shapes
-from .._errors import DeletedArrayError, JaxdevError, PlacementError, UsageError
+from .._errors import DeletedArrayError, JaxdevError, MetricError, PlacementError, UsageError
 from .._leaves import (
     array_type,
     check_host_leaves,
@@ -279,6 +279,7 @@ class _Step:
         if mask is None:
             inner = self._raw_batch(inner)
         else:
+            self._check_mask(mask)
             if self._reads_rows():  # pmap splits padded rows laid out otherwise (shard_batch)
                 inner, mask = self.strategy.place_padded(inner, mask)
             if self.is_train and not self._warned_padding:
@@ -450,6 +451,8 @@ class _Step:
         _refuse_traces("lower", ": it takes `jax.ShapeDtypeStruct` s (jax.eval_shape) as they are")
         check_state(self.spec, state, metrics=metrics)
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        if mask is not None:
+            self._check_mask(mask)
         if mask is None:
             concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
             if concrete and not self.strategy.pads_shapes():  # as the call takes it
@@ -469,6 +472,22 @@ class _Step:
             return jitted.lower(*(self._relayout(key, args, lowering=True) or args))
         finally:
             self._state_in = None
+
+    def _check_mask(self, mask: Any) -> None:
+        """Refuse a Padded laid out for another step: its mask has other axes than this step's
+        ``put_batch`` gives (under pmap, also one row axis: ``shard_batch``'s padded rows)."""
+        strategy, k, m = self.strategy, self.steps_per_call, self.accumulate
+        want = strategy.batch_shape(strategy.n_devices, k, m)
+        if np.ndim(mask) == len(want) or (np.ndim(mask) == 1 and self._reads_rows()):
+            return
+        raise UsageError(
+            f"`batch` is a Padded whose mask has shape {np.shape(mask)}, but this step "
+            f"({strategy.kind}{', shard_map' if strategy.shard_map else ''}, steps_per_call={k}, "
+            f"accumulate={m}) takes a mask of {len(want)} axes, as its `put_batch` lays "
+            f"{strategy.n_devices} rows out: {want}. It was placed for another step (a pmap "
+            "step's `put_batch` gives (devices, rows per device)); place the rows with this "
+            "step's `put_batch`."
+        )
 
     def _reads_rows(self) -> bool:
         """Whether a raw batch's leading axis is its rows (not a group axis)."""
@@ -933,14 +952,14 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
         acc = unchecked(args[-1]) if has_acc else None  # a dict in, a dict out: see _fast
         if not train:  # with its token: jaxdev's own output to wait on (the metrics are the user's)
             metrics = eval_body(cfg, axis, state, batch, mask)
-            metrics = dict(metrics if acc is None else acc.merge(metrics))
+            metrics = dict(metrics if acc is None else _merge_running(acc, metrics))
             return metrics, jnp.sum(mask, dtype=jnp.int32)  # the rows it read: jaxdev's own
         body = functools.partial(train_body, cfg, axis)
         if k == 1:
             state, metrics = body(state, batch, mask)
         else:
             state, metrics = fold_steps(lambda st, xs: body(st, *xs), state, (batch, mask), k)
-        return state, dict(metrics if acc is None else acc.merge(metrics)), state.step + 0
+        return state, dict(metrics if acc is None else _merge_running(acc, metrics)), state.step + 0
 
     def traced(axis, *args):  # an error raised in here is the user's or a check's
         step._tracing = True
@@ -950,6 +969,20 @@ def _compile(step: TrainStep, has_mask: bool, has_acc: bool, layout: Any = None)
 
     donate = (0,) if step.donate else ()  # the state; metrics are a few scalars, never donated
     return strategy.compile(traced, (k, cfg.accumulate), has_mask, has_acc, train, donate, layout)
+
+
+def _merge_running(acc: Collection, metrics: Collection) -> Collection:
+    """``acc.merge(metrics)``; running metrics ``acc`` not of the step's names and kinds are
+    refused naming ``metrics`` and both (``Collection.merge`` would name neither)."""
+    kinds = [", ".join(f"{k}: {type(c[k]).__name__}" for k in sorted(c)) for c in (metrics, acc)]
+    if kinds[0] != kinds[1]:
+        raise MetricError(
+            f"`metrics` must be running metrics of this step, by name and kind: the step makes "
+            f"{{{kinds[0]}}}, the `metrics` given hold {{{kinds[1]}}}. Pass `None` to start "
+            "afresh, the metrics a call of this step returned, or a `Collection.empty(...)` "
+            "of these names and kinds."
+        )
+    return acc.merge(metrics)
 
 
 # ---------------------------------------------------------------- factories

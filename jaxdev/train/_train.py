@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from .._batches import rows_of
-from .._errors import MetricError, UsageError
+from .._errors import LeafTypeError, MetricError, UsageError, join_failures
+from .._leaves import key_strings
 from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value
 
 LossFn = Callable[..., Any]
@@ -242,6 +243,22 @@ def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None
 # ---------------------------------------------------------------- one update
 
 
+def _check_differentiable(params: Any) -> None:
+    """Refuse params leaves ``jax.grad`` refuses (its TypeError names no leaf), at trace time."""
+    leaves = jax.tree.leaves(params)
+    bad = [i for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.inexact)]
+    if bad:
+        paths = key_strings(params)
+        raise LeafTypeError(join_failures(
+            "`state.params` has leaves the step cannot differentiate: it trains every leaf of "
+            "the params, and `jax.grad` needs float or complex ones. Keep integer, boolean "
+            "and PRNG key leaves (counters, indices, keys) out of the params: in the model "
+            "state (`has_state=True`), in the state's `rng`, in the batch, or closed over by "
+            "`loss_fn`. Leaves:",
+            [f"state.params{paths[i]}: {leaves[i].dtype}" for i in bad],
+        ))
+
+
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
     """Gradient of ``sum(valid losses) / denom`` on one (micro-)batch, its metrics and weight."""
 
@@ -255,6 +272,7 @@ def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
 
     if cfg.remat:  # the forward pass is recomputed in the backward one, as the policy says
         objective = jax.checkpoint(objective, policy=None if cfg.remat is True else cfg.remat)
+    _check_differentiable(params)
     grads, (losses, weights, aux, new_state, weight) = jax.grad(objective, has_aux=True)(params)
     new_state = model_state if not cfg.has_state else new_state
     return grads, new_state, metrics_of(losses, aux, mask, weights), weight
@@ -275,6 +293,13 @@ def fold_steps(fn: Callable, carry: Any, xs: Any, n: int) -> tuple[Any, Collecti
     return carry, metrics
 
 
+def _reduce(metrics: Collection, axis: str, which: Callable[[Metric], bool]) -> Collection:
+    """``metrics`` with those ``which`` picks reduced over ``axis``. Under ``accumulate`` a
+    ``Last`` is reduced per micro-batch (its rows come micro-batch first, then device: merged
+    per device first, a device whose last micro-batch was padding kept an earlier row)."""
+    return Collection({k: m.reduce(axis) if which(m) else m for k, m in metrics.items()})
+
+
 def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
     """Gradients over every micro-batch, the new model state, metrics, and the total weight.
 
@@ -292,6 +317,8 @@ def _grads(cfg: StepConfig, state: TrainState, batch, mask, rng, axis):
         b, m, i = xs
         key = None if rng is None else jax.random.fold_in(rng, i)
         g, model_state, metrics, w = _micro_grads(cfg, state.params, model_state, b, m, key, denom)
+        if axis is not None:  # a Last's rows are ordered micro-batch first, then device
+            metrics = _reduce(metrics, axis, lambda x: isinstance(x, Last))
         weight = weight if w is None else weight + w
         return (jax.tree.map(jnp.add, total, g), model_state, weight), metrics
 
@@ -327,7 +354,7 @@ def train_body(cfg: StepConfig, axis: str | None, state: TrainState, batch, mask
     if axis is not None:
         grads = jax.lax.psum(grads, axis)
         weight = None if weight is None else jax.lax.psum(weight, axis)
-        metrics = metrics.reduce(axis)
+        metrics = _reduce(metrics, axis, lambda x: cfg.accumulate == 1 or not isinstance(x, Last))
         if cfg.has_state:  # float leaves averaged (flax's sync_batch_stats); others stay
             inexact = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.inexact)  # noqa: E731
             model_state = jax.tree.map(
