@@ -99,7 +99,13 @@ def test_host_work_the_meter_cannot_see_is_other(where):
     """The host's own work (a sleep here) while the device waits is "other". It went to input
     when it followed an input wait (the wait ended a switch interval before the step ended),
     to sync when a sync that found the step done came after it, and to the step when it came
-    before leaving the block (leaving stamped a step done long before as ending then)."""
+    before leaving the block (leaving stamped a step done long before as ending then).
+
+    Each sleep begins once the device is done: on a loaded 2-core machine a tiny step takes
+    up to ~50 ms to finish and be seen finishing, device time that ran into the sleeps (3 in
+    4 runs failed at load 8). The block's time outside the sleeps and input waits (dispatch,
+    that wait, reading the metrics, ~3 ms unloaded; the scheduler's pauses under load) may be
+    the step's or other: it widens the bounds by itself."""
     step, state, batch, metrics = _setup()
     float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
     inputs, work = [], []
@@ -109,19 +115,26 @@ def test_host_work_the_meter_cannot_see_is_other(where):
             _sleep(0.01, inputs)
             yield batch
 
+    def until_done(tree):  # no sync the meter sees
+        while not all(x.is_ready() for x in jax.tree.leaves(tree)):
+            time.sleep(1e-4)
+
     with StepMeter() as m:
         for b in m.inputs(loader(8)) if where == "after_an_input_wait" else [batch] * 8:
             state, metrics = step(state, b)
             if where != "before_leaving":
+                until_done((state, metrics))
                 _sleep(0.02, work)
                 if where == "before_a_sync":
                     float(metrics.compute()["loss"])  # the step ended long ago: no wait
         if where == "before_leaving":
+            until_done((state, metrics))
             _sleep(0.06, work)
-    r = m.report()
-    assert r.seconds["other"] == pytest.approx(sum(work), rel=0.15), r
+    r, slept = m.report(), sum(work)
+    aside = r.wall - slept - sum(inputs)  # neither slept nor waiting for input
+    assert 0.85 * slept <= r.seconds["other"] <= 1.15 * slept + aside, (r, aside)
     assert r.seconds["input"] == pytest.approx(sum(inputs), rel=0.15, abs=1e-3), r
-    assert r.seconds["sync"] + r.seconds["step"] < 0.1 * sum(work), r
+    assert r.seconds["sync"] + r.seconds["step"] < 0.1 * slept + aside, (r, aside)
     assert sum(r.seconds.values()) == pytest.approx(r.wall)
 
 
