@@ -451,7 +451,7 @@ def test_eight_devices_table_and_picture(name, tmp_path):
     assert r.steps == 12 and r.seconds["step"] > 0 and set(r.rates) == {
         "steps/s", "examples/s", "tokens/s"}
     assert "device computing train steps" in str(r) and "MFU unknown" in str(r)
-    assert sum(lane[0] == "device step" for lane in r.lanes) == 5
+    assert sum(lane[0] == "device step" for lane in r.lanes) == 5, (r.lanes, r.seconds)
     path = r.plot(str(tmp_path / "m.png"))
     with open(path, "rb") as f:
         assert f.read(4) == b"\x89PNG"
