@@ -40,7 +40,20 @@ def _setup(strategy=None, width=8, rows=8):
     return step, state, batch, metrics
 
 
+def _until_done(tree, meter):
+    """Wait for the device to finish ``tree`` without a sync the meter sees (``is_ready``),
+    then for the meter's look in progress, if any: its watcher, under load late to run, would
+    stamp the end it waited for after this returns."""
+    while not all(x.is_ready() for x in jax.tree.leaves(tree)):
+        time.sleep(1e-4)
+    with meter._lock:  # a look that began after the device finished found it done: no stamp
+        pass
+
+
 def test_a_loader_sleeping_a_known_time_is_input_wait():
+    """Each sleep begins once the step before it is done: on a loaded 2-core machine a tiny
+    step takes up to ~50 ms to finish and be seen finishing (device time, not input: input
+    was 10-20% short in 4 of 8 runs at load 10)."""
     step, state, batch, _ = _setup()
     slept = []
 
@@ -54,6 +67,7 @@ def test_a_loader_sleeping_a_known_time_is_input_wait():
     with StepMeter(examples_per_step=8) as m:
         for b in m.inputs(loader(15)):
             state, _ = step(state, b)
+            _until_done(state, m)
     r = m.report()
     assert r.steps == 15 and r.rates["examples/s"] == pytest.approx(8 * r.rates["steps/s"])
     assert r.seconds["input"] == pytest.approx(sum(slept), rel=0.1), r
@@ -99,7 +113,14 @@ def test_host_work_the_meter_cannot_see_is_other(where):
     """The host's own work (a sleep here) while the device waits is "other". It went to input
     when it followed an input wait (the wait ended a switch interval before the step ended),
     to sync when a sync that found the step done came after it, and to the step when it came
-    before leaving the block (leaving stamped a step done long before as ending then)."""
+    before leaving the block (leaving stamped a step done long before as ending then).
+
+    Each sleep begins once the device is done and the meter saw it (``_until_done``): on a
+    loaded 2-core machine a tiny step takes up to ~50 ms (rarely more) to finish and be seen
+    finishing, device time that ran into the sleeps (3 in 4 runs failed at load 8). The
+    block's time outside the sleeps and input waits (dispatch, that wait, reading the
+    metrics: ~3 ms unloaded; the scheduler's pauses under load) may be the step's or other:
+    it widens the bounds by itself."""
     step, state, batch, metrics = _setup()
     float(metrics.compute()["loss"])  # its eager ops compiled outside the meter
     inputs, work = [], []
@@ -113,15 +134,18 @@ def test_host_work_the_meter_cannot_see_is_other(where):
         for b in m.inputs(loader(8)) if where == "after_an_input_wait" else [batch] * 8:
             state, metrics = step(state, b)
             if where != "before_leaving":
+                _until_done((state, metrics), m)
                 _sleep(0.02, work)
                 if where == "before_a_sync":
                     float(metrics.compute()["loss"])  # the step ended long ago: no wait
         if where == "before_leaving":
+            _until_done((state, metrics), m)
             _sleep(0.06, work)
-    r = m.report()
-    assert r.seconds["other"] == pytest.approx(sum(work), rel=0.15), r
+    r, slept = m.report(), sum(work)
+    aside = r.wall - slept - sum(inputs)  # neither slept nor waiting for input
+    assert 0.85 * slept <= r.seconds["other"] <= 1.15 * slept + aside, (r, aside)
     assert r.seconds["input"] == pytest.approx(sum(inputs), rel=0.15, abs=1e-3), r
-    assert r.seconds["sync"] + r.seconds["step"] < 0.1 * sum(work), r
+    assert r.seconds["sync"] + r.seconds["step"] < 0.1 * slept + aside, (r, aside)
     assert sum(r.seconds.values()) == pytest.approx(r.wall)
 
 
@@ -449,7 +473,7 @@ def test_eight_devices_table_and_picture(name, tmp_path):
     assert r.steps == 12 and r.seconds["step"] > 0 and set(r.rates) == {
         "steps/s", "examples/s", "tokens/s"}
     assert "device computing train steps" in str(r) and "MFU unknown" in str(r)
-    assert sum(lane[0] == "device step" for lane in r.lanes) == 5
+    assert sum(lane[0] == "device step" for lane in r.lanes) == 5, (r.lanes, r.seconds)
     path = r.plot(str(tmp_path / "m.png"))
     with open(path, "rb") as f:
         assert f.read(4) == b"\x89PNG"

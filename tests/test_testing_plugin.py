@@ -625,7 +625,7 @@ def test_a_worker_ends_with_its_pytest(inner, sig):
         @pytest.mark.devices(2)
         def test_sleeps():
             record_pid()
-            time.sleep(60)
+            time.sleep(600)  # far past the waits below: a pytest that waits for it fails
         """
     )
     pids, parent = inner.path / "pids.txt", None
@@ -645,7 +645,8 @@ def test_a_worker_ends_with_its_pytest(inner, sig):
             time.sleep(0.1)
         worker = int(pids.read_text())  # it runs its test
         os.kill(parent.pid, sig)  # Ctrl-C, or what `timeout -s KILL` and a CI cancel send
-        parent.wait(15)  # SIGINT: pytest ends promptly
+        parent.wait(60)  # SIGINT: pytest ends now, not when the test returns (15 s: under
+        # load 10 the worker's 5 s grace, pytest's exit and JAX's teardown took longer)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _alive(worker):
             time.sleep(0.1)
