@@ -479,6 +479,18 @@ def test_eight_devices_table_and_picture(name, tmp_path):
         assert f.read(4) == b"\x89PNG"
 
 
+def test_the_picture_draws_each_of_the_last_steps_one_of_no_length_too():
+    """Before: a last step whose estimated end was its start (the queue model spread one
+    late end over the steps before it) was not drawn: 4 device lanes for ``last=5`` in 2 of
+    12 loaded runs of test_eight_devices_table_and_picture[pmap]."""
+    busy = [(0.0, 1.0, "step"), (1.0, 2.0, "step"), (2.0, 2.0, "step"), (2.0, 3.0, "step")]
+    (lanes,) = StepMeter(last=3)._lanes(busy, [], 0.0)
+    assert lanes == (("device step", 1.0, 2.0), ("device step", 2.0, 2.0),
+                     ("device step", 2.0, 3.0))
+    (lanes,) = StepMeter(last=2)._lanes([*busy[:2], (2.0, 2.0, "step")], [], 0.0)
+    assert lanes == (("device step", 1.0, 2.0), ("device step", 2.0, 2.0))
+
+
 def test_peaks_by_device_kind():
     assert peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
     assert peak_flops("NVIDIA H100 PCIe")[0] == 756e12

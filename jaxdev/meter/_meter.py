@@ -387,7 +387,10 @@ class StepMeter:
         if not busy:
             return ((),)
         since = busy[-min(self.last, len(busy))][0]
-        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if e > max(s, since)]
+        # each of the last steps, one whose estimated end is its start too (an end spread
+        # over the steps before it), and earlier ones still running then
+        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if max(s, e) > since
+                 or s == since]
         lanes += [(lb, s - t0, e - t0) for s, e, lb in segments if e > since]
         return (tuple(lanes),)
 
