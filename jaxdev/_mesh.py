@@ -201,9 +201,8 @@ def outside_mesh() -> contextlib.AbstractContextManager:
 
 def no_mesh() -> bool:
     """Whether no mesh is set: neither ``jax.set_mesh`` nor ``use_abstract_mesh`` (where a
-    one-device program runs as it is). ``set_mesh`` sets the abstract mesh too, so one
-    question answers both (``get_mesh`` costs ten Python calls more, and raises in a trace)."""
-    return jax.sharding.get_abstract_mesh().empty
+    one-device program runs as it is). Inside a trace ``get_mesh`` raises ``ValueError``."""
+    return jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty
 
 
 _OUTSIDE = _Named(None, None)
