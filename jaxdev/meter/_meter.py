@@ -389,8 +389,7 @@ class StepMeter:
         since = busy[-min(self.last, len(busy))][0]
         # each of the last steps, one whose estimated end is its start too (an end spread
         # over the steps before it), and earlier ones still running then
-        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if max(s, e) > since
-                 or s == since]
+        lanes = [("device " + lb, s - t0, e - t0) for s, e, lb in busy if s >= since or e > since]
         lanes += [(lb, s - t0, e - t0) for s, e, lb in segments if e > since]
         return (tuple(lanes),)
 
