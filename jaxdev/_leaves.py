@@ -274,11 +274,13 @@ def checked_leaves(tree: Any, arg: str, caller: str | None = None, host: bool = 
     return leaves, treedef
 
 
-def raise_leaves(tree: Any, idx: Sequence[int], header: str, line: Any) -> None:
-    """Raise ShardingError: ``header``, then ``path: line(i)`` for each leaf ``i`` of ``idx``."""
+def raise_leaves(
+    tree: Any, idx: Sequence[int], header: str, line: Any, error: type = ShardingError, at: str = ""
+) -> None:
+    """Raise ``error``: ``header``, then ``{at}path: line(i)`` for each leaf ``i`` of ``idx``."""
     if idx:
         paths = key_strings(tree)
-        raise ShardingError(join_failures(header, [f"{paths[i]}: {line(i)}" for i in idx]))
+        raise error(join_failures(header, [f"{at}{paths[i]}: {line(i)}" for i in idx]))
 
 
 # ---------------------------------------------------------------- shardings

@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from .._batches import rows_of
-from .._errors import LeafTypeError, MetricError, UsageError, join_failures
-from .._leaves import key_strings
+from .._errors import LeafTypeError, MetricError, UsageError
+from .._leaves import raise_leaves
 from ._metrics import Collection, Last, Mean, Metric, WeightedMean, ambient, ambient_value
 
 LossFn = Callable[..., Any]
@@ -246,17 +246,18 @@ def metrics_of(losses: jax.Array, aux: Any, mask: jax.Array, weights: Any = None
 def _check_differentiable(params: Any) -> None:
     """Refuse params leaves ``jax.grad`` refuses (its TypeError names no leaf), at trace time."""
     leaves = jax.tree.leaves(params)
-    bad = [i for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.inexact)]
-    if bad:
-        paths = key_strings(params)
-        raise LeafTypeError(join_failures(
-            "`state.params` has leaves the step cannot differentiate: it trains every leaf of "
-            "the params, and `jax.grad` needs float or complex ones. Keep integer, boolean "
-            "and PRNG key leaves (counters, indices, keys) out of the params: in the model "
-            "state (`has_state=True`), in the state's `rng`, in the batch, or closed over by "
-            "`loss_fn`. Leaves:",
-            [f"state.params{paths[i]}: {leaves[i].dtype}" for i in bad],
-        ))
+    raise_leaves(
+        params,
+        [i for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.inexact)],
+        "`state.params` has leaves the step cannot differentiate: it trains every leaf of "
+        "the params, and `jax.grad` needs float or complex ones. Keep integer, boolean "
+        "and PRNG key leaves (counters, indices, keys) out of the params: in the model "
+        "state (`has_state=True`), in the state's `rng`, in the batch, or closed over by "
+        "`loss_fn`. Leaves:",
+        lambda i: leaves[i].dtype,
+        LeafTypeError,
+        "state.params",
+    )
 
 
 def _micro_grads(cfg, params, model_state, batch, mask, rng, denom):
