@@ -479,6 +479,24 @@ def test_eight_devices_table_and_picture(name, tmp_path):
         assert f.read(4) == b"\x89PNG"
 
 
+def test_a_share_under_a_millisecond_is_not_printed_as_no_time():
+    """Before: a loop's one quick ``float(loss)`` (0.2 ms of sync) printed "0.000" seconds
+    beside its call site, as if the sync cost nothing."""
+    from jaxdev.meter import MeterReport
+    from jaxdev.meter._meter import SHARES
+
+    shares = {"step": 1.5, "input": 0.0, "sync": 0.0002, "compile": 0.0, "checkpoint": 0.0,
+              "eval": 0.0, "other": 0.4998}
+    r = MeterReport(wall=2.0, seconds={**dict.fromkeys(SHARES, 0.0), **shares},
+                    syncs=(("float() at loop.py:3", 1, 0.0002),), steps=10,
+                    rates={"steps/s": 5.0}, flops_per_device=None, mfu=None, peak="unknown")
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in str(r).splitlines() if line.count("│") >= 4}
+    assert rows["device computing train steps"] == "1.500" and "0.000" not in str(r)
+    assert "1x float() at loop.py:3" in str(r)
+    assert rows["device idle: host sync"] == "<0.001", rows
+
+
 def test_the_picture_draws_each_of_the_last_steps_one_of_no_length_too():
     """Before: a last step whose estimated end was its start (the queue model spread one
     late end over the steps before it) was not drawn: 4 device lanes for ``last=5`` in 2 of

@@ -49,7 +49,9 @@ def table(r: Any) -> Any:
     for key, label in ROWS.items():
         if r.seconds[key] > 0 or key == "step":
             share = r.seconds[key] / r.wall if r.wall else 0.0
-            t.add_row(label, f"{r.seconds[key]:.3f}", f"{share:.1%}", notes.get(key, ""))
+            secs = r.seconds[key]  # a share under half a millisecond is not 0.000 s
+            secs = f"{secs:.3f}" if secs >= 5e-4 or not secs else "<0.001"
+            t.add_row(label, secs, f"{share:.1%}", notes.get(key, ""))
     return Group(t, summary(r))
 
 
