@@ -700,3 +700,23 @@ def test_assert_strategies_agree():
     assert "hard-coded global batch size" in str(err.value)
     with pytest.raises(jaxdev.UsageError, match="`batches` is empty"):
         assert_strategies_agree(_loss, None, params, [])
+
+
+def _nan_when_split(params, batch):  # log of a negative number on a device's 8 rows
+    return _loss(params, batch) * jnp.log(batch["x"].shape[0] - 10.0)
+
+
+def test_a_strategy_whose_params_turn_nan_is_named_not_a_numpy_warning():
+    """Before: where every difference in a leaf involved NaN, numpy's ``nanmax`` warned
+    "All-NaN slice encountered", which under ``-W error`` (this suite's filterwarnings)
+    was raised instead of the disagreement."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    batch = {"x": rng.normal(size=(64, 8)).astype(np.float32), "y": np.ones(64, np.float32)}
+    with pytest.raises(AssertionError) as err:
+        assert_strategies_agree(_nan_when_split, None, params, [batch])
+    assert re.search(
+        r"strategy 'pmap' disagrees with 'single' after step 1 of 1 \(8 devices\): "
+        r"params\['b'\] = nan vs \S+ on 'single' \(largest difference in this leaf nan\)",
+        str(err.value),
+    ), str(err.value)
