@@ -153,7 +153,8 @@ def _fsdp_spec(shape: tuple[int, ...], axis: Any, n: int, min_size: int) -> P:
 
 def _regex_rules(rules: Any) -> list[tuple[re.Pattern[str], P, str]] | None:
     """The compiled ``(pattern, spec, source)`` list, or None when ``rules`` is not one."""
-    if not isinstance(rules, (list, tuple)) or isinstance(rules, P) or not all(
+    pairs = isinstance(rules, (list, tuple)) and not isinstance(rules, P)
+    if not pairs or not all(
         isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], (str, re.Pattern))
         for r in rules
     ):  # [] passes: no rules, every leaf unmatched, replicated
@@ -437,7 +438,7 @@ def _check_min_size(min_size: Any) -> None:
 def _shardings(
     tree: Any, mesh: Mesh, rules: Rules, options: dict[str, Any], arg: str, params: bool = True
 ) -> Any:
-    _check_min_size(options.get("min_size", DEFAULT_MIN_SIZE))
+    _check_min_size(min_size := options.get("min_size", DEFAULT_MIN_SIZE))
     leaves = _leaves_of(tree, arg)
     specs = _specs(leaves, tree, mesh, rules, options)
     if params and leaves and isinstance(_form(rules), list) and not any(s for _, s in specs):
@@ -451,10 +452,9 @@ def _shardings(
     if params and leaves and rules == "fsdp" and all(s == P() for s, _ in specs):
         big = max(leaves, key=lambda x: int(np.prod(x.shape, dtype=np.int64)))
         n = axis_size(mesh, fsdp_axis_of(mesh, options.get("fsdp_axis")))
-        least = options.get("min_size", DEFAULT_MIN_SIZE)
         raise ShardingError(
             f"`rules`='fsdp' shards no leaf of `{arg}` over {n} devices, so every device would "
-            f"hold the whole model: each leaf has fewer than `min_size`={least} "
+            f"hold the whole model: each leaf has fewer than `min_size`={min_size} "
             f"elements or no dimension divisible by {n} (the largest, {big.path!r}, has shape "
             f"{big.shape}). Lower `min_size=`, or write `rules='replicate'` if replication is "
             "meant."
@@ -490,12 +490,9 @@ def shard_params(tree: Any, mesh: Mesh, rules: Rules = "replicate", **options: A
     return place_tree(unbox(tree), shardings, copy=False)
 
 
-_STATE_FIELDS = ("step", "params", "opt_state")
-
-
 def has_state_fields(tree: Any) -> bool:
     """Whether ``tree`` has a train state's fields (``step``, ``params``, ``opt_state``)."""
-    return all(hasattr(tree, f) for f in _STATE_FIELDS)
+    return all(hasattr(tree, f) for f in ("step", "params", "opt_state"))
 
 
 def is_train_state(state: Any) -> bool:
@@ -579,18 +576,17 @@ def follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh) -> An
             subtrees = treedef.flatten_up_to(node)
         except (ValueError, TypeError):
             return None
-        out, hits = [], 0
+        out = []
         for sub, shape, target in zip(subtrees, shapes, targets):
             if _is_leafish(sub):
                 if tuple(sub.shape) != shape:
                     return None
                 out.append(target)
-                hits += 1
             elif not jax.tree.leaves(sub):  # MaskedNode / empty: masked out
                 out.append(sub)
             else:
                 return None
-        return treedef.unflatten(out) if hits else None
+        return treedef.unflatten(out) if any(map(_is_leafish, subtrees)) else None
 
     return jax.tree.map(
         lambda node: replicated if (found := mirror(node)) is None else found,
