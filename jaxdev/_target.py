@@ -91,8 +91,7 @@ def load_target(target: str) -> Target:
 
 @functools.lru_cache(maxsize=16)
 def _load_target(target: str) -> Target:
-    if target.lower() in TARGETS:
-        name = TARGETS[target.lower()]
+    if name := TARGETS.get(target.lower()):
         text = (importlib.resources.files("jaxdev") / "targets" / f"{name}.txtpb").read_text()
     elif os.path.isdir(target):
         raise UsageError(f"`target`={target!r} is a directory: pass the path of one text in it.")
@@ -168,16 +167,14 @@ def target_devices(target: Target, topo: str) -> tuple[jax.Device, ...]:
             platform="cuda", target_config=target.config, topology=topo
         )
     except NotImplementedError as err:  # no cuda topology: plugin missing or failed to start
-        plugin = bool(importlib.util.find_spec("jax_plugins")) and bool(
-            importlib.util.find_spec("jax_plugins.xla_cuda12")
-        )
-        fix = (
-            "JAX tried to start the CUDA backend, which fails without a GPU: set "
-            "JAX_PLATFORMS=cpu before JAX starts (or jax.config.update('jax_platforms', "
-            "'cpu') first thing)"
-            if plugin
-            else "pip install 'jaxdev[cuda12]' (the CUDA 12 plugin; no GPU is needed)"
-        )
+        fix = "pip install 'jaxdev[cuda12]' (the CUDA 12 plugin; no GPU is needed)"
+        find = importlib.util.find_spec  # the package first: a missing parent raises
+        if find("jax_plugins") and find("jax_plugins.xla_cuda12"):
+            fix = (
+                "JAX tried to start the CUDA backend, which fails without a GPU: set "
+                "JAX_PLATFORMS=cpu before JAX starts (or jax.config.update('jax_platforms', "
+                "'cpu') first thing)"
+            )
         raise UsageError(
             f"`target`={target.name!r}: compiling for a GPU needs JAX's CUDA plugin ({err}). "
             f"Fix: {fix}."

@@ -59,10 +59,11 @@ class BatchRows(NamedTuple):
 
 def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     """``batch`` (placed, Padded, or shapes) as rows per update, past the step's lead axes."""
-    leaves, treedef = jax.tree.flatten(batch.batch if isinstance(batch, Padded) else batch)
+    tree = batch.batch if isinstance(batch, Padded) else batch
+    leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         raise UsageError(f"`{arg}` is empty (got {short(batch, 60)}): pass the step's batch.")
-    check_leaves(batch.batch if isinstance(batch, Padded) else batch, arg)
+    check_leaves(tree, arg)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
@@ -94,10 +95,8 @@ def state_shapes(tree: Any) -> Any:
     """``tree`` with each array (deleted ones too) as a ``ShapeDtypeStruct``; nothing is read."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, np.ndarray):
-            return jax.ShapeDtypeStruct(x.shape, shape_dtype(x)[1])
+        if isinstance(x, (jax.Array, np.ndarray)):  # numpy arrays have no sharding
+            return jax.ShapeDtypeStruct(*shape_dtype(x), sharding=getattr(x, "sharding", None))
         return x
 
     return jax.tree.map(one, tree)
@@ -329,8 +328,7 @@ class MemoryExplanation:
 
     def details(self) -> str:
         """Everything after the headline: compiled figures, live arrays, limit, options."""
-        lines = []
-        c = self.plan.compiled
+        c, lines = self.plan.compiled, []
         if c is not None:
             lines.append(
                 f"compiled step (memory_analysis, per device): {c.terms()} = {human_bytes(c.peak)}"

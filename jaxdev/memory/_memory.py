@@ -290,11 +290,10 @@ def _format(ledger: MemoryLedger, top: int = 12) -> str:
     title = f"unattributed arrays (the other {1 - ledger.attributed:.1%} of live bytes), largest"
     lines += _largest(title + " first:", ("shape", "dtype", "bytes", "device", "note"), rows, top)
     if ledger.host_per_device:
-        top = max(ledger.host_per_device.values())
+        n, fullest = len(ledger.offloaded), max(ledger.host_per_device.values())
         lines.append(
-            f"in host memory (offloaded, 0 on the devices): {len(ledger.offloaded)} "
-            f"array{'s' if len(ledger.offloaded) > 1 else ''}, "
-            f"{human_bytes(top)} on the fullest device's host memory"
+            f"in host memory (offloaded, 0 on the devices): {n} array{'s' if n > 1 else ''}, "
+            f"{human_bytes(fullest)} on the fullest device's host memory"
         )
     return "\n".join(lines)
 

@@ -59,14 +59,12 @@ _OPTIONS = {  # param_shardings' options and their defaults: what plan(**options
 class CompiledMemory(NamedTuple):
     """A compiled step's ``memory_analysis()``, per device, in bytes.
 
-    ``alias`` is the output bytes reusing donated inputs; ``host`` the arguments
-    and outputs kept in host memory (offloaded state), net of donation and not
-    in the other figures (XLA:CPU counts them with the device's: taken out).
-    ``untuned``: the autotuned compile ran out of device memory, these are the
-    untuned program's figures (as the device would build it, it does not fit).
-    ``xla_peak``: XLA's own ``peak_memory_in_bytes`` where the backend gives it (XLA:GPU:
-    3-8% under :attr:`peak`, reusing buffers inside the temporaries, which a GPU
-    allocates as one block: the plan keeps :attr:`peak`).
+    ``alias``: output bytes reusing donated inputs. ``host``: arguments and outputs kept in
+    host memory (offloaded state), net of donation, not in the other figures (XLA:CPU counts
+    them with the device's: taken out). ``untuned``: the autotuned compile ran out of device
+    memory; these are the untuned program's figures (as the device builds it, it does not
+    fit). ``xla_peak``: XLA's ``peak_memory_in_bytes`` where given (XLA:GPU: 3-8% under
+    :attr:`peak`, reusing buffers inside the temporaries, which a GPU allocates as one block).
     """
 
     argument: int
@@ -133,9 +131,8 @@ class MemoryPlan:
     mesh: Mesh
     rules: Any
     compiled: CompiledMemory | None = None
-    # what it was built from, for fsdp_alternative: the unboxed state's and the batch's
-    # shapes (never their arrays, which a kept plan or error would keep alive), a batch
-    # leaf's spec by its rank, the options
+    # for fsdp_alternative: the unboxed state's and batch's shapes (never their arrays, which a
+    # kept plan or error would keep alive), a batch leaf's spec by its rank, the options
     _inputs: tuple | None = dataclasses.field(default=None, compare=False)
     host_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
     backend: str = "cpu"
@@ -537,9 +534,8 @@ def check_fits(
     other = "use more devices, a smaller batch or `accumulate=`, or raise the limit if it is wrong."
     fix, alternative = (f"{advice}.", "") if advice else (other, fsdp_alternative(plan_))
     if not advice and fsdp_applies(plan_.mesh, plan_.rules):
-        fix = "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or " + (
-            f"`rules='fsdp'` in `jaxdev.memory.plan`), {other}"
-        )
+        fix = "shard the params (`jaxdev.Strategy.sharded(mesh, rules='fsdp')`, or `rules='fsdp'`"
+        fix += f" in `jaxdev.memory.plan`), {other}"
     lead = f"{subject} needs" if subject else "needs"
     message = (
         f"{lead} {human_bytes(need)} per device{detail}, {human_bytes(limit_)} available "
@@ -597,10 +593,9 @@ def _format(p: MemoryPlan) -> str:
             f"offloaded to host memory (pinned_host): {human_bytes(p.host)} per device "
             "(0 on the devices: not in the rows above)"
         )
-    c = p.compiled
     if p.no_analysis:
         lines.append(f"compiled step: the {p.backend} backend gives no memory analysis (no peak)")
-    if c is not None:
+    if (c := p.compiled) is not None:
         host = f"; in host memory: {human_bytes(c.host)}" if c.host else ""
         lines += [
             f"compiled step (memory_analysis, per device): arguments {human_bytes(c.argument)}, "
