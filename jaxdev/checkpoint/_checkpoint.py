@@ -915,14 +915,12 @@ _ABANDONED = ("_get_array_metadatas", "_read_array_index_and_device_put")  # orb
 
 
 def _quiet_abandoned_reads() -> None:
-    """Keep orbax's abandoned reads of a damaged checkpoint out of ``sys.unraisablehook``.
-
-    orbax 0.12.8 cannot cancel the reads it abandons when one fails: a coroutine of orbax's
+    """Keep orbax's abandoned reads of a damaged checkpoint out of ``sys.unraisablehook``: orbax
+    0.12.8 cannot cancel the reads it abandons when one fails, so a coroutine of orbax's
     collected with its error, and a tensorstore read completing on a loop orbax has closed
-    ("Event loop is closed", from tensorstore's thread, at any later moment: 1 restore in 3
-    here) are reported as unraisable. The Damaged error reports that failure; only these two
-    shapes are dropped, every other report goes to the hook in place before.
-    """
+    ("Event loop is closed", from tensorstore's thread, at any later moment: 1 restore in 3 here)
+    are reported as unraisable. The Damaged error reports that failure; only these two shapes are
+    dropped, every other report goes to the hook in place before."""
     hook = sys.unraisablehook
     if getattr(hook, "jaxdev_quiet", False):
         return
@@ -1058,8 +1056,7 @@ def restore_item(path, reader, item, target, rules, what):
     )
     with explained_oom(f"restore of {path} ({what})", lambda: {"target": target}):
         arrays = _orbax_restore(path, reader, item, entries, reads, what)
-        version = meta.get("version", 1)
-        return build(_finish(path, entries, wants, reads, arrays, version, what))
+        return build(_finish(path, entries, wants, reads, arrays, meta.get("version", 1), what))
 
 
 def restore(path: Any, target: Any = None, *, rules: Any = None, **rule_options: Any) -> Any:

@@ -163,12 +163,11 @@ def _program(devices: frozenset, group: list[jax.Array]) -> jax.Array:
 
 
 def checksums(arrays: Sequence[Any]) -> list[int]:
-    """One int in ``[0, 2**64)`` per ``jax.Array`` (typed keys: their ``key_data``) or numpy array.
-
-    Computed where it lives: a fully replicated array on several devices of this process is mixed
-    one slice per device (then one all-reduce), other replicated arrays from their first local copy
-    (no process waits for another), numpy leaves on the default device from their raw bytes.
-    """
+    """One int in ``[0, 2**64)`` per ``jax.Array`` (typed keys: their ``key_data``) or numpy
+    array, computed where it lives: a fully replicated array on several devices of this process
+    is mixed one slice per device (then one all-reduce), other replicated arrays from their first
+    local copy (no process waits for another), numpy leaves on the default device from their raw
+    bytes."""
     sums = per_group(arrays, _program, lambda x: jnp.asarray(host_words(x)))
     return [(int(hi) << 32) | int(lo) for hi, lo in sums]
 

@@ -354,13 +354,11 @@ def damage(path: str) -> str | None:
 
 
 def was_cut(path: str) -> bool:
-    """True in the one state :func:`recover` repairs: the fallback swap cut between its renames.
-
+    """True in the one state :func:`recover` repairs, the fallback swap cut between its renames:
     ``path`` missing, ``.<name>.jaxdev-old`` there and a complete checkpoint at
-    ``.<name>.jaxdev-new``: only :func:`replace`'s first rename makes it (a save removes every
+    ``.<name>.jaxdev-new`` (only :func:`replace`'s first rename makes it; a save removes every
     leftover first). Any other leftover beside a missing ``path`` may be a checkpoint its user
-    deleted after a crash: it is never put back.
-    """
+    deleted after a crash: it is never put back."""
     return (
         not os.path.lexists(path)
         and os.path.lexists(sibling(path, "old"))
