@@ -1,8 +1,10 @@
 """``save`` and ``restore`` in README's format (README, Checkpoints).
 
-Beside it: ``running_metrics`` (``Checkpointer.save(..., metrics=...)``) is
-saved like ``state``, typed PRNG keys as their ``key_data``, zero-size arrays
-in the metadata only; the files' safety is ``_ckpt_files``'s.
+Beside it: ``running_metrics`` (``Checkpointer.save(..., metrics=...)``) is saved like ``state``,
+typed PRNG keys as their ``key_data``, zero-size arrays in the metadata only; the files' safety is
+``_ckpt_files``'s. In file order: the tree's structure, pmap-stacked leaves, shardings as JSON;
+a save (:func:`prepare`, :func:`composite`, :func:`save`); a restore (:func:`read_meta`,
+``_resolve``, ``_plan``, ``_orbax_restore``, ``_finish``, :func:`restore_item`).
 """
 
 from __future__ import annotations
@@ -57,9 +59,6 @@ def orbax():
     import orbax.checkpoint as ocp  # imported on first use: ~0.5 s
 
     return ocp
-
-
-# ---------------------------------------------------------------- keys and structure
 
 
 def _key(path: Sequence[Any]) -> tuple[str, ...]:
@@ -119,9 +118,6 @@ def _imported_class(name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-# ---------------------------------------------------------------- pmap-stacked leaves
-
-
 @jax.jit
 def _rows_equal(xs: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.all(bits(x).reshape(x.shape[0], -1) == bits(x[:1]).ravel()) for x in xs])
@@ -140,9 +136,6 @@ def _find_stacked(leaves: Sequence[Any]) -> dict[int, Mesh]:
     found = {i: m for i, x in enumerate(leaves) if (m := _stacked_mesh(x)) is not None}
     equal = per_group([leaves[i] for i in found], lambda _, group: _rows_equal(group))
     return {i: found[i] for i, ok in zip(found, equal) if ok}
-
-
-# ---------------------------------------------------------------- describing shardings
 
 
 def _describe(s: Any) -> dict | None:
@@ -183,9 +176,6 @@ def _default_sharding() -> Sharding:
     if jax.process_count() > 1:
         return replicated_sharding(data_mesh())
     return SingleDeviceSharding(jax.devices()[0])
-
-
-# ---------------------------------------------------------------- preparing a save
 
 
 class _Prepared(NamedTuple):
@@ -344,17 +334,11 @@ def composite(prepared: _Prepared, step: int | None, metrics: _Prepared | None) 
     return ocp.args.Composite(**items)
 
 
-# ---------------------------------------------------------------- writing
-
-
 def write_error(
     path: Any, err: BaseException, *, previous: str, need: int | None = None
 ) -> CheckpointError:
-    """A failed write as a CheckpointError; ``previous`` says what became of the old state.
-
-    A full disk (ENOSPC, or its message in an error orbax or tensorstore
-    chained) is named with the bytes ``need`` ed and the free space.
-    """
+    """A failed write as a CheckpointError; ``previous`` says what became of the old state. A
+    full disk (ENOSPC, here or in an error it chains) is named with ``need`` and the free space."""
     why = f"{type(err).__name__}: {err}"
     hint = ""
     if _no_space(err):
@@ -476,14 +460,11 @@ def save(
                 f"Checkpoint path {path} already exists: pass `overwrite=True` or choose a new "
                 "path (`jaxdev.Checkpointer` numbers its checkpoints by step)."
             )
+        target, previous = path, f"no checkpoint was created at {path}"
         if exists:
             files.check_replaceable(path)
-        target = files.sibling(path, "new") if exists else path
-        previous = (
-            f"the previous checkpoint at {path} is intact"
-            if exists
-            else f"no checkpoint was created at {path}"
-        )
+            target = files.sibling(path, "new")
+            previous = f"the previous checkpoint at {path} is intact"
         if jax.process_index() == 0:
             files.remove_leftovers(path)
         _agree("cleaned", {}, "")  # a barrier: every process waits for the cleanup
@@ -500,11 +481,9 @@ def save(
 
 
 def handler_options() -> Any:
-    """Orbax's options for jaxdev: item folders made before any array is written.
-
-    Else orbax 0.12.8's writer threads wait for a "directory created" signal
-    that a save failing first never sends, holding the exit for 5 minutes.
-    """
+    """Orbax's options for jaxdev: item folders made before any array is written (else orbax
+    0.12.8's writer threads wait for a "directory created" signal that a save failing first
+    never sends, holding the exit for 5 minutes)."""
     return orbax().AsyncOptions(create_directories_asynchronously=False)
 
 
@@ -518,9 +497,6 @@ def _write(path: str, args: Any, previous: str, need: int, durable: bool) -> Non
             c.save(path, args=args)
     except (OSError, ValueError, RuntimeError) as err:
         raise write_error(path, err, previous=previous, need=need) from err
-
-
-# ---------------------------------------------------------------- reading
 
 
 def read_meta(path: str, reader: Callable[[Any], Any]) -> dict:
@@ -625,11 +601,9 @@ class _Want(NamedTuple):
 
 
 def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: Any, what: str):
-    """Per saved leaf a :class:`_Want`, and how to build the tree from the leaves.
-
-    Every target becomes a tree like the saved one (a sharding per array: where
-    saved, the target's, or the rules'; scalars as saved), then read leaf by leaf.
-    """
+    """Per saved leaf a :class:`_Want`, and how to build the tree from the leaves: every target
+    becomes a tree like the saved one (a sharding per array: where saved, the target's, or the
+    rules'; scalars as saved), then read leaf by leaf."""
     if rules is not None:
         ruled = iter(_ruled(path, entries, skeleton, target, *rules))
         leaves = [_as_saved(e, None) if _on_host(e) else next(ruled) for e in entries]
@@ -654,13 +628,11 @@ def _resolve(path: str, entries: list[dict], skeleton: Any, target: Any, rules: 
         lines += [
             f"{e['path']}: in the checkpoint ({_saved_text(e)}), not in `target`" for e in extra
         ]
-        raise CheckpointError(
-            join_failures(
-                f"Checkpoint {path} ({what}) and `target` have different leaves "
-                "(restore with `target=None` to see what was saved, or fix the target):",
-                lines,
-            )
+        head = (
+            f"Checkpoint {path} ({what}) and `target` have different leaves "
+            "(restore with `target=None` to see what was saved, or fix the target):"
         )
+        raise CheckpointError(join_failures(head, lines))
     order = [saved[k] for k in asked]
     wants = [_want_of(e, asked[tuple(e["key"])][1]) for e in entries]
     return wants, lambda leaves: jax.tree_util.tree_unflatten(treedef, [leaves[i] for i in order])
@@ -790,9 +762,6 @@ def _sds_impl(e: dict, leaf: Any) -> str:
     return impl
 
 
-# ---------------------------------------------------------------- planning the read
-
-
 class _Read(NamedTuple):
     """How one array leaf is read: onto ``sharding`` (None: numpy), then stacked or not."""
 
@@ -850,9 +819,8 @@ def _plan(path: str, entries: list[dict], wants: list[_Want], what: str) -> list
             bad.append(f"{e['path']}: shape {shape} cannot be split by {problem}")
         reads[-1] = _Read(_stack_source(w.sharding) if stack else w.sharding, stack, empty)
     if bad:
-        raise CheckpointError(
-            join_failures(f"Checkpoint {path} ({what}) cannot be restored onto `target`:", bad)
-        )
+        head = f"Checkpoint {path} ({what}) cannot be restored onto `target`:"
+        raise CheckpointError(join_failures(head, bad))
     return reads
 
 
@@ -947,15 +915,12 @@ _ABANDONED = ("_get_array_metadatas", "_read_array_index_and_device_put")  # orb
 
 
 def _quiet_abandoned_reads() -> None:
-    """Keep orbax's abandoned reads of a damaged checkpoint out of ``sys.unraisablehook``.
-
-    orbax 0.12.8 cannot cancel the reads it abandons when one fails: a coroutine of orbax's
+    """Keep orbax's abandoned reads of a damaged checkpoint out of ``sys.unraisablehook``: orbax
+    0.12.8 cannot cancel the reads it abandons when one fails, so a coroutine of orbax's
     collected with its error, and a tensorstore read completing on a loop orbax has closed
-    ("Event loop is closed", from tensorstore's thread, at any later moment: 1 restore in 3
-    here) are reported as unraisable. The Damaged error reports that failure; these two
-    shapes only are dropped (an orbax coroutine that ran, or one of its reads never
-    awaited), every other report goes to the hook in place before.
-    """
+    ("Event loop is closed", from tensorstore's thread, at any later moment: 1 restore in 3 here)
+    are reported as unraisable. The Damaged error reports that failure; only these two shapes are
+    dropped, every other report goes to the hook in place before."""
     hook = sys.unraisablehook
     if getattr(hook, "jaxdev_quiet", False):
         return
@@ -1012,14 +977,12 @@ def _verify(path: str, entries: list[dict], got: list[Any], version: int, what: 
         if s != entries[i]["checksum"]
     ]
     if bad:
-        raise Damaged(
-            join_failures(
-                f"Checkpoint {path} ({what}) is corrupted: these leaves read back "
-                "different bits than were written (a damaged or overwritten data file). "
-                "Restore an earlier checkpoint. Leaves:",
-                bad,
-            )
+        head = (
+            f"Checkpoint {path} ({what}) is corrupted: these leaves read back different bits "
+            "than were written (a damaged or overwritten data file). Restore an earlier "
+            "checkpoint. Leaves:"
         )
+        raise Damaged(join_failures(head, bad))
 
 
 def _cpu_replicated(x: Any) -> bool:
@@ -1093,8 +1056,7 @@ def restore_item(path, reader, item, target, rules, what):
     )
     with explained_oom(f"restore of {path} ({what})", lambda: {"target": target}):
         arrays = _orbax_restore(path, reader, item, entries, reads, what)
-        version = meta.get("version", 1)
-        return build(_finish(path, entries, wants, reads, arrays, version, what))
+        return build(_finish(path, entries, wants, reads, arrays, meta.get("version", 1), what))
 
 
 def restore(path: Any, target: Any = None, *, rules: Any = None, **rule_options: Any) -> Any:
@@ -1156,12 +1118,10 @@ def _identity(path: str) -> tuple[int, int, int] | None:
 
 
 def read_unchanged(locate: Callable[[], str], read: Callable[[str], Any], tries: int = 5) -> Any:
-    """``read(locate())``, again while a writer replaced or deleted that checkpoint meanwhile.
-
-    A reader racing a writer (``overwrite=True``, ``keep``) can mix old metadata
-    and new arrays: a failed read is repeated when the folder changed (or is
-    missing while a writer holds its lock), never reported as damage.
-    """
+    """``read(locate())``, again while a writer replaced or deleted that checkpoint meanwhile: a
+    reader racing a writer (``overwrite=True``, ``keep``) can mix old metadata and new arrays,
+    so a failed read is repeated when the folder changed (or is missing while a writer holds
+    its lock), never reported as damage."""
     for attempt in range(tries):
         path = locate()
         seen = _identity(path)

@@ -157,9 +157,8 @@ class Checkpointer:
         extra = None if metrics is None else ckpt.prepare(metrics, "metrics")
         path = os.path.join(self.directory, str(step))
         try:
-            started = self._manager.save(
-                step, args=ckpt.composite(prepared, step, extra), force=True
-            )
+            args = ckpt.composite(prepared, step, extra)
+            started = self._manager.save(step, args=args, force=True)
         except (OSError, ValueError, RuntimeError) as err:
             raise self._failed(path, err, ckpt.nbytes(prepared, extra)) from err
         if started:

@@ -49,10 +49,8 @@ def host_words(x: np.ndarray | np.generic) -> np.ndarray:
 
 def bits(x: jax.Array) -> jax.Array:
     """The bits of ``x`` as uint32 words, in ``x``'s shape (+ a trailing axis for wide dtypes).
-
-    Not flattened: on a mesh with ``Explicit`` axes, flattening an array split
-    over two axes is a reshape JAX refuses (``ShardingTypeError``).
-    """
+    Not flattened: on a mesh with ``Explicit`` axes, flattening an array split over two axes is
+    a reshape JAX refuses (``ShardingTypeError``)."""
     if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded state: read on device
         x = jax.device_put(x, jax.memory.Space.Device)
     if x.dtype == jnp.bool_:
@@ -165,13 +163,11 @@ def _program(devices: frozenset, group: list[jax.Array]) -> jax.Array:
 
 
 def checksums(arrays: Sequence[Any]) -> list[int]:
-    """One int in ``[0, 2**64)`` per ``jax.Array`` (typed keys: their ``key_data``) or numpy array.
-
-    Computed where it lives: a fully replicated array on several devices of
-    this process is mixed one slice per device (then one all-reduce), other
-    replicated arrays from their first local copy (no process waits for
-    another), numpy leaves on the default device from their raw bytes.
-    """
+    """One int in ``[0, 2**64)`` per ``jax.Array`` (typed keys: their ``key_data``) or numpy
+    array, computed where it lives: a fully replicated array on several devices of this process
+    is mixed one slice per device (then one all-reduce), other replicated arrays from their first
+    local copy (no process waits for another), numpy leaves on the default device from their raw
+    bytes."""
     sums = per_group(arrays, _program, lambda x: jnp.asarray(host_words(x)))
     return [(int(hi) << 32) | int(lo) for hi, lo in sums]
 

@@ -149,10 +149,8 @@ def _read_owner(fd: int) -> str:
 
 
 def check_replaceable(path: str) -> None:
-    """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder.
-
-    Never the working directory, one of its parents, the home directory or ``/``.
-    """
+    """Refuse to overwrite ``path`` unless it is a jaxdev checkpoint or an empty folder; never
+    the working directory, one of its parents, the home directory or ``/``."""
     try:
         here = os.path.realpath(os.getcwd())
     except FileNotFoundError:  # the working directory was deleted: nothing of it to protect
@@ -225,10 +223,8 @@ def remove_leftovers(path: str) -> None:
 def remove_tombstones(directory: str, folder: bool = True, durable: bool = True) -> None:
     """Finish deleting the steps ``keep`` dropped: orbax renamed them into ``.jaxdev-deleted``
     (with ``durable``, those renames are synced first: a power cut never brings one back cut).
-
-    Only orbax's step names there are deleted; with ``folder`` (no save running)
-    also ``.jaxdev-deleted`` if empty and killed saves' ``<step>.orbax-checkpoint-tmp``.
-    """
+    Only orbax's step names there are deleted; with ``folder`` (no save running) also
+    ``.jaxdev-deleted`` if empty and killed saves' ``<step>.orbax-checkpoint-tmp``."""
     graves = os.path.join(directory, TOMBSTONES)
     if (steps := matching(graves, _STEP)) and durable:
         _fsync(graves)
@@ -265,10 +261,8 @@ def _exchange(a: str, b: str) -> bool:
 
 def replace(new: str, path: str, durable: bool = True) -> None:
     """Make the complete checkpoint ``new`` the one at ``path``; the old one is deleted last,
-    after (``durable``) the swap is on disk.
-
-    An ``OSError`` is raised only before ``new`` is at ``path``, the old one still there.
-    """
+    after (``durable``) the swap is on disk. An ``OSError`` is raised only before ``new`` is at
+    ``path``, the old one still there."""
     old = sibling(path, "old")
     if _exchange(new, path):
         old = new  # it now holds the old checkpoint
@@ -360,13 +354,11 @@ def damage(path: str) -> str | None:
 
 
 def was_cut(path: str) -> bool:
-    """True in the one state :func:`recover` repairs: the fallback swap cut between its renames.
-
+    """True in the one state :func:`recover` repairs, the fallback swap cut between its renames:
     ``path`` missing, ``.<name>.jaxdev-old`` there and a complete checkpoint at
-    ``.<name>.jaxdev-new``: only :func:`replace`'s first rename makes it (a save
-    removes every leftover first). Any other leftover beside a missing ``path``
-    may be a checkpoint its user deleted after a crash: it is never put back.
-    """
+    ``.<name>.jaxdev-new`` (only :func:`replace`'s first rename makes it; a save removes every
+    leftover first). Any other leftover beside a missing ``path`` may be a checkpoint its user
+    deleted after a crash: it is never put back."""
     return (
         not os.path.lexists(path)
         and os.path.lexists(sibling(path, "old"))
