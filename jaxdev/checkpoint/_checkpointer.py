@@ -203,7 +203,8 @@ class Checkpointer:
         meta = os.path.join(path, files.META_FILE)
         try:
             if (why := files.damage(path)) is None:
-                key = (step, *os.stat(meta)[1:3], os.stat(meta).st_mtime_ns)
+                st = os.stat(meta)  # one stat: a rewrite between two would mix them in a key
+                key = (step, st.st_ino, st.st_dev, st.st_mtime_ns)
                 if key not in self._digests:  # a big leaf table's digest costs: once a file
                     with open(meta, "rb") as f:
                         self._digests[key] = ckpt.digest_problem(json.loads(f.read()))

@@ -298,7 +298,7 @@ class MemoryExplanation:
 
     def headline(self) -> str:
         """The first line: what ran out, or what is needed against what is available; the fix."""
-        fix = f"; fix: {self.advice()}" if self.advice() else ""
+        fix = f"; fix: {advice}" if (advice := self.advice()) else ""
         fits = ": it fits, nothing to fix" if self.fits and self.error is None else ""
         if self.error is not None:
             return f"{self.subject} ran out of device memory ({self.error}){fix}"
