@@ -720,3 +720,43 @@ def test_a_strategy_whose_params_turn_nan_is_named_not_a_numpy_warning():
         r"params\['b'\] = nan vs \S+ on 'single' \(largest difference in this leaf nan\)",
         str(err.value),
     ), str(err.value)
+
+
+def test_assert_strategies_agree_takes_model_state_and_rng():
+    """Before: no way to give ``model_state`` or ``rng`` (``step_options`` go to
+    ``make_train_step``): an NNX loss (``jaxdev.nnx.loss``, ``has_state=True``) failed in
+    flax's ``nnx.merge`` ("Incorrect number of leaves"), ``rng=`` was a TypeError."""
+    from flax import nnx
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": np.ones(16, np.float32)}
+    model = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    loss = jaxdev.nnx.loss(model, lambda m, b: (m(b["x"])[:, 0] - b["y"]) ** 2)
+    params, model_state = jaxdev.nnx.split(model)
+    names = assert_strategies_agree(
+        loss, None, params, [batch] * 2, model_state=model_state, has_state=True
+    )
+    assert names == ("single", "pmap", "sharded", "shard_map", "fsdp")
+
+    def keyed(params, batch, rng):  # takes the key, samples nothing: agrees everywhere
+        return _loss(params, batch)
+
+    def dropout(params, batch, rng):
+        return _loss(params, batch) * jax.random.bernoulli(rng, 0.5, batch["y"].shape)
+
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    assert len(assert_strategies_agree(keyed, None, params, [batch], rng=jax.random.key(0))) == 5
+    with pytest.raises(AssertionError, match="each device draws its own keys"):
+        assert_strategies_agree(dropout, None, params, [batch], rng=jax.random.key(0))
+
+
+def test_assert_strategies_agree_names_one_batch_and_a_bad_tolerance():
+    """Before: one dict for ``batches`` was read as a list of its keys (a ``LeafTypeError``
+    on a ``str`` leaf), one array as a list of its rows, ``rtol="1e-3"`` a bare TypeError."""
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.ones(16, np.float32)}
+    for one in (batch, batch["x"], jnp.ones((16, 8))):
+        with pytest.raises(jaxdev.UsageError, match="`batches` is one batch"):
+            assert_strategies_agree(_loss, None, params, one)
+    with pytest.raises(jaxdev.UsageError, match="`rtol` and `atol` must be >= 0"):
+        assert_strategies_agree(_loss, None, params, [batch], rtol="1e-3")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +18,10 @@ _SPLIT = ("pmap", "shard_map")  # the strategies whose loss sees one device's ro
 _PER_DEVICE = (
     " A loss that depends on how many rows one call sees (e.g. divided by a hard-coded global "
     "batch size) is right on one device and wrong per device under pmap and shard_map."
+)
+_KEYS = (
+    " With `rng`, each device draws its own keys under pmap and shard_map: a loss that samples "
+    "(dropout) differs there by design; compare it deterministic."
 )
 
 
@@ -44,6 +49,8 @@ def assert_strategies_agree(
     *,
     rtol: float = 1e-4,
     atol: float = 1e-6,
+    rng: Any = None,
+    model_state: Any = None,
     **step_options: Any,
 ) -> tuple[str, ...]:
     """Train a few steps on every strategy the devices allow; raise where one differs.
@@ -61,6 +68,11 @@ def assert_strategies_agree(
       batches: host batches, one per step.
       rtol: relative tolerance.
       atol: absolute tolerance.
+      rng: a PRNG key for ``loss_fn``'s ``rng`` argument, as for ``step.init_state``. Under
+        ``pmap`` and ``shard_map`` each device draws its own keys: a loss that samples
+        (dropout) differs there by design, so compare it deterministic.
+      model_state: state the forward pass updates (``has_state=True``; an NNX module's
+        non-``Param`` state from :func:`jaxdev.nnx.split`), as for ``step.init_state``.
       **step_options: passed to :func:`jaxdev.make_train_step`.
 
     Returns:
@@ -69,7 +81,8 @@ def assert_strategies_agree(
     Raises:
       DisagreementError: (an AssertionError) a strategy's params differ: the strategy, the
         step, the first differing leaf and both values named.
-      UsageError: ``batches`` is empty, or a tolerance is negative.
+      UsageError: ``batches`` is empty or one batch (a dict or an array), or a tolerance is
+        not a number >= 0.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jaxdev
@@ -79,10 +92,15 @@ def assert_strategies_agree(
       >>> jaxdev.testing.assert_strategies_agree(loss_fn, None, {"w": jnp.zeros(8)}, [batch] * 2)
       ('single', 'pmap', 'sharded', 'shard_map', 'fsdp')
     """
+    if isinstance(batches, Mapping) or hasattr(batches, "shape"):
+        raise UsageError(
+            f"`batches` is one batch (a {type(batches).__name__}), not a list of batches: "
+            "give a list, one batch per step, e.g. `[batch]` or `[batch] * 2`."
+        )
     batches = list(batches)
     if not batches:
         raise UsageError("`batches` is empty: give at least one batch (one step each).")
-    if not (rtol >= 0 and atol >= 0):
+    if not all(isinstance(t, numbers.Real) for t in (rtol, atol)) or not (rtol >= 0 and atol >= 0):
         raise UsageError(f"`rtol` and `atol` must be >= 0, got rtol={rtol!r}, atol={atol!r}.")
     tx = optax.sgd(0.1) if tx is None else tx
     strategies = {"single": Strategy.single()}  # the reference, then what the devices allow
@@ -96,7 +114,7 @@ def assert_strategies_agree(
     for name, strategy in strategies.items():
         try:
             step = make_train_step(loss_fn, tx, strategy, donate=False, **step_options)
-            state, trail = step.init_state(params, tx), []
+            state, trail = step.init_state(params, tx, rng=rng, model_state=model_state), []
             for batch in batches:
                 state, _ = step(state, step.put_batch(batch))
                 trail.append(jax.device_get(state.params))
@@ -111,5 +129,6 @@ def assert_strategies_agree(
                     f"strategy '{name}' disagrees with 'single' after step {i + 1} of "
                     f"{len(batches)} ({jax.local_device_count()} devices): {where}; tolerance "
                     f"atol={atol:g} + rtol={rtol:g} * |single|.{_PER_DEVICE * (name in _SPLIT)}"
+                    f"{_KEYS * (name in _SPLIT and rng is not None)}"
                 )
     return tuple(trails)
