@@ -278,8 +278,8 @@ def backend_started() -> bool:
 def use_fake_cpu_devices(n: int) -> None:
     """Ask JAX for ``n`` CPU devices, before anything touches a device.
 
-    Sets ``jax_num_cpu_devices`` and exports ``XLA_FLAGS`` for subprocesses; a no-op when
-    the backend already started with ``n`` CPU devices.
+    Sets ``jax_num_cpu_devices`` and exports ``XLA_FLAGS`` and ``JAX_NUM_CPU_DEVICES`` for
+    subprocesses; a no-op when the backend already started with ``n`` CPU devices.
 
     Raises:
       DeviceSpecError: ``n`` is not a positive int.
@@ -305,6 +305,7 @@ def use_fake_cpu_devices(n: int) -> None:
     flag = "--xla_force_host_platform_device_count"
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
     os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={n}"])
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(n)  # a subprocess's JAX reads it before XLA_FLAGS
 
 
 def describe() -> dict[str, Any]:

@@ -168,6 +168,22 @@ def test_use_fake_cpu_devices_before_start_in_subprocess():
     assert proc.stdout.split() == ["3", "--xla_force_host_platform_device_count=3"]
 
 
+def test_use_fake_cpu_devices_reaches_subprocesses_despite_jax_num_cpu_devices():
+    """Before: with ``JAX_NUM_CPU_DEVICES=2`` in the environment a subprocess started with 2
+    devices, not the count asked for (JAX reads the variable before ``XLA_FLAGS``)."""
+    proc = run_python(
+        """
+        import subprocess, sys, jaxdev
+        jaxdev.testing.use_fake_cpu_devices(3)
+        child = "import jax; print(len(jax.devices()))"
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout)
+        """,
+        env={"JAX_NUM_CPU_DEVICES": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3"]
+
+
 def test_xla_flags_two_devices_in_subprocess():
     proc = run_python(
         """
