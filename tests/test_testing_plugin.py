@@ -760,3 +760,19 @@ def test_assert_strategies_agree_names_one_batch_and_a_bad_tolerance():
             assert_strategies_agree(_loss, None, params, one)
     with pytest.raises(jaxdev.UsageError, match="`rtol` and `atol` must be >= 0"):
         assert_strategies_agree(_loss, None, params, [batch], rtol="1e-3")
+
+
+def test_assert_strategies_agree_names_the_strategy_a_loss_fails_under():
+    """Before: a loss that raised only under one strategy (a Python assert on its rows, 2
+    per device under pmap) escaped as a bare AssertionError naming no strategy."""
+
+    def sixteen_rows(params, batch):
+        assert batch["x"].shape[0] == 16, f"rows {batch['x'].shape}"
+        return _loss(params, batch)
+
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.ones(16, np.float32)}
+    with pytest.raises(AssertionError, match=r"rows \(2, 8\)") as err:
+        assert_strategies_agree(sixteen_rows, None, params, [batch, batch])
+    note = "assert_strategies_agree: raised under strategy 'pmap' (step 1 of 2)."
+    assert note in err.value.__notes__  # after JAX's own note on its filtered frames

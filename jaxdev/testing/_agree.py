@@ -112,16 +112,20 @@ def assert_strategies_agree(
         strategies["fsdp"] = Strategy.sharded(mesh, rules="fsdp", min_size=0)
     trails = {}  # strategy: the params after each step, on the host
     for name, strategy in strategies.items():
+        trail = []
         try:
             step = make_train_step(loss_fn, tx, strategy, donate=False, **step_options)
-            state, trail = step.init_state(params, tx, rng=rng, model_state=model_state), []
+            state = step.init_state(params, tx, rng=rng, model_state=model_state)
             for batch in batches:
                 state, _ = step(state, step.put_batch(batch))
                 trail.append(jax.device_get(state.params))
             trails[name] = trail
-        except ShardingError:  # fsdp over params none of whose leaves it can split
-            if name != "fsdp":
-                raise
+        except Exception as e:
+            if name == "fsdp" and isinstance(e, ShardingError):
+                continue  # fsdp over params none of whose leaves it can split
+            step_i = f"step {len(trail) + 1} of {len(batches)}"
+            e.add_note(f"assert_strategies_agree: raised under strategy '{name}' ({step_i}).")
+            raise
     for i, ref in enumerate(trails["single"]):
         for name, trail in trails.items():
             if where := _first_difference(trail[i], ref, rtol, atol):
