@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxdev
@@ -776,3 +777,13 @@ def test_assert_strategies_agree_names_the_strategy_a_loss_fails_under():
         assert_strategies_agree(sixteen_rows, None, params, [batch, batch])
     note = "assert_strategies_agree: raised under strategy 'pmap' (step 1 of 2)."
     assert note in err.value.__notes__  # after JAX's own note on its filtered frames
+
+
+def test_assert_strategies_agree_names_a_tx_that_is_no_transformation():
+    """Before: ``optax.adam`` (not called) or a string was a bare AttributeError ('init')."""
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.ones(16, np.float32)}
+    with pytest.raises(jaxdev.UsageError, match=r"`tx` must be an optax .* got adam: call it\."):
+        assert_strategies_agree(_loss, optax.adam, params, [batch])
+    with pytest.raises(jaxdev.UsageError, match=r"`tx` must be an optax .* got str\."):
+        assert_strategies_agree(_loss, "sgd", params, [batch])

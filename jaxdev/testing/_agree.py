@@ -81,8 +81,8 @@ def assert_strategies_agree(
     Raises:
       DisagreementError: (an AssertionError) a strategy's params differ: the strategy, the
         step, the first differing leaf and both values named.
-      UsageError: ``batches`` is empty or one batch (a dict or an array), or a tolerance is
-        not a number >= 0.
+      UsageError: ``batches`` is empty or one batch (a dict or an array), a tolerance is
+        not a number >= 0, or ``tx`` is no optax transformation.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jaxdev
@@ -102,6 +102,12 @@ def assert_strategies_agree(
         raise UsageError("`batches` is empty: give at least one batch (one step each).")
     if not all(isinstance(t, numbers.Real) for t in (rtol, atol)) or not (rtol >= 0 and atol >= 0):
         raise UsageError(f"`rtol` and `atol` must be >= 0, got rtol={rtol!r}, atol={atol!r}.")
+    if tx is not None and not all(callable(getattr(tx, f, None)) for f in ("init", "update")):
+        raise UsageError(
+            f"`tx` must be an optax GradientTransformation (e.g. `optax.sgd(0.1)`) or None, got "
+            f"{getattr(tx, '__qualname__', None) or type(tx).__name__}"
+            f"{': call it' if callable(tx) else ''}."
+        )
     tx = optax.sgd(0.1) if tx is None else tx
     strategies = {"single": Strategy.single()}  # the reference, then what the devices allow
     if jax.local_device_count() > 1:
