@@ -300,6 +300,17 @@ def test_plan_names_the_argument_and_leaf_it_cannot_read(tree, batch, match):
         jaxdev.memory.plan(tree, batch=batch, **kw)
 
 
+@pytest.mark.parametrize("batch", [{}, [], ()])
+def test_plan_with_a_step_names_an_empty_batch(batch):
+    """Was the lowering's raw IndexError ('list index out of range'); ``batch=None`` plans
+    the state alone."""
+    step = jaxdev.make_train_step(_loss, optax.sgd(0.1), jaxdev.Strategy.sharded())
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), optax.sgd(0.1)))
+    with pytest.raises(UsageError, match=r"`batch` is empty \(got .*\): pass the step's batch"):
+        jaxdev.memory.plan(state, step=step, batch=batch)
+    assert jaxdev.memory.plan(state, step=step)["params"] > 0
+
+
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))

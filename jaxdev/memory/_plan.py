@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
-from .._batches import indivisible_error, lead_spec
+from .._batches import Padded, indivisible_error, lead_spec
 from .._errors import (
     JaxdevError,
     LeafTypeError,
@@ -296,6 +296,11 @@ def plan(
     check_leaves(batch, "batch")
     if spec is not None and batch is not None:
         check_state(spec, state_or_shapes, "state_or_shapes")
+        if not jax.tree.leaves(batch.batch if isinstance(batch, Padded) else batch):
+            raise UsageError(
+                f"`batch` is empty (got {short(batch, 60)}): pass the step's batch, or leave "
+                "it out to plan the state alone."
+            )
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
     return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad)
 
