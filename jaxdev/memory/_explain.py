@@ -22,7 +22,7 @@ import numpy as np
 
 from .._batches import Padded
 from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
-from .._leaves import is_jax_array, shape_dtype
+from .._leaves import inside_trace, is_jax_array, shape_dtype
 from .._mesh import axis_size, check_mesh
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, unbox
@@ -67,6 +67,8 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
+    groups = ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) if spec.train else ()
+    at = lead - len(groups)  # the group axes, after pmap's device axis
     out, rows = [], set()
     for x in leaves:
         shape = tuple(np.shape(x))
@@ -76,6 +78,12 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
             raise UsageError(
                 f"`{arg}` leaf of shape {shape} has no row axis: this step takes leaves of "
                 f"shape ({want} (steps_per_call={k}, accumulate={m})."
+            )
+        if shape[at:lead] != groups:  # as the step's call refuses it, naming this leaf
+            raise UsageError(
+                f"`{arg}` has leaf shape {shape}, but this step (steps_per_call={k}, "
+                f"accumulate={m}) takes its rows grouped as {groups} from axis {at}. Place it "
+                "with `step.put_batch(batch)`: it groups (and pads) the rows."
             )
         rows.add(math.prod(shape[: lead + 1]) // (shape[k_at] if k > 1 else 1))
         out.append((shape[lead + 1 :], shape_dtype(x)[1]))
@@ -671,11 +679,18 @@ def fit_memory(
       >>> fit.change, fit.batch_size, fit.step.strategy.rules
       ("Strategy.sharded(mesh, rules='fsdp')", 63, 'fsdp')
     """
+    if inside_trace():  # its mesh context and compiles: JAX's raw error inside a trace
+        raise UsageError(
+            "`jaxdev.memory.fit_memory` was called inside a JAX transformation (`jax.jit`, "
+            "`jax.grad`, `jax.vmap`, ...), but it compiles the step itself: call it outside "
+            "any transformation; it takes `jax.ShapeDtypeStruct` s as they are."
+        )
     spec = spec_of(step)
     bad = isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
     if bad or max_batch_size < 1:
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
+    max_batch_size = int(max_batch_size)  # a numpy int has no bit_length
     if max_batch_size < spec.accumulate:  # a device's rows are split into micro-batches
         raise UsageError(
             f"`max_batch_size`={max_batch_size} is under the step's `accumulate`="
