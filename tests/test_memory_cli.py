@@ -50,6 +50,19 @@ def test_memory_plans_fits_and_explains_a_models_step(capsys):
     assert "largest batch that fits: " in out and "programs compiled in" in out
 
 
+def test_remat_is_compiled_also_when_options_leave_it_out(capsys):
+    """`--options fsdp --remat POLICY` compiled fsdp alone: the policy's step was built and
+    silently never compiled (remat was an option only without `--options`)."""
+    code = main([
+        "memory", "--model", f"{__file__}:tiny", "--mesh", "data=8", "--rules", "replicate",
+        "--limit", "0.002", "--options", "fsdp", "--remat", "nothing_saveable",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"\n  Strategy.sharded\(mesh, rules='fsdp'\) +fsdp over 8 devices", out)
+    assert re.search(r"\n  your `remat` step +the model's own remat +[\d.]+ KiB", out), out
+
+
 @pytest.mark.parametrize("gib, code, verdict", [
     ("1", 0, r"fits: the step needs [\d.]+ KiB per device, 1.0 GiB available \(--limit\)\n"),
     ("0.00001", 1, r"does not fit: the step needs [\d.]+ KiB per device, 10.5 KiB available "

@@ -301,7 +301,8 @@ def plan_memory(args: argparse.Namespace) -> int:
     print(f"planned in {time.perf_counter() - start:.1f} s")
     if args.options or args.remat:
         remat = _model_step(entry, strategy, rows, remat=policy)[0] if args.remat else True
-        options = tuple(args.options or ("remat",))
+        options = tuple(args.options or ())
+        options += ("remat",) if args.remat and "remat" not in options else ()  # never dropped
         why = jaxdev.memory.explain_memory(
             step, state, batch, limit, options=options, remat=remat, plan_=plan
         )
