@@ -284,8 +284,8 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     file ``path`` names (``.png`` added when it has no suffix: what matplotlib writes).
 
     Raises:
-      UsageError: matplotlib is not installed, ``path`` is no path, or its folder does not
-        exist.
+      UsageError: matplotlib is not installed, ``path`` is no path, its folder does not
+        exist, or matplotlib writes no file of its suffix.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
         raise UsageError(f"`path` must be a file path (str or os.PathLike), got {path!r}.")
@@ -296,4 +296,10 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     folder = pathlib.Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
-    return Figure(**kwargs), str(path) if pathlib.Path(path).suffix else f"{path}.png"
+    fig, suffix = Figure(**kwargs), pathlib.Path(path).suffix
+    if suffix and suffix[1:].lower() not in (kinds := fig.canvas.get_supported_filetypes()):
+        raise UsageError(  # was matplotlib's bare ValueError, after drawing
+            f"`path` {path!r}: matplotlib writes no '{suffix}' files; end it in one of "
+            f"{', '.join('.' + k for k in sorted(kinds))}, or in none for .png."
+        )
+    return fig, str(path) if suffix else f"{path}.png"
