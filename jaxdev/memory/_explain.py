@@ -66,6 +66,7 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     check_leaves(tree, arg)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
+    lead = 0 if raw_rows(spec, batch) else lead  # pmap splits them itself
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
     groups = ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) if spec.train else ()
     at = lead - len(groups)  # the group axes, after pmap's device axis
@@ -90,6 +91,19 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     if len(rows) != 1:
         raise UsageError(f"`{arg}` leaves disagree on their rows: {sorted(rows)}.")
     return BatchRows(treedef, tuple(out), rows.pop(), shape[k_at] if k > 1 else 1)
+
+
+def raw_rows(spec: StepSpec, batch: Any) -> bool:
+    """Whether the step reads ``batch``'s leading axis as rows it splits over its devices
+    itself: arrays under pmap, not grouped, not placed one row count per device."""
+    strategy, leaves = spec.strategy, jax.tree.leaves(batch)
+    grouped = spec.train and (spec.steps_per_call > 1 or spec.accumulate > 1)
+    if grouped or isinstance(batch, Padded) or len(strategy.batch_shape(strategy.n_devices)) < 2:
+        return False
+    if not leaves or any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return False  # shapes are lowered as the pmap program takes them
+    m = np.shape(leaves[0])[1:2]
+    return not (m and all(strategy.placed(x) and np.shape(x)[1:2] == m for x in leaves))
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
@@ -417,6 +431,9 @@ def explain_memory(
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
     start, compiles = time.perf_counter(), int(plan_ is None)
     shapes, batch_shapes = state_shapes(state), state_shapes(batch)
+    if raw_rows(spec, batch):  # rows pmap splits itself: their shapes as it lays them out
+        spec.strategy.check_even(batch, 0)
+        batch_shapes = batch_for(spec, rows := batch_rows(spec, batch), rows.rows)
     if plan_ is None:
         lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
         plan_ = step_plan(spec, shapes, batch_shapes, lowered)
