@@ -296,10 +296,18 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     folder = pathlib.Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
-    fig, suffix = Figure(**kwargs), pathlib.Path(path).suffix
-    if suffix and suffix[1:].lower() not in (kinds := fig.canvas.get_supported_filetypes()):
-        raise UsageError(  # was matplotlib's bare ValueError, after drawing
-            f"`path` {path!r}: matplotlib writes no '{suffix}' files; end it in one of "
-            f"{', '.join('.' + k for k in sorted(kinds))}, or in none for .png."
+    check_suffix(path)
+    return Figure(**kwargs), str(path) if pathlib.Path(path).suffix else f"{path}.png"
+
+
+def check_suffix(path: str, arg: str = "path") -> None:
+    """Raise :class:`UsageError` naming ``arg`` when matplotlib writes no file of ``path``'s
+    suffix (was its bare ValueError, after drawing); needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    suffix, kinds = pathlib.Path(path).suffix, Figure().canvas.get_supported_filetypes()
+    if suffix and suffix[1:].lower() not in kinds:
+        raise UsageError(
+            f"`{arg}` {os.fspath(path)!r}: matplotlib writes no '{suffix}' files; end it in one "
+            f"of {', '.join('.' + k for k in sorted(kinds))}, or in none for .png."
         )
-    return fig, str(path) if suffix else f"{path}.png"

@@ -138,3 +138,16 @@ def test_a_target_without_a_mesh_plans_on_its_devices(capsys, args, code, fragme
     assert main(["memory", "--model", T, *args]) == code
     out, err = capsys.readouterr()
     assert fragment in out + err and "Traceback" not in err
+
+
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run():
+    """`jaxdev memory --plot m.xyz` (and `bench`) trained the demo, then raised matplotlib's
+    bare ValueError (exit 1); refused first now, naming `--plot`."""
+    import argparse
+
+    from jaxdev import UsageError
+    from jaxdev.cli import _cli
+
+    with pytest.raises(UsageError, match=r"`--plot` 'm.xyz': matplotlib writes no '.xyz'"):
+        _cli._check_outputs(argparse.Namespace(plot="m.xyz", json=None))
+    _cli._check_outputs(argparse.Namespace(plot="m.svg", json=None))  # nothing drawn yet
