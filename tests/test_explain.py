@@ -180,3 +180,6 @@ def test_a_pmap_step_explains_and_fits_host_rows_as_its_call_takes_them():
     uneven = {"x": np.ones((60, 64), np.float32), "y": np.ones((60, 4), np.float32)}
     with pytest.raises(jaxdev.UsageError, match=r"`batch` has 60 rows .* do not divide"):
         step.explain_memory(_state(), uneven, limit=2**30, options=())
+    both = {"x": np.ones((8, 8, 64), np.float32), "y": np.ones((8, 8, 4), np.float32)}
+    with pytest.raises(jaxdev.ShardingError, match=r"`batch` reads two ways"):  # as the call
+        step.explain_memory(_state(), both, limit=2**30, options=())

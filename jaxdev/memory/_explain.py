@@ -432,6 +432,7 @@ def explain_memory(
     start, compiles = time.perf_counter(), int(plan_ is None)
     shapes, batch_shapes = state_shapes(state), state_shapes(batch)
     if raw_rows(spec, batch):  # rows pmap splits itself: their shapes as it lays them out
+        spec.strategy.check_layout(batch, 0)  # rows that read as pmap's layout too: named
         spec.strategy.check_even(batch, 0)
         batch_shapes = batch_for(spec, rows := batch_rows(spec, batch), rows.rows)
     if plan_ is None:
