@@ -284,8 +284,8 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     file ``path`` names (``.png`` added when it has no suffix: what matplotlib writes).
 
     Raises:
-      UsageError: matplotlib is not installed, ``path`` is no path, or its folder does not
-        exist.
+      UsageError: matplotlib is not installed, ``path`` is no path, its folder does not
+        exist, or matplotlib writes no file of its suffix.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
         raise UsageError(f"`path` must be a file path (str or os.PathLike), got {path!r}.")
@@ -296,4 +296,18 @@ def figure(path: str, **kwargs: Any) -> tuple[Any, str]:
     folder = pathlib.Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"`path` {path!r}: the folder '{folder}' does not exist.")
+    check_suffix(path)
     return Figure(**kwargs), str(path) if pathlib.Path(path).suffix else f"{path}.png"
+
+
+def check_suffix(path: str, arg: str = "path") -> None:
+    """Raise :class:`UsageError` naming ``arg`` when matplotlib writes no file of ``path``'s
+    suffix (was its bare ValueError, after drawing); needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    suffix, kinds = pathlib.Path(path).suffix, Figure().canvas.get_supported_filetypes()
+    if suffix and suffix[1:].lower() not in kinds:
+        raise UsageError(
+            f"`{arg}` {os.fspath(path)!r}: matplotlib writes no '{suffix}' files; end it in one "
+            f"of {', '.join('.' + k for k in sorted(kinds))}, or in none for .png."
+        )

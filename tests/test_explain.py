@@ -160,3 +160,26 @@ def test_explain_and_fit_name_the_argument_they_cannot_read(state, batch, kw, ma
     if not kw:  # fit_memory's batch is `example_batch`
         with pytest.raises(jaxdev.JaxdevError, match=match.replace("`batch`", "`example_batch`")):
             jaxdev.memory.fit_memory(step, state, batch, limit=2**30)
+
+
+def test_a_pmap_step_explains_and_fits_host_rows_as_its_call_takes_them():
+    """A pmap step's call (and ``memory.plan``) takes host rows ``(B, ...)`` and splits them
+    over its devices; explain_memory and fit_memory read them in pmap's layout
+    ``(devices, rows, ...)`` and said '`batch` leaves disagree on their rows: [256, 1024]'."""
+    import numpy as np
+
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.pmap())
+    rows = {"x": np.ones((64, 64), np.float32), "y": np.ones((64, 4), np.float32)}
+    why = step.explain_memory(_state(), rows, limit=2**30, options=("half_batch",))
+    assert why.needed == jaxdev.memory.plan(_state(), step=step, batch=rows).peak
+    assert why.plan["batch"] == 8 * 68 * 4  # 8 rows of 64 + 4 floats per device
+    assert [o.change for o in why.options] == ["a batch of 32 rows"] and why.options[0].fits
+    fit = jaxdev.memory.fit_memory(step, _state(), rows, limit=2**30, max_batch_size=4)
+    assert (fit.batch_size, fit.rows) == (4, 32)
+    assert fit.batch["x"].shape == (8, 4, 64) and fit.batch["y"].shape == (8, 4, 4)
+    uneven = {"x": np.ones((60, 64), np.float32), "y": np.ones((60, 4), np.float32)}
+    with pytest.raises(jaxdev.UsageError, match=r"`batch` has 60 rows .* do not divide"):
+        step.explain_memory(_state(), uneven, limit=2**30, options=())
+    both = {"x": np.ones((8, 8, 64), np.float32), "y": np.ones((8, 8, 4), np.float32)}
+    with pytest.raises(jaxdev.ShardingError, match=r"`batch` reads two ways"):  # as the call
+        step.explain_memory(_state(), both, limit=2**30, options=())

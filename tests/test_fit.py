@@ -187,6 +187,37 @@ def test_bad_inputs_are_named():
         jaxdev.memory.fit_memory(step, _state(), {"x": jnp.float32(1)}, limit=MiB)
 
 
+@pytest.mark.parametrize(
+    "options, example, shape",
+    [
+        ({"steps_per_call": 2}, _example(16, (3,)), r"\(3, 16, 64\)"),  # K=3, the step's 2
+        ({"steps_per_call": 2}, _example(16), r"\(16, 64\)"),  # not grouped at all
+        ({"accumulate": 2}, _example(8, (4,)), r"\(4, 8, 64\)"),
+    ],
+    ids=["other K", "no K", "other M"],
+)
+def test_an_example_batch_grouped_otherwise_than_the_step_is_named_as_given(
+    options, example, shape
+):
+    """fit_memory named `batch` and a shape the user never passed (its own rebuilt one), or
+    said the leaves disagree on their rows; accumulate read (4, 8, 64) as 32 rows."""
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded(), **options)
+    match = rf"`example_batch` has leaf shape {shape}, but this step .* grouped as"
+    with pytest.raises(jaxdev.UsageError, match=match):
+        jaxdev.memory.fit_memory(step, _state(), example, limit=MiB, max_batch_size=8)
+
+
+def test_a_numpy_max_batch_size_and_a_call_inside_jit():
+    """``max_batch_size=np.int64(4)`` passed the check, then raised AttributeError
+    (bit_length); inside ``jax.jit`` it was JAX's raw ValueError of ``get_mesh``."""
+    step = jaxdev.make_train_step(loss_fn, TX, jaxdev.Strategy.sharded())
+    most = np.int64(4)
+    fit = jaxdev.memory.fit_memory(step, _state(), _example(), limit=MiB, max_batch_size=most)
+    assert fit.batch_size == 4 and fit.capped
+    with pytest.raises(jaxdev.UsageError, match=r"`jaxdev.memory.fit_memory` was called inside"):
+        jax.jit(lambda: jaxdev.memory.fit_memory(step, _state(), _example(), limit=MiB).rows)()
+
+
 def test_the_search_fits_a_line_and_verifies_the_answer_in_a_few_compiles(caplog):
     """It compiled once per trial, doubling then bisecting (265 s at 1B, 4 compiles, where
     the peak grew linearly with the rows: 15.0, 26.5, 37.9, 49.4 GiB for 1-4 rows)."""

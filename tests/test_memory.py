@@ -262,6 +262,10 @@ def test_plot_returns_the_file_written_and_refuses_a_missing_folder_or_a_bad_lim
     with pytest.raises(jaxdev.UsageError, match=r"`path` must be a file path .*got 123"):
         ledger.plot(123)  # was pathlib's bare TypeError (a meter report's plot too)
     assert pathlib.Path(ledger.plot(tmp_path / "p")).is_file()  # a PathLike
+    for name in ("memory.xyz", "memory.step1000"):  # was matplotlib's bare ValueError
+        with pytest.raises(jaxdev.UsageError, match=r"`path`.*matplotlib writes no '\.\w+' files"):
+            ledger.plot(str(tmp_path / name))
+    assert pathlib.Path(ledger.plot(str(tmp_path / "m.SVG"))).is_file()
     for bad in (0, -5, "1GiB", True, float("inf")):  # drawn as no limit, raw TypeError, a NaN bar
         with pytest.raises(jaxdev.UsageError, match=f"`limit`.*got {bad!r}"):
             ledger.plot(str(tmp_path / "m.png"), limit=bad)

@@ -50,6 +50,19 @@ def test_memory_plans_fits_and_explains_a_models_step(capsys):
     assert "largest batch that fits: " in out and "programs compiled in" in out
 
 
+def test_remat_is_compiled_also_when_options_leave_it_out(capsys):
+    """`--options fsdp --remat POLICY` compiled fsdp alone: the policy's step was built and
+    silently never compiled (remat was an option only without `--options`)."""
+    code = main([
+        "memory", "--model", f"{__file__}:tiny", "--mesh", "data=8", "--rules", "replicate",
+        "--limit", "0.002", "--options", "fsdp", "--remat", "nothing_saveable",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"\n  Strategy.sharded\(mesh, rules='fsdp'\) +fsdp over 8 devices", out)
+    assert re.search(r"\n  your `remat` step +the model's own remat +[\d.]+ KiB", out), out
+
+
 @pytest.mark.parametrize("gib, code, verdict", [
     ("1", 0, r"fits: the step needs [\d.]+ KiB per device, 1.0 GiB available \(--limit\)\n"),
     ("0.00001", 1, r"does not fit: the step needs [\d.]+ KiB per device, 10.5 KiB available "
@@ -125,3 +138,16 @@ def test_a_target_without_a_mesh_plans_on_its_devices(capsys, args, code, fragme
     assert main(["memory", "--model", T, *args]) == code
     out, err = capsys.readouterr()
     assert fragment in out + err and "Traceback" not in err
+
+
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run():
+    """`jaxdev memory --plot m.xyz` (and `bench`) trained the demo, then raised matplotlib's
+    bare ValueError (exit 1); refused first now, naming `--plot`."""
+    import argparse
+
+    from jaxdev import UsageError
+    from jaxdev.cli import _cli
+
+    with pytest.raises(UsageError, match=r"`--plot` 'm.xyz': matplotlib writes no '.xyz'"):
+        _cli._check_outputs(argparse.Namespace(plot="m.xyz", json=None))
+    _cli._check_outputs(argparse.Namespace(plot="m.svg", json=None))  # nothing drawn yet

@@ -300,6 +300,17 @@ def test_plan_names_the_argument_and_leaf_it_cannot_read(tree, batch, match):
         jaxdev.memory.plan(tree, batch=batch, **kw)
 
 
+@pytest.mark.parametrize("batch", [{}, [], ()])
+def test_plan_with_a_step_names_an_empty_batch(batch):
+    """Was the lowering's raw IndexError ('list index out of range'); ``batch=None`` plans
+    the state alone."""
+    step = jaxdev.make_train_step(_loss, optax.sgd(0.1), jaxdev.Strategy.sharded())
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create(_params(), optax.sgd(0.1)))
+    with pytest.raises(UsageError, match=r"`batch` is empty \(got .*\): pass the step's batch"):
+        jaxdev.memory.plan(state, step=step, batch=batch)
+    assert jaxdev.memory.plan(state, step=step)["params"] > 0
+
+
 def test_a_single_device_step_holds_the_whole_batch():
     tx = optax.sgd(0.1)
     step = jaxdev.make_train_step(_loss, tx, jaxdev.Strategy.single("cpu:2"))
@@ -463,3 +474,23 @@ def test_a_plan_and_the_steps_memory_error_keep_shapes_never_the_arrays():
     assert not [x.shape for x in jax.live_arrays() if 328 in x.shape or 40 in x.shape]
     assert fsdp_alternative(kept).startswith("; with rules='fsdp' over 8 devices: ")  # from shapes
     assert err.explanation.plan.peak > MiB
+
+
+@pytest.mark.parametrize("kind", ["sharded", "pmap", "single"])
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2}], ids=["plain", "accumulate2"])
+def test_a_padded_batchs_mask_counts_as_the_step_takes_it(kind, options):
+    """A padded batch's mask was counted split over the devices (a jit step takes it
+    replicated: 4008 rows' bools on every device) and its `size`, no argument of the step,
+    as 4 bytes; a raw uneven batch, which the step pads and masks, without its mask. The
+    state and batch rows now add up to the compiled step's arguments exactly."""
+    tx = optax.sgd(0.1)
+    strategy = getattr(jaxdev.Strategy, kind)()
+    step = jaxdev.make_train_step(lambda p, b: jnp.sum(b @ p["w"], -1), tx, strategy, **options)
+    state = jax.eval_shape(lambda: jaxdev.TrainState.create({"w": jnp.zeros((16, 4))}, tx))
+    rows = np.ones((4001, 16), np.float32)
+    batches = [step.put_batch(rows)] + ([rows] if kind != "pmap" and not options else [])
+    for batch in batches:
+        p = jaxdev.memory.plan(state, step=step, batch=batch)
+        assert p.total == p.compiled.argument, (p, type(batch))
+    padded = jaxdev.shard_batch(rows, pad=True)  # no step: as shard_batch lays it out
+    assert jaxdev.memory.plan({"w": jnp.zeros(4)}, batch=padded)["batch"] == 501 * 64 + 501

@@ -28,7 +28,7 @@ import jaxdev
 from jaxdev import UsageError
 
 from .._devices import backend_started
-from .._report import human_bytes
+from .._report import check_suffix, human_bytes
 from ..distributed import UsageParser
 
 DEFAULT_FAKE_DEVICES = 8
@@ -301,7 +301,8 @@ def plan_memory(args: argparse.Namespace) -> int:
     print(f"planned in {time.perf_counter() - start:.1f} s")
     if args.options or args.remat:
         remat = _model_step(entry, strategy, rows, remat=policy)[0] if args.remat else True
-        options = tuple(args.options or ("remat",))
+        options = tuple(args.options or ())
+        options += ("remat",) if args.remat and "remat" not in options else ()  # never dropped
         why = jaxdev.memory.explain_memory(
             step, state, batch, limit, options=options, remat=remat, plan_=plan
         )
@@ -355,6 +356,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"`--{flag} {path}`: the folder {folder} does not exist.")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("`--plot` needs matplotlib: pip install 'jaxdev[plot]'")
+    if args.plot:  # a suffix matplotlib cannot write, before the run
+        check_suffix(args.plot, "--plot")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

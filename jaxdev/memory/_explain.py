@@ -22,7 +22,7 @@ import numpy as np
 
 from .._batches import Padded
 from .._errors import MemoryPlanError, OutOfMemoryError, UsageError, short
-from .._leaves import is_jax_array, shape_dtype
+from .._leaves import inside_trace, is_jax_array, shape_dtype
 from .._mesh import axis_size, check_mesh
 from .._report import human_bytes, text_table
 from .._rules import fsdp_axis_of, is_train_state, unbox
@@ -66,7 +66,10 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
     check_leaves(tree, arg)
     k, m, strategy = spec.steps_per_call, spec.accumulate, spec.strategy
     lead = len(strategy.batch_shape(strategy.n_devices * m, k, m)) - 1  # axes before the rows
+    lead = 0 if raw_rows(spec, batch) else lead  # pmap splits them itself
     k_at = lead - (m > 1) - 1  # the steps axis, when k > 1
+    groups = ((k,) if k > 1 else ()) + ((m,) if m > 1 else ()) if spec.train else ()
+    at = lead - len(groups)  # the group axes, after pmap's device axis
     out, rows = [], set()
     for x in leaves:
         shape = tuple(np.shape(x))
@@ -77,11 +80,30 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
                 f"`{arg}` leaf of shape {shape} has no row axis: this step takes leaves of "
                 f"shape ({want} (steps_per_call={k}, accumulate={m})."
             )
+        if shape[at:lead] != groups:  # as the step's call refuses it, naming this leaf
+            raise UsageError(
+                f"`{arg}` has leaf shape {shape}, but this step (steps_per_call={k}, "
+                f"accumulate={m}) takes its rows grouped as {groups} from axis {at}. Place it "
+                "with `step.put_batch(batch)`: it groups (and pads) the rows."
+            )
         rows.add(math.prod(shape[: lead + 1]) // (shape[k_at] if k > 1 else 1))
         out.append((shape[lead + 1 :], shape_dtype(x)[1]))
     if len(rows) != 1:
         raise UsageError(f"`{arg}` leaves disagree on their rows: {sorted(rows)}.")
     return BatchRows(treedef, tuple(out), rows.pop(), shape[k_at] if k > 1 else 1)
+
+
+def raw_rows(spec: StepSpec, batch: Any) -> bool:
+    """Whether the step reads ``batch``'s leading axis as rows it splits over its devices
+    itself: arrays under pmap, not grouped, not placed one row count per device."""
+    strategy, leaves = spec.strategy, jax.tree.leaves(batch)
+    grouped = spec.train and (spec.steps_per_call > 1 or spec.accumulate > 1)
+    if grouped or isinstance(batch, Padded) or len(strategy.batch_shape(strategy.n_devices)) < 2:
+        return False
+    if not leaves or any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return False  # shapes are lowered as the pmap program takes them
+    m = np.shape(leaves[0])[1:2]
+    return not (m and all(strategy.placed(x) and np.shape(x)[1:2] == m for x in leaves))
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:
@@ -409,6 +431,10 @@ def explain_memory(
     _log.info("explain_memory: compiling %s: %s", what, ", ".join(names) or "none")
     start, compiles = time.perf_counter(), int(plan_ is None)
     shapes, batch_shapes = state_shapes(state), state_shapes(batch)
+    if raw_rows(spec, batch):  # rows pmap splits itself: their shapes as it lays them out
+        spec.strategy.check_layout(batch, 0)  # rows that read as pmap's layout too: named
+        spec.strategy.check_even(batch, 0)
+        batch_shapes = batch_for(spec, rows := batch_rows(spec, batch), rows.rows)
     if plan_ is None:
         lowered = spec.lower(shapes, batch_shapes, state_shapes(metrics))
         plan_ = step_plan(spec, shapes, batch_shapes, lowered)
@@ -671,11 +697,18 @@ def fit_memory(
       >>> fit.change, fit.batch_size, fit.step.strategy.rules
       ("Strategy.sharded(mesh, rules='fsdp')", 63, 'fsdp')
     """
+    if inside_trace():  # its mesh context and compiles: JAX's raw error inside a trace
+        raise UsageError(
+            "`jaxdev.memory.fit_memory` was called inside a JAX transformation (`jax.jit`, "
+            "`jax.grad`, `jax.vmap`, ...), but it compiles the step itself: call it outside "
+            "any transformation; it takes `jax.ShapeDtypeStruct` s as they are."
+        )
     spec = spec_of(step)
     bad = isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
     if bad or max_batch_size < 1:
         got = repr(max_batch_size) if bad else max_batch_size
         raise UsageError(f"`max_batch_size` must be an int >= 1, got {got}.")
+    max_batch_size = int(max_batch_size)  # a numpy int has no bit_length
     if max_batch_size < spec.accumulate:  # a device's rows are split into micro-batches
         raise UsageError(
             f"`max_batch_size`={max_batch_size} is under the step's `accumulate`="

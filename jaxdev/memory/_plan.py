@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 from jax.sharding import PartitionSpec as P
 
-from .._batches import indivisible_error, lead_spec
+from .._batches import Padded, indivisible_error, lead_spec, padded_shapes
 from .._errors import (
     JaxdevError,
     LeafTypeError,
@@ -202,7 +202,13 @@ class MemoryPlan:
 
 
 def _build(
-    state: Any, shardings: Any, batch: Any, batch_spec: Callable[[int], P], mesh: Mesh
+    state: Any,
+    shardings: Any,
+    batch: Any,
+    batch_spec: Callable[[int], P],
+    mesh: Mesh,
+    mask: Any = None,
+    mask_spec: P | None = None,
 ) -> tuple[tuple[PlanRow, ...], int, dict[str, int], dict[str, int]]:
     """``(rows, total, bytes by device, host bytes by device)``; one shard shape per layout."""
     names = [device_name(d) for d in sorted(mesh.devices.flat, key=device_key)]
@@ -216,6 +222,8 @@ def _build(
         leaves.append((field if field in CATEGORIES[:3] else "other", shape_dtype(leaf), s))
     for shape, dtype in map(shape_dtype, jax.tree.leaves(batch)):
         leaves.append(("batch", (shape, dtype), named_sharding(mesh, batch_spec(len(shape)))))
+    if mask is not None:  # a padded batch's row mask, laid out as the step takes it
+        leaves.append(("batch", shape_dtype(mask), named_sharding(mesh, mask_spec)))
     for category, (shape, dtype), s in leaves:
         if (s, shape, dtype) not in cache:
             per = shard_bytes(s, shape, dtype)
@@ -296,6 +304,11 @@ def plan(
     check_leaves(batch, "batch")
     if spec is not None and batch is not None:
         check_state(spec, state_or_shapes, "state_or_shapes")
+        if not jax.tree.leaves(batch.batch if isinstance(batch, Padded) else batch):
+            raise UsageError(
+                f"`batch` is empty (got {short(batch, 60)}): pass the step's batch, or leave "
+                "it out to plan the state alone."
+            )
     lowered = None if spec is None or batch is None else step.lower(state_or_shapes, batch)
     return _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad)
 
@@ -372,6 +385,7 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True)
         shardings = kept_host(shardings, state_or_shapes)
         # the rows split as jaxdev.shard_batch splits them
         batch_spec = functools.partial(lead_spec, batch_axis(mesh, None), 0)
+        mask_spec = batch_spec(1)  # shard_batch's mask: split as the rows
         if not pad:
             _check_rows(batch, mesh)
     else:  # the step's layout: the fields it keeps in host memory count there
@@ -388,9 +402,17 @@ def _plan(state_or_shapes, mesh, rules, spec, batch, lowered, options, pad=True)
             )
         mesh, rules = strategy.mesh, strategy.rules
         shardings, options = strategy.state_layout(state_or_shapes), strategy.options
-        batch_spec = functools.partial(strategy.batch_spec, spec.steps_per_call, spec.accumulate)
+        k, m = spec.steps_per_call, spec.accumulate
+        batch_spec = functools.partial(strategy.batch_spec, k, m)
+        if batch is not None and not isinstance(batch, Padded) and strategy.pads_shapes():
+            n_lead = ((k > 1) + (m > 1)) * spec.train  # uneven rows: padded, masked, as lower
+            batch = Padded(*padded_shapes(batch, strategy.n_devices, n_lead), 0)
+        mask_spec = strategy.mask_spec(k, m)
+    mask = batch.mask if isinstance(batch, Padded) else None  # its `size` is no argument
+    batch = batch.batch if isinstance(batch, Padded) else batch
     state = unbox(state_or_shapes)
-    rows, total, by_device, host = _build(state, shardings, batch, batch_spec, mesh)
+    layout = (shardings, batch, batch_spec, mesh, mask, mask_spec)
+    rows, total, by_device, host = _build(state, *layout)
     compiled = None if lowered is None else _compiled_memory(lowered)
     inputs = (_shapes(state), _shapes(batch), batch_spec, dict(options))
     host = host if any(host.values()) else {}
