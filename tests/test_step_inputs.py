@@ -130,6 +130,31 @@ def test_a_padded_batch_placed_by_a_pmap_step_is_named_on_the_others(name, door)
     assert metrics.fetch()["loss"] > 0
 
 
+@pytest.mark.parametrize("empty", [{}, [], ()], ids=["dict", "list", "tuple"])
+@pytest.mark.parametrize("door", ["call", "lower", "eval"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_batch_with_no_leaves_is_named_on_every_strategy(name, door, empty):
+    """Before: JAX's IndexError under single (every door), pmap's "cannot select an axis to
+    squeeze" ValueError, a ShardingError "nothing to shard" under sharded (helper-75)."""
+    step = jaxdev.make_train_step(loss, SGD, STRATEGIES[name]())
+    state = step.init_state(_params(), SGD)
+    call = {"call": step, "lower": step.lower,
+            "eval": jaxdev.make_eval_step(loss, STRATEGIES[name]())}
+    with pytest.raises(jaxdev.UsageError, match=r"`batch` has no array leaves \(got"):
+        call[door](state, empty)
+    state, metrics = step(state, step.put_batch(_batch()))  # a batch: trains
+    assert metrics.fetch()["loss"] > 0
+
+
+@pytest.mark.parametrize("tx", [optax.adam, "sgd", 0.1], ids=["uncalled", "name", "number"])
+def test_a_tx_that_is_no_transformation_is_named(tx):
+    """Before: `AttributeError: 'function' object has no attribute 'init'` at init_state
+    (helper-76)."""
+    with pytest.raises(jaxdev.UsageError, match=r"`tx` must be an optax GradientTransformation"
+                       + (r".*got adam: call it\." if callable(tx) else "")):
+        jaxdev.make_train_step(loss, tx)
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_flax_train_state_just_works_and_matches_flax(name):
     """Flax's TrainState goes in, the same type comes out, with apply_gradients' numbers."""

@@ -703,6 +703,16 @@ def test_assert_strategies_agree():
         assert_strategies_agree(_loss, None, params, [])
 
 
+def test_a_reference_run_that_turns_nan_is_refused_not_passed():
+    """Before: a loss that is NaN on every strategy (the single-device run diverged) passed,
+    NaN agreeing with NaN, and hid any per-device bug (helper-76)."""
+    params = {"w": jnp.zeros((8,)), "b": jnp.zeros(())}
+    batch = {"x": np.ones((64, 8), np.float32), "y": np.ones(64, np.float32)}
+    with pytest.raises(AssertionError, match=r"'single', the reference, has non-finite params "
+                       r"after step 1 of 2: params\['b'\] = nan\. A diverged run"):
+        assert_strategies_agree(lambda p, b: _loss(p, b) * jnp.nan, None, params, [batch] * 2)
+
+
 def _nan_when_split(params, batch):  # log of a negative number on a device's 8 rows
     return _loss(params, batch) * jnp.log(batch["x"].shape[0] - 10.0)
 

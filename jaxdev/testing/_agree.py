@@ -13,6 +13,7 @@ import optax
 from .._errors import DisagreementError, ShardingError, UsageError
 from .._mesh import data_mesh
 from ..train import Strategy, make_train_step
+from ..train._step import check_transformation
 
 _SPLIT = ("pmap", "shard_map")  # the strategies whose loss sees one device's rows
 _PER_DEVICE = (
@@ -39,6 +40,20 @@ def _first_difference(got: Any, want: Any, rtol: float, atol: float) -> str | No
                 f"{b[i]:.7g} on 'single' (largest difference in this leaf {worst:.3g})"
             )
     return None
+
+
+def _refuse_diverged(ref: Any, i: int, n: int) -> None:
+    """Raise where the reference itself turned non-finite: NaN agrees with NaN, so every
+    strategy would pass, a per-device bug included."""
+    for path, x in jax.tree.leaves_with_path(ref):
+        if not np.isfinite(x := np.asarray(x, np.float64)).all():
+            at = [int(k) for k in np.argwhere(~np.isfinite(x))[0]]
+            raise DisagreementError(
+                f"'single', the reference, has non-finite params after step {i + 1} of {n}: "
+                f"params{jax.tree_util.keystr(path)}{at or ''} = {x[tuple(at)]}. A diverged run "
+                "compares nothing (NaN agrees with NaN on every strategy): lower the learning "
+                "rate, or give batches the loss is finite on."
+            )
 
 
 def assert_strategies_agree(
@@ -102,12 +117,7 @@ def assert_strategies_agree(
         raise UsageError("`batches` is empty: give at least one batch (one step each).")
     if not all(isinstance(t, numbers.Real) for t in (rtol, atol)) or not (rtol >= 0 and atol >= 0):
         raise UsageError(f"`rtol` and `atol` must be >= 0, got rtol={rtol!r}, atol={atol!r}.")
-    if tx is not None and not all(callable(getattr(tx, f, None)) for f in ("init", "update")):
-        raise UsageError(
-            f"`tx` must be an optax GradientTransformation (e.g. `optax.sgd(0.1)`) or None, got "
-            f"{getattr(tx, '__qualname__', None) or type(tx).__name__}"
-            f"{': call it' if callable(tx) else ''}."
-        )
+    check_transformation(tx)
     tx = optax.sgd(0.1) if tx is None else tx
     strategies = {"single": Strategy.single()}  # the reference, then what the devices allow
     if jax.local_device_count() > 1:
@@ -133,6 +143,7 @@ def assert_strategies_agree(
             e.add_note(f"assert_strategies_agree: raised under strategy '{name}' ({step_i}).")
             raise
     for i, ref in enumerate(trails["single"]):
+        _refuse_diverged(ref, i, len(batches))
         for name, trail in trails.items():
             if where := _first_difference(trail[i], ref, rtol, atol):
                 raise DisagreementError(

@@ -28,7 +28,14 @@ from jax.sharding import Sharding
 
 from .. import _timeline
 from .._batches import Padded, padded_shapes
-from .._errors import DeletedArrayError, JaxdevError, MetricError, PlacementError, UsageError
+from .._errors import (
+    DeletedArrayError,
+    JaxdevError,
+    MetricError,
+    PlacementError,
+    UsageError,
+    short,
+)
 from .._leaves import (
     array_type,
     check_host_leaves,
@@ -275,7 +282,7 @@ class _Step:
             if metrics is not None:  # e.g. a fresh Collection.empty(): place it like the state,
                 metrics = to_device(metrics, self._target)  # or each placement compiles anew
         given = (inner, mask)
-        check_host_leaves(inner, jax.tree.leaves(inner), "batch")  # jit would truncate them
+        check_host_leaves(inner, _batch_leaves(inner, batch), "batch")  # jit would truncate them
         if mask is None:
             inner = self._raw_batch(inner)
         else:
@@ -451,10 +458,11 @@ class _Step:
         _refuse_traces("lower", ": it takes `jax.ShapeDtypeStruct` s (jax.eval_shape) as they are")
         check_state(self.spec, state, metrics=metrics)
         inner, mask = (batch.batch, batch.mask) if isinstance(batch, Padded) else (batch, None)
+        leaves = _batch_leaves(inner, batch)
         if mask is not None:
             self._check_mask(mask)
         if mask is None:
-            concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(inner))
+            concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
             if concrete and not self.strategy.pads_shapes():  # as the call takes it
                 inner = self._raw_batch(inner)
             else:
@@ -735,6 +743,17 @@ def _misplaced(
 
 
 # ---------------------------------------------------------------- donation safety
+
+
+def _batch_leaves(inner: Any, batch: Any) -> list:
+    """The leaves of a batch's rows; none is a UsageError (it was JAX's IndexError or
+    pmap's squeeze ValueError under single and pmap, a ShardingError under sharded)."""
+    if not (leaves := jax.tree.leaves(inner)):
+        raise UsageError(
+            f"`batch` has no array leaves (got {short(batch, 60)}): the step reads its rows, "
+            "and the loss its inputs, from them. Pass the batch the loss takes."
+        )
+    return leaves
 
 
 def _shapes(leaves: list) -> list | None:
@@ -1051,6 +1070,7 @@ def make_train_step(
       >>> int(state.step), round(metrics.fetch()["loss"], 3)
       (2, 0.905)
     """
+    check_transformation(tx)
     m, remat = _check_count("accumulate", accumulate), False if remat is None else remat
     if not (remat is True or remat is False or callable(remat) and not isinstance(remat, type)):
         raise UsageError(
@@ -1089,6 +1109,17 @@ def make_eval_step(
         loss_fn, None, bool(has_aux), bool(has_state), bool(pass_mask), weighted=bool(weighted)
     )
     return EvalStep(StepSpec(as_strategy(strategy), cfg, train=False, build=_build))
+
+
+def check_transformation(tx: Any) -> None:
+    """Refuse a ``tx`` that is no optax transformation (``optax.adam`` uncalled, a name): it
+    was ``AttributeError: 'function' object has no attribute 'init'`` at ``init_state``."""
+    if tx is not None and not all(callable(getattr(tx, f, None)) for f in ("init", "update")):
+        raise UsageError(
+            f"`tx` must be an optax GradientTransformation (e.g. `optax.sgd(0.1)`) or None, got "
+            f"{getattr(tx, '__qualname__', None) or type(tx).__name__}"
+            f"{': call it' if callable(tx) else ''}."
+        )
 
 
 def check_tx(step_tx: Any, tx: Any, params: Any, opt_state: Any = None) -> None:
