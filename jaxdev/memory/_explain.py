@@ -95,15 +95,13 @@ def batch_rows(spec: StepSpec, batch: Any, arg: str = "batch") -> BatchRows:
 
 def raw_rows(spec: StepSpec, batch: Any) -> bool:
     """Whether the step reads ``batch``'s leading axis as rows it splits over its devices
-    itself: arrays under pmap, not grouped, not placed one row count per device."""
-    strategy, leaves = spec.strategy, jax.tree.leaves(batch)
+    itself (:meth:`Strategy.splits_raw`: arrays under pmap not placed one row count per
+    device), ungrouped, neither Padded nor shapes (lowered as the pmap program takes them)."""
     grouped = spec.train and (spec.steps_per_call > 1 or spec.accumulate > 1)
-    if grouped or isinstance(batch, Padded) or len(strategy.batch_shape(strategy.n_devices)) < 2:
+    if grouped or isinstance(batch, Padded):
         return False
-    if not leaves or any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        return False  # shapes are lowered as the pmap program takes them
-    m = np.shape(leaves[0])[1:2]
-    return not (m and all(strategy.placed(x) and np.shape(x)[1:2] == m for x in leaves))
+    shapes = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
+    return not shapes and spec.strategy.splits_raw(batch)
 
 
 def batch_for(spec: StepSpec, rows: BatchRows, n_rows: int) -> Any:

@@ -357,6 +357,10 @@ class Strategy:
         (jit places host rows by the program's input shardings)."""
         return batch
 
+    def splits_raw(self, batch: Any) -> bool:
+        """Whether :meth:`place_raw` splits a raw batch's rows over the devices itself."""
+        return False
+
     def place_padded(self, batch: Any, mask: Any) -> tuple[Any, Any]:
         """A Padded batch's rows and mask as the step takes them: as they are (jit moves
         committed leaves laid out otherwise to the program's layout)."""
@@ -545,12 +549,16 @@ class _Pmap(Strategy):
     def _device_set(self) -> frozenset[jax.Device]:
         return frozenset(self.devices)
 
-    def place_raw(self, batch: Any) -> Any:
+    def splits_raw(self, batch: Any) -> bool:
         # rows, as on the other strategies, unless every leaf is already split over the devices
         # with one row count per device (a 1-D leaf, or two counts: rows placed one per device)
         leaves = jax.tree.leaves(batch)
         m = _shape(leaves[0])[1:2] if leaves else ()
-        if leaves and not (m and all(self.placed(x) and x.shape[1:2] == m for x in leaves)):
+        placed = m and all(self.placed(x) and x.shape[1:2] == m for x in leaves)
+        return bool(leaves) and not placed
+
+    def place_raw(self, batch: Any) -> Any:
+        if self.splits_raw(batch):
             return self.put_rows(batch, pad=False)
         # the same tree when laid out as put_batch lays it (flax's prefetch_to_device too);
         # a mesh's explicit axes (jax.make_mesh's default) re-laid: pmap raised KeyError on them
